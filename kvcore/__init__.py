@@ -1,0 +1,48 @@
+"""kvcore: what training code imports.
+
+``kvcore.create(name)`` returns a KVStore with MXNet's semantics (``local``, ``device``; the
+distributed stores register themselves under ``dist_*``). ``kvcore.optim`` holds the optimizers,
+``kvcore.arrays`` the numpy/CuPy array backend and device helpers.
+"""
+
+from . import arrays, optim
+from .arrays import Device, cpu, gpu, num_gpus
+from .errors import (
+    DTypeMismatchError,
+    DuplicateKeyError,
+    KeyTypeError,
+    KVStoreError,
+    OptimizerError,
+    OutShapeError,
+    ShapeMismatchError,
+    UninitializedKeyError,
+    UnknownStoreError,
+    ValueCountError,
+)
+from .registry import create, register_store, store_names
+from .sparse import RowSparseArray
+from .store_base import KVStoreBase
+
+__all__ = [
+    "arrays",
+    "optim",
+    "Device",
+    "cpu",
+    "gpu",
+    "num_gpus",
+    "create",
+    "register_store",
+    "store_names",
+    "KVStoreBase",
+    "RowSparseArray",
+    "KVStoreError",
+    "UnknownStoreError",
+    "KeyTypeError",
+    "DuplicateKeyError",
+    "UninitializedKeyError",
+    "ShapeMismatchError",
+    "OutShapeError",
+    "DTypeMismatchError",
+    "ValueCountError",
+    "OptimizerError",
+]

@@ -1,0 +1,75 @@
+"""Errors raised by kvcore.
+
+The tree::
+
+    KVStoreError
+    ├── UnknownStoreError          create() got a name no store is registered under
+    ├── KeyTypeError               a store mixes int and str keys, or a key is neither
+    ├── DuplicateKeyError          init() of a key that is already initialised
+    ├── UninitializedKeyError      push/pull of a key that was never initialised (also a KeyError)
+    ├── ShapeMismatchError         a value's shape differs from the key's shape
+    │   └── OutShapeError          pull into an ``out`` of the wrong shape
+    ├── DTypeMismatchError         a value's dtype differs from the key's dtype
+    ├── ValueCountError            lists of keys and values (or outs) of different lengths
+    └── OptimizerError             missing or unusable optimizer / updater
+
+Every message names the key and the values involved.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVStoreError",
+    "UnknownStoreError",
+    "KeyTypeError",
+    "DuplicateKeyError",
+    "UninitializedKeyError",
+    "ShapeMismatchError",
+    "OutShapeError",
+    "DTypeMismatchError",
+    "ValueCountError",
+    "OptimizerError",
+]
+
+
+class KVStoreError(Exception):
+    """Base of every error kvcore raises on purpose."""
+
+
+class UnknownStoreError(KVStoreError, ValueError):
+    """``create(name)`` got a name that no store is registered under."""
+
+
+class KeyTypeError(KVStoreError, TypeError):
+    """A key is neither int nor str, or a store was given both kinds."""
+
+
+class DuplicateKeyError(KVStoreError):
+    """``init`` was called for a key that is already initialised."""
+
+
+class UninitializedKeyError(KVStoreError, KeyError):
+    """``push``/``pull`` of a key that was never initialised."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(KVStoreError, ValueError):
+    """A pushed value's shape differs from the shape the key was initialised with."""
+
+
+class OutShapeError(ShapeMismatchError):
+    """``pull`` into an ``out`` array whose shape differs from the key's shape."""
+
+
+class DTypeMismatchError(KVStoreError, TypeError):
+    """A value's dtype differs from the dtype the key was initialised with."""
+
+
+class ValueCountError(KVStoreError, ValueError):
+    """A list of keys and the list of values or outs given with it have different lengths."""
+
+
+class OptimizerError(KVStoreError):
+    """An optimizer or updater is missing where one is required, or cannot be used."""

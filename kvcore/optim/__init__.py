@@ -1,0 +1,22 @@
+"""Optimizers that run inside a KVStore (locally, or on the servers of a distributed store).
+
+``create(name, **kwargs)`` builds one by name: ``sgd``, ``adam``, ``test``. A user-defined optimizer
+subclasses ``Optimizer`` and registers itself with ``@register``.
+"""
+
+from .adam import Adam
+from .base import Optimizer, Updater, create, get_updater, register, registered_names
+from .sgd import SGD
+from .test_rule import Test
+
+__all__ = [
+    "Optimizer",
+    "Updater",
+    "SGD",
+    "Adam",
+    "Test",
+    "create",
+    "register",
+    "registered_names",
+    "get_updater",
+]

@@ -1,0 +1,301 @@
+"""The KVStore interface and the argument checks every store shares.
+
+``KVStoreBase`` implements the public API of MXNet's KVStore (init, push, pull, pushpull,
+row_sparse_pull, set_updater, set_optimizer, barrier, optimizer-state save/load). It normalises the
+call forms (see ``keys.group``), validates keys, shapes and dtypes against what each key was
+initialised with, and hands the stores a single form through the ``_init_keys``, ``_push_groups``,
+``_pull_groups`` and ``_pull_rows`` hooks. A new store (local, distributed) implements those hooks.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+import numpy as np
+
+from . import arrays
+from .errors import (
+    DTypeMismatchError,
+    DuplicateKeyError,
+    OptimizerError,
+    OutShapeError,
+    ShapeMismatchError,
+    UninitializedKeyError,
+    ValueCountError,
+)
+from .keys import KeyKind, group, is_key_list
+from .optim.base import Optimizer, Updater
+from .sparse import RowSparseArray
+
+__all__ = ["KVStoreBase", "KeyMeta", "UpdaterFn"]
+
+UpdaterFn = Callable[[Hashable, Any, Any], None]
+"""``updater(key, merged, stored)``: mutates ``stored`` in place from the merged pushed value."""
+
+
+@dataclass(frozen=True)
+class KeyMeta:
+    """What a key was initialised with: its shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class KVStoreBase(abc.ABC):
+    """A key-value store for data-parallel training, with MXNet KVStore semantics.
+
+    Keys are ints or strs (never both in one store). Values are numpy or CuPy arrays. A key must be
+    initialised once with ``init`` before it is pushed or pulled; every later value for it must have
+    the same shape and dtype.
+
+    Thread-safety: a store is meant to be used from one thread; the local store locks internally,
+    but the order of calls from several threads is not defined.
+    """
+
+    def __init__(self, store_type: str) -> None:
+        self._type = store_type
+        self._kinds = KeyKind()
+        self._meta: dict[Hashable, KeyMeta] = {}
+        self._updater: UpdaterFn | None = None
+
+    # ---- properties -------------------------------------------------------------------------
+    @property
+    def type(self) -> str:
+        """The name the store was created with (``local``, ``device``, ``dist_sync``, ...)."""
+        return self._type
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank (0 for a local store)."""
+        return 0
+
+    @property
+    def num_workers(self) -> int:
+        """Number of workers sharing the store (1 for a local store)."""
+        return 1
+
+    # ---- public API -------------------------------------------------------------------------
+    def init(self, key: Any, value: Any) -> None:
+        """Initialise one key or a list of keys with their values.
+
+        For a key given a list of arrays, the first array is the initial value.
+
+        Raises:
+            DuplicateKeyError: a key is already initialised (the message names it).
+            KeyTypeError, ValueCountError: malformed keys or value lists.
+        """
+        groups = group(key, value, "value", self._kinds)
+        seen: set[Hashable] = set()
+        for k, _ in groups:
+            if k in self._meta or k in seen:
+                raise DuplicateKeyError(f"key {k!r} is already initialised; init() takes each key once")
+            seen.add(k)
+        pairs = []
+        for k, values in groups:
+            first = values[0]
+            if isinstance(first, RowSparseArray):
+                first = first.todense()
+            pairs.append((k, first))
+        self._init_keys(pairs)
+        for k, first in pairs:
+            self._meta[k] = KeyMeta(tuple(first.shape), np.dtype(first.dtype))
+
+    def push(self, key: Any, value: Any, priority: int = 0) -> Any:
+        """Push one value, or a list of per-device values that are summed first, for each key.
+
+        The merged value is handed to the updater (by default it replaces the stored value).
+
+        Raises:
+            UninitializedKeyError, ShapeMismatchError, DTypeMismatchError: naming key and values.
+        """
+        groups = group(key, value, "value", self._kinds)
+        groups = [(k, [self._dense_value(k, v) for v in vs]) for k, vs in groups]
+        for k, values in groups:
+            meta = self._require(k, "push")
+            for v in values:
+                self._check_value(k, meta, v)
+        return self._push_groups(groups, priority)
+
+    def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> Any:
+        """Pull the stored value of each key into ``out`` (one array, or a list: every one gets it).
+
+        Values are written into ``out`` in place.
+
+        Raises:
+            UninitializedKeyError; OutShapeError / DTypeMismatchError when an ``out`` does not match.
+        """
+        if out is None:
+            raise ValueCountError(f"pull of key {key!r} needs out=: the array(s) to write the value into")
+        groups = group(key, out, "out", self._kinds)
+        for k, outs in groups:
+            meta = self._require(k, "pull")
+            for o in outs:
+                self._check_out(k, meta, o)
+        return self._pull_groups(groups, priority)
+
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
+        """Push ``value`` then pull into ``out`` (``value`` itself when ``out`` is None)."""
+        self.push(key, value, priority)
+        return self.pull(key, value if out is None else out, priority)
+
+    def row_sparse_pull(self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None) -> Any:
+        """Pull only the rows ``row_ids`` of each key.
+
+        A dense ``out`` of the key's full shape gets the stored rows at ``row_ids`` and zeros in
+        every other row; a ``RowSparseArray`` out gets the sorted unique rows and their indices.
+        ``row_ids`` is one array for all outs, or a list with one per out.
+        """
+        if out is None or row_ids is None:
+            raise ValueCountError(f"row_sparse_pull of key {key!r} needs both out= and row_ids=")
+        groups = group(key, out, "out", self._kinds)
+        id_lists = self._group_row_ids(key, row_ids, groups)
+        requests = []
+        for (k, outs), ids_for_key in zip(groups, id_lists):
+            meta = self._require(k, "row_sparse_pull")
+            if len(ids_for_key) == 1 and len(outs) > 1:
+                ids_for_key = ids_for_key * len(outs)
+            if len(ids_for_key) != len(outs):
+                raise ValueCountError(
+                    f"key {k!r}: {len(outs)} outs were given with {len(ids_for_key)} row_ids arrays"
+                )
+            for o, ids in zip(outs, ids_for_key):
+                self._check_out(k, meta, o)
+                rows = np.unique(arrays.asnumpy(ids).astype(np.int64).ravel())
+                if rows.size and (rows[0] < 0 or rows[-1] >= meta.shape[0]):
+                    raise IndexError(
+                        f"key {k!r} has {meta.shape[0]} rows, but row_ids holds {rows[0] if rows[0] < 0 else rows[-1]}"
+                    )
+                requests.append((k, o, rows))
+        unique_rows = [(k, rows) for k, _, rows in requests]
+        fetched = self._pull_rows(unique_rows, priority)
+        for (k, o, rows), data in zip(requests, fetched):
+            _write_rows(o, rows, data)
+
+    def set_updater(self, updater: UpdaterFn) -> None:
+        """Install ``updater(key, merged, stored)``, which must update ``stored`` in place."""
+        if not callable(updater):
+            raise OptimizerError(f"the updater must be callable, got {type(updater).__name__}")
+        self._updater = updater
+
+    _set_updater = set_updater
+
+    def set_optimizer(self, optimizer: Optimizer) -> None:
+        """Run ``optimizer`` on every merged push (inside the store)."""
+        self.set_updater(Updater(optimizer))
+
+    def barrier(self) -> None:
+        """Wait until every worker reaches this barrier (a no-op for a local store)."""
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        """Write the optimizer's per-key states to ``fname``."""
+        with open(fname, "wb") as fh:
+            fh.write(self._updater_with_states("save").get_states(dump_optimizer))
+
+    def load_optimizer_states(self, fname: str) -> None:
+        """Restore optimizer states written by ``save_optimizer_states``."""
+        updater = self._updater_with_states("load")
+        with open(fname, "rb") as fh:
+            updater.set_states(fh.read(), self._state_device())
+
+    # ---- hooks for the stores -------------------------------------------------------------
+    @abc.abstractmethod
+    def _init_keys(self, pairs: list[tuple[Hashable, Any]]) -> None:
+        """Store the initial value of each new key."""
+
+    @abc.abstractmethod
+    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Any:
+        """Merge and apply each key's pushed values."""
+
+    @abc.abstractmethod
+    def _pull_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Any:
+        """Write each key's stored value into every one of its outs."""
+
+    @abc.abstractmethod
+    def _pull_rows(self, requests: list[tuple[Hashable, np.ndarray]], priority: int) -> list[Any]:
+        """Return, per request, the stored rows at the given sorted unique row ids."""
+
+    def _state_device(self) -> arrays.Device:
+        """Where restored optimizer states are placed."""
+        return arrays.cpu()
+
+    # ---- shared checks ----------------------------------------------------------------------
+    def _require(self, key: Hashable, op: str) -> KeyMeta:
+        meta = self._meta.get(key)
+        if meta is None:
+            known = ", ".join(repr(k) for k in list(self._meta)[:10]) or "none"
+            raise UninitializedKeyError(
+                f"{op} of key {key!r}, which was never initialised; call init({key!r}, value) first "
+                f"(initialised keys: {known})"
+            )
+        return meta
+
+    @staticmethod
+    def _check_value(key: Hashable, meta: KeyMeta, value: Any) -> None:
+        if tuple(value.shape) != meta.shape:
+            raise ShapeMismatchError(
+                f"key {key!r} was initialised with shape {meta.shape}, but a value of shape "
+                f"{tuple(value.shape)} was pushed"
+            )
+        if np.dtype(value.dtype) != meta.dtype:
+            raise DTypeMismatchError(
+                f"key {key!r} was initialised with dtype {meta.dtype}, but a value of dtype "
+                f"{np.dtype(value.dtype)} was pushed"
+            )
+
+    @staticmethod
+    def _check_out(key: Hashable, meta: KeyMeta, out: Any) -> None:
+        if tuple(out.shape) != meta.shape:
+            raise OutShapeError(
+                f"key {key!r} has shape {meta.shape}, but pull was given an out of shape {tuple(out.shape)}"
+            )
+        if np.dtype(out.dtype) != meta.dtype:
+            raise DTypeMismatchError(
+                f"key {key!r} has dtype {meta.dtype}, but pull was given an out of dtype {np.dtype(out.dtype)}"
+            )
+
+    def _dense_value(self, key: Hashable, value: Any) -> Any:
+        return value.todense() if isinstance(value, RowSparseArray) else value
+
+    def _group_row_ids(self, key: Any, row_ids: Any, groups: list) -> list[list[Any]]:
+        if is_key_list(key):
+            if not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(groups):
+                raise ValueCountError(
+                    f"row_sparse_pull of {len(groups)} keys needs a list of {len(groups)} row_ids"
+                )
+            return [list(r) if isinstance(r, (list, tuple)) and r and _is_id_array(r[0]) else [r] for r in row_ids]
+        if isinstance(row_ids, (list, tuple)) and row_ids and _is_id_array(row_ids[0]):
+            return [list(row_ids)]
+        return [[row_ids]]
+
+    def _updater_with_states(self, op: str) -> Updater:
+        if not isinstance(self._updater, Updater):
+            raise OptimizerError(
+                f"cannot {op} optimizer states: no optimizer was set on this store (call set_optimizer first)"
+            )
+        return self._updater
+
+
+def _is_id_array(value: Any) -> bool:
+    return arrays.is_array(value) or isinstance(value, (list, tuple))
+
+
+def _write_rows(out: Any, rows: np.ndarray, data: Any) -> None:
+    if isinstance(out, RowSparseArray):
+        out.indices = rows.copy()
+        out.data = arrays.to_device(data, arrays.device_of(out.data) if out.data is not None else arrays.cpu())
+        return
+    xp = arrays.array_module(out)
+    out[...] = 0
+    if rows.size:
+        index = xp.asarray(rows)
+        if arrays.device_of(data) != arrays.device_of(out):
+            data = arrays.to_device(data, arrays.device_of(out))
+        out[index] = data
+

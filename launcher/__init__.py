@@ -1,0 +1,1 @@
+"""The pslaunch launcher: the CLI and how processes are placed, started, watched and stopped."""

@@ -1,0 +1,1 @@
+"""The pslaunch runtime nodes: transport, protocol, scheduler, server and worker over ZeroMQ."""
