@@ -19,6 +19,7 @@ from .errors import (
     UnknownStoreError,
     ValueCountError,
 )
+from .handles import Handle, KVTimeoutError, wait_all
 from .registry import create, register_store, store_names
 from .sparse import RowSparseArray
 from .store_base import KVStoreBase
@@ -34,6 +35,9 @@ __all__ = [
     "register_store",
     "store_names",
     "KVStoreBase",
+    "Handle",
+    "KVTimeoutError",
+    "wait_all",
     "RowSparseArray",
     "KVStoreError",
     "UnknownStoreError",

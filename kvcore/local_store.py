@@ -8,6 +8,7 @@ from typing import Any, Hashable
 import numpy as np
 
 from . import arrays
+from .handles import Handle, completed
 from .store_base import KVStoreBase
 
 __all__ = ["LocalKVStore"]
@@ -23,7 +24,8 @@ class LocalKVStore(KVStoreBase):
     the initial value, or of the first pushed value), so merging runs on the GPU through CuPy;
     without a GPU this is the same as ``local``.
 
-    Every call completes before it returns; ``priority`` is accepted and has no effect here.
+    Every call completes before it returns (the handles it returns are already done);
+    ``priority`` is accepted and has no effect here.
     """
 
     def __init__(self, store_type: str = "local") -> None:
@@ -66,7 +68,7 @@ class LocalKVStore(KVStoreBase):
                     buffer += value
         return buffer
 
-    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> None:
+    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
         with self._lock:
             for key, values in groups:
                 merged = self._merge(key, values)
@@ -76,13 +78,15 @@ class LocalKVStore(KVStoreBase):
                         arrays.copy_into(stored, merged)
                     else:
                         self._updater(key, merged, stored)
+        return completed(description="push")
 
-    def _pull_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> None:
+    def _pull_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
         with self._lock:
             for key, outs in groups:
                 stored = self._stored[key]
                 for out in outs:
                     arrays.copy_into(out, stored)
+        return completed(description="pull")
 
     def _pull_rows(self, requests: list[tuple[Hashable, np.ndarray]], priority: int) -> list[Any]:
         with self._lock:

@@ -25,6 +25,7 @@ from .errors import (
     UninitializedKeyError,
     ValueCountError,
 )
+from .handles import Handle
 from .keys import KeyKind, group, is_key_list
 from .optim.base import Optimizer, Updater
 from .sparse import RowSparseArray
@@ -107,10 +108,12 @@ class KVStoreBase(abc.ABC):
         for k, first in pairs:
             self._meta[k] = KeyMeta(tuple(first.shape), np.dtype(first.dtype))
 
-    def push(self, key: Any, value: Any, priority: int = 0) -> Any:
+    def push(self, key: Any, value: Any, priority: int = 0) -> Handle:
         """Push one value, or a list of per-device values that are summed first, for each key.
 
         The merged value is handed to the updater (by default it replaces the stored value).
+        Returns a ``Handle``; the caller may modify ``value`` as soon as push returns. Higher
+        ``priority`` goes first when a store queues work.
 
         Raises:
             UninitializedKeyError, ShapeMismatchError, DTypeMismatchError: naming key and values.
@@ -123,10 +126,14 @@ class KVStoreBase(abc.ABC):
                 self._check_value(k, meta, v)
         return self._push_groups(groups, priority)
 
-    def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True) -> Any:
+    def pull(
+        self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True, wait: bool = True
+    ) -> Handle:
         """Pull the stored value of each key into ``out`` (one array, or a list: every one gets it).
 
-        Values are written into ``out`` in place.
+        Values are written into ``out`` in place. With ``wait=True`` (the default) pull returns once
+        ``out`` holds the value; with ``wait=False`` it may return at once, and ``out`` must stay
+        alive and untouched until the returned ``Handle`` is done.
 
         Raises:
             UninitializedKeyError; OutShapeError / DTypeMismatchError when an ``out`` does not match.
@@ -138,12 +145,15 @@ class KVStoreBase(abc.ABC):
             meta = self._require(k, "pull")
             for o in outs:
                 self._check_out(k, meta, o)
-        return self._pull_groups(groups, priority)
+        handle = self._pull_groups(groups, priority)
+        if wait:
+            handle.wait()
+        return handle
 
-    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0) -> Any:
+    def pushpull(self, key: Any, value: Any, out: Any = None, priority: int = 0, wait: bool = True) -> Handle:
         """Push ``value`` then pull into ``out`` (``value`` itself when ``out`` is None)."""
         self.push(key, value, priority)
-        return self.pull(key, value if out is None else out, priority)
+        return self.pull(key, value if out is None else out, priority, wait=wait)
 
     def row_sparse_pull(self, key: Any, out: Any = None, priority: int = 0, row_ids: Any = None) -> Any:
         """Pull only the rows ``row_ids`` of each key.
@@ -210,12 +220,12 @@ class KVStoreBase(abc.ABC):
         """Store the initial value of each new key."""
 
     @abc.abstractmethod
-    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Any:
-        """Merge and apply each key's pushed values."""
+    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+        """Merge and apply each key's pushed values; return a handle for the whole push."""
 
     @abc.abstractmethod
-    def _pull_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Any:
-        """Write each key's stored value into every one of its outs."""
+    def _pull_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+        """Write each key's stored value into every one of its outs; return a handle for it."""
 
     @abc.abstractmethod
     def _pull_rows(self, requests: list[tuple[Hashable, np.ndarray]], priority: int) -> list[Any]:
