@@ -32,6 +32,7 @@ class ExitStatus:
 
     code: int | None = None
     signal: int | None = None
+    detail: str | None = None
 
     @classmethod
     def from_returncode(cls, returncode: int) -> "ExitStatus":
@@ -49,12 +50,14 @@ class ExitStatus:
         return self.signal is None and self.code == 0
 
     def describe(self) -> str:
-        """``exit code 3``, ``signal SIGKILL``, ``exit code 137 (128+SIGKILL)``."""
+        """``exit code 3``, ``signal SIGKILL``, ``exit code 137 (128+SIGKILL)``, plus any detail."""
         if self.signal is not None:
-            return f"signal {_signame(self.signal)}"
-        if self.code is not None and 128 < self.code < 128 + 65:
-            return f"exit code {self.code} (128+{_signame(self.code - 128)})"
-        return f"exit code {self.code}"
+            text = f"signal {_signame(self.signal)}"
+        elif self.code is not None and 128 < self.code < 128 + 65:
+            text = f"exit code {self.code} (128+{_signame(self.code - 128)})"
+        else:
+            text = f"exit code {self.code}"
+        return f"{text} ({self.detail})" if self.detail else text
 
 
 def _signame(num: int) -> str:

@@ -1,0 +1,34 @@
+"""Test helper run by pslaunch: records its role, argv and environment, then behaves as told.
+
+Usage: role.py OUTDIR [ARG...]. Writes OUTDIR/<role>.<rank>.json with argv[2:], the contract
+variables and the variables named in $CHECK_VARS. Then, by environment:
+  EXIT_<role>_<rank>=N     exit with N (default 0)
+  SLEEP_<role>=S           sleep S seconds first (servers/scheduler: until stopped when S is "forever")
+"""
+
+import json
+import os
+import sys
+import time
+
+role = os.environ.get("DMLC_ROLE", "worker")
+rank = os.environ.get("PSLAUNCH_RANK", "0")
+out = sys.argv[1]
+names = [n for n in os.environ.get("CHECK_VARS", "").split(",") if n]
+record = {
+    "argv": sys.argv[2:],
+    "cwd": os.getcwd(),
+    "env": {k: v for k, v in os.environ.items() if k.startswith(("DMLC_", "PSLAUNCH_", "PS_"))},
+    "checked": {n: os.environ.get(n) for n in names},
+}
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, f"{role}.{rank}.json"), "w") as fh:
+    json.dump(record, fh)
+print(f"{role} {rank} started", flush=True)
+sleep = os.environ.get(f"SLEEP_{role}")
+if sleep == "forever":
+    while True:
+        time.sleep(1)
+elif sleep:
+    time.sleep(float(sleep))
+sys.exit(int(os.environ.get(f"EXIT_{role}_{rank}", "0")))
