@@ -95,8 +95,9 @@ class LocalSpawner:
         env: dict[str, str] | None = None,
         on_marker: Callable[[ProcessHandle, str], None] | None = None,
         handle_cls: type[LocalHandle] = LocalHandle,
+        readers: bool = True,
     ) -> LocalHandle:
-        """Start ``spec`` (or ``argv``/``env`` in its place) and its output readers.
+        """Start ``spec`` (or ``argv``/``env`` in its place) and, if ``readers``, its output readers.
 
         Raises ``SpawnError`` naming the process and the program when it cannot be executed.
         """
@@ -115,6 +116,8 @@ class LocalSpawner:
             raise SpawnError(f"cannot start {spec.name}: {argv[0]!r}: {exc.strerror or exc}") from exc
         self._watch(popen.pid)
         handle = handle_cls(spec, popen, [])
+        if not readers:
+            return handle
         marker = None if on_marker is None else (lambda text: on_marker(handle, text))
         assert popen.stdout is not None and popen.stderr is not None
         handle._threads = [
