@@ -3,11 +3,13 @@
 Usage: role.py OUTDIR [ARG...]. Writes OUTDIR/<role>.<rank>.json with argv[2:], the contract
 variables and the variables named in $CHECK_VARS. Then, by environment:
   EXIT_<role>_<rank>=N     exit with N (default 0)
-  SLEEP_<role>=S           sleep S seconds first (servers/scheduler: until stopped when S is "forever")
+  SLEEP_<role>_<rank>, SLEEP_<role>=S   sleep S seconds first ("forever": until stopped)
+  SIGNAL_<role>_<rank>=N   kill itself with signal N after the sleep
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -25,10 +27,13 @@ os.makedirs(out, exist_ok=True)
 with open(os.path.join(out, f"{role}.{rank}.json"), "w") as fh:
     json.dump(record, fh)
 print(f"{role} {rank} started", flush=True)
-sleep = os.environ.get(f"SLEEP_{role}")
+sleep = os.environ.get(f"SLEEP_{role}_{rank}", os.environ.get(f"SLEEP_{role}"))
 if sleep == "forever":
     while True:
         time.sleep(1)
 elif sleep:
     time.sleep(float(sleep))
+if f"SIGNAL_{role}_{rank}" in os.environ:
+    os.kill(os.getpid(), int(os.environ[f"SIGNAL_{role}_{rank}"]))
+    time.sleep(5)
 sys.exit(int(os.environ.get(f"EXIT_{role}_{rank}", "0")))
