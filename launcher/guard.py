@@ -43,7 +43,7 @@ printf '\037PSLAUNCH-PID %s\n' "$p" >&2
   kill -s TERM -- "-$p" 2>/dev/null ) <&3 &
 w=$!
 exec 3<&-
-wait "$p"; r=$?
+wait "$p" 2>/dev/null; r=$?
 kill "$w" 2>/dev/null
 if kill -s 0 -- "-$p" 2>/dev/null; then
   kill -s TERM -- "-$p" 2>/dev/null; t=0
