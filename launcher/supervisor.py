@@ -6,7 +6,8 @@ Rules (docs/launcher.md, "Failures"):
   grace period, SIGKILL) and pslaunch exits with that process's exit code (128+signal for a
   signal), after a line naming it (role, rank, host, pid, how it ended) and its last lines;
 * a scheduler or server that exits, even with 0, before every worker has finished fails the job
-  (exit code 1 when it exited 0);
+  (exit code 1 when it exited 0; after exit 0 the workers get ``shutdown_grace`` seconds to
+  finish too, since the runtime may end a moment before the workers' interpreters do);
 * when every worker has exited 0, scheduler and servers get ``shutdown_grace`` seconds to exit by
   themselves (the bundled runtime does), then they are stopped; the job succeeded;
 * ``--timeout`` bounds the whole job (exit 124); SIGINT / SIGTERM stop it (exit 130 / 143), a
@@ -120,6 +121,10 @@ class Supervisor:
         others = [h for h in self.handles if h.spec.role != "worker"]
         seen: set[int] = set()
         shutdown_deadline: float | None = None
+        # A scheduler or server that exits 0 while workers still run may just be quicker than the
+        # workers' interpreter teardown (the runtime ends once every worker said goodbye): the
+        # workers get the shutdown grace period to end too before this counts as a failure.
+        early: tuple[ProcessHandle, float] | None = None
         while True:
             failure = self._check_signal_or_timeout(start)
             if failure:
@@ -130,15 +135,17 @@ class Supervisor:
                     continue
                 seen.add(id(handle))
                 if not status.ok:
+                    if early is not None and handle.spec.role == "worker":
+                        return self._early_failure(early[0], f"; then {handle.spec.name} failed: {status.describe()}")
                     return Failure(f"{self._who(handle)} failed first: {status.describe()}", status.exit_code, handle)
-                if handle.spec.role != "worker" and shutdown_deadline is None:
-                    return Failure(
-                        f"{self._who(handle)} exited with code 0 before the workers finished", 1, handle
-                    )
+                if handle.spec.role != "worker" and shutdown_deadline is None and early is None:
+                    early = (handle, time.monotonic() + self.config.shutdown_grace)
             if shutdown_deadline is None and all(h.status is not None for h in workers):
                 shutdown_deadline = time.monotonic() + self.config.shutdown_grace
                 if self.config.verbose:
                     self.printer.note("every worker exited 0; waiting for scheduler and servers to finish")
+            elif early is not None and time.monotonic() > early[1]:
+                return self._early_failure(early[0], "")
             if shutdown_deadline is not None:
                 running = [h for h in others if h.status is None]
                 if not running:
@@ -151,6 +158,11 @@ class Supervisor:
                         )
                     return None
             time.sleep(_TICK)
+
+    def _early_failure(self, handle: ProcessHandle, then: str) -> Failure:
+        running = [h.spec.name for h in self.handles if h.spec.role == "worker" and h.status is None]
+        still = f" ({', '.join(running)} still running)" if running else ""
+        return Failure(f"{self._who(handle)} exited with code 0 before the workers finished{still}{then}", 1, handle)
 
     def _teardown(self) -> None:
         """TERM everything still running, wait the grace period, KILL what is left."""

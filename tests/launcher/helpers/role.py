@@ -5,11 +5,14 @@ variables and the variables named in $CHECK_VARS. Then, by environment:
   EXIT_<role>_<rank>=N     exit with N (default 0)
   SLEEP_<role>_<rank>, SLEEP_<role>=S   sleep S seconds first ("forever": until stopped)
   SIGNAL_<role>_<rank>=N   kill itself with signal N after the sleep
+  PS_DUMP_<role>_<rank>=1  also write `ps -eww -o args` (every command line on the machine) to
+                           OUTDIR/<role>.<rank>.ps while the job runs
 """
 
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -26,6 +29,10 @@ record = {
 os.makedirs(out, exist_ok=True)
 with open(os.path.join(out, f"{role}.{rank}.json"), "w") as fh:
     json.dump(record, fh)
+if os.environ.get(f"PS_DUMP_{role}_{rank}"):
+    listing = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, timeout=10).stdout
+    with open(os.path.join(out, f"{role}.{rank}.ps"), "w") as fh:
+        fh.write(listing)
 print(f"{role} {rank} started", flush=True)
 sleep = os.environ.get(f"SLEEP_{role}_{rank}", os.environ.get(f"SLEEP_{role}"))
 if sleep == "forever":
