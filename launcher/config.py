@@ -14,7 +14,16 @@ from dataclasses import dataclass, field, replace
 from .errors import ConfigError
 from .hostfile import Host
 
-__all__ = ["EnvVar", "LaunchConfig", "parse_env_option", "resolve", "DEFAULT_STOP_GRACE", "DEFAULT_SHUTDOWN_GRACE"]
+__all__ = [
+    "EnvVar",
+    "LaunchConfig",
+    "parse_env_option",
+    "resolve",
+    "free_port",
+    "interface_address",
+    "DEFAULT_STOP_GRACE",
+    "DEFAULT_SHUTDOWN_GRACE",
+]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -140,19 +149,40 @@ def _route_address(target: str, port: int) -> str | None:
     return None
 
 
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (Linux). Raises ``ConfigError`` naming the
+    interfaces that exist when it has none."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            packed = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        known = ", ".join(n for _, n in socket.if_nameindex())
+        raise ConfigError(f"--interface {name}: no such interface with an IPv4 address here (interfaces: {known})") from None
+
+
 def resolve(config: LaunchConfig) -> LaunchConfig:
     """Fill in what needs a look at this machine; returns a new config.
 
     * ``launch_address``: ``127.0.0.1`` for the local backend or when every host is a loopback
-      address; otherwise the address this machine uses to reach the first remote host, so that
-      every host can reach a scheduler started here.
+      address; otherwise the address of ``--interface`` here, or else the address this machine
+      uses to reach the first remote host, so that every host can reach a scheduler started here.
     * ``scheduler_port``: a free port here when the scheduler runs on this machine and none was
       given; 9091 (the DMLC tracker's default) when it runs on ``--scheduler-host``.
     """
     address = config.launch_address
     remote = [h for h in config.hosts if not h.is_loopback]
+    if config.interface:
+        interface_address(config.interface)  # fails early, naming the interfaces that exist
     if config.backend != "local" and remote:
-        address = _route_address(remote[0].name, remote[0].port or 22) or socket.gethostname()
+        if config.interface:
+            address = interface_address(config.interface)
+        else:
+            address = _route_address(remote[0].name, remote[0].port or 22) or socket.gethostname()
     port = config.scheduler_port
     if port is None:
         port = 9091 if config.scheduler_host else free_port("0.0.0.0" if address != "127.0.0.1" else "127.0.0.1")

@@ -125,3 +125,16 @@ def test_config_rejects_bad_counts_naming_the_flag_and_value():
         _config(num_servers=-1)
     with pytest.raises(ConfigError, match="no COMMAND given"):
         _config(command=())
+
+
+def test_resolve_picks_a_free_local_port_and_the_interface_address_for_remote_hosts():
+    from launcher.config import interface_address, resolve
+
+    local = resolve(_config(scheduler_port=None))
+    assert 1 <= local.scheduler_port <= 65535 and local.launch_address == "127.0.0.1"
+    assert interface_address("lo") == "127.0.0.1"
+    remote = resolve(_config(backend="ssh", hosts=(Host("10.1.2.3"),), interface="lo"))
+    assert remote.launch_address == "127.0.0.1" and make_plan(remote).root_uri == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"--interface nope0: no such interface .*\(interfaces: .*lo"):
+        resolve(_config(interface="nope0"))
+    assert resolve(_config(scheduler_host="h", scheduler_port=None)).scheduler_port == 9091

@@ -185,3 +185,19 @@ def test_rsync_failure_stops_the_launch_naming_host_and_message(sshd, tmp_path, 
     assert f"rsync to 127.0.0.2: cannot create {str(blocker / 'sub')!r} there (mkdir exit 1)" in res.stderr
     assert "Not a directory" in res.stderr
     assert processes_with(marker) == []
+
+
+def test_rsync_error_stops_the_launch_with_host_exit_code_and_rsync_message(sshd, tmp_path, marker):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "thing").write_text("a file here")
+    dst = tmp_path / "dst"
+    (dst / "thing" / "inner").mkdir(parents=True)  # a non-empty directory where the file must go
+    (dst / "thing" / "inner" / "keep").write_text("x")
+    hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.3"])
+    res = run_pslaunch(["-n", "1", "-H", hosts, *sshd.ssh_flags(), "--sync-dst-dir", str(dst),
+                        sys.executable, helper("sleeper.py"), "30", marker], cwd=str(src))
+    assert res.returncode == 4, res.stderr
+    assert f"rsync to 127.0.0.3:{dst} failed with exit code 23: " in res.stderr
+    assert "thing" in res.stderr
+    assert processes_with(marker) == []
