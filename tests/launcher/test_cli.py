@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import REPO, run_pslaunch
+from launcher_testkit import REPO, run_pslaunch
 
 
 def test_dry_run_prints_the_plan_with_hosts_argv_and_env_names_but_no_secret_values(tmp_path):

@@ -66,7 +66,7 @@ def test_empty_hostfile_and_missing_file_are_errors_naming_the_path(tmp_path):
 
 
 def test_hosts_example_parses(tmp_path):
-    from conftest import REPO
+    from launcher_testkit import REPO
 
     hosts = parse_hostfile(REPO / "hosts.example")
     assert hosts and all(isinstance(h, Host) for h in hosts)

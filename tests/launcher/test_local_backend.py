@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import PSLAUNCH, REPO, helper, processes_with, run_pslaunch, wait_gone
+from launcher_testkit import PSLAUNCH, REPO, helper, processes_with, run_pslaunch, wait_gone
 
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "ü"]
 ROLE = helper("role.py")

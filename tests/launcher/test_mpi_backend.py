@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import helper, run_pslaunch, wait_gone
+from launcher_testkit import helper, run_pslaunch, wait_gone
 
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "ü"]
 
@@ -70,7 +70,7 @@ def test_sigkill_of_pslaunch_leaves_no_rank_running(tmp_path, marker):
     import subprocess
     import time
 
-    from conftest import PSLAUNCH, REPO, processes_with
+    from launcher_testkit import PSLAUNCH, REPO, processes_with
 
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(REPO))

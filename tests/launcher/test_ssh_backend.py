@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from conftest import PSLAUNCH, REPO, helper, processes_with, run_pslaunch, wait_gone
+from launcher_testkit import PSLAUNCH, REPO, helper, processes_with, run_pslaunch, wait_gone
 
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "new\nline", "ü"]
 
