@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from .backends.base import Backend, ProcessHandle
 from .config import LaunchConfig
-from .errors import LaunchError
 from .output import Printer
 from .plan import Plan
 

@@ -163,7 +163,7 @@ def run_pslaunch(args: list[str], timeout: float = 60, cwd: str | None = None, e
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"pslaunch {args} did not finish within {timeout} s:\n{out.decode()}\n{err.decode()}")
+        raise AssertionError(f"pslaunch {args} did not finish within {timeout} s:\n{out.decode()}\n{err.decode()}") from None
     return Result(proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
 
 

@@ -11,7 +11,6 @@ variables and the variables named in $CHECK_VARS. Then, by environment:
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
