@@ -117,6 +117,9 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
     get_backend(backend)  # an unknown name fails here, listing the known ones
     if backend == "ssh" and not hosts:
         raise ConfigError("--launcher ssh needs -H/--hostfile naming the hosts")
+    if backend == "local" and options["scheduler_host"]:
+        raise ConfigError(f"--scheduler-host {options['scheduler_host']} needs a remote backend (--launcher ssh or mpi); "
+                          "the local backend runs everything here")
     env = tuple(
         parse_env_option(text, scope, environ)
         for scope, key in (("all", "env_all"), ("server", "env_server"), ("worker", "env_worker"))

@@ -121,6 +121,10 @@ class LaunchConfig:
             raise ConfigError(f"--scheduler-port must be in 1..65535, got {self.scheduler_port}")
         if self.timeout is not None and self.timeout <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        for flag, value in (("--stop-grace", self.stop_grace), ("--shutdown-grace", self.shutdown_grace),
+                            ("--connect-timeout", self.connect_timeout)):
+            if value < 0:
+                raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
         if self.host_key_policy not in ("accept-new", "strict", "ignore"):
             raise ConfigError(f"--host-key-policy must be accept-new, strict or ignore, got {self.host_key_policy!r}")
 

@@ -135,8 +135,6 @@ def make_plan(config: LaunchConfig) -> Plan:
     else:
         sched_host = LOCAL_HOST
         root_uri = "127.0.0.1" if local_only else config.launch_address
-    if local_only:
-        root_uri = "127.0.0.1" if not config.scheduler_host else root_uri
 
     placed: list[tuple[str, int, Host]] = [("scheduler", 0, sched_host)]
     placed += [("server", r, hosts[r % len(hosts)]) for r in range(config.num_servers)]

@@ -48,3 +48,15 @@ def test_importing_the_cli_loads_neither_runtime_nor_zmq_numpy_nor_paramiko():
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_scheduler_host_with_the_local_backend_is_refused():
+    res = run_pslaunch(["-n", "1", "--launcher", "local", "--scheduler-host", "h", "true"])
+    assert res.returncode == 2
+    assert "--scheduler-host h needs a remote backend" in res.stderr
+
+
+def test_negative_grace_is_refused_naming_the_flag():
+    res = run_pslaunch(["-n", "1", "--stop-grace", "-1", "--dry-run", "true"])
+    assert res.returncode == 2
+    assert res.stderr == "pslaunch: error: --stop-grace must be >= 0 seconds, got -1.0\n"
