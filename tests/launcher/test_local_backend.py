@@ -128,9 +128,10 @@ def _wait_files(out, count, proc, timeout=20):
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, None)])
-def test_signal_to_pslaunch_leaves_no_process(tmp_path, marker, sig, code):
+def test_signal_to_pslaunch_leaves_no_process_even_one_that_ignores_sigterm(tmp_path, marker, sig, code):
     out = tmp_path / "out"
-    proc = _start_background(_job(out, "--env-worker", "SLEEP_worker:forever") + [marker])
+    proc = _start_background(_job(out, "--stop-grace", "1", "--env-worker", "SLEEP_worker:forever",
+                                  "--env-worker", "IGNORE_TERM_worker:1") + [marker])
     try:
         _wait_files(out, 4, proc)
         assert len(processes_with(marker)) >= 4

@@ -201,3 +201,57 @@ def test_rsync_error_stops_the_launch_with_host_exit_code_and_rsync_message(sshd
     assert f"rsync to 127.0.0.3:{dst} failed with exit code 23: " in res.stderr
     assert "thing" in res.stderr
     assert processes_with(marker) == []
+
+
+def test_ssh_config_alias_gives_hostname_port_user_and_key_also_to_rsync(sshd, tmp_path):
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host trainbox\n  HostName 127.0.0.2\n  Port {sshd.port}\n  User {sshd.user}\n"
+                      f"  IdentityFile {sshd.key}\n")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "code.txt").write_text("v1\n")
+    dst = tmp_path / "dst"
+    hosts = sshd.hostfile(tmp_path / "hosts", ["trainbox"])
+    out = tmp_path / "out"
+    res = run_pslaunch(["-n", "1", "-s", "1", "-H", hosts, "--ssh-config", str(config), "--known-hosts", sshd.known_hosts,
+                        "--sync-dst-dir", str(dst), "--command-for-all-roles", "--shutdown-grace", "0.3",
+                        "--env-server", "SLEEP_server:forever", "--env-server", "SLEEP_scheduler:forever",
+                        sys.executable, helper("role.py"), str(out)], cwd=str(src))
+    assert res.returncode == 0, res.stderr
+    assert (dst / "code.txt").read_text() == "v1\n"
+    assert _records(out)["worker.0"]["cwd"] == str(dst)
+    assert "[worker.0@trainbox] worker 0 started" in res.stdout
+
+
+def test_sigkill_of_pslaunch_also_ends_remote_processes_that_ignore_sigterm(sshd, tmp_path, marker):
+    hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.3"])
+    out = tmp_path / "out"
+    proc = _background(_job(sshd, hosts, out, "--stop-grace", "1", "--env-worker", "SLEEP_worker:forever",
+                            "--env-worker", "IGNORE_TERM_worker:1", n=1, s=1) + [marker])
+    try:
+        _wait_files(out, 3, proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
+        assert wait_gone(marker, 10) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for line in processes_with(marker):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+def test_changed_host_key_is_refused_with_a_clear_line(sshd, tmp_path):
+    import subprocess as sp
+
+    other = tmp_path / "other_host_key"
+    sp.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True, timeout=30)
+    known = tmp_path / "known_hosts"
+    kind, blob = (other.with_suffix(".pub")).read_text().split()[:2]
+    known.write_text(f"[127.0.0.2]:{sshd.port} {kind} {blob}\n")
+    hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2"])
+    flags = sshd.ssh_flags()
+    flags[flags.index("--known-hosts") + 1] = str(known)
+    res = run_pslaunch(["-n", "1", "-H", hosts, *flags, "true"])
+    assert res.returncode == 3
+    assert f"{sshd.user}@127.0.0.2:{sshd.port}: host key CHANGED" in res.stderr

@@ -5,12 +5,14 @@ variables and the variables named in $CHECK_VARS. Then, by environment:
   EXIT_<role>_<rank>=N     exit with N (default 0)
   SLEEP_<role>_<rank>, SLEEP_<role>=S   sleep S seconds first ("forever": until stopped)
   SIGNAL_<role>_<rank>=N   kill itself with signal N after the sleep
+  IGNORE_TERM_<role>=1     ignore SIGTERM (only SIGKILL stops it)
   PS_DUMP_<role>_<rank>=1  also write `ps -eww -o args` (every command line on the machine) to
                            OUTDIR/<role>.<rank>.ps while the job runs
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +20,8 @@ import time
 role = os.environ.get("DMLC_ROLE", "worker")
 rank = os.environ.get("PSLAUNCH_RANK", "0")
 out = sys.argv[1]
+if os.environ.get(f"IGNORE_TERM_{role}"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 names = [n for n in os.environ.get("CHECK_VARS", "").split(",") if n]
 record = {
     "argv": sys.argv[2:],
