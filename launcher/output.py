@@ -41,9 +41,26 @@ class LineSplitter:
         self._clock = clock
         self._buf = bytearray()
         self._last_progress = float("-inf")
+        self._pending: bytes | None = None  # latest progress state not shown yet
+        self._shown = False  # a progress state of the current line was shown
 
     def _text(self, data: bytes) -> str:
         return data.decode("utf-8", errors="replace")
+
+    @staticmethod
+    def _latest(segment: bytes) -> bytes:
+        parts = [p for p in segment.split(b"\r") if p]
+        return parts[-1] if parts else b""
+
+    def _end_line(self, line: bytes) -> None:
+        text = self._latest(line) if b"\r" in line else line
+        if not text and self._pending is not None:
+            text = self._pending
+        if text or not self._shown:
+            self._emit(self._text(text))
+        self._pending = None
+        self._shown = False
+        self._last_progress = float("-inf")
 
     def feed(self, data: bytes) -> None:
         """Add ``data``; emit every line it completes."""
@@ -54,28 +71,28 @@ class LineSplitter:
                 break
             line = bytes(self._buf[:nl])
             del self._buf[: nl + 1]
-            if line.endswith(b"\r"):
-                line = line[:-1]  # CRLF
-            if b"\r" in line:
-                line = line.rsplit(b"\r", 1)[1] or line.rstrip(b"\r").rsplit(b"\r", 1)[-1]
-            self._emit(self._text(line))
-            self._last_progress = float("-inf")
+            self._end_line(line)
         if b"\r" in self._buf:
             head, _, tail = bytes(self._buf).rpartition(b"\r")
             self._buf = bytearray(tail)
-            now = self._clock()
-            latest = head.rsplit(b"\r", 1)[-1]
-            if latest and now - self._last_progress >= _PROGRESS_INTERVAL:
-                self._last_progress = now
-                self._emit(self._text(latest))
+            latest = self._latest(head)
+            if latest:
+                now = self._clock()
+                if now - self._last_progress >= _PROGRESS_INTERVAL:
+                    self._last_progress = now
+                    self._emit(self._text(latest))
+                    self._pending = None
+                    self._shown = True
+                else:
+                    self._pending = latest
         while len(self._buf) > _MAX_LINE:
             self._emit(self._text(bytes(self._buf[:_MAX_LINE])))
             del self._buf[:_MAX_LINE]
 
     def close(self) -> None:
-        """End of stream: emit a final partial line, if any."""
-        if self._buf:
-            self._emit(self._text(bytes(self._buf).rsplit(b"\r", 1)[-1] or bytes(self._buf)))
+        """End of stream: emit a final partial line or progress state, if any."""
+        if self._buf or self._pending is not None:
+            self._end_line(bytes(self._buf))
             self._buf.clear()
 
 

@@ -172,7 +172,7 @@ class Supervisor:
             handle.terminate()
         deadline = time.monotonic() + self.config.stop_grace
         hurry = len(self._signals)
-        while running and time.monotonic() < deadline and len(self._signals) <= max(hurry, 1):
+        while running and time.monotonic() < deadline and len(self._signals) <= hurry:
             time.sleep(_TICK)
             running = [h for h in running if h.poll() is None]
         for handle in self.handles:

@@ -166,3 +166,15 @@ def test_env_values_never_appear_in_process_listings(tmp_path, marker):
         stdout, stderr = proc.communicate(timeout=20)
         assert secret.encode() not in stdout + stderr
         assert wait_gone(marker, 10) == []
+
+
+def test_output_lines_are_prefixed_whole_with_bad_bytes_replaced_and_progress_collapsed(tmp_path):
+    res = run_pslaunch(["-n", "1", "--launcher", "local", "--command-for-all-roles", "--shutdown-grace", "0.2",
+                        sys.executable, helper("noisy.py")])
+    worker = [line for line in res.stdout.splitlines() if line.startswith("[worker.0@localhost]")]
+    assert worker[:2] == ["[worker.0@localhost] first half second half", "[worker.0@localhost] bad \ufffd\ufffd bytes"]
+    assert worker[-2:] == ["[worker.0@localhost] progress 100%", "[worker.0@localhost] no newline at the end"]
+    # how many progress states show depends on how the writes were read: never more than the three
+    progress = worker[2:-1]
+    assert set(progress) <= {"[worker.0@localhost] progress 10%", "[worker.0@localhost] progress 50%",
+                             "[worker.0@localhost] progress 100%"}

@@ -59,3 +59,13 @@ def test_tag_demux_routes_partial_chunks_and_tags_cut_between_reads():
         joined[(rank, s)] = joined.get((rank, s), b"") + data
     assert joined == {(None, None): b"mpirun says hi\n", (0, "stdout"): b"ab\n", (1, "stdout"): b"a",
                       (1, "stderr"): b"x [y]\n"}
+
+
+def test_progress_state_hidden_by_the_throttle_is_shown_when_the_line_ends():
+    # each update arrives alone; only the first passes the throttle; the newline shows the last
+    assert _split([b"a 10%\r", b"a 50%\r", b"a 100%\r", b"\n", b"next\n"], clock=[0.0, 0.1, 0.2]) == [
+        "a 10%", "a 100%", "next"]
+
+
+def test_crlf_split_across_reads_gives_one_line_and_blank_lines_stay():
+    assert _split([b"text\r", b"\n", b"\n", b"end\r\n"]) == ["text", "", "end"]
