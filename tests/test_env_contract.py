@@ -1,0 +1,47 @@
+"""The launcher's writer and the runtime's reader of docs/env.md agree on every variable."""
+
+import pathlib
+import re
+
+import pytest
+
+from launcher import envcontract
+from psnode import env as node_env
+
+DOC = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "env.md").read_text()
+
+
+def documented_names():
+    return set(re.findall(r"^\| `([A-Z_]+)`", DOC, flags=re.M))
+
+
+@pytest.mark.parametrize("role", envcontract.ROLES)
+def test_runtime_reads_what_the_launcher_writes(role):
+    written = envcontract.contract_env(
+        role=role, root_uri="127.0.0.2", root_port=9123, num_workers=3, num_servers=2,
+        job_id="job-x", rank=1, local_rank=1, local_size=2, node_host="127.0.0.5",
+        interface="lo", all_local=True, verbose=2,
+    )
+    read = node_env.read_env(written)
+    assert (read.role, read.root_uri, read.root_port) == (role, "127.0.0.2", 9123)
+    assert (read.num_workers, read.num_servers) == (3, 2)
+    assert (read.job_id, read.local_rank, read.local_size) == ("job-x", 1, 2)
+    assert (read.node_host, read.interface, read.local, read.verbose) == ("127.0.0.5", "lo", True, 2)
+
+
+def test_minimal_launcher_env_is_complete_for_the_runtime():
+    written = envcontract.contract_env(
+        role="worker", root_uri="127.0.0.1", root_port=1, num_workers=1, num_servers=1,
+        job_id="j", rank=0, local_rank=0, local_size=1,
+    )
+    assert set(envcontract.REQUIRED) <= set(written)
+    node_env.read_env(written, default_role=None)
+
+
+def test_every_variable_either_side_uses_is_documented():
+    names = documented_names()
+    assert set(envcontract.WRITTEN) <= names
+    runtime_source = pathlib.Path(node_env.__file__).read_text()
+    read_names = set(re.findall(r'"((?:DMLC|PS|PSLAUNCH)_[A-Z_]+)"', runtime_source))
+    assert read_names, "the runtime reader names no variable"
+    assert read_names <= names, sorted(read_names - names)
