@@ -187,15 +187,7 @@ class MpiBackend(Backend):
         env = {PLAN_VARIABLE: json.dumps(entries), "PYTHONPATH": root}
         env.update({f"{ENV_PREFIX}{i}": value for (_, value, _), i in user_vars.items()})
         exported = [PLAN_VARIABLE, "PYTHONPATH", *(f"{ENV_PREFIX}{i}" for i in user_vars.values())]
-        ssh_args = None
-        if self.config.hosts and (self.config.ssh_port or self.config.identity or self.config.ssh_user):
-            ssh_args = []
-            if self.config.ssh_port:
-                ssh_args += ["-p", str(self.config.ssh_port)]
-            if self.config.identity:
-                ssh_args += ["-i", self.config.identity]
-            if self.config.ssh_user:
-                ssh_args += ["-l", self.config.ssh_user]
+        ssh_args = _ssh_args(self.config) if self.config.hosts else None
         argv = mpirun_argv(plan, self.config.python, exported, ssh_args, bool(self.config.hosts), os.geteuid() == 0)
         handles = [MpiRankHandle(spec, self) for spec in ordered]
         mpirun_spec = ProcessSpec("mpirun", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
@@ -208,6 +200,22 @@ class MpiBackend(Backend):
         if self.mpirun is not None:
             self.mpirun.close()
         self.spawner.close()
+
+
+def _ssh_args(config) -> list[str]:
+    """Options for the ssh mpirun uses to start its daemons: the job's port, key, user and host-key policy."""
+    args = ["-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]
+    if config.ssh_port:
+        args += ["-p", str(config.ssh_port)]
+    if config.identity:
+        args += ["-i", config.identity]
+    if config.ssh_user:
+        args += ["-l", config.ssh_user]
+    if config.ssh_config:
+        args += ["-F", os.path.expanduser(config.ssh_config)]
+    strict = {"accept-new": "accept-new", "strict": "yes", "ignore": "no"}[config.host_key_policy]
+    known = "/dev/null" if config.host_key_policy == "ignore" else os.path.expanduser(config.known_hosts or "~/.ssh/known_hosts")
+    return args + ["-o", f"StrictHostKeyChecking={strict}", "-o", f"UserKnownHostsFile={known}"]
 
 
 class MpirunHandle(LocalHandle):
