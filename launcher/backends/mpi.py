@@ -150,8 +150,25 @@ class MpiBackend(Backend):
         self._lock = threading.Lock()
 
     def prepare(self, plan: Plan) -> None:
+        """Check mpirun is there; with a hostfile, run the ssh pre-flight check (one clear line per
+        failing host instead of mpirun's own errors) and ``--sync-dst-dir``."""
         if shutil.which("mpirun") is None:
             raise SpawnError("--launcher mpi: no `mpirun` on PATH (install Open MPI, e.g. apt install openmpi-bin)")
+        remote = [h for h in plan.remote_hosts if h.name != "localhost"]
+        if not remote:
+            return
+        from ..rsync import sync_all
+        from ..sshconn import SshConnector
+
+        connector = SshConnector(self.config)
+        clients = connector.preflight(remote)
+        try:
+            if self.config.sync_dst_dir:
+                sync_all(connector, remote, self.config.sync_src_dir, self.config.sync_dst_dir, clients,
+                         self.printer, self.config)
+        finally:
+            for client in clients.values():
+                client.close()
 
     def signal_mpirun(self, sig: int) -> None:
         """Send ``sig`` to mpirun (SIGKILL goes to its whole process group)."""
