@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except click.Abort:
+    except (click.Abort, KeyboardInterrupt):
         click.echo("pslaunch: interrupted", err=True)
         sys.exit(130)
     except LaunchError as exc:

@@ -116,6 +116,14 @@ def _place_workers(hosts: list[Host], count: int) -> list[Host]:
     return placed
 
 
+def _cwd(config: LaunchConfig, host: Host, on_launcher: bool, remote_cwd: str | None) -> str | None:
+    if on_launcher:
+        return None  # a child of pslaunch: inherits its directory
+    if host is LOCAL_HOST:
+        return config.cwd  # an MPI rank on this machine: pslaunch's directory
+    return remote_cwd
+
+
 def make_plan(config: LaunchConfig) -> Plan:
     """Return the plan for a resolved ``config`` (see ``launcher.config.resolve``). Pure.
 
@@ -190,7 +198,7 @@ def make_plan(config: LaunchConfig) -> Plan:
                 user_env=tuple(v for v in config.env if v.applies_to(role)),
                 local_rank=local_rank,
                 local_size=sizes[(role, host)],
-                cwd=None if on_launcher and config.backend != "mpi" else remote_cwd,
+                cwd=_cwd(config, host, on_launcher, remote_cwd),
                 on_launcher=on_launcher,
             )
         )

@@ -150,8 +150,25 @@ class MpiBackend(Backend):
         self._lock = threading.Lock()
 
     def prepare(self, plan: Plan) -> None:
+        """Check mpirun is there; with a hostfile, run the ssh pre-flight check (one clear line per
+        failing host instead of mpirun's own errors) and ``--sync-dst-dir``."""
         if shutil.which("mpirun") is None:
             raise SpawnError("--launcher mpi: no `mpirun` on PATH (install Open MPI, e.g. apt install openmpi-bin)")
+        remote = [h for h in plan.remote_hosts if h.name != "localhost"]
+        if not remote:
+            return
+        from ..rsync import sync_all
+        from ..sshconn import SshConnector
+
+        connector = SshConnector(self.config)
+        clients = connector.preflight(remote)
+        try:
+            if self.config.sync_dst_dir:
+                sync_all(connector, remote, self.config.sync_src_dir, self.config.sync_dst_dir, clients,
+                         self.printer, self.config)
+        finally:
+            for client in clients.values():
+                client.close()
 
     def signal_mpirun(self, sig: int) -> None:
         """Send ``sig`` to mpirun (SIGKILL goes to its whole process group)."""
@@ -187,15 +204,7 @@ class MpiBackend(Backend):
         env = {PLAN_VARIABLE: json.dumps(entries), "PYTHONPATH": root}
         env.update({f"{ENV_PREFIX}{i}": value for (_, value, _), i in user_vars.items()})
         exported = [PLAN_VARIABLE, "PYTHONPATH", *(f"{ENV_PREFIX}{i}" for i in user_vars.values())]
-        ssh_args = None
-        if self.config.hosts and (self.config.ssh_port or self.config.identity or self.config.ssh_user):
-            ssh_args = []
-            if self.config.ssh_port:
-                ssh_args += ["-p", str(self.config.ssh_port)]
-            if self.config.identity:
-                ssh_args += ["-i", self.config.identity]
-            if self.config.ssh_user:
-                ssh_args += ["-l", self.config.ssh_user]
+        ssh_args = _ssh_args(self.config) if self.config.hosts else None
         argv = mpirun_argv(plan, self.config.python, exported, ssh_args, bool(self.config.hosts), os.geteuid() == 0)
         handles = [MpiRankHandle(spec, self) for spec in ordered]
         mpirun_spec = ProcessSpec("mpirun", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
@@ -208,6 +217,22 @@ class MpiBackend(Backend):
         if self.mpirun is not None:
             self.mpirun.close()
         self.spawner.close()
+
+
+def _ssh_args(config) -> list[str]:
+    """Options for the ssh mpirun uses to start its daemons: the job's port, key, user and host-key policy."""
+    args = ["-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]
+    if config.ssh_port:
+        args += ["-p", str(config.ssh_port)]
+    if config.identity:
+        args += ["-i", config.identity]
+    if config.ssh_user:
+        args += ["-l", config.ssh_user]
+    if config.ssh_config:
+        args += ["-F", os.path.expanduser(config.ssh_config)]
+    strict = {"accept-new": "accept-new", "strict": "yes", "ignore": "no"}[config.host_key_policy]
+    known = "/dev/null" if config.host_key_policy == "ignore" else os.path.expanduser(config.known_hosts or "~/.ssh/known_hosts")
+    return args + ["-o", f"StrictHostKeyChecking={strict}", "-o", f"UserKnownHostsFile={known}"]
 
 
 class MpirunHandle(LocalHandle):

@@ -52,7 +52,6 @@ def test_ssh_job_with_bundled_runtime_on_loopback_hosts(sshd, tmp_path):
     _check(out, 2)
 
 
-@pytest.mark.skipif(__import__("shutil").which("mpirun") is None, reason="needs mpirun")
 def test_mpi_job_with_bundled_runtime(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

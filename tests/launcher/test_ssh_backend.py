@@ -1,4 +1,4 @@
-"""The ssh backend against a real sshd on 127.0.0.1-3 (see conftest.sshd)."""
+"""The ssh backend against a real sshd on 127.0.0.1-3 (see launcher_testkit.start_sshd)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 
 from launcher_testkit import PSLAUNCH, REPO, helper, processes_with, run_pslaunch, wait_gone
 
+MULTI = "two\nlines with 'quotes' \"dq\" $HOME `cmd` \\ end\n"
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "new\nline", "ü"]
 
 
@@ -23,9 +24,12 @@ def test_ssh_job_places_roles_on_loopback_hosts_with_contract_and_exact_argument
     out = tmp_path / "out"
     res = run_pslaunch(["-n", "2", "-s", "2", "-H", hosts, *sshd.ssh_flags(), "--command-for-all-roles",
                         "--shutdown-grace", "0.5", "--env-server", "SLEEP_scheduler:forever",
-                        "--env-server", "SLEEP_server=forever", "--env", "CHECK_VARS:CHECK_VARS", sys.executable, helper("role.py"), str(out), *TRICKY])
+                        "--env-server", "SLEEP_server=forever", "--env", "CHECK_VARS:CHECK_VARS,MULTI",
+                        "--env", "MULTI", sys.executable, helper("role.py"), str(out), *TRICKY],
+                       env=dict(os.environ, MULTI=MULTI))
     assert res.returncode == 0, res.stderr
     rec = _records(out)
+    assert {r["checked"]["MULTI"] for r in rec.values()} == {MULTI}
     assert sorted(rec) == ["scheduler.0", "server.0", "server.1", "worker.0", "worker.1"]
     for r in rec.values():
         assert r["argv"] == TRICKY
