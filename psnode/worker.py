@@ -34,7 +34,7 @@ import numpy as np
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
 from .node import Node, PeerInfo, logger
-from .protocol import ENTRY, FLAG_ERROR, FLAG_SYNC, Cmd, Group, pack_header, pack_json, unpack_entries, unpack_json
+from .protocol import FLAG_ERROR, FLAG_SYNC, Cmd, Group, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
 from .transport import WouldBlock
 
 __all__ = ["WorkerNode"]
@@ -237,22 +237,31 @@ class WorkerNode(Node):
         req = self._track(future, len(parts), None, "push")
         counts = self._push_counts
         for server, items in by_server.items():
-            entries = np.zeros(len(items), dtype=ENTRY)
+            entries = []
             small, frames = [], []
             offset = 0
             for i, (_, key_id, value) in enumerate(items):
-                seq = counts.get((key_id, server), 0) + 1
-                counts[(key_id, server)] = seq
-                flat = value.reshape(-1).view(np.uint8) if value.flags.c_contiguous else np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-                if flat.nbytes >= _OWN_FRAME:
-                    frames.append(self._send_copy((key_id, server), flat) if copy else flat)
-                    entries[i] = (key_id, i, len(frames), 0, flat.nbytes, seq)
+                slot = (key_id, server)
+                seq = counts.get(slot, 0) + 1
+                counts[slot] = seq
+                nbytes = value.nbytes
+                if nbytes >= _OWN_FRAME:
+                    flat = value.reshape(-1).view(np.uint8) if value.flags.c_contiguous else np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+                    frames.append(self._send_copy(slot, flat) if copy else flat)
+                    entries.append((key_id, i, len(frames), 0, nbytes, seq))
                 else:
-                    small.append(flat)
-                    entries[i] = (key_id, i, 0, offset, flat.nbytes, seq)
-                    offset += flat.nbytes
-            payload = (np.concatenate(small) if len(small) > 1 else small[0].tobytes()) if small else b""
-            self._enqueue(server, [pack_header(Cmd.PUSH, req, len(items)), entries.tobytes(), payload] + frames, priority, req)
+                    small.append(value)
+                    entries.append((key_id, i, 0, offset, nbytes, seq))
+                    offset += nbytes
+            if len(small) == 1:
+                payload: Any = small[0].tobytes()  # a copy: the caller may change the array now
+            elif len(small) < 64:
+                payload = b"".join([v.tobytes() for v in small])
+            elif small:
+                payload = np.concatenate([v.reshape(-1).view(np.uint8) for v in small])
+            else:
+                payload = b""
+            self._enqueue(server, [pack_header(Cmd.PUSH, req, len(items)), pack_entries(entries), payload] + frames, priority, req)
         self._pump()
         return future
 
@@ -267,10 +276,8 @@ class WorkerNode(Node):
         req = self._track(future, len(parts), targets, "pull")
         counts = self._push_counts
         for server, items in self._by_server(parts, indexed=True).items():
-            entries = np.zeros(len(items), dtype=ENTRY)
-            for j, (index, (_, key_id, out)) in enumerate(items):
-                entries[j] = (key_id, index, 0, 0, out.nbytes, counts.get((key_id, server), 0))
-            self._enqueue(server, [pack_header(Cmd.PULL, req, len(items)), entries.tobytes()], priority, req)
+            entries = [(key_id, index, 0, 0, out.nbytes, counts.get((key_id, server), 0)) for index, (_, key_id, out) in items]
+            self._enqueue(server, [pack_header(Cmd.PULL, req, len(items)), pack_entries(entries)], priority, req)
         self._pump()
         return future
 
@@ -280,15 +287,15 @@ class WorkerNode(Node):
         targets = [out.reshape(-1).view(np.uint8) for _, _, _, out in parts]
         req = self._track(future, len(parts), targets, "row_sparse_pull")
         for server, items in self._by_server(parts, indexed=True).items():
-            entries = np.zeros(len(items), dtype=ENTRY)
+            entries = []
             chunks, offset = [], 0
-            for j, (index, (_, key_id, rows, out)) in enumerate(items):
+            for index, (_, key_id, rows, out) in items:
                 rows = np.ascontiguousarray(rows, dtype=np.int64)
-                entries[j] = (key_id, index, 0, offset, rows.nbytes, self._push_counts.get((key_id, server), 0))
+                entries.append((key_id, index, 0, offset, rows.nbytes, self._push_counts.get((key_id, server), 0)))
                 offset += rows.nbytes
                 chunks.append(rows)
             payload = np.concatenate(chunks) if chunks else b""
-            self._enqueue(server, [pack_header(Cmd.ROWS, req, len(items)), entries.tobytes(), payload], priority, req)
+            self._enqueue(server, [pack_header(Cmd.ROWS, req, len(items)), pack_entries(entries), payload], priority, req)
         self._pump()
         return future
 
@@ -362,8 +369,7 @@ class WorkerNode(Node):
         return False
 
     def _remember_tracker(self, server: int, frames: list, tracker: Any) -> None:
-        entries = np.frombuffer(frames[1], dtype=ENTRY)
-        for key_id, frame in zip(entries["key"].tolist(), entries["frame"].tolist()):
+        for key_id, _, frame, _, _, _ in unpack_entries(frames[1]):
             if frame:
                 entry = self._buffers.get((key_id, server))
                 if entry is not None and entry[0] is frames[2 + frame]:
@@ -416,15 +422,14 @@ class WorkerNode(Node):
             return
         if cmd in (Cmd.PULL_REPLY, Cmd.ROWS_REPLY):
             data_frames = frames[2:]
-            entries = unpack_entries(frames[1], len(data_frames))
+            buffers = [f.buffer for f in data_frames]
+            entries = unpack_entries(frames[1], [len(b) for b in buffers])
             targets = request.targets
-            for index, frame, offset, nbytes in zip(
-                entries["index"].tolist(), entries["frame"].tolist(), entries["offset"].tolist(), entries["nbytes"].tolist()
-            ):
+            for _, index, frame, offset, nbytes, _ in entries:
                 target = targets[index]
                 if nbytes != target.nbytes:
                     raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
-                target[:] = np.frombuffer(data_frames[frame].buffer, dtype=np.uint8, count=nbytes, offset=offset)
+                target[:] = np.frombuffer(buffers[frame], dtype=np.uint8, count=nbytes, offset=offset)
             request.remaining -= len(entries)
         elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK):
             request.remaining -= arg
