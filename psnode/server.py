@@ -34,6 +34,7 @@ from .protocol import (
     unpack_entries,
     unpack_json,
 )
+from .server_groups import Groups
 from .server_store import KeyError_, ServerStore, Shard, device_backend
 
 __all__ = ["ServerNode", "run_server"]
@@ -49,6 +50,7 @@ class ServerNode(Node):
         self.store = ServerStore(env.num_workers, device_backend(env.server_device))
         self._outbox: dict[tuple[int, int], list[tuple[int, Shard]]] = defaultdict(list)
         self._acks: dict[int, list[tuple[int, int]]] = defaultdict(list)  # worker -> (req_id, parts)
+        self._groups = Groups(self.store, self._send_to, self._pull_reply)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
         self._cmd_replies = {Cmd.PULL: Cmd.PULL_REPLY, Cmd.PUSH: Cmd.PUSH_ACK, Cmd.INIT: Cmd.INIT_ACK,
                              Cmd.ROWS: Cmd.ROWS_REPLY, Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK}
@@ -78,7 +80,9 @@ class ServerNode(Node):
                     for args in deferred:
                         self._rows(*args)
             elif cmd == Cmd.PULL:
-                shard, pull, rank, answer = self.store.shard, self.store.pull, peer.rank, self._answer
+                if self._groups.by_keys and self._groups.try_pull(peer.rank, req_id, frames[1].buffer):
+                    return
+                shard, pull, rank, answer = self._shard, self.store.pull, peer.rank, self._answer
                 for key, index, _, _, _, seq in unpack_entries(frames[1]):
                     pull(shard(key), rank, req_id, index, seq, answer)
             elif cmd == Cmd.ROWS:
@@ -102,12 +106,21 @@ class ServerNode(Node):
                 body = np.array(pairs, dtype=np.uint64).tobytes()
                 self.transport.send(self.workers[worker].uid.encode(), [pack_header(Cmd.PUSH_ACK, 0, len(pairs)), body])
 
+    def _shard(self, key_id: int) -> Shard:
+        """The shard of ``key_id``, taken off the group fast path first if it is on it."""
+        shard = self.store.shard(key_id)
+        if shard.group is not None:
+            self._groups.dissolve(shard.group)
+        return shard
+
     def _push(self, peer: PeerInfo, frames: list) -> None:
         data_frames = frames[2:]
         buffers = [f.buffer for f in data_frames]
+        if self._groups.try_push(peer.rank, frames[1].buffer, buffers):
+            return
         store, rank, answer = self.store, peer.rank, self._answer
         for key, _, frame, offset, nbytes, _ in unpack_entries(frames[1], [len(b) for b in buffers]):
-            shard = store.shard(key)
+            shard = self._shard(key)
             if nbytes != shard.nbytes:
                 raise KeyError_(f"key {shard.user_key!r}: a push of {nbytes} bytes, but this server holds {shard.nbytes}")
             data = np.frombuffer(buffers[frame], dtype=shard.dtype, count=nbytes // shard.dtype.itemsize, offset=offset)
@@ -141,7 +154,7 @@ class ServerNode(Node):
         data_frames = frames[2:]
         sizes = [len(f.buffer) for f in data_frames]
         entries = unpack_entries(frames[1], sizes)
-        shards = [self.store.shard(row[0]) for row in entries]
+        shards = [self._shard(row[0]) for row in entries]
         if not all(s.ready_for(peer.rank, row[5]) for s, row in zip(shards, entries)):
             self._deferred_rows.append((peer, req_id, frames))  # answered after the round closes
             return
@@ -195,6 +208,13 @@ class ServerNode(Node):
             if tracker is not None:
                 for shard in big:
                     shard.trackers.append(tracker)
+
+    def _send_to(self, worker: int, frames: list) -> None:
+        self.transport.send(self.workers[worker].uid.encode(), frames)
+
+    @staticmethod
+    def _pull_reply(req_id: int, meta: bytes, payload: bytes) -> list:
+        return [pack_header(Cmd.PULL_REPLY, req_id), meta, payload]
 
     def _reply(self, peer: PeerInfo, cmd: int, req_id: int, arg: int) -> None:
         self.transport.send(peer.uid.encode(), [pack_header(cmd, req_id, arg)])

@@ -253,26 +253,20 @@ class WorkerNode(Node):
                     small.append(value)
                     entries.append((key_id, i, 0, offset, nbytes, seq))
                     offset += nbytes
-            if len(small) == 1:
-                payload: Any = small[0].tobytes()  # a copy: the caller may change the array now
-            elif len(small) < 64:
-                payload = b"".join([v.tobytes() for v in small])
-            elif small:
-                payload = np.concatenate([v.reshape(-1).view(np.uint8) for v in small])
-            else:
-                payload = b""
+            # small values are copied here (the caller may change its arrays as soon as push returns)
+            payload: Any = small[0].tobytes() if len(small) == 1 else b"".join([v.tobytes() for v in small])
             self._enqueue(server, [pack_header(Cmd.PUSH, req, len(items)), pack_entries(entries), payload] + frames, priority, req)
         self._pump()
         return future
 
     def pull(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
-        """Pull ``(server, key id, out)`` parts into the contiguous arrays ``out``; returns at once.
+        """Pull ``(server, key id, out)`` parts into the C-contiguous arrays ``out``; returns at once.
 
         Each value includes every push of the key this worker issued before. The outs must stay
         alive and untouched until the future is done.
         """
         future = future or concurrent.futures.Future()
-        targets = [out.reshape(-1).view(np.uint8) for _, _, out in parts]
+        targets = [memoryview(out).cast("B") for _, _, out in parts]  # C-contiguous outs, as bytes
         req = self._track(future, len(parts), targets, "pull")
         counts = self._push_counts
         for server, items in self._by_server(parts, indexed=True).items():
@@ -284,7 +278,7 @@ class WorkerNode(Node):
     def pull_rows(self, parts: Sequence[tuple[int, int, np.ndarray, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
         """Pull the rows ``rows`` (int64, local to the part) of ``(server, key id, rows, out)`` parts into ``out``."""
         future = future or concurrent.futures.Future()
-        targets = [out.reshape(-1).view(np.uint8) for _, _, _, out in parts]
+        targets = [memoryview(out).cast("B") for _, _, _, out in parts]
         req = self._track(future, len(parts), targets, "row_sparse_pull")
         for server, items in self._by_server(parts, indexed=True).items():
             entries = []
@@ -429,7 +423,7 @@ class WorkerNode(Node):
                 target = targets[index]
                 if nbytes != target.nbytes:
                     raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
-                target[:] = np.frombuffer(buffers[frame], dtype=np.uint8, count=nbytes, offset=offset)
+                target[:] = buffers[frame][offset:offset + nbytes]
             request.remaining -= len(entries)
         elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK):
             request.remaining -= arg

@@ -179,3 +179,7 @@ def test_the_ported_mxnet_dist_sync_check_passes_with_every_role_running_the_scr
     assert not failed, "\n".join(map(str, failed))
     passed = sorted(r.output.strip().splitlines()[-1] for r in results if r.role == "worker")
     assert passed == [f"worker {i}/3: all checks passed" for i in range(3)]
+
+
+def test_lists_of_many_small_keys_stay_exact_when_the_access_pattern_changes():
+    run_ok("key_lists.py", workers=3, servers=2)
