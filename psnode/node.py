@@ -37,6 +37,7 @@ __all__ = ["Node", "PeerInfo", "host_fingerprint", "logger", "setup_logging"]
 logger = logging.getLogger("psnode")
 
 SCHEDULER = b"scheduler"
+_IDLE_DELAY = 0.0002  # how long held-back acknowledgements wait for a reply to ride along with
 
 _CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN, Cmd.NODE_DIED}
@@ -205,6 +206,9 @@ class Node:
         wait = timeout
         if self.env.heartbeat_interval > 0:
             wait = max(0.0, min(wait, self._next_heartbeat - now))
+        if self.idle_work and not self.transport.poll(min(wait, _IDLE_DELAY)):
+            self.on_idle()  # nothing came for a moment: send what was held back to share a message
+            return
         if not self.transport.poll(wait):
             return
         try:
@@ -218,6 +222,11 @@ class Node:
 
     def after_batch(self) -> None:
         """Called after each batch of received messages (the server sends its gathered replies here)."""
+
+    idle_work = False  # True while on_idle has something to send once the node is idle
+
+    def on_idle(self) -> None:
+        """Called when ``idle_work`` is set and no message arrived for ``_IDLE_DELAY`` seconds."""
 
     def _heartbeat(self, now: float) -> None:
         interval = self.env.heartbeat_interval

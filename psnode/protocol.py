@@ -36,6 +36,7 @@ __all__ = [
     "Cmd",
     "FLAG_ERROR",
     "FLAG_SYNC",
+    "FLAG_ACKS",
     "ENTRY",
     "Group",
     "pack_header",
@@ -53,6 +54,7 @@ VERSION = 1
 
 FLAG_ERROR = 1  # the reply carries a JSON error {"error": message} instead of a result
 FLAG_SYNC = 2  # init: the key is merged per round (dist_sync), else applied on arrival (dist_async)
+FLAG_ACKS = 4  # a reply whose last frame holds push acknowledgements: (req_id, parts) u64 pairs
 
 
 class Cmd(enum.IntEnum):

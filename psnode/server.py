@@ -25,6 +25,7 @@ from .env import NodeEnv
 from .errors import PSNodeError, ProtocolError
 from .node import Node, PeerInfo, logger
 from .protocol import (
+    FLAG_ACKS,
     FLAG_ERROR,
     FLAG_SYNC,
     Cmd,
@@ -100,11 +101,15 @@ class ServerNode(Node):
         """Send the batch's pull replies, then one acknowledgement message per worker for its pushes."""
         if self._outbox:
             self._flush()
-        if self._acks:
-            acks, self._acks = self._acks, defaultdict(list)
-            for worker, pairs in acks.items():
-                body = np.array(pairs, dtype=np.uint64).tobytes()
-                self.transport.send(self.workers[worker].uid.encode(), [pack_header(Cmd.PUSH_ACK, 0, len(pairs)), body])
+        self.idle_work = bool(self._acks)  # the rest ride along with the next reply, or go when idle
+
+    def on_idle(self) -> None:
+        """Send the acknowledgements no pull reply took along."""
+        acks, self._acks = self._acks, defaultdict(list)
+        self.idle_work = False
+        for worker, pairs in acks.items():
+            body = np.array(pairs, dtype=np.uint64).tobytes()
+            self.transport.send(self.workers[worker].uid.encode(), [pack_header(Cmd.PUSH_ACK, 0, len(pairs)), body])
 
     def _shard(self, key_id: int) -> Shard:
         """The shard of ``key_id``, taken off the group fast path first if it is on it."""
@@ -168,7 +173,7 @@ class ServerNode(Node):
             offset += block.nbytes
             chunks.append(block.reshape(-1).view(np.uint8))
         payload = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
-        self.transport.send(peer.uid.encode(), [pack_header(Cmd.ROWS_REPLY, req_id), pack_entries(out_entries), payload])
+        self._send_to(peer.rank, [pack_header(Cmd.ROWS_REPLY, req_id), pack_entries(out_entries), payload])
 
     # ---- replies -------------------------------------------------------------------------
     def _answer(self, worker: int, req_id: int, index: int, shard: Shard) -> None:
@@ -204,13 +209,19 @@ class ServerNode(Node):
             frames = [pack_header(Cmd.PULL_REPLY, req_id), pack_entries(entries), payload]
             for shard in big:
                 frames.append(self.store.backend.host(shard.stored).reshape(-1))
-            tracker = self.transport.send(peer.uid.encode(), frames, track=bool(big))
+            tracker = self._send_to(worker, frames, track=bool(big))
             if tracker is not None:
                 for shard in big:
                     shard.trackers.append(tracker)
 
-    def _send_to(self, worker: int, frames: list) -> None:
-        self.transport.send(self.workers[worker].uid.encode(), frames)
+    def _send_to(self, worker: int, frames: list, track: bool = False) -> Any:
+        """Send a reply to ``worker``, with its held-back push acknowledgements as a last frame."""
+        pairs = self._acks.pop(worker, None)
+        if pairs:
+            header = frames[0]
+            frames[0] = header[:4] + (int.from_bytes(header[4:6], "little") | FLAG_ACKS).to_bytes(2, "little") + header[6:]
+            frames.append(np.array(pairs, dtype=np.uint64).tobytes())
+        return self.transport.send(self.workers[worker].uid.encode(), frames, track=track)
 
     @staticmethod
     def _pull_reply(req_id: int, meta: bytes, payload: bytes) -> list:

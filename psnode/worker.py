@@ -34,7 +34,7 @@ import numpy as np
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
 from .node import Node, PeerInfo, logger
-from .protocol import FLAG_ERROR, FLAG_SYNC, Cmd, Group, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
+from .protocol import FLAG_ACKS, FLAG_ERROR, FLAG_SYNC, Cmd, Group, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
 from .transport import WouldBlock
 
 __all__ = ["WorkerNode"]
@@ -394,19 +394,24 @@ class WorkerNode(Node):
         self._fail_pending(error)
 
     # ---- replies (network thread) ------------------------------------------------------------
+    def _take_acks(self, frame: Any) -> None:
+        pending = self._pending
+        for rid, count in np.frombuffer(frame.buffer, dtype=np.uint64).reshape(-1, 2).tolist():
+            request = pending.get(rid)
+            if request is not None:
+                request.remaining -= count
+                if request.remaining <= 0:
+                    self._complete(rid)
+
     def handle_data(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
         if cmd == Cmd.PUSH_ACK and not flags & FLAG_ERROR:
-            pairs = np.frombuffer(frames[1].buffer, dtype=np.uint64).reshape(-1, 2).tolist()
-            pending = self._pending
-            for rid, count in pairs:
-                request = pending.get(rid)
-                if request is not None:
-                    request.remaining -= count
-                    if request.remaining <= 0:
-                        self._complete(rid)
+            self._take_acks(frames[1])
             if self._queue:
                 self._pump()
             return
+        if flags & FLAG_ACKS:  # push acknowledgements riding along with a reply
+            self._take_acks(frames[-1])
+            frames = frames[:-1]
         request = self._pending.get(req_id)
         if request is None:
             raise ProtocolError(f"{Cmd(cmd).name} for unknown request {req_id}")
