@@ -7,6 +7,7 @@ distributed stores register themselves under ``dist_*``). ``kvcore.optim`` holds
 
 from . import arrays, optim
 from .arrays import Device, cpu, gpu, num_gpus
+from .dataparallel import SplitSampler, split_and_load
 from .errors import (
     DTypeMismatchError,
     DuplicateKeyError,
@@ -23,6 +24,7 @@ from .handles import Handle, KVTimeoutError, wait_all
 from .registry import create, register_store, store_names
 from .sparse import RowSparseArray
 from .store_base import KVStoreBase
+from .trainer import Parameter, Trainer
 
 __all__ = [
     "arrays",
@@ -49,4 +51,8 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "split_and_load",
+    "SplitSampler",
+    "Trainer",
+    "Parameter",
 ]
