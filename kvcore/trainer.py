@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 from . import arrays
+from .errors import DTypeMismatchError, ShapeMismatchError
 from .optim.base import Optimizer, Updater, create as create_optimizer
 from .registry import create as create_store
 from .store_base import KVStoreBase
@@ -82,7 +83,7 @@ class Trainer:
 
     Args:
         params: the parameters: a mapping ``name -> array | list of replicas | Parameter``, a
-            sequence of those (named by position: ``'0'``, ``'1'``, ...), a ``torch.nn.Module``, or
+            sequence of those (arrays named by position: ``'0'``, ``'1'``, ...), a ``torch.nn.Module``, or
             PyTorch tensors / ``named_parameters()`` (through ``kvcore.torch_adapter``; CPU only).
             Their arrays are updated in place.
         optimizer: an ``Optimizer``, or a name for ``kvcore.optim.create`` with ``optimizer_params``.
@@ -193,7 +194,9 @@ class Trainer:
         Raises:
             ValueError: bad ``batch_size``; gradients missing, extra or of the wrong count (naming
                 the parameter); ``batch_size`` changed while the optimizer runs in the store.
-            KVStoreError: from the store (shapes and dtypes are checked there, naming the key).
+            ShapeMismatchError, DTypeMismatchError: a gradient unlike its parameter (naming it);
+                checked before anything is pushed, so the weights stay as they were.
+            KVStoreError: from the store.
         """
         grad_lists = self._gather_grads(grads)
         self._prepare(batch_size)
@@ -306,11 +309,23 @@ class Trainer:
         else:
             raise TypeError(f"grads must be a mapping, a sequence or None, got {type(grads).__name__}")
         lists = [[_from_framework(a, p.name) for a in g] for p, g in zip(self._params, lists)]
+        # Checked before anything is pushed, so that a bad gradient leaves every weight as it was.
         for p, g in zip(self._params, lists):
             if len(g) != len(p.list_data()):
                 raise ValueError(
                     f"parameter {p.name!r} has {len(p.list_data())} replicas but {len(g)} gradients were given"
                 )
+            weight = p.list_data()[0]
+            for i, grad in enumerate(g):
+                if tuple(grad.shape) != tuple(weight.shape):
+                    raise ShapeMismatchError(
+                        f"parameter {p.name!r} has shape {tuple(weight.shape)}, but its gradient {i} has "
+                        f"shape {tuple(grad.shape)}"
+                    )
+                if grad.dtype != weight.dtype:
+                    raise DTypeMismatchError(
+                        f"parameter {p.name!r} has dtype {weight.dtype}, but its gradient {i} has dtype {grad.dtype}"
+                    )
         return lists
 
     def _require_local_update(self, op: str) -> None:
@@ -361,7 +376,7 @@ def _normalise_params(params: Any) -> list[Parameter]:
 
             result = torch_parameters(items)
         else:
-            result = [_as_parameter(str(i), value) for i, value in enumerate(items)]
+            result = [v if isinstance(v, Parameter) else _as_parameter(str(i), v) for i, v in enumerate(items)]
     if not result:
         raise ValueError("the Trainer was given no parameters")
     seen: set[str] = set()
