@@ -93,11 +93,16 @@ class Trainer:
         scale: extra factor on the gradients (``rescale_grad = scale / batch_size``).
         timeout: seconds to wait for each pull before ``KVTimeoutError``; None waits as long as the
             store does (a distributed store fails on its own when a peer dies).
+        coalesce_bytes: parameters smaller than this travel together, up to this many bytes per
+            call (see below).
 
-    Keys in the store are the parameter names; pushes and pulls of later parameters get higher
-    priority (``-index``), as in MXNet, so the first layers' weights, needed first by the next
-    forward pass, arrive first. The store's keys are initialised by ``sync_params`` or the first
-    ``step`` (in a distributed store rank 0's values win and every worker pulls them).
+    Keys in the store are the parameter names. Parameter ``i`` is pushed and pulled with priority
+    ``-i``, as in MXNet: the first layers' weights, needed first by the next forward pass, go first.
+    Consecutive parameters smaller than ``coalesce_bytes`` travel together in one push and one pull
+    (with the priority of the first of them): a model of many small tensors then costs a few
+    messages per step instead of one per tensor. ``coalesce_bytes=0`` sends every parameter alone.
+    The store's keys are initialised by ``sync_params`` or the first ``step`` (in a distributed
+    store rank 0's values win and every worker pulls them).
 
     Not thread-safe.
     """
@@ -111,8 +116,10 @@ class Trainer:
         update_on_kvstore: bool | None = None,
         scale: float = 1.0,
         timeout: float | None = None,
+        coalesce_bytes: int = 1 << 20,
     ) -> None:
         self._params = _normalise_params(params)
+        self._groups = _plan_groups(self._params, int(coalesce_bytes))
         self._index = {p.name: i for i, p in enumerate(self._params)}
         if isinstance(optimizer, str):
             optimizer = create_optimizer(optimizer, **dict(optimizer_params or {}))
@@ -138,7 +145,7 @@ class Trainer:
     # ---- properties -------------------------------------------------------------------------
     @property
     def params(self) -> list[Parameter]:
-        """The parameters, in key-priority order (the first has the lowest priority)."""
+        """The parameters, in priority order (the first has the highest priority, 0)."""
         return list(self._params)
 
     @property
@@ -172,9 +179,7 @@ class Trainer:
             return
         names = [p.name for p in self._params]
         self._kv.init(names, [p.list_data()[0] for p in self._params])
-        self._wait_all([
-            self._kv.pull(p.name, out=p.list_data(), priority=-i, wait=False) for i, p in enumerate(self._params)
-        ])
+        self._wait_all(self._pull_groups([p.list_data() for p in self._params]))
         self._params_synced = True
 
     def step(self, batch_size: int, grads: Any = None) -> None:
@@ -200,18 +205,15 @@ class Trainer:
         """
         grad_lists = self._gather_grads(grads)
         self._prepare(batch_size)
+        self._push_groups(grad_lists)
         if self._update_on_kvstore:
-            for i, (p, g) in enumerate(zip(self._params, grad_lists)):
-                self._kv.push(p.name, g, priority=-i)
-            self._wait_all([
-                self._kv.pull(p.name, out=p.list_data(), priority=-i, wait=False)
-                for i, p in enumerate(self._params)
-            ])
+            self._wait_all(self._pull_groups([p.list_data() for p in self._params]))
             return
-        handles = self._allreduce(grad_lists)
-        for i, (p, g, handle) in enumerate(zip(self._params, grad_lists, handles)):
-            handle.wait(self._timeout)  # update layer i while later layers' sums are still arriving
-            self._update_one(p, g)
+        handles = self._pull_groups(grad_lists)
+        for (indices, _), handle in zip(self._groups, handles):
+            handle.wait(self._timeout)  # update these layers while later layers' sums still arrive
+            for i in indices:
+                self._update_one(self._params[i], grad_lists[i])
 
     def allreduce_grads(self, grads: Any = None) -> list[list[Any]]:
         """Sum the gradients over every device and worker, in place (only with ``update_on_kvstore=False``).
@@ -223,7 +225,8 @@ class Trainer:
         if not self._params_synced:
             self.sync_params()
         grad_lists = self._gather_grads(grads)
-        self._wait_all(self._allreduce(grad_lists))
+        self._push_groups(grad_lists)
+        self._wait_all(self._pull_groups(grad_lists))
         return grad_lists
 
     def update(self, batch_size: int, grads: Any = None) -> None:
@@ -258,13 +261,18 @@ class Trainer:
                 "(drop the last partial batch) or use update_on_kvstore=False"
             )
 
-    def _allreduce(self, grad_lists: list[list[Any]]) -> list[Any]:
-        """Push every gradient list, then start pulling the sums into them; return the pull handles."""
-        for i, (p, g) in enumerate(zip(self._params, grad_lists)):
-            self._kv.push(p.name, g, priority=-i)
+    def _push_groups(self, value_lists: list[list[Any]]) -> None:
+        """Push each parameter's list of values (one per replica), group by group."""
+        for indices, priority in self._groups:
+            self._kv.push([self._params[i].name for i in indices], [value_lists[i] for i in indices],
+                          priority=priority)
+
+    def _pull_groups(self, out_lists: list[list[Any]]) -> list[Any]:
+        """Start pulling each parameter's stored value into its outs; return one handle per group."""
         return [
-            self._kv.pull(p.name, out=g, priority=-i, wait=False)
-            for i, (p, g) in enumerate(zip(self._params, grad_lists))
+            self._kv.pull([self._params[i].name for i in indices], out=[out_lists[i] for i in indices],
+                          priority=priority, wait=False)
+            for indices, priority in self._groups
         ]
 
     def _update_one(self, param: Parameter, grads: list[Any]) -> None:
@@ -358,6 +366,29 @@ def _from_framework(value: Any, name: str) -> Any:
 
         return tensor_as_array(value, f"the gradient of {name!r}")
     return value
+
+
+def _plan_groups(params: list[Parameter], limit: int) -> list[tuple[list[int], int]]:
+    """Consecutive parameters under ``limit`` bytes, packed up to ``limit`` bytes: ``(indices, priority)``.
+
+    Order is kept, so the first layers still go first; a group takes its first member's priority.
+    """
+    groups: list[tuple[list[int], int]] = []
+    current: list[int] = []
+    size = 0
+    for i, p in enumerate(params):
+        nbytes = int(p.list_data()[0].nbytes)
+        if current and (nbytes >= limit or size + nbytes > limit):
+            groups.append((current, -current[0]))
+            current, size = [], 0
+        if nbytes >= limit:
+            groups.append(([i], -i))
+            continue
+        current.append(i)
+        size += nbytes
+    if current:
+        groups.append((current, -current[0]))
+    return groups
 
 
 def _normalise_params(params: Any) -> list[Parameter]:

@@ -15,10 +15,12 @@ def _f32(*values):
 
 
 @BOTH_MODES
-def test_step_sums_two_devices_gradients_and_applies_one_sgd_step(update_on_kvstore):
+@pytest.mark.parametrize("coalesce_bytes", [0, 1 << 20], ids=["alone", "together"])
+def test_step_sums_two_devices_gradients_and_applies_one_sgd_step(update_on_kvstore, coalesce_bytes):
     w = [_f32(1, 2, 3), _f32(1, 2, 3)]
     b = [_f32(0.5), _f32(0.5)]
-    trainer = Trainer({"w": w, "b": b}, kvcore.optim.SGD(learning_rate=0.5), update_on_kvstore=update_on_kvstore)
+    trainer = Trainer({"w": w, "b": b}, kvcore.optim.SGD(learning_rate=0.5), update_on_kvstore=update_on_kvstore,
+                      coalesce_bytes=coalesce_bytes)
     trainer.step(4, {"w": [_f32(1, 0, 4), _f32(3, 8, 0)], "b": [_f32(2), _f32(6)]})
     # w -= lr * (g0 + g1) / batch_size
     expected_w = _f32(1, 2, 3) - 0.5 * _f32(4, 8, 4) / 4
@@ -124,16 +126,32 @@ class _RecordingStore(LocalKVStore):
         return super().pull(key, out, priority, ignore_sparse, wait)
 
 
+def _pushes_and_pulls(store):
+    return ([c[1:] for c in store.calls if c[0] == "push"], [c[1:] for c in store.calls if c[0] == "pull"])
+
+
 @BOTH_MODES
-def test_later_parameters_get_higher_priority_like_mxnet(update_on_kvstore):
+def test_parameter_i_gets_priority_minus_i_like_mxnet(update_on_kvstore):
     store = _RecordingStore()
     params = {name: _f32(1) for name in ("a", "b", "c")}
-    trainer = Trainer(params, "sgd", kvstore=store, update_on_kvstore=update_on_kvstore)
+    trainer = Trainer(params, "sgd", kvstore=store, update_on_kvstore=update_on_kvstore, coalesce_bytes=0)
     trainer.sync_params()
     store.calls.clear()
     trainer.step(1, {name: _f32(1) for name in params})
-    assert [c for c in store.calls if c[0] == "push"] == [("push", "a", 0), ("push", "b", -1), ("push", "c", -2)]
-    assert [c for c in store.calls if c[0] == "pull"] == [("pull", "a", 0), ("pull", "b", -1), ("pull", "c", -2)]
+    expected = [(["a"], 0), (["b"], -1), (["c"], -2)]
+    assert _pushes_and_pulls(store) == (expected, expected)
+
+
+@BOTH_MODES
+def test_small_parameters_travel_together_and_big_ones_alone_in_order(update_on_kvstore):
+    store = _RecordingStore()
+    params = {"a": _f32(1), "b": _f32(1), "big": np.zeros(100, np.float32), "c": _f32(1), "d": _f32(1, 2, 3)}
+    trainer = Trainer(params, "sgd", kvstore=store, update_on_kvstore=update_on_kvstore, coalesce_bytes=12)
+    trainer.sync_params()
+    store.calls.clear()
+    trainer.step(1, {name: np.ones_like(v) for name, v in params.items()})
+    expected = [(["a", "b"], 0), (["big"], -2), (["c"], -3), (["d"], -4)]
+    assert _pushes_and_pulls(store) == (expected, expected)
 
 
 def test_missing_and_unknown_gradients_are_named_and_nothing_changes():
