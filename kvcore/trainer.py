@@ -16,6 +16,7 @@ so it works the same with every store.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Iterable, Mapping, Sequence
 
 from . import arrays
@@ -240,9 +241,9 @@ class Trainer:
     # ---- internals --------------------------------------------------------------------------
     def _prepare(self, batch_size: int) -> None:
         """Check ``batch_size``, set ``rescale_grad``, initialise keys and the store's optimizer once."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        rescale = self._scale / batch_size
+        rescale = self._scale / int(batch_size)
         if not self._params_synced:
             self.sync_params()
         if not self._update_on_kvstore:

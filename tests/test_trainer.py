@@ -201,7 +201,7 @@ def test_changing_the_batch_size_with_the_optimizer_here_rescales_each_step():
     w = _f32(0)
     trainer = Trainer([w], kvcore.optim.SGD(learning_rate=1.0))
     trainer.step(2, [_f32(1)])
-    trainer.step(4, [_f32(1)])
+    trainer.step(np.int64(4), [_f32(1)])
     np.testing.assert_allclose(w, _f32(-0.75))
 
 
@@ -277,3 +277,12 @@ def test_torch_tensors_and_frozen_parameters():
 
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         tensor_as_array(np.zeros(2), "x")
+
+
+def test_importing_kvcore_loads_neither_torch_nor_scikit_learn():
+    import subprocess
+    import sys
+
+    code = "import sys, kvcore, kvcore.trainer, kvcore.dataparallel; print(sorted({'torch', 'sklearn'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "[]"
