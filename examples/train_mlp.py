@@ -94,12 +94,14 @@ def main(argv=None) -> int:
             ys = kvcore.split_and_load(y_train[batch], devices)
             grads = {name: [] for name in replicas}
             for i, (x, y) in enumerate(zip(xs, ys)):
-                loss, device_grads = mlp.loss_and_grads({n: r[i] for n, r in replicas.items()}, x, y)
+                with arrays.device_context(devices[i]):  # CuPy runs kernels on the current GPU
+                    loss, device_grads = mlp.loss_and_grads({n: r[i] for n, r in replicas.items()}, x, y)
                 loss_sum += loss
                 for name, g in device_grads.items():
                     grads[name].append(g)
             trainer.step(args.batch_size, grads)
-        accuracy = mlp.accuracy({n: r[0] for n, r in replicas.items()}, x_test_dev, y_test_dev)
+        with arrays.device_context(devices[0]):
+            accuracy = mlp.accuracy({n: r[0] for n, r in replicas.items()}, x_test_dev, y_test_dev)
         print(f"worker {rank} epoch {epoch} test_accuracy {accuracy:.4f} "
               f"train_loss {loss_sum / max(1, steps * worker_batch):.4f} "
               f"time {time.perf_counter() - epoch_start:.2f}", flush=True)
