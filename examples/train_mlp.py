@@ -59,7 +59,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    devices = [kvcore.Device.parse(d) for d in args.devices.split(",") if d.strip()]
+    try:
+        devices = [kvcore.Device.parse(d) for d in args.devices.split(",") if d.strip()]
+    except ValueError as exc:
+        print(f"--devices {args.devices!r}: {exc}", file=sys.stderr)
+        return 2
+    missing = [str(d) for d in devices if d.is_gpu and d.index >= kvcore.num_gpus()]
+    if missing or not devices:
+        print(f"--devices {args.devices!r}: {', '.join(missing) or 'no device'} not available "
+              f"({kvcore.num_gpus()} usable GPU(s); install the gpu extra for CuPy)", file=sys.stderr)
+        return 2
     kv = kvcore.create(args.kvstore or default_kvstore())
     rank, num_workers = kv.rank, kv.num_workers
     if args.batch_size % (num_workers * len(devices)):

@@ -94,12 +94,20 @@ def test_train_mlp_two_devices_follow_the_one_device_trajectory():
     assert two[-1] >= THRESHOLD
 
 
-def test_train_mlp_refuses_a_batch_that_does_not_split_across_devices():
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_mlp.py"), "--batch-size", "63",
-                           "--devices", "cpu,cpu", "--epochs", "1"],
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--batch-size", "63", "--devices", "cpu,cpu"], "--batch-size 63 must be a multiple of 1 workers x 2 devices"),
+        (["--devices", "gpu:99"], "gpu(99) not available"),
+        (["--devices", "tpu"], "cannot parse device 'tpu'"),
+    ],
+)
+def test_train_mlp_refuses_bad_flags_with_one_line_and_exit_code_2(args, message):
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_mlp.py"), "--epochs", "1", *args],
                           cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "--batch-size 63 must be a multiple of 1 workers x 2 devices" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_torch_train_with_the_local_store_reaches_the_threshold():
