@@ -7,6 +7,7 @@ distributed stores register themselves under ``dist_*``). ``kvcore.optim`` holds
 
 from . import arrays, optim
 from .arrays import Device, cpu, gpu, num_gpus
+from .dataparallel import SplitSampler, split_and_load
 from .errors import (
     DistributedError,
     DistTimeoutError,
@@ -27,6 +28,7 @@ from .handles import Handle, KVTimeoutError, wait_all
 from .registry import create, register_store, store_names
 from .sparse import RowSparseArray
 from .store_base import KVStoreBase
+from .trainer import Parameter, Trainer
 
 __all__ = [
     "arrays",
@@ -57,6 +59,10 @@ __all__ = [
     "NodeDiedError",
     "ServerError",
     "DistTimeoutError",
+    "split_and_load",
+    "SplitSampler",
+    "Trainer",
+    "Parameter",
 ]
 
 from ._role import run_role_if_asked as _run_role_if_asked  # noqa: E402

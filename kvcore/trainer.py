@@ -1,0 +1,432 @@
+"""The Trainer: one optimizer step of data-parallel training through a KVStore.
+
+A ``Trainer`` holds a model's parameters (one array per device for each: its *replicas*) and a
+KVStore, and does what MXNet's gluon ``Trainer`` does each step:
+
+* ``update_on_kvstore=True`` (the default for ``dist_*`` stores): the gradients of every device
+  (and, in a distributed store, every worker) are pushed, the store sums them and runs the optimizer
+  once, and the new weights are pulled into every replica.
+* ``update_on_kvstore=False`` (the default for ``local`` and ``device``): the gradients are pushed,
+  their sum is pulled back into the gradient arrays (an all-reduce), and the optimizer runs here.
+
+Gradients are sums over samples; the optimizer's ``rescale_grad`` is set to ``scale / batch_size``
+so that a step applies their mean. The Trainer is written against ``KVStoreBase``'s public API only,
+so it works the same with every store.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Iterable, Mapping, Sequence
+
+from . import arrays
+from .errors import DTypeMismatchError, ShapeMismatchError
+from .optim.base import Optimizer, Updater, create as create_optimizer
+from .registry import create as create_store
+from .store_base import KVStoreBase
+
+__all__ = ["Parameter", "Trainer"]
+
+GradSource = Any
+"""An array, a list of arrays (one per replica), a callable returning either, or None."""
+
+
+class Parameter:
+    """One trainable parameter: its replicas (one array per device) and where its gradients are.
+
+    Args:
+        name: the parameter's name; the Trainer uses it as the parameter's key in the store.
+        data: an array, or a list of arrays of one shape and dtype, one per device. The Trainer
+            writes new weights into these arrays in place.
+        grad: the gradients: an array, a list (one per replica), a callable returning either (read
+            at every step, for frameworks that replace their gradient arrays), or None when the
+            gradients are passed to ``Trainer.step`` instead.
+
+    Raises:
+        ValueError: no replicas, or replicas of different shapes or dtypes (naming them).
+    """
+
+    def __init__(self, name: str, data: Any, grad: GradSource = None) -> None:
+        self.name = str(name)
+        self._data = _as_list(data)
+        if not self._data:
+            raise ValueError(f"parameter {self.name!r} has no data arrays")
+        first = self._data[0]
+        for i, replica in enumerate(self._data[1:], start=1):
+            if tuple(replica.shape) != tuple(first.shape) or replica.dtype != first.dtype:
+                raise ValueError(
+                    f"parameter {self.name!r}: replica {i} has shape {tuple(replica.shape)} and dtype "
+                    f"{replica.dtype}, but replica 0 has shape {tuple(first.shape)} and dtype {first.dtype}"
+                )
+        self._grad = grad
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's shape."""
+        return tuple(self._data[0].shape)
+
+    def list_data(self) -> list[Any]:
+        """The replicas, one array per device."""
+        return list(self._data)
+
+    def list_grad(self) -> list[Any] | None:
+        """The gradients, one array per replica, or None when this parameter carries none."""
+        grad = self._grad() if callable(self._grad) else self._grad
+        return None if grad is None else _as_list(grad)
+
+    def __repr__(self) -> str:
+        devices = ", ".join(str(arrays.device_of(d)) for d in self._data)
+        return f"Parameter({self.name!r}, shape={self.shape}, devices=[{devices}])"
+
+
+class Trainer:
+    """Applies an optimizer to a set of parameters, synchronising their gradients through a KVStore.
+
+    Args:
+        params: the parameters: a mapping ``name -> array | list of replicas | Parameter``, a
+            sequence of those (arrays named by position: ``'0'``, ``'1'``, ...), a ``torch.nn.Module``, or
+            PyTorch tensors / ``named_parameters()`` (through ``kvcore.torch_adapter``; CPU only).
+            Their arrays are updated in place.
+        optimizer: an ``Optimizer``, or a name for ``kvcore.optim.create`` with ``optimizer_params``.
+        kvstore: a store name for ``kvcore.create`` or a store.
+        update_on_kvstore: run the optimizer in the store (True) or here (False); None chooses True
+            for distributed (``dist_*``) stores and False otherwise.
+        scale: extra factor on the gradients (``rescale_grad = scale / batch_size``).
+        timeout: seconds to wait for each pull before ``KVTimeoutError``; None waits as long as the
+            store does (a distributed store fails on its own when a peer dies).
+        coalesce_bytes: parameters smaller than this travel together, up to this many bytes per
+            call (see below).
+
+    Keys in the store are the parameter names. Parameter ``i`` is pushed and pulled with priority
+    ``-i``, as in MXNet: the first layers' weights, needed first by the next forward pass, go first.
+    Consecutive parameters smaller than ``coalesce_bytes`` travel together in one push and one pull
+    (with the priority of the first of them): a model of many small tensors then costs a few
+    messages per step instead of one per tensor. ``coalesce_bytes=0`` sends every parameter alone.
+    The store's keys are initialised by ``sync_params`` or the first ``step`` (in a distributed
+    store rank 0's values win and every worker pulls them).
+
+    Not thread-safe.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer: Optimizer | str,
+        optimizer_params: Mapping[str, Any] | None = None,
+        kvstore: KVStoreBase | str = "local",
+        update_on_kvstore: bool | None = None,
+        scale: float = 1.0,
+        timeout: float | None = None,
+        coalesce_bytes: int = 1 << 20,
+    ) -> None:
+        self._params = _normalise_params(params)
+        self._groups = _plan_groups(self._params, int(coalesce_bytes))
+        self._index = {p.name: i for i, p in enumerate(self._params)}
+        if isinstance(optimizer, str):
+            optimizer = create_optimizer(optimizer, **dict(optimizer_params or {}))
+        elif optimizer_params:
+            raise ValueError("optimizer_params is only used with an optimizer name, not an Optimizer instance")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be an Optimizer or a name, got {type(optimizer).__name__}")
+        self._optimizer = optimizer
+        if isinstance(kvstore, str):
+            kvstore = create_store(kvstore)
+        if not isinstance(kvstore, KVStoreBase):
+            raise TypeError(f"kvstore must be a KVStoreBase or a store name, got {type(kvstore).__name__}")
+        self._kv = kvstore
+        if update_on_kvstore is None:
+            update_on_kvstore = kvstore.type.startswith("dist")
+        self._update_on_kvstore = bool(update_on_kvstore)
+        self._updater = None if self._update_on_kvstore else Updater(optimizer)
+        self._scale = float(scale)
+        self._timeout = timeout
+        self._params_synced = False
+        self._store_rescale: float | None = None  # rescale_grad the store's optimizer was shipped with
+
+    # ---- properties -------------------------------------------------------------------------
+    @property
+    def params(self) -> list[Parameter]:
+        """The parameters, in priority order (the first has the highest priority, 0)."""
+        return list(self._params)
+
+    @property
+    def kvstore(self) -> KVStoreBase:
+        """The store the gradients go through."""
+        return self._kv
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The optimizer (a copy of it runs in the store when ``update_on_kvstore``)."""
+        return self._optimizer
+
+    @property
+    def update_on_kvstore(self) -> bool:
+        """True when the optimizer runs in the store."""
+        return self._update_on_kvstore
+
+    @property
+    def learning_rate(self) -> float:
+        """The optimizer's learning rate."""
+        return self._optimizer.learning_rate
+
+    # ---- steps ------------------------------------------------------------------------------
+    def sync_params(self) -> None:
+        """Initialise the store's keys from the parameters and pull them back into every replica.
+
+        In a distributed store rank 0's values win, so afterwards every worker holds the same
+        weights. Runs once; ``step`` calls it when it has not run. Blocks until the weights arrive.
+        """
+        if self._params_synced:
+            return
+        names = [p.name for p in self._params]
+        self._kv.init(names, [p.list_data()[0] for p in self._params])
+        self._wait_all(self._pull_groups([p.list_data() for p in self._params]))
+        self._params_synced = True
+
+    def step(self, batch_size: int, grads: Any = None) -> None:
+        """One optimizer step from the gradients of a batch of ``batch_size`` samples.
+
+        Args:
+            batch_size: the number of samples the aggregated gradient sums over. Gradients from every
+                device and worker are summed, so with a distributed store pass the global batch
+                (per-worker batch x ``num_workers``) to step with their mean, as one worker would.
+            grads: the gradients: a mapping ``name -> array | list (one per replica)``, a sequence in
+                parameter order, or None to read each Parameter's own gradients.
+
+        Blocks until every replica holds its new weights. With ``update_on_kvstore=False`` the
+        gradient arrays hold the summed gradients afterwards (and the optimizer may have rescaled
+        the first replica's in place).
+
+        Raises:
+            ValueError: bad ``batch_size``; gradients missing, extra or of the wrong count (naming
+                the parameter); ``batch_size`` changed while the optimizer runs in the store.
+            ShapeMismatchError, DTypeMismatchError: a gradient unlike its parameter (naming it);
+                checked before anything is pushed, so the weights stay as they were.
+            KVStoreError: from the store.
+        """
+        grad_lists = self._gather_grads(grads)
+        self._prepare(batch_size)
+        self._push_groups(grad_lists)
+        if self._update_on_kvstore:
+            self._wait_all(self._pull_groups([p.list_data() for p in self._params]))
+            return
+        handles = self._pull_groups(grad_lists)
+        for (indices, _), handle in zip(self._groups, handles):
+            handle.wait(self._timeout)  # update these layers while later layers' sums still arrive
+            for i in indices:
+                self._update_one(self._params[i], grad_lists[i])
+
+    def allreduce_grads(self, grads: Any = None) -> list[list[Any]]:
+        """Sum the gradients over every device and worker, in place (only with ``update_on_kvstore=False``).
+
+        Returns the gradient lists (one per parameter, one array per replica), each array now holding
+        the sum. Follow with ``update(batch_size, grads)`` after, e.g., clipping them.
+        """
+        self._require_local_update("allreduce_grads")
+        if not self._params_synced:
+            self.sync_params()
+        grad_lists = self._gather_grads(grads)
+        self._push_groups(grad_lists)
+        self._wait_all(self._pull_groups(grad_lists))
+        return grad_lists
+
+    def update(self, batch_size: int, grads: Any = None) -> None:
+        """Apply the optimizer to already summed gradients (see ``allreduce_grads``)."""
+        self._require_local_update("update")
+        grad_lists = self._gather_grads(grads)
+        self._prepare(batch_size)
+        for p, g in zip(self._params, grad_lists):
+            self._update_one(p, g)
+
+    # ---- internals --------------------------------------------------------------------------
+    def _prepare(self, batch_size: int) -> None:
+        """Check ``batch_size``, set ``rescale_grad``, initialise keys and the store's optimizer once."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        rescale = self._scale / int(batch_size)
+        if not self._params_synced:
+            self.sync_params()
+        if not self._update_on_kvstore:
+            self._optimizer.rescale_grad = rescale
+            return
+        if self._store_rescale is None:
+            self._optimizer.rescale_grad = rescale
+            self._kv.set_optimizer(self._optimizer)
+            self._store_rescale = rescale
+        elif rescale != self._store_rescale:
+            # A distributed store holds its own copy of the optimizer: it cannot see a new rescale.
+            first = self._scale / self._store_rescale
+            raise ValueError(
+                f"step got batch_size {batch_size}, but the optimizer in the store was set up for "
+                f"batch_size {first:g}; with update_on_kvstore=True keep the batch size constant "
+                "(drop the last partial batch) or use update_on_kvstore=False"
+            )
+
+    def _push_groups(self, value_lists: list[list[Any]]) -> None:
+        """Push each parameter's list of values (one per replica), group by group."""
+        for indices, priority in self._groups:
+            self._kv.push([self._params[i].name for i in indices], [value_lists[i] for i in indices],
+                          priority=priority)
+
+    def _pull_groups(self, out_lists: list[list[Any]]) -> list[Any]:
+        """Start pulling each parameter's stored value into its outs; return one handle per group."""
+        return [
+            self._kv.pull([self._params[i].name for i in indices], out=[out_lists[i] for i in indices],
+                          priority=priority, wait=False)
+            for indices, priority in self._groups
+        ]
+
+    def _update_one(self, param: Parameter, grads: list[Any]) -> None:
+        """Update replica 0 with the summed gradient and copy it to the others.
+
+        One optimizer state per parameter (not per replica) keeps step counts right for
+        optimizers such as Adam, whose bias correction counts updates per key.
+        """
+        replicas = param.list_data()
+        first = replicas[0]
+        grad = grads[0]
+        if arrays.device_of(grad) != arrays.device_of(first):
+            grad = arrays.to_device(grad, arrays.device_of(first))
+        with arrays.device_context(arrays.device_of(first)):
+            self._updater(param.name, grad, first)
+        for replica in replicas[1:]:
+            arrays.copy_into(replica, first)
+
+    def _gather_grads(self, grads: Any) -> list[list[Any]]:
+        if grads is None:
+            lists = [p.list_grad() for p in self._params]
+            missing = [p.name for p, g in zip(self._params, lists) if g is None]
+            if missing:
+                raise ValueError(
+                    f"parameters {', '.join(map(repr, missing))} have no gradient: pass grads to step(), "
+                    "or make sure they were used in the backward pass"
+                )
+        elif isinstance(grads, Mapping):
+            names = set(self._index)
+            missing = [p.name for p in self._params if p.name not in grads]
+            extra = [k for k in grads if k not in names]
+            if missing or extra:
+                raise ValueError(
+                    f"the gradients do not match the parameters: missing {missing or 'none'}, "
+                    f"unknown {extra or 'none'}"
+                )
+            lists = [_as_list(grads[p.name]) for p in self._params]
+        elif isinstance(grads, Sequence):
+            if len(grads) != len(self._params):
+                raise ValueError(f"{len(grads)} gradients were given for {len(self._params)} parameters")
+            lists = [_as_list(g) for g in grads]
+        else:
+            raise TypeError(f"grads must be a mapping, a sequence or None, got {type(grads).__name__}")
+        lists = [[_from_framework(a, p.name) for a in g] for p, g in zip(self._params, lists)]
+        # Checked before anything is pushed, so that a bad gradient leaves every weight as it was.
+        for p, g in zip(self._params, lists):
+            if len(g) != len(p.list_data()):
+                raise ValueError(
+                    f"parameter {p.name!r} has {len(p.list_data())} replicas but {len(g)} gradients were given"
+                )
+            weight = p.list_data()[0]
+            for i, grad in enumerate(g):
+                if tuple(grad.shape) != tuple(weight.shape):
+                    raise ShapeMismatchError(
+                        f"parameter {p.name!r} has shape {tuple(weight.shape)}, but its gradient {i} has "
+                        f"shape {tuple(grad.shape)}"
+                    )
+                if grad.dtype != weight.dtype:
+                    raise DTypeMismatchError(
+                        f"parameter {p.name!r} has dtype {weight.dtype}, but its gradient {i} has dtype {grad.dtype}"
+                    )
+        return lists
+
+    def _require_local_update(self, op: str) -> None:
+        if self._update_on_kvstore:
+            raise ValueError(f"{op}() needs update_on_kvstore=False: here the optimizer runs in the store")
+
+    def _wait_all(self, handles: Iterable[Any]) -> None:
+        for handle in handles:
+            handle.wait(self._timeout)
+
+    def __repr__(self) -> str:
+        return (
+            f"Trainer({len(self._params)} params, {self._optimizer!r}, kvstore={self._kv.type!r}, "
+            f"update_on_kvstore={self._update_on_kvstore})"
+        )
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _is_torch(value: Any) -> bool:
+    return type(value).__module__.split(".", 1)[0] == "torch"
+
+
+def _from_framework(value: Any, name: str) -> Any:
+    """A framework tensor as an array (PyTorch CPU tensors become numpy views); arrays unchanged."""
+    if _is_torch(value):
+        from .torch_adapter import tensor_as_array
+
+        return tensor_as_array(value, f"the gradient of {name!r}")
+    return value
+
+
+def _plan_groups(params: list[Parameter], limit: int) -> list[tuple[list[int], int]]:
+    """Consecutive parameters under ``limit`` bytes, packed up to ``limit`` bytes: ``(indices, priority)``.
+
+    Order is kept, so the first layers still go first; a group takes its first member's priority.
+    """
+    groups: list[tuple[list[int], int]] = []
+    current: list[int] = []
+    size = 0
+    for i, p in enumerate(params):
+        nbytes = int(p.list_data()[0].nbytes)
+        if current and (nbytes >= limit or size + nbytes > limit):
+            groups.append((current, -current[0]))
+            current, size = [], 0
+        if nbytes >= limit:
+            groups.append(([i], -i))
+            continue
+        current.append(i)
+        size += nbytes
+    if current:
+        groups.append((current, -current[0]))
+    return groups
+
+
+def _normalise_params(params: Any) -> list[Parameter]:
+    """Accepted parameter forms -> a list of Parameters with unique names."""
+    if hasattr(params, "named_parameters") or _is_torch(params):
+        from .torch_adapter import torch_parameters
+
+        result = torch_parameters(params)
+    elif isinstance(params, Mapping):
+        result = [_as_parameter(name, value) for name, value in params.items()]
+    else:
+        items = list(params)
+        if items and (_is_torch(items[0]) or (isinstance(items[0], tuple) and len(items[0]) == 2
+                                              and isinstance(items[0][0], str) and _is_torch(items[0][1]))):
+            from .torch_adapter import torch_parameters
+
+            result = torch_parameters(items)
+        else:
+            result = [v if isinstance(v, Parameter) else _as_parameter(str(i), v) for i, v in enumerate(items)]
+    if not result:
+        raise ValueError("the Trainer was given no parameters")
+    seen: set[str] = set()
+    for p in result:
+        if p.name in seen:
+            raise ValueError(f"two parameters are named {p.name!r}; names are the store's keys and must be unique")
+        seen.add(p.name)
+    return result
+
+
+def _as_parameter(name: str, value: Any) -> Parameter:
+    if isinstance(value, Parameter):
+        if value.name != str(name):
+            raise ValueError(f"parameter {value.name!r} was given under the name {name!r}")
+        return value
+    for replica in _as_list(value):
+        if not arrays.is_array(replica):
+            raise TypeError(
+                f"parameter {name!r} must be a numpy or CuPy array (or a list of them), got {type(replica).__name__}"
+            )
+    return Parameter(name, value)

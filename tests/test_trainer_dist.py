@@ -1,0 +1,42 @@
+"""The Trainer on a real dist_sync job (scheduler, servers and workers on 127.0.0.1): exact steps.
+
+Skips until the runtime (psnode and its test kit) is present.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+testing = pytest.importorskip("psnode.testing", reason="needs the distributed runtime (psnode.testing)")
+
+SCRIPT = Path(__file__).parent / "training_scripts" / "trainer_rounds.py"
+
+
+def _expected_weights(num_workers, steps=3, lr=0.5, momentum=0.5, batch=4):
+    """SGD with momentum from rank 0's start (1.0) on the gradient summed over workers and 2 replicas."""
+    w, mom, trajectory = 1.0, 0.0, []
+    for s in range(steps):
+        summed = sum(r + 1 for r in range(num_workers)) * (1 + 2) * (s + 1)
+        mom = momentum * mom - lr * summed / batch
+        w += mom
+        trajectory.append(w)
+    return trajectory
+
+
+@pytest.mark.parametrize("mode", ["store", "worker"])
+@pytest.mark.timeout(120)
+def test_trainer_on_dist_sync_takes_rank_0_weights_and_steps_exactly_on_every_worker(mode):
+    workers = 2
+    with testing.LocalJob(workers, 2, worker=[str(SCRIPT), mode], env={"PSLAUNCH_BIGARRAY_BOUND": "100000"}) as job:
+        results = job.wait(90)
+    outputs = {r.index: r.output for r in results if r.role == "worker"}
+    assert all(r.returncode == 0 for r in results), "\n".join(str(r) for r in results)
+    expected = _expected_weights(workers)
+    for index, out in outputs.items():
+        rank = int(re.search(r"^OK (\d+)", out, re.M).group(1))
+        synced = json.loads(re.search(rf"^SYNCED {rank} (.*)$", out, re.M).group(1))
+        assert synced == {"w": [1.0], "big": [1.0]}, out  # rank 0's start, in every replica
+        steps = {int(s): json.loads(v) for s, v in re.findall(rf"^STEP {rank} (\d+) (.*)$", out, re.M)}
+        assert [steps[s] for s in range(3)] == [{"w": [w], "big": [w]} for w in expected], out

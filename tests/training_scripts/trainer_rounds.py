@@ -1,0 +1,30 @@
+"""Worker: a Trainer on dist_sync with two replicas per worker; prints what it holds after each phase.
+
+argv: ``store`` or ``worker`` (where the optimizer runs). Worker r starts from weights 1 + r (rank
+0's must win), and at step s its replica j has the gradient (r + 1) * (j + 1) * (s + 1) everywhere.
+"""
+
+import json
+import sys
+
+import numpy as np
+
+import kvcore
+
+SHAPES = {"w": (3,), "big": (300, 400)}  # 120000 elements: split across servers with a bound of 100000
+
+kv = kvcore.create("dist_sync")
+rank = kv.rank
+params = {name: [np.full(shape, 1.0 + rank, np.float32) for _ in range(2)] for name, shape in SHAPES.items()}
+trainer = kvcore.Trainer(params, kvcore.optim.SGD(learning_rate=0.5, momentum=0.5), kvstore=kv,
+                         update_on_kvstore=sys.argv[1] == "store")
+trainer.sync_params()
+print("SYNCED", rank, json.dumps({n: sorted({float(v) for r in reps for v in np.unique(r)}) for n, reps in params.items()}),
+      flush=True)
+for step in range(3):
+    grads = {name: [np.full(shape, (rank + 1) * (j + 1) * (step + 1), np.float32) for j in range(2)]
+             for name, shape in SHAPES.items()}
+    trainer.step(4, grads)
+    print("STEP", rank, step, json.dumps({n: sorted({float(v) for r in reps for v in np.unique(r)})
+                                          for n, reps in params.items()}), flush=True)
+print("OK", rank, flush=True)
