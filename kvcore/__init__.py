@@ -2,7 +2,8 @@
 
 ``kvcore.create(name)`` returns a KVStore with MXNet's semantics (``local``, ``device``; the
 distributed stores register themselves under ``dist_*``). ``kvcore.optim`` holds the optimizers,
-``kvcore.arrays`` the numpy/CuPy array backend and device helpers.
+``kvcore.arrays`` the numpy/CuPy array backend and device helpers. ``kvcore.shared_model`` holds the
+mshadow-ps style asynchronous shared model (``create_shared_model``).
 """
 
 from . import arrays, optim
@@ -23,6 +24,8 @@ from .handles import Handle, KVTimeoutError, wait_all
 from .registry import create, register_store, store_names
 from .sparse import RowSparseArray
 from .store_base import KVStoreBase
+from . import shared_model
+from .shared_model import ModelUpdater, SharedModel, create_shared_model
 
 __all__ = [
     "arrays",
@@ -49,4 +52,8 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "shared_model",
+    "SharedModel",
+    "create_shared_model",
+    "ModelUpdater",
 ]
