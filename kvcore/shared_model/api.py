@@ -110,6 +110,7 @@ class SharedModel:
         self._store = store  # a dist KVStore handed in; else 'dist' creates one at init
         self._cond = threading.Condition()
         self._update_lock = threading.Lock()
+        self._init_lock = threading.Lock()
         self._state = "new"
         self._ids: list[int] = []
         self._index: dict[int, int] = {}
@@ -294,7 +295,8 @@ class SharedModel:
 
         The first device to declare a key creates it (with 'dist', in the distributed store, and
         pulls its starting weights); every other device must give the same shape and dtype. Safe
-        to call again with the same values.
+        to call again with the same values. With 'dist', creating a key is collective: every
+        process must declare its keys in the same order.
 
         Raises:
             StateError, UnknownDeviceError, KeyTypeError; KeyShapeError when the shape or dtype
@@ -307,6 +309,13 @@ class SharedModel:
         key = int(key) if isinstance(key, np.integer) else key
         shape = _as_shape(shape, key)
         dtype = np.dtype(dtype)
+        # One key is created at a time, and a device that declares a key being created waits until
+        # it exists: for 'dist' this makes every process create keys in the store in the order its
+        # devices first declare them, which the store's collective init needs.
+        with self._init_lock:
+            self._init_key(shape, key, wid, dev, dtype)
+
+    def _init_key(self, shape: tuple[int, ...], key: Hashable, wid: int, dev: int, dtype: np.dtype) -> None:
         with self._cond:
             ks = self._keys.get(key)
             if ks is not None:
@@ -623,16 +632,7 @@ class SharedModel:
         wid = self._wid(dev)
         ks = self._key_for(key, wid, "check_weight")
         _check_array(data, ks.buffers.result_shape, ks.dtype, key, dev, "check_weight")
-        if self.kind == "dist":
-            reference = self._bridge.fetch(ks)
-        elif self.update_on_server:
-            with self._update_lock:
-                reference = arrays.asnumpy(self._weights[ks.key]).copy()
-        else:
-            with self._cond:
-                if not ks.published_ok:
-                    raise SharedModelError(f"check_weight(key={key!r}, dev={dev}): no complete round to compare with yet")
-                reference = arrays.asnumpy(ks.sources[ks.published_version][wid]).copy()
+        reference = self._current_value(ks, wid, "check_weight")
         mine = arrays.asnumpy(data)
         if not np.allclose(mine, reference, rtol=rtol, atol=atol, equal_nan=True):
             diff = np.abs(mine.astype(np.float64) - reference.astype(np.float64))
@@ -640,8 +640,30 @@ class SharedModel:
             raise WeightMismatchError(
                 f"check_weight(key={key!r}, dev={dev}): the array differs from the model's value; largest "
                 f"difference {float(np.nanmax(diff)):g} at index {tuple(int(i) for i in where)} "
-                f"({mine[where]!r} here, {reference[where]!r} in the model)"
+                f"({mine[where].item()!r} here, {reference[where].item()!r} in the model)"
             )
+
+    def get_weight(self, key: Hashable, dev: int) -> np.ndarray:
+        """A host copy of the model's current value of ``key``, as ``check_weight`` compares with.
+
+        For 'dist' this pulls from the servers now (blocking, with the timeout), so after
+        ``barrier()`` it sees every worker's pushes; pull_req instead returns the result of the
+        round that holds this device's latest push. For inspection and tests.
+        """
+        self._require_ready("get_weight")
+        wid = self._wid(dev)
+        return self._current_value(self._key_for(key, wid, "get_weight"), wid, "get_weight")
+
+    def _current_value(self, ks: KeyState, wid: int, op: str) -> np.ndarray:
+        if self.kind == "dist":
+            return self._bridge.fetch(ks)
+        if self.update_on_server:
+            with self._update_lock:
+                return arrays.asnumpy(self._weights[ks.key]).copy()
+        with self._cond:
+            if not ks.published_ok:
+                raise SharedModelError(f"{op}(key={ks.key!r}, dev={self._ids[wid]}): no complete round to compare with yet")
+            return arrays.asnumpy(ks.sources[ks.published_version][wid]).copy()
 
     def barrier(self) -> None:
         """'dist': wait until this process's Level-2 traffic is answered, then for every worker.

@@ -41,7 +41,7 @@ class Level2Bridge:
     Args:
         store: a KVStore whose ``push`` returns a handle without waiting for the server and whose
             ``pull(..., wait=False)`` returns a handle at once (``kvcore.create('dist_async')``).
-        updater: shipped to the servers with ``store.set_optimizer``.
+        updater: shipped to the servers with ``store.set_updater``.
         publish: ``publish(ks, round, version, sources)``: hands a round to the pull threads.
         fail: ``fail(ks, exc, what)``: stops a key whose traffic failed.
         timeout: seconds the blocking calls (``init_key``, ``fetch``, ``barrier``) wait at most.
@@ -66,7 +66,7 @@ class Level2Bridge:
         self._recv: dict[Hashable, list[np.ndarray | None]] = {}
         self._inflight = 0
         self._idle = threading.Condition()
-        store.set_optimizer(updater)
+        store.set_updater(updater)  # the dist store ships it to the servers (collective)
         self._worker = WorkerThread("shared-model-level2", PriorityWorkQueue(), self._task_failed)
         self._worker.start()
 
@@ -102,7 +102,7 @@ class Level2Bridge:
             self._settle()
 
     def fetch(self, ks: KeyState) -> np.ndarray:
-        """The servers' current weights of ``ks`` (a blocking pull; for ``check_weight``)."""
+        """The servers' current weights of ``ks`` (a blocking pull, for ``get_weight``)."""
         out = np.empty(ks.shape, ks.dtype)
 
         def pull() -> Any:
@@ -142,9 +142,22 @@ class Level2Bridge:
         else:
             send = result
         handle = self._store.push(ks.key, send, priority=priority)
-        if handle is not None:
-            handle.add_done_callback(lambda h: self._check_push(ks, round_no, h))
-        self._pull_round(ks, round_no, version, priority)
+        # Pull only once the servers took the push (as mshadow-ps made its pull depend on the
+        # push), so the weights that come back include this process's round.
+        handle.add_done_callback(lambda h: self._pushed(ks, round_no, version, priority, h))
+
+    def _pushed(self, ks: KeyState, round_no: int, version: int, priority: int, handle: Any) -> None:
+        # runs on the store's network thread: hand the pull back to the bridge thread
+        error = _handle_error(handle)
+        if error is not None:
+            self._fail(ks, error, f"pushing round {round_no} to the distributed store")
+            self._settle()
+            return
+        task = _Task(lambda: self._pull_round(ks, round_no, version, priority), ks, round_no)
+        try:
+            self._worker.queue.put(task, priority)
+        except QueueClosed:
+            self._settle()
 
     def _pull_round(self, ks: KeyState, round_no: int, version: int, priority: int) -> None:
         recv = self._recv_buffer(ks, version)
@@ -168,11 +181,6 @@ class Level2Bridge:
         finally:
             if round_no > 0:
                 self._settle()
-
-    def _check_push(self, ks: KeyState, round_no: int, handle: Any) -> None:
-        error = _handle_error(handle)
-        if error is not None:
-            self._fail(ks, error, f"pushing round {round_no} to the distributed store")
 
     def _task_failed(self, task: Any, exc: BaseException) -> None:
         if isinstance(task, _Task) and task.ks is not None:
