@@ -12,10 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-import kvcore
 from kvcore.shared_model import ConfigError, SharedModel, SumUpdater
-
-
 
 
 def _store_and_count():
