@@ -9,11 +9,15 @@ mshadow-ps style asynchronous shared model (``create_shared_model``).
 from . import arrays, optim
 from .arrays import Device, cpu, gpu, num_gpus
 from .errors import (
+    DistributedError,
+    DistTimeoutError,
     DTypeMismatchError,
     DuplicateKeyError,
     KeyTypeError,
     KVStoreError,
+    NodeDiedError,
     OptimizerError,
+    ServerError,
     OutShapeError,
     ShapeMismatchError,
     UninitializedKeyError,
@@ -52,8 +56,16 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "DistributedError",
+    "NodeDiedError",
+    "ServerError",
+    "DistTimeoutError",
     "shared_model",
     "SharedModel",
     "create_shared_model",
     "ModelUpdater",
 ]
+
+from ._role import run_role_if_asked as _run_role_if_asked  # noqa: E402
+
+_run_role_if_asked()  # DMLC_ROLE=scheduler|server: run that node and exit (MXNet's rule)
