@@ -11,16 +11,24 @@ for a 'dist' model. Either way the updater sees the same two calls:
   for 'dist', over whichever workers' pushes the server merged). Change ``self.weight(key)`` in
   place.
 
-A 'dist' model pickles its updater and ships it to every server, so a subclass must be picklable
-(a module-level class). When the runtime splits a big key across servers, each server sees its
-shard: ``data``, ``grad`` and ``self.weight(key)`` are then flat 1-D arrays.
+A 'dist' model pickles its updater and ships it to every server, so a subclass must be a
+module-level class with picklable attributes. A class defined in the training script itself
+(``__main__``) works too: the servers load that script file as a module (its ``if __name__ ==
+"__main__":`` part does not run) to find the class, so the script must exist at the same path on the
+servers' hosts. When the runtime splits a big key across servers, each server sees its shard:
+``data``, ``grad`` and ``self.weight(key)`` are then flat 1-D arrays.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+import threading
 from typing import Any, Hashable
 
 from .. import arrays
+from ..errors import OptimizerError
 
 __all__ = ["ModelUpdater", "ServerUpdater", "SumUpdater"]
 
@@ -81,6 +89,21 @@ class ServerUpdater:
         self.model_updater = model_updater
         self._fresh: set[Hashable] = set()
 
+    def __reduce__(self) -> tuple:
+        cls = type(self.model_updater)
+        if cls.__module__ != "__main__":
+            return (ServerUpdater, (self.model_updater,))
+        # A server's __main__ is not the training script, so pickle's by-name lookup would fail
+        # there: ship the script's path and the class name, and the attributes by value.
+        script = getattr(sys.modules["__main__"], "__file__", None)
+        if not script:
+            raise OptimizerError(
+                f"the updater class {cls.__qualname__} is defined in an interactive session, so the servers "
+                "cannot load it; define it in a module or a script file"
+            )
+        state = {k: v for k, v in self.model_updater.__dict__.items() if k != "_weights"}
+        return (_from_script, (os.path.abspath(script), cls.__qualname__, state))
+
     def init_key(self, key: Hashable, value: Any) -> None:
         """The server created ``key`` holding ``value``: let the updater set the starting weights."""
         self.model_updater._bind(key, value)
@@ -103,3 +126,33 @@ class ServerUpdater:
         self._fresh.discard(key)
         with arrays.device_context(arrays.device_of(stored)):
             updater.update(key, merged)
+
+
+_script_lock = threading.Lock()
+
+
+def _from_script(path: str, qualname: str, state: dict) -> ServerUpdater:
+    """Rebuild a ``ServerUpdater`` around a ``ModelUpdater`` class defined in the script ``path``."""
+    name = "_pslaunch_script_" + "".join(c if c.isalnum() else "_" for c in path)
+    with _script_lock:
+        module = sys.modules.get(name)
+        if module is None:
+            if not os.path.isfile(path):
+                raise OptimizerError(
+                    f"the updater class {qualname} comes from the script {path}, which does not exist on this "
+                    "host; put the script at the same path on every host, or define the class in an installed module"
+                )
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+    cls: Any = module
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    updater = cls.__new__(cls)
+    updater.__dict__.update(state)
+    return ServerUpdater(updater)

@@ -1,0 +1,105 @@
+"""The 'dist' shared model with real processes: a scheduler, servers and workers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("psnode.testing")
+from psnode.testing import LocalJob  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "dist_async_sum.py")
+
+
+def _check(results, workers):
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(str(r) for r in failed)
+    outputs = [r.output for r in results if r.role == "worker"]
+    assert len(outputs) == workers
+    return outputs
+
+
+@pytest.mark.slow
+def test_dist_async_sum_example_sums_three_workers_of_two_devices_on_one_server():
+    with LocalJob(num_workers=3, num_servers=1, worker=[EXAMPLE, "1", "2", "--rounds", "4", "--timeout", "30"]) as job:
+        outputs = _check(job.wait(timeout=90), 3)
+    for out in outputs:
+        # 4 rounds x 3 workers x 2 devices; key 1: 4 x 3 x (1 + 2)
+        assert "key 0 = [24.0, 24.0, 24.0], key 1 = [36.0, 36.0, 36.0]" in out, out
+        assert "ok: 3 workers x 2 devices x 4 rounds summed on the servers" in out, out
+
+
+@pytest.mark.slow
+def test_dist_model_with_two_servers_and_a_split_key(tmp_path):
+    script = tmp_path / "split_key_worker.py"
+    script.write_text(
+        "import sys, threading\n"
+        "import numpy as np\n"
+        "import kvcore\n"
+        "class Scaled(kvcore.ModelUpdater):\n"
+        "    def __init__(self, scale):\n"
+        "        self.scale = scale\n"
+        "    def init_model(self, key, data):\n"
+        "        data[...] = 1\n"
+        "    def update(self, key, grad):\n"
+        "        self.weight(key)[...] += grad * self.scale\n"
+        "if __name__ == '__main__':\n"
+        "    model = kvcore.create_shared_model('dist', updater=Scaled(0.5), device='cpu', timeout=30)\n"
+        "    model.init([0, 1])\n"
+        "    shape = (600, 5)  # 3000 elements: split across both servers (bound 1000)\n"
+        "    def run(dev):\n"
+        "        model.init_key(shape, 'w', dev)\n"
+        "        w = np.zeros(shape, np.float32)\n"
+        "        model.pull_req(w, 'w', dev)\n"
+        "        model.pull_wait('w', dev)\n"
+        "        assert np.all(w == 1), w.ravel()[:4]\n"
+        "        for _ in range(3):\n"
+        "            model.push(np.full(shape, 2, np.float32), 'w', dev)\n"
+        "            model.pull_req(w, 'w', dev)\n"
+        "            model.pull_wait('w', dev)\n"
+        "    threads = [threading.Thread(target=run, args=(d,)) for d in (0, 1)]\n"
+        "    [t.start() for t in threads]\n"
+        "    [t.join() for t in threads]\n"
+        "    model.barrier()\n"
+        "    total = model.get_weight('w', 0)\n"
+        "    model.barrier()\n"
+        "    model.close()\n"
+        "    print('TOTAL', float(total.min()), float(total.max()), model.num_workers, flush=True)\n"
+    )
+    env = {"PSLAUNCH_BIGARRAY_BOUND": "1000"}
+    with LocalJob(num_workers=2, num_servers=2, worker=[str(script)], env=env) as job:
+        outputs = _check(job.wait(timeout=90), 2)
+    # start 1; each of 2 workers sends 3 rounds of (2 + 2) * 0.5 = 2
+    for out in outputs:
+        assert "TOTAL 13.0 13.0 2" in out, out
+
+
+@pytest.mark.slow
+def test_dist_model_reports_a_failing_server_updater_naming_the_key(tmp_path):
+    script = tmp_path / "bad_updater_worker.py"
+    script.write_text(
+        "import numpy as np\n"
+        "import kvcore\n"
+        "class Broken(kvcore.ModelUpdater):\n"
+        "    def update(self, key, grad):\n"
+        "        raise ValueError('no update here')\n"
+        "if __name__ == '__main__':\n"
+        "    with kvcore.create_shared_model('dist', updater=Broken(), device='cpu', timeout=20) as model:\n"
+        "        model.init([0])\n"
+        "        model.init_key((3,), 'bias', 0)\n"
+        "        data = np.ones(3, np.float32)\n"
+        "        model.push(data, 'bias', 0)\n"
+        "        model.pull_req(data, 'bias', 0)\n"
+        "        try:\n"
+        "            model.pull_wait('bias', 0)\n"
+        "        except kvcore.shared_model.PullFailedError as exc:\n"
+        "            print('FAILED', exc, flush=True)\n"
+    )
+    with LocalJob(num_workers=1, num_servers=1, worker=[str(script)]) as job:
+        results = job.wait(timeout=60)
+    out = next(r.output for r in results if r.role == "worker")
+    assert "FAILED key 'bias'" in out, out
+    assert "no update here" in out, out
