@@ -5,7 +5,7 @@
 Each device id given runs in a thread of its own: it fills a (2, 3) array with row 0 = 1 and
 row 1 = its device id, pushes each row as a key, asks for the results and waits for them. Afterwards
 every device holds the sums: row 0 = the number of devices, row 1 = the sum of the ids. On a machine
-with GPUs the ids are GPU numbers and the sums run on the GPUs; without one they name CPU slots.
+with enough GPUs the ids are GPU numbers and the sums run on the GPUs; otherwise they name CPU slots.
 """
 
 from __future__ import annotations
@@ -49,7 +49,11 @@ def main(argv: list[str]) -> int:
     results: dict[int, np.ndarray] = {}
     errors: list[BaseException] = []
     lock = threading.Lock()
-    with kvcore.create_shared_model("local") as model:
+    device = "auto"
+    if arrays.gpu_available() and max(devids) >= arrays.num_gpus():
+        print(f"note: {arrays.num_gpus()} GPU(s) here; device ids {devids} run on CPU slots", flush=True)
+        device = "cpu"
+    with kvcore.create_shared_model("local", device=device) as model:
         model.init(devids)
 
         def target(devid: int) -> None:

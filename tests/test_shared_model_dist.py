@@ -103,3 +103,45 @@ def test_dist_model_reports_a_failing_server_updater_naming_the_key(tmp_path):
     out = next(r.output for r in results if r.role == "worker")
     assert "FAILED key 'bias'" in out, out
     assert "no update here" in out, out
+
+
+@pytest.mark.slow
+def test_pull_wait_names_the_key_when_the_server_dies(tmp_path):
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "server_dies_worker.py"
+    script.write_text(
+        "import sys\n"
+        "import numpy as np\n"
+        "import kvcore\n"
+        "from kvcore.shared_model import SumUpdater, SharedModelError\n"
+        "model = kvcore.create_shared_model('dist', updater=SumUpdater(), device='cpu', timeout=20)\n"
+        "model.init([0])\n"
+        "model.init_key((8,), 'w', 0)\n"
+        "data = np.ones(8, np.float32)\n"
+        "try:\n"
+        "    for step in range(100000):\n"
+        "        model.push(data, 'w', 0)\n"
+        "        model.pull_req(data, 'w', 0)\n"
+        "        model.pull_wait('w', 0)\n"
+        "        data[...] = 1\n"
+        "        if step == 0:\n"
+        "            print('READY', flush=True)\n"
+        "except SharedModelError as exc:\n"
+        "    print('FAILED', type(exc).__name__, exc, flush=True)\n"
+        "    sys.exit(3)\n"
+    )
+    env = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "2"}
+    with LocalJob(num_workers=1, num_servers=1, worker=[str(script)], env=env) as job:
+        deadline = time.monotonic() + 30
+        while "READY" not in next(r.output for r in job.results() if r.role == "worker"):
+            assert time.monotonic() < deadline, job.results()
+            time.sleep(0.1)
+        os.killpg(job.of("server").pid, signal.SIGKILL)
+        job.of("worker").wait(40)
+        worker = next(r for r in job.results() if r.role == "worker")
+    assert worker.returncode == 3, worker
+    assert "FAILED PullFailedError key 'w'" in worker.output, worker.output
+    assert "server" in worker.output.split("FAILED", 1)[1], worker.output
