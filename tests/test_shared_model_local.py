@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvcore
 from kvcore import arrays
 from kvcore.shared_model import (
     ConfigError,

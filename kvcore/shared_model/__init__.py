@@ -4,9 +4,10 @@
 ``create_shared_model('dist', updater=...)`` also sends each key's Level-1 result through the
 distributed KVStore's parameter servers, which apply the ``ModelUpdater`` (Level 2, asynchronous).
 
-Modules: ``api`` (the model), ``level1`` (in-process aggregation), ``level2`` (the bridge to the
-distributed store), ``updater`` (``ModelUpdater`` and its server adapter), ``queues`` (priority
-work queues and their threads), ``config`` (``set_param``), ``errors`` (the exception tree).
+Modules: ``api`` (the model), ``pulls`` (its pull side), ``level1`` (in-process aggregation),
+``level2`` (the bridge to the distributed store), ``updater`` (``ModelUpdater`` and its server
+adapter), ``queues`` (priority work queues and their threads), ``config`` (``set_param``),
+``checks`` (argument checks), ``errors`` (the exception tree).
 """
 
 from .api import MODEL_KINDS, SharedModel, create_shared_model

@@ -14,36 +14,32 @@ asynchronously.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Callable, Hashable, Iterable
 
 import numpy as np
 
 from .. import arrays
 from ..errors import KeyTypeError
+from .checks import as_shape, check_array, check_ids, check_updater_config, resolve_device_kind
 from .config import SharedModelConfig
 from .errors import (
     ConfigError,
-    DuplicatePullError,
     KeyNotInitialisedError,
     KeyShapeError,
     PullFailedError,
-    PullTimeoutError,
     SharedModelError,
     StateError,
     UnknownDeviceError,
     WeightMismatchError,
 )
-from .level1 import KeyState, Level1Buffers, PullRequest
+from .level1 import KeyState, Level1Buffers
+from .pulls import PullSide, PullTask
 from .queues import PriorityWorkQueue, QueueClosed, WorkerThread
 from .updater import ModelUpdater, ServerUpdater
 
 __all__ = ["SharedModel", "create_shared_model", "MODEL_KINDS"]
 
 MODEL_KINDS = ("local", "dist")
-
-# pull_wait wakes this often to check that the work it waits for can still happen
-_LIVENESS_SLICE = 0.2
 
 
 def create_shared_model(kind: str = "local", updater: ModelUpdater | None = None, **params: Any) -> "SharedModel":
@@ -78,16 +74,7 @@ class _PushTask:
         self.run(self)
 
 
-class _PullTask:
-    def __init__(self, ks: KeyState, request: PullRequest, worker: WorkerThread):
-        self.ks, self.request, self.worker = ks, request, worker
-        self.run: Callable[["_PullTask"], None] | None = None
-
-    def __call__(self) -> None:
-        self.run(self)
-
-
-class SharedModel:
+class SharedModel(PullSide):
     """A model shared by the devices of a process ('local') and by processes ('dist').
 
     Life cycle: ``set_param`` ... -> ``init(devices)`` -> ``init_key`` per key and device ->
@@ -182,9 +169,9 @@ class SharedModel:
         """
         if self._state != "new":
             raise StateError(f"init() was already called (devices {self._ids}); call it once")
-        ids = self._check_ids(devices)
-        self._check_updater_config()
-        use_gpu = self._resolve_device_kind(ids)
+        ids = check_ids(devices)
+        check_updater_config(self.kind, self.update_on_server, self._updater, self.config)
+        use_gpu = resolve_device_kind(self.config.device, ids)
         self._devices = [arrays.gpu(i) if use_gpu else arrays.Device("cpu", i) for i in ids]
         self._ids = ids
         self._index = {devid: wid for wid, devid in enumerate(ids)}
@@ -198,56 +185,6 @@ class SharedModel:
             except BaseException:
                 self.close()
                 raise
-
-    def _check_ids(self, devices: Iterable[int]) -> list[int]:
-        ids = list(devices) if not isinstance(devices, int) else [devices]
-        if not ids:
-            raise ConfigError("init() needs at least one device id, got an empty list")
-        for devid in ids:
-            if isinstance(devid, bool) or not isinstance(devid, (int, np.integer)) or devid < 0:
-                raise ConfigError(f"device ids are ints >= 0, got {devid!r} in {ids!r}")
-        ids = [int(d) for d in ids]
-        if len(set(ids)) != len(ids):
-            raise ConfigError(f"device ids must be distinct, got {ids}")
-        return ids
-
-    def _check_updater_config(self) -> None:
-        on_server = self.update_on_server
-        if self.kind == "dist":
-            if on_server == 0:
-                raise ConfigError(
-                    "a 'dist' model updates on the servers: update_on_server=0 is not supported; "
-                    "leave it at 1 and give a ModelUpdater"
-                )
-            if self._updater is None:
-                raise ConfigError(
-                    "a 'dist' model needs a ModelUpdater: pass create_shared_model('dist', updater=...) "
-                    "or call set_updater() before init; the servers apply it to every merged push"
-                )
-            gathered = [k for k, op in self.config.push_ops.items() if op == "gather"]
-            if gathered:
-                raise ConfigError(f"push_op 'gather' is only supported by a 'local' model; keys {gathered} ask for it")
-        elif on_server == 1 and self._updater is None:
-            raise ConfigError("update_on_server=1 needs a ModelUpdater: pass updater= or call set_updater() before init")
-        elif on_server == 0 and self._updater is not None:
-            raise ConfigError(
-                "a ModelUpdater was given but update_on_server=0 (pulls return the summed pushes and "
-                "the updater would never run); set update_on_server=1 or drop the updater"
-            )
-
-    def _resolve_device_kind(self, ids: list[int]) -> bool:
-        mode = self.config.device
-        if mode == "cpu":
-            return False
-        if mode == "auto" and not arrays.gpu_available():
-            return False
-        count = arrays.num_gpus()
-        if count == 0:
-            raise ConfigError("set_param('device', 'gpu') was given, but no usable GPU was found (CuPy sees none)")
-        too_big = [d for d in ids if d >= count]
-        if too_big:
-            raise UnknownDeviceError(f"device id(s) {too_big} name GPUs that do not exist: this machine has {count} GPU(s)")
-        return True
 
     def _make_nccl(self, use_gpu: bool, ids: list[int]) -> Any:
         mode = self.config.nccl
@@ -307,7 +244,7 @@ class SharedModel:
         if isinstance(key, bool) or not isinstance(key, (int, np.integer, str)):
             raise KeyTypeError(f"shared-model keys are ints or strs, got {key!r} of type {type(key).__name__}")
         key = int(key) if isinstance(key, np.integer) else key
-        shape = _as_shape(shape, key)
+        shape = as_shape(shape, key)
         dtype = np.dtype(dtype)
         # One key is created at a time, and a device that declares a key being created waits until
         # it exists: for 'dist' this makes every process create keys in the store in the order its
@@ -375,7 +312,7 @@ class SharedModel:
         self._require_ready("push")
         wid = self._wid(dev)
         ks = self._key_for(key, wid, "push")
-        _check_array(data, ks.shape, ks.dtype, key, dev, "push")
+        check_array(data, ks.shape, ks.dtype, key, dev, "push")
         event = arrays.record_event(data)  # the push thread's stream waits for the kernels that made data
         worker = self._worker(self._push_workers, wid)
         with self._cond:
@@ -434,189 +371,6 @@ class SharedModel:
             arrays.synchronize_stream(root)
         self._publish(ks, round_no, version, [result] * ks.ndev)
 
-    # ---- results and pulls --------------------------------------------------------------------
-    def _publish(self, ks: KeyState, round_no: int, version: int, sources: list[Any]) -> None:
-        """Round ``round_no`` of ``ks`` is readable in ``sources``: serve the pulls that wait for it."""
-        with self._cond:
-            ks.sources[version] = sources
-            ks.version_state[version] = "published"
-            if round_no > ks.published_round:
-                ks.published_round, ks.published_version, ks.published_ok = round_no, version, True
-            for request in ks.requests:
-                if request is not None and request.version is None and not request.done.is_set():
-                    if request.need_round <= round_no:
-                        self._schedule_pull(ks, request, version)
-            self._release_deferred(ks)
-            self._cond.notify_all()
-
-    def _schedule_pull(self, ks: KeyState, request: PullRequest, version: int) -> None:
-        # caller holds self._cond
-        request.version = version
-        ks.readers[version] += 1
-        worker = self._worker(self._pull_workers, request.wid)
-        task = _PullTask(ks, request, worker)
-        task.run = self._run_pull
-        try:
-            worker.queue.put(task, request.priority)
-        except QueueClosed:
-            ks.readers[version] -= 1
-
-    def _release_deferred(self, ks: KeyState) -> None:
-        # caller holds self._cond
-        waiting, ks.deferred = ks.deferred, []
-        for task in waiting:
-            try:
-                task.worker.queue.put(task, task.priority)
-            except QueueClosed:  # closing: the push is dropped with everything else queued
-                return
-
-    def pull_req(
-        self,
-        data: Any,
-        key: Hashable,
-        dev: int,
-        priority: int = 0,
-        callback: Callable[[], Any] | None = None,
-    ) -> None:
-        """Ask for ``key``'s result to be written into ``data``; returns at once.
-
-        The pull completes with the round that holds this device's latest push of the key (or,
-        when it pushed nothing yet, the newest result there is). The pull thread of ``dev`` writes
-        the result into ``data``, then runs ``callback()`` with ``dev`` made current
-        (``kvcore.arrays.current_device()``; the CUDA device for a GPU). ``pull_wait`` blocks until
-        both are done. Keep ``data`` alive and untouched until then.
-
-        Raises:
-            KeyNotInitialisedError, KeyShapeError, UnknownDeviceError, StateError;
-            DuplicatePullError when this device's previous pull of the key has not finished;
-            PullFailedError when the key failed, or an earlier pull failed and was never waited for.
-        """
-        self._require_ready("pull_req")
-        wid = self._wid(dev)
-        ks = self._key_for(key, wid, "pull_req")
-        _check_array(data, ks.buffers.result_shape, ks.dtype, key, dev, "pull_req")
-        if callback is not None and not callable(callback):
-            raise ConfigError(f"pull_req(key={key!r}, dev={dev}): callback must be callable, got {callback!r}")
-        with self._cond:
-            previous = ks.requests[wid]
-            if previous is not None and not previous.done.is_set():
-                raise DuplicatePullError(
-                    f"pull_req of key {key!r} on device {dev} while its previous pull of that key is still "
-                    f"running; call pull_wait({key!r}, {dev}) first"
-                )
-            if previous is not None and previous.error is not None and not previous.reported:
-                previous.reported = True
-                raise PullFailedError(
-                    f"an earlier pull of key {key!r} on device {dev} failed and was never waited for: {previous.error}"
-                ) from previous.error
-            if ks.error is not None:
-                raise PullFailedError(f"pull_req of key {key!r} on device {dev}: the key failed earlier: {ks.error}") from ks.error
-            request = PullRequest(data, wid, ks.pushed[wid], int(priority), callback)
-            ks.requests[wid] = request
-            if ks.published_ok and ks.published_round >= request.need_round:
-                self._schedule_pull(ks, request, ks.published_version)
-
-    def _run_pull(self, task: _PullTask) -> None:
-        ks, request = task.ks, task.request
-        device = self._devices[request.wid]
-        try:
-            if request.done.is_set():  # failed while queued
-                return
-            source = ks.sources[request.version][request.wid]
-            with arrays.device_context(device), arrays.stream_context(task.worker.stream_for(device)):
-                arrays.peer_copy(request.data, source)
-                arrays.synchronize_stream(device)
-        except BaseException as exc:
-            self._finish_pull(ks, request, exc, "copying the result into the pulled array")
-            return
-        finally:
-            with self._cond:
-                ks.readers[request.version] -= 1
-                if ks.readers[request.version] == 0:
-                    self._release_deferred(ks)
-        error = None
-        if request.callback is not None:
-            try:
-                with arrays.device_context(device), arrays.stream_context(task.worker.stream_for(device)):
-                    request.callback()
-                    arrays.synchronize_stream(device)
-            except BaseException as exc:
-                error = exc
-        self._finish_pull(ks, request, error, "the pull's callback")
-
-    def _finish_pull(self, ks: KeyState, request: PullRequest, exc: BaseException | None, what: str) -> None:
-        with self._cond:
-            if request.done.is_set():
-                return
-            if exc is not None:
-                error = PullFailedError(
-                    f"pull of key {ks.key!r} on device {self._ids[request.wid]}: {what} raised {type(exc).__name__}: {exc}"
-                )
-                error.__cause__ = exc
-                request.error = error
-            request.done.set()
-            self._cond.notify_all()
-
-    def pull_wait(self, key: Hashable, dev: int, timeout: float | None = None) -> None:
-        """Block until device ``dev``'s pull of ``key`` is done; return at once when none is outstanding.
-
-        Gives up after ``timeout`` seconds (default: ``set_param('timeout', ...)``, 120 s) with an
-        error that says what the pull still waits for: devices that have not pushed, the
-        distributed store, or a busy pull thread. The pull itself goes on.
-
-        Raises:
-            PullTimeoutError; PullFailedError when the pull, its callback or the key failed;
-            StateError when the model is closed meanwhile; KeyNotInitialisedError, UnknownDeviceError.
-        """
-        self._require_ready("pull_wait")
-        wid = self._wid(dev)
-        ks = self._key_for(key, wid, "pull_wait")
-        limit = self.config.timeout if timeout is None else float(timeout)
-        with self._cond:
-            request = ks.requests[wid]
-        if request is None:
-            return
-        deadline = time.monotonic() + limit
-        while not request.done.wait(max(0.0, min(_LIVENESS_SLICE, deadline - time.monotonic()))):
-            if self._state != "ready":
-                raise StateError(f"pull_wait(key={key!r}, dev={dev}): the model was closed while waiting")
-            dead = [w.name for w in self._push_workers + self._pull_workers if not w.is_alive()]
-            if dead:
-                raise PullFailedError(f"pull_wait(key={key!r}, dev={dev}): worker thread(s) {dead} stopped")
-            if time.monotonic() >= deadline:
-                raise PullTimeoutError(
-                    f"pull_wait(key={key!r}, dev={dev}) timed out after {limit:g} s: {self._diagnose(ks, request)}"
-                )
-        with self._cond:
-            if request.error is not None and not request.reported:
-                request.reported = True
-                raise request.error
-
-    def _diagnose(self, ks: KeyState, request: PullRequest) -> str:
-        with self._cond:
-            if request.version is not None:
-                return (
-                    f"the result is ready, but the copy is still queued on device {self._ids[request.wid]}'s pull "
-                    "thread (a callback that blocks holds that thread up)"
-                )
-            missing = [self._ids[w] for w in ks.missing_devices(request.need_round)]
-            if request.need_round == 0 and ks.published_round < 0:
-                return (
-                    f"nothing was pushed to key {ks.key!r} yet, and with update_on_server=0 a pull returns "
-                    "the combined pushes of a round: push first"
-                )
-            if missing:
-                return (
-                    f"device(s) {missing} have not pushed key {ks.key!r} for round {request.need_round} yet; "
-                    "Level 1 completes a pull only when every device has pushed the key"
-                )
-            if self.kind == "dist":
-                return (
-                    f"round {request.need_round} of key {ks.key!r} was combined on this process and sent to the "
-                    "distributed store (Level 2), whose answer has not come back"
-                )
-            return f"round {request.need_round} of key {ks.key!r} is still being copied in on the devices' push threads"
-
     # ---- debugging and shutdown -------------------------------------------------------------
     def check_weight(self, data: Any, key: Hashable, dev: int, rtol: float = 0.0, atol: float = 0.0) -> None:
         """Check that ``data`` on device ``dev`` equals the model's current value of ``key``.
@@ -631,7 +385,7 @@ class SharedModel:
         self._require_ready("check_weight")
         wid = self._wid(dev)
         ks = self._key_for(key, wid, "check_weight")
-        _check_array(data, ks.buffers.result_shape, ks.dtype, key, dev, "check_weight")
+        check_array(data, ks.buffers.result_shape, ks.dtype, key, dev, "check_weight")
         reference = self._current_value(ks, wid, "check_weight")
         mine = arrays.asnumpy(data)
         if not np.allclose(mine, reference, rtol=rtol, atol=atol, equal_nan=True):
@@ -736,7 +490,7 @@ class SharedModel:
     def _task_failed(self, task: Any, exc: BaseException) -> None:
         if isinstance(task, _PushTask):
             self._fail_key(task.ks, exc, f"copying device {self._ids[task.wid]}'s push of round {task.round_no}")
-        elif isinstance(task, _PullTask):
+        elif isinstance(task, PullTask):
             self._finish_pull(task.ks, task.request, exc, "the pull")
 
     def _fail_key(self, ks: KeyState, exc: BaseException, what: str) -> None:
@@ -752,24 +506,3 @@ class SharedModel:
                     request.done.set()
             ks.deferred = []
             self._cond.notify_all()
-
-
-def _as_shape(shape: Any, key: Hashable) -> tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)):
-        shape = (int(shape),)
-    try:
-        dims = tuple(int(d) for d in shape)
-    except TypeError as exc:
-        raise KeyShapeError(f"init_key of key {key!r}: shape must be a tuple of ints, got {shape!r}") from exc
-    if any(d < 0 for d in dims):
-        raise KeyShapeError(f"init_key of key {key!r}: shape {dims} has a negative dimension")
-    return dims
-
-
-def _check_array(data: Any, shape: tuple[int, ...], dtype: np.dtype, key: Hashable, dev: int, op: str) -> None:
-    if not arrays.is_array(data):
-        raise KeyShapeError(f"{op} of key {key!r} on device {dev}: expected a numpy or CuPy array, got {type(data).__name__}")
-    if tuple(data.shape) != shape:
-        raise KeyShapeError(f"{op} of key {key!r} on device {dev}: the key has shape {shape}, the array has shape {tuple(data.shape)}")
-    if np.dtype(data.dtype) != dtype:
-        raise KeyShapeError(f"{op} of key {key!r} on device {dev}: the key has dtype {dtype}, the array has dtype {np.dtype(data.dtype)}")
