@@ -41,4 +41,4 @@ def test_overlap_example_under_dist_trains_identical_weights_with_one_worker(tmp
     report = json.loads(out.read_text())
     assert report["kind"] == "dist" and report["workers"] == 1
     assert report["identical_weights"] is True
-    assert report["results"]["overlap"]["test_accuracy"] > 0.7
+    assert report["results"]["overlap"]["test_accuracy"] > 0.5  # one epoch; chance is 0.1
