@@ -85,18 +85,23 @@ def main(argv: list[str]) -> int:
             return 1
         model.barrier()  # every worker's rounds are on the servers now
         totals = {key: model.get_weight(key, args.devices[0]) for key in (0, 1)}
-        model.barrier()  # nobody leaves (and closes its connection) before everyone has read
+        code = report(rank, workers, args, totals, seen)
+        model.barrier()  # nobody leaves (and ends its part of the job) before everyone has read
+    return code
+
+
+def report(rank, workers, args, totals, seen) -> int:
+    """Print this worker's totals; 0 when they are the expected sums."""
     ndev = len(args.devices)
     expected = {0: args.rounds * workers * ndev, 1: args.rounds * workers * sum(args.devices)}
     # asynchronous: each pull saw at least this process's own pushes so far
     monotone = all(t[i] >= (i + 1) * ndev for t in seen.values() for i in range(len(t)))
     print(f"worker {rank}: key 0 = {totals[0].tolist()}, key 1 = {totals[1].tolist()}", flush=True)
     if not all(np.all(totals[k] == expected[k]) for k in (0, 1)) or not monotone:
-        print(f"worker {rank}: error: expected key 0 = {expected[0]} and key 1 = {expected[1]}", file=sys.stderr)
+        print(f"worker {rank}: error: expected key 0 = {expected[0]} and key 1 = {expected[1]}", file=sys.stderr, flush=True)
         return 1
     print(f"worker {rank}: ok: {workers} workers x {ndev} devices x {args.rounds} rounds summed on the servers", flush=True)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

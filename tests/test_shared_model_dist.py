@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,28 @@ def test_pull_wait_names_the_key_when_the_server_dies(tmp_path):
     assert worker.returncode == 3, worker
     assert "FAILED PullFailedError key 'w'" in worker.output, worker.output
     assert "server" in worker.output.split("FAILED", 1)[1], worker.output
+
+
+@pytest.mark.slow
+def test_dist_async_sum_example_under_pslaunch():
+    import importlib.util
+    import os
+    import signal
+    import subprocess
+
+    if importlib.util.find_spec("launcher.cli") is None:
+        pytest.skip("the pslaunch launcher is not installed in this tree")
+    argv = [sys.executable, "-m", "launcher.cli", "--launcher", "local", "-s", "1", "-n", "3", EXAMPLE, "1", "2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "PS_", "PSLAUNCH_"))}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out
+    # 5 rounds x 3 workers x 2 devices; key 1: 5 x 3 x (1 + 2)
+    assert out.count("key 0 = [30.0, 30.0, 30.0], key 1 = [45.0, 45.0, 45.0]") == 3, out
+    assert out.count("ok: 3 workers x 2 devices x 5 rounds summed on the servers") == 3, out
