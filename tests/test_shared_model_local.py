@@ -417,3 +417,62 @@ def test_a_device_pushing_rounds_ahead_waits_for_buffers_and_gets_the_latest_rou
     model.pull_wait("g", 1)
     np.testing.assert_array_equal(out0, [33, 33])
     np.testing.assert_array_equal(out1, [33, 33])
+
+
+@pytest.mark.parametrize("threads", ["ndev", "one"])
+def test_random_priorities_and_wait_orders_keep_every_round_exact(make_model, threads):
+    devids = [0, 1, 2, 3]
+    keys = [f"k{i}" for i in range(6)]
+    model = make_model(devids, push_thread=threads, pull_thread=threads)
+    rounds = 15
+    wrong = []
+
+    def device(devid):
+        rng = np.random.default_rng(devid)
+        for key in keys:
+            model.init_key((3, 7), key, devid, dtype=np.int64)
+        bufs = {key: np.empty((3, 7), np.int64) for key in keys}
+        for r in range(rounds):
+            for i, key in enumerate(rng.permutation(keys)):
+                bufs[key][...] = 1000 * r + 10 * devid + int(key[1:])
+                model.push(bufs[key], key, devid, priority=int(rng.integers(-3, 4)))
+                model.pull_req(bufs[key], key, devid, priority=int(rng.integers(-3, 4)))
+            for key in rng.permutation(keys):
+                model.pull_wait(key, devid)
+                expected = 4 * 1000 * r + 10 * sum(devids) + 4 * int(key[1:])
+                if not np.all(bufs[key] == expected):
+                    wrong.append((devid, r, key, int(bufs[key][0, 0]), expected))
+
+    _run_threads(device, devids)
+    assert wrong == []
+
+
+def test_lockstep_device_gets_exact_rounds_while_another_pushes_ahead(make_model):
+    model = make_model([0, 1])
+    for devid in (0, 1):
+        model.init_key((4,), "g", devid, dtype=np.int64)
+    rounds = 12
+    ahead = [np.full(4, 100 * (r + 1), np.int64) for r in range(rounds)]
+    seen = []
+
+    def lockstep():
+        mine = np.zeros(4, np.int64)
+        for r in range(rounds):
+            mine[...] = r + 1
+            model.push(mine, "g", 0)
+            model.pull_req(mine, "g", 0)
+            model.pull_wait("g", 0)
+            seen.append(mine.copy())
+
+    t = threading.Thread(target=lockstep)
+    t.start()
+    for value in ahead:  # all rounds at once, never waiting
+        model.push(value, "g", 1)
+    t.join(30)
+    assert not t.is_alive()
+    for r, got in enumerate(seen):
+        np.testing.assert_array_equal(got, np.full(4, 101 * (r + 1)), err_msg=f"round {r + 1}")
+    last = np.zeros(4, np.int64)
+    model.pull_req(last, "g", 1)
+    model.pull_wait("g", 1)
+    np.testing.assert_array_equal(last, np.full(4, 101 * rounds))
