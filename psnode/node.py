@@ -32,11 +32,12 @@ from .errors import (
 from .protocol import Cmd, FLAG_ERROR, pack_header, pack_json, unpack_header, unpack_json
 from .transport import Transport, create_transport
 
-__all__ = ["Node", "PeerInfo", "host_fingerprint", "logger", "same_host_path"]
+__all__ = ["Node", "PeerInfo", "host_fingerprint", "logger", "setup_logging"]
 
 logger = logging.getLogger("psnode")
 
 SCHEDULER = b"scheduler"
+_IDLE_DELAY = 0.0002  # how long held-back acknowledgements wait for a reply to ride along with
 
 _CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN, Cmd.NODE_DIED}
@@ -71,16 +72,6 @@ def host_fingerprint() -> str:
     return f"{boot}:{netns}"
 
 
-def same_host_path() -> str:
-    """``ipc`` (default) or ``tcp``: how peers on one host talk (``PSLAUNCH_SAME_HOST``)."""
-    value = os.environ.get("PSLAUNCH_SAME_HOST", "ipc").strip().lower() or "ipc"
-    if value not in ("ipc", "tcp"):
-        from .errors import EnvError
-
-        raise EnvError(f"environment variable PSLAUNCH_SAME_HOST={value!r} must be ipc or tcp")
-    return value
-
-
 def setup_logging(verbose: int) -> None:
     """Log to stderr at INFO (PS_VERBOSE=1) or DEBUG (2)."""
     if verbose <= 0 or logger.handlers:
@@ -104,7 +95,7 @@ class Node:
         self.role = role
         self.host = env.advertised_host()
         self.fingerprint = host_fingerprint()
-        self.same_host = same_host_path()
+        self.same_host = env.same_host
         self.transport: Transport = create_transport(transport, b"")
         job = re.sub(r"[^A-Za-z0-9_.-]", "_", env.job_id)[:40]
         self.local_name = f"{job}-{role}-{os.getpid()}-{os.urandom(3).hex()}"
@@ -215,6 +206,9 @@ class Node:
         wait = timeout
         if self.env.heartbeat_interval > 0:
             wait = max(0.0, min(wait, self._next_heartbeat - now))
+        if self.idle_work and not self.transport.poll(min(wait, _IDLE_DELAY)):
+            self.on_idle()  # nothing came for a moment: send what was held back to share a message
+            return
         if not self.transport.poll(wait):
             return
         try:
@@ -228,6 +222,11 @@ class Node:
 
     def after_batch(self) -> None:
         """Called after each batch of received messages (the server sends its gathered replies here)."""
+
+    idle_work = False  # True while on_idle has something to send once the node is idle
+
+    def on_idle(self) -> None:
+        """Called when ``idle_work`` is set and no message arrived for ``_IDLE_DELAY`` seconds."""
 
     def _heartbeat(self, now: float) -> None:
         interval = self.env.heartbeat_interval
