@@ -2,7 +2,8 @@
 
 ``kvcore.create(name)`` returns a KVStore with MXNet's semantics (``local``, ``device``; the
 distributed stores register themselves under ``dist_*``). ``kvcore.optim`` holds the optimizers,
-``kvcore.arrays`` the numpy/CuPy array backend and device helpers.
+``kvcore.arrays`` the numpy/CuPy array backend and device helpers. ``kvcore.shared_model`` holds the
+mshadow-ps style asynchronous shared model (``create_shared_model``).
 """
 
 from . import arrays, optim
@@ -29,6 +30,8 @@ from .registry import create, register_store, store_names
 from .sparse import RowSparseArray
 from .store_base import KVStoreBase
 from .trainer import Parameter, Trainer
+from . import shared_model
+from .shared_model import ModelUpdater, SharedModel, create_shared_model
 
 __all__ = [
     "arrays",
@@ -63,6 +66,10 @@ __all__ = [
     "SplitSampler",
     "Trainer",
     "Parameter",
+    "shared_model",
+    "SharedModel",
+    "create_shared_model",
+    "ModelUpdater",
 ]
 
 from ._role import run_role_if_asked as _run_role_if_asked  # noqa: E402

@@ -35,6 +35,16 @@ __all__ = [
     "zeros",
     "empty",
     "device_context",
+    "current_device",
+    "new_stream",
+    "stream_context",
+    "record_event",
+    "wait_event",
+    "synchronize_stream",
+    "pinned_empty",
+    "peer_copy",
+    "nccl_available",
+    "NcclGroup",
 ]
 
 _probe_lock = threading.Lock()
@@ -167,10 +177,44 @@ def _require_gpu(device: Device) -> ModuleType:
 
 
 def device_context(device: Device):
-    """A context manager that makes ``device`` current (a no-op for the CPU)."""
-    if device.is_gpu:
-        return _require_gpu(device).cuda.Device(device.index)
-    return _NullContext()
+    """A context manager that makes ``device`` current in this thread.
+
+    For a GPU it makes the CUDA device current; for the CPU it changes nothing on the hardware.
+    Either way ``current_device()`` answers ``device`` inside it, so code that runs on behalf of a
+    device (a shared-model callback, say) can ask where it is.
+    """
+    return _DeviceScope(device)
+
+
+_thread_state = threading.local()
+
+
+def current_device() -> Device:
+    """The device made current by the innermost ``device_context`` of this thread (CPU outside any)."""
+    stack = getattr(_thread_state, "devices", None)
+    return stack[-1] if stack else Device("cpu", 0)
+
+
+class _DeviceScope:
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._cuda_device: Any = None
+
+    def __enter__(self) -> None:
+        if self.device.is_gpu:
+            self._cuda_device = _require_gpu(self.device).cuda.Device(self.device.index)
+            self._cuda_device.__enter__()
+        stack = getattr(_thread_state, "devices", None)
+        if stack is None:
+            stack = _thread_state.devices = []
+        stack.append(self.device)
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        _thread_state.devices.pop()
+        if self._cuda_device is not None:
+            self._cuda_device.__exit__(*exc)
+            self._cuda_device = None
 
 
 class _NullContext:
@@ -219,7 +263,10 @@ def copy_into(dst: Any, src: Any) -> None:
             np.copyto(dst, src, casting="unsafe")
         return
     if not dst_dev.is_gpu:  # GPU -> host
-        np.copyto(dst, asnumpy(src), casting="unsafe")
+        if dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype:
+            src.get(out=dst)  # straight into dst: no temporary host array (dst may be pinned)
+        else:
+            np.copyto(dst, asnumpy(src), casting="unsafe")
         return
     cp = _require_gpu(dst_dev)
     with cp.cuda.Device(dst_dev.index):
@@ -247,3 +294,174 @@ def empty(shape: Any, dtype: Any = np.float32, device: Device | None = None) -> 
         with cp.cuda.Device(device.index):
             return cp.empty(shape, dtype=dtype)
     return np.empty(shape, dtype=dtype)
+
+
+# ---- streams, events, pinned host memory and NCCL (used by kvcore.shared_model) ----------------
+# These helpers keep every CUDA detail in this module. On the CPU they are no-ops or plain numpy,
+# so callers need no "if gpu" branches of their own.
+
+
+def new_stream(device: Device) -> Any:
+    """A new non-blocking CUDA stream on ``device`` (None for the CPU).
+
+    Communication threads use their own stream so that their copies do not queue behind the
+    compute kernels of the default stream.
+    """
+    if not device.is_gpu:
+        return None
+    cp = _require_gpu(device)
+    with cp.cuda.Device(device.index):
+        return cp.cuda.Stream(non_blocking=True)
+
+
+def stream_context(stream: Any):
+    """Make ``stream`` (from ``new_stream``) current in this thread; a no-op for None."""
+    return _NullContext() if stream is None else stream
+
+
+def record_event(array: Any) -> Any:
+    """Record an event on the current stream of the device that holds ``array`` (None on the CPU).
+
+    Another thread passes it to ``wait_event`` so that its stream waits for the work queued so far
+    (the kernels that produced ``array``) without blocking the host.
+    """
+    cp = cupy_module()
+    if cp is None or not isinstance(array, cp.ndarray):
+        return None
+    with cp.cuda.Device(array.device.id):
+        event = cp.cuda.Event(disable_timing=True)
+        event.record()
+        return event
+
+
+def wait_event(event: Any) -> None:
+    """Make the current stream wait for ``event`` (from ``record_event``); a no-op for None."""
+    if event is not None:
+        cupy_module().cuda.get_current_stream().wait_event(event)
+
+
+def synchronize_stream(device: Device) -> None:
+    """Block until the current stream of this thread on ``device`` has finished its work."""
+    if device.is_gpu:
+        cp = _require_gpu(device)
+        with cp.cuda.Device(device.index):
+            cp.cuda.get_current_stream().synchronize()
+
+
+def pinned_empty(shape: Any, dtype: Any = np.float32) -> np.ndarray:
+    """A host array in page-locked (pinned) memory when CuPy is usable, else a plain numpy array.
+
+    Pinned memory lets host<->GPU copies run at full bus speed; it is scarce, so callers allocate
+    it once and reuse it.
+    """
+    dtype = np.dtype(dtype)
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (int(shape),)
+    count = int(np.prod(shape, dtype=np.int64))
+    cp = cupy_module()
+    if cp is None or count == 0:
+        return np.empty(shape, dtype=dtype)
+    memory = cp.cuda.alloc_pinned_memory(count * dtype.itemsize)
+    return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
+
+
+def peer_copy(dst: Any, src: Any) -> None:
+    """Copy ``src`` into ``dst``, both contiguous GPU arrays of one size, possibly on two GPUs.
+
+    Queued on the current stream as a raw device-to-device (peer) copy, which needs no kernel on
+    either device; call ``synchronize_stream`` before relying on ``dst``. Anything else (host
+    arrays, other dtypes or layouts) goes through ``copy_into``, which completes before it returns.
+    """
+    cp = cupy_module()
+    if (
+        cp is None
+        or not isinstance(dst, cp.ndarray)
+        or not isinstance(src, cp.ndarray)
+        or dst.nbytes != src.nbytes
+        or dst.dtype != src.dtype
+        or not (dst.flags.c_contiguous and src.flags.c_contiguous)
+    ):
+        copy_into(dst, src)
+        return
+    # cudaMemcpy with unified addressing moves the bytes between any two GPUs; the copy is queued on
+    # the caller's current stream so that it orders with the caller's other work.
+    dst.data.copy_from_device_async(src.data, src.nbytes, cp.cuda.get_current_stream())
+
+
+_NCCL_TYPES = {
+    "float16": "NCCL_FLOAT16",
+    "float32": "NCCL_FLOAT32",
+    "float64": "NCCL_FLOAT64",
+    "int8": "NCCL_INT8",
+    "uint8": "NCCL_UINT8",
+    "int32": "NCCL_INT32",
+    "int64": "NCCL_INT64",
+}
+
+
+def _nccl_module() -> ModuleType | None:
+    if cupy_module() is None:
+        return None
+    try:
+        from cupy.cuda import nccl
+    except Exception:  # CuPy built without NCCL, or libnccl missing
+        return None
+    return nccl if getattr(nccl, "available", True) else None
+
+
+def nccl_available() -> bool:
+    """True when CuPy's NCCL binding is usable (it needs a GPU and libnccl)."""
+    return _nccl_module() is not None
+
+
+class NcclGroup:
+    """One NCCL communicator per GPU of this process, for in-process all-reduce.
+
+    ``allreduce_sum(buffers)`` takes one contiguous array per GPU, in the order of the GPU indices
+    given here, and leaves the element-wise sum in every one of them. Each GPU works on a stream of
+    its own; the call returns once every GPU has the result.
+
+    Not thread-safe: one thread at a time may run a collective on a group.
+    """
+
+    def __init__(self, device_indices: list[int]) -> None:
+        nccl = _nccl_module()
+        if nccl is None:
+            raise RuntimeError("NCCL is not usable here (no GPU, or CuPy was built without NCCL)")
+        cp = cupy_module()
+        self._nccl = nccl
+        self.device_indices = list(device_indices)
+        self._comms = nccl.NcclCommunicator.initAll(self.device_indices)
+        self._streams = []
+        for index in self.device_indices:
+            with cp.cuda.Device(index):
+                self._streams.append(cp.cuda.Stream(non_blocking=True))
+
+    def allreduce_sum(self, buffers: list[Any]) -> None:
+        """Sum ``buffers`` (one per GPU, same shape and dtype) in place on every GPU."""
+        cp = cupy_module()
+        nccl = self._nccl
+        if len(buffers) != len(self._comms):
+            raise ValueError(f"NCCL group has {len(self._comms)} GPUs, got {len(buffers)} buffers")
+        name = _NCCL_TYPES.get(np.dtype(buffers[0].dtype).name)
+        if name is None:
+            raise TypeError(f"NCCL cannot reduce dtype {buffers[0].dtype}; use one of {sorted(_NCCL_TYPES)}")
+        datatype = getattr(nccl, name)
+        nccl.groupStart()
+        try:
+            for comm, stream, buf, index in zip(self._comms, self._streams, buffers, self.device_indices):
+                with cp.cuda.Device(index):
+                    comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, datatype, nccl.NCCL_SUM, stream.ptr)
+        finally:
+            nccl.groupEnd()
+        for stream, index in zip(self._streams, self.device_indices):
+            with cp.cuda.Device(index):
+                stream.synchronize()
+
+    def close(self) -> None:
+        """Release the communicators."""
+        for comm in self._comms:
+            try:
+                comm.destroy()
+            except Exception:  # already gone; nothing left to free
+                pass
+        self._comms = []
