@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs on a fresh Debian/Ubuntu machine, then runs every test.
 #   system packages: openssh-server + client (ssh backend tests), rsync (code sync), Open MPI (mpi backend)
-#   Python: a virtual environment in .venv with pslaunch installed editable, plus the test extra
+#   Python: a virtual environment in .venv with pslaunch installed editable, plus the test extra and
+#           the torch extra (torch==2.13.0, the CPU build, for the PyTorch training example)
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -k kvstore`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,5 +22,5 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,torch]'
 exec .venv/bin/python -m pytest "$@"
