@@ -183,3 +183,20 @@ def test_the_ported_mxnet_dist_sync_check_passes_with_every_role_running_the_scr
 
 def test_lists_of_many_small_keys_stay_exact_when_the_access_pattern_changes():
     run_ok("key_lists.py", workers=3, servers=2)
+
+
+def test_a_user_updater_with_init_key_runs_on_the_servers_and_its_errors_reach_the_workers():
+    env = {**SMALL_BOUND, "PSLAUNCH_BIGARRAY_BOUND": "100000", "PYTHONPATH": f"{SCRIPTS}:{Path(__file__).resolve().parent.parent}"}
+    run_ok("updater_protocol.py", workers=2, servers=2, env=env)
+
+
+def test_push_copies_its_values_and_pull_handles_complete_with_callbacks_in_dist_device_sync():
+    run_ok("handles.py", workers=2, servers=2)
+
+
+def test_creating_a_dist_store_without_the_environment_names_the_missing_variable():
+    with LocalJob(1, 1, start_scheduler=False, start_servers=0) as job:
+        job.start("worker", 0, [sys.executable, "-c", "import kvcore; kvcore.create('dist_sync')"],
+                  {"DMLC_ROLE": "", "DMLC_PS_ROOT_URI": ""})
+        [result] = job.wait(30)
+    assert result.returncode == 1 and "DistributedError" in result.output and "DMLC_PS_ROOT_URI is not set" in result.output, result
