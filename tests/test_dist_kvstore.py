@@ -200,3 +200,25 @@ def test_creating_a_dist_store_without_the_environment_names_the_missing_variabl
                   {"DMLC_ROLE": "", "DMLC_PS_ROOT_URI": ""})
         [result] = job.wait(30)
     assert result.returncode == 1 and "DistributedError" in result.output and "DMLC_PS_ROOT_URI is not set" in result.output, result
+
+
+def test_killing_the_scheduler_makes_every_node_fail_naming_it():
+    env = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "1.5"}
+    with LocalJob(2, 1, worker=script("loop_until_failure.py"), env=env) as job:
+        for i in range(2):
+            wait_for_line(job, "worker", i, r"^READY")
+        job.of("scheduler").kill()
+        results = job.wait(20)
+    for r in results:
+        if r.role == "worker":
+            assert r.returncode == 3 and re.search(r"^DIED scheduler 0 .*the scheduler at 127\.0\.0\.1:\d+ died", r.output, re.M), r
+        elif r.role == "server":
+            assert r.returncode == 1 and "the scheduler at 127.0.0.1" in r.output, r
+
+
+def test_two_workers_asking_for_the_same_worker_id_are_refused_naming_both():
+    fixed = [{"DMLC_WORKER_ID": "0"}, {"DMLC_WORKER_ID": "0"}]
+    with LocalJob(2, 1, worker=script("sums.py"), worker_env=fixed) as job:
+        results = job.wait(30)
+    for r in results:
+        assert r.returncode != 0 and "two workers asked for DMLC_WORKER_ID=0" in r.output, r
