@@ -40,7 +40,8 @@ SCHEDULER = b"scheduler"
 _IDLE_DELAY = 0.0002  # how long held-back acknowledgements wait for a reply to ride along with
 
 _CONTROL_CMDS = frozenset(
-    {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN, Cmd.NODE_DIED}
+    {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN, Cmd.NODE_DIED,
+     Cmd.WORKER_FINISHED}
 )
 
 
@@ -291,6 +292,10 @@ class Node:
             info = unpack_json(frames[1])
             self.fail(PeerDiedError(info["message"], info.get("role", ""), int(info.get("rank", -1)), info.get("host", "")))
             return
+        if cmd == Cmd.WORKER_FINISHED:
+            info = unpack_json(frames[1])
+            self.on_worker_finished(int(info["rank"]), str(info["node"]))
+            return
         if cmd == Cmd.SHUTDOWN:
             self.shutdown_requested = True
             self.send_control(Cmd.SHUTDOWN_ACK, req_id)
@@ -334,3 +339,6 @@ class Node:
 
     def on_failure(self, error: BaseException) -> None:
         """Called once with the first failure."""
+
+    def on_worker_finished(self, rank: int, node: str) -> None:
+        """Called when the scheduler says worker ``rank`` (described by ``node``) finished."""

@@ -72,6 +72,7 @@ class Cmd(enum.IntEnum):
     SHUTDOWN = 10
     SHUTDOWN_ACK = 11
     NODE_DIED = 12
+    WORKER_FINISHED = 13
     INIT = 20
     INIT_ACK = 21
     PUSH = 22

@@ -197,6 +197,10 @@ class Scheduler:
         elif cmd == Cmd.FINISH:
             member.finished = True
             self.transport.send(sender, [pack_header(Cmd.FINISH_ACK, req_id)])
+            note = pack_json({"rank": member.peer.rank, "node": member.peer.describe()})
+            for uid, other in self.members.items():
+                if other.peer.role == "server":  # rounds that still wait for this worker can never close
+                    self.transport.send(uid, [pack_header(Cmd.WORKER_FINISHED), note])
             logger.info("scheduler: %s finished", member.peer.describe())
             self._fail_blocked_barriers()
         elif cmd == Cmd.NODE_DIED:

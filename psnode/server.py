@@ -234,6 +234,26 @@ class ServerNode(Node):
         logger.info("server %d refuses a request of %s: %s", self.rank, peer.describe(), message)
         self.transport.send(peer.uid.encode(), [pack_header(cmd, req_id, flags=FLAG_ERROR), pack_json({"error": message})])
 
+    def on_worker_finished(self, rank: int, node: str) -> None:
+        """Fail the pulls that wait for a round this worker will never push to (instead of hanging)."""
+        self.store.finished[rank] = node
+        failed: dict[tuple[int, int], str] = {}
+        for shard in self.store.shards.values():
+            if shard.waiting:
+                blocked = self.store.blocked(shard.user_key, shard.sync, shard.count, shard.pushed)
+                if blocked:
+                    for worker, req_id, _, _ in shard.waiting:
+                        failed.setdefault((worker, req_id), blocked)
+                    shard.waiting = []
+        for group in list(self._groups.by_keys.values()):
+            blocked = self.store.blocked(group.shards[0].user_key, True, group.count, group.pushed)
+            if group.waiting and blocked:
+                for worker, req_id, _, _ in group.waiting:
+                    failed.setdefault((worker, req_id), blocked)
+                group.waiting = []
+        for (worker, req_id), message in failed.items():
+            self._reply_error(self.workers[worker], Cmd.PULL_REPLY, req_id, message)
+
     def on_failure(self, error: BaseException) -> None:
         """A failed server stops serving; ``run`` raises the error."""
 

@@ -171,6 +171,7 @@ class ServerStore:
         self.backend = backend or _HostBackend()
         self.shards: dict[int, Shard] = {}
         self.updater: Any = None
+        self.finished: dict[int, str] = {}  # workers that left the job: rank -> description
 
     # ---- init / updater ------------------------------------------------------------------
     def init(self, key_id: int, user_key: Hashable, value: np.ndarray, sync: bool, row_size: int) -> None:
@@ -311,11 +312,28 @@ class ServerStore:
 
     # ---- pull ----------------------------------------------------------------------------
     def pull(self, shard: Shard, worker: int, req_id: int, index: int, seq: int, answer: Answer) -> None:
-        """Answer a pull now, or once the pushes it must include have been applied."""
+        """Answer a pull now, or once the pushes it must include have been applied.
+
+        Raises:
+            KeyError_: the pull waits for a round that a finished worker never pushed to.
+        """
         if shard.ready_for(worker, seq):
             answer(worker, req_id, index, shard)
-        else:
-            shard.waiting.append((worker, req_id, index, seq))
+            return
+        blocked = self.blocked(shard.user_key, shard.sync, shard.count, shard.pushed)
+        if blocked:
+            raise KeyError_(blocked)
+        shard.waiting.append((worker, req_id, index, seq))
+
+    def blocked(self, key: Hashable, sync: bool, count: int, pushed: set) -> str | None:
+        """Why an open round of ``key`` can never close (a finished worker did not push), or None."""
+        if not sync or not count or not self.finished:
+            return None
+        gone = [node for rank, node in self.finished.items() if rank not in pushed]
+        if not gone:
+            return None
+        return (f"the current round of key {key!r} can never close: {', '.join(gone)} finished without pushing "
+                "it (every worker must push a key the same number of times in dist_sync)")
 
     def rows(self, shard: Shard, rows: np.ndarray) -> np.ndarray:
         """The stored rows ``rows`` (ids local to the shard) as a host array.

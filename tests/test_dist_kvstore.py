@@ -222,3 +222,7 @@ def test_two_workers_asking_for_the_same_worker_id_are_refused_naming_both():
         results = job.wait(30)
     for r in results:
         assert r.returncode != 0 and "two workers asked for DMLC_WORKER_ID=0" in r.output, r
+
+
+def test_a_pull_waiting_for_a_worker_that_already_finished_fails_naming_it_instead_of_hanging():
+    run_ok("uneven.py", workers=2, servers=1)
