@@ -181,6 +181,8 @@ def unpack_entries(frame: Any, frame_sizes: list[int] | None = None) -> list[tup
     if frame_sizes is not None:
         count = len(frame_sizes)
         for row in rows:
+            if row[2] == 0xFFFFFFFF:  # the part lies in shared memory (psnode.shm), not in a frame
+                continue
             if row[2] >= count or row[3] + row[4] > frame_sizes[row[2]]:
                 raise ProtocolError(f"a part of key {row[0]:#x} lies outside the message's data frames")
     return rows

@@ -141,10 +141,11 @@ class Scheduler:
             ranks[id(member)] = rank
         for _, member in workers + servers:
             i = member.info
-            member.peer = PeerInfo(i["role"], ranks[id(member)], i["host"], int(i["port"]), i["uid"], i["fingerprint"], i["local_name"])
+            member.peer = PeerInfo(i["role"], ranks[id(member)], i["host"], int(i["port"]), i["uid"], i["fingerprint"],
+                                   i["local_name"], int(i.get("shm_probe") or 0))
 
     def _endpoint(self, peer: PeerInfo) -> str:
-        if self.same_host == "ipc" and peer.fingerprint == self.fingerprint:
+        if self.same_host in ("ipc", "shm") and peer.fingerprint == self.fingerprint:
             return self.transport.same_host_endpoint(peer.local_name)
         return f"tcp://{peer.host}:{peer.port}"
 

@@ -214,8 +214,11 @@ class ServerStore:
         return shard
 
     # ---- push ----------------------------------------------------------------------------
-    def push(self, shard: Shard, worker: int, data: np.ndarray, answer: Answer) -> None:
+    def push(self, shard: Shard, worker: int, data: np.ndarray, answer: Answer, borrowed: bool = False) -> None:
         """Take one worker's push of ``shard``; ``answer(worker, req_id, index, shard)`` releases waiting pulls.
+
+        ``borrowed``: ``data`` lives in the worker's shared memory, which it reuses once this
+        message is acknowledged, so nothing may keep a reference to it.
 
         Raises:
             KeyError_: dist_async without an updater.
@@ -233,9 +236,14 @@ class ServerStore:
                 self._release(shard, answer)
             return
         if worker in shard.pushed:
-            shard.backlog.append((worker, data))
+            shard.backlog.append((worker, data.copy() if borrowed else data))
             return
-        self._merge(shard, worker, data)
+        if borrowed and shard.count == 0:
+            self.backend.load(shard.merge, data)  # a copy now instead of a reference to the region
+            shard.count = 1
+            shard.pushed.add(worker)
+        else:
+            self._merge(shard, worker, data)
         if shard.count == self.num_workers:
             self._close_round(shard, answer)
 
@@ -245,7 +253,7 @@ class ServerStore:
         count = shard.count
         if count == 0:
             shard.first = data
-        elif count == 1:
+        elif count == 1 and shard.first is not None:
             self.backend.add2(shard.merge, shard.first, data)
             shard.first = None
         else:

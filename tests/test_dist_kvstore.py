@@ -47,8 +47,9 @@ def wait_for_line(job: LocalJob, role: str, index: int | None, pattern: str, tim
     raise AssertionError(f"{role} {index} did not print {pattern!r} within {timeout} s")
 
 
-def test_dist_sync_sums_are_exact_for_small_split_and_listed_keys_and_pushpull():
-    results = run_ok("sums.py", workers=3, servers=2)
+@pytest.mark.parametrize("same_host", ["shm", "ipc", "tcp"])
+def test_dist_sync_sums_are_exact_for_small_split_and_listed_keys_and_pushpull(same_host):
+    results = run_ok("sums.py", workers=3, servers=2, env={"PSLAUNCH_SAME_HOST": same_host})
     assert all(r.returncode == 0 for r in results if r.role in ("scheduler", "server"))
 
 
