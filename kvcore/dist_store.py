@@ -82,7 +82,12 @@ def worker_node() -> WorkerNode:
     """
     global _node
     with _node_lock:
-        if _node is None or _node._closed:
+        if _node is not None and _node._closed:
+            raise DistributedError(
+                f"worker {_node.rank} already left the job (close() was called or it aborted); "
+                "a process joins a job once"
+            )
+        if _node is None:
             try:
                 env = read_env(default_role="worker")
                 if env.role != "worker":
