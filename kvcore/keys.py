@@ -37,6 +37,9 @@ class KeyKind:
         Raises:
             KeyTypeError: ``key`` is neither int nor str, or is of the other kind than earlier keys.
         """
+        kind = type(key)
+        if kind is self.kind:  # the common case, checked first: keys lists can be long
+            return key
         if isinstance(key, bool) or not isinstance(key, (numbers.Integral, str)):
             raise KeyTypeError(f"a key must be an int or a str, got {key!r} ({type(key).__name__})")
         norm: Hashable = key if isinstance(key, str) else int(key)
