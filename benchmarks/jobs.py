@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -29,12 +30,11 @@ REPO = HERE.parent
 # Variables of the job contract that must never leak from the caller's shell into a job.
 _CONTRACT_PREFIXES = ("DMLC_", "PS_", "PSLAUNCH_", "MXNET_")
 
-# How pslaunch is told which path to take between co-located peers (see docs/benchmarks.md):
-# DMLC_LOCAL=1 asks for the same-host fast path for every peer (docs/env.md).
-# PSLAUNCH_TRANSPORT=tcp forces TCP even between peers on one host.
+# How pslaunch is told which path to take between co-located peers (psnode/node.py reads
+# PSLAUNCH_SAME_HOST: "ipc" (its default) or "tcp"; DMLC_LOCAL=1 says every node is on one host).
 PSLAUNCH_PATH_ENV = {
-    "tcp": {"DMLC_LOCAL": "0", "PSLAUNCH_TRANSPORT": "tcp"},
-    "fast": {"DMLC_LOCAL": "1"},
+    "tcp": {"PSLAUNCH_SAME_HOST": "tcp"},
+    "fast": {"PSLAUNCH_SAME_HOST": "ipc", "DMLC_LOCAL": "1"},
 }
 
 # ps-lite binds ipc:// endpoints instead of tcp:// when DMLC_LOCAL is set.
@@ -68,9 +68,15 @@ def kv_systems(mxnet_python: str | None, profile_dir: Path | None = None) -> dic
         env = {"PYTHONPATH": pythonpath, **extra}
         if profile_dir is not None:
             env["PSLAUNCH_BENCH_PROFILE"] = str(profile_dir / f"pslaunch_{path}.prof")
+        server = [py, "-m", "psnode", "server"]
+        spy = _py_spy()
+        if profile_dir is not None and spy:
+            # sampled stacks of the server, folded one line per stack (py-spy's "raw" format)
+            out = profile_dir / f"pslaunch_{path}.server.folded"
+            server = [spy, "record", "-r", "250", "-f", "raw", "-o", str(out), "--"] + server
         systems[f"pslaunch_{path}"] = KVSystem(
             name=f"pslaunch_{path}", python=py,
-            scheduler=[py, "-m", "psnode", "scheduler"], server=[py, "-m", "psnode", "server"],
+            scheduler=[py, "-m", "psnode", "scheduler"], server=server,
             worker=[py, str(HERE / "ps_worker.py")], env=env, check_values=True,
         )
     if mxnet_python:
@@ -83,6 +89,12 @@ def kv_systems(mxnet_python: str | None, profile_dir: Path | None = None) -> dic
                 env={"OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1", **extra},
             )
     return systems
+
+
+def _py_spy() -> str | None:
+    """py-spy beside this Python (a virtual environment's bin/) or on PATH, if installed."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
 def clean_env() -> dict[str, str]:

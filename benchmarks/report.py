@@ -75,10 +75,10 @@ def _size_label(nbytes: int) -> str:
 
 def build_rows(sizes: list[int], many_keys: int, systems: list[str], reps: list[dict[str, dict | None]]) -> list[Row]:
     """Rows for every measure; ``reps[i][system]`` is that job's result (None when it failed)."""
-    specs = [(f"pushpull_{n}", f"push+pull {_size_label(n)} key, per worker", "B/s", True) for n in sizes]
-    specs.append(("roundtrip_4elem", "4-element key push+pull round trip (median)", "us", False))
-    specs.append((f"many_{many_keys}x1float", f"{many_keys} one-float keys push+pull as lists, per round", "ms", False))
-    specs += [(f"oneway_{n}", f"one-way stream {_size_label(n)} frames, per sender", "B/s", True) for n in sizes]
+    specs = [(f"pushpull_{n}", f"push+pull {_size_label(n)}, per worker", "B/s", True) for n in sizes]
+    specs.append(("roundtrip_4elem", "4-element key push+pull round trip", "us", False))
+    specs.append((f"many_{many_keys}x1float", f"{many_keys} one-float keys, per round", "ms", False))
+    specs += [(f"oneway_{n}", f"one-way {_size_label(n)} frames, per sender", "B/s", True) for n in sizes]
     rows = []
     for measure, label, unit, higher in specs:
         per_rep: dict[str, list[float | None]] = {}

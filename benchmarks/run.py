@@ -18,6 +18,7 @@ import datetime as _dt
 import importlib.util
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -48,6 +49,7 @@ class BenchConfig:
     systems: tuple[str, ...]
     mxnet_python: str | None
     json_path: Path | None
+    results_dir: Path
     job_timeout_s: float
     profile_dir: Path | None
 
@@ -66,7 +68,7 @@ def _plan(quick: bool, sizes_mib: list[float], keys: int) -> Plan:
 def _statuses(cfg: BenchConfig, skip_mxnet: bool) -> dict[str, str]:
     """Why a system will not run ('ok' when it will)."""
     statuses = {}
-    has_psnode = importlib.util.find_spec("psnode.__main__") is not None if _psnode_importable() else False
+    has_psnode = _psnode_runnable()
     for system in ALL_SYSTEMS:
         if system not in cfg.systems:
             statuses[system] = "skipped"
@@ -81,10 +83,17 @@ def _statuses(cfg: BenchConfig, skip_mxnet: bool) -> dict[str, str]:
     return statuses
 
 
-def _psnode_importable() -> bool:
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _psnode_runnable() -> bool:
+    """Whether ``python -m psnode`` would find a runnable node in this checkout."""
     sys.path.insert(0, str(jobs.REPO))
     try:
-        return importlib.util.find_spec("psnode") is not None
+        return importlib.util.find_spec("psnode") is not None and importlib.util.find_spec("psnode.__main__") is not None
+    except ImportError:
+        return False
     finally:
         sys.path.pop(0)
 
@@ -92,7 +101,7 @@ def _psnode_importable() -> bool:
 def run(cfg: BenchConfig, statuses: dict[str, str]) -> tuple[dict, str]:
     """Run every repetition; return the report (JSON-ready) and its rendered table."""
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    log_root = RESULTS / "logs" / stamp
+    log_root = cfg.results_dir / "logs" / stamp
     kv_systems = jobs.kv_systems(cfg.mxnet_python, cfg.profile_dir)
     active = [s for s in ALL_SYSTEMS if statuses[s] == "ok"]
     machine = report.machine_info()
@@ -139,7 +148,7 @@ def run(cfg: BenchConfig, statuses: dict[str, str]) -> tuple[dict, str]:
         "targets": report.build_targets(rows),
         "log_dir": str(log_root),
     }
-    shown = [s for s in systems if statuses[s] != "skipped" or s.startswith("mxnet")]
+    shown = [s for s in systems if s in cfg.systems]
     return out, report.render(out, rows, shown, statuses)
 
 
@@ -159,9 +168,14 @@ def run(cfg: BenchConfig, statuses: dict[str, str]) -> tuple[dict, str]:
               help="Which systems to run, comma-separated.")
 @click.option("--job-timeout", type=click.FloatRange(1), default=None,
               help="Seconds one job may take [default: 600, 180 with --quick].")
+@click.option("--results-dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS, show_default=True,
+              help="Where the JSON report and the job logs go.")
 @click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Run pslaunch workers under cProfile and write their stats here.")
-def main(quick, json_path, skip_mxnet, mxnet_python, reps, sizes, keys, systems, job_timeout, profile_dir) -> None:
+              help="Run pslaunch workers under cProfile (and the server under py-spy when installed); write the stats here.")
+def main(quick, json_path, skip_mxnet, mxnet_python, reps, sizes, keys, systems, job_timeout, results_dir,
+         profile_dir) -> None:
+    # TERM (a CI timeout, a test's cleanup) unwinds like Ctrl-C, so every job's processes are reaped
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         sizes_mib = [float(s) for s in sizes.split(",") if s.strip()]
     except ValueError:
@@ -181,14 +195,13 @@ def main(quick, json_path, skip_mxnet, mxnet_python, reps, sizes, keys, systems,
         profile_dir.mkdir(parents=True, exist_ok=True)
     cfg = BenchConfig(
         plan=_plan(quick, sizes_mib, keys), reps=reps or (1 if quick else 3), systems=chosen,
-        mxnet_python=None if skip_mxnet else mxnet_python, json_path=json_path,
+        mxnet_python=None if skip_mxnet else mxnet_python, json_path=json_path, results_dir=results_dir,
         job_timeout_s=job_timeout or (180.0 if quick else 600.0), profile_dir=profile_dir,
     )
     statuses = _statuses(cfg, skip_mxnet)
     out, table = run(cfg, statuses)
     click.echo(table)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    paths = [RESULTS / f"bench-{out['created_utc'].replace(':', '').replace('+0000', 'Z')}.json"]
+    paths = [cfg.results_dir / f"bench-{out['created_utc'].replace(':', '').replace('+0000', 'Z')}.json"]
     if json_path is not None:
         paths.append(json_path)
     for path in paths:
