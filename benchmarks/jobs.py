@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -69,11 +68,9 @@ def kv_systems(mxnet_python: str | None, profile_dir: Path | None = None) -> dic
         if profile_dir is not None:
             env["PSLAUNCH_BENCH_PROFILE"] = str(profile_dir / f"pslaunch_{path}.prof")
         server = [py, "-m", "psnode", "server"]
-        spy = _py_spy()
-        if profile_dir is not None and spy:
-            # sampled stacks of the server, folded one line per stack (py-spy's "raw" format)
-            out = profile_dir / f"pslaunch_{path}.server.folded"
-            server = [spy, "record", "-r", "250", "-f", "raw", "-o", str(out), "--"] + server
+        if profile_dir is not None:
+            # the server's work all happens on its main thread, which cProfile sees
+            server = [py, "-m", "cProfile", "-o", str(profile_dir / f"pslaunch_{path}.server.prof"), "-m", "psnode", "server"]
         systems[f"pslaunch_{path}"] = KVSystem(
             name=f"pslaunch_{path}", python=py,
             scheduler=[py, "-m", "psnode", "scheduler"], server=server,
@@ -89,12 +86,6 @@ def kv_systems(mxnet_python: str | None, profile_dir: Path | None = None) -> dic
                 env={"OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1", **extra},
             )
     return systems
-
-
-def _py_spy() -> str | None:
-    """py-spy beside this Python (a virtual environment's bin/) or on PATH, if installed."""
-    beside = Path(sys.executable).parent / "py-spy"
-    return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
 def clean_env() -> dict[str, str]:
@@ -128,8 +119,9 @@ def run_kv_job(system: KVSystem, plan: kv_suite.Plan, num_workers: int, log_dir:
     with ProcessGroup(log_dir) as group:
         group.start("scheduler", system.scheduler, {**base, "DMLC_ROLE": "scheduler"}, cwd=REPO)
         group.start("server", system.server, {**base, "DMLC_ROLE": "server"}, cwd=REPO)
-        for name in workers:
-            group.start(name, system.worker + [plan.to_json()], {**base, "DMLC_ROLE": "worker"}, cwd=REPO)
+        for i, name in enumerate(workers):
+            argv = [a.replace("{index}", str(i)) for a in system.worker] + [plan.to_json()]
+            group.start(name, argv, {**base, "DMLC_ROLE": "worker"}, cwd=REPO)
         group.wait(workers, deadline)
         results = [_read_result(group.log_of(name)) for name in workers]
         # the scheduler and server end by themselves once the workers are done

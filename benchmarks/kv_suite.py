@@ -164,10 +164,14 @@ def run_suite(kv: KVAdapter, plan: Plan) -> dict[str, Any]:
     """
     result: dict[str, Any] = {"rank": kv.rank, "num_workers": kv.num_workers, "measures": {}}
     measures = result["measures"]
+    # a measure with 0 timed rounds is left out (run.py --only, for profiling one path)
     for i, (nbytes, rounds) in enumerate(zip(plan.sizes, plan.big_rounds)):
-        measures[f"pushpull_{nbytes}"] = _bench_big(kv, BIG_KEY_BASE + i, nbytes, plan.big_warmup, rounds)
-    measures["roundtrip_4elem"] = _bench_small(kv, plan.small_warmup, plan.small_rounds)
-    measures[f"many_{plan.many_keys}x1float"] = _bench_many(kv, plan.many_keys, plan.many_warmup, plan.many_rounds)
+        if rounds:
+            measures[f"pushpull_{nbytes}"] = _bench_big(kv, BIG_KEY_BASE + i, nbytes, plan.big_warmup, rounds)
+    if plan.small_rounds:
+        measures["roundtrip_4elem"] = _bench_small(kv, plan.small_warmup, plan.small_rounds)
+    if plan.many_rounds:
+        measures[f"many_{plan.many_keys}x1float"] = _bench_many(kv, plan.many_keys, plan.many_warmup, plan.many_rounds)
     kv.barrier()
     return result
 

@@ -2,24 +2,29 @@
 
     python benchmarks/profile_summary.py DIR [--top 25]
 
-For each ``*.server.folded`` (py-spy samples of the server, one folded stack per line) it prints the
-functions with the most samples on top of the stack (self) and anywhere in it (inclusive); for each
-``*.prof.rank<r>`` (cProfile of a worker's whole suite) the functions with the most cumulative and
-internal time.
+For each pstats file (``*.server.prof``: cProfile of the server's main thread; ``*.prof.rank<r>``:
+yappi CPU time of every thread of a worker, or cProfile of its main thread) it prints the functions
+with the most cumulative and internal time. For py-spy folded stacks (``*.folded``, from
+``py-spy record -f raw``) it prints the frames with the most samples, on top of the stack and anywhere
+in it.
 """
 
 from __future__ import annotations
 
 import collections
 import pstats
+import re
 import sys
 from pathlib import Path
 
 import click
 
 
-def summarise_folded(path: Path, top: int) -> str:
-    """Top self and inclusive frames of a py-spy raw (folded) profile."""
+_LINE = re.compile(r":\d+\)$")
+
+
+def summarise_folded(path: Path, top: int, by_line: bool = False) -> str:
+    """Top self and inclusive frames of a py-spy raw (folded) profile, by function unless ``by_line``."""
     own: collections.Counter[str] = collections.Counter()
     incl: collections.Counter[str] = collections.Counter()
     total = 0
@@ -29,6 +34,8 @@ def summarise_folded(path: Path, top: int) -> str:
             continue
         count = int(count_text)
         frames = stack.split(";")
+        if not by_line:
+            frames = [_LINE.sub(")", f) for f in frames]
         total += count
         own[frames[-1]] += count
         for frame in set(frames):
@@ -59,14 +66,15 @@ def summarise_cprofile(path: Path, top: int) -> str:
 @click.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--top", type=click.IntRange(1, 200), default=25, show_default=True)
-def main(directory: Path, top: int) -> None:
+@click.option("--by-line", is_flag=True, help="Keep line numbers: one entry per source line, not per function.")
+def main(directory: Path, top: int, by_line: bool) -> None:
     """Print the summaries of every profile in DIRECTORY."""
     found = False
     for path in sorted(directory.iterdir()):
         if path.name.endswith(".folded"):
-            click.echo(summarise_folded(path, top))
+            click.echo(summarise_folded(path, top, by_line))
             found = True
-        elif ".prof.rank" in path.name:
+        elif path.name.endswith(".prof") or (".prof.rank" in path.name and not path.name.endswith(".threads")):
             click.echo(summarise_cprofile(path, top))
             found = True
     if not found:

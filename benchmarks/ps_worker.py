@@ -2,7 +2,7 @@
 
 Run by ``benchmarks/run.py`` under the DMLC_* variables of docs/env.md; argv[1] is the
 ``kv_suite.Plan`` as JSON. Prints one ``RESULT`` line. With ``PSLAUNCH_BENCH_PROFILE=<path>`` set,
-the whole suite runs under cProfile and the stats are written to ``<path>.rank<r>``.
+the whole suite runs under a profiler and the stats are written to ``<path>.rank<r>``.
 """
 
 from __future__ import annotations
@@ -52,17 +52,40 @@ class PslaunchAdapter:
             close()
 
 
+def _profiled(plan: kv_suite.Plan, path: str) -> dict:
+    """Run the suite under yappi (CPU time of every thread, the network thread included) when it
+    is installed, else under cProfile (the calling thread only); write ``<path>.rank<r>`` (pstats)."""
+    try:
+        import yappi
+    except ImportError:
+        yappi = None
+    if yappi is not None:
+        yappi.set_clock_type("cpu")
+        yappi.start()  # before the store starts its network thread, so that thread is profiled too
+        adapter = PslaunchAdapter()
+        result = kv_suite.run_suite(adapter, plan)
+        yappi.stop()
+        yappi.get_func_stats().save(f"{path}.rank{adapter.rank}", type="pstat")
+        with open(f"{path}.rank{adapter.rank}.threads", "w") as fh:
+            yappi.get_thread_stats().print_all(out=fh)
+        return result | {"_adapter": adapter}
+    import cProfile
+
+    adapter = PslaunchAdapter()
+    profiler = cProfile.Profile()
+    result = profiler.runcall(kv_suite.run_suite, adapter, plan)
+    profiler.dump_stats(f"{path}.rank{adapter.rank}")
+    return result | {"_adapter": adapter}
+
+
 def main() -> None:
     plan = kv_suite.Plan.from_json(sys.argv[1])
-    adapter = PslaunchAdapter()
     profile_path = os.environ.get("PSLAUNCH_BENCH_PROFILE")
     if profile_path:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        result = profiler.runcall(kv_suite.run_suite, adapter, plan)
-        profiler.dump_stats(f"{profile_path}.rank{adapter.rank}")
+        result = _profiled(plan, profile_path)
+        adapter = result.pop("_adapter")
     else:
+        adapter = PslaunchAdapter()
         result = kv_suite.run_suite(adapter, plan)
     result["system"] = "pslaunch"
     adapter.close()

@@ -54,15 +54,27 @@ class BenchConfig:
     profile_dir: Path | None
 
 
-def _plan(quick: bool, sizes_mib: list[float], keys: int) -> Plan:
+MEASURE_GROUPS = ("pushpull", "roundtrip", "many")
+
+
+def _plan(quick: bool, sizes_mib: list[float], keys: int, only: tuple[str, ...] = MEASURE_GROUPS,
+          scale: float = 1.0) -> Plan:
     sizes = [int(m * (1 << 20)) // 4 * 4 for m in sizes_mib]
     if quick:
-        return Plan(sizes=sizes, big_rounds=[3] * len(sizes), big_warmup=1, small_rounds=30, small_warmup=5,
-                    many_keys=keys, many_rounds=3, many_warmup=1)
-    # fewer timed rounds for bigger keys keeps each job near 20 s on 2 cores
-    big_rounds = [30 if n <= 4 << 20 else 15 if n <= 16 << 20 else 8 for n in sizes]
-    return Plan(sizes=sizes, big_rounds=big_rounds, big_warmup=3, small_rounds=300, small_warmup=20,
-                many_keys=keys, many_rounds=15, many_warmup=3)
+        big_rounds, small_rounds, many_rounds = [3] * len(sizes), 30, 3
+        warm = dict(big_warmup=1, small_warmup=5, many_warmup=1)
+    else:
+        # fewer timed rounds for bigger keys keeps each job near 20 s on 2 cores
+        big_rounds = [30 if n <= 4 << 20 else 15 if n <= 16 << 20 else 8 for n in sizes]
+        small_rounds, many_rounds = 300, 15
+        warm = dict(big_warmup=3, small_warmup=20, many_warmup=3)
+
+    def scaled(n: int, group: str) -> int:
+        return max(1, round(n * scale)) if group in only else 0
+
+    return Plan(sizes=sizes, big_rounds=[scaled(n, "pushpull") for n in big_rounds],
+                small_rounds=scaled(small_rounds, "roundtrip"), many_keys=keys,
+                many_rounds=scaled(many_rounds, "many"), **warm)
 
 
 def _statuses(cfg: BenchConfig, skip_mxnet: bool) -> dict[str, str]:
@@ -168,12 +180,16 @@ def run(cfg: BenchConfig, statuses: dict[str, str]) -> tuple[dict, str]:
               help="Which systems to run, comma-separated.")
 @click.option("--job-timeout", type=click.FloatRange(1), default=None,
               help="Seconds one job may take [default: 600, 180 with --quick].")
+@click.option("--only", type=click.Choice(MEASURE_GROUPS), multiple=True,
+              help="Run only these measures (repeatable); for profiling one path.")
+@click.option("--rounds-scale", type=click.FloatRange(0.01, 100), default=1.0, show_default=True,
+              help="Multiply every timed round count (more samples for a profile).")
 @click.option("--results-dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS, show_default=True,
               help="Where the JSON report and the job logs go.")
 @click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Run pslaunch workers under cProfile (and the server under py-spy when installed); write the stats here.")
-def main(quick, json_path, skip_mxnet, mxnet_python, reps, sizes, keys, systems, job_timeout, results_dir,
-         profile_dir) -> None:
+              help="Profile pslaunch: the server under cProfile, workers under yappi (every thread) or cProfile.")
+def main(quick, json_path, skip_mxnet, mxnet_python, reps, sizes, keys, systems, job_timeout, only, rounds_scale,
+         results_dir, profile_dir) -> None:
     # TERM (a CI timeout, a test's cleanup) unwinds like Ctrl-C, so every job's processes are reaped
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -194,7 +210,7 @@ def main(quick, json_path, skip_mxnet, mxnet_python, reps, sizes, keys, systems,
         profile_dir = profile_dir.resolve()
         profile_dir.mkdir(parents=True, exist_ok=True)
     cfg = BenchConfig(
-        plan=_plan(quick, sizes_mib, keys), reps=reps or (1 if quick else 3), systems=chosen,
+        plan=_plan(quick, sizes_mib, keys, only or MEASURE_GROUPS, rounds_scale), reps=reps or (1 if quick else 3), systems=chosen,
         mxnet_python=None if skip_mxnet else mxnet_python, json_path=json_path, results_dir=results_dir,
         job_timeout_s=job_timeout or (180.0 if quick else 600.0), profile_dir=profile_dir,
     )

@@ -132,14 +132,19 @@ def measure(endpoint: str, plan: dict) -> dict:
     try:
         dealer.barrier()
         for nbytes, rounds in zip(plan["sizes"], plan["big_rounds"]):
+            if not rounds:
+                continue
             dealer.barrier()
             times = dealer.echo_rounds(nbytes, plan["big_warmup"], rounds)
             summary = _summary(times, 1e3, "ms")
             summary["bytes_per_s"] = 2 * nbytes / (summary["median"] / 1e3)
             measures[f"echo_{nbytes}"] = summary
-        dealer.barrier()
-        measures["echo_16"] = _summary(dealer.echo_rounds(16, plan["small_warmup"], plan["small_rounds"]), 1e6, "us")
+        if plan["small_rounds"]:
+            dealer.barrier()
+            measures["echo_16"] = _summary(dealer.echo_rounds(16, plan["small_warmup"], plan["small_rounds"]), 1e6, "us")
         for nbytes, rounds in zip(plan["sizes"], plan["big_rounds"]):
+            if not rounds:
+                continue
             dealer.barrier()
             dealer.oneway(nbytes, max(2, plan["big_warmup"]))
             measures[f"oneway_{nbytes}"] = {"unit": "B/s", "bytes_per_s": dealer.oneway(nbytes, max(rounds, 4))}
