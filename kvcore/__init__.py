@@ -8,11 +8,15 @@ distributed stores register themselves under ``dist_*``). ``kvcore.optim`` holds
 from . import arrays, optim
 from .arrays import Device, cpu, gpu, num_gpus
 from .errors import (
+    DistributedError,
+    DistTimeoutError,
     DTypeMismatchError,
     DuplicateKeyError,
     KeyTypeError,
     KVStoreError,
+    NodeDiedError,
     OptimizerError,
+    ServerError,
     OutShapeError,
     ShapeMismatchError,
     UninitializedKeyError,
@@ -49,4 +53,12 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "DistributedError",
+    "NodeDiedError",
+    "ServerError",
+    "DistTimeoutError",
 ]
+
+from ._role import run_role_if_asked as _run_role_if_asked  # noqa: E402
+
+_run_role_if_asked()  # DMLC_ROLE=scheduler|server: run that node and exit (MXNet's rule)

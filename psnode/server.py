@@ -1,0 +1,218 @@
+"""A server node: decodes workers' requests, runs them on its ``ServerStore`` and replies.
+
+The server is single-threaded: its one loop receives, merges, applies the updater and sends
+replies, so the store needs no locks. Small values in a reply are packed into one data frame; values
+of ``_OWN_FRAME`` bytes or more travel in their own frame straight from the stored array (ZeroMQ
+reads it in place; the store copies on write while a send is pending).
+
+The updater a worker ships (``SET_UPDATER``) is unpickled here: it is called as
+``updater(key, merged, stored)`` and must update ``stored`` in place; if it has ``init_key(key,
+value)`` that is called for every key this server holds. For keys split across servers (big
+arrays) the server sees flat 1-D shards of the key, not the key's shape.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from .env import NodeEnv
+from .errors import PSNodeError, ProtocolError
+from .node import Node, PeerInfo, logger
+from .protocol import (
+    ENTRY,
+    FLAG_ERROR,
+    FLAG_SYNC,
+    Cmd,
+    pack_header,
+    pack_json,
+    unpack_entries,
+    unpack_json,
+)
+from .server_store import KeyError_, ServerStore, Shard, device_backend
+
+__all__ = ["ServerNode", "run_server"]
+
+_OWN_FRAME = 65536
+
+
+class ServerNode(Node):
+    """A server of the job; ``run()`` serves until the scheduler shuts the job down."""
+
+    def __init__(self, env: NodeEnv, transport: str = "zmq") -> None:
+        super().__init__(env, "server", transport)
+        self.store = ServerStore(env.num_workers, device_backend(env.server_device))
+        self._outbox: dict[tuple[int, int], list[tuple[int, Shard]]] = defaultdict(list)
+        self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
+        self._cmd_replies = {Cmd.PULL: Cmd.PULL_REPLY, Cmd.PUSH: Cmd.PUSH_ACK, Cmd.INIT: Cmd.INIT_ACK,
+                             Cmd.ROWS: Cmd.ROWS_REPLY, Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK}
+
+    def run(self) -> int:
+        """Register, serve until shutdown; return the exit code (0: the job ended in order)."""
+        self.register()
+        while not self.shutdown_requested and self.failure is None:
+            self.process(0.1)
+        if self.failure is not None:
+            raise self.failure
+        return 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def handle_data(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
+        if peer.role != "worker":
+            raise ProtocolError(f"{Cmd(cmd).name} from {peer.describe()}")
+        reply = self._cmd_replies.get(cmd)
+        if reply is None:
+            raise ProtocolError(f"a server does not accept {Cmd(cmd).name}")
+        try:
+            if cmd == Cmd.PUSH:
+                self._push(peer, frames)
+                self._reply(peer, reply, req_id, arg)
+                if self._deferred_rows:
+                    deferred, self._deferred_rows = self._deferred_rows, []
+                    for args in deferred:
+                        self._rows(*args)
+            elif cmd == Cmd.PULL:
+                entries = unpack_entries(frames[1], 0)
+                for key, index, seq in zip(entries["key"].tolist(), entries["index"].tolist(), entries["seq"].tolist()):
+                    self.store.pull(self.store.shard(key), peer.rank, req_id, index, seq, self._answer)
+            elif cmd == Cmd.ROWS:
+                self._rows(peer, req_id, frames)
+            elif cmd == Cmd.INIT:
+                self._init(frames, bool(flags & FLAG_SYNC))
+                self._reply(peer, reply, req_id, arg)
+            elif cmd == Cmd.SET_UPDATER:
+                self._set_updater(frames)
+                self._reply(peer, reply, req_id, arg)
+        except KeyError_ as exc:
+            self._reply_error(peer, reply, req_id, str(exc))
+        finally:
+            if self._outbox:
+                self._flush()
+
+    def _push(self, peer: PeerInfo, frames: list) -> None:
+        data_frames = frames[2:]
+        sizes = [len(f.buffer) for f in data_frames]
+        entries = unpack_entries(frames[1], len(data_frames), sizes)
+        for key, frame, offset, nbytes in zip(
+            entries["key"].tolist(), entries["frame"].tolist(), entries["offset"].tolist(), entries["nbytes"].tolist()
+        ):
+            shard = self.store.shard(key)
+            if nbytes != shard.nbytes:
+                raise KeyError_(f"key {shard.user_key!r}: a push of {nbytes} bytes, but this server holds {shard.nbytes}")
+            data = np.frombuffer(data_frames[frame].buffer, dtype=shard.dtype, count=shard.nbytes // shard.dtype.itemsize, offset=offset)
+            self.store.push(shard, peer.rank, data, self._answer)
+
+    def _init(self, frames: list, sync: bool) -> None:
+        specs = unpack_json(frames[1])
+        data_frames = frames[2:]
+        for spec in specs:
+            frame = data_frames[int(spec["frame"])]
+            dtype = np.dtype(spec["dtype"])
+            shape = tuple(int(n) for n in spec["shape"])
+            count = int(np.prod(shape, dtype=np.int64))
+            if int(spec["offset"]) + count * dtype.itemsize > len(frame.buffer):
+                raise ProtocolError(f"init of key {spec['user_key']!r} reaches past its data frame")
+            value = np.frombuffer(frame.buffer, dtype=dtype, count=count, offset=int(spec["offset"])).reshape(shape)
+            self.store.init(int(spec["key"]), spec["user_key"], value, sync, int(spec.get("row_size", 1)))
+
+    def _set_updater(self, frames: list) -> None:
+        try:
+            updater = pickle.loads(frames[1].bytes)
+        except Exception as exc:  # unpickling runs the sender's code: any error is possible
+            raise KeyError_(
+                f"server {self.rank} cannot load the optimizer/updater: {type(exc).__name__}: {exc} "
+                "(its class must be importable on the servers, e.g. from an installed module)"
+            ) from exc
+        self.store.set_updater(updater)
+        logger.info("server %d installed updater %s", self.rank, type(updater).__name__)
+
+    def _rows(self, peer: PeerInfo, req_id: int, frames: list) -> None:
+        data_frames = frames[2:]
+        sizes = [len(f.buffer) for f in data_frames]
+        entries = unpack_entries(frames[1], len(data_frames), sizes)
+        shards = [self.store.shard(key) for key in entries["key"].tolist()]
+        if not all(s.ready_for(peer.rank, seq) for s, seq in zip(shards, entries["seq"].tolist())):
+            self._deferred_rows.append((peer, req_id, frames))  # answered after the round closes
+            return
+        out_entries = np.zeros(len(entries), dtype=ENTRY)
+        chunks = []
+        offset = 0
+        for i, (key, index, frame, off, nbytes) in enumerate(zip(
+            entries["key"].tolist(), entries["index"].tolist(), entries["frame"].tolist(),
+            entries["offset"].tolist(), entries["nbytes"].tolist(),
+        )):
+            shard = shards[i]
+            rows = np.frombuffer(data_frames[frame].buffer, dtype=np.int64, count=nbytes // 8, offset=off)
+            block = np.ascontiguousarray(self.store.rows(shard, rows))
+            out_entries[i] = (key, index, 0, offset, block.nbytes, 0)
+            offset += block.nbytes
+            chunks.append(block.reshape(-1).view(np.uint8))
+        payload = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
+        self.transport.send(peer.uid.encode(), [pack_header(Cmd.ROWS_REPLY, req_id), out_entries.tobytes(), payload])
+
+    # ---- replies -------------------------------------------------------------------------
+    def _answer(self, worker: int, req_id: int, index: int, shard: Shard) -> None:
+        self._outbox[(worker, req_id)].append((index, shard))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, defaultdict(list)
+        for (worker, req_id), parts in outbox.items():
+            peer = self.workers[worker]
+            errors = [s.error for _, s in parts if s.error]
+            if errors:
+                self._reply_error(peer, Cmd.PULL_REPLY, req_id, errors[0])
+                continue
+            entries = np.zeros(len(parts), dtype=ENTRY)
+            small: list[np.ndarray] = []
+            frames: list[Any] = []
+            big: list[Shard] = []
+            offset = 0
+            for i, (index, shard) in enumerate(parts):
+                if shard.nbytes >= _OWN_FRAME:
+                    big.append(shard)
+                    entries[i] = (shard.key_id, index, len(big), 0, shard.nbytes, 0)
+                else:
+                    small.append(self.store.backend.host(shard.stored).reshape(-1).view(np.uint8))
+                    entries[i] = (shard.key_id, index, 0, offset, shard.nbytes, 0)
+                    offset += shard.nbytes
+            frames = [pack_header(Cmd.PULL_REPLY, req_id), entries.tobytes(),
+                      np.concatenate(small) if small else b""]
+            for shard in big:
+                frames.append(self.store.backend.host(shard.stored).reshape(-1))
+            tracker = self.transport.send(peer.uid.encode(), frames, track=bool(big))
+            if tracker is not None:
+                for shard in big:
+                    shard.trackers.append(tracker)
+
+    def _reply(self, peer: PeerInfo, cmd: int, req_id: int, arg: int) -> None:
+        self.transport.send(peer.uid.encode(), [pack_header(cmd, req_id, arg)])
+
+    def _reply_error(self, peer: PeerInfo, cmd: int, req_id: int, message: str) -> None:
+        logger.info("server %d refuses a request of %s: %s", self.rank, peer.describe(), message)
+        self.transport.send(peer.uid.encode(), [pack_header(cmd, req_id, flags=FLAG_ERROR), pack_json({"error": message})])
+
+    def on_failure(self, error: BaseException) -> None:
+        """A failed server stops serving; ``run`` raises the error."""
+
+    def close(self) -> None:
+        """Close the sockets, giving queued replies a moment to leave."""
+        self.transport.close(linger=0.5)
+
+
+def run_server(env: NodeEnv) -> int:
+    """Run a server of the job ``env`` describes; return the exit code (errors are printed on stderr)."""
+    node = None
+    try:
+        node = ServerNode(env)
+        return node.run()
+    except PSNodeError as exc:
+        print(f"psnode server (pid {os.getpid()}): error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if node is not None:
+            node.close()
