@@ -148,7 +148,8 @@ def _merge_workers(results: list[dict]) -> dict[str, dict]:
     for measure in results[0]["measures"]:
         summaries = [r["measures"][measure] for r in results]
         median = statistics.mean(s["median"] for s in summaries)
-        row = {"unit": summaries[0]["unit"], "median": median, "rounds": summaries[0]["rounds"]}
+        row = {"unit": summaries[0]["unit"], "median": median, "rounds": summaries[0]["rounds"],
+               "push_call_median": statistics.mean(s["push_call_median"] for s in summaries)}
         if measure.startswith("pushpull_"):
             nbytes = int(measure.split("_")[1])
             row["bytes_per_s"] = 2 * nbytes / (median / 1e3)

@@ -87,6 +87,7 @@ class KVAdapter(Protocol):
 @dataclass
 class _Timings:
     rounds: list[float] = field(default_factory=list)
+    push_calls: list[float] = field(default_factory=list)  # until push() returned: the caller's cost
 
     def summary(self, scale: float) -> dict[str, float]:
         s = sorted(self.rounds)
@@ -96,19 +97,26 @@ class _Timings:
             "mean": statistics.mean(s) * scale,
             "min": s[0] * scale,
             "p90": s[min(len(s) - 1, int(0.9 * len(s)))] * scale,
+            "push_call_median": statistics.median(self.push_calls) * scale,
         }
 
 
-def _timed_rounds(kv: KVAdapter, warmup: int, rounds: int, one_round) -> _Timings:
+def _timed_rounds(kv: KVAdapter, warmup: int, rounds: int, key: Any, value: Any, out: Any) -> _Timings:
+    """Warm-up rounds, a barrier, then ``rounds`` timed rounds of push(key, value) + pull(key, out)."""
     for _ in range(warmup):
-        one_round()
+        kv.push(key, value)
+        kv.pull(key, out)
     kv.barrier()
     timings = _Timings()
     clock = time.perf_counter
     for _ in range(rounds):
         t = clock()
-        one_round()
-        timings.rounds.append(clock() - t)
+        kv.push(key, value)
+        pushed = clock()
+        kv.pull(key, out)
+        end = clock()
+        timings.rounds.append(end - t)
+        timings.push_calls.append(pushed - t)
     return timings
 
 
@@ -116,12 +124,7 @@ def _bench_big(kv: KVAdapter, key: int, nbytes: int, warmup: int, rounds: int) -
     n = nbytes // 4
     value, out = kv.ones(n), kv.zeros(n)
     kv.init(key, value)
-
-    def one_round() -> None:
-        kv.push(key, value)
-        kv.pull(key, out)
-
-    summary = _timed_rounds(kv, warmup, rounds, one_round).summary(1e3)
+    summary = _timed_rounds(kv, warmup, rounds, key, value, out).summary(1e3)
     # push + pull moves the key's bytes twice per round through this worker
     summary["bytes_per_s"] = 2 * nbytes / (summary["median"] / 1e3)
     summary["pulled"] = kv.first(out)
@@ -131,12 +134,7 @@ def _bench_big(kv: KVAdapter, key: int, nbytes: int, warmup: int, rounds: int) -
 def _bench_small(kv: KVAdapter, warmup: int, rounds: int) -> dict[str, Any]:
     value, out = kv.ones(4), kv.zeros(4)
     kv.init(SMALL_KEY, value)
-
-    def one_round() -> None:
-        kv.push(SMALL_KEY, value)
-        kv.pull(SMALL_KEY, out)
-
-    summary = _timed_rounds(kv, warmup, rounds, one_round).summary(1e6)
+    summary = _timed_rounds(kv, warmup, rounds, SMALL_KEY, value, out).summary(1e6)
     summary["pulled"] = kv.first(out)
     return {"unit": "us", **summary}
 
@@ -146,12 +144,7 @@ def _bench_many(kv: KVAdapter, count: int, warmup: int, rounds: int) -> dict[str
     values = [kv.ones(1) for _ in keys]
     outs = [kv.zeros(1) for _ in keys]
     kv.init(keys, values)
-
-    def one_round() -> None:
-        kv.push(keys, values)
-        kv.pull(keys, outs)
-
-    summary = _timed_rounds(kv, warmup, rounds, one_round).summary(1e3)
+    summary = _timed_rounds(kv, warmup, rounds, keys, values, outs).summary(1e3)
     summary["pulled"] = kv.first(outs[-1])
     return {"unit": "ms", **summary}
 
@@ -160,7 +153,9 @@ def run_suite(kv: KVAdapter, plan: Plan) -> dict[str, Any]:
     """Run every measurement of ``plan``; returns ``{measure: summary}`` plus rank and worker count.
 
     Measures are named ``pushpull_<bytes>``, ``roundtrip_4elem`` and ``many_<count>x1float``; each
-    summary holds the median / mean / min / p90 round time in its ``unit`` and what was pulled last.
+    summary holds the median / mean / min / p90 round time in its ``unit``, the median time until
+    ``push`` returned (``push_call_median``: what the caller pays before the data is in flight) and
+    what was pulled last.
     """
     result: dict[str, Any] = {"rank": kv.rank, "num_workers": kv.num_workers, "measures": {}}
     measures = result["measures"]

@@ -13,7 +13,7 @@ import os
 import platform
 import statistics
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ class Row:
     unit: str  # "B/s", "us" or "ms"
     higher_is_better: bool
     per_rep: dict[str, list[float | None]]
+    push_call: dict[str, list[float]] = field(default_factory=dict)  # time until push() returned
 
     def median(self, system: str) -> float | None:
         """Median over the repetitions that produced a figure (None when none did)."""
@@ -64,6 +65,8 @@ class Row:
             "better": "higher" if self.higher_is_better else "lower",
             "values": {s: self.median(s) for s in systems},
             "per_rep": {s: self.per_rep.get(s, []) for s in systems},
+            # KV stores only: median time until push() returned, in the row's time unit
+            "push_call": {s: statistics.median(v) for s, v in self.push_call.items() if v},
         }
 
 
@@ -82,6 +85,7 @@ def build_rows(sizes: list[int], many_keys: int, systems: list[str], reps: list[
     rows = []
     for measure, label, unit, higher in specs:
         per_rep: dict[str, list[float | None]] = {}
+        push_call: dict[str, list[float]] = {}
         for system in systems:
             values = []
             for rep in reps:
@@ -89,10 +93,12 @@ def build_rows(sizes: list[int], many_keys: int, systems: list[str], reps: list[
                 figure = (result or {}).get("measures", {}).get(measure)
                 if figure is None:
                     values.append(None)
-                else:
-                    values.append(figure["bytes_per_s"] if unit == "B/s" else figure["median"])
+                    continue
+                values.append(figure["bytes_per_s"] if unit == "B/s" else figure["median"])
+                if "push_call_median" in figure:
+                    push_call.setdefault(system, []).append(figure["push_call_median"])
             per_rep[system] = values
-        rows.append(Row(measure, label, unit, higher, per_rep))
+        rows.append(Row(measure, label, unit, higher, per_rep, push_call))
     return rows
 
 
@@ -238,3 +244,28 @@ def _render_plain(headers, body, target_rows, report, status_line) -> str:
         lines.append("")
     lines.append(status_line)
     return "\n".join(lines)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The figures, ratios and targets of a JSON report as Markdown tables (for docs/benchmarks.md)."""
+    systems = [s for s, info in report["systems"].items() if info["status"] != "skipped"]
+    pairs = [(o, b) for o, b in RATIO_PAIRS if o in systems and b in systems]
+    ratio_of = {(r["measure"], r["ours"], r["baseline"]): r["ratio"] for r in report["ratios"]}
+    head = ["measure"] + systems + [f"{o.replace('_', ' ')} / {b.replace('_', ' ')}" for o, b in pairs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in report["rows"]:
+        values = row["values"]
+        if all(values.get(s) is None for s in systems):
+            continue
+        cells = [row["label"]]
+        for s in systems:
+            status = report["systems"][s]["status"]
+            cells.append(fmt_value(values.get(s), row["unit"]) if values.get(s) is not None
+                         else ("n/a" if status == "ok" else status))
+        cells += [_ratio_cell(ratio_of.get((row["measure"], o, b))) for o, b in pairs]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| target (issue 3) | pslaunch / baseline | met? |", "|---|---|---|"]
+    for t in report["targets"]:
+        status = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['target']} | {_ratio_cell(t['ratio'])} | {status} |")
+    return "\n".join(lines) + "\n"

@@ -224,6 +224,10 @@ def main(quick, json_path, skip_mxnet, mxnet_python, reps, sizes, keys, systems,
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1) + "\n")
         click.echo(f"wrote {path}")
+    # the same tables in Markdown, ready for docs/benchmarks.md
+    markdown_path = paths[0].with_suffix(".md")
+    markdown_path.write_text(report.markdown(out))
+    click.echo(f"wrote {markdown_path}")
     failed = [s for s, info in out["systems"].items() if info["errors"]]
     sys.exit(1 if failed else 0)
 
