@@ -148,6 +148,7 @@ class Node:
         self.transport.send(SCHEDULER, [pack_header(Cmd.REGISTER), pack_json(info)])
         logger.info("%s registering with the scheduler at %s", self.uid, env.root_address)
         deadline = time.monotonic() + env.register_timeout + max(5.0, env.heartbeat_timeout)
+        early: list[tuple[bytes, list]] = []
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -160,7 +161,9 @@ class Node:
                 continue
             sender, frames = self.transport.recv()
             if sender != SCHEDULER:
-                self.malformed += 1
+                # a peer that got the address book first may already send requests: keep them
+                if len(early) < 10000:
+                    early.append((sender, frames))
                 continue
             try:
                 cmd, flags, req_id, arg = unpack_header(frames[0])
@@ -168,6 +171,8 @@ class Node:
                     raise RegistrationTimeoutError(unpack_json(frames[1])["error"])
                 if cmd == Cmd.ADDRBOOK:
                     self._apply_addrbook(unpack_json(frames[1]))
+                    for item in early:
+                        self._dispatch(*item)
                     return
             except (ProtocolError, IndexError, KeyError, TypeError):
                 self.malformed += 1
@@ -212,11 +217,17 @@ class Node:
             wait = max(0.0, min(wait, self._next_heartbeat - now))
         if not self.transport.poll(wait):
             return
-        for _ in range(256):  # drain what is queued, but let heartbeats run between batches
-            sender, frames = self.transport.recv()
-            self._dispatch(sender, frames)
-            if self.failure is not None or not self.transport.poll(0):
-                break
+        try:
+            for _ in range(256):  # drain what is queued, but let heartbeats run between batches
+                sender, frames = self.transport.recv()
+                self._dispatch(sender, frames)
+                if self.failure is not None or not self.transport.poll(0):
+                    break
+        finally:
+            self.after_batch()
+
+    def after_batch(self) -> None:
+        """Called after each batch of received messages (the server sends its gathered replies here)."""
 
     def _heartbeat(self, now: float) -> None:
         interval = self.env.heartbeat_interval

@@ -48,6 +48,7 @@ class ServerNode(Node):
         super().__init__(env, "server", transport)
         self.store = ServerStore(env.num_workers, device_backend(env.server_device))
         self._outbox: dict[tuple[int, int], list[tuple[int, Shard]]] = defaultdict(list)
+        self._acks: dict[int, list[tuple[int, int]]] = defaultdict(list)  # worker -> (req_id, parts)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
         self._cmd_replies = {Cmd.PULL: Cmd.PULL_REPLY, Cmd.PUSH: Cmd.PUSH_ACK, Cmd.INIT: Cmd.INIT_ACK,
                              Cmd.ROWS: Cmd.ROWS_REPLY, Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK}
@@ -71,7 +72,7 @@ class ServerNode(Node):
         try:
             if cmd == Cmd.PUSH:
                 self._push(peer, frames)
-                self._reply(peer, reply, req_id, arg)
+                self._acks[peer.rank].append((req_id, arg))  # sent with the batch's other acks
                 if self._deferred_rows:
                     deferred, self._deferred_rows = self._deferred_rows, []
                     for args in deferred:
@@ -90,9 +91,16 @@ class ServerNode(Node):
                 self._reply(peer, reply, req_id, arg)
         except KeyError_ as exc:
             self._reply_error(peer, reply, req_id, str(exc))
-        finally:
-            if self._outbox:
-                self._flush()
+
+    def after_batch(self) -> None:
+        """Send the batch's pull replies, then one acknowledgement message per worker for its pushes."""
+        if self._outbox:
+            self._flush()
+        if self._acks:
+            acks, self._acks = self._acks, defaultdict(list)
+            for worker, pairs in acks.items():
+                body = np.array(pairs, dtype=np.uint64).tobytes()
+                self.transport.send(self.workers[worker].uid.encode(), [pack_header(Cmd.PUSH_ACK, 0, len(pairs)), body])
 
     def _push(self, peer: PeerInfo, frames: list) -> None:
         data_frames = frames[2:]

@@ -53,6 +53,10 @@ class _HostBackend:
         np.add(dst, src.reshape(dst.shape), out=dst)
 
     @staticmethod
+    def add2(dst: Any, a: np.ndarray, b: np.ndarray) -> None:
+        np.add(a.reshape(dst.shape), b.reshape(dst.shape), out=dst)
+
+    @staticmethod
     def host(array: Any) -> np.ndarray:
         return array
 
@@ -92,6 +96,10 @@ class _DeviceBackend:
         with self.arrays.device_context(self.device):
             dst += self.arrays.to_device(src.reshape(dst.shape), self.device)
 
+    def add2(self, dst: Any, a: np.ndarray, b: np.ndarray) -> None:
+        self.load(dst, a)
+        self.add(dst, b)
+
     def host(self, array: Any) -> np.ndarray:
         return self.arrays.asnumpy(array)
 
@@ -120,7 +128,7 @@ class Shard:
 
     __slots__ = (
         "key_id", "user_key", "shape", "dtype", "nbytes", "row_size", "sync", "stored", "merge",
-        "count", "pushed", "received", "backlog", "waiting", "trackers", "error",
+        "count", "pushed", "received", "backlog", "waiting", "trackers", "error", "first",
     )
 
     def __init__(self, key_id: int, user_key: Hashable, value: Any, merge: Any, sync: bool, row_size: int, num_workers: int) -> None:
@@ -140,6 +148,7 @@ class Shard:
         self.waiting: list = []  # (worker, req_id, index, seq) pulls not answerable yet
         self.trackers: list = []  # sends that may still read ``stored``
         self.error: str | None = None
+        self.first: np.ndarray | None = None  # the round's first push, read in place from its frame
 
     def ready_for(self, worker: int, seq: int) -> bool:
         """True when a pull that needs ``seq`` pushes of ``worker`` can be answered now."""
@@ -231,8 +240,13 @@ class ServerStore:
             self._release(shard, answer)
 
     def _merge(self, shard: Shard, worker: int, data: np.ndarray) -> None:
+        # The first push of a round is kept as a view of its frame; the second is summed with it into
+        # the merge buffer in one pass; later ones are added in place.
         if shard.count == 0:
-            self.backend.load(shard.merge, data)
+            shard.first = data
+        elif shard.count == 1:
+            self.backend.add2(shard.merge, shard.first, data)
+            shard.first = None
         else:
             self.backend.add(shard.merge, data)
         shard.count += 1
@@ -249,19 +263,30 @@ class ServerStore:
         shard.backlog = kept
 
     def _apply(self, shard: Shard) -> None:
-        if shard.trackers:
-            if any(not t.done for t in shard.trackers):
-                shard.stored = shard.stored.copy()  # a reply still reads the old array: write a new one
-            shard.trackers = []
+        busy = bool(shard.trackers) and any(not t.done for t in shard.trackers)
+        shard.trackers = []
         try:
             with self.backend.context():
-                if self.updater is None:
-                    shard.stored[...] = shard.merge
+                if self.updater is None and shard.first is not None:
+                    if busy:  # a reply still reads the old array: write a new one
+                        shard.stored = self.backend.empty_like(shard.stored)
+                    self.backend.load(shard.stored, shard.first)
+                elif self.updater is None:
+                    # the merged sum becomes the value: swap buffers instead of copying
+                    old = shard.stored
+                    shard.stored = shard.merge
+                    shard.merge = self.backend.empty_like(old) if busy else old
                 else:
+                    if shard.first is not None:
+                        self.backend.load(shard.merge, shard.first)
+                    if busy:
+                        shard.stored = shard.stored.copy()
                     self.updater(shard.user_key, shard.merge, shard.stored)
             shard.error = None
         except Exception as exc:  # the user's updater: report it to whoever pulls the key
             shard.error = f"the updater raised {type(exc).__name__}: {exc} (key {shard.user_key!r})"
+        finally:
+            shard.first = None
 
     def _release(self, shard: Shard, answer: Answer) -> None:
         if not shard.waiting:

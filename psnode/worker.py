@@ -332,27 +332,34 @@ class WorkerNode(Node):
         heapq.heappush(self._queue, (-priority, next(self._seq), server, frames, req))
 
     def _pump(self) -> None:
-        """Send queued messages in priority order while the connections take them."""
-        if not self._send_lock.acquire(blocking=False):
-            return  # another thread is sending; it sends what we queued
-        try:
-            queue = self._queue
-            while queue:
-                _, _, server, frames, req = queue[0]
-                peer = self.servers[server].uid.encode()
-                try:
-                    tracker = self.transport.send(peer, frames, track=len(frames) > 3 and frames[0][3] == Cmd.PUSH, block=False)
-                except WouldBlock:
-                    return
-                except PSNodeError as exc:
-                    heapq.heappop(queue)
-                    self._complete(req, exc)
-                    continue
-                heapq.heappop(queue)
-                if tracker is not None:
-                    self._remember_tracker(server, frames, tracker)
-        finally:
-            self._send_lock.release()
+        """Send queued messages in priority order while the connections take them (any thread)."""
+        while self._queue:
+            if not self._send_lock.acquire(blocking=False):
+                return  # the holder re-checks the queue after releasing, so nothing is stranded
+            try:
+                if self._send_queued():
+                    return  # a connection is full: the network thread retries shortly
+            finally:
+                self._send_lock.release()
+
+    def _send_queued(self) -> bool:
+        """Send what the connections take; True when one was full. Call with the send lock held."""
+        queue = self._queue
+        while queue:
+            item = heapq.heappop(queue)  # atomic: other threads only ever push
+            _, _, server, frames, req = item
+            peer = self.servers[server].uid.encode()
+            try:
+                tracker = self.transport.send(peer, frames, track=len(frames) > 3 and frames[0][3] == Cmd.PUSH, block=False)
+            except WouldBlock:
+                heapq.heappush(queue, item)  # same sort key: it keeps its place
+                return True
+            except PSNodeError as exc:
+                self._complete(req, exc)
+                continue
+            if tracker is not None:
+                self._remember_tracker(server, frames, tracker)
+        return False
 
     def _remember_tracker(self, server: int, frames: list, tracker: Any) -> None:
         entries = np.frombuffer(frames[1], dtype=ENTRY)
@@ -388,6 +395,18 @@ class WorkerNode(Node):
 
     # ---- replies (network thread) ------------------------------------------------------------
     def handle_data(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
+        if cmd == Cmd.PUSH_ACK and not flags & FLAG_ERROR:
+            pairs = np.frombuffer(frames[1].buffer, dtype=np.uint64).reshape(-1, 2).tolist()
+            pending = self._pending
+            for rid, count in pairs:
+                request = pending.get(rid)
+                if request is not None:
+                    request.remaining -= count
+                    if request.remaining <= 0:
+                        self._complete(rid)
+            if self._queue:
+                self._pump()
+            return
         request = self._pending.get(req_id)
         if request is None:
             raise ProtocolError(f"{Cmd(cmd).name} for unknown request {req_id}")
@@ -407,7 +426,7 @@ class WorkerNode(Node):
                     raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
                 target[:] = np.frombuffer(data_frames[frame].buffer, dtype=np.uint8, count=nbytes, offset=offset)
             request.remaining -= len(entries)
-        elif cmd in (Cmd.PUSH_ACK, Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK):
+        elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK):
             request.remaining -= arg
         else:
             raise ProtocolError(f"a worker does not accept {Cmd(cmd).name}")

@@ -10,8 +10,8 @@ kv = kvcore.create("dist_sync")
 kv.init(0, np.zeros(4, np.float32))
 if kv.rank == 1:
     raise RuntimeError("boom in worker 1")
-kv.push(0, np.ones(4, np.float32))
 try:
+    kv.push(0, np.ones(4, np.float32))
     kv.pull(0, out=np.zeros(4, np.float32))
 except kvcore.NodeDiedError as exc:
     print("DIED", exc.role, exc.rank, exc, flush=True)
