@@ -105,6 +105,7 @@ class DistKVStore(KVStoreBase):
         self._sync = store_type != "dist_async"
         self._merge_on_device = store_type == "dist_device_sync"
         self._layouts: dict[Hashable, KeyLayout] = {}
+        self._whole: dict[Hashable, tuple[int, int]] = {}  # key -> (server, key id) for unsplit keys
         self._has_updater = False
 
     # ---- job facts --------------------------------------------------------------------------
@@ -185,6 +186,8 @@ class DistKVStore(KVStoreBase):
         self.barrier()
         for lay in layouts:
             self._layouts[lay.key] = lay
+            if not lay.split:
+                self._whole[lay.key] = (lay.parts[0].server, lay.id)
 
     def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
         if not self._sync and not self._has_updater:
@@ -194,7 +197,12 @@ class DistKVStore(KVStoreBase):
             )
         parts = []
         fresh = True
+        whole = self._whole
         for key, values in groups:
+            if len(values) == 1 and key in whole and type(values[0]) is np.ndarray:
+                parts.append((*whole[key], values[0]))  # one server holds it: no slicing needed
+                fresh = False
+                continue
             lay = self._layouts[key]
             if len(values) == 1:
                 value = values[0]
@@ -228,10 +236,15 @@ class DistKVStore(KVStoreBase):
     def _pull_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
         parts = []
         copies: list[tuple[np.ndarray, list[Any]]] = []
+        whole = self._whole
         for key, outs in groups:
-            lay = self._layouts[key]
             first = outs[0]
-            if len(outs) == 1 and isinstance(first, np.ndarray) and first.flags.c_contiguous and first.flags.writeable:
+            direct = len(outs) == 1 and type(first) is np.ndarray and first.flags.c_contiguous and first.flags.writeable
+            if direct and key in whole:
+                parts.append((*whole[key], first))
+                continue
+            lay = self._layouts[key]
+            if direct:
                 flat = first.reshape(-1)
             else:
                 flat = np.empty(lay.shape, lay.dtype).reshape(-1)

@@ -44,6 +44,7 @@ class NodeEnv:
     register_timeout: float = 60.0
     bigarray_bound: int = 1_000_000
     server_device: str = "cpu"
+    same_host: str = "ipc"
 
     @property
     def root_address(self) -> str:
@@ -130,6 +131,9 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     device = (_get(env, "PSLAUNCH_SERVER_DEVICE") or "cpu").lower()
     if not (device == "cpu" or device == "gpu" or (device.startswith("gpu:") and device[4:].isdigit())):
         raise EnvError(f"environment variable PSLAUNCH_SERVER_DEVICE={device!r} must be cpu, gpu or gpu:N")
+    same_host = (_get(env, "PSLAUNCH_SAME_HOST") or "ipc").lower()
+    if same_host not in ("ipc", "tcp"):
+        raise EnvError(f"environment variable PSLAUNCH_SAME_HOST={same_host!r} must be ipc or tcp")
     node_host = _get(env, "DMLC_NODE_HOST")
     interface = _get(env, "DMLC_INTERFACE")
     if interface is not None and not interface.replace("-", "").replace(".", "").replace("_", "").isalnum():
@@ -153,6 +157,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         register_timeout=_float("PSLAUNCH_REGISTER_TIMEOUT", _get(env, "PSLAUNCH_REGISTER_TIMEOUT") or "60", 0.001),
         bigarray_bound=_int("PSLAUNCH_BIGARRAY_BOUND", _get(env, "PSLAUNCH_BIGARRAY_BOUND") or "1000000", 1),
         server_device=device,
+        same_host=same_host,
     )
 
 

@@ -32,7 +32,7 @@ from .errors import (
 from .protocol import Cmd, FLAG_ERROR, pack_header, pack_json, unpack_header, unpack_json
 from .transport import Transport, create_transport
 
-__all__ = ["Node", "PeerInfo", "host_fingerprint", "logger", "same_host_path"]
+__all__ = ["Node", "PeerInfo", "host_fingerprint", "logger", "setup_logging"]
 
 logger = logging.getLogger("psnode")
 
@@ -71,16 +71,6 @@ def host_fingerprint() -> str:
     return f"{boot}:{netns}"
 
 
-def same_host_path() -> str:
-    """``ipc`` (default) or ``tcp``: how peers on one host talk (``PSLAUNCH_SAME_HOST``)."""
-    value = os.environ.get("PSLAUNCH_SAME_HOST", "ipc").strip().lower() or "ipc"
-    if value not in ("ipc", "tcp"):
-        from .errors import EnvError
-
-        raise EnvError(f"environment variable PSLAUNCH_SAME_HOST={value!r} must be ipc or tcp")
-    return value
-
-
 def setup_logging(verbose: int) -> None:
     """Log to stderr at INFO (PS_VERBOSE=1) or DEBUG (2)."""
     if verbose <= 0 or logger.handlers:
@@ -104,7 +94,7 @@ class Node:
         self.role = role
         self.host = env.advertised_host()
         self.fingerprint = host_fingerprint()
-        self.same_host = same_host_path()
+        self.same_host = env.same_host
         self.transport: Transport = create_transport(transport, b"")
         job = re.sub(r"[^A-Za-z0-9_.-]", "_", env.job_id)[:40]
         self.local_name = f"{job}-{role}-{os.getpid()}-{os.urandom(3).hex()}"

@@ -43,6 +43,8 @@ __all__ = [
     "pack_json",
     "unpack_json",
     "unpack_entries",
+    "pack_entries",
+    "ENTRY_STRUCT",
 ]
 
 HEADER = struct.Struct("<2sBBHHQq")
@@ -142,22 +144,40 @@ def unpack_json(frame: Any) -> Any:
         raise ProtocolError(f"control body is not JSON: {exc}") from exc
 
 
-def unpack_entries(frame: Any, num_data_frames: int, frame_sizes: list[int] | None = None) -> np.ndarray:
-    """Decode a meta frame into an ``ENTRY`` array, checking every part lies inside its data frame.
+ENTRY_STRUCT = struct.Struct("<QIIQQQ")  # the same record as ENTRY, for packing a few at a time
+
+
+def pack_entries(rows: list[tuple[int, int, int, int, int, int]]) -> bytes:
+    """Encode ``(key, index, frame, offset, nbytes, seq)`` records into a meta frame."""
+    if len(rows) > 64:  # many small keys: one numpy pass beats a Python loop
+        return _pack_many(rows)
+    pack = ENTRY_STRUCT.pack
+    return b"".join([pack(*row) for row in rows])
+
+
+def _pack_many(rows: list) -> bytes:
+    table = np.array(rows, dtype=np.uint64)
+    out = np.empty(len(rows), dtype=ENTRY)
+    for i, name in enumerate(ENTRY.names):
+        out[name] = table[:, i]
+    return out.tobytes()
+
+
+def unpack_entries(frame: Any, frame_sizes: list[int] | None = None) -> list[tuple[int, int, int, int, int, int]]:
+    """Decode a meta frame into ``(key, index, frame, offset, nbytes, seq)`` records.
+
+    With ``frame_sizes`` (the data frames' lengths) every part is checked to lie inside its frame.
 
     Raises:
         ProtocolError: a truncated meta frame, or a part outside the data frames.
     """
     buf = frame.buffer if hasattr(frame, "buffer") else frame
-    if len(buf) % ENTRY.itemsize:
-        raise ProtocolError(f"meta frame of {len(buf)} bytes is not a multiple of {ENTRY.itemsize}")
-    entries = np.frombuffer(buf, dtype=ENTRY)
-    if len(entries) and num_data_frames >= 0:
-        frames = entries["frame"]
-        if int(frames.max()) >= max(num_data_frames, 1) and num_data_frames > 0:
-            raise ProtocolError(f"a part names data frame {int(frames.max())} of {num_data_frames}")
-        if frame_sizes is not None:
-            sizes = np.asarray(frame_sizes, dtype=np.uint64)[frames]
-            if np.any(entries["offset"] + entries["nbytes"] > sizes):
-                raise ProtocolError("a part reaches past the end of its data frame")
-    return entries
+    if len(buf) % ENTRY_STRUCT.size:
+        raise ProtocolError(f"meta frame of {len(buf)} bytes is not a multiple of {ENTRY_STRUCT.size}")
+    rows = list(ENTRY_STRUCT.iter_unpack(buf))
+    if frame_sizes is not None:
+        count = len(frame_sizes)
+        for row in rows:
+            if row[2] >= count or row[3] + row[4] > frame_sizes[row[2]]:
+                raise ProtocolError(f"a part of key {row[0]:#x} lies outside the message's data frames")
+    return rows

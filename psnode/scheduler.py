@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .env import NodeEnv
 from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError
-from .node import PeerInfo, host_fingerprint, logger, same_host_path, setup_logging
+from .node import PeerInfo, host_fingerprint, logger, setup_logging
 from .protocol import FLAG_ERROR, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
 from .transport import create_transport
 
@@ -43,7 +43,7 @@ class Scheduler:
         self.transport = create_transport(transport, SCHEDULER_ID)
         self.transport.bind(env.root_port)
         self.fingerprint = host_fingerprint()
-        self.same_host = same_host_path()
+        self.same_host = env.same_host
         self.members: dict[bytes, _Member] = {}
         self.malformed = 0
         self._barriers: dict[int, list[tuple[bytes, int]]] = {}

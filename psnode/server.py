@@ -25,15 +25,16 @@ from .env import NodeEnv
 from .errors import PSNodeError, ProtocolError
 from .node import Node, PeerInfo, logger
 from .protocol import (
-    ENTRY,
     FLAG_ERROR,
     FLAG_SYNC,
     Cmd,
     pack_header,
+    pack_entries,
     pack_json,
     unpack_entries,
     unpack_json,
 )
+from .server_groups import Groups
 from .server_store import KeyError_, ServerStore, Shard, device_backend
 
 __all__ = ["ServerNode", "run_server"]
@@ -49,6 +50,7 @@ class ServerNode(Node):
         self.store = ServerStore(env.num_workers, device_backend(env.server_device))
         self._outbox: dict[tuple[int, int], list[tuple[int, Shard]]] = defaultdict(list)
         self._acks: dict[int, list[tuple[int, int]]] = defaultdict(list)  # worker -> (req_id, parts)
+        self._groups = Groups(self.store, self._send_to, self._pull_reply)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
         self._cmd_replies = {Cmd.PULL: Cmd.PULL_REPLY, Cmd.PUSH: Cmd.PUSH_ACK, Cmd.INIT: Cmd.INIT_ACK,
                              Cmd.ROWS: Cmd.ROWS_REPLY, Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK}
@@ -78,9 +80,11 @@ class ServerNode(Node):
                     for args in deferred:
                         self._rows(*args)
             elif cmd == Cmd.PULL:
-                entries = unpack_entries(frames[1], 0)
-                for key, index, seq in zip(entries["key"].tolist(), entries["index"].tolist(), entries["seq"].tolist()):
-                    self.store.pull(self.store.shard(key), peer.rank, req_id, index, seq, self._answer)
+                if self._groups.by_keys and self._groups.try_pull(peer.rank, req_id, frames[1].buffer):
+                    return
+                shard, pull, rank, answer = self._shard, self.store.pull, peer.rank, self._answer
+                for key, index, _, _, _, seq in unpack_entries(frames[1]):
+                    pull(shard(key), rank, req_id, index, seq, answer)
             elif cmd == Cmd.ROWS:
                 self._rows(peer, req_id, frames)
             elif cmd == Cmd.INIT:
@@ -102,18 +106,25 @@ class ServerNode(Node):
                 body = np.array(pairs, dtype=np.uint64).tobytes()
                 self.transport.send(self.workers[worker].uid.encode(), [pack_header(Cmd.PUSH_ACK, 0, len(pairs)), body])
 
+    def _shard(self, key_id: int) -> Shard:
+        """The shard of ``key_id``, taken off the group fast path first if it is on it."""
+        shard = self.store.shard(key_id)
+        if shard.group is not None:
+            self._groups.dissolve(shard.group)
+        return shard
+
     def _push(self, peer: PeerInfo, frames: list) -> None:
         data_frames = frames[2:]
-        sizes = [len(f.buffer) for f in data_frames]
-        entries = unpack_entries(frames[1], len(data_frames), sizes)
-        for key, frame, offset, nbytes in zip(
-            entries["key"].tolist(), entries["frame"].tolist(), entries["offset"].tolist(), entries["nbytes"].tolist()
-        ):
-            shard = self.store.shard(key)
+        buffers = [f.buffer for f in data_frames]
+        if self._groups.try_push(peer.rank, frames[1].buffer, buffers):
+            return
+        store, rank, answer = self.store, peer.rank, self._answer
+        for key, _, frame, offset, nbytes, _ in unpack_entries(frames[1], [len(b) for b in buffers]):
+            shard = self._shard(key)
             if nbytes != shard.nbytes:
                 raise KeyError_(f"key {shard.user_key!r}: a push of {nbytes} bytes, but this server holds {shard.nbytes}")
-            data = np.frombuffer(data_frames[frame].buffer, dtype=shard.dtype, count=shard.nbytes // shard.dtype.itemsize, offset=offset)
-            self.store.push(shard, peer.rank, data, self._answer)
+            data = np.frombuffer(buffers[frame], dtype=shard.dtype, count=nbytes // shard.dtype.itemsize, offset=offset)
+            store.push(shard, rank, data, answer)
 
     def _init(self, frames: list, sync: bool) -> None:
         specs = unpack_json(frames[1])
@@ -142,26 +153,22 @@ class ServerNode(Node):
     def _rows(self, peer: PeerInfo, req_id: int, frames: list) -> None:
         data_frames = frames[2:]
         sizes = [len(f.buffer) for f in data_frames]
-        entries = unpack_entries(frames[1], len(data_frames), sizes)
-        shards = [self.store.shard(key) for key in entries["key"].tolist()]
-        if not all(s.ready_for(peer.rank, seq) for s, seq in zip(shards, entries["seq"].tolist())):
+        entries = unpack_entries(frames[1], sizes)
+        shards = [self._shard(row[0]) for row in entries]
+        if not all(s.ready_for(peer.rank, row[5]) for s, row in zip(shards, entries)):
             self._deferred_rows.append((peer, req_id, frames))  # answered after the round closes
             return
-        out_entries = np.zeros(len(entries), dtype=ENTRY)
+        out_entries = []
         chunks = []
         offset = 0
-        for i, (key, index, frame, off, nbytes) in enumerate(zip(
-            entries["key"].tolist(), entries["index"].tolist(), entries["frame"].tolist(),
-            entries["offset"].tolist(), entries["nbytes"].tolist(),
-        )):
-            shard = shards[i]
+        for shard, (key, index, frame, off, nbytes, _) in zip(shards, entries):
             rows = np.frombuffer(data_frames[frame].buffer, dtype=np.int64, count=nbytes // 8, offset=off)
             block = np.ascontiguousarray(self.store.rows(shard, rows))
-            out_entries[i] = (key, index, 0, offset, block.nbytes, 0)
+            out_entries.append((key, index, 0, offset, block.nbytes, 0))
             offset += block.nbytes
             chunks.append(block.reshape(-1).view(np.uint8))
         payload = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
-        self.transport.send(peer.uid.encode(), [pack_header(Cmd.ROWS_REPLY, req_id), out_entries.tobytes(), payload])
+        self.transport.send(peer.uid.encode(), [pack_header(Cmd.ROWS_REPLY, req_id), pack_entries(out_entries), payload])
 
     # ---- replies -------------------------------------------------------------------------
     def _answer(self, worker: int, req_id: int, index: int, shard: Shard) -> None:
@@ -175,27 +182,39 @@ class ServerNode(Node):
             if errors:
                 self._reply_error(peer, Cmd.PULL_REPLY, req_id, errors[0])
                 continue
-            entries = np.zeros(len(parts), dtype=ENTRY)
+            entries = []
             small: list[np.ndarray] = []
-            frames: list[Any] = []
             big: list[Shard] = []
             offset = 0
-            for i, (index, shard) in enumerate(parts):
+            host = self.store.backend.host
+            for index, shard in parts:
                 if shard.nbytes >= _OWN_FRAME:
                     big.append(shard)
-                    entries[i] = (shard.key_id, index, len(big), 0, shard.nbytes, 0)
+                    entries.append((shard.key_id, index, len(big), 0, shard.nbytes, 0))
                 else:
-                    small.append(self.store.backend.host(shard.stored).reshape(-1).view(np.uint8))
-                    entries[i] = (shard.key_id, index, 0, offset, shard.nbytes, 0)
+                    small.append(host(shard.stored))
+                    entries.append((shard.key_id, index, 0, offset, shard.nbytes, 0))
                     offset += shard.nbytes
-            frames = [pack_header(Cmd.PULL_REPLY, req_id), entries.tobytes(),
-                      np.concatenate(small) if small else b""]
+            if len(small) == 1:
+                payload: Any = small[0].tobytes()
+            elif small:
+                payload = b"".join([a.tobytes() for a in small]) if len(small) < 64 else np.concatenate([a.reshape(-1).view(np.uint8) for a in small])
+            else:
+                payload = b""
+            frames = [pack_header(Cmd.PULL_REPLY, req_id), pack_entries(entries), payload]
             for shard in big:
                 frames.append(self.store.backend.host(shard.stored).reshape(-1))
             tracker = self.transport.send(peer.uid.encode(), frames, track=bool(big))
             if tracker is not None:
                 for shard in big:
                     shard.trackers.append(tracker)
+
+    def _send_to(self, worker: int, frames: list) -> None:
+        self.transport.send(self.workers[worker].uid.encode(), frames)
+
+    @staticmethod
+    def _pull_reply(req_id: int, meta: bytes, payload: bytes) -> list:
+        return [pack_header(Cmd.PULL_REPLY, req_id), meta, payload]
 
     def _reply(self, peer: PeerInfo, cmd: int, req_id: int, arg: int) -> None:
         self.transport.send(peer.uid.encode(), [pack_header(cmd, req_id, arg)])

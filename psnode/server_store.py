@@ -46,15 +46,15 @@ class _HostBackend:
 
     @staticmethod
     def load(dst: Any, src: np.ndarray) -> None:
-        np.copyto(dst, src.reshape(dst.shape))
+        np.copyto(dst, src)  # both flat
 
     @staticmethod
     def add(dst: Any, src: np.ndarray) -> None:
-        np.add(dst, src.reshape(dst.shape), out=dst)
+        np.add(dst, src, out=dst)
 
     @staticmethod
     def add2(dst: Any, a: np.ndarray, b: np.ndarray) -> None:
-        np.add(a.reshape(dst.shape), b.reshape(dst.shape), out=dst)
+        np.add(a, b, out=dst)
 
     @staticmethod
     def host(array: Any) -> np.ndarray:
@@ -128,7 +128,7 @@ class Shard:
 
     __slots__ = (
         "key_id", "user_key", "shape", "dtype", "nbytes", "row_size", "sync", "stored", "merge",
-        "count", "pushed", "received", "backlog", "waiting", "trackers", "error", "first",
+        "count", "pushed", "received", "backlog", "waiting", "trackers", "error", "first", "group",
     )
 
     def __init__(self, key_id: int, user_key: Hashable, value: Any, merge: Any, sync: bool, row_size: int, num_workers: int) -> None:
@@ -149,14 +149,15 @@ class Shard:
         self.trackers: list = []  # sends that may still read ``stored``
         self.error: str | None = None
         self.first: np.ndarray | None = None  # the round's first push, read in place from its frame
+        self.group: Any = None  # the server_groups.Group handling this key, if any
 
     def ready_for(self, worker: int, seq: int) -> bool:
         """True when a pull that needs ``seq`` pushes of ``worker`` can be answered now."""
         if self.received[worker] < seq:
             return False
-        if not self.sync:
+        if not self.sync or not self.count:
             return True
-        return worker not in self.pushed and not any(w == worker for w, _ in self.backlog)
+        return worker not in self.pushed and not (self.backlog and any(w == worker for w, _ in self.backlog))
 
 
 Answer = Callable[[int, int, int, "Shard"], None]
@@ -180,13 +181,14 @@ class ServerStore:
         """
         if key_id in self.shards:
             raise KeyError_(f"key {user_key!r} is already initialised on this server")
-        stored = self.backend.place(value)
+        stored = self.backend.place(value.reshape(-1))  # kept flat; the updater gets ``shape`` views
         shard = Shard(key_id, user_key, stored, self.backend.empty_like(stored), sync, row_size, self.num_workers)
+        shard.shape = tuple(value.shape)
         self.shards[key_id] = shard
         init_key = getattr(self.updater, "init_key", None)
         if init_key is not None:
             with self.backend.context():
-                init_key(user_key, shard.stored)
+                init_key(user_key, shard.stored.reshape(shard.shape))
 
     def set_updater(self, updater: Any) -> None:
         """Install ``updater(key, merged, stored)``; call its ``init_key`` for keys that already exist."""
@@ -197,7 +199,7 @@ class ServerStore:
         if init_key is not None:
             with self.backend.context():
                 for shard in self.shards.values():
-                    init_key(shard.user_key, shard.stored)
+                    init_key(shard.user_key, shard.stored.reshape(shard.shape))
 
     def shard(self, key_id: int) -> Shard:
         """The shard of ``key_id``.
@@ -215,7 +217,7 @@ class ServerStore:
         """Take one worker's push of ``shard``; ``answer(worker, req_id, index, shard)`` releases waiting pulls.
 
         Raises:
-            KeyError_: dist_async without an updater, or the updater failed.
+            KeyError_: dist_async without an updater.
         """
         shard.received[worker] += 1
         if not shard.sync:
@@ -226,31 +228,39 @@ class ServerStore:
                 )
             self.backend.load(shard.merge, data)
             self._apply(shard)
-            self._release(shard, answer)
+            if shard.waiting:
+                self._release(shard, answer)
             return
         if worker in shard.pushed:
             shard.backlog.append((worker, data))
             return
         self._merge(shard, worker, data)
-        while shard.count == self.num_workers:
-            self._apply(shard)
-            shard.count = 0
-            shard.pushed.clear()
-            self._drain_backlog(shard)
-            self._release(shard, answer)
+        if shard.count == self.num_workers:
+            self._close_round(shard, answer)
 
     def _merge(self, shard: Shard, worker: int, data: np.ndarray) -> None:
         # The first push of a round is kept as a view of its frame; the second is summed with it into
         # the merge buffer in one pass; later ones are added in place.
-        if shard.count == 0:
+        count = shard.count
+        if count == 0:
             shard.first = data
-        elif shard.count == 1:
+        elif count == 1:
             self.backend.add2(shard.merge, shard.first, data)
             shard.first = None
         else:
             self.backend.add(shard.merge, data)
-        shard.count += 1
+        shard.count = count + 1
         shard.pushed.add(worker)
+
+    def _close_round(self, shard: Shard, answer: Answer) -> None:
+        while shard.count == self.num_workers:
+            self._apply(shard)
+            shard.count = 0
+            shard.pushed.clear()
+            if shard.backlog:
+                self._drain_backlog(shard)
+            if shard.waiting:
+                self._release(shard, answer)
 
     def _drain_backlog(self, shard: Shard) -> None:
         kept: deque = deque()
@@ -281,7 +291,7 @@ class ServerStore:
                         self.backend.load(shard.merge, shard.first)
                     if busy:
                         shard.stored = shard.stored.copy()
-                    self.updater(shard.user_key, shard.merge, shard.stored)
+                    self.updater(shard.user_key, shard.merge.reshape(shard.shape), shard.stored.reshape(shard.shape))
             shard.error = None
         except Exception as exc:  # the user's updater: report it to whoever pulls the key
             shard.error = f"the updater raised {type(exc).__name__}: {exc} (key {shard.user_key!r})"

@@ -32,11 +32,12 @@ def run_ok(name: str, workers: int, servers: int, env: dict | None = None, args:
     return results
 
 
-def wait_for_line(job: LocalJob, role: str, index: int, pattern: str, timeout: float = 30) -> re.Match:
+def wait_for_line(job: LocalJob, role: str, index: int | None, pattern: str, timeout: float = 30) -> re.Match:
+    """Wait until process ``role``/``index`` (any of the role when None) prints a line matching ``pattern``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for result in job.results():
-            if result.role == role and result.index == index:
+            if result.role == role and index in (None, result.index):
                 match = re.search(pattern, result.output, re.M)
                 if match:
                     return match
@@ -115,7 +116,7 @@ def test_a_missing_worker_makes_registration_time_out_naming_what_is_missing():
 def test_garbage_sent_to_a_servers_port_is_dropped_and_results_stay_exact(tmp_path):
     go = tmp_path / "go"
     with LocalJob(2, 2, worker=script("garbage_sums.py", str(go)), env={"PS_VERBOSE": "1"}) as job:
-        wait_for_line(job, "worker", 0, r"^READY")
+        wait_for_line(job, "worker", None, r"^READY")  # printed by rank 0
         ports = [int(wait_for_line(job, "server", i, r"server@127\.0\.0\.1:(\d+) registering").group(1)) for i in range(2)]
         ctx = zmq.Context()
         try:
@@ -162,3 +163,23 @@ def test_python_m_psnode_with_a_malformed_variable_exits_2_naming_it(role):
         job.start(role, 0, [sys.executable, "-m", "psnode", role], {"DMLC_NUM_SERVER": "two"})
         [result] = job.wait(30)
     assert result.returncode == 2 and "DMLC_NUM_SERVER='two'" in result.output, result
+
+
+def test_the_ported_mxnet_dist_sync_check_passes_with_every_role_running_the_script():
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "dist_kvstore_check.py")
+    argv = [sys.executable, example]
+    with LocalJob(3, 2, start_scheduler=False, start_servers=0, env=SMALL_BOUND) as job:
+        job.start("scheduler", 0, argv)
+        for i in range(2):
+            job.start("server", i, argv)
+        for i in range(3):
+            job.start("worker", i, argv, {"DMLC_ROLE": ""})
+        results = job.wait(90)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(map(str, failed))
+    passed = sorted(r.output.strip().splitlines()[-1] for r in results if r.role == "worker")
+    assert passed == [f"worker {i}/3: all checks passed" for i in range(3)]
+
+
+def test_lists_of_many_small_keys_stay_exact_when_the_access_pattern_changes():
+    run_ok("key_lists.py", workers=3, servers=2)
