@@ -204,9 +204,16 @@ def render(report: dict[str, Any], rows: list[Row], systems: list[str], statuses
         return _render_plain(headers, body, target_rows, report, status_line)
 
 
+def _produces(system: str, measure: str) -> bool:
+    """Whether ``system`` measures ``measure`` at all (raw pyzmq has no keys; KV stores no one-way stream)."""
+    if system.startswith("zmq_"):
+        return not measure.startswith("many_")
+    return not measure.startswith("oneway_")
+
+
 def _missing(system: str, statuses: dict[str, str], row: Row) -> str:
     status = statuses.get(system, "")
-    if status != "ok":
+    if status != "ok" and _produces(system, row.measure):
         return status
     return "n/a"
 
@@ -261,7 +268,7 @@ def markdown(report: dict[str, Any]) -> str:
         for s in systems:
             status = report["systems"][s]["status"]
             cells.append(fmt_value(values.get(s), row["unit"]) if values.get(s) is not None
-                         else ("n/a" if status == "ok" else status))
+                         else (status if status != "ok" and _produces(s, row["measure"]) else "n/a"))
         cells += [_ratio_cell(ratio_of.get((row["measure"], o, b))) for o, b in pairs]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| target (issue 3) | pslaunch / baseline | met? |", "|---|---|---|"]

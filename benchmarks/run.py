@@ -134,7 +134,8 @@ def run(cfg: BenchConfig, statuses: dict[str, str]) -> tuple[dict, str]:
                     results[system] = jobs.run_kv_job(kv_systems[system], cfg.plan, NUM_WORKERS, log_dir,
                                                       cfg.job_timeout_s)
                 click.echo(f"    done in {time.monotonic() - t0:.1f} s", err=True)
-            except JobFailed as exc:
+            except (JobFailed, OSError, ValueError, KeyError) as exc:
+                # a job's failure is data for the report; the other systems still run
                 results[system] = None
                 errors[system].append(f"rep {rep}: {exc}")
                 click.echo(f"    FAILED after {time.monotonic() - t0:.1f} s: {exc}", err=True)
@@ -144,7 +145,7 @@ def run(cfg: BenchConfig, statuses: dict[str, str]) -> tuple[dict, str]:
         if failed:
             statuses[system] = "failed" if failed == cfg.reps else f"failed in {failed}/{cfg.reps} reps"
     machine["loadavg_end"] = list(os.getloadavg())
-    systems = [s for s in ALL_SYSTEMS]
+    systems = list(ALL_SYSTEMS)
     rows = report.build_rows(cfg.plan.sizes, cfg.plan.many_keys, systems, reps)
     versions = {s: next((r[s]["system"] for r in reps if r.get(s)), None) for s in active}
     out = {
