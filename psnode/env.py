@@ -44,7 +44,7 @@ class NodeEnv:
     register_timeout: float = 60.0
     bigarray_bound: int = 1_000_000
     server_device: str = "cpu"
-    same_host: str = "ipc"
+    same_host: str = "shm"
 
     @property
     def root_address(self) -> str:
@@ -131,9 +131,9 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     device = (_get(env, "PSLAUNCH_SERVER_DEVICE") or "cpu").lower()
     if not (device == "cpu" or device == "gpu" or (device.startswith("gpu:") and device[4:].isdigit())):
         raise EnvError(f"environment variable PSLAUNCH_SERVER_DEVICE={device!r} must be cpu, gpu or gpu:N")
-    same_host = (_get(env, "PSLAUNCH_SAME_HOST") or "ipc").lower()
-    if same_host not in ("ipc", "tcp"):
-        raise EnvError(f"environment variable PSLAUNCH_SAME_HOST={same_host!r} must be ipc or tcp")
+    same_host = (_get(env, "PSLAUNCH_SAME_HOST") or "shm").lower()
+    if same_host not in ("shm", "ipc", "tcp"):
+        raise EnvError(f"environment variable PSLAUNCH_SAME_HOST={same_host!r} must be shm, ipc or tcp")
     node_host = _get(env, "DMLC_NODE_HOST")
     interface = _get(env, "DMLC_INTERFACE")
     if interface is not None and not interface.replace("-", "").replace(".", "").replace("_", "").isalnum():

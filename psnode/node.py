@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import shm
 from .env import NodeEnv
 from .errors import (
     ClosedError,
@@ -37,9 +38,11 @@ __all__ = ["Node", "PeerInfo", "host_fingerprint", "logger", "setup_logging"]
 logger = logging.getLogger("psnode")
 
 SCHEDULER = b"scheduler"
+_IDLE_DELAY = 0.0002  # how long held-back acknowledgements wait for a reply to ride along with
 
 _CONTROL_CMDS = frozenset(
-    {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN, Cmd.NODE_DIED}
+    {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN, Cmd.NODE_DIED,
+     Cmd.WORKER_FINISHED}
 )
 
 
@@ -54,6 +57,7 @@ class PeerInfo:
     uid: str
     fingerprint: str
     local_name: str
+    shm_probe: int = 0  # wire reference of the node's shared-memory probe (0: none)
 
     def describe(self) -> str:
         """``server 1 on 10.0.0.2:4567``: how errors name a node."""
@@ -99,6 +103,7 @@ class Node:
         job = re.sub(r"[^A-Za-z0-9_.-]", "_", env.job_id)[:40]
         self.local_name = f"{job}-{role}-{os.getpid()}-{os.urandom(3).hex()}"
         self.port = self.transport.bind(0, self.local_name)
+        self._probe = shm.probe() if env.same_host == "shm" else None
         self.uid = f"{role}@{self.host}:{self.port}"
         self.transport.identity = self.uid.encode()
         self.rank = -1
@@ -132,6 +137,7 @@ class Node:
             "uid": self.uid,
             "fingerprint": self.fingerprint,
             "local_name": self.local_name,
+            "shm_probe": self._probe.ref if self._probe is not None else 0,
             "worker_id": env.worker_id if self.role == "worker" else None,
             "pid": os.getpid(),
         }
@@ -172,7 +178,7 @@ class Node:
         for item in book["nodes"]:
             peer = PeerInfo(
                 item["role"], int(item["rank"]), item["host"], int(item["port"]), item["uid"],
-                item["fingerprint"], item["local_name"],
+                item["fingerprint"], item["local_name"], int(item.get("shm_probe") or 0),
             )
             self.peers[peer.uid.encode()] = peer
         self.workers = sorted((p for p in self.peers.values() if p.role == "worker"), key=lambda p: p.rank)
@@ -186,7 +192,7 @@ class Node:
 
     def endpoint_of(self, peer: PeerInfo) -> str:
         """The same-host endpoint for a peer on this host (unless PSLAUNCH_SAME_HOST=tcp), else TCP."""
-        if self.same_host == "ipc" and peer.fingerprint == self.fingerprint:
+        if self.same_host in ("ipc", "shm") and peer.fingerprint == self.fingerprint:
             return self.transport.same_host_endpoint(peer.local_name)
         return f"tcp://{peer.host}:{peer.port}"
 
@@ -205,6 +211,9 @@ class Node:
         wait = timeout
         if self.env.heartbeat_interval > 0:
             wait = max(0.0, min(wait, self._next_heartbeat - now))
+        if self.idle_work and not self.transport.poll(min(wait, _IDLE_DELAY)):
+            self.on_idle()  # nothing came for a moment: send what was held back to share a message
+            return
         if not self.transport.poll(wait):
             return
         try:
@@ -218,6 +227,11 @@ class Node:
 
     def after_batch(self) -> None:
         """Called after each batch of received messages (the server sends its gathered replies here)."""
+
+    idle_work = False  # True while on_idle has something to send once the node is idle
+
+    def on_idle(self) -> None:
+        """Called when ``idle_work`` is set and no message arrived for ``_IDLE_DELAY`` seconds."""
 
     def _heartbeat(self, now: float) -> None:
         interval = self.env.heartbeat_interval
@@ -282,6 +296,10 @@ class Node:
             info = unpack_json(frames[1])
             self.fail(PeerDiedError(info["message"], info.get("role", ""), int(info.get("rank", -1)), info.get("host", "")))
             return
+        if cmd == Cmd.WORKER_FINISHED:
+            info = unpack_json(frames[1])
+            self.on_worker_finished(int(info["rank"]), str(info["node"]))
+            return
         if cmd == Cmd.SHUTDOWN:
             self.shutdown_requested = True
             self.send_control(Cmd.SHUTDOWN_ACK, req_id)
@@ -325,3 +343,6 @@ class Node:
 
     def on_failure(self, error: BaseException) -> None:
         """Called once with the first failure."""
+
+    def on_worker_finished(self, rank: int, node: str) -> None:
+        """Called when the scheduler says worker ``rank`` (described by ``node``) finished."""

@@ -36,6 +36,7 @@ __all__ = [
     "Cmd",
     "FLAG_ERROR",
     "FLAG_SYNC",
+    "FLAG_ACKS",
     "ENTRY",
     "Group",
     "pack_header",
@@ -53,6 +54,7 @@ VERSION = 1
 
 FLAG_ERROR = 1  # the reply carries a JSON error {"error": message} instead of a result
 FLAG_SYNC = 2  # init: the key is merged per round (dist_sync), else applied on arrival (dist_async)
+FLAG_ACKS = 4  # a reply whose last frame holds push acknowledgements: (req_id, parts) u64 pairs
 
 
 class Cmd(enum.IntEnum):
@@ -70,6 +72,7 @@ class Cmd(enum.IntEnum):
     SHUTDOWN = 10
     SHUTDOWN_ACK = 11
     NODE_DIED = 12
+    WORKER_FINISHED = 13
     INIT = 20
     INIT_ACK = 21
     PUSH = 22
@@ -178,6 +181,8 @@ def unpack_entries(frame: Any, frame_sizes: list[int] | None = None) -> list[tup
     if frame_sizes is not None:
         count = len(frame_sizes)
         for row in rows:
+            if row[2] == 0xFFFFFFFF:  # the part lies in shared memory (psnode.shm), not in a frame
+                continue
             if row[2] >= count or row[3] + row[4] > frame_sizes[row[2]]:
                 raise ProtocolError(f"a part of key {row[0]:#x} lies outside the message's data frames")
     return rows

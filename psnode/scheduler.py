@@ -141,10 +141,11 @@ class Scheduler:
             ranks[id(member)] = rank
         for _, member in workers + servers:
             i = member.info
-            member.peer = PeerInfo(i["role"], ranks[id(member)], i["host"], int(i["port"]), i["uid"], i["fingerprint"], i["local_name"])
+            member.peer = PeerInfo(i["role"], ranks[id(member)], i["host"], int(i["port"]), i["uid"], i["fingerprint"],
+                                   i["local_name"], int(i.get("shm_probe") or 0))
 
     def _endpoint(self, peer: PeerInfo) -> str:
-        if self.same_host == "ipc" and peer.fingerprint == self.fingerprint:
+        if self.same_host in ("ipc", "shm") and peer.fingerprint == self.fingerprint:
             return self.transport.same_host_endpoint(peer.local_name)
         return f"tcp://{peer.host}:{peer.port}"
 
@@ -197,6 +198,10 @@ class Scheduler:
         elif cmd == Cmd.FINISH:
             member.finished = True
             self.transport.send(sender, [pack_header(Cmd.FINISH_ACK, req_id)])
+            note = pack_json({"rank": member.peer.rank, "node": member.peer.describe()})
+            for uid, other in self.members.items():
+                if other.peer.role == "server":  # rounds that still wait for this worker can never close
+                    self.transport.send(uid, [pack_header(Cmd.WORKER_FINISHED), note])
             logger.info("scheduler: %s finished", member.peer.describe())
             self._fail_blocked_barriers()
         elif cmd == Cmd.NODE_DIED:

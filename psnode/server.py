@@ -21,10 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from . import shm
 from .env import NodeEnv
 from .errors import PSNodeError, ProtocolError
 from .node import Node, PeerInfo, logger
 from .protocol import (
+    FLAG_ACKS,
     FLAG_ERROR,
     FLAG_SYNC,
     Cmd,
@@ -50,6 +52,8 @@ class ServerNode(Node):
         self.store = ServerStore(env.num_workers, device_backend(env.server_device))
         self._outbox: dict[tuple[int, int], list[tuple[int, Shard]]] = defaultdict(list)
         self._acks: dict[int, list[tuple[int, int]]] = defaultdict(list)  # worker -> (req_id, parts)
+        self._attached = shm.Attachments()
+        self._reply_regions: dict[tuple[int, int, int], tuple[int, int]] = {}  # pulls answered in shared memory
         self._groups = Groups(self.store, self._send_to, self._pull_reply)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
         self._cmd_replies = {Cmd.PULL: Cmd.PULL_REPLY, Cmd.PUSH: Cmd.PUSH_ACK, Cmd.INIT: Cmd.INIT_ACK,
@@ -83,7 +87,9 @@ class ServerNode(Node):
                 if self._groups.by_keys and self._groups.try_pull(peer.rank, req_id, frames[1].buffer):
                     return
                 shard, pull, rank, answer = self._shard, self.store.pull, peer.rank, self._answer
-                for key, index, _, _, _, seq in unpack_entries(frames[1]):
+                for key, index, frame, offset, nbytes, seq in unpack_entries(frames[1]):
+                    if frame == shm.SHM_FRAME:  # the reply goes into the worker's shared memory
+                        self._reply_regions[(rank, req_id, index)] = (offset, nbytes)
                     pull(shard(key), rank, req_id, index, seq, answer)
             elif cmd == Cmd.ROWS:
                 self._rows(peer, req_id, frames)
@@ -95,16 +101,23 @@ class ServerNode(Node):
                 self._reply(peer, reply, req_id, arg)
         except KeyError_ as exc:
             self._reply_error(peer, reply, req_id, str(exc))
+            if self._reply_regions:  # a refused pull answers nothing in shared memory
+                for slot in [s for s in self._reply_regions if s[:2] == (peer.rank, req_id)]:
+                    del self._reply_regions[slot]
 
     def after_batch(self) -> None:
         """Send the batch's pull replies, then one acknowledgement message per worker for its pushes."""
         if self._outbox:
             self._flush()
-        if self._acks:
-            acks, self._acks = self._acks, defaultdict(list)
-            for worker, pairs in acks.items():
-                body = np.array(pairs, dtype=np.uint64).tobytes()
-                self.transport.send(self.workers[worker].uid.encode(), [pack_header(Cmd.PUSH_ACK, 0, len(pairs)), body])
+        self.idle_work = bool(self._acks)  # the rest ride along with the next reply, or go when idle
+
+    def on_idle(self) -> None:
+        """Send the acknowledgements no pull reply took along."""
+        acks, self._acks = self._acks, defaultdict(list)
+        self.idle_work = False
+        for worker, pairs in acks.items():
+            body = np.array(pairs, dtype=np.uint64).tobytes()
+            self.transport.send(self.workers[worker].uid.encode(), [pack_header(Cmd.PUSH_ACK, 0, len(pairs)), body])
 
     def _shard(self, key_id: int) -> Shard:
         """The shard of ``key_id``, taken off the group fast path first if it is on it."""
@@ -123,8 +136,19 @@ class ServerNode(Node):
             shard = self._shard(key)
             if nbytes != shard.nbytes:
                 raise KeyError_(f"key {shard.user_key!r}: a push of {nbytes} bytes, but this server holds {shard.nbytes}")
+            if frame == shm.SHM_FRAME:  # in the worker's shared memory: read it there, keep no reference
+                store.push(shard, rank, self._shared(offset, nbytes).view(shard.dtype), answer, borrowed=True)
+                continue
             data = np.frombuffer(buffers[frame], dtype=shard.dtype, count=nbytes // shard.dtype.itemsize, offset=offset)
             store.push(shard, rank, data, answer)
+
+    def _shared(self, ref: int, nbytes: int) -> np.ndarray:
+        """A view of a worker's shared-memory region."""
+        try:
+            return self._attached.view(ref, nbytes)
+        except (OSError, ValueError) as exc:
+            pid, fd = shm.decode(ref)
+            raise KeyError_(f"server {self.rank} cannot map shared memory fd {fd} of process {pid}: {exc}") from exc
 
     def _init(self, frames: list, sync: bool) -> None:
         specs = unpack_json(frames[1])
@@ -168,7 +192,7 @@ class ServerNode(Node):
             offset += block.nbytes
             chunks.append(block.reshape(-1).view(np.uint8))
         payload = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
-        self.transport.send(peer.uid.encode(), [pack_header(Cmd.ROWS_REPLY, req_id), pack_entries(out_entries), payload])
+        self._send_to(peer.rank, [pack_header(Cmd.ROWS_REPLY, req_id), pack_entries(out_entries), payload])
 
     # ---- replies -------------------------------------------------------------------------
     def _answer(self, worker: int, req_id: int, index: int, shard: Shard) -> None:
@@ -188,7 +212,11 @@ class ServerNode(Node):
             offset = 0
             host = self.store.backend.host
             for index, shard in parts:
-                if shard.nbytes >= _OWN_FRAME:
+                region = self._reply_regions.pop((worker, req_id, index), None) if self._reply_regions else None
+                if region is not None and region[1] == shard.nbytes:
+                    np.copyto(self._shared(region[0], region[1]), host(shard.stored).view(np.uint8))
+                    entries.append((shard.key_id, index, shm.SHM_FRAME, 0, shard.nbytes, 0))
+                elif shard.nbytes >= _OWN_FRAME:
                     big.append(shard)
                     entries.append((shard.key_id, index, len(big), 0, shard.nbytes, 0))
                 else:
@@ -204,13 +232,19 @@ class ServerNode(Node):
             frames = [pack_header(Cmd.PULL_REPLY, req_id), pack_entries(entries), payload]
             for shard in big:
                 frames.append(self.store.backend.host(shard.stored).reshape(-1))
-            tracker = self.transport.send(peer.uid.encode(), frames, track=bool(big))
+            tracker = self._send_to(worker, frames, track=bool(big))
             if tracker is not None:
                 for shard in big:
                     shard.trackers.append(tracker)
 
-    def _send_to(self, worker: int, frames: list) -> None:
-        self.transport.send(self.workers[worker].uid.encode(), frames)
+    def _send_to(self, worker: int, frames: list, track: bool = False) -> Any:
+        """Send a reply to ``worker``, with its held-back push acknowledgements as a last frame."""
+        pairs = self._acks.pop(worker, None)
+        if pairs:
+            header = frames[0]
+            frames[0] = header[:4] + (int.from_bytes(header[4:6], "little") | FLAG_ACKS).to_bytes(2, "little") + header[6:]
+            frames.append(np.array(pairs, dtype=np.uint64).tobytes())
+        return self.transport.send(self.workers[worker].uid.encode(), frames, track=track)
 
     @staticmethod
     def _pull_reply(req_id: int, meta: bytes, payload: bytes) -> list:
@@ -222,6 +256,26 @@ class ServerNode(Node):
     def _reply_error(self, peer: PeerInfo, cmd: int, req_id: int, message: str) -> None:
         logger.info("server %d refuses a request of %s: %s", self.rank, peer.describe(), message)
         self.transport.send(peer.uid.encode(), [pack_header(cmd, req_id, flags=FLAG_ERROR), pack_json({"error": message})])
+
+    def on_worker_finished(self, rank: int, node: str) -> None:
+        """Fail the pulls that wait for a round this worker will never push to (instead of hanging)."""
+        self.store.finished[rank] = node
+        failed: dict[tuple[int, int], str] = {}
+        for shard in self.store.shards.values():
+            if shard.waiting:
+                blocked = self.store.blocked(shard.user_key, shard.sync, shard.count, shard.pushed)
+                if blocked:
+                    for worker, req_id, _, _ in shard.waiting:
+                        failed.setdefault((worker, req_id), blocked)
+                    shard.waiting = []
+        for group in list(self._groups.by_keys.values()):
+            blocked = self.store.blocked(group.shards[0].user_key, True, group.count, group.pushed)
+            if group.waiting and blocked:
+                for worker, req_id, _, _ in group.waiting:
+                    failed.setdefault((worker, req_id), blocked)
+                group.waiting = []
+        for (worker, req_id), message in failed.items():
+            self._reply_error(self.workers[worker], Cmd.PULL_REPLY, req_id, message)
 
     def on_failure(self, error: BaseException) -> None:
         """A failed server stops serving; ``run`` raises the error."""

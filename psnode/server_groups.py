@@ -203,6 +203,8 @@ class Groups:
             return False
         if group.ready_for(worker, seq):
             self.send(worker, self.pull_reply(req_id, group.reply_meta(entries), group.stored.tobytes()))
+        elif self.store.blocked(group.shards[0].user_key, True, group.count, group.pushed):
+            return False  # the per-key path reports which round can never close
         else:
             group.waiting.append((worker, req_id, seq, entries.copy()))
         return True

@@ -171,6 +171,7 @@ class ServerStore:
         self.backend = backend or _HostBackend()
         self.shards: dict[int, Shard] = {}
         self.updater: Any = None
+        self.finished: dict[int, str] = {}  # workers that left the job: rank -> description
 
     # ---- init / updater ------------------------------------------------------------------
     def init(self, key_id: int, user_key: Hashable, value: np.ndarray, sync: bool, row_size: int) -> None:
@@ -213,8 +214,11 @@ class ServerStore:
         return shard
 
     # ---- push ----------------------------------------------------------------------------
-    def push(self, shard: Shard, worker: int, data: np.ndarray, answer: Answer) -> None:
+    def push(self, shard: Shard, worker: int, data: np.ndarray, answer: Answer, borrowed: bool = False) -> None:
         """Take one worker's push of ``shard``; ``answer(worker, req_id, index, shard)`` releases waiting pulls.
+
+        ``borrowed``: ``data`` lives in the worker's shared memory, which it reuses once this
+        message is acknowledged, so nothing may keep a reference to it.
 
         Raises:
             KeyError_: dist_async without an updater.
@@ -232,9 +236,14 @@ class ServerStore:
                 self._release(shard, answer)
             return
         if worker in shard.pushed:
-            shard.backlog.append((worker, data))
+            shard.backlog.append((worker, data.copy() if borrowed else data))
             return
-        self._merge(shard, worker, data)
+        if borrowed and shard.count == 0:
+            self.backend.load(shard.merge, data)  # a copy now instead of a reference to the region
+            shard.count = 1
+            shard.pushed.add(worker)
+        else:
+            self._merge(shard, worker, data)
         if shard.count == self.num_workers:
             self._close_round(shard, answer)
 
@@ -244,7 +253,7 @@ class ServerStore:
         count = shard.count
         if count == 0:
             shard.first = data
-        elif count == 1:
+        elif count == 1 and shard.first is not None:
             self.backend.add2(shard.merge, shard.first, data)
             shard.first = None
         else:
@@ -311,11 +320,28 @@ class ServerStore:
 
     # ---- pull ----------------------------------------------------------------------------
     def pull(self, shard: Shard, worker: int, req_id: int, index: int, seq: int, answer: Answer) -> None:
-        """Answer a pull now, or once the pushes it must include have been applied."""
+        """Answer a pull now, or once the pushes it must include have been applied.
+
+        Raises:
+            KeyError_: the pull waits for a round that a finished worker never pushed to.
+        """
         if shard.ready_for(worker, seq):
             answer(worker, req_id, index, shard)
-        else:
-            shard.waiting.append((worker, req_id, index, seq))
+            return
+        blocked = self.blocked(shard.user_key, shard.sync, shard.count, shard.pushed)
+        if blocked:
+            raise KeyError_(blocked)
+        shard.waiting.append((worker, req_id, index, seq))
+
+    def blocked(self, key: Hashable, sync: bool, count: int, pushed: set) -> str | None:
+        """Why an open round of ``key`` can never close (a finished worker did not push), or None."""
+        if not sync or not count or not self.finished:
+            return None
+        gone = [node for rank, node in self.finished.items() if rank not in pushed]
+        if not gone:
+            return None
+        return (f"the current round of key {key!r} can never close: {', '.join(gone)} finished without pushing "
+                "it (every worker must push a key the same number of times in dist_sync)")
 
     def rows(self, shard: Shard, rows: np.ndarray) -> np.ndarray:
         """The stored rows ``rows`` (ids local to the shard) as a host array.

@@ -31,10 +31,11 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
+from . import shm
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
 from .node import Node, PeerInfo, logger
-from .protocol import FLAG_ERROR, FLAG_SYNC, Cmd, Group, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
+from .protocol import FLAG_ACKS, FLAG_ERROR, FLAG_SYNC, Cmd, Group, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
 from .transport import WouldBlock
 
 __all__ = ["WorkerNode"]
@@ -50,13 +51,14 @@ _UNSENT = _Unsent()
 
 
 class _Request:
-    __slots__ = ("future", "remaining", "targets", "what")
+    __slots__ = ("future", "remaining", "targets", "what", "regions")
 
     def __init__(self, future: concurrent.futures.Future, remaining: int, targets: list | None, what: str) -> None:
         self.future = future
         self.remaining = remaining
-        self.targets = targets  # pull: index -> writable uint8 view of the out
+        self.targets = targets  # pull: index -> writable byte view of the out
         self.what = what
+        self.regions: dict[int, shm.Region] | None = None  # pull: index -> shared-memory region of the reply
 
 
 class WorkerNode(Node):
@@ -74,12 +76,17 @@ class WorkerNode(Node):
         self._thread: threading.Thread | None = None
         self._closed = False
         self.wrap_error: Any = None  # optional fn(error) -> error for the futures (kvcore's error tree)
+        self._regions: dict[tuple[int, int, int], shm.Region] = {}  # (key id, server, 0 push / 1 pull)
+        self._shm_servers: set[int] = set()  # servers on this host that map our shared memory
         self._buffers: dict[tuple[int, int], tuple[np.ndarray, Any]] = {}  # (key id, server) -> (buffer, tracker)
 
     # ---- life cycle ----------------------------------------------------------------------
     def start(self) -> "WorkerNode":
         """Register (blocking, see ``Node.register``) and start the network thread."""
         self.register()
+        if self.env.same_host == "shm":
+            self._shm_servers = {p.rank for p in self.servers
+                                 if p.fingerprint == self.fingerprint and p.shm_probe and shm.can_attach(p.shm_probe)}
         self._thread = threading.Thread(target=self._run, name=f"psnode-worker-{self.rank}", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -245,7 +252,12 @@ class WorkerNode(Node):
                 seq = counts.get(slot, 0) + 1
                 counts[slot] = seq
                 nbytes = value.nbytes
-                if nbytes >= _OWN_FRAME:
+                region = self._region((key_id, server, 0), nbytes) if nbytes >= shm.SHM_MIN and server in self._shm_servers else None
+                if region is not None:  # same host: one copy into shared memory, the server reads it there
+                    np.copyto(region.array, value.reshape(-1).view(np.uint8) if value.flags.c_contiguous else np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+                    region.busy = future
+                    entries.append((key_id, i, shm.SHM_FRAME, region.ref, nbytes, seq))
+                elif nbytes >= _OWN_FRAME:
                     flat = value.reshape(-1).view(np.uint8) if value.flags.c_contiguous else np.ascontiguousarray(value).reshape(-1).view(np.uint8)
                     frames.append(self._send_copy(slot, flat) if copy else flat)
                     entries.append((key_id, i, len(frames), 0, nbytes, seq))
@@ -269,8 +281,18 @@ class WorkerNode(Node):
         targets = [memoryview(out).cast("B") for _, _, out in parts]  # C-contiguous outs, as bytes
         req = self._track(future, len(parts), targets, "pull")
         counts = self._push_counts
+        request = self._pending.get(req)
         for server, items in self._by_server(parts, indexed=True).items():
             entries = [(key_id, index, 0, 0, out.nbytes, counts.get((key_id, server), 0)) for index, (_, key_id, out) in items]
+            if server in self._shm_servers and request is not None:
+                for j, (index, (_, key_id, out)) in enumerate(items):
+                    region = self._region((key_id, server, 1), out.nbytes) if out.nbytes >= shm.SHM_MIN else None
+                    if region is not None:  # the server writes the value into shared memory
+                        region.busy = future
+                        if request.regions is None:
+                            request.regions = {}
+                        request.regions[index] = region
+                        entries[j] = (key_id, index, shm.SHM_FRAME, region.ref, out.nbytes, entries[j][5])
             self._enqueue(server, [pack_header(Cmd.PULL, req, len(items)), pack_entries(entries)], priority, req)
         self._pump()
         return future
@@ -311,6 +333,17 @@ class WorkerNode(Node):
         np.copyto(buffer, flat)
         self._buffers[slot] = (buffer, _UNSENT)
         return buffer
+
+    def _region(self, slot: tuple[int, int, int], nbytes: int) -> shm.Region | None:
+        """The shared-memory region of ``slot`` when it is free (None: use a message this time)."""
+        region = self._regions.get(slot)
+        if region is None or region.nbytes != nbytes:
+            try:
+                region = shm.Region(nbytes)
+            except OSError:
+                return None
+            self._regions[slot] = region
+        return region if region.free() else None
 
     def _check(self) -> None:
         if self.failure is not None:
@@ -394,19 +427,24 @@ class WorkerNode(Node):
         self._fail_pending(error)
 
     # ---- replies (network thread) ------------------------------------------------------------
+    def _take_acks(self, frame: Any) -> None:
+        pending = self._pending
+        for rid, count in np.frombuffer(frame.buffer, dtype=np.uint64).reshape(-1, 2).tolist():
+            request = pending.get(rid)
+            if request is not None:
+                request.remaining -= count
+                if request.remaining <= 0:
+                    self._complete(rid)
+
     def handle_data(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
         if cmd == Cmd.PUSH_ACK and not flags & FLAG_ERROR:
-            pairs = np.frombuffer(frames[1].buffer, dtype=np.uint64).reshape(-1, 2).tolist()
-            pending = self._pending
-            for rid, count in pairs:
-                request = pending.get(rid)
-                if request is not None:
-                    request.remaining -= count
-                    if request.remaining <= 0:
-                        self._complete(rid)
+            self._take_acks(frames[1])
             if self._queue:
                 self._pump()
             return
+        if flags & FLAG_ACKS:  # push acknowledgements riding along with a reply
+            self._take_acks(frames[-1])
+            frames = frames[:-1]
         request = self._pending.get(req_id)
         if request is None:
             raise ProtocolError(f"{Cmd(cmd).name} for unknown request {req_id}")
@@ -423,7 +461,10 @@ class WorkerNode(Node):
                 target = targets[index]
                 if nbytes != target.nbytes:
                     raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
-                target[:] = buffers[frame][offset:offset + nbytes]
+                if frame == shm.SHM_FRAME:
+                    target[:] = request.regions[index].array
+                else:
+                    target[:] = buffers[frame][offset:offset + nbytes]
             request.remaining -= len(entries)
         elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK):
             request.remaining -= arg

@@ -23,6 +23,7 @@ from .transport import Transport, WouldBlock
 __all__ = ["ZmqTransport"]
 
 _SEND_HWM = 1000  # messages queued per peer before a non-blocking send reports WouldBlock
+_SOCKET_BUFFER = 4 << 20  # kernel buffer per connection: fewer wake-ups per big message (capped by the kernel)
 
 
 class ZmqTransport(Transport):
@@ -45,6 +46,8 @@ class ZmqTransport(Transport):
         router = self._context.socket(zmq.ROUTER)
         router.linger = 0
         router.rcvhwm = 0
+        if _SOCKET_BUFFER:
+            router.rcvbuf = _SOCKET_BUFFER
         try:
             if port:
                 router.bind(f"tcp://*:{port}")
@@ -67,6 +70,8 @@ class ZmqTransport(Transport):
             sock = self._context.socket(zmq.DEALER)
             sock.linger = 0
             sock.sndhwm = _SEND_HWM
+            if _SOCKET_BUFFER:
+                sock.sndbuf = _SOCKET_BUFFER
             sock.identity = self.identity
             try:
                 sock.connect(endpoint)

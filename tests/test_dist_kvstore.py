@@ -47,8 +47,9 @@ def wait_for_line(job: LocalJob, role: str, index: int | None, pattern: str, tim
     raise AssertionError(f"{role} {index} did not print {pattern!r} within {timeout} s")
 
 
-def test_dist_sync_sums_are_exact_for_small_split_and_listed_keys_and_pushpull():
-    results = run_ok("sums.py", workers=3, servers=2)
+@pytest.mark.parametrize("same_host", ["shm", "ipc", "tcp"])
+def test_dist_sync_sums_are_exact_for_small_split_and_listed_keys_and_pushpull(same_host):
+    results = run_ok("sums.py", workers=3, servers=2, env={"PSLAUNCH_SAME_HOST": same_host})
     assert all(r.returncode == 0 for r in results if r.role in ("scheduler", "server"))
 
 
@@ -183,3 +184,46 @@ def test_the_ported_mxnet_dist_sync_check_passes_with_every_role_running_the_scr
 
 def test_lists_of_many_small_keys_stay_exact_when_the_access_pattern_changes():
     run_ok("key_lists.py", workers=3, servers=2)
+
+
+def test_a_user_updater_with_init_key_runs_on_the_servers_and_its_errors_reach_the_workers():
+    env = {**SMALL_BOUND, "PSLAUNCH_BIGARRAY_BOUND": "100000", "PYTHONPATH": f"{SCRIPTS}:{Path(__file__).resolve().parent.parent}"}
+    run_ok("updater_protocol.py", workers=2, servers=2, env=env)
+
+
+def test_push_copies_its_values_and_pull_handles_complete_with_callbacks_in_dist_device_sync():
+    run_ok("handles.py", workers=2, servers=2)
+
+
+def test_creating_a_dist_store_without_the_environment_names_the_missing_variable():
+    with LocalJob(1, 1, start_scheduler=False, start_servers=0) as job:
+        job.start("worker", 0, [sys.executable, "-c", "import kvcore; kvcore.create('dist_sync')"],
+                  {"DMLC_ROLE": "", "DMLC_PS_ROOT_URI": ""})
+        [result] = job.wait(30)
+    assert result.returncode == 1 and "DistributedError" in result.output and "DMLC_PS_ROOT_URI is not set" in result.output, result
+
+
+def test_killing_the_scheduler_makes_every_node_fail_naming_it():
+    env = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "1.5"}
+    with LocalJob(2, 1, worker=script("loop_until_failure.py"), env=env) as job:
+        for i in range(2):
+            wait_for_line(job, "worker", i, r"^READY")
+        job.of("scheduler").kill()
+        results = job.wait(20)
+    for r in results:
+        if r.role == "worker":
+            assert r.returncode == 3 and re.search(r"^DIED scheduler 0 .*the scheduler at 127\.0\.0\.1:\d+ died", r.output, re.M), r
+        elif r.role == "server":
+            assert r.returncode == 1 and "the scheduler at 127.0.0.1" in r.output, r
+
+
+def test_two_workers_asking_for_the_same_worker_id_are_refused_naming_both():
+    fixed = [{"DMLC_WORKER_ID": "0"}, {"DMLC_WORKER_ID": "0"}]
+    with LocalJob(2, 1, worker=script("sums.py"), worker_env=fixed) as job:
+        results = job.wait(30)
+    for r in results:
+        assert r.returncode != 0 and "two workers asked for DMLC_WORKER_ID=0" in r.output, r
+
+
+def test_a_pull_waiting_for_a_worker_that_already_finished_fails_naming_it_instead_of_hanging():
+    run_ok("uneven.py", workers=2, servers=1)

@@ -45,6 +45,7 @@ def test_a_missing_required_variable_is_named(name):
         ("PS_HEARTBEAT_TIMEOUT", "0.5", "PS_HEARTBEAT_TIMEOUT=0.5 must be larger than PS_HEARTBEAT_INTERVAL=1"),
         ("PSLAUNCH_BIGARRAY_BOUND", "-1", "PSLAUNCH_BIGARRAY_BOUND='-1' must be >= 1"),
         ("PSLAUNCH_SERVER_DEVICE", "tpu", "PSLAUNCH_SERVER_DEVICE='tpu' must be cpu, gpu or gpu:N"),
+        ("PSLAUNCH_SAME_HOST", "carrier", "PSLAUNCH_SAME_HOST='carrier' must be shm, ipc or tcp"),
     ],
 )
 def test_a_malformed_variable_is_named_with_its_value(name, value, message):
