@@ -29,11 +29,13 @@ REPO = HERE.parent
 # Variables of the job contract that must never leak from the caller's shell into a job.
 _CONTRACT_PREFIXES = ("DMLC_", "PS_", "PSLAUNCH_", "MXNET_")
 
-# How pslaunch is told which path to take between co-located peers (psnode/node.py reads
-# PSLAUNCH_SAME_HOST: "ipc" (its default) or "tcp"; DMLC_LOCAL=1 says every node is on one host).
+# How pslaunch is told which path to take between co-located peers (docs/env.md): PSLAUNCH_SAME_HOST
+# is "shm" (the default: ipc for messages, shared memory for values of 1 MiB or more), "ipc" (Unix
+# socket only) or "tcp". DMLC_LOCAL=1 says every node is on one host.
 PSLAUNCH_PATH_ENV = {
     "tcp": {"PSLAUNCH_SAME_HOST": "tcp"},
-    "fast": {"PSLAUNCH_SAME_HOST": "ipc", "DMLC_LOCAL": "1"},
+    "fast": {"PSLAUNCH_SAME_HOST": "shm", "DMLC_LOCAL": "1"},
+    "ipc": {"PSLAUNCH_SAME_HOST": "ipc", "DMLC_LOCAL": "1"},
 }
 
 # ps-lite binds ipc:// endpoints instead of tcp:// when DMLC_LOCAL is set.

@@ -3,8 +3,9 @@
     python benchmarks/run.py [--quick] [--json out.json] [--skip-mxnet] [--mxnet-python PATH]
 
 Measures, with 1 scheduler, 1 server and 2 workers on 127.0.0.1 (see docs/benchmarks.md):
-pslaunch ``dist_sync`` over TCP and over the same-host fast path, MXNet 1.9.1 ``dist_sync`` over
-TCP and ipc (when its virtual environment exists), and raw pyzmq DEALER/ROUTER over TCP and ipc.
+pslaunch ``dist_sync`` over TCP, over the same-host fast path (shared memory) and over ipc alone,
+MXNet 1.9.1 ``dist_sync`` over TCP and ipc (when its virtual environment exists), and raw pyzmq
+DEALER/ROUTER over TCP and ipc.
 The systems run back to back within each repetition, in a rotating order, so that a noisy,
 shared machine slows them alike; ratios are medians of the per-repetition ratios.
 
@@ -36,7 +37,7 @@ from procs import JobFailed  # noqa: E402
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DEFAULT_MXNET_PYTHON = "/tmp/mxvenv/bin/python"
-ALL_SYSTEMS = ["pslaunch_tcp", "pslaunch_fast", "mxnet_tcp", "mxnet_ipc", "zmq_tcp", "zmq_ipc"]
+ALL_SYSTEMS = ["pslaunch_tcp", "pslaunch_fast", "pslaunch_ipc", "mxnet_tcp", "mxnet_ipc", "zmq_tcp", "zmq_ipc"]
 NUM_WORKERS = 2
 
 
