@@ -82,7 +82,12 @@ def worker_node() -> WorkerNode:
     """
     global _node
     with _node_lock:
-        if _node is None or _node._closed:
+        if _node is not None and _node._closed:
+            raise DistributedError(
+                f"worker {_node.rank} already left the job (close() was called or it aborted); "
+                "a process joins a job once"
+            )
+        if _node is None:
             try:
                 env = read_env(default_role="worker")
                 if env.role != "worker":
@@ -181,7 +186,7 @@ class DistKVStore(KVStoreBase):
                 flat = np.ascontiguousarray(arrays.asnumpy(value)).reshape(-1)
                 for part in lay.parts:
                     data = flat[part.start:part.stop] if lay.split else flat.reshape(lay.shape)
-                    parts.append((part.server, lay.id, key, data, lay.row_size or 1))
+                    parts.append((part.server, part.id, key, data, lay.row_size or 1))
             self._wait(self._worker.init(parts, self._sync))
         self.barrier()
         for lay in layouts:
@@ -214,7 +219,7 @@ class DistKVStore(KVStoreBase):
             else:
                 flat = self._merge(values).reshape(-1)
             for part in lay.parts:
-                parts.append((part.server, lay.id, flat[part.start:part.stop]))
+                parts.append((part.server, part.id, flat[part.start:part.stop]))
         handle = Handle("push")
         self._call(self._worker.push, parts, priority, not fresh, handle)
         return handle
@@ -250,7 +255,7 @@ class DistKVStore(KVStoreBase):
                 flat = np.empty(lay.shape, lay.dtype).reshape(-1)
                 copies.append((flat, outs))
             for part in lay.parts:
-                parts.append((part.server, lay.id, flat[part.start:part.stop]))
+                parts.append((part.server, part.id, flat[part.start:part.stop]))
         handle = Handle("pull")
         if not copies:
             self._call(self._worker.pull, parts, priority, handle)
@@ -285,7 +290,7 @@ class DistKVStore(KVStoreBase):
             if lay.split and row_size == 0:  # split by elements: rows do not align, pull the key whole
                 flat = np.empty(lay.shape, lay.dtype).reshape(-1)
                 for part in lay.parts:
-                    parts.append(("dense", part.server, lay.id, flat[part.start:part.stop]))
+                    parts.append(("dense", part.server, part.id, flat[part.start:part.stop]))
                 dense.append((len(results), lay, rows))
                 results.append(flat)
                 continue
@@ -294,7 +299,7 @@ class DistKVStore(KVStoreBase):
                 first, last = (part.start // row_size, part.stop // row_size) if lay.split else (0, lay.shape[0] if lay.shape else 1)
                 lo, hi = np.searchsorted(rows, [first, last])
                 if hi > lo:
-                    parts.append(("rows", part.server, lay.id, rows[lo:hi] - first, block[lo:hi]))
+                    parts.append(("rows", part.server, part.id, rows[lo:hi] - first, block[lo:hi]))
             results.append(block.reshape((len(rows),) + lay.shape[1:]))
         row_parts = [p[1:] for p in parts if p[0] == "rows"]
         dense_parts = [p[1:] for p in parts if p[0] == "dense"]

@@ -1,11 +1,13 @@
 """Where a key lives on the servers: a 64-bit key id, and the servers holding its parts.
 
 A key of fewer than ``bigarray_bound`` elements goes whole to one server chosen by a mixing hash
-of its id (so consecutive int keys spread evenly). A bigger key is split evenly across all servers:
-by rows when it has at least as many rows as there are servers (so a row-sparse pull asks each
-server only for its rows), else by elements. The servers hold a split key as flat 1-D shards.
-The first part goes to a server chosen by the key's hash, so the larger pieces of uneven splits
-do not always land on server 0.
+of its id (so consecutive int keys spread evenly). A bigger key is split evenly across all servers,
+and into parts of at most ``PART_BYTES`` (a multiple of the server count, dealt round robin), so
+no message carries a giant frame (receive buffers stay reusable) and servers can work on one part
+while the next arrives. Splits follow rows when the key has enough rows (so a row-sparse pull asks
+each server only for its rows), else elements. The servers hold a split key as flat 1-D shards,
+each with its own part id. The first part goes to a server chosen by the key's hash, so the larger
+pieces of uneven splits do not always land on server 0.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Hashable
 
 import numpy as np
 
-__all__ = ["KeyLayout", "Part", "key_id", "layout", "mix64"]
+__all__ = ["KeyLayout", "Part", "key_id", "layout", "mix64", "PART_BYTES"]
 
 _MASK = (1 << 64) - 1
+PART_BYTES = 4 << 20
 
 
 def mix64(value: int) -> int:
@@ -43,6 +46,7 @@ class Part:
     server: int
     start: int
     stop: int
+    id: int  # the id the server knows this part by (the key's id when the key is not split)
 
     @property
     def size(self) -> int:
@@ -75,12 +79,17 @@ def layout(key: Hashable, shape: tuple[int, ...], dtype: np.dtype, num_servers: 
     row_size = size // rows if rows else 0
     home = mix64(kid) % num_servers
     if size < bigarray_bound or size == 0:
-        return KeyLayout(key, kid, shape, np.dtype(dtype), (Part(home, 0, size),), False, row_size)
-    count = min(num_servers, size)
+        return KeyLayout(key, kid, shape, np.dtype(dtype), (Part(home, 0, size, kid),), False, row_size)
+    nbytes = size * np.dtype(dtype).itemsize
+    chunks = -(-nbytes // PART_BYTES)
+    count = min(size, num_servers * max(1, -(-chunks // num_servers)))
     if len(shape) >= 1 and rows >= count:
         bounds = [row_size * (rows * i // count) for i in range(count + 1)]
     else:
         bounds = [size * i // count for i in range(count + 1)]
         row_size = 0
-    parts = tuple(Part((home + i) % num_servers, bounds[i], bounds[i + 1]) for i in range(count))
+    parts = tuple(
+        Part((home + i) % num_servers, bounds[i], bounds[i + 1], mix64(kid ^ ((i + 1) * 0x9E3779B97F4A7C15 & _MASK)) | 1 << 63)
+        for i in range(count)
+    )
     return KeyLayout(key, kid, shape, np.dtype(dtype), parts, True, row_size)

@@ -227,3 +227,12 @@ def test_two_workers_asking_for_the_same_worker_id_are_refused_naming_both():
 
 def test_a_pull_waiting_for_a_worker_that_already_finished_fails_naming_it_instead_of_hanging():
     run_ok("uneven.py", workers=2, servers=1)
+
+
+def test_server_device_gpu_keeps_results_exact_and_falls_back_to_the_cpu_with_a_warning_without_one():
+    import kvcore.arrays
+
+    results = run_ok("sums.py", workers=2, servers=2, env={"PSLAUNCH_SERVER_DEVICE": "gpu"})
+    servers = [r for r in results if r.role == "server"]
+    if not kvcore.arrays.gpu_available():
+        assert all("no usable GPU 0; the server keeps its shards on the CPU" in r.output for r in servers), servers
