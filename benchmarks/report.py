@@ -180,6 +180,11 @@ def _ratio_cell(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
 
 
+def _target_cell(ratio: float | None) -> str:
+    # one more digit than the table: a target is judged on the unrounded ratio
+    return "-" if ratio is None else f"{ratio:.3f}x"
+
+
 def render(report: dict[str, Any], rows: list[Row], systems: list[str], statuses: dict[str, str]) -> str:
     """The figures, ratios and targets as text (a rich table when rich is installed)."""
     pairs = [(o, b) for o, b in RATIO_PAIRS if o in systems and b in systems]
@@ -195,7 +200,7 @@ def render(report: dict[str, Any], rows: list[Row], systems: list[str], statuses
         cells += [_ratio_cell(_paired_ratio(row, o, b)) for o, b in pairs]
         body.append(cells)
     target_rows = [
-        [t["target"], _ratio_cell(t["ratio"]), {True: "met", False: "NOT met", None: "not measured"}[t["met"]]]
+        [t["target"], _target_cell(t["ratio"]), {True: "met", False: "NOT met", None: "not measured"}[t["met"]]]
         for t in report["targets"]
     ]
     status_line = ", ".join(f"{s}: {statuses[s]}" for s in systems)
@@ -275,5 +280,5 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "| target (issue 3) | pslaunch / baseline | met? |", "|---|---|---|"]
     for t in report["targets"]:
         status = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
-        lines.append(f"| {t['target']} | {_ratio_cell(t['ratio'])} | {status} |")
+        lines.append(f"| {t['target']} | {_target_cell(t['ratio'])} | {status} |")
     return "\n".join(lines) + "\n"
