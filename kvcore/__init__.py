@@ -9,11 +9,15 @@ from . import arrays, optim
 from .arrays import Device, cpu, gpu, num_gpus
 from .dataparallel import SplitSampler, split_and_load
 from .errors import (
+    DistributedError,
+    DistTimeoutError,
     DTypeMismatchError,
     DuplicateKeyError,
     KeyTypeError,
     KVStoreError,
+    NodeDiedError,
     OptimizerError,
+    ServerError,
     OutShapeError,
     ShapeMismatchError,
     UninitializedKeyError,
@@ -51,8 +55,16 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "DistributedError",
+    "NodeDiedError",
+    "ServerError",
+    "DistTimeoutError",
     "split_and_load",
     "SplitSampler",
     "Trainer",
     "Parameter",
 ]
+
+from ._role import run_role_if_asked as _run_role_if_asked  # noqa: E402
+
+_run_role_if_asked()  # DMLC_ROLE=scheduler|server: run that node and exit (MXNet's rule)

@@ -11,7 +11,11 @@ The tree::
     │   └── OutShapeError          pull into an ``out`` of the wrong shape
     ├── DTypeMismatchError         a value's dtype differs from the key's dtype
     ├── ValueCountError            lists of keys and values (or outs) of different lengths
-    └── OptimizerError             missing or unusable optimizer / updater
+    ├── OptimizerError             missing or unusable optimizer / updater
+    └── DistributedError           the distributed runtime failed (the psnode error is its __cause__)
+        ├── NodeDiedError          a node of the job died or left: .role, .rank, .host name it
+        ├── ServerError            a server refused or failed a request (e.g. the updater raised)
+        └── DistTimeoutError       a wait on the runtime timed out (also TimeoutError)
 
 Every message names the key and the values involved.
 """
@@ -29,6 +33,10 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "DistributedError",
+    "NodeDiedError",
+    "ServerError",
+    "DistTimeoutError",
 ]
 
 
@@ -73,3 +81,25 @@ class ValueCountError(KVStoreError, ValueError):
 
 class OptimizerError(KVStoreError):
     """An optimizer or updater is missing where one is required, or cannot be used."""
+
+
+class DistributedError(KVStoreError):
+    """The distributed runtime (psnode) failed; the psnode error is the ``__cause__``."""
+
+
+class NodeDiedError(DistributedError):
+    """A node of the job died or left; ``role``, ``rank`` and ``host`` name it."""
+
+    def __init__(self, message: str, role: str = "", rank: int = -1, host: str = "") -> None:
+        super().__init__(message)
+        self.role = role
+        self.rank = rank
+        self.host = host
+
+
+class ServerError(DistributedError):
+    """A server refused or failed a request; the message is the server's."""
+
+
+class DistTimeoutError(DistributedError, TimeoutError):
+    """A wait on the distributed runtime ran past its limit."""

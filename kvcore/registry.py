@@ -55,3 +55,5 @@ def _local_factory(name: str) -> KVStoreBase:
 
 register_store("local", _local_factory)
 register_store("device", _local_factory)
+for _name in ("dist_sync", "dist_async", "dist_device_sync"):
+    register_store(_name, "kvcore.dist_store:create")

@@ -1,1 +1,43 @@
-"""The pslaunch runtime nodes: transport, protocol, scheduler, server and worker over ZeroMQ."""
+"""The pslaunch runtime nodes: transport, protocol, scheduler, server and worker over ZeroMQ.
+
+``python -m psnode scheduler|server`` runs a bundled node from the environment contract
+(docs/env.md, read by ``psnode.env``). Workers are started by ``kvcore`` (``WorkerNode``).
+Errors are in ``psnode.errors``; ``psnode.testing`` starts whole jobs on 127.0.0.1 for tests.
+"""
+
+from .env import NodeEnv, read_env
+from .errors import (
+    ClosedError,
+    EnvError,
+    NodeTimeoutError,
+    PeerDiedError,
+    PeerError,
+    ProtocolError,
+    PSNodeError,
+    RegistrationTimeoutError,
+    RemoteError,
+    TransportError,
+)
+from .main import node_running, run_node
+from .transport import Transport, create_transport, register_transport, transport_names
+
+__all__ = [
+    "NodeEnv",
+    "read_env",
+    "run_node",
+    "node_running",
+    "Transport",
+    "create_transport",
+    "register_transport",
+    "transport_names",
+    "PSNodeError",
+    "EnvError",
+    "ClosedError",
+    "PeerError",
+    "PeerDiedError",
+    "RemoteError",
+    "ProtocolError",
+    "NodeTimeoutError",
+    "RegistrationTimeoutError",
+    "TransportError",
+]

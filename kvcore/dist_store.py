@@ -1,0 +1,333 @@
+"""The distributed stores: ``dist_sync``, ``dist_async`` and ``dist_device_sync`` over psnode.
+
+``kvcore.create('dist_sync')`` in a worker process (``DMLC_ROLE`` unset or ``worker``) joins the job
+the environment describes (docs/env.md): it registers with the scheduler (blocking, with the
+registration timeout) and from then on talks to the servers. One worker node serves every
+distributed store of the process.
+
+Semantics (MXNet's dist KVStore):
+
+- ``init`` sends rank 0's value (the others' are ignored) and returns once every worker may pull it.
+- ``push`` returns a ``Handle`` at once, without waiting for the servers; the caller may change its
+  arrays as soon as push returns (small values are packed, big ones copied into a send buffer kept
+  per key). A list of values for one key is summed on the worker first: on the host for
+  ``dist_sync`` / ``dist_async``, on the values' device for ``dist_device_sync``.
+- ``pull(wait=True)`` returns once ``out`` holds the value; ``pull(wait=False)`` returns a Handle
+  at once and leaves ``out`` untouched until it is done (``Handle.add_done_callback`` works; the
+  callback runs on the network thread). In ``dist_sync`` a pull never misses this worker's own
+  earlier pushes of the key.
+- ``dist_sync``: the servers sum one push of every worker per round and apply the updater once per
+  round (without one the sum replaces the value). ``dist_async``: every push is applied on arrival,
+  so an optimizer is required.
+- ``set_optimizer(opt)`` / ``set_updater(u)`` pickle the optimizer (wrapped in ``kvcore.optim.Updater``)
+  or any picklable ``u(key, merged, stored)`` and ship it from rank 0 to every server; every worker
+  must call it (as in MXNet), it returns after a barrier. If ``u`` has ``init_key(key, value)`` the
+  servers call it for every key they hold. Keys of ``PSLAUNCH_BIGARRAY_BOUND`` elements or more are
+  split across the servers, and the updater then sees flat 1-D shards of them. Optimizer states live
+  on the servers.
+- ``priority``: higher goes first when sends queue up.
+
+Errors of the runtime surface as ``DistributedError`` subclasses (``NodeDiedError`` names the dead
+node) with the psnode error as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import pickle
+import threading
+from typing import Any, Hashable
+
+import numpy as np
+
+from psnode import errors as ps_errors
+from psnode.env import read_env
+from psnode.protocol import Group
+from psnode.worker import WorkerNode
+
+from . import arrays
+from .errors import DistributedError, DistTimeoutError, NodeDiedError, OptimizerError, ServerError
+from .handles import Handle, completed
+from .optim.base import Optimizer, Updater
+from .sharding import KeyLayout, layout
+from .store_base import KVStoreBase
+
+__all__ = ["DistKVStore", "create", "worker_node", "translate_error"]
+
+_node: WorkerNode | None = None
+_node_lock = threading.Lock()
+
+
+def translate_error(exc: BaseException) -> BaseException:
+    """The kvcore error for a psnode error (others are returned as they are); the cause is kept."""
+    if isinstance(exc, DistributedError) or not isinstance(exc, ps_errors.PSNodeError):
+        return exc
+    if isinstance(exc, ps_errors.PeerDiedError):
+        new: BaseException = NodeDiedError(str(exc), exc.role, exc.rank, exc.host)
+    elif isinstance(exc, ps_errors.RemoteError):
+        new = ServerError(str(exc))
+    elif isinstance(exc, ps_errors.NodeTimeoutError):
+        new = DistTimeoutError(str(exc))
+    else:
+        new = DistributedError(str(exc))
+    new.__cause__ = exc
+    return new
+
+
+def worker_node() -> WorkerNode:
+    """This process's worker node, registered with the job on first use.
+
+    Raises:
+        DistributedError: the environment is incomplete or registration failed (the message says why).
+    """
+    global _node
+    with _node_lock:
+        if _node is not None and _node._closed:
+            raise DistributedError(
+                f"worker {_node.rank} already left the job (close() was called or it aborted); "
+                "a process joins a job once"
+            )
+        if _node is None:
+            try:
+                env = read_env(default_role="worker")
+                if env.role != "worker":
+                    raise ps_errors.EnvError(f"a KVStore is created by workers, but DMLC_ROLE={env.role}")
+                node = WorkerNode(env)
+                node.wrap_error = translate_error
+                node.start()
+            except ps_errors.PSNodeError as exc:
+                raise translate_error(exc) from exc
+            _node = node
+        return _node
+
+
+class DistKVStore(KVStoreBase):
+    """A KVStore whose values live on the job's servers (see the module docstring)."""
+
+    def __init__(self, store_type: str) -> None:
+        super().__init__(store_type)
+        self._worker = worker_node()
+        self._sync = store_type != "dist_async"
+        self._merge_on_device = store_type == "dist_device_sync"
+        self._layouts: dict[Hashable, KeyLayout] = {}
+        self._whole: dict[Hashable, tuple[int, int]] = {}  # key -> (server, key id) for unsplit keys
+        self._has_updater = False
+
+    # ---- job facts --------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This worker's rank, 0 .. num_workers-1."""
+        return self._worker.rank
+
+    @property
+    def num_workers(self) -> int:
+        """Number of workers in the job."""
+        return self._worker.num_workers
+
+    @property
+    def num_servers(self) -> int:
+        """Number of servers in the job."""
+        return self._worker.num_servers
+
+    def barrier(self) -> None:
+        """Block until every worker reached the barrier.
+
+        Raises:
+            NodeDiedError: a node died meanwhile.
+        """
+        self._call(self._worker.barrier, Group.WORKERS)
+
+    _barrier = barrier
+
+    def close(self) -> None:
+        """Finish this worker's part of the job (also done at exit): waits for requests in flight."""
+        self._call(self._worker.close)
+
+    # ---- optimizer --------------------------------------------------------------------------
+    def set_optimizer(self, optimizer: Any) -> None:
+        """Ship ``optimizer`` (or a picklable updater ``u(key, merged, stored)``) to the servers.
+
+        Every worker calls it; rank 0 sends, all return after a barrier.
+
+        Raises:
+            OptimizerError: not an optimizer or callable, or not picklable.
+        """
+        updater = Updater(optimizer) if isinstance(optimizer, Optimizer) else optimizer
+        self.set_updater(updater)
+
+    def set_updater(self, updater: Any) -> None:
+        """Ship a picklable ``updater(key, merged, stored)`` to the servers (see ``set_optimizer``)."""
+        if not callable(updater):
+            raise OptimizerError(f"the optimizer or updater must be an Optimizer or callable, got {type(updater).__name__}")
+        try:
+            pickle.dumps(updater, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise OptimizerError(
+                f"the updater {updater!r} cannot be pickled, so it cannot run on the servers: {exc}; "
+                "use a module-level class or function"
+            ) from exc
+        if self.rank == 0:
+            self._wait(self._worker.set_updater(updater))
+        self.barrier()
+        self._updater = updater
+        self._has_updater = True
+
+    _set_updater = set_updater
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def _init_keys(self, pairs: list[tuple[Hashable, Any]]) -> None:
+        env = self._worker.env
+        layouts = []
+        for key, value in pairs:
+            layouts.append(layout(key, tuple(value.shape), np.dtype(value.dtype), self.num_servers, env.bigarray_bound))
+        if self.rank == 0:
+            parts = []
+            for lay, (key, value) in zip(layouts, pairs):
+                flat = np.ascontiguousarray(arrays.asnumpy(value)).reshape(-1)
+                for part in lay.parts:
+                    data = flat[part.start:part.stop] if lay.split else flat.reshape(lay.shape)
+                    parts.append((part.server, part.id, key, data, lay.row_size or 1))
+            self._wait(self._worker.init(parts, self._sync))
+        self.barrier()
+        for lay in layouts:
+            self._layouts[lay.key] = lay
+            if not lay.split:
+                self._whole[lay.key] = (lay.parts[0].server, lay.id)
+
+    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+        if not self._sync and not self._has_updater:
+            raise OptimizerError(
+                f"dist_async applies every push on the servers as it arrives, so it needs an optimizer: "
+                f"call kv.set_optimizer(...) before pushing key {groups[0][0]!r}"
+            )
+        parts = []
+        fresh = True
+        whole = self._whole
+        for key, values in groups:
+            if len(values) == 1 and key in whole and type(values[0]) is np.ndarray:
+                parts.append((*whole[key], values[0]))  # one server holds it: no slicing needed
+                fresh = False
+                continue
+            lay = self._layouts[key]
+            if len(values) == 1:
+                value = values[0]
+                if isinstance(value, np.ndarray):
+                    fresh = False
+                    flat = value.reshape(-1) if value.flags.c_contiguous else np.ascontiguousarray(value).reshape(-1)
+                else:
+                    flat = arrays.asnumpy(value).reshape(-1)
+            else:
+                flat = self._merge(values).reshape(-1)
+            for part in lay.parts:
+                parts.append((part.server, part.id, flat[part.start:part.stop]))
+        handle = Handle("push")
+        self._call(self._worker.push, parts, priority, not fresh, handle)
+        return handle
+
+    def _merge(self, values: list[Any]) -> np.ndarray:
+        """Sum per-device values into a new host array (on the first value's device for dist_device_sync)."""
+        if self._merge_on_device:
+            home = arrays.device_of(values[0])
+            with arrays.device_context(home):
+                total = values[0].copy()
+                for value in values[1:]:
+                    total += arrays.to_device(value, home)
+            return np.ascontiguousarray(arrays.asnumpy(total))
+        total = np.array(arrays.asnumpy(values[0]), copy=True)
+        for value in values[1:]:
+            total += arrays.asnumpy(value)
+        return total
+
+    def _pull_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+        parts = []
+        copies: list[tuple[np.ndarray, list[Any]]] = []
+        whole = self._whole
+        for key, outs in groups:
+            first = outs[0]
+            direct = len(outs) == 1 and type(first) is np.ndarray and first.flags.c_contiguous and first.flags.writeable
+            if direct and key in whole:
+                parts.append((*whole[key], first))
+                continue
+            lay = self._layouts[key]
+            if direct:
+                flat = first.reshape(-1)
+            else:
+                flat = np.empty(lay.shape, lay.dtype).reshape(-1)
+                copies.append((flat, outs))
+            for part in lay.parts:
+                parts.append((part.server, part.id, flat[part.start:part.stop]))
+        handle = Handle("pull")
+        if not copies:
+            self._call(self._worker.pull, parts, priority, handle)
+            return handle
+        inner: concurrent.futures.Future = concurrent.futures.Future()
+
+        def deliver(done: concurrent.futures.Future) -> None:
+            error = done.exception()
+            if error is None:
+                try:
+                    for flat, outs in copies:
+                        for out in outs:
+                            arrays.copy_into(out, flat.reshape(out.shape))
+                except Exception as exc:  # a GPU copy failed: give it to the waiter
+                    error = exc
+            if error is None:
+                handle.set_result(None)
+            else:
+                handle.set_exception(translate_error(error))
+
+        inner.add_done_callback(deliver)
+        self._call(self._worker.pull, parts, priority, inner)
+        return handle
+
+    def _pull_rows(self, requests: list[tuple[Hashable, np.ndarray]], priority: int) -> list[Any]:
+        parts = []
+        results = []
+        dense: list[tuple[int, KeyLayout, np.ndarray]] = []
+        for key, rows in requests:
+            lay = self._layouts[key]
+            row_size = lay.row_size
+            if lay.split and row_size == 0:  # split by elements: rows do not align, pull the key whole
+                flat = np.empty(lay.shape, lay.dtype).reshape(-1)
+                for part in lay.parts:
+                    parts.append(("dense", part.server, part.id, flat[part.start:part.stop]))
+                dense.append((len(results), lay, rows))
+                results.append(flat)
+                continue
+            block = np.empty((len(rows), row_size), lay.dtype)
+            for part in lay.parts:
+                first, last = (part.start // row_size, part.stop // row_size) if lay.split else (0, lay.shape[0] if lay.shape else 1)
+                lo, hi = np.searchsorted(rows, [first, last])
+                if hi > lo:
+                    parts.append(("rows", part.server, part.id, rows[lo:hi] - first, block[lo:hi]))
+            results.append(block.reshape((len(rows),) + lay.shape[1:]))
+        row_parts = [p[1:] for p in parts if p[0] == "rows"]
+        dense_parts = [p[1:] for p in parts if p[0] == "dense"]
+        futures = []
+        if row_parts:
+            futures.append(self._call(self._worker.pull_rows, row_parts, priority))
+        if dense_parts:
+            futures.append(self._call(self._worker.pull, dense_parts, priority))
+        for future in futures:
+            self._wait(future)
+        for i, lay, rows in dense:
+            results[i] = results[i].reshape(lay.shape)[rows]
+        return results
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _call(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ps_errors.PSNodeError as exc:
+            raise translate_error(exc) from exc
+
+    def _wait(self, future: concurrent.futures.Future) -> None:
+        try:
+            future.result()
+        except ps_errors.PSNodeError as exc:
+            raise translate_error(exc) from exc
+
+
+def create(name: str) -> DistKVStore:
+    """The factory the registry calls for ``dist_sync``, ``dist_async`` and ``dist_device_sync``."""
+    return DistKVStore(name)

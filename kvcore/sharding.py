@@ -1,0 +1,95 @@
+"""Where a key lives on the servers: a 64-bit key id, and the servers holding its parts.
+
+A key of fewer than ``bigarray_bound`` elements goes whole to one server chosen by a mixing hash
+of its id (so consecutive int keys spread evenly). A bigger key is split evenly across all servers,
+and into parts of at most ``PART_BYTES`` (a multiple of the server count, dealt round robin), so
+no message carries a giant frame (receive buffers stay reusable) and servers can work on one part
+while the next arrives. Splits follow rows when the key has enough rows (so a row-sparse pull asks
+each server only for its rows), else elements. The servers hold a split key as flat 1-D shards,
+each with its own part id. The first part goes to a server chosen by the key's hash, so the larger
+pieces of uneven splits do not always land on server 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Hashable
+
+import numpy as np
+
+__all__ = ["KeyLayout", "Part", "key_id", "layout", "mix64", "PART_BYTES"]
+
+_MASK = (1 << 64) - 1
+PART_BYTES = 4 << 20
+
+
+def mix64(value: int) -> int:
+    """SplitMix64's finaliser: a cheap, well-mixed 64-bit hash of an integer."""
+    z = (value + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def key_id(key: Hashable) -> int:
+    """The 64-bit id of a user key: ints map to themselves (mod 2**64), strs to a BLAKE2b digest."""
+    if isinstance(key, str):
+        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return int(key) & _MASK
+
+
+@dataclass(frozen=True)
+class Part:
+    """A contiguous slice ``[start, stop)`` of the key's flat elements, held by ``server``."""
+
+    server: int
+    start: int
+    stop: int
+    id: int  # the id the server knows this part by (the key's id when the key is not split)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """How one key is spread over the servers."""
+
+    key: Hashable
+    id: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    parts: tuple[Part, ...]
+    split: bool
+    row_size: int  # elements per row; 0 when the key is split by elements (rows do not align)
+
+    def rows_of(self, part: Part) -> tuple[int, int]:
+        """The first row and one past the last row of ``part`` (only for row-aligned layouts)."""
+        return part.start // self.row_size, part.stop // self.row_size
+
+
+def layout(key: Hashable, shape: tuple[int, ...], dtype: np.dtype, num_servers: int, bigarray_bound: int) -> KeyLayout:
+    """Decide the parts of ``key`` (see the module docstring)."""
+    kid = key_id(key)
+    size = int(np.prod(shape, dtype=np.int64))
+    rows = shape[0] if shape else 1
+    row_size = size // rows if rows else 0
+    home = mix64(kid) % num_servers
+    if size < bigarray_bound or size == 0:
+        return KeyLayout(key, kid, shape, np.dtype(dtype), (Part(home, 0, size, kid),), False, row_size)
+    nbytes = size * np.dtype(dtype).itemsize
+    chunks = -(-nbytes // PART_BYTES)
+    count = min(size, num_servers * max(1, -(-chunks // num_servers)))
+    if len(shape) >= 1 and rows >= count:
+        bounds = [row_size * (rows * i // count) for i in range(count + 1)]
+    else:
+        bounds = [size * i // count for i in range(count + 1)]
+        row_size = 0
+    parts = tuple(
+        Part((home + i) % num_servers, bounds[i], bounds[i + 1], mix64(kid ^ ((i + 1) * 0x9E3779B97F4A7C15 & _MASK)) | 1 << 63)
+        for i in range(count)
+    )
+    return KeyLayout(key, kid, shape, np.dtype(dtype), parts, True, row_size)

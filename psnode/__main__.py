@@ -1,0 +1,7 @@
+"""``python -m psnode scheduler|server``: run one bundled node of the job the environment describes."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())

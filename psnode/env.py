@@ -1,0 +1,207 @@
+"""Reading and validating the environment contract (docs/env.md): the one place psnode reads it.
+
+``read_env()`` returns a frozen ``NodeEnv``; a missing or malformed variable raises ``EnvError``
+naming the variable and the value it had. Nothing else in psnode looks at ``os.environ`` for
+contract names.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+import uuid
+from dataclasses import dataclass
+from typing import Mapping
+
+from .errors import EnvError
+
+__all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host"]
+
+ROLES = ("scheduler", "server", "worker")
+
+
+@dataclass(frozen=True)
+class NodeEnv:
+    """Everything a node learns from its environment (see docs/env.md for each name)."""
+
+    role: str
+    root_uri: str
+    root_port: int
+    num_workers: int
+    num_servers: int
+    node_host: str | None = None
+    interface: str | None = None
+    worker_id: int | None = None
+    local: bool = False
+    verbose: int = 0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    job_id: str = ""
+    local_rank: int = 0
+    local_size: int = 1
+    register_timeout: float = 60.0
+    bigarray_bound: int = 1_000_000
+    server_device: str = "cpu"
+    same_host: str = "shm"
+
+    @property
+    def root_address(self) -> str:
+        """``host:port`` of the scheduler, for messages."""
+        return f"{self.root_uri}:{self.root_port}"
+
+    def advertised_host(self) -> str:
+        """The address this node tells its peers: DMLC_NODE_HOST, DMLC_INTERFACE's, or the route to the root."""
+        if self.node_host:
+            return resolve_host(self.node_host, "DMLC_NODE_HOST")
+        if self.interface:
+            return interface_address(self.interface)
+        return route_address(self.root_uri, self.root_port)
+
+
+def _get(env: Mapping[str, str], name: str) -> str | None:
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value.strip()
+
+
+def _required(env: Mapping[str, str], name: str, example: str) -> str:
+    value = _get(env, name)
+    if value is None:
+        raise EnvError(f"environment variable {name} is not set; it is required (e.g. {name}={example}, see docs/env.md)")
+    return value
+
+
+def _int(name: str, text: str, low: int | None = None, high: int | None = None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise EnvError(f"environment variable {name}={text!r} is not an integer") from None
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise EnvError(f"environment variable {name}={text!r} must be {bounds}")
+    return value
+
+
+def _float(name: str, text: str, low: float = 0.0) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise EnvError(f"environment variable {name}={text!r} is not a number") from None
+    if not value >= low:  # also rejects nan
+        raise EnvError(f"environment variable {name}={text!r} must be >= {low}")
+    return value
+
+
+def read_env(environ: Mapping[str, str] | None = None, default_role: str | None = "worker") -> NodeEnv:
+    """Read and validate the contract from ``environ`` (``os.environ`` by default).
+
+    ``default_role`` is the role of a process started without DMLC_ROLE (MXNet's rule: a worker);
+    pass None to require the variable.
+
+    Raises:
+        EnvError: a variable is missing or malformed; the message names it and its value.
+    """
+    env = os.environ if environ is None else environ
+    role = _get(env, "DMLC_ROLE") or default_role
+    if role is None:
+        raise EnvError("environment variable DMLC_ROLE is not set; it must be scheduler, server or worker")
+    role = role.lower()
+    if role not in ROLES:
+        raise EnvError(f"environment variable DMLC_ROLE={env.get('DMLC_ROLE')!r} must be one of {', '.join(ROLES)}")
+    root_uri = _required(env, "DMLC_PS_ROOT_URI", "127.0.0.1")
+    root_port = _int("DMLC_PS_ROOT_PORT", _required(env, "DMLC_PS_ROOT_PORT", "9091"), 1, 65535)
+    num_workers = _int("DMLC_NUM_WORKER", _required(env, "DMLC_NUM_WORKER", "2"), 1)
+    num_servers = _int("DMLC_NUM_SERVER", _required(env, "DMLC_NUM_SERVER", "1"), 1)
+    worker_id = None
+    if _get(env, "DMLC_WORKER_ID") is not None:
+        worker_id = _int("DMLC_WORKER_ID", _get(env, "DMLC_WORKER_ID"), 0, num_workers - 1)
+    local_text = _get(env, "DMLC_LOCAL") or "0"
+    if local_text not in ("0", "1"):
+        raise EnvError(f"environment variable DMLC_LOCAL={local_text!r} must be 0 or 1")
+    verbose = _int("PS_VERBOSE", _get(env, "PS_VERBOSE") or "0", 0, 2)
+    interval = _float("PS_HEARTBEAT_INTERVAL", _get(env, "PS_HEARTBEAT_INTERVAL") or "1")
+    timeout = _float("PS_HEARTBEAT_TIMEOUT", _get(env, "PS_HEARTBEAT_TIMEOUT") or "10")
+    if interval > 0 and timeout <= interval:
+        raise EnvError(
+            f"PS_HEARTBEAT_TIMEOUT={timeout:g} must be larger than PS_HEARTBEAT_INTERVAL={interval:g}"
+        )
+    device = (_get(env, "PSLAUNCH_SERVER_DEVICE") or "cpu").lower()
+    if not (device == "cpu" or device == "gpu" or (device.startswith("gpu:") and device[4:].isdigit())):
+        raise EnvError(f"environment variable PSLAUNCH_SERVER_DEVICE={device!r} must be cpu, gpu or gpu:N")
+    same_host = (_get(env, "PSLAUNCH_SAME_HOST") or "shm").lower()
+    if same_host not in ("shm", "ipc", "tcp"):
+        raise EnvError(f"environment variable PSLAUNCH_SAME_HOST={same_host!r} must be shm, ipc or tcp")
+    node_host = _get(env, "DMLC_NODE_HOST")
+    interface = _get(env, "DMLC_INTERFACE")
+    if interface is not None and not interface.replace("-", "").replace(".", "").replace("_", "").isalnum():
+        raise EnvError(f"environment variable DMLC_INTERFACE={interface!r} is not an interface name")
+    return NodeEnv(
+        role=role,
+        root_uri=root_uri,
+        root_port=root_port,
+        num_workers=num_workers,
+        num_servers=num_servers,
+        node_host=node_host,
+        interface=interface,
+        worker_id=worker_id,
+        local=local_text == "1",
+        verbose=verbose,
+        heartbeat_interval=interval,
+        heartbeat_timeout=timeout,
+        job_id=_get(env, "PSLAUNCH_JOB_ID") or f"job-{uuid.uuid4().hex[:8]}",
+        local_rank=_int("PSLAUNCH_LOCAL_RANK", _get(env, "PSLAUNCH_LOCAL_RANK") or "0", 0),
+        local_size=_int("PSLAUNCH_LOCAL_SIZE", _get(env, "PSLAUNCH_LOCAL_SIZE") or "1", 1),
+        register_timeout=_float("PSLAUNCH_REGISTER_TIMEOUT", _get(env, "PSLAUNCH_REGISTER_TIMEOUT") or "60", 0.001),
+        bigarray_bound=_int("PSLAUNCH_BIGARRAY_BOUND", _get(env, "PSLAUNCH_BIGARRAY_BOUND") or "1000000", 1),
+        server_device=device,
+        same_host=same_host,
+    )
+
+
+def resolve_host(host: str, variable: str = "host") -> str:
+    """Resolve a host name to an IPv4 address (an address is returned as it is).
+
+    Raises:
+        EnvError: the name does not resolve; the message names ``variable`` and the host.
+    """
+    try:
+        return socket.gethostbyname(host)
+    except OSError as exc:
+        raise EnvError(f"{variable}={host!r} does not resolve to an address: {exc}") from exc
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (Linux).
+
+    Raises:
+        EnvError: no such interface, or it has no IPv4 address.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+    except OSError as exc:
+        known = ", ".join(n for _, n in socket.if_nameindex())
+        raise EnvError(
+            f"DMLC_INTERFACE={name!r} has no IPv4 address or does not exist (interfaces here: {known})"
+        ) from exc
+    finally:
+        sock.close()
+    return socket.inet_ntoa(packed[20:24])
+
+
+def route_address(root_uri: str, root_port: int) -> str:
+    """The local address the kernel would use to reach the scheduler (no packet is sent)."""
+    root = resolve_host(root_uri, "DMLC_PS_ROOT_URI")
+    if root.startswith("127."):
+        return root
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.connect((root, root_port))
+        return sock.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        sock.close()

@@ -1,0 +1,80 @@
+"""Errors raised by the psnode runtime.
+
+The tree::
+
+    PSNodeError
+    ├── EnvError                   a DMLC_* / PS_* / PSLAUNCH_* variable is missing or malformed (also ValueError)
+    ├── ClosedError                the node was closed by this process; no more calls are possible
+    ├── PeerError                  broken by a peer
+    │   ├── PeerDiedError          a node stopped (no heartbeat, or it left); names role, rank and host
+    │   ├── RemoteError            a server could not carry out a request (its message is included)
+    │   └── ProtocolError          a peer sent something this node cannot understand
+    ├── NodeTimeoutError           a wait ran past its limit (also TimeoutError)
+    │   └── RegistrationTimeoutError   not every node registered in time; names what is missing
+    └── TransportError             the operating system or ZeroMQ refused a bind, connect or send
+
+*Closed by you*, *broken by the peer* and *timed out* stay distinct so callers can tell "I stopped it"
+from "it failed" from "it is slow". Errors from ZeroMQ and the OS are translated where they enter
+(``raise TransportError(...) from exc``), so no ``zmq.ZMQError`` escapes psnode.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PSNodeError",
+    "EnvError",
+    "ClosedError",
+    "PeerError",
+    "PeerDiedError",
+    "RemoteError",
+    "ProtocolError",
+    "NodeTimeoutError",
+    "RegistrationTimeoutError",
+    "TransportError",
+]
+
+
+class PSNodeError(Exception):
+    """Base of every error psnode raises on purpose."""
+
+
+class EnvError(PSNodeError, ValueError):
+    """An environment variable of the contract (docs/env.md) is missing or malformed."""
+
+
+class ClosedError(PSNodeError):
+    """The node was closed by this process; the call cannot be carried out."""
+
+
+class PeerError(PSNodeError):
+    """A peer broke the job: it died, refused a request, or sent garbage."""
+
+
+class PeerDiedError(PeerError):
+    """A node of the job stopped; ``role``, ``rank`` and ``host`` say which one."""
+
+    def __init__(self, message: str, role: str = "", rank: int = -1, host: str = "") -> None:
+        super().__init__(message)
+        self.role = role
+        self.rank = rank
+        self.host = host
+
+
+class RemoteError(PeerError):
+    """A server could not carry out a request; the message is the server's."""
+
+
+class ProtocolError(PeerError):
+    """A message did not follow the wire format."""
+
+
+class NodeTimeoutError(PSNodeError, TimeoutError):
+    """A wait ran past its limit."""
+
+
+class RegistrationTimeoutError(NodeTimeoutError):
+    """Not every node registered with the scheduler in time; the message names the missing ones."""
+
+
+class TransportError(PSNodeError):
+    """ZeroMQ or the operating system refused an operation (bind, connect, send)."""

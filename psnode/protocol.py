@@ -1,0 +1,188 @@
+"""The wire format: a fixed 24-byte header frame, then (per command) a meta frame and raw data frames.
+
+Header (little endian, ``HEADER``)::
+
+    magic  2s   b"PS"
+    version u8  1
+    cmd    u8   one of ``Cmd``
+    flags  u16  ``FLAG_*`` bits
+    spare  u16
+    req_id u64  matches a reply to its request
+    arg    i64  command argument (barrier group, priority, ...)
+
+Data commands (push, pull, rows) carry a meta frame: a packed array of ``ENTRY`` records, one per
+key part, that says where its bytes lie in which data frame (64-bit offsets and lengths, so no
+32-bit size limit). Data frames are the arrays' raw bytes, sent and received without copies and
+read with ``numpy.frombuffer``. Control commands (register, address book, errors, init) carry one
+JSON frame. Nothing on the wire is pickled except the updater a worker ships with ``set_updater``
+(a control message, only ever unpickled by a server of the same job).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+from .errors import ProtocolError
+
+__all__ = [
+    "HEADER",
+    "MAGIC",
+    "VERSION",
+    "Cmd",
+    "FLAG_ERROR",
+    "FLAG_SYNC",
+    "FLAG_ACKS",
+    "ENTRY",
+    "Group",
+    "pack_header",
+    "unpack_header",
+    "pack_json",
+    "unpack_json",
+    "unpack_entries",
+    "pack_entries",
+    "ENTRY_STRUCT",
+]
+
+HEADER = struct.Struct("<2sBBHHQq")
+MAGIC = b"PS"
+VERSION = 1
+
+FLAG_ERROR = 1  # the reply carries a JSON error {"error": message} instead of a result
+FLAG_SYNC = 2  # init: the key is merged per round (dist_sync), else applied on arrival (dist_async)
+FLAG_ACKS = 4  # a reply whose last frame holds push acknowledgements: (req_id, parts) u64 pairs
+
+
+class Cmd(enum.IntEnum):
+    """Commands; replies are their own commands so a node never guesses what a frame is."""
+
+    REGISTER = 1
+    ADDRBOOK = 2
+    REGISTER_FAILED = 3
+    HEARTBEAT = 4
+    HEARTBEAT_ACK = 5
+    BARRIER = 6
+    BARRIER_DONE = 7
+    FINISH = 8
+    FINISH_ACK = 9
+    SHUTDOWN = 10
+    SHUTDOWN_ACK = 11
+    NODE_DIED = 12
+    WORKER_FINISHED = 13
+    INIT = 20
+    INIT_ACK = 21
+    PUSH = 22
+    PUSH_ACK = 23
+    PULL = 24
+    PULL_REPLY = 25
+    ROWS = 26
+    ROWS_REPLY = 27
+    SET_UPDATER = 28
+    SET_UPDATER_ACK = 29
+
+
+class Group(enum.IntEnum):
+    """Barrier groups."""
+
+    WORKERS = 1
+    SERVERS = 2
+    ALL = 3
+
+
+_CMDS = frozenset(int(c) for c in Cmd)
+
+ENTRY = np.dtype(
+    [("key", "<u8"), ("index", "<u4"), ("frame", "<u4"), ("offset", "<u8"), ("nbytes", "<u8"), ("seq", "<u8")]
+)
+"""One key part of a data message.
+
+key: the 64-bit key id; index: the part's position in the worker's request (replies echo it);
+frame: which data frame (0 = the first after the meta frame) holds its bytes; offset, nbytes: where;
+seq: push -> this worker's push count of the key including this one; pull -> pushes of the key this
+worker has issued, all of which the value returned must include.
+"""
+
+
+def pack_header(cmd: int, req_id: int = 0, arg: int = 0, flags: int = 0) -> bytes:
+    """Encode a header frame."""
+    return HEADER.pack(MAGIC, VERSION, cmd, flags, 0, req_id, arg)
+
+
+def unpack_header(frame: Any) -> tuple[int, int, int, int]:
+    """Decode a header frame into ``(cmd, flags, req_id, arg)``.
+
+    Raises:
+        ProtocolError: wrong length, magic, version or an unknown command.
+    """
+    data = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    if len(data) != HEADER.size:
+        raise ProtocolError(f"header frame of {len(data)} bytes, expected {HEADER.size}")
+    magic, version, cmd, flags, _, req_id, arg = HEADER.unpack(data)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError(f"header with magic {magic!r} version {version}, expected {MAGIC!r} version {VERSION}")
+    if cmd not in _CMDS:
+        raise ProtocolError(f"unknown command {cmd}")
+    return cmd, flags, req_id, arg
+
+
+def pack_json(obj: Any) -> bytes:
+    """Encode a control body."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def unpack_json(frame: Any) -> Any:
+    """Decode a control body.
+
+    Raises:
+        ProtocolError: not UTF-8 JSON.
+    """
+    data = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"control body is not JSON: {exc}") from exc
+
+
+ENTRY_STRUCT = struct.Struct("<QIIQQQ")  # the same record as ENTRY, for packing a few at a time
+
+
+def pack_entries(rows: list[tuple[int, int, int, int, int, int]]) -> bytes:
+    """Encode ``(key, index, frame, offset, nbytes, seq)`` records into a meta frame."""
+    if len(rows) > 64:  # many small keys: one numpy pass beats a Python loop
+        return _pack_many(rows)
+    pack = ENTRY_STRUCT.pack
+    return b"".join([pack(*row) for row in rows])
+
+
+def _pack_many(rows: list) -> bytes:
+    table = np.array(rows, dtype=np.uint64)
+    out = np.empty(len(rows), dtype=ENTRY)
+    for i, name in enumerate(ENTRY.names):
+        out[name] = table[:, i]
+    return out.tobytes()
+
+
+def unpack_entries(frame: Any, frame_sizes: list[int] | None = None) -> list[tuple[int, int, int, int, int, int]]:
+    """Decode a meta frame into ``(key, index, frame, offset, nbytes, seq)`` records.
+
+    With ``frame_sizes`` (the data frames' lengths) every part is checked to lie inside its frame.
+
+    Raises:
+        ProtocolError: a truncated meta frame, or a part outside the data frames.
+    """
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    if len(buf) % ENTRY_STRUCT.size:
+        raise ProtocolError(f"meta frame of {len(buf)} bytes is not a multiple of {ENTRY_STRUCT.size}")
+    rows = list(ENTRY_STRUCT.iter_unpack(buf))
+    if frame_sizes is not None:
+        count = len(frame_sizes)
+        for row in rows:
+            if row[2] == 0xFFFFFFFF:  # the part lies in shared memory (psnode.shm), not in a frame
+                continue
+            if row[2] >= count or row[3] + row[4] > frame_sizes[row[2]]:
+                raise ProtocolError(f"a part of key {row[0]:#x} lies outside the message's data frames")
+    return rows

@@ -1,0 +1,106 @@
+"""The transport interface: frames between named peers, nothing more.
+
+A transport binds one receiving endpoint per node, connects to peers by name, sends a list of
+frames to a peer and receives ``(peer, frames)``. It knows nothing of registration, barriers or
+heartbeats (those live in ``psnode.node``, shared by every transport). Implementations register by
+name; ``create_transport(name)`` builds one, and an unknown name's error lists the known ones.
+
+Thread-safety (every transport): ``recv`` and ``poll`` are called from one thread only (the node's
+network thread); ``send`` may be called from any thread, and is serialised internally.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from typing import Any, Callable, Sequence
+
+from .errors import PSNodeError
+
+__all__ = ["Transport", "register_transport", "create_transport", "transport_names", "WouldBlock"]
+
+
+class WouldBlock(PSNodeError):
+    """``send(..., block=False)`` found the peer's queue full; nothing was sent."""
+
+
+class Transport(abc.ABC):
+    """Frames between peers. ``identity`` names this node to the peers it sends to."""
+
+    def __init__(self, identity: bytes) -> None:
+        self.identity = identity
+
+    @abc.abstractmethod
+    def bind(self, port: int = 0, local_name: str | None = None) -> int:
+        """Start receiving on TCP ``port`` (0: a free one) of every interface; return the port.
+
+        ``local_name`` also opens a same-host endpoint (``same_host_endpoint(local_name)``).
+
+        Raises:
+            TransportError: the port is taken or cannot be bound (the message names it).
+        """
+
+    @abc.abstractmethod
+    def connect(self, peer: bytes, endpoint: str) -> None:
+        """Open a connection to ``peer`` at ``endpoint`` (``tcp://host:port`` or a same-host endpoint)."""
+
+    @abc.abstractmethod
+    def send(self, peer: bytes, frames: Sequence[Any], track: bool = False, block: bool = True) -> Any:
+        """Queue ``frames`` for ``peer`` and return at once; buffers are not copied.
+
+        The caller must keep buffer frames alive and unchanged until the returned tracker (when
+        ``track``) is done. With ``block=False`` a full queue raises ``WouldBlock``.
+
+        Raises:
+            TransportError: ``peer`` is unknown or the send failed.
+            ClosedError: the transport was closed.
+        """
+
+    @abc.abstractmethod
+    def poll(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a message; True when one can be received."""
+
+    @abc.abstractmethod
+    def recv(self) -> tuple[bytes, list[Any]]:
+        """Receive one message without waiting: ``(sender identity, frames)``.
+
+        Frames expose ``.buffer`` (a memoryview) and ``.bytes``.
+        """
+
+    @abc.abstractmethod
+    def close(self, linger: float = 0.0) -> None:
+        """Close every socket; messages still queued get ``linger`` seconds to leave. Idempotent."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def same_host_endpoint(local_name: str) -> str:
+        """The endpoint a peer on this host connects to for the node bound with ``local_name``."""
+
+
+_TRANSPORTS: dict[str, str | Callable[..., Transport]] = {"zmq": "psnode.zmq_transport:ZmqTransport"}
+
+
+def register_transport(name: str, factory: str | Callable[..., Transport]) -> None:
+    """Register a transport class (or ``"module:Class"``) under ``name``."""
+    _TRANSPORTS[name] = factory
+
+
+def transport_names() -> list[str]:
+    """Every registered transport name, sorted."""
+    return sorted(_TRANSPORTS)
+
+
+def create_transport(name: str, identity: bytes, **kwargs: Any) -> Transport:
+    """Build the transport registered under ``name``.
+
+    Raises:
+        PSNodeError: no transport has that name; the message lists the known ones.
+    """
+    factory = _TRANSPORTS.get(name)
+    if factory is None:
+        raise PSNodeError(f"unknown transport {name!r}; known transports: {', '.join(transport_names())}")
+    if isinstance(factory, str):
+        module, _, attr = factory.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+        _TRANSPORTS[name] = factory
+    return factory(identity, **kwargs)

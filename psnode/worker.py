@@ -1,0 +1,476 @@
+"""A worker node: sends key parts to servers and completes futures when the replies arrive.
+
+The worker's API speaks in *parts*: ``(server rank, key id, array)``. Which parts a user key becomes
+is decided above (``kvcore.sharding``). Every call returns at once with a
+``concurrent.futures.Future`` (or completes the one it is given); a dedicated network thread
+receives the replies, writes pulled values into their outs and completes the futures, and keeps
+heartbeats going. Parts of one call headed to one server travel in one message; small values are
+packed into one data frame, large ones are their own frame, sent without a copy.
+
+Sends are queued by priority (higher first, then in call order) and leave as soon as the
+connection takes them; when a connection's queue is full they wait in that order. Correctness does
+not depend on the order: a pull tells the server how many pushes of the key it must include.
+
+Thread-safety: every method may be called from any thread. Callbacks added to the futures run on
+the network thread and must be quick.
+
+Bookkeeping is bounded: one entry per request in flight, one push counter per key.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import heapq
+import itertools
+import pickle
+import sys
+import threading
+import time
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from . import shm
+from .env import NodeEnv
+from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
+from .node import Node, PeerInfo, logger
+from .protocol import FLAG_ACKS, FLAG_ERROR, FLAG_SYNC, Cmd, Group, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
+from .transport import WouldBlock
+
+__all__ = ["WorkerNode"]
+
+_OWN_FRAME = 65536  # values at least this big travel in their own frame
+
+
+class _Unsent:
+    done = False  # a send buffer queued but not yet handed to ZeroMQ is never reused
+
+
+_UNSENT = _Unsent()
+
+
+class _Request:
+    __slots__ = ("future", "remaining", "targets", "what", "regions")
+
+    def __init__(self, future: concurrent.futures.Future, remaining: int, targets: list | None, what: str) -> None:
+        self.future = future
+        self.remaining = remaining
+        self.targets = targets  # pull: index -> writable byte view of the out
+        self.what = what
+        self.regions: dict[int, shm.Region] | None = None  # pull: index -> shared-memory region of the reply
+
+
+class WorkerNode(Node):
+    """This process's worker node (see the module docstring). Start it with ``start()``."""
+
+    def __init__(self, env: NodeEnv, transport: str = "zmq") -> None:
+        super().__init__(env, "worker", transport)
+        self._pending: dict[int, _Request] = {}
+        self._push_counts: dict[tuple[int, int], int] = {}  # (key id, server) -> pushes sent
+        self._queue: list = []
+        self._seq = itertools.count()
+        self._send_lock = threading.Lock()
+        self._idle = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.wrap_error: Any = None  # optional fn(error) -> error for the futures (kvcore's error tree)
+        self._regions: dict[tuple[int, int, int], shm.Region] = {}  # (key id, server, 0 push / 1 pull)
+        self._shm_servers: set[int] = set()  # servers on this host that map our shared memory
+        self._buffers: dict[tuple[int, int], tuple[np.ndarray, Any]] = {}  # (key id, server) -> (buffer, tracker)
+
+    # ---- life cycle ----------------------------------------------------------------------
+    def start(self) -> "WorkerNode":
+        """Register (blocking, see ``Node.register``) and start the network thread."""
+        self.register()
+        if self.env.same_host == "shm":
+            self._shm_servers = {p.rank for p in self.servers
+                                 if p.fingerprint == self.fingerprint and p.shm_probe and shm.can_attach(p.shm_probe)}
+        self._thread = threading.Thread(target=self._run, name=f"psnode-worker-{self.rank}", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+        previous = sys.excepthook
+
+        def report_crash(kind: type, value: BaseException, tb: Any) -> None:
+            self.abort(f"{kind.__name__}: {value}")
+            previous(kind, value, tb)
+
+        sys.excepthook = report_crash
+        return self
+
+    def abort(self, reason: str) -> None:
+        """Tell the scheduler this worker failed (so every other node stops with ``reason``), then close."""
+        if self._closed or self.failure is not None:
+            return
+        self.send_control(Cmd.NODE_DIED, body={"message": reason})
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        self._fail_pending(ClosedError(f"worker {self.rank} aborted: {reason}"))
+        self.transport.close(linger=1.0)
+
+    @property
+    def num_workers(self) -> int:
+        """Workers in the job."""
+        return self.env.num_workers
+
+    @property
+    def num_servers(self) -> int:
+        """Servers in the job."""
+        return self.env.num_servers
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.process(0.02 if self._queue else 0.1)
+                if self._queue:
+                    self._pump()
+            except ClosedError:
+                return
+            except Exception as exc:  # never let the network thread die silently
+                self.fail(PSNodeError(f"the network thread of worker {self.rank} failed: {type(exc).__name__}: {exc}"))
+                return
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for requests in flight, tell the scheduler this worker finished, and close (idempotent).
+
+        Raises:
+            NodeTimeoutError: requests still in flight after ``timeout`` seconds (default: a minute, or
+                the heartbeat timeout when that is longer); the node is closed anyway.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            atexit.unregister(self.close)
+        except Exception:
+            pass
+        limit = timeout if timeout is not None else max(60.0, self.env.heartbeat_timeout)
+        error: BaseException | None = None
+        try:
+            if self.failure is None and self._thread is not None:
+                self._wait_idle(limit)
+                finished: concurrent.futures.Future = concurrent.futures.Future()
+                req = self.next_req_id()
+                self.add_waiter(req, finished)
+                self.send_control(Cmd.FINISH, req)
+                self._wait(finished, min(limit, max(5.0, self.env.heartbeat_timeout)), "the scheduler's answer to finish")
+        except PSNodeError as exc:
+            error = exc
+        finally:
+            self._stop.set()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout=2.0)
+            self._fail_pending(ClosedError("the worker was closed"))
+            self.transport.close(linger=0.5 if error is None else 0.0)
+        if error is not None and not isinstance(error, ClosedError) and self.failure is None:
+            raise error
+
+    def _wait_idle(self, limit: float) -> None:
+        deadline = time.monotonic() + limit
+        with self._idle:
+            while self._pending and self.failure is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise NodeTimeoutError(f"worker {self.rank}: {len(self._pending)} requests still unanswered after {limit:g} s")
+                self._idle.wait(min(remaining, 0.1))
+
+    def _wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            try:
+                future.result(0.1)
+                return
+            except concurrent.futures.TimeoutError:
+                if self.failure is not None:
+                    raise self.failure
+                if deadline is not None and time.monotonic() > deadline:
+                    raise NodeTimeoutError(f"worker {self.rank}: no {what} within {limit:g} s") from None
+
+    # ---- the API --------------------------------------------------------------------------
+    def barrier(self, group: int = Group.WORKERS) -> None:
+        """Block until every node of ``group`` reached the barrier (liveness-checked, no time limit).
+
+        Raises:
+            PeerDiedError: a node died meanwhile; PSNodeError: the barrier can never complete.
+        """
+        self._check()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        req = self.next_req_id()
+        self.add_waiter(req, future)
+        self.send_control(Cmd.BARRIER, req, int(group))
+        self._wait(future, None, "barrier")
+
+    def init(self, parts: Sequence[tuple[int, int, Hashable, np.ndarray, int]], sync: bool, future: Any = None) -> Any:
+        """Send initial values ``(server, key id, user key, value, row_size)``; the future is done when stored."""
+        future = future or concurrent.futures.Future()
+        by_server: dict[int, list] = {}
+        for part in parts:
+            by_server.setdefault(part[0], []).append(part)
+        req = self._track(future, len(by_server), None, "init")
+        for server, items in by_server.items():
+            specs, frames = [], []
+            for i, (_, key_id, user_key, value, row_size) in enumerate(items):
+                value = np.ascontiguousarray(value)
+                specs.append({"key": key_id, "user_key": user_key, "shape": list(value.shape), "dtype": value.dtype.str,
+                              "row_size": row_size, "frame": i, "offset": 0})
+                frames.append(value)
+            msg = [pack_header(Cmd.INIT, req, 1, FLAG_SYNC if sync else 0), pack_json(specs)] + frames
+            self._enqueue(server, msg, 0, req)
+        self._pump()
+        return future
+
+    def set_updater(self, updater: Any, future: Any = None) -> Any:
+        """Ship a picklable updater to every server; the future is done when all installed it."""
+        future = future or concurrent.futures.Future()
+        blob = pickle.dumps(updater, protocol=pickle.HIGHEST_PROTOCOL)
+        req = self._track(future, self.num_servers, None, "set_updater")
+        for server in range(self.num_servers):
+            self._enqueue(server, [pack_header(Cmd.SET_UPDATER, req, 1), blob], 0, req)
+        self._pump()
+        return future
+
+    def push(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, copy: bool = True, future: Any = None) -> Any:
+        """Push ``(server, key id, value)`` parts; returns at once.
+
+        With ``copy=True`` the values are copied before push returns (the caller may change them
+        right away); with ``copy=False`` the caller hands them over and must not change them.
+        The future is done when every server has received its parts.
+        """
+        future = future or concurrent.futures.Future()
+        by_server = self._by_server(parts)
+        req = self._track(future, len(parts), None, "push")
+        counts = self._push_counts
+        for server, items in by_server.items():
+            entries = []
+            small, frames = [], []
+            offset = 0
+            for i, (_, key_id, value) in enumerate(items):
+                slot = (key_id, server)
+                seq = counts.get(slot, 0) + 1
+                counts[slot] = seq
+                nbytes = value.nbytes
+                region = self._region((key_id, server, 0), nbytes) if nbytes >= shm.SHM_MIN and server in self._shm_servers else None
+                if region is not None:  # same host: one copy into shared memory, the server reads it there
+                    np.copyto(region.array, value.reshape(-1).view(np.uint8) if value.flags.c_contiguous else np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+                    region.busy = future
+                    entries.append((key_id, i, shm.SHM_FRAME, region.ref, nbytes, seq))
+                elif nbytes >= _OWN_FRAME:
+                    flat = value.reshape(-1).view(np.uint8) if value.flags.c_contiguous else np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+                    frames.append(self._send_copy(slot, flat) if copy else flat)
+                    entries.append((key_id, i, len(frames), 0, nbytes, seq))
+                else:
+                    small.append(value)
+                    entries.append((key_id, i, 0, offset, nbytes, seq))
+                    offset += nbytes
+            # small values are copied here (the caller may change its arrays as soon as push returns)
+            payload: Any = small[0].tobytes() if len(small) == 1 else b"".join([v.tobytes() for v in small])
+            self._enqueue(server, [pack_header(Cmd.PUSH, req, len(items)), pack_entries(entries), payload] + frames, priority, req)
+        self._pump()
+        return future
+
+    def pull(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
+        """Pull ``(server, key id, out)`` parts into the C-contiguous arrays ``out``; returns at once.
+
+        Each value includes every push of the key this worker issued before. The outs must stay
+        alive and untouched until the future is done.
+        """
+        future = future or concurrent.futures.Future()
+        targets = [memoryview(out).cast("B") for _, _, out in parts]  # C-contiguous outs, as bytes
+        req = self._track(future, len(parts), targets, "pull")
+        counts = self._push_counts
+        request = self._pending.get(req)
+        for server, items in self._by_server(parts, indexed=True).items():
+            entries = [(key_id, index, 0, 0, out.nbytes, counts.get((key_id, server), 0)) for index, (_, key_id, out) in items]
+            if server in self._shm_servers and request is not None:
+                for j, (index, (_, key_id, out)) in enumerate(items):
+                    region = self._region((key_id, server, 1), out.nbytes) if out.nbytes >= shm.SHM_MIN else None
+                    if region is not None:  # the server writes the value into shared memory
+                        region.busy = future
+                        if request.regions is None:
+                            request.regions = {}
+                        request.regions[index] = region
+                        entries[j] = (key_id, index, shm.SHM_FRAME, region.ref, out.nbytes, entries[j][5])
+            self._enqueue(server, [pack_header(Cmd.PULL, req, len(items)), pack_entries(entries)], priority, req)
+        self._pump()
+        return future
+
+    def pull_rows(self, parts: Sequence[tuple[int, int, np.ndarray, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
+        """Pull the rows ``rows`` (int64, local to the part) of ``(server, key id, rows, out)`` parts into ``out``."""
+        future = future or concurrent.futures.Future()
+        targets = [memoryview(out).cast("B") for _, _, _, out in parts]
+        req = self._track(future, len(parts), targets, "row_sparse_pull")
+        for server, items in self._by_server(parts, indexed=True).items():
+            entries = []
+            chunks, offset = [], 0
+            for index, (_, key_id, rows, out) in items:
+                rows = np.ascontiguousarray(rows, dtype=np.int64)
+                entries.append((key_id, index, 0, offset, rows.nbytes, self._push_counts.get((key_id, server), 0)))
+                offset += rows.nbytes
+                chunks.append(rows)
+            payload = np.concatenate(chunks) if chunks else b""
+            self._enqueue(server, [pack_header(Cmd.ROWS, req, len(items)), pack_entries(entries), payload], priority, req)
+        self._pump()
+        return future
+
+    # ---- internals -------------------------------------------------------------------------
+    @staticmethod
+    def _by_server(parts: Sequence, indexed: bool = False) -> dict[int, list]:
+        by_server: dict[int, list] = {}
+        for index, part in enumerate(parts):
+            by_server.setdefault(part[0], []).append((index, part) if indexed else part)
+        return by_server
+
+    def _send_copy(self, slot: tuple[int, int], flat: np.ndarray) -> np.ndarray:
+        """A copy of ``flat`` in a buffer kept per (key id, server), reused once ZeroMQ has sent it."""
+        entry = self._buffers.get(slot)
+        if entry is not None and entry[0].nbytes == flat.nbytes and entry[1].done:
+            buffer = entry[0]
+        else:
+            buffer = np.empty_like(flat)
+        np.copyto(buffer, flat)
+        self._buffers[slot] = (buffer, _UNSENT)
+        return buffer
+
+    def _region(self, slot: tuple[int, int, int], nbytes: int) -> shm.Region | None:
+        """The shared-memory region of ``slot`` when it is free (None: use a message this time)."""
+        region = self._regions.get(slot)
+        if region is None or region.nbytes != nbytes:
+            try:
+                region = shm.Region(nbytes)
+            except OSError:
+                return None
+            self._regions[slot] = region
+        return region if region.free() else None
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self._closed:
+            raise ClosedError(f"worker {self.rank} was closed")
+
+    def _track(self, future: Any, remaining: int, targets: list | None, what: str) -> int:
+        self._check()
+        req = self.next_req_id()
+        if remaining == 0:
+            future.set_result(None)
+            return req
+        self._pending[req] = _Request(future, remaining, targets, what)
+        if self.failure is not None:  # failed between the check and now: do not leave it hanging
+            self._complete(req, self.failure)
+        return req
+
+    def _enqueue(self, server: int, frames: list, priority: int, req: int) -> None:
+        heapq.heappush(self._queue, (-priority, next(self._seq), server, frames, req))
+
+    def _pump(self) -> None:
+        """Send queued messages in priority order while the connections take them (any thread)."""
+        while self._queue:
+            if not self._send_lock.acquire(blocking=False):
+                return  # the holder re-checks the queue after releasing, so nothing is stranded
+            try:
+                if self._send_queued():
+                    return  # a connection is full: the network thread retries shortly
+            finally:
+                self._send_lock.release()
+
+    def _send_queued(self) -> bool:
+        """Send what the connections take; True when one was full. Call with the send lock held."""
+        queue = self._queue
+        while queue:
+            item = heapq.heappop(queue)  # atomic: other threads only ever push
+            _, _, server, frames, req = item
+            peer = self.servers[server].uid.encode()
+            try:
+                tracker = self.transport.send(peer, frames, track=len(frames) > 3 and frames[0][3] == Cmd.PUSH, block=False)
+            except WouldBlock:
+                heapq.heappush(queue, item)  # same sort key: it keeps its place
+                return True
+            except PSNodeError as exc:
+                self._complete(req, exc)
+                continue
+            if tracker is not None:
+                self._remember_tracker(server, frames, tracker)
+        return False
+
+    def _remember_tracker(self, server: int, frames: list, tracker: Any) -> None:
+        for key_id, _, frame, _, _, _ in unpack_entries(frames[1]):
+            if frame:
+                entry = self._buffers.get((key_id, server))
+                if entry is not None and entry[0] is frames[2 + frame]:
+                    self._buffers[(key_id, server)] = (entry[0], tracker)
+
+    def _complete(self, req: int, error: BaseException | None = None) -> None:
+        request = self._pending.pop(req, None)
+        if request is None:
+            return
+        if error is not None and self.wrap_error is not None:
+            error = self.wrap_error(error)
+        try:
+            if error is None:
+                request.future.set_result(None)
+            else:
+                request.future.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass
+        if not self._pending:
+            with self._idle:
+                self._idle.notify_all()
+
+    def _fail_pending(self, error: BaseException) -> None:
+        for req in list(self._pending):
+            self._complete(req, error)
+
+    def on_failure(self, error: BaseException) -> None:
+        self._fail_pending(error)
+
+    # ---- replies (network thread) ------------------------------------------------------------
+    def _take_acks(self, frame: Any) -> None:
+        pending = self._pending
+        for rid, count in np.frombuffer(frame.buffer, dtype=np.uint64).reshape(-1, 2).tolist():
+            request = pending.get(rid)
+            if request is not None:
+                request.remaining -= count
+                if request.remaining <= 0:
+                    self._complete(rid)
+
+    def handle_data(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
+        if cmd == Cmd.PUSH_ACK and not flags & FLAG_ERROR:
+            self._take_acks(frames[1])
+            if self._queue:
+                self._pump()
+            return
+        if flags & FLAG_ACKS:  # push acknowledgements riding along with a reply
+            self._take_acks(frames[-1])
+            frames = frames[:-1]
+        request = self._pending.get(req_id)
+        if request is None:
+            raise ProtocolError(f"{Cmd(cmd).name} for unknown request {req_id}")
+        if flags & FLAG_ERROR:
+            message = unpack_json(frames[1]).get("error", "unknown error")
+            self._complete(req_id, RemoteError(f"{request.what} failed on {peer.describe()}: {message}"))
+            return
+        if cmd in (Cmd.PULL_REPLY, Cmd.ROWS_REPLY):
+            data_frames = frames[2:]
+            buffers = [f.buffer for f in data_frames]
+            entries = unpack_entries(frames[1], [len(b) for b in buffers])
+            targets = request.targets
+            for _, index, frame, offset, nbytes, _ in entries:
+                target = targets[index]
+                if nbytes != target.nbytes:
+                    raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
+                if frame == shm.SHM_FRAME:
+                    target[:] = request.regions[index].array
+                else:
+                    target[:] = buffers[frame][offset:offset + nbytes]
+            request.remaining -= len(entries)
+        elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK):
+            request.remaining -= arg
+        else:
+            raise ProtocolError(f"a worker does not accept {Cmd(cmd).name}")
+        if request.remaining <= 0:
+            self._complete(req_id)
+        if self._queue:
+            self._pump()

@@ -1,0 +1,150 @@
+"""The ZeroMQ transport: one ROUTER socket receives, one DEALER per peer sends.
+
+Each node binds its ROUTER on a TCP port of every interface and, when given a local name, on an
+abstract-namespace IPC endpoint (``ipc://@pslaunch-<name>``: nothing on disk to clean up, gone
+when the process is). Peers on the same host connect to the IPC endpoint, others over TCP. Every
+DEALER carries this node's identity, so the receiving ROUTER knows who sent each message.
+
+Frames are sent with ``copy=False`` (ZeroMQ reads the caller's buffers) and received with
+``copy=False`` (``frame.buffer`` is a view of ZeroMQ's message memory). Every socket closes with
+linger 0.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import zmq
+
+from .errors import ClosedError, TransportError
+from .transport import Transport, WouldBlock
+
+__all__ = ["ZmqTransport"]
+
+_SEND_HWM = 1000  # messages queued per peer before a non-blocking send reports WouldBlock
+_SOCKET_BUFFER = 4 << 20  # kernel buffer per connection: fewer wake-ups per big message (capped by the kernel)
+
+
+class ZmqTransport(Transport):
+    """Frames over ZeroMQ ROUTER/DEALER sockets; see the module docstring."""
+
+    def __init__(self, identity: bytes, io_threads: int = 1) -> None:
+        super().__init__(identity)
+        self._context = zmq.Context(io_threads=io_threads)
+        self._router: zmq.Socket | None = None
+        self._dealers: dict[bytes, tuple[zmq.Socket, threading.Lock]] = {}
+        self._connect_lock = threading.Lock()
+        self._closed = False
+
+    @staticmethod
+    def same_host_endpoint(local_name: str) -> str:
+        return f"ipc://@pslaunch-{local_name}"
+
+    def bind(self, port: int = 0, local_name: str | None = None) -> int:
+        self._check_open()
+        router = self._context.socket(zmq.ROUTER)
+        router.linger = 0
+        router.rcvhwm = 0
+        if _SOCKET_BUFFER:
+            router.rcvbuf = _SOCKET_BUFFER
+        try:
+            if port:
+                router.bind(f"tcp://*:{port}")
+            else:
+                port = router.bind_to_random_port("tcp://*")
+            if local_name:
+                router.bind(self.same_host_endpoint(local_name))
+        except zmq.ZMQError as exc:
+            router.close(0)
+            where = f"TCP port {port}" if port else "a free TCP port"
+            raise TransportError(f"cannot bind {where} (with local name {local_name!r}): {exc}") from exc
+        self._router = router
+        return port
+
+    def connect(self, peer: bytes, endpoint: str) -> None:
+        self._check_open()
+        with self._connect_lock:
+            if peer in self._dealers:
+                return
+            sock = self._context.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.sndhwm = _SEND_HWM
+            if _SOCKET_BUFFER:
+                sock.sndbuf = _SOCKET_BUFFER
+            sock.identity = self.identity
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(0)
+                raise TransportError(f"cannot connect to {peer.decode(errors='replace')} at {endpoint}: {exc}") from exc
+            self._dealers[peer] = (sock, threading.Lock())
+
+    def send(self, peer: bytes, frames: Sequence[Any], track: bool = False, block: bool = True) -> Any:
+        entry = self._dealers.get(peer)
+        if entry is None:
+            self._check_open()
+            raise TransportError(f"no connection to peer {peer.decode(errors='replace')}")
+        sock, lock = entry
+        flags = 0 if block else zmq.NOBLOCK
+        with lock:
+            if self._closed:
+                raise ClosedError("the transport was closed")
+            try:
+                if track:
+                    parts = [zmq.Frame(f, track=True) if not isinstance(f, bytes) else f for f in frames]
+                    sock.send_multipart(parts, flags=flags, copy=False)
+                    trackers = [p.tracker for p in parts if isinstance(p, zmq.Frame)]
+                    return zmq.MessageTracker(*trackers) if trackers else None
+                sock.send_multipart(frames, flags=flags, copy=False)
+                return None
+            except zmq.Again as exc:
+                raise WouldBlock(f"the queue to {peer.decode(errors='replace')} is full") from exc
+            except zmq.ZMQError as exc:
+                if self._closed or exc.errno == zmq.ETERM:
+                    raise ClosedError("the transport was closed") from exc
+                raise TransportError(f"send to {peer.decode(errors='replace')} failed: {exc}") from exc
+
+    def poll(self, timeout: float) -> bool:
+        router = self._require_router()
+        try:
+            return bool(router.poll(max(0, int(timeout * 1000)), zmq.POLLIN))
+        except zmq.ZMQError as exc:
+            if self._closed:
+                raise ClosedError("the transport was closed") from exc
+            raise TransportError(f"poll failed: {exc}") from exc
+
+    def recv(self) -> tuple[bytes, list[Any]]:
+        router = self._require_router()
+        try:
+            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            if self._closed:
+                raise ClosedError("the transport was closed") from exc
+            raise TransportError(f"receive failed: {exc}") from exc
+        return frames[0].bytes, frames[1:]
+
+    def close(self, linger: float = 0.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._connect_lock:
+            dealers = list(self._dealers.values())
+            self._dealers.clear()
+        for sock, lock in dealers:
+            with lock:
+                sock.close(int(linger * 1000))
+        if self._router is not None:
+            self._router.close(0)
+            self._router = None
+        self._context.term()
+
+    def _require_router(self) -> zmq.Socket:
+        if self._router is None:
+            self._check_open()
+            raise TransportError("bind() was not called")
+        return self._router
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the transport was closed")

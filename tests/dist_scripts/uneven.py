@@ -1,0 +1,25 @@
+"""Worker: rank 1 pushes once and leaves; rank 0's pull of a second round fails naming worker 1 instead of hanging."""
+
+import sys
+
+import numpy as np
+
+import kvcore
+
+kv = kvcore.create("dist_sync")
+kv.init(3, np.zeros(4, np.float32))
+out = np.zeros(4, np.float32)
+kv.push(3, np.ones(4, np.float32))
+kv.pull(3, out=out)
+assert np.all(out == 2), out
+if kv.rank == 1:
+    print("OK", kv.rank, flush=True)
+    sys.exit(0)
+kv.push(3, np.ones(4, np.float32))
+try:
+    kv.pull(3, out=out)
+except kvcore.ServerError as exc:
+    assert "can never close" in str(exc) and "worker 1 on 127.0.0.1" in str(exc), exc
+    print("OK", kv.rank, flush=True)
+else:
+    raise AssertionError("the pull of a round nobody else will push returned")

@@ -1,0 +1,238 @@
+"""The distributed KVStore end to end: real scheduler, server and worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from psnode.protocol import Cmd, pack_header
+from psnode.testing import LocalJob
+
+SCRIPTS = Path(__file__).parent / "dist_scripts"
+SMALL_BOUND = {"PSLAUNCH_BIGARRAY_BOUND": "100000"}  # 1200x1200 keys are split across the servers
+
+
+def script(name: str, *args: str) -> list[str]:
+    return [str(SCRIPTS / name), *args]
+
+
+def run_ok(name: str, workers: int, servers: int, env: dict | None = None, args: tuple = (), timeout: float = 60):
+    with LocalJob(workers, servers, worker=script(name, *args), env={**SMALL_BOUND, **(env or {})}) as job:
+        results = job.wait(timeout)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(str(r) for r in failed)
+    oks = sorted(int(m) for r in results if r.role == "worker" for m in re.findall(r"^OK (\d+)", r.output, re.M))
+    assert oks == list(range(workers)), "\n".join(str(r) for r in results)
+    return results
+
+
+def wait_for_line(job: LocalJob, role: str, index: int | None, pattern: str, timeout: float = 30) -> re.Match:
+    """Wait until process ``role``/``index`` (any of the role when None) prints a line matching ``pattern``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for result in job.results():
+            if result.role == role and index in (None, result.index):
+                match = re.search(pattern, result.output, re.M)
+                if match:
+                    return match
+                if result.returncode is not None:
+                    raise AssertionError(f"{role} {index} exited before printing {pattern!r}:\n{result}")
+        time.sleep(0.05)
+    raise AssertionError(f"{role} {index} did not print {pattern!r} within {timeout} s")
+
+
+@pytest.mark.parametrize("same_host", ["shm", "ipc", "tcp"])
+def test_dist_sync_sums_are_exact_for_small_split_and_listed_keys_and_pushpull(same_host):
+    results = run_ok("sums.py", workers=3, servers=2, env={"PSLAUNCH_SAME_HOST": same_host})
+    assert all(r.returncode == 0 for r in results if r.role in ("scheduler", "server"))
+
+
+def test_test_optimizer_on_the_servers_gives_exact_values_every_round():
+    run_ok("optimizer_rounds.py", workers=3, servers=2)
+
+
+def test_dist_async_needs_an_optimizer_then_applies_every_push_exactly_once():
+    run_ok("async_rounds.py", workers=2, servers=2)
+
+
+def test_row_sparse_pull_returns_exactly_the_asked_rows_of_small_and_split_keys():
+    run_ok("rows.py", workers=3, servers=2)
+
+
+def test_barrier_holds_every_worker_until_the_last_arrives(tmp_path):
+    run_ok("barrier_order.py", workers=3, servers=1, args=(str(tmp_path / "marker"),))
+
+
+def test_a_worker_that_crashes_makes_every_other_node_fail_naming_it():
+    with LocalJob(3, 2, worker=script("crash.py")) as job:
+        results = job.wait(60)
+    by_code = {}
+    for r in results:
+        by_code.setdefault(r.returncode, []).append(r)
+    assert len(by_code.get(3, [])) == 2, "\n".join(map(str, results))  # the two survivors saw NodeDiedError
+    for r in by_code[3]:
+        assert "DIED worker 1" in r.output and "RuntimeError: boom in worker 1" in r.output, r
+    for r in results:
+        if r.role in ("scheduler", "server"):
+            assert r.returncode == 1 and "worker 1 on 127.0.0.1" in r.output, r
+
+
+def test_killing_a_server_makes_every_worker_fail_within_the_heartbeat_timeout():
+    env = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "1.5"}
+    with LocalJob(2, 2, worker=script("loop_until_failure.py"), env=env) as job:
+        for i in range(2):
+            wait_for_line(job, "worker", i, r"^READY")
+        time.sleep(0.3)
+        job.of("server", 1).kill()
+        results = job.wait(20)
+    for r in results:
+        if r.role == "worker":
+            match = re.search(r"^DIED (\w+) (\d+) ([\d.]+) (.*)$", r.output, re.M)
+            assert r.returncode == 3 and match, r
+            assert match.group(1) == "server" and "no heartbeat" in match.group(4) and "127.0.0.1" in match.group(4), r
+            assert float(match.group(3)) < 1.5 + 2.0, r  # liveness bound, generous for a loaded 2-core box
+        elif r.role == "scheduler":
+            assert r.returncode == 1 and "server" in r.output and "died" in r.output, r
+
+
+def test_a_missing_worker_makes_registration_time_out_naming_what_is_missing():
+    env = {"PSLAUNCH_REGISTER_TIMEOUT": "1.5"}
+    with LocalJob(3, 2, worker=script("sums.py"), env=env, start_workers=2) as job:
+        results = job.wait(30)
+    scheduler = next(r for r in results if r.role == "scheduler")
+    assert scheduler.returncode == 1, scheduler
+    assert "registration timed out after 1.5 s" in scheduler.output and "missing: 1 worker" in scheduler.output, scheduler
+    assert "2 of 3 workers" in scheduler.output and "2 of 2 servers" in scheduler.output, scheduler
+    for r in results:
+        if r.role != "scheduler":
+            assert r.returncode != 0 and "missing: 1 worker" in r.output, r
+
+
+def test_garbage_sent_to_a_servers_port_is_dropped_and_results_stay_exact(tmp_path):
+    go = tmp_path / "go"
+    with LocalJob(2, 2, worker=script("garbage_sums.py", str(go)), env={"PS_VERBOSE": "1"}) as job:
+        wait_for_line(job, "worker", None, r"^READY")  # printed by rank 0
+        ports = [int(wait_for_line(job, "server", i, r"server@127\.0\.0\.1:(\d+) registering").group(1)) for i in range(2)]
+        ctx = zmq.Context()
+        try:
+            for port in ports:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:  # not even ZMTP
+                    raw.sendall(b"\x00\xffGET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 8)
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.linger = 0
+                dealer.identity = b"worker@127.0.0.1:1"
+                dealer.connect(f"tcp://127.0.0.1:{port}")
+                dealer.send_multipart([b"garbage"])
+                dealer.send_multipart([pack_header(Cmd.PUSH, 1, 1), b"\x01\x02\x03", b"x" * 100])
+                dealer.send_multipart([pack_header(Cmd.PULL, 2, 1), b"\xff" * 40])
+                dealer.send_multipart([b"PS\x09" + b"\x00" * 21])
+                time.sleep(0.1)
+                dealer.close(0)
+        finally:
+            ctx.term()
+        go.write_text("go")
+        results = job.wait(60)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(map(str, failed))
+    assert sum(r.output.count("OK ") for r in results if r.role == "worker") == 2
+    servers = [r for r in results if r.role == "server"]
+    assert all("malformed" in r.output for r in servers), "\n".join(map(str, servers))
+
+
+def test_a_user_script_started_for_every_role_runs_scheduler_and_server_inside_import_kvcore():
+    argv = [sys.executable, *script("role_script.py")]
+    with LocalJob(2, 1, start_scheduler=False, start_servers=0) as job:
+        job.start("scheduler", 0, argv)
+        job.start("server", 0, argv)
+        for i in range(2):
+            job.start("worker", i, argv, {"DMLC_ROLE": ""})  # unset role: a worker, MXNet's rule
+        results = job.wait(60)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(map(str, failed))
+    assert sorted(r.output.strip().splitlines()[-1] for r in results if r.role == "worker") == ["OK 0", "OK 1"]
+
+
+@pytest.mark.parametrize("role", ["scheduler", "server"])
+def test_python_m_psnode_with_a_malformed_variable_exits_2_naming_it(role):
+    with LocalJob(1, 1, start_scheduler=False, start_servers=0) as job:
+        job.start(role, 0, [sys.executable, "-m", "psnode", role], {"DMLC_NUM_SERVER": "two"})
+        [result] = job.wait(30)
+    assert result.returncode == 2 and "DMLC_NUM_SERVER='two'" in result.output, result
+
+
+def test_the_ported_mxnet_dist_sync_check_passes_with_every_role_running_the_script():
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "dist_kvstore_check.py")
+    argv = [sys.executable, example]
+    with LocalJob(3, 2, start_scheduler=False, start_servers=0, env=SMALL_BOUND) as job:
+        job.start("scheduler", 0, argv)
+        for i in range(2):
+            job.start("server", i, argv)
+        for i in range(3):
+            job.start("worker", i, argv, {"DMLC_ROLE": ""})
+        results = job.wait(90)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(map(str, failed))
+    passed = sorted(r.output.strip().splitlines()[-1] for r in results if r.role == "worker")
+    assert passed == [f"worker {i}/3: all checks passed" for i in range(3)]
+
+
+def test_lists_of_many_small_keys_stay_exact_when_the_access_pattern_changes():
+    run_ok("key_lists.py", workers=3, servers=2)
+
+
+def test_a_user_updater_with_init_key_runs_on_the_servers_and_its_errors_reach_the_workers():
+    env = {**SMALL_BOUND, "PSLAUNCH_BIGARRAY_BOUND": "100000", "PYTHONPATH": f"{SCRIPTS}:{Path(__file__).resolve().parent.parent}"}
+    run_ok("updater_protocol.py", workers=2, servers=2, env=env)
+
+
+def test_push_copies_its_values_and_pull_handles_complete_with_callbacks_in_dist_device_sync():
+    run_ok("handles.py", workers=2, servers=2)
+
+
+def test_creating_a_dist_store_without_the_environment_names_the_missing_variable():
+    with LocalJob(1, 1, start_scheduler=False, start_servers=0) as job:
+        job.start("worker", 0, [sys.executable, "-c", "import kvcore; kvcore.create('dist_sync')"],
+                  {"DMLC_ROLE": "", "DMLC_PS_ROOT_URI": ""})
+        [result] = job.wait(30)
+    assert result.returncode == 1 and "DistributedError" in result.output and "DMLC_PS_ROOT_URI is not set" in result.output, result
+
+
+def test_killing_the_scheduler_makes_every_node_fail_naming_it():
+    env = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "1.5"}
+    with LocalJob(2, 1, worker=script("loop_until_failure.py"), env=env) as job:
+        for i in range(2):
+            wait_for_line(job, "worker", i, r"^READY")
+        job.of("scheduler").kill()
+        results = job.wait(20)
+    for r in results:
+        if r.role == "worker":
+            assert r.returncode == 3 and re.search(r"^DIED scheduler 0 .*the scheduler at 127\.0\.0\.1:\d+ died", r.output, re.M), r
+        elif r.role == "server":
+            assert r.returncode == 1 and "the scheduler at 127.0.0.1" in r.output, r
+
+
+def test_two_workers_asking_for_the_same_worker_id_are_refused_naming_both():
+    fixed = [{"DMLC_WORKER_ID": "0"}, {"DMLC_WORKER_ID": "0"}]
+    with LocalJob(2, 1, worker=script("sums.py"), worker_env=fixed) as job:
+        results = job.wait(30)
+    for r in results:
+        assert r.returncode != 0 and "two workers asked for DMLC_WORKER_ID=0" in r.output, r
+
+
+def test_a_pull_waiting_for_a_worker_that_already_finished_fails_naming_it_instead_of_hanging():
+    run_ok("uneven.py", workers=2, servers=1)
+
+
+def test_server_device_gpu_keeps_results_exact_and_falls_back_to_the_cpu_with_a_warning_without_one():
+    import kvcore.arrays
+
+    results = run_ok("sums.py", workers=2, servers=2, env={"PSLAUNCH_SERVER_DEVICE": "gpu"})
+    servers = [r for r in results if r.role == "server"]
+    if not kvcore.arrays.gpu_available():
+        assert all("no usable GPU 0; the server keeps its shards on the CPU" in r.output for r in servers), servers

@@ -1,0 +1,81 @@
+"""psnode.env reads the contract of docs/env.md and names the variable at fault."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from psnode.env import NodeEnv, read_env
+from psnode.errors import EnvError
+
+BASE = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9091", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1"}
+
+
+def test_a_complete_environment_gives_the_documented_defaults():
+    env = read_env(BASE)
+    assert env == NodeEnv(role="worker", root_uri="127.0.0.1", root_port=9091, num_workers=2, num_servers=1, job_id=env.job_id)
+    assert (env.heartbeat_interval, env.heartbeat_timeout, env.register_timeout) == (1.0, 10.0, 60.0)
+    assert (env.bigarray_bound, env.server_device, env.verbose, env.local) == (1_000_000, "cpu", 0, False)
+
+
+def test_an_unset_role_means_worker_unless_the_caller_requires_one():
+    assert read_env(BASE).role == "worker"
+    with pytest.raises(EnvError, match="DMLC_ROLE is not set"):
+        read_env(BASE, default_role=None)
+
+
+@pytest.mark.parametrize("name", ["DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER"])
+def test_a_missing_required_variable_is_named(name):
+    env = {k: v for k, v in BASE.items() if k != name}
+    with pytest.raises(EnvError, match=f"{name} is not set"):
+        read_env(env)
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("DMLC_ROLE", "boss", "DMLC_ROLE='boss' must be one of scheduler, server, worker"),
+        ("DMLC_PS_ROOT_PORT", "70000", "DMLC_PS_ROOT_PORT='70000' must be between 1 and 65535"),
+        ("DMLC_PS_ROOT_PORT", "http", "DMLC_PS_ROOT_PORT='http' is not an integer"),
+        ("DMLC_NUM_WORKER", "0", "DMLC_NUM_WORKER='0' must be >= 1"),
+        ("DMLC_WORKER_ID", "2", "DMLC_WORKER_ID='2' must be between 0 and 1"),
+        ("DMLC_LOCAL", "yes", "DMLC_LOCAL='yes' must be 0 or 1"),
+        ("PS_VERBOSE", "3", "PS_VERBOSE='3' must be between 0 and 2"),
+        ("PS_HEARTBEAT_TIMEOUT", "soon", "PS_HEARTBEAT_TIMEOUT='soon' is not a number"),
+        ("PS_HEARTBEAT_TIMEOUT", "0.5", "PS_HEARTBEAT_TIMEOUT=0.5 must be larger than PS_HEARTBEAT_INTERVAL=1"),
+        ("PSLAUNCH_BIGARRAY_BOUND", "-1", "PSLAUNCH_BIGARRAY_BOUND='-1' must be >= 1"),
+        ("PSLAUNCH_SERVER_DEVICE", "tpu", "PSLAUNCH_SERVER_DEVICE='tpu' must be cpu, gpu or gpu:N"),
+        ("PSLAUNCH_SAME_HOST", "carrier", "PSLAUNCH_SAME_HOST='carrier' must be shm, ipc or tcp"),
+    ],
+)
+def test_a_malformed_variable_is_named_with_its_value(name, value, message):
+    with pytest.raises(EnvError, match=re.escape(message)):
+        read_env({**BASE, name: value})
+
+
+def test_optional_variables_are_read():
+    env = read_env({**BASE, "DMLC_ROLE": "Server", "DMLC_WORKER_ID": "1", "DMLC_LOCAL": "1", "PS_VERBOSE": "2",
+                    "PS_HEARTBEAT_INTERVAL": "0", "PS_HEARTBEAT_TIMEOUT": "3", "PSLAUNCH_SERVER_DEVICE": "gpu:1",
+                    "PSLAUNCH_JOB_ID": "j1", "PSLAUNCH_REGISTER_TIMEOUT": "5", "PSLAUNCH_BIGARRAY_BOUND": "10"})
+    assert (env.role, env.worker_id, env.local, env.verbose) == ("server", 1, True, 2)
+    assert (env.heartbeat_interval, env.heartbeat_timeout, env.server_device) == (0.0, 3.0, "gpu:1")
+    assert (env.job_id, env.register_timeout, env.bigarray_bound) == ("j1", 5.0, 10)
+
+
+def test_the_advertised_host_resolves_names_and_interfaces():
+    assert read_env({**BASE, "DMLC_NODE_HOST": "localhost"}).advertised_host().startswith("127.")
+    assert read_env({**BASE, "DMLC_INTERFACE": "lo"}).advertised_host() == "127.0.0.1"
+    with pytest.raises(EnvError, match="DMLC_INTERFACE='nosuchnic0'"):
+        read_env({**BASE, "DMLC_INTERFACE": "nosuchnic0"}).advertised_host()
+    with pytest.raises(EnvError, match="DMLC_NODE_HOST='no.such.host.invalid'"):
+        read_env({**BASE, "DMLC_NODE_HOST": "no.such.host.invalid"}).advertised_host()
+
+
+def test_every_variable_psnode_reads_is_documented_in_env_md():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "env.md").read_text()
+    source = (Path(__file__).resolve().parent.parent / "psnode" / "env.py").read_text()
+    source += (Path(__file__).resolve().parent.parent / "psnode" / "node.py").read_text()
+    names = set(re.findall(r'"((?:DMLC|PS|PSLAUNCH)_[A-Z_]+)"', source))
+    assert names, "no variable names found"
+    missing = sorted(n for n in names if f"`{n}`" not in doc)
+    assert not missing, f"read by psnode but not documented in docs/env.md: {missing}"

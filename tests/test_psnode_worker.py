@@ -1,0 +1,76 @@
+"""The worker's send queue and request bookkeeping, driven in-process through a stand-in connection."""
+
+import numpy as np
+import pytest
+
+from psnode.env import read_env
+from psnode.errors import PeerDiedError
+from psnode.node import PeerInfo
+from psnode.protocol import unpack_entries, unpack_header
+from psnode.transport import WouldBlock
+from psnode.worker import WorkerNode
+
+ENV = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1",
+       "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "2"}
+
+
+@pytest.fixture
+def worker():
+    node = WorkerNode(read_env(ENV))
+    node.rank = 0
+    node.servers = [PeerInfo("server", r, "127.0.0.1", 2000 + r, f"server@127.0.0.1:{2000 + r}", "x", "x") for r in range(2)]
+    node.sent = []
+    node.full = False
+
+    def send(peer, frames, track=False, block=True):
+        if node.full:
+            raise WouldBlock("full")
+        node.sent.append((peer, frames))
+
+    node.transport.send = send
+    try:
+        yield node
+    finally:
+        node.transport.close()
+
+
+def test_queued_sends_leave_in_priority_order_then_call_order(worker):
+    worker.full = True
+    for key, priority in [(1, 0), (2, 5), (3, -1), (4, 5), (5, 0)]:
+        worker.push([(0, key, np.ones(2, np.float32))], priority)
+    assert worker.sent == []
+    worker.full = False
+    worker._pump()
+    keys = [unpack_entries(frames[1])[0][0] for _, frames in worker.sent]
+    assert keys == [2, 4, 1, 5, 3]
+
+
+def test_parts_for_one_server_travel_in_one_message(worker):
+    parts = [(k % 2, k, np.full(3, k, np.float32)) for k in range(10)]
+    worker.push(parts)
+    assert len(worker.sent) == 2
+    for peer, frames in worker.sent:
+        entries = unpack_entries(frames[1])
+        assert len(entries) == 5 and unpack_header(frames[0])[3] == 5
+        payload = np.frombuffer(frames[2], np.float32).reshape(5, 3)
+        assert [int(row[0]) for row in payload] == [e[0] for e in entries]
+
+
+def test_pulls_carry_the_number_of_pushes_they_must_include(worker):
+    worker.push([(1, 7, np.ones(2, np.float32))])
+    worker.push([(1, 7, np.ones(2, np.float32))])
+    worker.pull([(1, 7, np.zeros(2, np.float32))])
+    pull = unpack_entries(worker.sent[-1][1][1])
+    assert pull[0][0] == 7 and pull[0][5] == 2
+
+
+def test_requests_in_flight_fail_with_the_dead_peer_and_bookkeeping_empties(worker):
+    futures = [worker.push([(0, k, np.ones(2, np.float32))]) for k in range(5)]
+    assert len(worker._pending) == 5
+    worker.fail(PeerDiedError("server 0 on 127.0.0.1:2000 died", "server", 0, "127.0.0.1"))
+    for future in futures:
+        with pytest.raises(PeerDiedError, match="server 0"):
+            future.result(1)
+    assert worker._pending == {}
+    with pytest.raises(PeerDiedError):
+        worker.push([(0, 1, np.ones(2, np.float32))])
