@@ -1,1 +1,44 @@
-"""The pslaunch launcher: the CLI and how processes are placed, started, watched and stopped."""
+"""The pslaunch launcher: the CLI and how processes are placed, started, watched and stopped.
+
+Public face: the configuration, the planning function, the hostfile parser, the backend registry
+and the errors. ``launcher.cli`` holds the ``pslaunch`` command; ``launcher.envcontract`` the
+names of docs/env.md. Importing this package loads neither paramiko nor rich nor click.
+"""
+
+from .config import EnvVar, LaunchConfig, parse_env_option, resolve
+from .errors import (
+    ConfigError,
+    HostfileError,
+    JobFailed,
+    LaunchError,
+    PlacementError,
+    PreflightError,
+    SpawnError,
+    SyncError,
+    UnknownBackendError,
+)
+from .hostfile import Host, parse_hostfile, parse_hostfile_text
+from .plan import Plan, ProcessSpec, format_plan, make_plan
+
+__all__ = [
+    "EnvVar",
+    "LaunchConfig",
+    "parse_env_option",
+    "resolve",
+    "Host",
+    "parse_hostfile",
+    "parse_hostfile_text",
+    "Plan",
+    "ProcessSpec",
+    "make_plan",
+    "format_plan",
+    "LaunchError",
+    "ConfigError",
+    "HostfileError",
+    "PlacementError",
+    "UnknownBackendError",
+    "PreflightError",
+    "SyncError",
+    "SpawnError",
+    "JobFailed",
+]

@@ -1,0 +1,180 @@
+"""The local backend: every process a child of pslaunch on this machine.
+
+Each process starts in its own session, hence its own process group, so stopping it reaches
+everything it started. A watchdog process (``launcher.watchdog``) holds a pipe to pslaunch and
+kills the registered groups when pslaunch dies, even by SIGKILL. ``LocalSpawner`` is shared with
+the ssh backend (scheduler on the launching host) and the mpi backend (``mpirun`` itself).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Callable, Sequence
+
+from .. import envcontract as ec
+from ..errors import SpawnError
+from ..plan import Plan, ProcessSpec
+from .base import Backend, ExitStatus, ProcessHandle, pump
+
+__all__ = ["LocalBackend", "LocalSpawner", "LocalHandle", "child_environ"]
+
+# Inherited values of these would contradict the plan (a stale DMLC_WORKER_ID, say).
+_CONTRACT_NAMES = set(ec.WRITTEN) | {ec.DMLC_WORKER_ID}
+
+
+def child_environ(env: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
+    """pslaunch's environment without stale contract variables, updated with ``env``."""
+    out = {k: v for k, v in (os.environ if base is None else base).items() if k not in _CONTRACT_NAMES}
+    out.update(env)
+    return out
+
+
+class LocalHandle(ProcessHandle):
+    """A child process of pslaunch, leader of its own process group."""
+
+    def __init__(self, spec: ProcessSpec, popen: subprocess.Popen, threads: list[threading.Thread]) -> None:
+        super().__init__(spec)
+        self.popen = popen
+        self.pid = popen.pid
+        self._threads = threads
+
+    def _poll(self) -> ExitStatus | None:
+        rc = self.popen.poll()
+        return None if rc is None else ExitStatus.from_returncode(rc)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def close(self, timeout: float = 2.0) -> None:
+        for thread in self._threads:
+            thread.join(timeout)
+        for stream in (self.popen.stdout, self.popen.stderr):
+            if stream is not None:
+                stream.close()
+
+
+class LocalSpawner:
+    """Starts local children in their own process groups under one watchdog. Not thread-safe."""
+
+    def __init__(self, grace: float) -> None:
+        self._grace = grace
+        self._watchdog: subprocess.Popen | None = None
+        self._groups: list[int] = []
+
+    def _watch(self, pgid: int) -> None:
+        if self._watchdog is None:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-m", "launcher.watchdog", str(self._grace)],
+                stdin=subprocess.PIPE,
+                start_new_session=True,
+                env=child_environ({"PYTHONPATH": _launcher_root()}),
+            )
+        self._groups.append(pgid)
+        assert self._watchdog.stdin is not None
+        self._watchdog.stdin.write(f"add {pgid}\n".encode())
+        self._watchdog.stdin.flush()
+
+    def spawn(
+        self,
+        spec: ProcessSpec,
+        printer,
+        argv: Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
+        on_marker: Callable[[ProcessHandle, str], None] | None = None,
+        handle_cls: type[LocalHandle] = LocalHandle,
+        readers: bool = True,
+    ) -> LocalHandle:
+        """Start ``spec`` (or ``argv``/``env`` in its place) and, if ``readers``, its output readers.
+
+        Raises ``SpawnError`` naming the process and the program when it cannot be executed.
+        """
+        argv = list(spec.argv if argv is None else argv)
+        try:
+            popen = subprocess.Popen(
+                argv,
+                env=child_environ(spec.full_env() if env is None else env),
+                cwd=spec.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise SpawnError(f"cannot start {spec.name}: {argv[0]!r}: {exc.strerror or exc}") from exc
+        self._watch(popen.pid)
+        handle = handle_cls(spec, popen, [])
+        if not readers:
+            return handle
+        marker = None if on_marker is None else (lambda text: on_marker(handle, text))
+        assert popen.stdout is not None and popen.stderr is not None
+        handle._threads = [
+            pump(lambda: os.read(popen.stdout.fileno(), 65536), handle, "stdout", printer, marker),
+            pump(lambda: os.read(popen.stderr.fileno(), 65536), handle, "stderr", printer, marker),
+        ]
+        return handle
+
+    def close(self) -> None:
+        """Kill every group still alive and stop the watchdog (it would do the same on EOF)."""
+        for pgid in self._groups:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._watchdog is not None:
+            try:
+                for pgid in self._groups:
+                    self._watchdog.stdin.write(f"del {pgid}\n".encode())  # type: ignore[union-attr]
+                self._watchdog.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+            try:
+                self._watchdog.wait(5)
+            except subprocess.TimeoutExpired:
+                self._watchdog.kill()
+                self._watchdog.wait()
+            self._watchdog = None
+        self._groups.clear()
+
+
+def _launcher_root() -> str:
+    """The directory holding the ``launcher`` package, so the watchdog imports this very copy."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    extra = os.environ.get("PYTHONPATH")
+    return here + (os.pathsep + extra if extra else "")
+
+
+class LocalBackend(Backend):
+    """Runs every process of the plan on this machine (``--launcher local``)."""
+
+    name = "local"
+
+    def __init__(self, config, printer) -> None:
+        super().__init__(config, printer)
+        self.spawner = LocalSpawner(config.stop_grace)
+
+    def launch(self, plan: Plan) -> list[ProcessHandle]:
+        handles: list[ProcessHandle] = []
+        try:
+            for spec in plan.processes:
+                handles.append(self.spawner.spawn(spec, self.printer))
+        except Exception:
+            for h in handles:
+                h.kill()
+            raise
+        return handles
+
+    def close(self) -> None:
+        self.spawner.close()

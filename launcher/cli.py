@@ -1,0 +1,186 @@
+"""The ``pslaunch`` command: parse the command line into a ``LaunchConfig`` and run it.
+
+Kept thin on purpose: click parses, ``launcher.config`` validates, ``launcher.plan`` plans,
+a backend from ``launcher.backends`` starts, ``launcher.supervisor`` watches. Every user-facing
+error is a ``LaunchError`` (or click's own) and is printed here, once, as one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+import click
+
+from .config import DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option, resolve
+from .errors import ConfigError, LaunchError
+from .hostfile import parse_hostfile
+
+__all__ = ["cli", "main", "build_config"]
+
+_EPILOG = """\b
+Examples:
+  pslaunch -n 2 -s 1 python train.py --lr "0.1 x"     everything on this machine
+  pslaunch -n 4 -s 2 -H hosts train.py                 over ssh, see hosts.example
+  pslaunch -n 2 --launcher mpi python train.py         one mpirun for every role
+  pslaunch -n 2 --dry-run -H hosts train.py            print the plan, start nothing
+\b
+Exit codes: 0 success; the failing process's code (128+signal); 2 bad input; 3 a host failed the
+pre-flight check; 4 rsync failed; 5 a process could not be started; 124 --timeout; 130 / 143
+SIGINT / SIGTERM. Documentation: docs/launcher.md.
+"""
+
+
+@click.command(
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
+    epilog=_EPILOG,
+)
+@click.option("-n", "--num-workers", type=int, required=True, help="Number of worker processes.")
+@click.option("-s", "--num-servers", type=int, default=None, help="Number of servers [default: = workers].")
+@click.option("-H", "--hostfile", type=click.Path(dir_okay=False), default=None,
+              help="Hosts to run on: `[user@]host[:sshport] [slots=N]` per line.")
+@click.option("--launcher", "backend", default=None, metavar="NAME",
+              help="Backend: local, ssh or mpi [default: ssh with a hostfile, local without].")
+@click.option("--command-for-all-roles", is_flag=True,
+              help="Run COMMAND as scheduler and servers too (MXNet / ps-lite / BytePS programs) "
+                   "instead of the bundled runtime `python -m psnode`.")
+@click.option("--env", "env_all", multiple=True, metavar="NAME[:VALUE]",
+              help="Set NAME for every process; NAME alone forwards pslaunch's own value. Repeatable.")
+@click.option("--env-server", multiple=True, metavar="NAME[:VALUE]", help="Like --env, for scheduler and servers.")
+@click.option("--env-worker", multiple=True, metavar="NAME[:VALUE]", help="Like --env, for workers.")
+@click.option("--scheduler-host", default=None, help="Run the scheduler on this host [default: here].")
+@click.option("--scheduler-port", type=int, default=None, help="Scheduler port [default: a free one].")
+@click.option("--interface", default=None, help="Network interface the nodes advertise (DMLC_INTERFACE).")
+@click.option("--sync-dst-dir", default=None, metavar="DIR",
+              help="rsync the current directory to DIR on every host first; processes start there.")
+@click.option("--ssh-port", type=int, default=None, help="ssh port for hosts whose line gives none.")
+@click.option("--ssh-user", default=None, help="ssh user for hosts whose line gives none.")
+@click.option("-i", "--identity", type=click.Path(dir_okay=False), default=None, help="ssh private key file.")
+@click.option("--ssh-config", type=click.Path(dir_okay=False), default=None,
+              help="ssh client config [default: ~/.ssh/config].")
+@click.option("--known-hosts", type=click.Path(dir_okay=False), default=None,
+              help="Where accepted host keys are recorded [default: ~/.ssh/known_hosts].")
+@click.option("--host-key-policy", type=click.Choice(["accept-new", "strict", "ignore"]), default="accept-new",
+              show_default=True, help="Unknown host keys: record them, refuse them, or neither.")
+@click.option("--connect-timeout", type=float, default=10.0, show_default=True,
+              help="Seconds for each host's pre-flight ssh check.")
+@click.option("--python", default=sys.executable, show_default="this Python",
+              help="Interpreter for a COMMAND ending in .py and for the bundled runtime.")
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Keep one log file per process here.")
+@click.option("--timeout", type=float, default=None, help="Stop the job after this many seconds (exit 124).")
+@click.option("--stop-grace", type=float, default=DEFAULT_STOP_GRACE, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping processes.")
+@click.option("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE, show_default=True,
+              help="Seconds scheduler and servers get to exit after every worker exited 0.")
+@click.option("--job-id", default=None, help="Job id (PSLAUNCH_JOB_ID) [default: random].")
+@click.option("--dry-run", is_flag=True, help="Print the plan (hosts, argv, environment names) and exit.")
+@click.option("-v", "--verbose", count=True, help="More about what pslaunch does; -vv also sets PS_VERBOSE.")
+@click.option("-q", "--quiet", is_flag=True, help="Only the root cause of a failure; no output lines, no table.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def cli(**options) -> None:
+    """Start a parameter-server job: a scheduler, servers and workers running COMMAND.
+
+    Everything after the options is COMMAND and its arguments, passed on unchanged.
+    """
+    config = resolve(build_config(options, dict(os.environ)))
+    from .plan import format_plan, make_plan
+
+    plan = make_plan(config)
+    if config.dry_run:
+        click.echo(format_plan(plan))
+        return
+    from .backends import get_backend
+    from .output import Printer
+    from .supervisor import Supervisor
+
+    printer = Printer(quiet=config.quiet, log_dir=config.log_dir)
+    try:
+        backend = get_backend(config.backend)(config, printer)
+        if config.verbose:
+            printer.note(f"job {plan.job_id}: {len(plan.processes)} processes via {config.backend}")
+        code = Supervisor(config, backend, printer).run(plan)
+    finally:
+        printer.close()
+    sys.exit(code)
+
+
+def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
+    """Turn click's parsed ``options`` into a ``LaunchConfig`` (hostfile read, --env parsed).
+
+    Raises ``ConfigError`` / ``HostfileError`` naming the bad value.
+    """
+    from .backends import get_backend
+
+    hosts = tuple(parse_hostfile(options["hostfile"])) if options["hostfile"] else ()
+    backend = options["backend"] or ("ssh" if hosts else "local")
+    get_backend(backend)  # an unknown name fails here, listing the known ones
+    if backend == "ssh" and not hosts:
+        raise ConfigError("--launcher ssh needs -H/--hostfile naming the hosts")
+    if backend == "local" and options["scheduler_host"]:
+        raise ConfigError(f"--scheduler-host {options['scheduler_host']} needs a remote backend (--launcher ssh or mpi); "
+                          "the local backend runs everything here")
+    env = tuple(
+        parse_env_option(text, scope, environ)
+        for scope, key in (("all", "env_all"), ("server", "env_server"), ("worker", "env_worker"))
+        for text in options[key]
+    )
+    if options["ssh_port"] is not None and not 1 <= options["ssh_port"] <= 65535:
+        raise ConfigError(f"--ssh-port must be in 1..65535, got {options['ssh_port']}")
+    if options["identity"] and not os.path.isfile(os.path.expanduser(options["identity"])):
+        raise ConfigError(f"-i/--identity: no such key file {options['identity']!r}")
+    num_workers = options["num_workers"]
+    return LaunchConfig(
+        command=tuple(options["command"]),
+        num_workers=num_workers,
+        num_servers=num_workers if options["num_servers"] is None else options["num_servers"],
+        backend=backend,
+        hosts=hosts,
+        hostfile=options["hostfile"],
+        user_command_for_all_roles=options["command_for_all_roles"],
+        python=options["python"],
+        env=env,
+        scheduler_host=options["scheduler_host"],
+        scheduler_port=options["scheduler_port"],
+        interface=options["interface"],
+        ssh_port=options["ssh_port"],
+        ssh_user=options["ssh_user"],
+        identity=os.path.expanduser(options["identity"]) if options["identity"] else None,
+        ssh_config=options["ssh_config"],
+        known_hosts=options["known_hosts"],
+        host_key_policy=options["host_key_policy"],
+        connect_timeout=options["connect_timeout"],
+        sync_dst_dir=options["sync_dst_dir"],
+        sync_src_dir=os.getcwd(),
+        cwd=os.getcwd(),
+        log_dir=options["log_dir"],
+        timeout=options["timeout"],
+        stop_grace=options["stop_grace"],
+        shutdown_grace=options["shutdown_grace"],
+        job_id=options["job_id"] or uuid.uuid4().hex[:12],
+        verbose=options["verbose"],
+        quiet=options["quiet"],
+        dry_run=options["dry_run"],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run ``cli`` and print any error once, as one line."""
+    try:
+        cli.main(args=argv, prog_name="pslaunch", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        click.echo("pslaunch: interrupted", err=True)
+        sys.exit(130)
+    except LaunchError as exc:
+        click.echo(f"pslaunch: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The launch configuration: everything the CLI parsed, as one frozen value.
+
+``LaunchConfig`` is what ``launcher.plan.make_plan`` turns into a plan. It holds no open files,
+sockets or processes; ``resolve`` fills in the few values that need a look at the machine (a free
+scheduler port, the launching host's address) so that planning itself stays pure.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from dataclasses import dataclass, field, replace
+
+from .errors import ConfigError
+from .hostfile import Host
+
+__all__ = [
+    "EnvVar",
+    "LaunchConfig",
+    "parse_env_option",
+    "resolve",
+    "free_port",
+    "interface_address",
+    "DEFAULT_STOP_GRACE",
+    "DEFAULT_SHUTDOWN_GRACE",
+]
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+#: Seconds between TERM and KILL when the launcher stops a process.
+DEFAULT_STOP_GRACE = 5.0
+#: Seconds scheduler and servers get to exit by themselves once every worker exited 0.
+DEFAULT_SHUTDOWN_GRACE = 10.0
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One ``--env``/``--env-server``/``--env-worker`` variable.
+
+    ``scope`` is ``all``, ``server`` or ``worker`` (``server`` also covers the scheduler, as in
+    MXNet's launch.py). The value is left out of ``repr`` because it may be a secret.
+    """
+
+    name: str
+    value: str = field(repr=False)
+    scope: str = "all"
+
+    def applies_to(self, role: str) -> bool:
+        """Whether a process of ``role`` gets this variable."""
+        if self.scope == "all":
+            return True
+        if self.scope == "worker":
+            return role == "worker"
+        return role in ("server", "scheduler")
+
+
+def parse_env_option(text: str, scope: str, environ: dict[str, str]) -> EnvVar:
+    """Parse one ``--env`` value: ``NAME:VALUE``, ``NAME=VALUE`` or ``NAME`` (forward own value).
+
+    The name ends at the first ``:`` or ``=``; the value is kept verbatim. Raises ``ConfigError``
+    naming the flag and the name (never the value) for a bad name or a ``NAME`` that is not set in
+    ``environ``.
+    """
+    cut = min((i for i in (text.find(":"), text.find("=")) if i >= 0), default=-1)
+    name, value = (text, None) if cut < 0 else (text[:cut], text[cut + 1 :])
+    flag = "--env" if scope == "all" else f"--env-{scope}"
+    if not _ENV_NAME.match(name):
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise ConfigError(f"{flag}: {shown!r} is not a variable name (expected NAME:VALUE, NAME=VALUE or NAME)")
+    if value is None:
+        if name not in environ:
+            raise ConfigError(f"{flag} {name}: forwards pslaunch's own {name}, but it is not set here")
+        value = environ[name]
+    return EnvVar(name, value, scope)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything a launch needs, as parsed from the command line. See ``pslaunch --help``."""
+
+    command: tuple[str, ...]
+    num_workers: int
+    num_servers: int
+    backend: str = "local"
+    hosts: tuple[Host, ...] = ()
+    hostfile: str | None = None
+    user_command_for_all_roles: bool = False
+    python: str = "python3"
+    env: tuple[EnvVar, ...] = ()
+    scheduler_host: str | None = None
+    scheduler_port: int | None = None
+    launch_address: str = "127.0.0.1"
+    interface: str | None = None
+    ssh_port: int | None = None
+    ssh_user: str | None = None
+    identity: str | None = None
+    ssh_config: str | None = None
+    known_hosts: str | None = None
+    host_key_policy: str = "accept-new"
+    connect_timeout: float = 10.0
+    sync_dst_dir: str | None = None
+    sync_src_dir: str = "."
+    cwd: str | None = None
+    log_dir: str | None = None
+    timeout: float | None = None
+    stop_grace: float = DEFAULT_STOP_GRACE
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
+    job_id: str = "job"
+    verbose: int = 0
+    quiet: bool = False
+    dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("no COMMAND given: write it after the options, e.g. `pslaunch -n 2 python train.py`")
+        if self.num_workers < 1:
+            raise ConfigError(f"-n/--num-workers must be >= 1, got {self.num_workers}")
+        if self.num_servers < 1:
+            raise ConfigError(f"-s/--num-servers must be >= 1, got {self.num_servers}")
+        if self.scheduler_port is not None and not 1 <= self.scheduler_port <= 65535:
+            raise ConfigError(f"--scheduler-port must be in 1..65535, got {self.scheduler_port}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        for flag, value in (("--stop-grace", self.stop_grace), ("--shutdown-grace", self.shutdown_grace),
+                            ("--connect-timeout", self.connect_timeout)):
+            if value < 0:
+                raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
+        if self.host_key_policy not in ("accept-new", "strict", "ignore"):
+            raise ConfigError(f"--host-key-policy must be accept-new, strict or ignore, got {self.host_key_policy!r}")
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``address`` right now (the kernel's pick)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def _route_address(target: str, port: int) -> str | None:
+    """The local address the kernel would use to reach ``target`` (no packet is sent)."""
+    try:
+        infos = socket.getaddrinfo(target, port, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.connect(addr)
+                return sock.getsockname()[0]
+        except OSError:
+            continue
+    return None
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (Linux). Raises ``ConfigError`` naming the
+    interfaces that exist when it has none."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            packed = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        known = ", ".join(n for _, n in socket.if_nameindex())
+        raise ConfigError(f"--interface {name}: no such interface with an IPv4 address here (interfaces: {known})") from None
+
+
+def resolve(config: LaunchConfig) -> LaunchConfig:
+    """Fill in what needs a look at this machine; returns a new config.
+
+    * ``launch_address``: ``127.0.0.1`` for the local backend or when every host is a loopback
+      address; otherwise the address of ``--interface`` here, or else the address this machine
+      uses to reach the first remote host, so that every host can reach a scheduler started here.
+    * ``scheduler_port``: a free port here when the scheduler runs on this machine and none was
+      given; 9091 (the DMLC tracker's default) when it runs on ``--scheduler-host``.
+    """
+    address = config.launch_address
+    remote = [h for h in config.hosts if not h.is_loopback]
+    if config.interface:
+        interface_address(config.interface)  # fails early, naming the interfaces that exist
+    if config.backend != "local" and remote:
+        if config.interface:
+            address = interface_address(config.interface)
+        else:
+            address = _route_address(remote[0].name, remote[0].port or 22) or socket.gethostname()
+    port = config.scheduler_port
+    if port is None:
+        port = 9091 if config.scheduler_host else free_port("0.0.0.0" if address != "127.0.0.1" else "127.0.0.1")
+    return replace(config, launch_address=address, scheduler_port=port)

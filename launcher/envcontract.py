@@ -1,0 +1,107 @@
+"""The launcher's side of the environment contract of docs/env.md.
+
+This is the only launcher module that knows the variable names. ``contract_env`` builds the
+variables one process of the job gets; the names are module constants so a test can hold this
+module and the runtime's reader (``psnode/env.py``) together.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DMLC_ROLE",
+    "DMLC_PS_ROOT_URI",
+    "DMLC_PS_ROOT_PORT",
+    "DMLC_NUM_WORKER",
+    "DMLC_NUM_SERVER",
+    "DMLC_NODE_HOST",
+    "DMLC_INTERFACE",
+    "DMLC_WORKER_ID",
+    "DMLC_LOCAL",
+    "PS_VERBOSE",
+    "PSLAUNCH_JOB_ID",
+    "PSLAUNCH_LOCAL_RANK",
+    "PSLAUNCH_LOCAL_SIZE",
+    "PSLAUNCH_RANK",
+    "ROLES",
+    "REQUIRED",
+    "WRITTEN",
+    "contract_env",
+]
+
+DMLC_ROLE = "DMLC_ROLE"
+DMLC_PS_ROOT_URI = "DMLC_PS_ROOT_URI"
+DMLC_PS_ROOT_PORT = "DMLC_PS_ROOT_PORT"
+DMLC_NUM_WORKER = "DMLC_NUM_WORKER"
+DMLC_NUM_SERVER = "DMLC_NUM_SERVER"
+DMLC_NODE_HOST = "DMLC_NODE_HOST"
+DMLC_INTERFACE = "DMLC_INTERFACE"
+DMLC_WORKER_ID = "DMLC_WORKER_ID"
+DMLC_LOCAL = "DMLC_LOCAL"
+PS_VERBOSE = "PS_VERBOSE"
+PSLAUNCH_JOB_ID = "PSLAUNCH_JOB_ID"
+PSLAUNCH_LOCAL_RANK = "PSLAUNCH_LOCAL_RANK"
+PSLAUNCH_LOCAL_SIZE = "PSLAUNCH_LOCAL_SIZE"
+PSLAUNCH_RANK = "PSLAUNCH_RANK"
+
+#: The three roles, in the order the launcher starts them.
+ROLES = ("scheduler", "server", "worker")
+
+#: Variables every process gets (docs/env.md, "Required").
+REQUIRED = (DMLC_ROLE, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DMLC_NUM_WORKER, DMLC_NUM_SERVER)
+
+#: Every variable this module may write.
+WRITTEN = REQUIRED + (
+    DMLC_NODE_HOST,
+    DMLC_INTERFACE,
+    DMLC_LOCAL,
+    PS_VERBOSE,
+    PSLAUNCH_JOB_ID,
+    PSLAUNCH_LOCAL_RANK,
+    PSLAUNCH_LOCAL_SIZE,
+    PSLAUNCH_RANK,
+)
+
+
+def contract_env(
+    *,
+    role: str,
+    root_uri: str,
+    root_port: int,
+    num_workers: int,
+    num_servers: int,
+    job_id: str,
+    rank: int,
+    local_rank: int,
+    local_size: int,
+    node_host: str | None = None,
+    interface: str | None = None,
+    all_local: bool = False,
+    verbose: int = 0,
+) -> dict[str, str]:
+    """Return the contract variables of one process as a new ``{name: value}`` dict of strings.
+
+    Pure: reads nothing from the launcher's own environment. Raises ``ValueError`` for a role
+    outside ``ROLES``.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    env = {
+        DMLC_ROLE: role,
+        DMLC_PS_ROOT_URI: root_uri,
+        DMLC_PS_ROOT_PORT: str(root_port),
+        DMLC_NUM_WORKER: str(num_workers),
+        DMLC_NUM_SERVER: str(num_servers),
+        PSLAUNCH_JOB_ID: job_id,
+        PSLAUNCH_RANK: str(rank),
+        PSLAUNCH_LOCAL_RANK: str(local_rank),
+        PSLAUNCH_LOCAL_SIZE: str(local_size),
+    }
+    if node_host:
+        env[DMLC_NODE_HOST] = node_host
+    if interface:
+        env[DMLC_INTERFACE] = interface
+    if all_local:
+        env[DMLC_LOCAL] = "1"
+    if verbose:
+        env[PS_VERBOSE] = str(verbose)
+    return env

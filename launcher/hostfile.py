@@ -1,0 +1,155 @@
+"""The hostfile: one host per line, ``[user@]host[:sshport] [slots=N]``.
+
+``#`` starts a comment, blank lines are skipped, an IPv6 address goes in brackets
+(``[fe80::1]:2222``; a bare IPv6 address without a port is accepted too). A host may appear on
+several lines; its slots add up. Every error names the file, the line number, the text and what
+was expected.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import HostfileError
+
+__all__ = ["Host", "parse_hostfile", "parse_hostfile_text", "LOCAL_HOST"]
+
+_HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
+_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_EXPECTED = "expected '[user@]host[:sshport] [slots=N]'"
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of the job.
+
+    ``name`` is what ssh connects to (an address or a name, possibly an alias of ~/.ssh/config);
+    ``user`` and ``port`` are None when the hostfile leaves them to ssh's defaults / --ssh-user /
+    --ssh-port; ``slots`` is None for "no limit".
+    """
+
+    name: str
+    user: str | None = None
+    port: int | None = None
+    slots: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The host as shown in output prefixes and tables (the name, IPv6 in brackets)."""
+        return f"[{self.name}]" if ":" in self.name else self.name
+
+    @property
+    def is_ip(self) -> bool:
+        """True when ``name`` is an IPv4 or IPv6 literal."""
+        try:
+            ipaddress.ip_address(self.name)
+        except ValueError:
+            return False
+        return True
+
+    @property
+    def is_loopback(self) -> bool:
+        """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+        if self.name == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.name).is_loopback
+        except ValueError:
+            return False
+
+
+#: The host pslaunch runs on (scheduler placement, the local backend).
+LOCAL_HOST = Host("localhost")
+
+
+def _fail(source: str, lineno: int, text: str, why: str) -> HostfileError:
+    return HostfileError(f"{source}:{lineno}: {text.strip()!r}: {why}")
+
+
+def _parse_address(source: str, lineno: int, raw: str, token: str) -> tuple[str | None, str, int | None]:
+    user = None
+    if "@" in token:
+        user, _, token = token.rpartition("@")
+        if not _USER.match(user):
+            raise _fail(source, lineno, raw, f"user {user!r} is not a valid user name; {_EXPECTED}")
+    port_text = None
+    if token.startswith("["):
+        close = token.find("]")
+        if close < 0:
+            raise _fail(source, lineno, raw, f"'[' without ']' around an IPv6 address; {_EXPECTED}")
+        host, rest = token[1:close], token[close + 1 :]
+        if rest:
+            if not rest.startswith(":"):
+                raise _fail(source, lineno, raw, f"unexpected {rest!r} after ']'; {_EXPECTED}")
+            port_text = rest[1:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise _fail(source, lineno, raw, f"{host!r} in brackets is not an IPv6 address") from None
+    elif token.count(":") > 1:
+        try:
+            ipaddress.IPv6Address(token)
+        except ValueError:
+            raise _fail(
+                source, lineno, raw, f"{token!r} is not an IPv6 address; write [addr]:port for a port"
+            ) from None
+        host = token
+    else:
+        host, sep, port_text = token.partition(":")
+        if not sep:
+            port_text = None
+        if not _HOSTNAME.match(host):
+            raise _fail(source, lineno, raw, f"{host!r} is not a host name or address; {_EXPECTED}")
+    port = None
+    if port_text is not None:
+        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+            raise _fail(source, lineno, raw, f"ssh port {port_text!r} is not a number in 1..65535")
+        port = int(port_text)
+    return user, host, port
+
+
+def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
+    """Parse hostfile ``text``; ``source`` names it in errors. Returns the hosts in file order.
+
+    Lines naming the same (user, host, port) are merged and their slots added. Raises
+    ``HostfileError`` for a malformed line or a file without any host.
+    """
+    hosts: dict[tuple[str | None, str, int | None], Host] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        tokens = line.split()
+        user, host, port = _parse_address(source, lineno, raw, tokens[0])
+        slots = None
+        for extra in tokens[1:]:
+            key, sep, value = extra.partition("=")
+            if key not in ("slots", "max_slots") or not sep:
+                raise _fail(source, lineno, raw, f"unexpected {extra!r}; {_EXPECTED}")
+            if not value.isdigit() or int(value) < 1:
+                raise _fail(source, lineno, raw, f"slots must be a whole number >= 1, got {value!r}")
+            if slots is not None:
+                raise _fail(source, lineno, raw, "slots given twice")
+            slots = int(value)
+        key = (user, host, port)
+        if key in hosts:
+            old = hosts[key]
+            merged = None if old.slots is None or slots is None else old.slots + slots
+            hosts[key] = Host(host, user, port, merged)
+        else:
+            hosts[key] = Host(host, user, port, slots)
+    if not hosts:
+        raise HostfileError(f"{source}: no hosts in the file ({_EXPECTED}, one per line)")
+    return list(hosts.values())
+
+
+def parse_hostfile(path: str | Path) -> list[Host]:
+    """Read and parse the hostfile at ``path``. Raises ``HostfileError`` (also when unreadable)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HostfileError(f"cannot read hostfile {str(path)!r}: {exc}") from exc
+    return parse_hostfile_text(text, source=str(path))

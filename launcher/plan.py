@@ -1,0 +1,226 @@
+"""Planning: which process runs where, with which argv and environment.
+
+``make_plan`` is a pure function of a resolved ``LaunchConfig``: it starts nothing and opens
+nothing, so ``--dry-run`` prints exactly what a real launch would do and tests check placement
+without processes.
+
+Placement (also in docs/launcher.md):
+
+* **workers** are spread over the hosts in hostfile order, one at a time, skipping hosts whose
+  ``slots`` are used up; more workers than the slots of a hostfile where every host has
+  ``slots=`` is an error. A host without ``slots=`` takes any number.
+* **servers** go round-robin over the hosts, independent of slots.
+* **the scheduler** runs on the launching host, or on ``--scheduler-host``.
+* ``local`` backend: everything on this machine, ``DMLC_PS_ROOT_URI=127.0.0.1``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from . import envcontract as ec
+from .config import EnvVar, LaunchConfig
+from .errors import PlacementError
+from .hostfile import LOCAL_HOST, Host
+
+__all__ = ["ProcessSpec", "Plan", "make_plan", "format_plan", "command_argv", "runtime_argv"]
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of the job.
+
+    ``on_launcher`` means it runs on the launching machine as a child of pslaunch (not over ssh).
+    ``env`` holds the contract variables (not secret); ``user_env`` the ``--env`` variables that
+    apply to this role, whose values are never printed. ``cwd`` None means "inherit".
+    """
+
+    role: str
+    rank: int
+    host: Host
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    user_env: tuple[EnvVar, ...] = ()
+    local_rank: int = 0
+    local_size: int = 1
+    cwd: str | None = None
+    on_launcher: bool = True
+
+    @property
+    def name(self) -> str:
+        """``worker.3@host``: how output lines, the summary and errors name this process."""
+        return f"{self.role}.{self.rank}@{self.host.label}"
+
+    def full_env(self) -> dict[str, str]:
+        """Contract variables plus the ``--env`` ones (which win), as one dict. Holds secrets."""
+        env = dict(self.env)
+        env.update({v.name: v.value for v in self.user_env})
+        return env
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole job: its id, where the scheduler listens, and the processes in start order."""
+
+    job_id: str
+    backend: str
+    root_uri: str
+    root_port: int
+    processes: tuple[ProcessSpec, ...] = field(default_factory=tuple)
+
+    def by_role(self, role: str) -> list[ProcessSpec]:
+        """The processes of ``role`` in rank order."""
+        return [p for p in self.processes if p.role == role]
+
+    @property
+    def remote_hosts(self) -> list[Host]:
+        """Distinct hosts that processes run on over ssh, in first-use order."""
+        seen: dict[tuple, Host] = {}
+        for p in self.processes:
+            if not p.on_launcher:
+                seen.setdefault((p.host.user, p.host.name, p.host.port), p.host)
+        return list(seen.values())
+
+
+def command_argv(command: tuple[str, ...], python: str) -> tuple[str, ...]:
+    """The user's COMMAND as argv; a first word ending in ``.py`` runs under ``python``."""
+    if command[0].endswith(".py"):
+        return (python, *command)
+    return tuple(command)
+
+
+def runtime_argv(role: str, python: str) -> tuple[str, ...]:
+    """argv of the bundled runtime for ``scheduler`` or ``server``: ``python -m psnode ROLE``."""
+    return (python, "-m", "psnode", role)
+
+
+def _place_workers(hosts: list[Host], count: int) -> list[Host]:
+    if all(h.slots is not None for h in hosts):
+        total = sum(h.slots for h in hosts)  # type: ignore[misc]
+        if count > total:
+            raise PlacementError(
+                f"{count} workers do not fit the {total} slots of the hostfile "
+                f"({', '.join(f'{h.label} slots={h.slots}' for h in hosts)}); "
+                "lower -n, raise slots= or drop slots= from a host to let it take any number"
+            )
+    used = {i: 0 for i in range(len(hosts))}
+    placed: list[Host] = []
+    i = 0
+    while len(placed) < count:
+        host = hosts[i % len(hosts)]
+        if host.slots is None or used[i % len(hosts)] < host.slots:
+            used[i % len(hosts)] += 1
+            placed.append(host)
+        i += 1
+    return placed
+
+
+def _cwd(config: LaunchConfig, host: Host, on_launcher: bool, remote_cwd: str | None) -> str | None:
+    if on_launcher:
+        return None  # a child of pslaunch: inherits its directory
+    if host is LOCAL_HOST:
+        return config.cwd  # an MPI rank on this machine: pslaunch's directory
+    return remote_cwd
+
+
+def make_plan(config: LaunchConfig) -> Plan:
+    """Return the plan for a resolved ``config`` (see ``launcher.config.resolve``). Pure.
+
+    Raises ``PlacementError`` when the workers do not fit the hostfile's slots.
+    """
+    assert config.scheduler_port is not None, "make_plan needs a resolved config"
+    local_only = config.backend == "local" or not config.hosts
+    hosts = [LOCAL_HOST] if local_only else list(config.hosts)
+
+    if config.scheduler_host:
+        sched_host = Host(config.scheduler_host)
+        for h in config.hosts:  # reuse user/port the hostfile gives for that host
+            if h.name == config.scheduler_host:
+                sched_host = Host(h.name, h.user, h.port)
+                break
+        root_uri = config.scheduler_host
+    else:
+        sched_host = LOCAL_HOST
+        root_uri = "127.0.0.1" if local_only else config.launch_address
+
+    placed: list[tuple[str, int, Host]] = [("scheduler", 0, sched_host)]
+    placed += [("server", r, hosts[r % len(hosts)]) for r in range(config.num_servers)]
+    placed += [("worker", r, h) for r, h in enumerate(_place_workers(hosts, config.num_workers))]
+
+    sizes: dict[tuple[str, Host], int] = {}
+    for role, _, host in placed:
+        sizes[(role, host)] = sizes.get((role, host), 0) + 1
+    seen: dict[tuple[str, Host], int] = {}
+
+    user_argv = command_argv(config.command, config.python)
+    all_local = local_only or all(h.is_loopback for h in config.hosts)
+    remote_cwd = config.sync_dst_dir or config.cwd
+    processes = []
+    for role, rank, host in placed:
+        local_rank = seen.get((role, host), 0)
+        seen[(role, host)] = local_rank + 1
+        on_launcher = local_only or (host is LOCAL_HOST)
+        if config.backend == "mpi":
+            on_launcher = False
+        if role == "worker" or config.user_command_for_all_roles:
+            argv = user_argv
+        else:
+            argv = runtime_argv(role, config.python)
+        node_host = None
+        if not config.interface:
+            if on_launcher and host is LOCAL_HOST:
+                node_host = "127.0.0.1" if all_local else None
+            elif host.is_ip:
+                node_host = host.name
+        env = ec.contract_env(
+            role=role,
+            root_uri=root_uri,
+            root_port=config.scheduler_port,
+            num_workers=config.num_workers,
+            num_servers=config.num_servers,
+            job_id=config.job_id,
+            rank=rank,
+            local_rank=local_rank,
+            local_size=sizes[(role, host)],
+            node_host=node_host,
+            interface=config.interface,
+            all_local=all_local,
+            verbose=config.verbose if config.verbose > 1 else 0,
+        )
+        processes.append(
+            ProcessSpec(
+                role=role,
+                rank=rank,
+                host=host,
+                argv=argv,
+                env=env,
+                user_env=tuple(v for v in config.env if v.applies_to(role)),
+                local_rank=local_rank,
+                local_size=sizes[(role, host)],
+                cwd=_cwd(config, host, on_launcher, remote_cwd),
+                on_launcher=on_launcher,
+            )
+        )
+    return Plan(config.job_id, config.backend, root_uri, config.scheduler_port, tuple(processes))
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as text for ``--dry-run``: each process, its host, argv and environment.
+
+    Contract variables are shown with their values; ``--env`` variables by name only.
+    """
+    lines = [
+        f"job {plan.job_id}: backend {plan.backend}, scheduler at {plan.root_uri}:{plan.root_port}, "
+        f"{len(plan.by_role('server'))} server(s), {len(plan.by_role('worker'))} worker(s)"
+    ]
+    for p in plan.processes:
+        where = "this machine" if p.on_launcher else "ssh" if plan.backend == "ssh" else plan.backend
+        lines.append(f"{p.name}  (local rank {p.local_rank}/{p.local_size}, via {where})")
+        lines.append(f"    argv: {shlex.join(p.argv)}")
+        if p.cwd:
+            lines.append(f"    cwd:  {p.cwd}")
+        lines.append("    env:  " + " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env.items()))
+        if p.user_env:
+            lines.append("    --env (values hidden): " + " ".join(v.name for v in p.user_env))
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""ssh connections for the ssh backend and rsync: options, host keys, the pre-flight check.
+
+What decides how a host is reached, strongest first: the hostfile line (``user@host:port``), the
+flags (``--ssh-user``, ``--ssh-port``, ``-i``), then ``~/.ssh/config`` (``HostName``, ``User``,
+``Port``, ``IdentityFile``, ``ProxyCommand``), then ssh's defaults. The ssh agent and the default
+keys are tried as OpenSSH would.
+
+Host keys (``--host-key-policy``): ``accept-new`` (default) trusts keys already in the known-hosts
+file, records unknown ones there, and refuses a key that changed; ``strict`` refuses unknown keys;
+``ignore`` checks nothing (throw-away clusters only). rsync's ssh gets the same policy and file.
+
+paramiko is imported here only, and only when the ssh backend is used.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shlex
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import paramiko
+
+from .config import LaunchConfig
+from .errors import PreflightError
+from .hostfile import Host
+
+__all__ = ["Endpoint", "SshConnector", "describe_connect_error"]
+
+_known_hosts_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where and as whom to connect for a ``Host``, after hostfile, flags and ~/.ssh/config."""
+
+    host: Host
+    hostname: str
+    port: int
+    user: str
+    key_files: tuple[str, ...]
+    proxy_command: str | None
+
+    @property
+    def label(self) -> str:
+        """``user@host:port`` for messages."""
+        return f"{self.user}@{self.host.label}:{self.port}"
+
+
+class _AcceptNew(paramiko.MissingHostKeyPolicy):
+    """Record an unknown host key in the known-hosts file and go on (OpenSSH's accept-new)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def missing_host_key(self, client, hostname, key) -> None:  # noqa: D102
+        with _known_hosts_lock:
+            os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+            with open(self.path, "a", encoding="ascii") as fh:
+                fh.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+        client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+class _Ignore(paramiko.MissingHostKeyPolicy):
+    """Accept any key without recording it (``--host-key-policy ignore``)."""
+
+    def missing_host_key(self, client, hostname, key) -> None:  # noqa: D102
+        return
+
+
+class SshConnector:
+    """Opens paramiko clients to hosts with the job's ssh options. Thread-safe."""
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        path = os.path.expanduser(config.ssh_config or "~/.ssh/config")
+        self.ssh_config_path = path if os.path.exists(path) else None
+        self._ssh_config = paramiko.SSHConfig.from_path(path) if self.ssh_config_path else paramiko.SSHConfig()
+        self.known_hosts = os.path.expanduser(config.known_hosts or "~/.ssh/known_hosts")
+
+    def endpoint(self, host: Host) -> Endpoint:
+        """Resolve how ``host`` is reached (see the module docstring for the precedence)."""
+        found = self._ssh_config.lookup(host.name)
+        port = host.port or self.config.ssh_port or int(found.get("port", 22))
+        user = host.user or self.config.ssh_user or found.get("user") or getpass.getuser()
+        keys: tuple[str, ...] = ()
+        if self.config.identity:
+            keys = (self.config.identity,)
+        elif "identityfile" in found:
+            keys = tuple(os.path.expanduser(k) for k in found["identityfile"] if os.path.exists(os.path.expanduser(k)))
+        return Endpoint(host, found.get("hostname", host.name), port, user, keys, found.get("proxycommand"))
+
+    def connect(self, host: Host, timeout: float | None = None) -> paramiko.SSHClient:
+        """Open an authenticated client to ``host``. Raises paramiko / socket errors (see
+        ``describe_connect_error``). Blocks up to about ``timeout`` seconds (default --connect-timeout)."""
+        ep = self.endpoint(host)
+        timeout = self.config.connect_timeout if timeout is None else timeout
+        client = paramiko.SSHClient()
+        policy = self.config.host_key_policy
+        if policy != "ignore":
+            client.load_system_host_keys()
+            if os.path.exists(self.known_hosts):
+                client.get_host_keys().load(self.known_hosts)
+        client.set_missing_host_key_policy(
+            _AcceptNew(self.known_hosts) if policy == "accept-new" else _Ignore() if policy == "ignore" else paramiko.RejectPolicy()
+        )
+        sock = paramiko.ProxyCommand(ep.proxy_command) if ep.proxy_command else None
+        try:
+            client.connect(
+                ep.hostname,
+                port=ep.port,
+                username=ep.user,
+                key_filename=list(ep.key_files) or None,
+                timeout=timeout,
+                banner_timeout=timeout,
+                auth_timeout=timeout,
+                channel_timeout=timeout,
+                sock=sock,
+                allow_agent=True,
+                look_for_keys=not ep.key_files,
+            )
+        except BaseException:
+            client.close()
+            raise
+        transport = client.get_transport()
+        if transport is not None:
+            transport.set_keepalive(5)
+        return client
+
+    def check(self, host: Host) -> paramiko.SSHClient:
+        """Connect to ``host`` and run ``true`` there; returns the open client. Raises ``PreflightError``
+        with one line naming the host and what went wrong."""
+        ep = self.endpoint(host)
+        try:
+            client = self.connect(host)
+        except Exception as exc:  # every failure becomes one line naming the host
+            raise PreflightError(f"{ep.label}: {describe_connect_error(exc, ep, self.config)}") from exc
+        try:
+            code = run_remote(client, "true", self.config.connect_timeout)
+        except Exception as exc:
+            client.close()
+            raise PreflightError(f"{ep.label}: connected, but cannot run a command: {exc}") from exc
+        if code != 0:
+            client.close()
+            raise PreflightError(f"{ep.label}: connected, but `true` exited with {code} (login shell broken?)")
+        return client
+
+    def preflight(self, hosts: list[Host]) -> dict[Host, paramiko.SSHClient]:
+        """Check every host in parallel; returns their open clients. Raises ``PreflightError`` with
+        one line per failing host (and closes the clients that did open)."""
+        if not hosts:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+            futures = {host: pool.submit(self.check, host) for host in hosts}
+        clients, problems = {}, []
+        for host, fut in futures.items():
+            exc = fut.exception()
+            if exc is None:
+                clients[host] = fut.result()
+            else:
+                problems.append(str(exc))
+        if problems:
+            for client in clients.values():
+                client.close()
+            raise PreflightError(
+                f"{len(problems)} of {len(hosts)} host(s) failed the ssh pre-flight check:\n  " + "\n  ".join(problems)
+            )
+        return clients
+
+    def ssh_argv(self, host: Host) -> list[str]:
+        """An OpenSSH command line (without the destination) with the same options, for rsync's ``-e``."""
+        ep = self.endpoint(host)
+        argv = ["ssh", "-p", str(ep.port), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(self.config.connect_timeout)}"]
+        if self.ssh_config_path and self.config.ssh_config:
+            argv += ["-F", self.ssh_config_path]
+        for key in ep.key_files:
+            argv += ["-i", key]
+        strict = {"accept-new": "accept-new", "strict": "yes", "ignore": "no"}[self.config.host_key_policy]
+        argv += ["-o", f"StrictHostKeyChecking={strict}"]
+        if self.config.host_key_policy == "ignore":
+            argv += ["-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+        else:
+            argv += ["-o", f"UserKnownHostsFile={self.known_hosts}"]
+        return argv
+
+    def destination(self, host: Host) -> str:
+        """``user@hostname`` as OpenSSH and rsync want it (IPv6 in brackets for rsync paths)."""
+        ep = self.endpoint(host)
+        name = f"[{ep.hostname}]" if ":" in ep.hostname else ep.hostname
+        return f"{ep.user}@{name}"
+
+
+def run_remote(client: paramiko.SSHClient, command: str, timeout: float) -> int:
+    """Run a short ``command`` (already shell-quoted) and return its exit status; output is dropped.
+    Raises ``TimeoutError`` after ``timeout`` seconds."""
+    chan = client.get_transport().open_session(timeout=timeout)  # type: ignore[union-attr]
+    try:
+        chan.settimeout(timeout)
+        chan.exec_command(command)
+        chan.shutdown_write()
+        if not chan.status_event.wait(timeout):
+            raise TimeoutError(f"{command!r} did not finish within {timeout:g} s")
+        return chan.recv_exit_status()
+    finally:
+        chan.close()
+
+
+def run_remote_output(client: paramiko.SSHClient, argv: list[str], timeout: float) -> tuple[int, str]:
+    """Run ``argv`` (quoted here) and return (exit status, stderr text)."""
+    chan = client.get_transport().open_session(timeout=timeout)  # type: ignore[union-attr]
+    try:
+        chan.settimeout(timeout)
+        chan.exec_command(shlex.join(argv))
+        chan.shutdown_write()
+        err = b""
+        while True:
+            data = chan.recv_stderr(65536)
+            if not data:
+                break
+            err += data
+        if not chan.status_event.wait(timeout):
+            raise TimeoutError(f"{shlex.join(argv)!r} did not finish within {timeout:g} s")
+        return chan.recv_exit_status(), err.decode("utf-8", "replace").strip()
+    finally:
+        chan.close()
+
+
+def describe_connect_error(exc: BaseException, ep: Endpoint, config: LaunchConfig) -> str:
+    """One sentence saying why connecting to ``ep`` failed, with a hint what to do."""
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return (f"host key CHANGED (got {exc.key.get_name()}, known hosts has another key); "
+                "if the host was reinstalled, remove its line from the known-hosts file")
+    if isinstance(exc, paramiko.AuthenticationException):
+        keys = ", ".join(ep.key_files) or "ssh agent and default keys"
+        return f"authentication failed for user {ep.user!r} (tried {keys}); check -i/--identity, --ssh-user, ~/.ssh/config"
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+        return f"connection refused on port {ep.port} (is sshd running there? is the port right?)"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return f"unreachable: no answer on port {ep.port} within {config.connect_timeout:g} s"
+    if isinstance(exc, socket.gaierror):
+        return f"unknown host name {ep.hostname!r} ({exc.strerror})"
+    if isinstance(exc, ConnectionRefusedError):
+        return f"connection refused on port {ep.port} (is sshd running there? is the port right?)"
+    if isinstance(exc, OSError):
+        return f"unreachable: {exc.strerror or exc}"
+    if isinstance(exc, paramiko.SSHException):
+        text = str(exc)
+        if "not found in known_hosts" in text:
+            return f"unknown host key and --host-key-policy strict; add it to {os.path.expanduser(config.known_hosts or '~/.ssh/known_hosts')}"
+        return f"ssh error: {text}"
+    return f"{type(exc).__name__}: {exc}"

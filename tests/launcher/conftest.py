@@ -1,0 +1,27 @@
+"""Fixtures for the launcher tests: a real sshd on loopback and unique process markers.
+
+``sshd`` starts OpenSSH's server on 127.0.0.1, 127.0.0.2 and 127.0.0.3 (distinct hosts for the
+launcher) on a free port, with keys made in a temporary directory, and stops it afterwards. It
+needs /usr/sbin/sshd (``scripts/test.sh`` installs openssh-server); CI runs as root.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from launcher_testkit import Sshd, start_sshd
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory) -> Sshd:
+    """A real OpenSSH server on 127.0.0.1-3 for the whole session; stopped afterwards."""
+    yield from start_sshd(tmp_path_factory.mktemp("sshd"))
+
+
+@pytest.fixture
+def marker() -> str:
+    """A unique string to put on test processes' command lines, to find leftovers by."""
+    return f"pslaunch-test-{uuid.uuid4().hex[:10]}"
+
+

@@ -1,0 +1,24 @@
+"""Worker of the bundled-runtime end-to-end tests: one dist_sync push/pull, results to a file.
+
+Every worker pushes ones * (rank + 1) to key 3; the pulled value must be the sum over workers,
+n (n + 1) / 2. Writes OUTDIR/worker.<rank>.txt with "rank num_workers value".
+"""
+
+import os
+import sys
+
+import numpy as np
+
+import kvcore
+
+out = sys.argv[1]
+kv = kvcore.create("dist_sync")
+kv.init(3, np.zeros((2, 3), np.float32))
+kv.push(3, np.ones((2, 3), np.float32) * (kv.rank + 1))
+result = np.empty((2, 3), np.float32)
+kv.pull(3, out=result)
+if hasattr(result, "wait"):
+    result.wait()
+with open(os.path.join(out, f"worker.{kv.rank}.txt"), "w") as fh:
+    fh.write(f"{kv.rank} {kv.num_workers} {float(result.min())} {float(result.max())}\n")
+print(f"worker {kv.rank} pulled {float(result.max())}", flush=True)

@@ -1,0 +1,49 @@
+"""Test helper run by pslaunch: records its role, argv and environment, then behaves as told.
+
+Usage: role.py OUTDIR [ARG...]. Writes OUTDIR/<role>.<rank>.json with argv[2:], the contract
+variables and the variables named in $CHECK_VARS. Then, by environment:
+  EXIT_<role>_<rank>=N     exit with N (default 0)
+  SLEEP_<role>_<rank>, SLEEP_<role>=S   sleep S seconds first ("forever": until stopped)
+  SIGNAL_<role>_<rank>=N   kill itself with signal N after the sleep
+  IGNORE_TERM_<role>=1     ignore SIGTERM (only SIGKILL stops it)
+  PS_DUMP_<role>_<rank>=1  also write `ps -eww -o args` (every command line on the machine) to
+                           OUTDIR/<role>.<rank>.ps while the job runs
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+role = os.environ.get("DMLC_ROLE", "worker")
+rank = os.environ.get("PSLAUNCH_RANK", "0")
+out = sys.argv[1]
+if os.environ.get(f"IGNORE_TERM_{role}"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+names = [n for n in os.environ.get("CHECK_VARS", "").split(",") if n]
+record = {
+    "argv": sys.argv[2:],
+    "cwd": os.getcwd(),
+    "env": {k: v for k, v in os.environ.items() if k.startswith(("DMLC_", "PSLAUNCH_", "PS_"))},
+    "checked": {n: os.environ.get(n) for n in names},
+}
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, f"{role}.{rank}.json"), "w") as fh:
+    json.dump(record, fh)
+if os.environ.get(f"PS_DUMP_{role}_{rank}"):
+    listing = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, timeout=10).stdout
+    with open(os.path.join(out, f"{role}.{rank}.ps"), "w") as fh:
+        fh.write(listing)
+print(f"{role} {rank} started", flush=True)
+sleep = os.environ.get(f"SLEEP_{role}_{rank}", os.environ.get(f"SLEEP_{role}"))
+if sleep == "forever":
+    while True:
+        time.sleep(1)
+elif sleep:
+    time.sleep(float(sleep))
+if f"SIGNAL_{role}_{rank}" in os.environ:
+    os.kill(os.getpid(), int(os.environ[f"SIGNAL_{role}_{rank}"]))
+    time.sleep(5)
+sys.exit(int(os.environ.get(f"EXIT_{role}_{rank}", "0")))

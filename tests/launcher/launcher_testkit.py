@@ -1,0 +1,172 @@
+"""Helpers shared by the launcher tests: the test sshd, pslaunch runs, process checks.
+
+A module with its own name (not ``conftest``) so that ``from launcher_testkit import ...`` cannot
+pick up another directory's conftest.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+HELPERS = Path(__file__).parent / "helpers"
+REPO = Path(__file__).resolve().parents[2]
+LOOPBACK_HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+PSLAUNCH = [sys.executable, "-m", "launcher.cli"]
+
+
+def _free_port_on_all(addresses) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind((addresses[0], 0))
+            port = s.getsockname()[1]
+        try:
+            for addr in addresses[1:]:
+                with socket.socket() as s:
+                    s.bind((addr, port))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no port free on every loopback address")
+
+
+@dataclass
+class Sshd:
+    """A running test sshd: where it listens and the key that logs in."""
+
+    port: int
+    key: str
+    known_hosts: str
+    user: str
+    dir: Path
+
+    def hostfile(self, path: Path, lines: list[str]) -> str:
+        """Write a hostfile with ``lines`` and return its path."""
+        path.write_text("\n".join(lines) + "\n")
+        return str(path)
+
+    def ssh_flags(self) -> list[str]:
+        """pslaunch flags that reach this sshd."""
+        return ["--ssh-port", str(self.port), "-i", self.key, "--known-hosts", self.known_hosts,
+                "--ssh-config", str(self.dir / "no_ssh_config")]
+
+
+def start_sshd(d: Path):
+    """Generator: start a real OpenSSH server on 127.0.0.1-3 with keys in ``d``, yield it, stop it."""
+    if not os.path.exists("/usr/sbin/sshd"):
+        pytest.fail("/usr/sbin/sshd is missing: run scripts/test.sh (it installs openssh-server)")
+    for name in ("host_key", "id_user"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True, timeout=30)
+    (d / "authorized_keys").write_text((d / "id_user.pub").read_text())
+    port = _free_port_on_all(LOOPBACK_HOSTS)
+    listen = "\n".join(f"ListenAddress {h}" for h in LOOPBACK_HOSTS)
+    (d / "sshd_config").write_text(f"""Port {port}
+{listen}
+HostKey {d / 'host_key'}
+PidFile {d / 'sshd.pid'}
+AuthorizedKeysFile {d / 'authorized_keys'}
+PermitRootLogin yes
+StrictModes no
+UsePAM no
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+MaxSessions 30
+MaxStartups 100
+Subsystem sftp internal-sftp
+LogLevel ERROR
+""")
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+    (d / "no_ssh_config").write_text("")
+    proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-f", str(d / "sshd_config"), "-e"],
+                            stdout=subprocess.DEVNULL, stderr=open(d / "sshd.log", "wb"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 15
+        pending = list(LOOPBACK_HOSTS)
+        while pending:
+            if proc.poll() is not None:
+                pytest.fail(f"sshd exited with {proc.returncode}: {(d / 'sshd.log').read_text()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"sshd did not listen on {pending} port {port} within 15 s")
+            try:
+                with socket.create_connection((pending[0], port), timeout=1):
+                    pending.pop(0)
+            except OSError:
+                time.sleep(0.1)
+        yield Sshd(port, str(d / "id_user"), str(d / "known_hosts"), getpass.getuser(), d)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def processes_with(text: str) -> list[str]:
+    """Command lines of live (non-zombie) processes whose argv contains ``text``, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode("utf-8", "replace")
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != b"Z":
+            found.append(f"{entry}: {cmd}")
+    return found
+
+
+def wait_gone(text: str, timeout: float = 10.0) -> list[str]:
+    """Wait until no process carries ``text``; returns what is left after ``timeout`` (empty = gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_with(text)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+@dataclass
+class Result:
+    """A finished pslaunch run."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_pslaunch(args: list[str], timeout: float = 60, cwd: str | None = None, env: dict | None = None) -> Result:
+    """Run pslaunch with ``args`` in a fresh process (its own group, killed on timeout)."""
+    full_env = dict(os.environ if env is None else env)
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    proc = subprocess.Popen(PSLAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                            env=full_env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"pslaunch {args} did not finish within {timeout} s:\n{out.decode()}\n{err.decode()}") from None
+    return Result(proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
+
+def helper(name: str) -> str:
+    """Path of a helper script in tests/launcher/helpers."""
+    return str(HELPERS / name)

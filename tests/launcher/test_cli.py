@@ -1,0 +1,62 @@
+"""The CLI: flags, --dry-run, one-line errors with exit codes, and what importing it loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from launcher_testkit import REPO, run_pslaunch
+
+
+def test_dry_run_prints_the_plan_with_hosts_argv_and_env_names_but_no_secret_values(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
+    res = run_pslaunch(["-n", "2", "-s", "1", "-H", str(hosts), "--dry-run", "--env", "API_KEY:topsecret-42",
+                        "--env-worker", "W=worker-secret", "train.py", "--lr", "0.1 x"])
+    assert res.returncode == 0, res.stderr
+    assert "backend ssh" in res.stdout
+    assert "worker.0@127.0.0.2" in res.stdout and "worker.1@127.0.0.3" in res.stdout
+    assert "train.py --lr '0.1 x'" in res.stdout
+    assert "API_KEY" in res.stdout and "W" in res.stdout
+    assert "topsecret-42" not in res.stdout + res.stderr
+    assert "worker-secret" not in res.stdout + res.stderr
+
+
+def test_unknown_backend_error_lists_the_known_ones_and_exits_2():
+    res = run_pslaunch(["-n", "1", "--launcher", "slurm", "true"])
+    assert res.returncode == 2
+    assert res.stderr.strip() == "pslaunch: error: unknown launcher backend 'slurm'; known backends: local, mpi, ssh"
+
+
+def test_hostfile_error_is_one_line_naming_file_and_line_and_exits_2(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("good\nbad:port\n")
+    res = run_pslaunch(["-n", "1", "-H", str(hosts), "true"])
+    assert res.returncode == 2
+    assert res.stderr == f"pslaunch: error: {hosts}:2: 'bad:port': ssh port 'port' is not a number in 1..65535\n"
+
+
+def test_missing_num_workers_is_a_usage_error():
+    res = run_pslaunch(["true"])
+    assert res.returncode == 2
+    assert "Missing option '-n' / '--num-workers'" in res.stderr
+
+
+def test_importing_the_cli_loads_neither_runtime_nor_zmq_numpy_nor_paramiko():
+    code = ("import sys, launcher.cli, launcher.plan, launcher.supervisor, launcher.backends.local;"
+            "bad = [m for m in ('psnode', 'kvcore', 'zmq', 'numpy', 'paramiko') if m in sys.modules];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_scheduler_host_with_the_local_backend_is_refused():
+    res = run_pslaunch(["-n", "1", "--launcher", "local", "--scheduler-host", "h", "true"])
+    assert res.returncode == 2
+    assert "--scheduler-host h needs a remote backend" in res.stderr
+
+
+def test_negative_grace_is_refused_naming_the_flag():
+    res = run_pslaunch(["-n", "1", "--stop-grace", "-1", "--dry-run", "true"])
+    assert res.returncode == 2
+    assert res.stderr == "pslaunch: error: --stop-grace must be >= 0 seconds, got -1.0\n"

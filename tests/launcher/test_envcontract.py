@@ -1,0 +1,30 @@
+"""The launcher's side of docs/env.md: every name it writes is documented, the required ones match."""
+
+from __future__ import annotations
+
+import re
+
+from launcher import envcontract as ec
+from launcher_testkit import REPO
+
+
+def _doc_names(section: str) -> list[str]:
+    text = (REPO / "docs" / "env.md").read_text()
+    body = text.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([A-Z_]+)` \|", body, flags=re.M)
+
+
+def test_every_written_name_is_in_the_contract_and_required_ones_match():
+    documented = set(_doc_names("Required")) | set(_doc_names("Optional (ps-lite names)")) | set(
+        _doc_names("pslaunch's own names"))
+    assert set(ec.WRITTEN) <= documented
+    assert set(ec.REQUIRED) == set(_doc_names("Required"))
+
+
+def test_contract_env_writes_required_names_with_string_values():
+    env = ec.contract_env(role="server", root_uri="10.0.0.1", root_port=9091, num_workers=4, num_servers=2,
+                          job_id="j", rank=1, local_rank=0, local_size=1, interface="eth0", verbose=2)
+    assert env[ec.DMLC_ROLE] == "server" and env[ec.DMLC_PS_ROOT_PORT] == "9091"
+    assert env[ec.DMLC_INTERFACE] == "eth0" and env[ec.PS_VERBOSE] == "2"
+    assert all(isinstance(v, str) for v in env.values())
+    assert set(ec.REQUIRED) <= set(env)

@@ -1,0 +1,180 @@
+"""The local backend end to end: real processes, exit codes, root cause, teardown leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launcher_testkit import PSLAUNCH, REPO, helper, processes_with, run_pslaunch, wait_gone
+
+TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "ü"]
+ROLE = helper("role.py")
+
+
+def _job(out, *extra, n=2, s=1):
+    """pslaunch flags for a job whose every role is role.py; scheduler and servers run until stopped."""
+    return ["-n", str(n), "-s", str(s), "--launcher", "local", "--command-for-all-roles", "--shutdown-grace", "0.3",
+            "--stop-grace", "2", "--env-server", "SLEEP_scheduler:forever", "--env-server", "SLEEP_server:forever",
+            *extra, sys.executable, ROLE, str(out)]
+
+
+def _records(out):
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+def test_every_rank_runs_with_its_role_contract_and_exact_arguments(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    env = dict(os.environ, FORWARDED="from launcher", CHECK_VARS="FORWARDED,ONLY_W,ONLY_S")
+    res = run_pslaunch(_job(out, "--env", "FORWARDED", "--env", "CHECK_VARS", "--env-worker", "ONLY_W:w",
+                            "--env-server", "ONLY_S=s", n=3, s=2) + TRICKY, env=env)
+    assert res.returncode == 0, res.stderr
+    rec = _records(out)
+    assert sorted(rec) == ["scheduler.0", "server.0", "server.1", "worker.0", "worker.1", "worker.2"]
+    for name, r in rec.items():
+        role, rank = name.split(".")
+        assert r["argv"] == TRICKY
+        assert r["env"]["DMLC_ROLE"] == role and r["env"]["PSLAUNCH_RANK"] == rank
+        assert r["env"]["DMLC_PS_ROOT_URI"] == "127.0.0.1"
+        assert r["env"]["DMLC_NUM_WORKER"] == "3" and r["env"]["DMLC_NUM_SERVER"] == "2"
+        assert r["checked"]["FORWARDED"] == "from launcher"
+        assert r["checked"]["ONLY_W"] == ("w" if role == "worker" else None)
+        assert r["checked"]["ONLY_S"] == ("s" if role != "worker" else None)
+    ports = {r["env"]["DMLC_PS_ROOT_PORT"] for r in rec.values()}
+    assert len(ports) == 1 and 1 <= int(ports.pop()) <= 65535
+    assert [rec[f"worker.{i}"]["env"]["PSLAUNCH_LOCAL_RANK"] for i in range(3)] == ["0", "1", "2"]
+    assert "[worker.2@localhost] worker 2 started" in res.stdout
+    assert "stopped by pslaunch" in res.stderr  # the summary table: servers stopped after the grace period
+
+
+def test_first_failure_stops_everything_becomes_the_exit_code_and_is_named_with_its_last_lines(tmp_path, marker):
+    out = tmp_path / "out"
+    start = time.monotonic()
+    res = run_pslaunch(_job(out, "--env-worker", "SLEEP_worker:30", "--env-worker", "SLEEP_worker_1:0.2",
+                            "--env-worker", "EXIT_worker_1:7") + [marker])
+    assert res.returncode == 7
+    assert time.monotonic() - start < 20
+    assert "root cause: worker.1@localhost (worker rank 1 on localhost, pid " in res.stderr
+    assert ") failed first: exit code 7" in res.stderr
+    assert "pslaunch:   | worker 1 started" in res.stderr
+    assert wait_gone(marker, 5) == []
+
+
+def test_a_worker_killed_by_a_signal_gives_128_plus_the_signal(tmp_path, marker):
+    res = run_pslaunch(_job(tmp_path, "--env-worker", "SIGNAL_worker_0:9", "--env-worker", "SLEEP_worker_1:30") + [marker])
+    assert res.returncode == 128 + 9
+    assert "worker.0@localhost" in res.stderr and "failed first: signal SIGKILL" in res.stderr
+    assert wait_gone(marker, 5) == []
+
+
+def test_a_server_that_exits_before_the_workers_finish_fails_the_job(tmp_path, marker):
+    res = run_pslaunch(_job(tmp_path, "--env-worker", "SLEEP_worker:30", "--env-server", "SLEEP_server_0:0.2") + [marker])
+    assert res.returncode == 1
+    assert "root cause: server.0@localhost" in res.stderr
+    assert "exited with code 0 before the workers finished" in res.stderr
+    assert wait_gone(marker, 5) == []
+
+
+def test_servers_that_exit_by_themselves_after_the_workers_make_a_clean_success(tmp_path):
+    res = run_pslaunch(["-n", "2", "-s", "2", "--launcher", "local", "--command-for-all-roles", "--shutdown-grace", "5",
+                        "--env-server", "SLEEP_server:0.5", "--env-server", "SLEEP_scheduler:0.5",
+                        sys.executable, ROLE, str(tmp_path)])
+    assert res.returncode == 0, res.stderr
+    assert "stopped by pslaunch" not in res.stderr
+
+
+def test_timeout_stops_the_job_with_exit_124(tmp_path, marker):
+    res = run_pslaunch(_job(tmp_path, "--timeout", "1", "--env-worker", "SLEEP_worker:forever") + [marker])
+    assert res.returncode == 124
+    assert "root cause: the job ran longer than --timeout 1 s" in res.stderr
+    assert wait_gone(marker, 5) == []
+
+
+def test_a_command_that_cannot_start_is_a_clear_error_with_exit_5():
+    res = run_pslaunch(["-n", "1", "--launcher", "local", "--command-for-all-roles", "no-such-program-xyz", "a"])
+    assert res.returncode == 5
+    assert "cannot start scheduler.0@localhost: 'no-such-program-xyz'" in res.stderr
+
+
+def test_log_dir_keeps_one_file_per_process(tmp_path):
+    logs = tmp_path / "logs"
+    res = run_pslaunch(_job(tmp_path / "out", "--log-dir", str(logs), "-q"))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == ""
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "scheduler.0@localhost.log", "server.0@localhost.log", "worker.0@localhost.log", "worker.1@localhost.log"]
+    assert (logs / "worker.1@localhost.log").read_text() == "worker 1 started\n"
+
+
+def _start_background(args, env=None):
+    full = dict(os.environ if env is None else env)
+    full["PYTHONPATH"] = str(REPO) + os.pathsep + full.get("PYTHONPATH", "")
+    return subprocess.Popen(PSLAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full,
+                            start_new_session=True)
+
+
+def _wait_files(out, count, proc, timeout=20):
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob("*.json"))) < count:
+        if proc.poll() is not None:
+            raise AssertionError(f"pslaunch ended early: {proc.communicate()}")
+        assert time.monotonic() < deadline, "the job's processes did not start"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, None)])
+def test_signal_to_pslaunch_leaves_no_process_even_one_that_ignores_sigterm(tmp_path, marker, sig, code):
+    out = tmp_path / "out"
+    proc = _start_background(_job(out, "--stop-grace", "1", "--env-worker", "SLEEP_worker:forever",
+                                  "--env-worker", "IGNORE_TERM_worker:1") + [marker])
+    try:
+        _wait_files(out, 4, proc)
+        assert len(processes_with(marker)) >= 4
+        os.kill(proc.pid, sig)
+        proc.communicate(timeout=20)
+        if code is not None:
+            assert proc.returncode == code
+        assert wait_gone(marker, 10) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for line in processes_with(marker):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+def test_env_values_never_appear_in_process_listings(tmp_path, marker):
+    out = tmp_path / "out"
+    secret = "s3cr3t-" + marker
+    # --env NAME forwards pslaunch's own value: the secret is on no command line, pslaunch's included
+    env = dict(os.environ, API_TOKEN=secret)
+    proc = _start_background(_job(out, "--env", "API_TOKEN", "--env", "CHECK_VARS:API_TOKEN",
+                                  "--env-worker", "SLEEP_worker:forever") + [marker], env=env)
+    try:
+        _wait_files(out, 4, proc)
+        listing = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, timeout=10).stdout
+        assert marker in listing
+        assert secret not in listing
+        assert _records(out)["worker.0"]["checked"]["API_TOKEN"] == secret
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=20)
+        assert secret.encode() not in stdout + stderr
+        assert wait_gone(marker, 10) == []
+
+
+def test_output_lines_are_prefixed_whole_with_bad_bytes_replaced_and_progress_collapsed(tmp_path):
+    res = run_pslaunch(["-n", "1", "--launcher", "local", "--command-for-all-roles", "--shutdown-grace", "0.2",
+                        sys.executable, helper("noisy.py")])
+    worker = [line for line in res.stdout.splitlines() if line.startswith("[worker.0@localhost]")]
+    assert worker[:2] == ["[worker.0@localhost] first half second half", "[worker.0@localhost] bad \ufffd\ufffd bytes"]
+    assert worker[-2:] == ["[worker.0@localhost] progress 100%", "[worker.0@localhost] no newline at the end"]
+    # how many progress states show depends on how the writes were read: never more than the three
+    progress = worker[2:-1]
+    assert set(progress) <= {"[worker.0@localhost] progress 10%", "[worker.0@localhost] progress 50%",
+                             "[worker.0@localhost] progress 100%"}

@@ -1,0 +1,71 @@
+"""Output handling: line splitting, progress bars, bad UTF-8, prefixes, mpirun tag demultiplexing."""
+
+from __future__ import annotations
+
+import io
+
+from launcher.backends.mpi import TagDemux
+from launcher.output import LineSplitter, Printer
+
+
+def _split(chunks, clock=None):
+    lines = []
+    times = iter(clock or [0.0] * 100)
+    s = LineSplitter(lines.append, clock=lambda: next(times))
+    for c in chunks:
+        s.feed(c)
+    s.close()
+    return lines
+
+
+def test_partial_lines_are_joined_and_the_last_one_flushed_at_eof():
+    assert _split([b"hel", b"lo\nwor", b"ld\r\n", b"tail"]) == ["hello", "world", "tail"]
+
+
+def test_invalid_utf8_is_replaced_not_fatal():
+    assert _split([b"ok \xff\xfe \xc3\n", "ü\n".encode()]) == ["ok \ufffd\ufffd \ufffd", "ü"]
+
+
+def test_carriage_return_progress_shows_at_most_once_a_second_and_its_final_state():
+    chunks = [b"10%\r", b"20%\r", b"30%\r", b"40%\r", b"100%\n"]
+    # clock: first update at t=0 shown, t=0.5 and 0.9 hidden, t=1.2 shown; newline shows the final state
+    assert _split(chunks, clock=[0.0, 0.5, 0.9, 1.2]) == ["10%", "40%", "100%"]
+
+
+def test_printer_prefixes_plain_without_tty_and_coloured_on_request_and_keeps_last_lines(tmp_path):
+    out, err = io.StringIO(), io.StringIO()
+    p = Printer(out=out, err=err, colour=False, log_dir=str(tmp_path), keep_lines=2)
+    for i in range(3):
+        p.line("worker.0@h", "worker", f"line {i}")
+    p.line("server.0@h", "server", "oops", "stderr")
+    p.close()
+    assert out.getvalue().splitlines() == ["[worker.0@h] line 0", "[worker.0@h] line 1", "[worker.0@h] line 2"]
+    assert err.getvalue() == "[server.0@h] oops\n"
+    assert p.last_lines("worker.0@h") == ["line 1", "line 2"]
+    assert (tmp_path / "worker.0@h.log").read_text() == "line 0\nline 1\nline 2\n"
+    coloured = Printer(out=io.StringIO(), colour=True)
+    assert coloured.prefix("worker.1@h", "worker") == "\x1b[32m[worker.1@h]\x1b[0m"
+
+
+def test_tag_demux_routes_partial_chunks_and_tags_cut_between_reads():
+    got = []
+    demux = TagDemux(lambda rank, stream, data: got.append((rank, stream, data)))
+    stream = b"mpirun says hi\n[1,0]<stdout>:a[1,1]<stdout>:a[1,0]<stdout>:b\n[1,1]<stderr>:x [y]\n"
+    for i in range(0, len(stream), 5):  # reads that cut tags in pieces
+        demux.feed(stream[i : i + 5])
+    demux.close()
+    joined: dict = {}
+    for rank, s, data in got:
+        joined[(rank, s)] = joined.get((rank, s), b"") + data
+    assert joined == {(None, None): b"mpirun says hi\n", (0, "stdout"): b"ab\n", (1, "stdout"): b"a",
+                      (1, "stderr"): b"x [y]\n"}
+
+
+def test_progress_state_hidden_by_the_throttle_is_shown_when_the_line_ends():
+    # each update arrives alone; only the first passes the throttle; the newline shows the last
+    assert _split([b"a 10%\r", b"a 50%\r", b"a 100%\r", b"\n", b"next\n"], clock=[0.0, 0.1, 0.2]) == [
+        "a 10%", "a 100%", "next"]
+
+
+def test_crlf_split_across_reads_gives_one_line_and_blank_lines_stay():
+    assert _split([b"text\r", b"\n", b"\n", b"end\r\n"]) == ["text", "", "end"]

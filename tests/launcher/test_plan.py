@@ -1,0 +1,140 @@
+"""Planning is pure: placement, argv and environment of every process, without starting anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher import EnvVar, Host, LaunchConfig, PlacementError, format_plan, make_plan
+from launcher import envcontract as ec
+from launcher.config import ConfigError, parse_env_option
+
+
+def _config(**kw) -> LaunchConfig:
+    base = dict(command=("train.py", "--lr", "0.1 x"), num_workers=2, num_servers=1, scheduler_port=9000,
+                python="/py", job_id="j1")
+    base.update(kw)
+    return LaunchConfig(**base)
+
+
+def _where(plan, role):
+    return [p.host.name for p in plan.by_role(role)]
+
+
+def test_local_plan_runs_bundled_runtime_for_scheduler_and_servers_and_py_command_under_python():
+    plan = make_plan(_config())
+    assert [p.name for p in plan.processes] == [
+        "scheduler.0@localhost", "server.0@localhost", "worker.0@localhost", "worker.1@localhost"]
+    assert plan.by_role("scheduler")[0].argv == ("/py", "-m", "psnode", "scheduler")
+    assert plan.by_role("server")[0].argv == ("/py", "-m", "psnode", "server")
+    assert plan.by_role("worker")[1].argv == ("/py", "train.py", "--lr", "0.1 x")
+    assert all(p.on_launcher and p.cwd is None for p in plan.processes)
+
+
+def test_command_for_all_roles_runs_the_user_command_everywhere():
+    plan = make_plan(_config(command=("mytool", "a"), user_command_for_all_roles=True))
+    assert {p.argv for p in plan.processes} == {("mytool", "a")}
+
+
+def test_contract_variables_of_every_process():
+    plan = make_plan(_config(num_workers=3, num_servers=2))
+    for p in plan.processes:
+        assert p.env[ec.DMLC_ROLE] == p.role
+        assert p.env[ec.DMLC_PS_ROOT_URI] == "127.0.0.1"
+        assert p.env[ec.DMLC_PS_ROOT_PORT] == "9000"
+        assert p.env[ec.DMLC_NUM_WORKER] == "3"
+        assert p.env[ec.DMLC_NUM_SERVER] == "2"
+        assert p.env[ec.PSLAUNCH_JOB_ID] == "j1"
+        assert p.env[ec.PSLAUNCH_RANK] == str(p.rank)
+        assert set(ec.REQUIRED) <= set(p.env)
+        assert set(p.env) <= set(ec.WRITTEN)
+    workers = plan.by_role("worker")
+    assert [(w.env[ec.PSLAUNCH_LOCAL_RANK], w.env[ec.PSLAUNCH_LOCAL_SIZE]) for w in workers] == [
+        ("0", "3"), ("1", "3"), ("2", "3")]
+
+
+def test_workers_spread_over_hosts_respecting_slots_and_servers_round_robin():
+    hosts = (Host("a", slots=1), Host("b", slots=3), Host("c"))
+    plan = make_plan(_config(backend="ssh", hosts=hosts, num_workers=6, num_servers=4, launch_address="10.0.0.1"))
+    assert _where(plan, "worker") == ["a", "b", "c", "b", "c", "b"]
+    assert _where(plan, "server") == ["a", "b", "c", "a"]
+    assert _where(plan, "scheduler") == ["localhost"]
+    assert plan.root_uri == "10.0.0.1"
+    b_workers = [w for w in plan.by_role("worker") if w.host.name == "b"]
+    assert [(w.local_rank, w.local_size) for w in b_workers] == [(0, 3), (1, 3), (2, 3)]
+    assert not any(p.on_launcher for p in plan.processes if p.role != "scheduler")
+    assert plan.by_role("scheduler")[0].on_launcher
+
+
+def test_too_many_workers_for_the_slots_is_an_error_naming_counts_and_hosts():
+    hosts = (Host("a", slots=1), Host("b", slots=2))
+    with pytest.raises(PlacementError, match=r"4 workers do not fit the 3 slots of the hostfile \(a slots=1, b slots=2\)"):
+        make_plan(_config(backend="ssh", hosts=hosts, num_workers=4))
+
+
+def test_scheduler_host_places_the_scheduler_there_with_the_hostfile_user_and_port():
+    hosts = (Host("a", "u", 2200), Host("b"))
+    plan = make_plan(_config(backend="ssh", hosts=hosts, scheduler_host="a"))
+    sched = plan.by_role("scheduler")[0]
+    assert sched.host == Host("a", "u", 2200) and not sched.on_launcher
+    assert plan.root_uri == "a"
+
+
+def test_loopback_hosts_get_root_uri_127_0_0_1_and_advertise_their_own_address():
+    hosts = (Host("127.0.0.2"), Host("127.0.0.3"))
+    plan = make_plan(_config(backend="ssh", hosts=hosts))
+    assert plan.root_uri == "127.0.0.1"
+    assert [w.env[ec.DMLC_NODE_HOST] for w in plan.by_role("worker")] == ["127.0.0.2", "127.0.0.3"]
+    assert all(p.env[ec.DMLC_LOCAL] == "1" for p in plan.processes)
+
+
+def test_remote_processes_start_in_the_sync_dir():
+    plan = make_plan(_config(backend="ssh", hosts=(Host("h"),), sync_dst_dir="/tmp/job", cwd="/home/me"))
+    assert {p.cwd for p in plan.processes if not p.on_launcher} == {"/tmp/job"}
+
+
+def test_env_scopes_reach_their_roles_and_values_never_show_in_the_dry_run_text():
+    env = (EnvVar("TOKEN", "s3cr3t-value"), EnvVar("SRV", "srv-secret", "server"), EnvVar("WRK", "wrk-secret", "worker"))
+    plan = make_plan(_config(env=env))
+    assert {v.name for v in plan.by_role("worker")[0].user_env} == {"TOKEN", "WRK"}
+    assert {v.name for v in plan.by_role("server")[0].user_env} == {"TOKEN", "SRV"}
+    assert {v.name for v in plan.by_role("scheduler")[0].user_env} == {"TOKEN", "SRV"}
+    assert plan.by_role("worker")[0].full_env()["TOKEN"] == "s3cr3t-value"
+    text = format_plan(plan) + repr(plan)
+    for secret in ("s3cr3t-value", "srv-secret", "wrk-secret"):
+        assert secret not in text
+    assert "TOKEN" in text and "--lr '0.1 x'" in text
+
+
+def test_env_option_forms_and_errors_that_never_show_values():
+    environ = {"HOME_TOKEN": "abc"}
+    assert parse_env_option("A:b:c", "all", environ) == EnvVar("A", "b:c")
+    assert parse_env_option("A=x=y", "all", environ) == EnvVar("A", "x=y")
+    assert parse_env_option("HOME_TOKEN", "worker", environ) == EnvVar("HOME_TOKEN", "abc", "worker")
+    assert parse_env_option("E:", "all", environ).value == ""
+    with pytest.raises(ConfigError, match="--env-server MISSING: forwards pslaunch's own MISSING, but it is not set"):
+        parse_env_option("MISSING", "server", environ)
+    with pytest.raises(ConfigError, match=r"--env: '1BAD' is not a variable name") as info:
+        parse_env_option("1BAD:topsecret", "all", environ)
+    assert "topsecret" not in str(info.value)
+
+
+def test_config_rejects_bad_counts_naming_the_flag_and_value():
+    with pytest.raises(ConfigError, match="-n/--num-workers must be >= 1, got 0"):
+        _config(num_workers=0)
+    with pytest.raises(ConfigError, match="-s/--num-servers must be >= 1, got -1"):
+        _config(num_servers=-1)
+    with pytest.raises(ConfigError, match="no COMMAND given"):
+        _config(command=())
+
+
+def test_resolve_picks_a_free_local_port_and_the_interface_address_for_remote_hosts():
+    from launcher.config import interface_address, resolve
+
+    local = resolve(_config(scheduler_port=None))
+    assert 1 <= local.scheduler_port <= 65535 and local.launch_address == "127.0.0.1"
+    assert interface_address("lo") == "127.0.0.1"
+    remote = resolve(_config(backend="ssh", hosts=(Host("10.1.2.3"),), interface="lo"))
+    assert remote.launch_address == "127.0.0.1" and make_plan(remote).root_uri == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"--interface nope0: no such interface .*\(interfaces: .*lo"):
+        resolve(_config(interface="nope0"))
+    assert resolve(_config(scheduler_host="h", scheduler_port=None)).scheduler_port == 9091
