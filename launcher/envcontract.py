@@ -59,6 +59,7 @@ WRITTEN = REQUIRED + (
     PSLAUNCH_LOCAL_RANK,
     PSLAUNCH_LOCAL_SIZE,
     PSLAUNCH_RANK,
+    DMLC_WORKER_ID,
 )
 
 
@@ -96,6 +97,9 @@ def contract_env(
         PSLAUNCH_LOCAL_RANK: str(local_rank),
         PSLAUNCH_LOCAL_SIZE: str(local_size),
     }
+    if role == "worker":
+        # A fixed rank makes the runtime's rank the launcher's: `[worker.1@host]` is kv.rank 1.
+        env[DMLC_WORKER_ID] = str(rank)
     if node_host:
         env[DMLC_NODE_HOST] = node_host
     if interface:

@@ -27,6 +27,8 @@ def test_runtime_reads_what_the_launcher_writes(role):
     assert (read.num_workers, read.num_servers) == (3, 2)
     assert (read.job_id, read.local_rank, read.local_size) == ("job-x", 1, 2)
     assert (read.node_host, read.interface, read.local, read.verbose) == ("127.0.0.5", "lo", True, 2)
+    # a worker's runtime rank is the launcher's rank, so output labels and kv.rank agree
+    assert read.worker_id == (1 if role == "worker" else None)
 
 
 def test_minimal_launcher_env_is_complete_for_the_runtime():
