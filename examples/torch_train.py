@@ -22,12 +22,12 @@ import os
 import sys
 import time
 
-import numpy as np
 
 import kvcore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from digits import load_digits_split  # noqa: E402  (the examples directory is not a package)
+from training_cli import default_kvstore, training_parser  # noqa: E402
 
 try:
     import torch
@@ -36,23 +36,9 @@ except ImportError:
     raise SystemExit("this example needs PyTorch: pip install 'pslaunch[torch]'") from None
 
 
-def default_kvstore(environ=os.environ) -> str:
-    """``dist_sync`` when a launcher set up a job (a scheduler address is given), else ``local``."""
-    return "dist_sync" if environ.get("DMLC_PS_ROOT_URI") else "local"
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kvstore", default=None, help="store type (default: dist_sync under a launcher, else local)")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch over all workers")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--update-on", choices=["auto", "store", "worker"], default="auto",
-                        help="where the optimizer runs (auto: in the store for dist_* stores)")
+    parser = training_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 

@@ -26,7 +26,6 @@ import os
 import sys
 import time
 
-import numpy as np
 
 import kvcore
 from kvcore import arrays
@@ -34,25 +33,12 @@ from kvcore import arrays
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mlp  # noqa: E402  (the examples directory is not a package)
 from digits import load_digits_split  # noqa: E402
-
-
-def default_kvstore(environ=os.environ) -> str:
-    """``dist_sync`` when a launcher set up a job (a scheduler address is given), else ``local``."""
-    return "dist_sync" if environ.get("DMLC_PS_ROOT_URI") else "local"
+from training_cli import default_kvstore, training_parser  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kvstore", default=None, help="store type (default: dist_sync under a launcher, else local)")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch over all workers and devices")
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--hidden", type=int, default=128, help="width of the hidden layer")
+    parser = training_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="cpu", help="this worker's devices, e.g. cpu, cpu,cpu or gpu:0,gpu:1")
-    parser.add_argument("--update-on", choices=["auto", "store", "worker"], default="auto",
-                        help="where the optimizer runs (auto: in the store for dist_* stores)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the shuffles")
     return parser.parse_args(argv)
 
 
