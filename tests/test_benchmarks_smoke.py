@@ -1,0 +1,82 @@
+"""The benchmark runner itself works: one quick run with tiny keys yields every row, for every system.
+
+No timing is asserted (performance lives in benchmarks/, not in tests); this only checks that
+`benchmarks/run.py` starts the pslaunch job and the raw pyzmq ceiling, reaps them, and writes a
+complete JSON report with values that were actually measured.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RUN = REPO / "benchmarks" / "run.py"
+SIZES_MIB = ["0.0625", "1"]  # 64 KiB (sent in messages) and 1 MiB (through shared memory on the fast path)
+KEYS = 20
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("psnode.__main__") is None, reason="psnode has no runnable node yet (python -m psnode)"
+)
+
+
+def _run_quick(tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "out.json"
+    argv = [sys.executable, str(RUN), "--quick", "--skip-mxnet", "--sizes", ",".join(SIZES_MIB), "--keys", str(KEYS),
+            "--json", str(out), "--results-dir", str(tmp_path / "results"), "--job-timeout", "60"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        # TERM lets run.py stop and reap its jobs' processes before it exits
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, _ = proc.communicate(timeout=10)
+        pytest.fail(f"benchmarks/run.py --quick did not finish within 100 s; output:\n{stdout[-3000:]}")
+    completed = subprocess.CompletedProcess(argv, proc.returncode, stdout, None)
+    assert out.exists(), f"no JSON written (exit {proc.returncode}); output:\n{stdout[-3000:]}"
+    return completed, json.loads(out.read_text())
+
+
+def test_quick_run_reports_every_row_for_pslaunch_and_raw_pyzmq(tmp_path):
+    completed, report = _run_quick(tmp_path)
+    assert completed.returncode == 0, f"run.py exited {completed.returncode}:\n{completed.stdout[-3000:]}"
+
+    sizes = [int(float(m) * (1 << 20)) for m in SIZES_MIB]
+    rows = {r["measure"]: r for r in report["rows"]}
+    kv_measures = [f"pushpull_{n}" for n in sizes] + ["roundtrip_4elem", f"many_{KEYS}x1float"]
+    assert set(kv_measures + [f"oneway_{n}" for n in sizes]) <= set(rows), sorted(rows)
+
+    for system in ("pslaunch_tcp", "pslaunch_fast", "pslaunch_ipc"):
+        assert report["systems"][system]["status"] == "ok", report["systems"][system]
+        for measure in kv_measures:
+            value = rows[measure]["values"][system]
+            assert value is not None and value > 0, (system, measure, value)
+    for system in ("zmq_tcp", "zmq_ipc"):
+        for measure in [f"pushpull_{n}" for n in sizes] + ["roundtrip_4elem"] + [f"oneway_{n}" for n in sizes]:
+            value = rows[measure]["values"][system]
+            assert value is not None and value > 0, (system, measure, value)
+    assert report["systems"]["mxnet_tcp"]["status"] == "skipped"
+    assert rows["roundtrip_4elem"]["values"]["mxnet_tcp"] is None
+
+    # pslaunch / raw-pyzmq ratios exist; MXNet targets are honestly "not measured"
+    ratio_pairs = {(r["measure"], r["ours"], r["baseline"]) for r in report["ratios"]}
+    assert ("roundtrip_4elem", "pslaunch_tcp", "zmq_tcp") in ratio_pairs
+    assert ("roundtrip_4elem", "pslaunch_fast", "zmq_ipc") in ratio_pairs
+    assert all(t["met"] is None for t in report["targets"])
+
+    machine = report["machine"]
+    assert machine["nproc"] >= 1 and "cpu_model" in machine
+    # the table went to stdout too
+    assert "4-element key" in completed.stdout and "issue 3 targets" in completed.stdout
