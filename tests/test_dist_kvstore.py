@@ -236,3 +236,7 @@ def test_server_device_gpu_keeps_results_exact_and_falls_back_to_the_cpu_with_a_
     servers = [r for r in results if r.role == "server"]
     if not kvcore.arrays.gpu_available():
         assert all("no usable GPU 0; the server keeps its shards on the CPU" in r.output for r in servers), servers
+
+
+def test_threads_waiting_at_once_and_a_callback_that_waits_all_get_exact_values():
+    run_ok("threads_wait.py", workers=2, servers=2)
