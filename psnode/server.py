@@ -60,8 +60,9 @@ class ServerNode(Node):
                              Cmd.ROWS: Cmd.ROWS_REPLY, Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK}
 
     def run(self) -> int:
-        """Register, serve until shutdown; return the exit code (0: the job ended in order)."""
-        self.register()
+        """Register (unless done already), serve until shutdown; return the exit code (0: the job ended in order)."""
+        if self.rank < 0:
+            self.register()
         while not self.shutdown_requested and self.failure is None:
             self.process(0.1)
         if self.failure is not None:

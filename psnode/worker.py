@@ -38,7 +38,7 @@ from . import shm
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
 from .node import Node, PeerInfo, logger
-from .protocol import FLAG_ACKS, FLAG_ERROR, FLAG_SYNC, Cmd, Group, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
+from .protocol import FLAG_ACKS, FLAG_ERROR, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
 from .transport import WouldBlock
 
 __all__ = ["WorkerNode"]
@@ -280,19 +280,6 @@ class WorkerNode(Node):
         future.result()
 
     # ---- the API --------------------------------------------------------------------------
-    def barrier(self, group: int = Group.WORKERS) -> None:
-        """Block until every node of ``group`` reached the barrier (liveness-checked, no time limit).
-
-        Raises:
-            PeerDiedError: a node died meanwhile; PSNodeError: the barrier can never complete.
-        """
-        self._check()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        req = self.next_req_id()
-        self.add_waiter(req, future)
-        self.send_control(Cmd.BARRIER, req, int(group))
-        self._wait(future, None, "barrier")
-
     def init(self, parts: Sequence[tuple[int, int, Hashable, np.ndarray, int]], sync: bool, future: Any = None) -> Any:
         """Send initial values ``(server, key id, user key, value, row_size)``; the future is done when stored."""
         future = future or concurrent.futures.Future()
