@@ -213,6 +213,11 @@ class Node:
         wait = timeout
         if self.env.heartbeat_interval > 0:
             wait = max(0.0, min(wait, self._next_heartbeat - now))
+        if self.wake_at is not None:
+            if now >= self.wake_at:
+                self.on_idle()  # held-back work whose time is up, whether messages come or not
+            else:
+                wait = min(wait, self.wake_at - now)
         if self.idle_work and not self.transport.poll(min(wait, _IDLE_DELAY)):
             self.on_idle()  # nothing came for a moment: send what was held back to share a message
             return
@@ -231,9 +236,10 @@ class Node:
         """Called after each batch of received messages (the server sends its gathered replies here)."""
 
     idle_work = False  # True while on_idle has something to send once the node is idle
+    wake_at: float | None = None  # monotonic time by which on_idle runs anyway (None: no deadline)
 
     def on_idle(self) -> None:
-        """Called when ``idle_work`` is set and no message arrived for ``_IDLE_DELAY`` seconds."""
+        """Called when ``idle_work`` is set and no message arrived for ``_IDLE_DELAY`` seconds, or at ``wake_at``."""
 
     def _heartbeat(self, now: float) -> None:
         interval = self.env.heartbeat_interval
