@@ -198,6 +198,31 @@ class DistKVStore(KVStoreBase):
 
     _set_updater = set_updater
 
+    # ---- the common case without the general normalisation ------------------------------------
+    def push(self, key: Any, value: Any, priority: int = 0) -> Handle:
+        """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
+        if type(value) is np.ndarray and (type(key) is int or type(key) is str) and (self._sync or self._has_updater):
+            target = self._whole.get(key)
+            meta = self._meta.get(key)
+            if target is not None and meta is not None and value.shape == meta.shape and value.dtype == meta.dtype:
+                handle = _NodeHandle("push", self._worker)
+                self._call(self._worker.push, [(target[0], target[1], value)], priority, True, handle)
+                return handle
+        return super().push(key, value, priority)
+
+    def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True, wait: bool = True) -> Handle:
+        """As ``KVStoreBase.pull``; one numpy out of an initialised whole key skips the grouping."""
+        if type(out) is np.ndarray and (type(key) is int or type(key) is str) and out.flags.c_contiguous and out.flags.writeable:
+            target = self._whole.get(key)
+            meta = self._meta.get(key)
+            if target is not None and meta is not None and out.shape == meta.shape and out.dtype == meta.dtype:
+                handle = _NodeHandle("pull", self._worker)
+                self._call(self._worker.pull, [(target[0], target[1], out)], priority, handle)
+                if wait:
+                    handle.wait()
+                return handle
+        return super().pull(key, out, priority, ignore_sparse, wait)
+
     # ---- hooks ----------------------------------------------------------------------------
     def _init_keys(self, pairs: list[tuple[Hashable, Any]]) -> None:
         env = self._worker.env
