@@ -12,6 +12,7 @@ and passed to ``on_failure`` once; every later call raises it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import re
@@ -25,12 +26,13 @@ from . import shm
 from .env import NodeEnv
 from .errors import (
     ClosedError,
+    NodeTimeoutError,
     PeerDiedError,
     ProtocolError,
     PSNodeError,
     RegistrationTimeoutError,
 )
-from .protocol import Cmd, FLAG_ERROR, pack_header, pack_json, unpack_header, unpack_json
+from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, parse_group, unpack_header, unpack_json
 from .transport import Transport, create_transport
 
 __all__ = ["Node", "PeerInfo", "host_fingerprint", "logger", "setup_logging"]
@@ -211,6 +213,11 @@ class Node:
         wait = timeout
         if self.env.heartbeat_interval > 0:
             wait = max(0.0, min(wait, self._next_heartbeat - now))
+        if self.wake_at is not None:
+            if now >= self.wake_at:
+                self.on_idle()  # held-back work whose time is up, whether messages come or not
+            else:
+                wait = min(wait, self.wake_at - now)
         if self.idle_work and not self.transport.poll(min(wait, _IDLE_DELAY)):
             self.on_idle()  # nothing came for a moment: send what was held back to share a message
             return
@@ -229,9 +236,10 @@ class Node:
         """Called after each batch of received messages (the server sends its gathered replies here)."""
 
     idle_work = False  # True while on_idle has something to send once the node is idle
+    wake_at: float | None = None  # monotonic time by which on_idle runs anyway (None: no deadline)
 
     def on_idle(self) -> None:
-        """Called when ``idle_work`` is set and no message arrived for ``_IDLE_DELAY`` seconds."""
+        """Called when ``idle_work`` is set and no message arrived for ``_IDLE_DELAY`` seconds, or at ``wake_at``."""
 
     def _heartbeat(self, now: float) -> None:
         interval = self.env.heartbeat_interval
@@ -312,6 +320,44 @@ class Node:
                 else:
                     waiter.set_result(None)
             return
+
+    def barrier(self, group: "Group | int | str" = Group.WORKERS, timeout: float | None = None) -> None:
+        """Block until every node of ``group`` (workers, servers or all) reached a barrier.
+
+        A node calls it only for a group it belongs to. Liveness-checked: a node of the job that dies
+        meanwhile fails it naming that node; no time limit unless ``timeout`` is given.
+
+        Raises:
+            ValueError: an unknown group (the message lists the groups).
+            PSNodeError: this node is not in ``group``, or the barrier can never complete (a member
+                already finished); PeerDiedError: a node died; NodeTimeoutError: ``timeout`` passed.
+        """
+        group = parse_group(group)
+        if self.role not in GROUP_ROLES[group]:
+            raise PSNodeError(f"{self.role} {self.rank} is not in the barrier group {group.name.lower()}")
+        self._check()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        req = self.next_req_id()
+        self.add_waiter(req, future)
+        self.send_control(Cmd.BARRIER, req, int(group))
+        self._wait(future, timeout, f"end of the {group.name.lower()} barrier")
+
+    def _check(self) -> None:
+        """Raise the node's failure, if any (the worker also refuses calls once closed)."""
+        if self.failure is not None:
+            raise self.failure
+
+    def _wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:
+        """Receive until ``future`` is done (single-threaded nodes; the worker overrides this)."""
+        deadline = None if limit is None else time.monotonic() + limit
+        while not future.done():
+            if self.failure is not None:
+                raise self.failure
+            step = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if step <= 0:
+                raise NodeTimeoutError(f"{self.role} {self.rank}: no {what} within {limit:g} s")
+            self.process(step)
+        future.result()
 
     def add_waiter(self, req_id: int, future: Any) -> None:
         """Complete ``future`` when the scheduler answers ``req_id`` (thread-safe)."""

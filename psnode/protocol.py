@@ -39,6 +39,8 @@ __all__ = [
     "FLAG_ACKS",
     "ENTRY",
     "Group",
+    "GROUP_ROLES",
+    "parse_group",
     "pack_header",
     "unpack_header",
     "pack_json",
@@ -86,11 +88,29 @@ class Cmd(enum.IntEnum):
 
 
 class Group(enum.IntEnum):
-    """Barrier groups."""
+    """Barrier groups: every worker, every server, or every worker and server."""
 
     WORKERS = 1
     SERVERS = 2
     ALL = 3
+
+
+GROUP_ROLES = {Group.WORKERS: ("worker",), Group.SERVERS: ("server",), Group.ALL: ("worker", "server")}
+
+
+def parse_group(group: "Group | int | str") -> Group:
+    """``Group.WORKERS`` / ``"workers"`` / ``1`` -> ``Group.WORKERS`` (also ``"servers"``, ``"all"``).
+
+    Raises:
+        ValueError: an unknown group; the message lists the known ones.
+    """
+    try:
+        if isinstance(group, str):
+            return Group[group.upper()]
+        return Group(group)
+    except (KeyError, ValueError):
+        known = ", ".join(repr(g.name.lower()) for g in Group)
+        raise ValueError(f"unknown barrier group {group!r}; the groups are {known}") from None
 
 
 _CMDS = frozenset(int(c) for c in Cmd)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from .env import NodeEnv
 from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError
 from .node import PeerInfo, host_fingerprint, logger, setup_logging
-from .protocol import FLAG_ERROR, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
+from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
 from .transport import create_transport
 
 __all__ = ["Scheduler", "run_scheduler"]
@@ -213,15 +213,20 @@ class Scheduler:
             self.malformed += 1
 
     def _group_members(self, group: int) -> list[bytes]:
-        roles = {Group.WORKERS: ("worker",), Group.SERVERS: ("server",), Group.ALL: ("worker", "server")}[Group(group)]
+        roles = GROUP_ROLES[Group(group)]
         return [u for u, m in self.members.items() if m.peer.role in roles]
 
     def _barrier(self, sender: bytes, member: _Member, req_id: int, group: int) -> None:
-        try:
-            members = self._group_members(group)
-        except ValueError:
-            self.malformed += 1
+        """Count ``sender`` in ``group``'s barrier; answer everyone once every member arrived."""
+        error = None
+        if group not in GROUP_ROLES:
+            error = f"unknown barrier group {group}; the groups are " + ", ".join(f"{g.name.lower()} ({int(g)})" for g in Group)
+        elif member.peer.role not in GROUP_ROLES[Group(group)]:
+            error = f"{member.peer.describe()} is not in the barrier group {Group(group).name.lower()}"
+        if error is not None:
+            self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id, flags=FLAG_ERROR), pack_json({"error": error})])
             return
+        members = self._group_members(group)
         waiting = self._barriers.setdefault(group, [])
         waiting.append((sender, req_id))
         if len({u for u, _ in waiting}) >= len(members):

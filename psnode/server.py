@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -42,6 +43,7 @@ from .server_store import KeyError_, ServerStore, Shard, device_backend
 __all__ = ["ServerNode", "run_server"]
 
 _OWN_FRAME = 65536
+_ACK_HOLD = 0.002  # longest a push acknowledgement waits for a pull reply of its worker to ride along
 
 
 class ServerNode(Node):
@@ -55,13 +57,15 @@ class ServerNode(Node):
         self._attached = shm.Attachments()
         self._reply_regions: dict[tuple[int, int, int], tuple[int, int]] = {}  # pulls answered in shared memory
         self._groups = Groups(self.store, self._send_to, self._pull_reply)
+        self._pulls_waiting: dict[int, set[int]] = defaultdict(set)  # worker -> pull req_ids not answered yet
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
         self._cmd_replies = {Cmd.PULL: Cmd.PULL_REPLY, Cmd.PUSH: Cmd.PUSH_ACK, Cmd.INIT: Cmd.INIT_ACK,
                              Cmd.ROWS: Cmd.ROWS_REPLY, Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK}
 
     def run(self) -> int:
-        """Register, serve until shutdown; return the exit code (0: the job ended in order)."""
-        self.register()
+        """Register (unless done already), serve until shutdown; return the exit code (0: the job ended in order)."""
+        if self.rank < 0:
+            self.register()
         while not self.shutdown_requested and self.failure is None:
             self.process(0.1)
         if self.failure is not None:
@@ -84,6 +88,7 @@ class ServerNode(Node):
                     for args in deferred:
                         self._rows(*args)
             elif cmd == Cmd.PULL:
+                self._pulls_waiting[peer.rank].add(req_id)
                 if self._groups.by_keys and self._groups.try_pull(peer.rank, req_id, frames[1].buffer):
                     return
                 shard, pull, rank, answer = self._shard, self.store.pull, peer.rank, self._answer
@@ -106,15 +111,32 @@ class ServerNode(Node):
                     del self._reply_regions[slot]
 
     def after_batch(self) -> None:
-        """Send the batch's pull replies, then one acknowledgement message per worker for its pushes."""
+        """Send the batch's pull replies; hold the push acknowledgements no reply took along.
+
+        A worker with a pull waiting here gets its acknowledgements with that pull's reply (one
+        message and one wake-up fewer per round), or after ``_ACK_HOLD`` at the latest, so a
+        worker that waits for a push before anything else still hears of it. Other acknowledgements
+        leave as soon as the server is idle.
+        """
         if self._outbox:
             self._flush()
-        self.idle_work = bool(self._acks)  # the rest ride along with the next reply, or go when idle
+        if not self._acks:
+            self.idle_work = False
+            self.wake_at = None
+            return
+        waiting = self._pulls_waiting
+        if all(waiting.get(worker) for worker in self._acks):
+            self.idle_work = False
+            if self.wake_at is None:
+                self.wake_at = time.monotonic() + _ACK_HOLD
+        else:
+            self.idle_work = True
 
     def on_idle(self) -> None:
         """Send the acknowledgements no pull reply took along."""
         acks, self._acks = self._acks, defaultdict(list)
         self.idle_work = False
+        self.wake_at = None
         for worker, pairs in acks.items():
             body = np.array(pairs, dtype=np.uint64).tobytes()
             self.transport.send(self.workers[worker].uid.encode(), [pack_header(Cmd.PUSH_ACK, 0, len(pairs)), body])
@@ -239,6 +261,9 @@ class ServerNode(Node):
 
     def _send_to(self, worker: int, frames: list, track: bool = False) -> Any:
         """Send a reply to ``worker``, with its held-back push acknowledgements as a last frame."""
+        header = frames[0]
+        if header[3] == Cmd.PULL_REPLY:
+            self._pulls_waiting[worker].discard(int.from_bytes(header[8:16], "little"))
         pairs = self._acks.pop(worker, None)
         if pairs:
             header = frames[0]
@@ -255,6 +280,8 @@ class ServerNode(Node):
 
     def _reply_error(self, peer: PeerInfo, cmd: int, req_id: int, message: str) -> None:
         logger.info("server %d refuses a request of %s: %s", self.rank, peer.describe(), message)
+        if cmd == Cmd.PULL_REPLY:
+            self._pulls_waiting[peer.rank].discard(req_id)
         self.transport.send(peer.uid.encode(), [pack_header(cmd, req_id, flags=FLAG_ERROR), pack_json({"error": message})])
 
     def on_worker_finished(self, rank: int, node: str) -> None:

@@ -5,8 +5,9 @@ frames to a peer and receives ``(peer, frames)``. It knows nothing of registrati
 heartbeats (those live in ``psnode.node``, shared by every transport). Implementations register by
 name; ``create_transport(name)`` builds one, and an unknown name's error lists the known ones.
 
-Thread-safety (every transport): ``recv`` and ``poll`` are called from one thread only (the node's
-network thread); ``send`` may be called from any thread, and is serialised internally.
+Thread-safety (every transport): ``recv`` and ``poll`` are called by one thread at a time (whichever
+thread receives for the node, under the node's lock); ``send`` and ``wake`` may be called from any
+thread, and ``send`` is serialised internally.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def poll(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a message; True when one can be received."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Make a ``poll`` in progress return now, or the next one when none is (thread-safe).
+
+        The woken ``poll`` returns False unless a message is also ready. A node uses this to hand
+        its receiving role from one thread to another without waiting for a poll timeout.
+        """
 
     @abc.abstractmethod
     def recv(self) -> tuple[bytes, list[Any]]:

@@ -11,8 +11,11 @@ Sends are queued by priority (higher first, then in call order) and leave as soo
 connection takes them; when a connection's queue is full they wait in that order. Correctness does
 not depend on the order: a pull tells the server how many pushes of the key it must include.
 
-Thread-safety: every method may be called from any thread. Callbacks added to the futures run on
-the network thread and must be quick.
+Thread-safety: every method may be called from any thread. One thread at a time receives: the
+network thread, or a caller blocked in ``wait_for`` (it takes the receiving role over, so the reply
+it waits for wakes it directly instead of passing through the network thread; the network thread
+resumes when it is done). Callbacks added to the futures run on whichever thread receives the reply
+and must be quick.
 
 Bookkeeping is bounded: one entry per request in flight, one push counter per key.
 """
@@ -35,12 +38,16 @@ from . import shm
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
 from .node import Node, PeerInfo, logger
-from .protocol import FLAG_ACKS, FLAG_ERROR, FLAG_SYNC, Cmd, Group, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
+from .protocol import FLAG_ACKS, FLAG_ERROR, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
 from .transport import WouldBlock
 
 __all__ = ["WorkerNode"]
 
 _OWN_FRAME = 65536  # values at least this big travel in their own frame
+# After a caller stops receiving (wait_for), the network thread takes the role back only once no
+# caller has received for this long: a caller in a loop of waits keeps it without a hand-over each
+# time. Messages that arrive in such a gap wait at most this long (heartbeats are unaffected).
+_HANDBACK = 0.002
 
 
 class _Unsent:
@@ -79,6 +86,11 @@ class WorkerNode(Node):
         self._regions: dict[tuple[int, int, int], shm.Region] = {}  # (key id, server, 0 push / 1 pull)
         self._shm_servers: set[int] = set()  # servers on this host that map our shared memory
         self._buffers: dict[tuple[int, int], tuple[np.ndarray, Any]] = {}  # (key id, server) -> (buffer, tracker)
+        self._rx_lock = threading.Lock()  # held by the thread that receives (polls, recvs, dispatches)
+        self._rx_owner: int | None = None  # that thread's ident
+        self._rx_cond = threading.Condition()
+        self._rx_caller: int | None = None  # a caller thread that takes over receiving (see wait_for)
+        self._rx_released = 0.0  # when a caller last gave the role up
 
     # ---- life cycle ----------------------------------------------------------------------
     def start(self) -> "WorkerNode":
@@ -105,7 +117,7 @@ class WorkerNode(Node):
             return
         self.send_control(Cmd.NODE_DIED, body={"message": reason})
         self._closed = True
-        self._stop.set()
+        self._stop_thread()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
         self._fail_pending(ClosedError(f"worker {self.rank} aborted: {reason}"))
@@ -122,16 +134,95 @@ class WorkerNode(Node):
         return self.env.num_servers
 
     def _run(self) -> None:
+        me = threading.get_ident()
         while not self._stop.is_set():
+            if self._rx_caller is not None or time.monotonic() - self._rx_released < _HANDBACK:
+                # a caller receives, or did a moment ago and is likely to wait again soon: leave the
+                # role to it rather than take it back and be woken to hand it over at its next wait
+                with self._rx_cond:
+                    if not self._stop.is_set():
+                        self._rx_cond.wait(_HANDBACK)
+                continue
+            with self._rx_lock:
+                self._rx_owner = me
+                try:
+                    if self._rx_caller is None:  # checked after naming the owner: see _take_receiver
+                        self._receive(0.02 if self._queue else 0.1)
+                except PSNodeError:  # ClosedError, or a failure _receive recorded
+                    return
+                finally:
+                    self._rx_owner = None
+
+    def _receive(self, timeout: float) -> None:
+        """One turn of receiving (hold ``_rx_lock``): messages, heartbeats, and queued sends."""
+        try:
+            self.process(timeout)
+            if self._queue:
+                self._pump()
+        except ClosedError:
+            raise
+        except Exception as exc:  # a bug must not leave the receiving thread dead silently
+            self.fail(PSNodeError(f"receiving on worker {self.rank} failed: {type(exc).__name__}: {exc}"))
+            raise self.failure from exc
+
+    def wait_for(self, future: concurrent.futures.Future, timeout: float | None = None) -> bool:
+        """Block until ``future`` is done or ``timeout`` seconds passed; True when done (any thread).
+
+        While no other caller does, this thread receives for the node itself, so the reply wakes
+        it directly. It does not raise the future's error (read it from the future).
+
+        Raises:
+            PSNodeError: the node failed (the failure, e.g. ``PeerDiedError``) or was closed.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = threading.get_ident()
+        while not future.done():
+            if self.failure is not None:
+                raise self.failure
+            step = 0.1
+            if deadline is not None:
+                step = min(step, deadline - time.monotonic())
+                if step <= 0:
+                    return False
+            if self._rx_owner == me:  # a callback on the receiving thread waits: keep receiving here
+                self._receive(step)
+                continue
+            if self._thread is None or self._closed or not self._take_receiver(me):
+                concurrent.futures.wait([future], step)  # whoever receives completes it
+                continue
             try:
-                self.process(0.02 if self._queue else 0.1)
-                if self._queue:
-                    self._pump()
-            except ClosedError:
-                return
-            except Exception as exc:  # never let the network thread die silently
-                self.fail(PSNodeError(f"the network thread of worker {self.rank} failed: {type(exc).__name__}: {exc}"))
-                return
+                while not future.done() and self.failure is None:
+                    if deadline is not None:
+                        step = deadline - time.monotonic()
+                        if step <= 0:
+                            break
+                    self._receive(min(step, 0.1))
+            finally:
+                self._release_receiver()
+        return True
+
+    def _take_receiver(self, me: int) -> bool:
+        """Take the receiving role (from the network thread); False when another caller has it."""
+        with self._rx_cond:
+            if self._rx_caller is not None:
+                return False
+            self._rx_caller = me
+        if self._rx_owner is not None:  # the network thread polls: make it leave its poll now
+            self.transport.wake()
+        while not self._rx_lock.acquire(timeout=0.1):
+            if self.failure is not None or self._stop.is_set():
+                self._release_receiver(locked=False)
+                return False
+        self._rx_owner = me
+        return True
+
+    def _release_receiver(self, locked: bool = True) -> None:
+        """Give the receiving role up; the network thread takes it after ``_HANDBACK`` without a caller."""
+        self._rx_released = time.monotonic()
+        if locked:
+            self._rx_owner = None
+            self._rx_lock.release()
+        self._rx_caller = None
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for requests in flight, tell the scheduler this worker finished, and close (idempotent).
@@ -160,13 +251,19 @@ class WorkerNode(Node):
         except PSNodeError as exc:
             error = exc
         finally:
-            self._stop.set()
+            self._stop_thread()
             if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join(timeout=2.0)
             self._fail_pending(ClosedError("the worker was closed"))
             self.transport.close(linger=0.5 if error is None else 0.0)
         if error is not None and not isinstance(error, ClosedError) and self.failure is None:
             raise error
+
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        with self._rx_cond:
+            self._rx_cond.notify_all()
+        self.transport.wake()
 
     def _wait_idle(self, limit: float) -> None:
         deadline = time.monotonic() + limit
@@ -178,31 +275,11 @@ class WorkerNode(Node):
                 self._idle.wait(min(remaining, 0.1))
 
     def _wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:
-        deadline = None if limit is None else time.monotonic() + limit
-        while True:
-            try:
-                future.result(0.1)
-                return
-            except concurrent.futures.TimeoutError:
-                if self.failure is not None:
-                    raise self.failure
-                if deadline is not None and time.monotonic() > deadline:
-                    raise NodeTimeoutError(f"worker {self.rank}: no {what} within {limit:g} s") from None
+        if not self.wait_for(future, limit):
+            raise NodeTimeoutError(f"worker {self.rank}: no {what} within {limit:g} s")
+        future.result()
 
     # ---- the API --------------------------------------------------------------------------
-    def barrier(self, group: int = Group.WORKERS) -> None:
-        """Block until every node of ``group`` reached the barrier (liveness-checked, no time limit).
-
-        Raises:
-            PeerDiedError: a node died meanwhile; PSNodeError: the barrier can never complete.
-        """
-        self._check()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        req = self.next_req_id()
-        self.add_waiter(req, future)
-        self.send_control(Cmd.BARRIER, req, int(group))
-        self._wait(future, None, "barrier")
-
     def init(self, parts: Sequence[tuple[int, int, Hashable, np.ndarray, int]], sync: bool, future: Any = None) -> Any:
         """Send initial values ``(server, key id, user key, value, row_size)``; the future is done when stored."""
         future = future or concurrent.futures.Future()

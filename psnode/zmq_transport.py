@@ -8,10 +8,14 @@ DEALER carries this node's identity, so the receiving ROUTER knows who sent each
 Frames are sent with ``copy=False`` (ZeroMQ reads the caller's buffers) and received with
 ``copy=False`` (``frame.buffer`` is a view of ZeroMQ's message memory). Every socket closes with
 linger 0.
+
+``poll`` waits on the ROUTER and on an eventfd that ``wake`` writes, so another thread can end a
+poll at once (the node hands its receiving role over that way, with no polling interval).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Sequence
 
@@ -22,6 +26,8 @@ from .transport import Transport, WouldBlock
 
 __all__ = ["ZmqTransport"]
 
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
 _SEND_HWM = 1000  # messages queued per peer before a non-blocking send reports WouldBlock
 _SOCKET_BUFFER = 4 << 20  # kernel buffer per connection: fewer wake-ups per big message (capped by the kernel)
 
@@ -36,6 +42,9 @@ class ZmqTransport(Transport):
         self._dealers: dict[bytes, tuple[zmq.Socket, threading.Lock]] = {}
         self._connect_lock = threading.Lock()
         self._closed = False
+        self._poller: zmq.Poller | None = None
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_lock = threading.Lock()  # a wake never writes to the number of a closed (reused) fd
 
     @staticmethod
     def same_host_endpoint(local_name: str) -> str:
@@ -60,6 +69,9 @@ class ZmqTransport(Transport):
             where = f"TCP port {port}" if port else "a free TCP port"
             raise TransportError(f"cannot bind {where} (with local name {local_name!r}): {exc}") from exc
         self._router = router
+        self._poller = zmq.Poller()
+        self._poller.register(router, zmq.POLLIN)
+        self._poller.register(self._wake_fd, zmq.POLLIN)
         return port
 
     def connect(self, peer: bytes, endpoint: str) -> None:
@@ -86,7 +98,7 @@ class ZmqTransport(Transport):
             self._check_open()
             raise TransportError(f"no connection to peer {peer.decode(errors='replace')}")
         sock, lock = entry
-        flags = 0 if block else zmq.NOBLOCK
+        flags = 0 if block else _NOBLOCK
         with lock:
             if self._closed:
                 raise ClosedError("the transport was closed")
@@ -96,7 +108,12 @@ class ZmqTransport(Transport):
                     sock.send_multipart(parts, flags=flags, copy=False)
                     trackers = [p.tracker for p in parts if isinstance(p, zmq.Frame)]
                     return zmq.MessageTracker(*trackers) if trackers else None
-                sock.send_multipart(frames, flags=flags, copy=False)
+                # frame by frame with int flags: pyzmq's send_multipart costs twice as much per small
+                # message (flag enums); big frames still go without a copy
+                last = len(frames) - 1
+                send = sock.send
+                for i, frame in enumerate(frames):
+                    send(frame, flags | _SNDMORE if i < last else flags, copy=False)
                 return None
             except zmq.Again as exc:
                 raise WouldBlock(f"the queue to {peer.decode(errors='replace')} is full") from exc
@@ -108,21 +125,42 @@ class ZmqTransport(Transport):
     def poll(self, timeout: float) -> bool:
         router = self._require_router()
         try:
-            return bool(router.poll(max(0, int(timeout * 1000)), zmq.POLLIN))
+            events = self._poller.poll(max(0, int(timeout * 1000)))
         except zmq.ZMQError as exc:
             if self._closed:
                 raise ClosedError("the transport was closed") from exc
             raise TransportError(f"poll failed: {exc}") from exc
+        ready = False
+        for what, _ in events:
+            if what is router:
+                ready = True
+            else:  # woken: clear the eventfd so the next poll waits again
+                try:
+                    os.eventfd_read(self._wake_fd)
+                except BlockingIOError:
+                    pass
+        return ready
+
+    def wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                os.eventfd_write(self._wake_fd, 1)
 
     def recv(self) -> tuple[bytes, list[Any]]:
         router = self._require_router()
+        recv = router.recv
         try:
-            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            frame = recv(_NOBLOCK, copy=False)
+            sender = frame.bytes
+            frames = []
+            while frame.more:  # the frame says whether more follow: no socket option call per frame
+                frame = recv(_NOBLOCK, copy=False)
+                frames.append(frame)
         except zmq.ZMQError as exc:
             if self._closed:
                 raise ClosedError("the transport was closed") from exc
             raise TransportError(f"receive failed: {exc}") from exc
-        return frames[0].bytes, frames[1:]
+        return sender, frames
 
     def close(self, linger: float = 0.0) -> None:
         if self._closed:
@@ -137,7 +175,11 @@ class ZmqTransport(Transport):
         if self._router is not None:
             self._router.close(0)
             self._router = None
+        self._poller = None
         self._context.term()
+        with self._wake_lock:
+            os.close(self._wake_fd)
+            self._wake_fd = -1
 
     def _require_router(self) -> zmq.Socket:
         if self._router is None:

@@ -236,3 +236,33 @@ def test_server_device_gpu_keeps_results_exact_and_falls_back_to_the_cpu_with_a_
     servers = [r for r in results if r.role == "server"]
     if not kvcore.arrays.gpu_available():
         assert all("no usable GPU 0; the server keeps its shards on the CPU" in r.output for r in servers), servers
+
+
+def test_threads_waiting_at_once_and_a_callback_that_waits_all_get_exact_values():
+    run_ok("threads_wait.py", workers=2, servers=2)
+
+
+def test_group_barriers_hold_workers_and_servers_and_refuse_outsiders(tmp_path):
+    marker = str(tmp_path / "marker")
+    with LocalJob(2, 2, worker=script("group_barrier_worker.py", marker), start_servers=0) as job:
+        for i in range(2):
+            job.start("server", i, [sys.executable, *script("group_barrier_server.py", marker)])
+        results = job.wait(60)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(str(r) for r in failed)
+    servers = [r for r in results if r.role == "server"]
+    assert all("PASSED servers" in r.output and "PASSED all" in r.output for r in servers), "\n".join(map(str, servers))
+    assert sorted(r.index for r in results if r.role == "worker" and re.search(r"^OK \d", r.output, re.M)) == [0, 1]
+
+
+def test_a_barrier_of_all_nodes_fails_naming_a_server_that_died(tmp_path):
+    marker = str(tmp_path / "marker")
+    env = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "2"}
+    with LocalJob(2, 2, worker=script("group_barrier_worker.py", marker), start_servers=0, env=env) as job:
+        for i in range(2):
+            job.start("server", i, [sys.executable, *script("group_barrier_server.py", marker, "die")])
+        results = job.wait(60)
+    assert len([r for r in results if r.role == "server" and r.returncode == 3]) == 1, "\n".join(map(str, results))
+    for r in results:
+        if r.role == "worker" or (r.role == "server" and r.returncode != 3):
+            assert r.returncode not in (0, None) and re.search(r"server \d on .* died", r.output), str(r)

@@ -112,3 +112,25 @@ def test_free_port_gives_a_bindable_port():
         assert t.bind(port) == port
     finally:
         t.close()
+
+
+def test_wake_from_another_thread_ends_a_long_poll_without_a_message(pair):
+    import threading
+
+    _, a, b, _, port_b, _ = pair
+    waker = threading.Timer(0.1, a.wake)
+    waker.start()
+    try:
+        assert a.poll(60) is False  # returns long before 60 s (the test's own timeout guards it)
+    finally:
+        waker.join()
+    b.connect(b"node-a", a.same_host_endpoint(pair[5] + "-a"))
+    b.send(b"node-a", [b"after the wake"])
+    sender, frames = recv(a)
+    assert sender == b"node-b" and frames[0].bytes == b"after the wake"
+
+
+def test_a_wake_before_the_poll_is_not_lost(pair):
+    _, a, _, _, _, _ = pair
+    a.wake()
+    assert a.poll(60) is False
