@@ -14,13 +14,18 @@ arrive). After ``--rounds`` rounds and a barrier every worker reads the servers'
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import threading
 
 import numpy as np
 
 import kvcore
 from kvcore import arrays
+
+# The examples directory is not a package; the servers load this file too (for Accumulate),
+# so the path goes in here rather than relying on the script's directory being first on sys.path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device_threads import run_device_threads  # noqa: E402
 
 
 class Accumulate(kvcore.ModelUpdater):
@@ -64,22 +69,10 @@ def main(argv: list[str]) -> int:
         device = "cpu"  # ids past the GPUs present: run on CPU slots rather than fail
     model = kvcore.create_shared_model("dist", updater=Accumulate(), device=device, timeout=args.timeout)
     seen: dict[int, list[float]] = {}
-    errors: list[BaseException] = []
     with model:
         model.init(args.devices)
         rank, workers = model.rank, model.num_workers
-
-        def target(devid):
-            try:
-                run_device(model, devid, args.rounds, seen)
-            except BaseException as exc:  # reported below with the device it came from
-                errors.append(exc)
-
-        threads = [threading.Thread(target=target, args=(d,), name=f"dev{d}") for d in args.devices]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = run_device_threads(lambda devid: run_device(model, devid, args.rounds, seen), args.devices)
         if errors:
             print(f"worker {rank}: error: {errors[0]}", file=sys.stderr, flush=True)
             return 1

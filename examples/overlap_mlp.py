@@ -43,6 +43,11 @@ import numpy as np  # noqa: E402
 import kvcore  # noqa: E402
 from kvcore import arrays  # noqa: E402
 
+# The examples directory is not a package; the servers load this file too (for the updater's class),
+# so the path goes in here rather than relying on the script's directory being first on sys.path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device_threads import run_device_threads  # noqa: E402
+
 LAYERS = (("w1", "b1"), ("w2", "b2"))
 
 
@@ -159,22 +164,14 @@ def run(model, tag: str, schedule: str, args, data, shapes) -> dict:
     keys = {name: f"{tag}.{name}" for name in shapes}
     timings: dict[int, float] = {}
     final: dict[int, dict] = {}
-    errors: list[BaseException] = []
     barrier = threading.Barrier(len(args.devices))
     model.barrier()  # 'dist': every worker starts the run together
 
-    def target(devid):
-        try:
-            train_device(model, devid, keys, (x_train, y_train, shapes), args, schedule, timings, barrier, final)
-        except BaseException as exc:  # reported by the main thread with its device
-            errors.append(exc)
-            barrier.abort()
+    def device(devid):
+        train_device(model, devid, keys, (x_train, y_train, shapes), args, schedule, timings, barrier, final)
 
-    threads = [threading.Thread(target=target, args=(d,), name=f"dev{d}") for d in args.devices]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # A failing device aborts the barrier, so the others stop waiting for it.
+    errors = run_device_threads(device, args.devices, on_error=lambda exc: barrier.abort())
     if errors:
         raise errors[0]
     if model.kind == "dist":

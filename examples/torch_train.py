@@ -27,7 +27,8 @@ import kvcore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from digits import load_digits_split  # noqa: E402  (the examples directory is not a package)
-from training_cli import default_kvstore, training_parser  # noqa: E402
+from training_cli import (  # noqa: E402
+    default_kvstore, report_epoch, report_final, training_parser, update_on_kvstore)
 
 try:
     import torch
@@ -58,9 +59,8 @@ def main(argv=None) -> int:
     x_train, y_train, x_test, y_test = (torch.from_numpy(a) for a in load_digits_split(args.seed))
     model = nn.Sequential(nn.Linear(x_train.shape[1], args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
     loss_fn = nn.CrossEntropyLoss(reduction="sum")  # the Trainer divides by the global batch
-    update_on_kvstore = {"auto": None, "store": True, "worker": False}[args.update_on]
     trainer = kvcore.Trainer(model, kvcore.optim.SGD(learning_rate=args.lr, momentum=args.momentum),
-                             kvstore=kv, update_on_kvstore=update_on_kvstore)
+                             kvstore=kv, update_on_kvstore=update_on_kvstore(args.update_on))
     trainer.sync_params()  # every worker starts from rank 0's weights
 
     sampler = kvcore.SplitSampler(len(x_train), num_workers, rank, seed=args.seed, drop_last=True)
@@ -82,11 +82,8 @@ def main(argv=None) -> int:
         model.eval()
         with torch.no_grad():
             accuracy = float((model(x_test).argmax(dim=1) == y_test).float().mean())
-        print(f"worker {rank} epoch {epoch} test_accuracy {accuracy:.4f} "
-              f"train_loss {loss_sum / max(1, steps * worker_batch):.4f} "
-              f"time {time.perf_counter() - epoch_start:.2f}", flush=True)
-    print(f"worker {rank} final test_accuracy {accuracy:.4f} wall_time {time.perf_counter() - started:.2f}",
-          flush=True)
+        report_epoch(rank, epoch, accuracy, loss_sum, steps * worker_batch, epoch_start)
+    report_final(rank, accuracy, started)
     return 0
 
 

@@ -33,7 +33,8 @@ from kvcore import arrays
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mlp  # noqa: E402  (the examples directory is not a package)
 from digits import load_digits_split  # noqa: E402
-from training_cli import default_kvstore, training_parser  # noqa: E402
+from training_cli import (  # noqa: E402
+    default_kvstore, report_epoch, report_final, training_parser, update_on_kvstore)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,8 +69,7 @@ def main(argv=None) -> int:
     # One replica of every parameter per device; the Trainer keeps them equal.
     replicas = {name: [arrays.to_device(value, d, copy=True) for d in devices] for name, value in host_params.items()}
     optimizer = kvcore.optim.SGD(learning_rate=args.lr, momentum=args.momentum)
-    update_on_kvstore = {"auto": None, "store": True, "worker": False}[args.update_on]
-    trainer = kvcore.Trainer(replicas, optimizer, kvstore=kv, update_on_kvstore=update_on_kvstore)
+    trainer = kvcore.Trainer(replicas, optimizer, kvstore=kv, update_on_kvstore=update_on_kvstore(args.update_on))
     trainer.sync_params()
 
     # Same seed on every worker: one permutation per epoch, each worker takes its strided part.
@@ -97,11 +97,8 @@ def main(argv=None) -> int:
             trainer.step(args.batch_size, grads)
         with arrays.device_context(devices[0]):
             accuracy = mlp.accuracy({n: r[0] for n, r in replicas.items()}, x_test_dev, y_test_dev)
-        print(f"worker {rank} epoch {epoch} test_accuracy {accuracy:.4f} "
-              f"train_loss {loss_sum / max(1, steps * worker_batch):.4f} "
-              f"time {time.perf_counter() - epoch_start:.2f}", flush=True)
-    print(f"worker {rank} final test_accuracy {accuracy:.4f} wall_time {time.perf_counter() - started:.2f}",
-          flush=True)
+        report_epoch(rank, epoch, accuracy, loss_sum, steps * worker_batch, epoch_start)
+    report_final(rank, accuracy, started)
     return 0
 
 

@@ -1,9 +1,10 @@
-"""What the training examples share on their command line: the flags and the choice of store."""
+"""What the training examples share: their flags, the choice of store and the lines they print."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 
 def default_kvstore(environ=os.environ) -> str:
@@ -24,3 +25,25 @@ def training_parser(description: str) -> argparse.ArgumentParser:
                         help="where the optimizer runs (auto: in the store for dist_* stores)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the shuffles")
     return parser
+
+
+def update_on_kvstore(choice: str) -> bool | None:
+    """``--update-on`` as ``kvcore.Trainer``'s ``update_on_kvstore``: None lets the store type decide."""
+    return {"auto": None, "store": True, "worker": False}[choice]
+
+
+def report_epoch(rank: int, epoch: int, accuracy: float, loss_sum: float, samples: int, epoch_start: float) -> None:
+    """Print the line a worker prints after each epoch (the tests and the docs read this format).
+
+    ``loss_sum`` is summed over the epoch's ``samples`` training samples of this worker;
+    ``epoch_start`` is the ``time.perf_counter()`` taken when the epoch began.
+    """
+    print(f"worker {rank} epoch {epoch} test_accuracy {accuracy:.4f} "
+          f"train_loss {loss_sum / max(1, samples):.4f} "
+          f"time {time.perf_counter() - epoch_start:.2f}", flush=True)
+
+
+def report_final(rank: int, accuracy: float, started: float) -> None:
+    """Print the worker's last line: final test accuracy and wall time since ``started`` (perf_counter)."""
+    print(f"worker {rank} final test_accuracy {accuracy:.4f} wall_time {time.perf_counter() - started:.2f}",
+          flush=True)

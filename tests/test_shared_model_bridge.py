@@ -7,12 +7,12 @@ once per round and the model's rounds stay exact.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from kvcore.shared_model import ConfigError, SharedModel, SumUpdater
+
+from shared_model_testkit import run_device_threads
 
 
 def _store_and_count():
@@ -40,28 +40,19 @@ def test_dist_model_pushes_one_level1_result_per_round_and_pulls_updated_weights
     model.set_param("timeout", 10)
     model.init(devids)
     got = {}
-    errors = []
 
     def device(devid):
-        try:
-            model.init_key((4,), "w", devid)
-            data = np.zeros(4, np.float32)
-            for _ in range(6):
-                data[...] = devid + 1
-                model.push(data, "w", devid)
-                model.pull_req(data, "w", devid)
-                model.pull_wait("w", devid)
-            got[devid] = data.copy()
-        except BaseException as exc:
-            errors.append(exc)
+        model.init_key((4,), "w", devid)
+        data = np.zeros(4, np.float32)
+        for _ in range(6):
+            data[...] = devid + 1
+            model.push(data, "w", devid)
+            model.pull_req(data, "w", devid)
+            model.pull_wait("w", devid)
+        got[devid] = data.copy()
 
     try:
-        threads = [threading.Thread(target=device, args=(d,)) for d in devids]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert not errors, errors
+        run_device_threads(device, devids)
         for devid in devids:
             np.testing.assert_array_equal(got[devid], np.full(4, 6 * 6, np.float32))
         assert store.pushes == 6  # one Level-1 sum per round, not one push per device

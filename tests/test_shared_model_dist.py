@@ -22,6 +22,11 @@ def _check(results, workers):
     return outputs
 
 
+def _the_worker(results):
+    """The result of the one worker of a single-worker job."""
+    return next(r for r in results if r.role == "worker")
+
+
 @pytest.mark.slow
 def test_dist_async_sum_example_sums_three_workers_of_two_devices_on_one_server():
     with LocalJob(num_workers=3, num_servers=1, worker=[EXAMPLE, "1", "2", "--rounds", "4", "--timeout", "30"]) as job:
@@ -107,7 +112,7 @@ def test_dist_model_reports_a_failing_server_updater_naming_the_key(tmp_path):
     )
     with LocalJob(num_workers=1, num_servers=1, worker=[str(script)]) as job:
         results = job.wait(timeout=60)
-    out = next(r.output for r in results if r.role == "worker")
+    out = _the_worker(results).output
     assert "FAILED key 'bias'" in out, out
     assert "no update here" in out, out
 
@@ -143,12 +148,12 @@ def test_pull_wait_names_the_key_when_the_server_dies(tmp_path):
     env = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "2"}
     with LocalJob(num_workers=1, num_servers=1, worker=[str(script)], env=env) as job:
         deadline = time.monotonic() + 30
-        while "READY" not in next(r.output for r in job.results() if r.role == "worker"):
+        while "READY" not in _the_worker(job.results()).output:
             assert time.monotonic() < deadline, job.results()
             time.sleep(0.1)
         os.killpg(job.of("server").pid, signal.SIGKILL)
         job.of("worker").wait(40)
-        worker = next(r for r in job.results() if r.role == "worker")
+        worker = _the_worker(job.results())
     assert worker.returncode == 3, worker
     assert "FAILED PullFailedError key 'w'" in worker.output, worker.output
     assert "server" in worker.output.split("FAILED", 1)[1], worker.output

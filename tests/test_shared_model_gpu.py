@@ -6,36 +6,18 @@ multi-GPU sum (NCCL when usable, else peer copies) runs too.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from kvcore import arrays
 from kvcore.shared_model import SumUpdater, create_shared_model
 
+from shared_model_testkit import run_device_threads
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not arrays.gpu_available(), reason="needs a CUDA GPU with a working CuPy"),
 ]
-
-
-def _run(fn, devids):
-    errors = []
-
-    def target(devid):
-        try:
-            fn(devid)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=target, args=(d,)) for d in devids]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
 
 
 def _gpu_ids(count):
@@ -69,7 +51,7 @@ def test_gpu_sum_is_exact_and_callback_runs_with_the_gpu_current(count, nccl):
                     assert isinstance(grad, cp.ndarray) and grad.device.id == devid
                     np.testing.assert_array_equal(cp.asnumpy(grad), np.full((1000, 33), expected, np.float32))
 
-        _run(device, devids)
+        run_device_threads(device, devids, join_timeout=60)
     for devid in devids:
         current, cuda_id, value = seen[devid]
         assert current == arrays.gpu(devid) and cuda_id == devid
@@ -106,6 +88,6 @@ def test_gpu_gather_collects_rows_on_the_first_gpu():
                 model.pull_req(out[devid], 5, devid)
                 model.pull_wait(5, devid)
 
-        _run(device, devids)
+        run_device_threads(device, devids, join_timeout=60)
     for devid in devids:
         np.testing.assert_array_equal(cp.asnumpy(out[devid]), [0, 0, 0, 1, 1, 1])

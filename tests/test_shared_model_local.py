@@ -26,6 +26,8 @@ from kvcore.shared_model import (
     create_shared_model,
 )
 
+from shared_model_testkit import run_device_threads
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -52,26 +54,6 @@ def make_model():
     assert _model_threads() == []
 
 
-def _run_threads(fn, devids):
-    """Run ``fn(devid)`` in one thread per device; re-raise the first error."""
-    errors = []
-
-    def target(devid):
-        try:
-            fn(devid)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=target, args=(d,)) for d in devids]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "a device thread did not finish"
-    if errors:
-        raise errors[0]
-
-
 # ---- results ------------------------------------------------------------------------------------
 def test_local_sum_gives_every_device_the_sum_of_all_devices(make_model):
     devids = [0, 1, 2]
@@ -91,7 +73,7 @@ def test_local_sum_gives_every_device_the_sum_of_all_devices(make_model):
         model.pull_wait(1, devid)
         results[devid] = data
 
-    _run_threads(device, devids)
+    run_device_threads(device, devids)
     for devid in devids:
         np.testing.assert_array_equal(results[devid], [[3, 3, 3], [3, 3, 3]])
 
@@ -116,7 +98,7 @@ def test_many_rounds_give_exact_sums_per_round(make_model, threads):
                 model.pull_wait(key, devid)
             seen[devid].append((int(grads["w"][0, 0]), int(grads["b"][3, 1])))
 
-    _run_threads(device, devids)
+    run_device_threads(device, devids)
     expected = [(3 * r * 100 + 10 * sum(devids), 3 * r * 100 + 10 * sum(devids) + 3) for r in range(rounds)]
     for devid in devids:
         assert seen[devid] == expected
@@ -134,7 +116,7 @@ def test_gather_stacks_the_devices_pushes_in_init_order(make_model):
         model.pull_req(out[devid], 7, devid)
         model.pull_wait(7, devid)
 
-    _run_threads(device, devids)
+    run_device_threads(device, devids)
     for devid in devids:
         np.testing.assert_array_equal(out[devid], [2, 2, 0, 0, 1, 1])
 
@@ -160,7 +142,7 @@ def test_update_on_server_pulls_weights_from_the_updater(make_model):
             got[(devid, step)] = weights.copy()
         model.check_weight(weights, "w", devid)
 
-    _run_threads(device, [0, 1])
+    run_device_threads(device, [0, 1])
     for devid in (0, 1):
         np.testing.assert_array_equal(got[(devid, 0)], [10, 10, 10])
         np.testing.assert_array_equal(got[(devid, 1)], [13, 13, 13])
@@ -203,7 +185,7 @@ def test_callback_runs_after_the_data_is_in_place_on_the_pulling_device(make_mod
         model.pull_wait(0, devid)
         assert devid in seen, "pull_wait returned before the callback ran"
 
-    _run_threads(device, devids)
+    run_device_threads(device, devids)
     for devid in devids:
         values, current, thread = seen[devid]
         np.testing.assert_array_equal(values, np.full(5, 3, np.float32))
@@ -443,7 +425,7 @@ def test_random_priorities_and_wait_orders_keep_every_round_exact(make_model, th
                 if not np.all(bufs[key] == expected):
                     wrong.append((devid, r, key, int(bufs[key][0, 0]), expected))
 
-    _run_threads(device, devids)
+    run_device_threads(device, devids)
     assert wrong == []
 
 

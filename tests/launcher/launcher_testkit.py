@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,12 +153,48 @@ class Result:
     stderr: str
 
 
-def run_pslaunch(args: list[str], timeout: float = 60, cwd: str | None = None, env: dict | None = None) -> Result:
-    """Run pslaunch with ``args`` in a fresh process (its own group, killed on timeout)."""
+def start_pslaunch(args: list[str], cwd: str | None = None, env: dict | None = None) -> subprocess.Popen:
+    """Start pslaunch with ``args`` in the background, in its own process group, its output piped.
+
+    ``env`` (default: this process's environment) gets the repository put first on PYTHONPATH.
+    The caller reaps it: see :func:`reaped`.
+    """
     full_env = dict(os.environ if env is None else env)
     full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
-    proc = subprocess.Popen(PSLAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+    return subprocess.Popen(PSLAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
                             env=full_env, start_new_session=True)
+
+
+def wait_for_records(out: Path, count: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Wait until ``count`` role.py records (``*.json``) stand in ``out``: the job's processes started.
+
+    Fails at once, with pslaunch's output, if pslaunch ends first, and after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob("*.json"))) < count:
+        if proc.poll() is not None:
+            raise AssertionError(f"pslaunch ended early: {proc.communicate()}")
+        assert time.monotonic() < deadline, "the job's processes did not start"
+        time.sleep(0.05)
+
+
+@contextmanager
+def reaped(proc: subprocess.Popen, marker: str):
+    """Yield ``proc``; afterwards, pass or fail, kill its process group if it still runs and
+    SIGKILL every process still carrying ``marker``, so that a failing test leaves nothing behind."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for line in processes_with(marker):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+def run_pslaunch(args: list[str], timeout: float = 60, cwd: str | None = None, env: dict | None = None) -> Result:
+    """Run pslaunch with ``args`` in a fresh process (its own group, killed on timeout)."""
+    proc = start_pslaunch(args, cwd=cwd, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

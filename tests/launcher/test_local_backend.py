@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from launcher_testkit import PSLAUNCH, REPO, helper, processes_with, run_pslaunch, wait_gone
+from launcher_testkit import (helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_for_records,
+                              wait_gone)
 
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "ü"]
 ROLE = helper("role.py")
@@ -111,41 +112,18 @@ def test_log_dir_keeps_one_file_per_process(tmp_path):
     assert (logs / "worker.1@localhost.log").read_text() == "worker 1 started\n"
 
 
-def _start_background(args, env=None):
-    full = dict(os.environ if env is None else env)
-    full["PYTHONPATH"] = str(REPO) + os.pathsep + full.get("PYTHONPATH", "")
-    return subprocess.Popen(PSLAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full,
-                            start_new_session=True)
-
-
-def _wait_files(out, count, proc, timeout=20):
-    deadline = time.monotonic() + timeout
-    while len(list(out.glob("*.json"))) < count:
-        if proc.poll() is not None:
-            raise AssertionError(f"pslaunch ended early: {proc.communicate()}")
-        assert time.monotonic() < deadline, "the job's processes did not start"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, None)])
 def test_signal_to_pslaunch_leaves_no_process_even_one_that_ignores_sigterm(tmp_path, marker, sig, code):
     out = tmp_path / "out"
-    proc = _start_background(_job(out, "--stop-grace", "1", "--env-worker", "SLEEP_worker:forever",
-                                  "--env-worker", "IGNORE_TERM_worker:1") + [marker])
-    try:
-        _wait_files(out, 4, proc)
+    with reaped(start_pslaunch(_job(out, "--stop-grace", "1", "--env-worker", "SLEEP_worker:forever",
+                                    "--env-worker", "IGNORE_TERM_worker:1") + [marker]), marker) as proc:
+        wait_for_records(out, 4, proc, timeout=20)
         assert len(processes_with(marker)) >= 4
         os.kill(proc.pid, sig)
         proc.communicate(timeout=20)
         if code is not None:
             assert proc.returncode == code
         assert wait_gone(marker, 10) == []
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for line in processes_with(marker):
-            os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
 def test_env_values_never_appear_in_process_listings(tmp_path, marker):
@@ -153,10 +131,10 @@ def test_env_values_never_appear_in_process_listings(tmp_path, marker):
     secret = "s3cr3t-" + marker
     # --env NAME forwards pslaunch's own value: the secret is on no command line, pslaunch's included
     env = dict(os.environ, API_TOKEN=secret)
-    proc = _start_background(_job(out, "--env", "API_TOKEN", "--env", "CHECK_VARS:API_TOKEN",
-                                  "--env-worker", "SLEEP_worker:forever") + [marker], env=env)
+    proc = start_pslaunch(_job(out, "--env", "API_TOKEN", "--env", "CHECK_VARS:API_TOKEN",
+                               "--env-worker", "SLEEP_worker:forever") + [marker], env=env)
     try:
-        _wait_files(out, 4, proc)
+        wait_for_records(out, 4, proc, timeout=20)
         listing = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, timeout=10).stdout
         assert marker in listing
         assert secret not in listing

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 
 import pytest
 
-from launcher_testkit import helper, run_pslaunch, wait_gone
+from launcher_testkit import helper, reaped, run_pslaunch, start_pslaunch, wait_for_records, wait_gone
 
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "ü"]
 
@@ -72,30 +73,12 @@ def test_mpirun_command_line_holds_variable_names_never_values(tmp_path):
 
 
 def test_sigkill_of_pslaunch_leaves_no_rank_running(tmp_path, marker):
-    import signal
-    import subprocess
-    import time
-
-    from launcher_testkit import PSLAUNCH, REPO, processes_with
-
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(PSLAUNCH + _job(out, "--env-worker", "SLEEP_worker:forever") + [marker],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 30
-        while len(list(out.glob("*.json"))) < 4:
-            assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.05)
+    with reaped(start_pslaunch(_job(out, "--env-worker", "SLEEP_worker:forever") + [marker]), marker) as proc:
+        wait_for_records(out, 4, proc)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         assert wait_gone(marker, 15) == []
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for line in processes_with(marker):
-            os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
 def test_mpirun_over_ssh_to_loopback_hosts_syncs_places_ranks_and_keeps_env_values_out_of_ps(sshd, tmp_path):

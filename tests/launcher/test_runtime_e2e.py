@@ -16,46 +16,39 @@ pytestmark = pytest.mark.skipif(not (REPO / "psnode" / "__main__.py").exists(),
                                 reason="the bundled runtime (psnode/__main__.py) is not in this tree yet")
 
 
-def _check(out, n):
+def _run_sum_job(tmp_path, *options: str, python: bool = False):
+    """Run helpers/kv_worker.py as two workers under pslaunch with ``options``; check that the job
+    succeeded and that every worker pulled the sum of all workers' pushes. Returns the run.
+
+    ``python`` puts this interpreter before the script (for hosts whose PATH has another python).
+    """
+    n = 2
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable] if python else []
+    res = run_pslaunch(["-n", str(n), *options, "--timeout", "90", *command, helper("kv_worker.py"), str(out)],
+                       timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
     for rank in range(n):
         r, num, lo, hi = (out / f"worker.{rank}.txt").read_text().split()
         assert (int(r), int(num)) == (rank, n)
         assert float(lo) == float(hi) == n * (n + 1) / 2
+    return res
 
 
 def test_local_job_with_bundled_scheduler_and_servers_sums_every_workers_push(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    res = run_pslaunch(["-n", "2", "-s", "2", "--launcher", "local", "--timeout", "90",
-                        helper("kv_worker.py"), str(out)], timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
-    _check(out, 2)
+    res = _run_sum_job(tmp_path, "-s", "2", "--launcher", "local")
     assert "stopped by pslaunch" not in res.stderr  # the runtime shuts down by itself
 
 
 def test_user_script_for_every_role_runs_mxnet_style(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    res = run_pslaunch(["-n", "2", "-s", "1", "--launcher", "local", "--timeout", "90", "--command-for-all-roles",
-                        helper("kv_worker.py"), str(out)], timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
-    _check(out, 2)
+    _run_sum_job(tmp_path, "-s", "1", "--launcher", "local", "--command-for-all-roles")
 
 
 def test_ssh_job_with_bundled_runtime_on_loopback_hosts(sshd, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
     hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2", "127.0.0.3"])
-    res = run_pslaunch(["-n", "2", "-s", "2", "-H", hosts, *sshd.ssh_flags(), "--timeout", "90",
-                        "--env", f"PYTHONPATH:{REPO}", sys.executable, helper("kv_worker.py"), str(out)], timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
-    _check(out, 2)
+    _run_sum_job(tmp_path, "-s", "2", "-H", hosts, *sshd.ssh_flags(), "--env", f"PYTHONPATH:{REPO}", python=True)
 
 
 def test_mpi_job_with_bundled_runtime(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    res = run_pslaunch(["-n", "2", "-s", "1", "--launcher", "mpi", "--timeout", "90",
-                        helper("kv_worker.py"), str(out)], timeout=120)
-    assert res.returncode == 0, res.stdout + res.stderr
-    _check(out, 2)
+    _run_sum_job(tmp_path, "-s", "1", "--launcher", "mpi")

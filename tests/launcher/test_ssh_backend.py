@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 
-from launcher_testkit import PSLAUNCH, REPO, helper, processes_with, run_pslaunch, wait_gone
+from launcher_testkit import (helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_for_records,
+                              wait_gone)
 
 MULTI = "two\nlines with 'quotes' \"dq\" $HOME `cmd` \\ end\n"
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "new\nline", "ü"]
@@ -90,22 +91,6 @@ def test_remote_failure_stops_the_job_with_its_exit_code_and_root_cause(sshd, tm
     assert wait_gone(marker, 10) == []
 
 
-def _background(args, env=None):
-    full = dict(os.environ if env is None else env)
-    full["PYTHONPATH"] = str(REPO) + os.pathsep + full.get("PYTHONPATH", "")
-    return subprocess.Popen(PSLAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full,
-                            start_new_session=True)
-
-
-def _wait_files(out, count, proc, timeout=30):
-    deadline = time.monotonic() + timeout
-    while len(list(out.glob("*.json"))) < count:
-        if proc.poll() is not None:
-            raise AssertionError(f"pslaunch ended early: {proc.communicate()}")
-        assert time.monotonic() < deadline, "the job's processes did not start"
-        time.sleep(0.05)
-
-
 def _remote_only(marker):
     """Processes with the marker whose parent chain holds sshd: the remote side of the job."""
     return [line for line in processes_with(marker) if "pslaunch-guard" in line or "role.py" in line]
@@ -116,10 +101,9 @@ def test_sigkill_of_pslaunch_kills_remote_processes_and_secrets_stay_out_of_ps(s
     out = tmp_path / "out"
     secret = "remote-secret-" + marker
     env = dict(os.environ, DB_PASSWORD=secret, CHECK_VARS="DB_PASSWORD")
-    proc = _background(_job(sshd, hosts, out, "--env", "DB_PASSWORD", "--env", "CHECK_VARS",
-                            "--env-worker", "SLEEP_worker:forever") + [marker], env=env)
-    try:
-        _wait_files(out, 5, proc)
+    with reaped(start_pslaunch(_job(sshd, hosts, out, "--env", "DB_PASSWORD", "--env", "CHECK_VARS",
+                                    "--env-worker", "SLEEP_worker:forever") + [marker], env=env), marker) as proc:
+        wait_for_records(out, 5, proc)
         listing = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, timeout=10).stdout
         assert "pslaunch-guard" in listing and marker in listing
         assert secret not in listing
@@ -128,28 +112,18 @@ def test_sigkill_of_pslaunch_kills_remote_processes_and_secrets_stay_out_of_ps(s
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=10)
         assert wait_gone(marker, 15) == []
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for line in processes_with(marker):
-            os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
 def test_sigint_stops_remote_processes_and_exits_130(sshd, tmp_path, marker):
     hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2"])
     out = tmp_path / "out"
-    proc = _background(_job(sshd, hosts, out, "--env-worker", "SLEEP_worker:forever", n=1, s=1) + [marker])
-    try:
-        _wait_files(out, 3, proc)
+    with reaped(start_pslaunch(_job(sshd, hosts, out, "--env-worker", "SLEEP_worker:forever", n=1, s=1)
+                               + [marker]), marker) as proc:
+        wait_for_records(out, 3, proc)
         os.kill(proc.pid, signal.SIGINT)
         proc.communicate(timeout=20)
         assert proc.returncode == 130
         assert wait_gone(marker, 10) == []
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_rsync_copies_the_directory_to_each_host_and_processes_start_there(sshd, tmp_path):
@@ -230,19 +204,12 @@ def test_ssh_config_alias_gives_hostname_port_user_and_key_also_to_rsync(sshd, t
 def test_sigkill_of_pslaunch_also_ends_remote_processes_that_ignore_sigterm(sshd, tmp_path, marker):
     hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.3"])
     out = tmp_path / "out"
-    proc = _background(_job(sshd, hosts, out, "--stop-grace", "1", "--env-worker", "SLEEP_worker:forever",
-                            "--env-worker", "IGNORE_TERM_worker:1", n=1, s=1) + [marker])
-    try:
-        _wait_files(out, 3, proc)
+    with reaped(start_pslaunch(_job(sshd, hosts, out, "--stop-grace", "1", "--env-worker", "SLEEP_worker:forever",
+                                    "--env-worker", "IGNORE_TERM_worker:1", n=1, s=1) + [marker]), marker) as proc:
+        wait_for_records(out, 3, proc)
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=10)
         assert wait_gone(marker, 10) == []
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for line in processes_with(marker):
-            os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
 def test_changed_host_key_is_refused_with_a_clear_line(sshd, tmp_path):
