@@ -37,6 +37,7 @@ __all__ = [
     "FLAG_ERROR",
     "FLAG_SYNC",
     "FLAG_ACKS",
+    "FLAG_PULL",
     "ENTRY",
     "Group",
     "GROUP_ROLES",
@@ -57,6 +58,7 @@ VERSION = 1
 FLAG_ERROR = 1  # the reply carries a JSON error {"error": message} instead of a result
 FLAG_SYNC = 2  # init: the key is merged per round (dist_sync), else applied on arrival (dist_async)
 FLAG_ACKS = 4  # a reply whose last frame holds push acknowledgements: (req_id, parts) u64 pairs
+FLAG_PULL = 8  # a push whose last two frames are a whole pull message (header, meta), run right after it
 
 
 class Cmd(enum.IntEnum):

@@ -29,12 +29,14 @@ from .node import Node, PeerInfo, logger
 from .protocol import (
     FLAG_ACKS,
     FLAG_ERROR,
+    FLAG_PULL,
     FLAG_SYNC,
     Cmd,
     pack_header,
     pack_entries,
     pack_json,
     unpack_entries,
+    unpack_header,
     unpack_json,
 )
 from .server_groups import Groups
@@ -79,10 +81,29 @@ class ServerNode(Node):
         reply = self._cmd_replies.get(cmd)
         if reply is None:
             raise ProtocolError(f"a server does not accept {Cmd(cmd).name}")
+        pull = None
+        if flags & FLAG_PULL:  # a small push and the pull that followed it share one message
+            if cmd != Cmd.PUSH or len(frames) < 5:
+                raise ProtocolError(f"{Cmd(cmd).name} of {len(frames)} frames with a pull attached")
+            frames, pull = frames[:-2], frames[-2:]
+            pull_cmd, pull_flags, pull_req, pull_arg = unpack_header(pull[0])
+            if pull_cmd != Cmd.PULL or pull_flags:
+                raise ProtocolError(f"{Cmd(pull_cmd).name} attached to a push where a pull belongs")
+        self._request(peer, cmd, reply, flags, req_id, arg, frames, pull is None)
+        if pull is not None:  # after the push, so the pull's count of this worker's pushes includes it
+            self._request(peer, Cmd.PULL, Cmd.PULL_REPLY, 0, pull_req, pull_arg, pull)
+
+    def _request(self, peer: PeerInfo, cmd: int, reply: int, flags: int, req_id: int, arg: int, frames: list, ack: bool = True) -> None:
+        """Run one request (a push, pull, row pull, init or updater); refusals go back as error replies.
+
+        ``ack=False``: a push that carried a pull is acknowledged by that pull's reply (the worker
+        completes both on it), so it gets no acknowledgement of its own.
+        """
         try:
             if cmd == Cmd.PUSH:
                 self._push(peer, frames)
-                self._acks[peer.rank].append((req_id, arg))  # sent with the batch's other acks
+                if ack:
+                    self._acks[peer.rank].append((req_id, arg))  # sent with the batch's other acks
                 if self._deferred_rows:
                     deferred, self._deferred_rows = self._deferred_rows, []
                     for args in deferred:

@@ -38,7 +38,7 @@ from . import shm
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
 from .node import Node, PeerInfo, logger
-from .protocol import FLAG_ACKS, FLAG_ERROR, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
+from .protocol import FLAG_ACKS, FLAG_ERROR, FLAG_PULL, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
 from .transport import WouldBlock
 
 __all__ = ["WorkerNode"]
@@ -58,7 +58,7 @@ _UNSENT = _Unsent()
 
 
 class _Request:
-    __slots__ = ("future", "remaining", "targets", "what", "regions")
+    __slots__ = ("future", "remaining", "targets", "what", "regions", "carried")
 
     def __init__(self, future: concurrent.futures.Future, remaining: int, targets: list | None, what: str) -> None:
         self.future = future
@@ -66,6 +66,7 @@ class _Request:
         self.targets = targets  # pull: index -> writable byte view of the out
         self.what = what
         self.regions: dict[int, shm.Region] | None = None  # pull: index -> shared-memory region of the reply
+        self.carried: int | None = None  # pull: the push that carried it, done by this pull's reply
 
 
 class WorkerNode(Node):
@@ -91,6 +92,11 @@ class WorkerNode(Node):
         self._rx_cond = threading.Condition()
         self._rx_caller: int | None = None  # a caller thread that takes over receiving (see wait_for)
         self._rx_released = 0.0  # when a caller last gave the role up
+        # A small push to one server may be held back (corked) while the network thread is parked,
+        # so that a pull right after it travels in the same message (see push). Both are guarded
+        # by _rx_cond's lock; the parked network thread sends a held push within _HANDBACK.
+        self._parked = False
+        self._cork: tuple | None = None
 
     # ---- life cycle ----------------------------------------------------------------------
     def start(self) -> "WorkerNode":
@@ -141,7 +147,11 @@ class WorkerNode(Node):
                 # role to it rather than take it back and be woken to hand it over at its next wait
                 with self._rx_cond:
                     if not self._stop.is_set():
+                        self._parked = True
                         self._rx_cond.wait(_HANDBACK)
+                    self._parked = False
+                if self._cork is not None:  # a held push waited long enough for a pull to join it
+                    self._uncork()
                 continue
             with self._rx_lock:
                 self._rx_owner = me
@@ -176,6 +186,8 @@ class WorkerNode(Node):
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         me = threading.get_ident()
+        if self._cork is not None:  # a caller that waits sends what it held back first
+            self._uncork()
         while not future.done():
             if self.failure is not None:
                 raise self.failure
@@ -233,6 +245,8 @@ class WorkerNode(Node):
         """
         if self._closed:
             return
+        if self._cork is not None:
+            self._uncork()
         self._closed = True
         try:
             atexit.unregister(self.close)
@@ -344,7 +358,15 @@ class WorkerNode(Node):
                     offset += nbytes
             # small values are copied here (the caller may change its arrays as soon as push returns)
             payload: Any = small[0].tobytes() if len(small) == 1 else b"".join([v.tobytes() for v in small])
-            self._enqueue(server, [pack_header(Cmd.PUSH, req, len(items)), pack_entries(entries), payload] + frames, priority, req)
+            message = [pack_header(Cmd.PUSH, req, len(items)), pack_entries(entries), payload] + frames
+            if len(by_server) == 1 and not frames and self._parked and self._cork is None and not self._queue:
+                # the network thread is parked, so a caller is likely to pull next: hold this push
+                # back for that pull to ride along (one message, one reply); see pull and _run
+                with self._rx_cond:
+                    if self._parked and self._cork is None:
+                        self._cork = (-priority, next(self._seq), server, message, req)
+                        return future
+            self._enqueue(server, message, priority, req)
         self._pump()
         return future
 
@@ -359,7 +381,12 @@ class WorkerNode(Node):
         req = self._track(future, len(parts), targets, "pull")
         counts = self._push_counts
         request = self._pending.get(req)
-        for server, items in self._by_server(parts, indexed=True).items():
+        by_server = self._by_server(parts, indexed=True)
+        cork = self._take_cork() if self._cork is not None else None
+        if cork is not None and (len(by_server) != 1 or cork[2] not in by_server or cork[0] != -priority):
+            heapq.heappush(self._queue, cork)  # it cannot carry this pull: it leaves on its own
+            cork = None
+        for server, items in by_server.items():
             entries = [(key_id, index, 0, 0, out.nbytes, counts.get((key_id, server), 0)) for index, (_, key_id, out) in items]
             if server in self._shm_servers and request is not None:
                 for j, (index, (_, key_id, out)) in enumerate(items):
@@ -370,7 +397,15 @@ class WorkerNode(Node):
                             request.regions = {}
                         request.regions[index] = region
                         entries[j] = (key_id, index, shm.SHM_FRAME, region.ref, out.nbytes, entries[j][5])
-            self._enqueue(server, [pack_header(Cmd.PULL, req, len(items)), pack_entries(entries)], priority, req)
+            message = [pack_header(Cmd.PULL, req, len(items)), pack_entries(entries)]
+            if cork is not None:  # the held push carries this pull: its header gets FLAG_PULL
+                if request is not None:  # the server acknowledges the push with this pull's reply
+                    request.carried = cork[4]
+                push = cork[3]
+                push[0] = pack_header(Cmd.PUSH, cork[4], int.from_bytes(push[0][16:24], "little", signed=True), FLAG_PULL)
+                heapq.heappush(self._queue, cork[:3] + (push + message,) + cork[4:])
+                continue
+            self._enqueue(server, message, priority, req)
         self._pump()
         return future
 
@@ -440,7 +475,23 @@ class WorkerNode(Node):
         return req
 
     def _enqueue(self, server: int, frames: list, priority: int, req: int) -> None:
+        if self._cork is not None:  # a held push leaves before anything that follows it
+            cork = self._take_cork()
+            if cork is not None:
+                heapq.heappush(self._queue, cork)
         heapq.heappush(self._queue, (-priority, next(self._seq), server, frames, req))
+
+    def _take_cork(self) -> tuple | None:
+        with self._rx_cond:
+            cork, self._cork = self._cork, None
+        return cork
+
+    def _uncork(self) -> None:
+        """Send the held push (if any) now."""
+        cork = self._take_cork()
+        if cork is not None:
+            heapq.heappush(self._queue, cork)
+            self._pump()
 
     def _pump(self) -> None:
         """Send queued messages in priority order while the connections take them (any thread)."""
@@ -461,7 +512,7 @@ class WorkerNode(Node):
             _, _, server, frames, req = item
             peer = self.servers[server].uid.encode()
             try:
-                tracker = self.transport.send(peer, frames, track=len(frames) > 3 and frames[0][3] == Cmd.PUSH, block=False)
+                tracker = self.transport.send(peer, frames, track=len(frames) > 3 and frames[0][3] == Cmd.PUSH and not frames[0][4] & FLAG_PULL, block=False)
             except WouldBlock:
                 heapq.heappush(queue, item)  # same sort key: it keeps its place
                 return True
@@ -525,6 +576,9 @@ class WorkerNode(Node):
         request = self._pending.get(req_id)
         if request is None:
             raise ProtocolError(f"{Cmd(cmd).name} for unknown request {req_id}")
+        if request.carried is not None:  # any reply to the pull means the server took the push before it
+            self._complete(request.carried)
+            request.carried = None
         if flags & FLAG_ERROR:
             message = unpack_json(frames[1]).get("error", "unknown error")
             self._complete(req_id, RemoteError(f"{request.what} failed on {peer.describe()}: {message}"))
