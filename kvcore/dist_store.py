@@ -47,7 +47,7 @@ from psnode.worker import WorkerNode
 
 from . import arrays
 from .errors import DistributedError, DistTimeoutError, NodeDiedError, OptimizerError, ServerError
-from .handles import Handle, KVTimeoutError, completed
+from .handles import Handle, KVTimeoutError
 from .optim.base import Optimizer, Updater
 from .sharding import KeyLayout, layout
 from .store_base import KVStoreBase

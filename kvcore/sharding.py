@@ -66,10 +66,6 @@ class KeyLayout:
     split: bool
     row_size: int  # elements per row; 0 when the key is split by elements (rows do not align)
 
-    def rows_of(self, part: Part) -> tuple[int, int]:
-        """The first row and one past the last row of ``part`` (only for row-aligned layouts)."""
-        return part.start // self.row_size, part.stop // self.row_size
-
 
 def layout(key: Hashable, shape: tuple[int, ...], dtype: np.dtype, num_servers: int, bigarray_bound: int) -> KeyLayout:
     """Decide the parts of ``key`` (see the module docstring)."""

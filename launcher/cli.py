@@ -136,7 +136,6 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         num_servers=num_workers if options["num_servers"] is None else options["num_servers"],
         backend=backend,
         hosts=hosts,
-        hostfile=options["hostfile"],
         user_command_for_all_roles=options["command_for_all_roles"],
         python=options["python"],
         env=env,

@@ -83,7 +83,6 @@ class LaunchConfig:
     num_servers: int
     backend: str = "local"
     hosts: tuple[Host, ...] = ()
-    hostfile: str | None = None
     user_command_for_all_roles: bool = False
     python: str = "python3"
     env: tuple[EnvVar, ...] = ()

@@ -37,7 +37,7 @@ import numpy as np
 from . import shm
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
-from .node import Node, PeerInfo, logger
+from .node import Node, PeerInfo
 from .protocol import FLAG_ACKS, FLAG_ERROR, FLAG_PULL, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
 from .transport import WouldBlock
 
