@@ -43,7 +43,7 @@ import numpy as np
 from psnode import errors as ps_errors
 from psnode.env import read_env
 from psnode.protocol import Group
-from psnode.worker import WorkerNode
+from psnode.worker import WorkerNode, is_done
 
 from . import arrays
 from .errors import DistributedError, DistTimeoutError, NodeDiedError, OptimizerError, ServerError
@@ -113,7 +113,7 @@ class _NodeHandle(Handle):
         self._worker = worker
 
     def wait(self, timeout: float | None = None) -> Any:
-        if not self.done():
+        if not is_done(self):
             try:
                 done = self._worker.wait_for(self, timeout)
             except ps_errors.PSNodeError as exc:

@@ -13,6 +13,7 @@ and passed to ``on_failure`` once; every later call raises it.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import os
 import re
@@ -119,8 +120,7 @@ class Node:
         self._last_from_scheduler = time.monotonic()
         self._next_heartbeat = 0.0
         self._waiters: dict[int, Any] = {}  # req_id -> future, for barrier / finish replies
-        self._next_req = 1
-        self._req_lock = threading.Lock()
+        self._req_ids = itertools.count(1)  # next() on a count is atomic: no lock needed
 
     # ---- registration -------------------------------------------------------------------
     def register(self) -> None:
@@ -201,13 +201,13 @@ class Node:
     # ---- the loop ------------------------------------------------------------------------
     def next_req_id(self) -> int:
         """A fresh request id (thread-safe)."""
-        with self._req_lock:
-            req = self._next_req
-            self._next_req += 1
-            return req
+        return next(self._req_ids)
 
-    def process(self, timeout: float) -> None:
-        """Handle messages for up to ``timeout`` seconds (returns after the first batch); keep heartbeats."""
+    def process(self, timeout: float, until: Any = None) -> None:
+        """Handle messages for up to ``timeout`` seconds (returns after the first batch); keep heartbeats.
+
+        ``until``: a future; the batch ends as soon as it is done (a waiting caller returns at once).
+        """
         now = time.monotonic()
         self._heartbeat(now)
         wait = timeout
@@ -224,10 +224,12 @@ class Node:
         if not self.transport.poll(wait):
             return
         try:
-            for _ in range(256):  # drain what is queued, but let heartbeats run between batches
+            # drain what is queued, but let heartbeats run between batches; a caller waiting for
+            # ``until`` returns once it is done (its state read without the future's lock)
+            for _ in range(256):
                 sender, frames = self.transport.recv()
                 self._dispatch(sender, frames)
-                if self.failure is not None or not self.transport.poll(0):
+                if self.failure is not None or (until is not None and until._state == "FINISHED") or not self.transport.poll(0):
                     break
         finally:
             self.after_batch()

@@ -27,6 +27,7 @@ from .env import NodeEnv
 from .errors import PSNodeError, ProtocolError
 from .node import Node, PeerInfo, logger
 from .protocol import (
+    ENTRY_STRUCT,
     FLAG_ACKS,
     FLAG_ERROR,
     FLAG_PULL,
@@ -81,6 +82,8 @@ class ServerNode(Node):
         reply = self._cmd_replies.get(cmd)
         if reply is None:
             raise ProtocolError(f"a server does not accept {Cmd(cmd).name}")
+        if flags & FLAG_PULL and len(frames) == 5 and self._push_pull_one(peer, req_id, frames):
+            return
         pull = None
         if flags & FLAG_PULL:  # a small push and the pull that followed it share one message
             if cmd != Cmd.PUSH or len(frames) < 5:
@@ -92,6 +95,35 @@ class ServerNode(Node):
         self._request(peer, cmd, reply, flags, req_id, arg, frames, pull is None)
         if pull is not None:  # after the push, so the pull's count of this worker's pushes includes it
             self._request(peer, Cmd.PULL, Cmd.PULL_REPLY, 0, pull_req, pull_arg, pull)
+
+    def _push_pull_one(self, peer: PeerInfo, push_req: int, frames: list) -> bool:
+        """A push of one small key with a pull of it attached (the small round trip): the steps of
+        ``_request`` for both, without their loops. False: not that case, use the general path."""
+        meta, pull_meta = frames[1].buffer, frames[4].buffer
+        if len(meta) != ENTRY_STRUCT.size or len(pull_meta) != ENTRY_STRUCT.size:
+            return False
+        key, _, frame, offset, nbytes, _ = ENTRY_STRUCT.unpack_from(meta)
+        pull_key, index, pull_frame, _, pull_nbytes, seq = ENTRY_STRUCT.unpack_from(pull_meta)
+        shard = self.store.shards.get(key)
+        if (pull_key != key or frame or pull_frame or shard is None or shard.group is not None
+                or nbytes != shard.nbytes or pull_nbytes != nbytes):
+            return False
+        pull_cmd, pull_flags, pull_req, _ = unpack_header(frames[3])
+        if pull_cmd != Cmd.PULL or pull_flags:
+            raise ProtocolError(f"{Cmd(pull_cmd).name} attached to a push where a pull belongs")
+        data = frames[2].buffer
+        if offset + nbytes > len(data):
+            raise ProtocolError(f"a part of key {key:#x} lies outside the message's data frames")
+        rank = peer.rank
+        try:
+            self.store.push(shard, rank, np.frombuffer(data, shard.dtype, nbytes // shard.dtype.itemsize, offset), self._answer)
+        except KeyError_ as exc:
+            self._reply_error(peer, Cmd.PUSH_ACK, push_req, str(exc))
+        try:
+            self.store.pull(shard, rank, pull_req, index, seq, self._answer)
+        except KeyError_ as exc:
+            self._reply_error(peer, Cmd.PULL_REPLY, pull_req, str(exc))
+        return True
 
     def _request(self, peer: PeerInfo, cmd: int, reply: int, flags: int, req_id: int, arg: int, frames: list, ack: bool = True) -> None:
         """Run one request (a push, pull, row pull, init or updater); refusals go back as error replies.
@@ -243,7 +275,14 @@ class ServerNode(Node):
 
     def _flush(self) -> None:
         outbox, self._outbox = self._outbox, defaultdict(list)
+        host = self.store.backend.host
         for (worker, req_id), parts in outbox.items():
+            if len(parts) == 1 and not self._reply_regions:  # one small part: the common reply, built directly
+                index, shard = parts[0]
+                if not shard.error and shard.nbytes < _OWN_FRAME:
+                    meta = ENTRY_STRUCT.pack(shard.key_id, index, 0, 0, shard.nbytes, 0)
+                    self._send_to(worker, [pack_header(Cmd.PULL_REPLY, req_id), meta, host(shard.stored).tobytes()])
+                    continue
             peer = self.workers[worker]
             errors = [s.error for _, s in parts if s.error]
             if errors:
@@ -253,7 +292,6 @@ class ServerNode(Node):
             small: list[np.ndarray] = []
             big: list[Shard] = []
             offset = 0
-            host = self.store.backend.host
             for index, shard in parts:
                 region = self._reply_regions.pop((worker, req_id, index), None) if self._reply_regions else None
                 if region is not None and region[1] == shard.nbytes:

@@ -38,16 +38,27 @@ from . import shm
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
 from .node import Node, PeerInfo
-from .protocol import FLAG_ACKS, FLAG_ERROR, FLAG_PULL, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
+from .protocol import ENTRY_STRUCT, FLAG_ACKS, FLAG_ERROR, FLAG_PULL, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
 from .transport import WouldBlock
 
-__all__ = ["WorkerNode"]
+__all__ = ["WorkerNode", "is_done"]
 
 _OWN_FRAME = 65536  # values at least this big travel in their own frame
 # After a caller stops receiving (wait_for), the network thread takes the role back only once no
 # caller has received for this long: a caller in a loop of waits keeps it without a hand-over each
 # time. Messages that arrive in such a gap wait at most this long (heartbeats are unaffected).
 _HANDBACK = 0.002
+
+
+_DONE_STATES = frozenset({"CANCELLED", "CANCELLED_AND_NOTIFIED", "FINISHED"})
+
+
+def is_done(future: concurrent.futures.Future) -> bool:
+    """``future.done()`` without taking the future's lock (reading one attribute is atomic).
+
+    The receive loops ask this after every message; the lock ``done()`` takes is most of its cost.
+    """
+    return future._state in _DONE_STATES
 
 
 class _Unsent:
@@ -80,6 +91,7 @@ class WorkerNode(Node):
         self._seq = itertools.count()
         self._send_lock = threading.Lock()
         self._idle = threading.Condition()
+        self._idle_waiters = 0  # threads in _wait_idle (only they need a notify when _pending empties)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -163,10 +175,13 @@ class WorkerNode(Node):
                 finally:
                     self._rx_owner = None
 
-    def _receive(self, timeout: float) -> None:
-        """One turn of receiving (hold ``_rx_lock``): messages, heartbeats, and queued sends."""
+    def _receive(self, timeout: float, until: Any = None) -> None:
+        """One turn of receiving (hold ``_rx_lock``): messages, heartbeats, and queued sends.
+
+        ``until``: a future whose completion ends the turn (what a waiting caller waits for).
+        """
         try:
-            self.process(timeout)
+            self.process(timeout, until)
             if self._queue:
                 self._pump()
         except ClosedError:
@@ -184,11 +199,13 @@ class WorkerNode(Node):
         Raises:
             PSNodeError: the node failed (the failure, e.g. ``PeerDiedError``) or was closed.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        me = threading.get_ident()
         if self._cork is not None:  # a caller that waits sends what it held back first
             self._uncork()
-        while not future.done():
+        if is_done(future):
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = threading.get_ident()
+        while not is_done(future):
             if self.failure is not None:
                 raise self.failure
             step = 0.1
@@ -203,12 +220,14 @@ class WorkerNode(Node):
                 concurrent.futures.wait([future], step)  # whoever receives completes it
                 continue
             try:
-                while not future.done() and self.failure is None:
+                while self.failure is None:
                     if deadline is not None:
                         step = deadline - time.monotonic()
                         if step <= 0:
                             break
-                    self._receive(min(step, 0.1))
+                    self._receive(min(step, 0.1), future)
+                    if is_done(future):
+                        break
             finally:
                 self._release_receiver()
         return True
@@ -282,11 +301,15 @@ class WorkerNode(Node):
     def _wait_idle(self, limit: float) -> None:
         deadline = time.monotonic() + limit
         with self._idle:
-            while self._pending and self.failure is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise NodeTimeoutError(f"worker {self.rank}: {len(self._pending)} requests still unanswered after {limit:g} s")
-                self._idle.wait(min(remaining, 0.1))
+            self._idle_waiters += 1
+            try:
+                while self._pending and self.failure is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise NodeTimeoutError(f"worker {self.rank}: {len(self._pending)} requests still unanswered after {limit:g} s")
+                    self._idle.wait(min(remaining, 0.1))
+            finally:
+                self._idle_waiters -= 1
 
     def _wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:
         if not self.wait_for(future, limit):
@@ -331,6 +354,8 @@ class WorkerNode(Node):
         The future is done when every server has received its parts.
         """
         future = future or concurrent.futures.Future()
+        if len(parts) == 1 and parts[0][2].nbytes < _OWN_FRAME:
+            return self._push_small(*parts[0], priority, future)
         by_server = self._by_server(parts)
         req = self._track(future, len(parts), None, "push")
         counts = self._push_counts
@@ -359,16 +384,58 @@ class WorkerNode(Node):
             # small values are copied here (the caller may change its arrays as soon as push returns)
             payload: Any = small[0].tobytes() if len(small) == 1 else b"".join([v.tobytes() for v in small])
             message = [pack_header(Cmd.PUSH, req, len(items)), pack_entries(entries), payload] + frames
-            if len(by_server) == 1 and not frames and self._parked and self._cork is None and not self._queue:
-                # the network thread is parked, so a caller is likely to pull next: hold this push
-                # back for that pull to ride along (one message, one reply); see pull and _run
-                with self._rx_cond:
-                    if self._parked and self._cork is None:
-                        self._cork = (-priority, next(self._seq), server, message, req)
-                        return future
+            if len(by_server) == 1 and not frames and self._hold(server, message, priority, req):
+                return future
             self._enqueue(server, message, priority, req)
         self._pump()
         return future
+
+    def _push_small(self, server: int, key_id: int, value: np.ndarray, priority: int, future: Any) -> Any:
+        """``push`` of one small part: the same message, built without the general bookkeeping."""
+        req = self._track(future, 1, None, "push")
+        slot = (key_id, server)
+        seq = self._push_counts.get(slot, 0) + 1
+        self._push_counts[slot] = seq
+        nbytes = value.nbytes
+        message = [pack_header(Cmd.PUSH, req, 1), ENTRY_STRUCT.pack(key_id, 0, 0, 0, nbytes, seq), value.tobytes()]
+        if not self._hold(server, message, priority, req):
+            self._send(server, message, priority, req)
+        return future
+
+    def _hold(self, server: int, message: list, priority: int, req: int) -> bool:
+        """Hold a small push back for the caller's next pull to ride along; True when held.
+
+        Only while the network thread is parked: a caller is then likely to pull next, and the
+        push and the pull travel as one message with one reply (see pull and _run).
+        """
+        if not self._parked or self._cork is not None or self._queue:
+            return False
+        with self._rx_cond:
+            if self._parked and self._cork is None:
+                self._cork = (-priority, next(self._seq), server, message, req)
+                return True
+        return False
+
+    def _send(self, server: int, message: list, priority: int, req: int) -> None:
+        """Send one message now when nothing waits before it, else queue it (any thread)."""
+        if self._cork is None and not self._queue and self._send_lock.acquire(blocking=False):
+            try:
+                if not self._queue:
+                    try:
+                        self.transport.send(self.servers[server].uid.encode(), message, block=False)
+                        return
+                    except WouldBlock:
+                        pass
+                    except PSNodeError as exc:
+                        self._complete(req, exc)
+                        return
+                heapq.heappush(self._queue, (-priority, next(self._seq), server, message, req))
+            finally:
+                self._send_lock.release()
+            self._pump()
+            return
+        self._enqueue(server, message, priority, req)
+        self._pump()
 
     def pull(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
         """Pull ``(server, key id, out)`` parts into the C-contiguous arrays ``out``; returns at once.
@@ -377,6 +444,8 @@ class WorkerNode(Node):
         alive and untouched until the future is done.
         """
         future = future or concurrent.futures.Future()
+        if len(parts) == 1 and (parts[0][2].nbytes < shm.SHM_MIN or parts[0][0] not in self._shm_servers):
+            return self._pull_one(*parts[0], priority, future)
         targets = [memoryview(out).cast("B") for _, _, out in parts]  # C-contiguous outs, as bytes
         req = self._track(future, len(parts), targets, "pull")
         counts = self._push_counts
@@ -407,6 +476,24 @@ class WorkerNode(Node):
                 continue
             self._enqueue(server, message, priority, req)
         self._pump()
+        return future
+
+    def _pull_one(self, server: int, key_id: int, out: np.ndarray, priority: int, future: Any) -> Any:
+        """``pull`` of one part answered in a message: the same request, built without the general bookkeeping."""
+        req = self._track(future, 1, [memoryview(out).cast("B")], "pull")
+        message = [pack_header(Cmd.PULL, req, 1), ENTRY_STRUCT.pack(key_id, 0, 0, 0, out.nbytes, self._push_counts.get((key_id, server), 0))]
+        cork = self._take_cork() if self._cork is not None else None
+        if cork is not None:
+            if cork[2] == server and cork[0] == -priority:  # the held push carries this pull
+                request = self._pending.get(req)
+                if request is not None:
+                    request.carried = cork[4]
+                push = cork[3]
+                push[0] = pack_header(Cmd.PUSH, cork[4], int.from_bytes(push[0][16:24], "little", signed=True), FLAG_PULL)
+                self._send(server, push + message, priority, req)
+                return future
+            heapq.heappush(self._queue, cork)  # it cannot carry this pull: it leaves on its own
+        self._send(server, message, priority, req)
         return future
 
     def pull_rows(self, parts: Sequence[tuple[int, int, np.ndarray, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
@@ -543,7 +630,7 @@ class WorkerNode(Node):
                 request.future.set_exception(error)
         except concurrent.futures.InvalidStateError:
             pass
-        if not self._pending:
+        if self._idle_waiters and not self._pending:
             with self._idle:
                 self._idle.notify_all()
 
@@ -563,6 +650,22 @@ class WorkerNode(Node):
                 request.remaining -= count
                 if request.remaining <= 0:
                     self._complete(rid)
+
+    @staticmethod
+    def _take_one(request: _Request, meta: memoryview, data: memoryview) -> None:
+        """Write the one part of a reply into its out (``handle_data`` for the common case)."""
+        if len(meta) != ENTRY_STRUCT.size:
+            raise ProtocolError(f"reply meta frame of {len(meta)} bytes for one part")
+        _, index, frame, offset, nbytes, _ = ENTRY_STRUCT.unpack_from(meta)
+        target = request.targets[index]
+        if nbytes != target.nbytes:
+            raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
+        if frame == shm.SHM_FRAME:
+            target[:] = request.regions[index].array
+        elif frame != 0 or offset + nbytes > len(data):
+            raise ProtocolError("a reply part lies outside the message's data frame")
+        else:
+            target[:] = data[offset:offset + nbytes]
 
     def handle_data(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
         if cmd == Cmd.PUSH_ACK and not flags & FLAG_ERROR:
@@ -584,6 +687,12 @@ class WorkerNode(Node):
             self._complete(req_id, RemoteError(f"{request.what} failed on {peer.describe()}: {message}"))
             return
         if cmd in (Cmd.PULL_REPLY, Cmd.ROWS_REPLY):
+            if len(frames) == 3 and len(request.targets) == 1:  # one part in the message (most small pulls)
+                self._take_one(request, frames[1].buffer, frames[2].buffer)
+                self._complete(req_id)
+                if self._queue:
+                    self._pump()
+                return
             data_frames = frames[2:]
             buffers = [f.buffer for f in data_frames]
             entries = unpack_entries(frames[1], [len(b) for b in buffers])
