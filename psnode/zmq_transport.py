@@ -35,11 +35,15 @@ __all__ = ["ZmqTransport"]
 
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
 _SEND_HWM = 1000  # messages queued per peer before a non-blocking send reports WouldBlock
 _SOCKET_BUFFER = 4 << 20  # kernel buffer per connection: fewer wake-ups per big message (capped by the kernel)
 _JOINED = b"\x00PJ"  # starts a joined message; no protocol frame starts with a zero byte
 _JOIN_MAX = 16384  # frames totalling more than this are sent one by one
+_JOIN_FRAMES = 16  # at most this many frames are joined
 _COUNT = struct.Struct("<H")
+_HEADS = [_JOINED + _COUNT.pack(n) for n in range(_JOIN_FRAMES + 1)]
+_LENGTHS = [struct.Struct(f"<{n}I") for n in range(_JOIN_FRAMES + 1)]
 
 
 class _Part:
@@ -55,10 +59,20 @@ class _Part:
         return self.buffer.tobytes()
 
 
-def join_frames(frames: Sequence[bytes]) -> bytes:
-    """The one frame that carries ``frames`` (see the module docstring)."""
+def join_frames(frames: Sequence[Any]) -> bytes | None:
+    """The one frame that carries ``frames`` (see the module docstring); None when they are not
+    all ``bytes``, too many or too big to be joined."""
     count = len(frames)
-    return b"".join([_JOINED, _COUNT.pack(count), struct.pack(f"<{count}I", *[len(f) for f in frames]), *frames])
+    if count > _JOIN_FRAMES:
+        return None
+    total = 0
+    for frame in frames:
+        if type(frame) is not bytes:
+            return None
+        total += len(frame)
+    if total > _JOIN_MAX:
+        return None
+    return b"".join([_HEADS[count], _LENGTHS[count].pack(*map(len, frames)), *frames])
 
 
 def split_frames(view: memoryview) -> list[_Part] | None:
@@ -68,9 +82,9 @@ def split_frames(view: memoryview) -> list[_Part] | None:
         return None
     (count,) = _COUNT.unpack_from(view, 3)
     start = 5 + 4 * count
-    if size < start:
+    if count > _JOIN_FRAMES or size < start:
         return None
-    lengths = struct.unpack_from(f"<{count}I", view, 5)
+    lengths = _LENGTHS[count].unpack_from(view, 5)
     if start + sum(lengths) != size:
         return None
     parts = []
@@ -90,7 +104,7 @@ class ZmqTransport(Transport):
         self._dealers: dict[bytes, tuple[zmq.Socket, threading.Lock]] = {}
         self._connect_lock = threading.Lock()
         self._closed = False
-        self._poller: zmq.Poller | None = None
+        self._poll_items: list | None = None  # what poll waits on: the ROUTER and the wake eventfd
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_lock = threading.Lock()  # a wake never writes to the number of a closed (reused) fd
 
@@ -117,9 +131,7 @@ class ZmqTransport(Transport):
             where = f"TCP port {port}" if port else "a free TCP port"
             raise TransportError(f"cannot bind {where} (with local name {local_name!r}): {exc}") from exc
         self._router = router
-        self._poller = zmq.Poller()
-        self._poller.register(router, zmq.POLLIN)
-        self._poller.register(self._wake_fd, zmq.POLLIN)
+        self._poll_items = [(router, _POLLIN), (self._wake_fd, _POLLIN)]
         return port
 
     def connect(self, peer: bytes, endpoint: str) -> None:
@@ -157,9 +169,11 @@ class ZmqTransport(Transport):
                     trackers = [p.tracker for p in parts if isinstance(p, zmq.Frame)]
                     return zmq.MessageTracker(*trackers) if trackers else None
                 last = len(frames) - 1
-                if last > 0 and all(type(f) is bytes for f in frames) and sum(map(len, frames)) <= _JOIN_MAX:
-                    sock.send(join_frames(frames), flags)  # copied: cheaper than a zero-copy frame when small
-                    return None
+                if last > 0:
+                    joined = join_frames(frames)
+                    if joined is not None:
+                        sock.send(joined, flags)  # copied: cheaper than a zero-copy frame when small
+                        return None
                 # frame by frame with int flags: pyzmq's send_multipart costs twice as much per small
                 # message (flag enums); big frames still go without a copy
                 send = sock.send
@@ -176,7 +190,7 @@ class ZmqTransport(Transport):
     def poll(self, timeout: float) -> bool:
         router = self._require_router()
         try:
-            events = self._poller.poll(max(0, int(timeout * 1000)))
+            events = zmq.zmq_poll(self._poll_items, max(0, int(timeout * 1000)))
         except zmq.ZMQError as exc:
             if self._closed:
                 raise ClosedError("the transport was closed") from exc
@@ -201,9 +215,9 @@ class ZmqTransport(Transport):
         router = self._require_router()
         recv = router.recv
         try:
+            sender = recv(_NOBLOCK)  # the ROUTER's identity frame; at least one frame follows it
             frame = recv(_NOBLOCK, copy=False)
-            sender = frame.bytes
-            frames = []
+            frames = [frame]
             while frame.more:  # the frame says whether more follow: no socket option call per frame
                 frame = recv(_NOBLOCK, copy=False)
                 frames.append(frame)
@@ -230,7 +244,7 @@ class ZmqTransport(Transport):
         if self._router is not None:
             self._router.close(0)
             self._router = None
-        self._poller = None
+        self._poll_items = None
         self._context.term()
         with self._wake_lock:
             os.close(self._wake_fd)
