@@ -206,7 +206,10 @@ class DistKVStore(KVStoreBase):
             meta = self._meta.get(key)
             if target is not None and meta is not None and value.shape == meta.shape and value.dtype == meta.dtype:
                 handle = _NodeHandle("push", self._worker)
-                self._call(self._worker.push, [(target[0], target[1], value)], priority, True, handle)
+                try:
+                    self._worker.push_part(target[0], target[1], value, priority, handle)
+                except ps_errors.PSNodeError as exc:
+                    raise translate_error(exc) from exc
                 return handle
         return super().push(key, value, priority)
 
@@ -217,7 +220,10 @@ class DistKVStore(KVStoreBase):
             meta = self._meta.get(key)
             if target is not None and meta is not None and out.shape == meta.shape and out.dtype == meta.dtype:
                 handle = _NodeHandle("pull", self._worker)
-                self._call(self._worker.pull, [(target[0], target[1], out)], priority, handle)
+                try:
+                    self._worker.pull_part(target[0], target[1], out, priority, handle)
+                except ps_errors.PSNodeError as exc:
+                    raise translate_error(exc) from exc
                 if wait:
                     handle.wait()
                 return handle

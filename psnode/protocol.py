@@ -44,6 +44,7 @@ __all__ = [
     "parse_group",
     "pack_header",
     "unpack_header",
+    "with_flags",
     "pack_json",
     "unpack_json",
     "unpack_entries",
@@ -134,16 +135,21 @@ def pack_header(cmd: int, req_id: int = 0, arg: int = 0, flags: int = 0) -> byte
     return HEADER.pack(MAGIC, VERSION, cmd, flags, 0, req_id, arg)
 
 
+def with_flags(header: bytes, flags: int) -> bytes:
+    """A header frame with the ``FLAG_*`` bits ``flags`` added."""
+    return header[:4] + (int.from_bytes(header[4:6], "little") | flags).to_bytes(2, "little") + header[6:]
+
+
 def unpack_header(frame: Any) -> tuple[int, int, int, int]:
     """Decode a header frame into ``(cmd, flags, req_id, arg)``.
 
     Raises:
         ProtocolError: wrong length, magic, version or an unknown command.
     """
-    data = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    data = getattr(frame, "buffer", frame)  # a received frame's memoryview, or bytes
     if len(data) != HEADER.size:
         raise ProtocolError(f"header frame of {len(data)} bytes, expected {HEADER.size}")
-    magic, version, cmd, flags, _, req_id, arg = HEADER.unpack(data)
+    magic, version, cmd, flags, _, req_id, arg = HEADER.unpack_from(data)
     if magic != MAGIC or version != VERSION:
         raise ProtocolError(f"header with magic {magic!r} version {version}, expected {MAGIC!r} version {VERSION}")
     if cmd not in _CMDS:

@@ -39,6 +39,7 @@ from .protocol import (
     unpack_entries,
     unpack_header,
     unpack_json,
+    with_flags,
 )
 from .server_groups import Groups
 from .server_store import KeyError_, ServerStore, Shard, device_backend
@@ -325,8 +326,7 @@ class ServerNode(Node):
             self._pulls_waiting[worker].discard(int.from_bytes(header[8:16], "little"))
         pairs = self._acks.pop(worker, None)
         if pairs:
-            header = frames[0]
-            frames[0] = header[:4] + (int.from_bytes(header[4:6], "little") | FLAG_ACKS).to_bytes(2, "little") + header[6:]
+            frames[0] = with_flags(frames[0], FLAG_ACKS)
             frames.append(np.array(pairs, dtype=np.uint64).tobytes())
         return self.transport.send(self.workers[worker].uid.encode(), frames, track=track)
 

@@ -38,7 +38,10 @@ from . import shm
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
 from .node import Node, PeerInfo
-from .protocol import ENTRY_STRUCT, FLAG_ACKS, FLAG_ERROR, FLAG_PULL, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json, unpack_entries, unpack_json
+from .protocol import (
+    ENTRY_STRUCT, FLAG_ACKS, FLAG_ERROR, FLAG_PULL, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json, unpack_entries, unpack_json,
+    with_flags,
+)
 from .transport import WouldBlock
 
 __all__ = ["WorkerNode", "is_done"]
@@ -101,7 +104,8 @@ class WorkerNode(Node):
         self._buffers: dict[tuple[int, int], tuple[np.ndarray, Any]] = {}  # (key id, server) -> (buffer, tracker)
         self._rx_lock = threading.Lock()  # held by the thread that receives (polls, recvs, dispatches)
         self._rx_owner: int | None = None  # that thread's ident
-        self._rx_cond = threading.Condition()
+        self._park_lock = threading.Lock()  # taken directly where no wait is needed (cheaper than the condition)
+        self._rx_cond = threading.Condition(self._park_lock)
         self._rx_caller: int | None = None  # a caller thread that takes over receiving (see wait_for)
         self._rx_released = 0.0  # when a caller last gave the role up
         # A small push to one server may be held back (corked) while the network thread is parked,
@@ -234,7 +238,7 @@ class WorkerNode(Node):
 
     def _take_receiver(self, me: int) -> bool:
         """Take the receiving role (from the network thread); False when another caller has it."""
-        with self._rx_cond:
+        with self._park_lock:
             if self._rx_caller is not None:
                 return False
             self._rx_caller = me
@@ -390,6 +394,18 @@ class WorkerNode(Node):
         self._pump()
         return future
 
+    def push_part(self, server: int, key_id: int, value: np.ndarray, priority: int = 0, future: Any = None) -> Any:
+        """``push([(server, key_id, value)], priority)`` (value copied), for callers with one part."""
+        if value.nbytes < _OWN_FRAME:
+            return self._push_small(server, key_id, value, priority, future or concurrent.futures.Future())
+        return self.push([(server, key_id, value)], priority, True, future)
+
+    def pull_part(self, server: int, key_id: int, out: np.ndarray, priority: int = 0, future: Any = None) -> Any:
+        """``pull([(server, key_id, out)], priority)``, for callers with one part."""
+        if out.nbytes < shm.SHM_MIN or server not in self._shm_servers:
+            return self._pull_one(server, key_id, out, priority, future or concurrent.futures.Future())
+        return self.pull([(server, key_id, out)], priority, future)
+
     def _push_small(self, server: int, key_id: int, value: np.ndarray, priority: int, future: Any) -> Any:
         """``push`` of one small part: the same message, built without the general bookkeeping."""
         req = self._track(future, 1, None, "push")
@@ -410,7 +426,7 @@ class WorkerNode(Node):
         """
         if not self._parked or self._cork is not None or self._queue:
             return False
-        with self._rx_cond:
+        with self._park_lock:
             if self._parked and self._cork is None:
                 self._cork = (-priority, next(self._seq), server, message, req)
                 return True
@@ -471,7 +487,7 @@ class WorkerNode(Node):
                 if request is not None:  # the server acknowledges the push with this pull's reply
                     request.carried = cork[4]
                 push = cork[3]
-                push[0] = pack_header(Cmd.PUSH, cork[4], int.from_bytes(push[0][16:24], "little", signed=True), FLAG_PULL)
+                push[0] = with_flags(push[0], FLAG_PULL)
                 heapq.heappush(self._queue, cork[:3] + (push + message,) + cork[4:])
                 continue
             self._enqueue(server, message, priority, req)
@@ -489,7 +505,7 @@ class WorkerNode(Node):
                 if request is not None:
                     request.carried = cork[4]
                 push = cork[3]
-                push[0] = pack_header(Cmd.PUSH, cork[4], int.from_bytes(push[0][16:24], "little", signed=True), FLAG_PULL)
+                push[0] = with_flags(push[0], FLAG_PULL)
                 self._send(server, push + message, priority, req)
                 return future
             heapq.heappush(self._queue, cork)  # it cannot carry this pull: it leaves on its own
@@ -569,7 +585,7 @@ class WorkerNode(Node):
         heapq.heappush(self._queue, (-priority, next(self._seq), server, frames, req))
 
     def _take_cork(self) -> tuple | None:
-        with self._rx_cond:
+        with self._park_lock:
             cork, self._cork = self._cork, None
         return cork
 
