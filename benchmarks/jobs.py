@@ -36,6 +36,9 @@ PSLAUNCH_PATH_ENV = {
     "tcp": {"PSLAUNCH_SAME_HOST": "tcp"},
     "fast": {"PSLAUNCH_SAME_HOST": "shm", "DMLC_LOCAL": "1"},
     "ipc": {"PSLAUNCH_SAME_HOST": "ipc", "DMLC_LOCAL": "1"},
+    # the TCP path with ZeroMQ's I/O threads under the normal scheduling policy (the default is
+    # SCHED_BATCH, see PSLAUNCH_IO_SCHED in docs/env.md): shows what that choice is worth
+    "tcp_normal": {"PSLAUNCH_SAME_HOST": "tcp", "PSLAUNCH_IO_SCHED": "normal"},
 }
 
 # ps-lite binds ipc:// endpoints instead of tcp:// when DMLC_LOCAL is set.

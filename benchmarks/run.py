@@ -37,7 +37,8 @@ from procs import JobFailed  # noqa: E402
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DEFAULT_MXNET_PYTHON = "/tmp/mxvenv/bin/python"
-ALL_SYSTEMS = ["pslaunch_tcp", "pslaunch_fast", "pslaunch_ipc", "mxnet_tcp", "mxnet_ipc", "zmq_tcp", "zmq_ipc"]
+ALL_SYSTEMS = ["pslaunch_tcp", "pslaunch_fast", "pslaunch_ipc", "pslaunch_tcp_normal", "mxnet_tcp", "mxnet_ipc", "zmq_tcp", "zmq_ipc"]
+DEFAULT_SYSTEMS = [s for s in ALL_SYSTEMS if s != "pslaunch_tcp_normal"]  # that one only on request
 NUM_WORKERS = 2
 
 
@@ -178,7 +179,7 @@ def run(cfg: BenchConfig, statuses: dict[str, str]) -> tuple[dict, str]:
               help="Key sizes in MiB (float32 elements), comma-separated.")
 @click.option("--keys", type=click.IntRange(1, 100_000), default=1000, show_default=True,
               help="Number of one-float keys pushed and pulled as lists.")
-@click.option("--systems", default=",".join(ALL_SYSTEMS), show_default=True,
+@click.option("--systems", default=",".join(DEFAULT_SYSTEMS), show_default=True,
               help="Which systems to run, comma-separated.")
 @click.option("--job-timeout", type=click.FloatRange(1), default=None,
               help="Seconds one job may take [default: 600, 180 with --quick].")

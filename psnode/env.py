@@ -45,6 +45,7 @@ class NodeEnv:
     bigarray_bound: int = 1_000_000
     server_device: str = "cpu"
     same_host: str = "shm"
+    io_sched: str = "batch"
 
     @property
     def root_address(self) -> str:
@@ -134,6 +135,9 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     same_host = (_get(env, "PSLAUNCH_SAME_HOST") or "shm").lower()
     if same_host not in ("shm", "ipc", "tcp"):
         raise EnvError(f"environment variable PSLAUNCH_SAME_HOST={same_host!r} must be shm, ipc or tcp")
+    io_sched = (_get(env, "PSLAUNCH_IO_SCHED") or "batch").lower()
+    if io_sched not in ("batch", "normal"):
+        raise EnvError(f"environment variable PSLAUNCH_IO_SCHED={io_sched!r} must be batch or normal")
     node_host = _get(env, "DMLC_NODE_HOST")
     interface = _get(env, "DMLC_INTERFACE")
     if interface is not None and not interface.replace("-", "").replace(".", "").replace("_", "").isalnum():
@@ -158,6 +162,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         bigarray_bound=_int("PSLAUNCH_BIGARRAY_BOUND", _get(env, "PSLAUNCH_BIGARRAY_BOUND") or "1000000", 1),
         server_device=device,
         same_host=same_host,
+        io_sched=io_sched,
     )
 
 

@@ -102,7 +102,7 @@ class Node:
         self.host = env.advertised_host()
         self.fingerprint = host_fingerprint()
         self.same_host = env.same_host
-        self.transport: Transport = create_transport(transport, b"")
+        self.transport: Transport = create_transport(transport, b"", io_sched=env.io_sched)
         job = re.sub(r"[^A-Za-z0-9_.-]", "_", env.job_id)[:40]
         self.local_name = f"{job}-{role}-{os.getpid()}-{os.urandom(3).hex()}"
         self.port = self.transport.bind(0, self.local_name)

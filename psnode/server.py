@@ -84,6 +84,8 @@ class ServerNode(Node):
         if reply is None:
             raise ProtocolError(f"a server does not accept {Cmd(cmd).name}")
         if flags & FLAG_PULL and len(frames) == 5 and self._push_pull_one(peer, req_id, frames):
+            if self._outbox:  # the round closed: reply now rather than after the batch
+                self._flush()
             return
         pull = None
         if flags & FLAG_PULL:  # a small push and the pull that followed it share one message

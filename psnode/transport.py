@@ -26,7 +26,12 @@ class WouldBlock(PSNodeError):
 
 
 class Transport(abc.ABC):
-    """Frames between peers. ``identity`` names this node to the peers it sends to."""
+    """Frames between peers. ``identity`` names this node to the peers it sends to.
+
+    A transport is built as ``factory(identity, io_sched=...)``: ``io_sched`` is the node's
+    ``PSLAUNCH_IO_SCHED`` (``batch`` or ``normal``), how background I/O threads, if it has any,
+    are scheduled; a transport without such threads ignores it.
+    """
 
     def __init__(self, identity: bytes) -> None:
         self.identity = identity

@@ -94,12 +94,34 @@ def split_frames(view: memoryview) -> list[_Part] | None:
     return parts
 
 
+def _batch_io_threads(context: zmq.Context) -> None:
+    """Run the context's I/O threads (started with its first socket) under SCHED_BATCH.
+
+    A thread handing a message to ZeroMQ wakes the I/O thread; under the normal policy that thread
+    preempts the sender at once when no core is idle, and the sender's next steps (the next
+    reply, its wait) wait for it. A SCHED_BATCH thread gets its fair share of the CPU but never
+    preempts on waking, so the sender finishes its turn first: two context switches fewer per
+    message on a busy machine, and the same on one with idle cores (the I/O thread runs on one).
+    Where the policy or the option is unknown (not Linux, an old libzmq) nothing changes.
+    """
+    policy = getattr(os, "SCHED_BATCH", None)
+    option = getattr(zmq, "THREAD_SCHED_POLICY", None)
+    if policy is None or option is None:
+        return
+    try:
+        context.set(option, policy)
+    except zmq.ZMQError:
+        pass
+
+
 class ZmqTransport(Transport):
     """Frames over ZeroMQ ROUTER/DEALER sockets; see the module docstring."""
 
-    def __init__(self, identity: bytes, io_threads: int = 1) -> None:
+    def __init__(self, identity: bytes, io_threads: int = 1, io_sched: str = "normal") -> None:
         super().__init__(identity)
         self._context = zmq.Context(io_threads=io_threads)
+        if io_sched == "batch":
+            _batch_io_threads(self._context)
         self._router: zmq.Socket | None = None
         self._dealers: dict[bytes, tuple[zmq.Socket, threading.Lock]] = {}
         self._connect_lock = threading.Lock()
