@@ -12,10 +12,9 @@ connection takes them; when a connection's queue is full they wait in that order
 not depend on the order: a pull tells the server how many pushes of the key it must include.
 
 Thread-safety: every method may be called from any thread. One thread at a time receives: the
-network thread, or a caller blocked in ``wait_for`` (it takes the receiving role over, so the reply
-it waits for wakes it directly instead of passing through the network thread; the network thread
-resumes when it is done). Callbacks added to the futures run on whichever thread receives the reply
-and must be quick.
+network thread, or a caller blocked in ``wait_for`` (``worker_receiving``). Callbacks added to the
+futures run on whichever thread receives the reply and must be quick. How messages leave, and how
+a small push waits for the next pull to ride along, is ``worker_sending``.
 
 Bookkeeping is bounded: one entry per request in flight, one push counter per key.
 """
@@ -42,33 +41,12 @@ from .protocol import (
     ENTRY_STRUCT, FLAG_ACKS, FLAG_ERROR, FLAG_PULL, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json, unpack_entries, unpack_json,
     with_flags,
 )
-from .transport import WouldBlock
+from .worker_receiving import ReceivingRole, is_done
+from .worker_sending import SendQueue
 
 __all__ = ["WorkerNode", "is_done"]
 
 _OWN_FRAME = 65536  # values at least this big travel in their own frame
-# After a caller stops receiving (wait_for), the network thread takes the role back only once no
-# caller has received for this long: a caller in a loop of waits keeps it without a hand-over each
-# time. Messages that arrive in such a gap wait at most this long (heartbeats are unaffected).
-_HANDBACK = 0.002
-
-
-_DONE_STATES = frozenset({"CANCELLED", "CANCELLED_AND_NOTIFIED", "FINISHED"})
-
-
-def is_done(future: concurrent.futures.Future) -> bool:
-    """``future.done()`` without taking the future's lock (reading one attribute is atomic).
-
-    The receive loops ask this after every message; the lock ``done()`` takes is most of its cost.
-    """
-    return future._state in _DONE_STATES
-
-
-class _Unsent:
-    done = False  # a send buffer queued but not yet handed to ZeroMQ is never reused
-
-
-_UNSENT = _Unsent()
 
 
 class _Request:
@@ -83,7 +61,7 @@ class _Request:
         self.carried: int | None = None  # pull: the push that carried it, done by this pull's reply
 
 
-class WorkerNode(Node):
+class WorkerNode(ReceivingRole, SendQueue, Node):
     """This process's worker node (see the module docstring). Start it with ``start()``."""
 
     def __init__(self, env: NodeEnv, transport: str = "zmq") -> None:
@@ -155,110 +133,6 @@ class WorkerNode(Node):
         """Servers in the job."""
         return self.env.num_servers
 
-    def _run(self) -> None:
-        me = threading.get_ident()
-        while not self._stop.is_set():
-            if self._rx_caller is not None or time.monotonic() - self._rx_released < _HANDBACK:
-                # a caller receives, or did a moment ago and is likely to wait again soon: leave the
-                # role to it rather than take it back and be woken to hand it over at its next wait
-                with self._rx_cond:
-                    if not self._stop.is_set():
-                        self._parked = True
-                        self._rx_cond.wait(_HANDBACK)
-                    self._parked = False
-                if self._cork is not None:  # a held push waited long enough for a pull to join it
-                    self._uncork()
-                continue
-            with self._rx_lock:
-                self._rx_owner = me
-                try:
-                    if self._rx_caller is None:  # checked after naming the owner: see _take_receiver
-                        self._receive(0.02 if self._queue else 0.1)
-                except PSNodeError:  # ClosedError, or a failure _receive recorded
-                    return
-                finally:
-                    self._rx_owner = None
-
-    def _receive(self, timeout: float, until: Any = None) -> None:
-        """One turn of receiving (hold ``_rx_lock``): messages, heartbeats, and queued sends.
-
-        ``until``: a future whose completion ends the turn (what a waiting caller waits for).
-        """
-        try:
-            self.process(timeout, until)
-            if self._queue:
-                self._pump()
-        except ClosedError:
-            raise
-        except Exception as exc:  # a bug must not leave the receiving thread dead silently
-            self.fail(PSNodeError(f"receiving on worker {self.rank} failed: {type(exc).__name__}: {exc}"))
-            raise self.failure from exc
-
-    def wait_for(self, future: concurrent.futures.Future, timeout: float | None = None) -> bool:
-        """Block until ``future`` is done or ``timeout`` seconds passed; True when done (any thread).
-
-        While no other caller does, this thread receives for the node itself, so the reply wakes
-        it directly. It does not raise the future's error (read it from the future).
-
-        Raises:
-            PSNodeError: the node failed (the failure, e.g. ``PeerDiedError``) or was closed.
-        """
-        if self._cork is not None:  # a caller that waits sends what it held back first
-            self._uncork()
-        if is_done(future):
-            return True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        me = threading.get_ident()
-        while not is_done(future):
-            if self.failure is not None:
-                raise self.failure
-            step = 0.1
-            if deadline is not None:
-                step = min(step, deadline - time.monotonic())
-                if step <= 0:
-                    return False
-            if self._rx_owner == me:  # a callback on the receiving thread waits: keep receiving here
-                self._receive(step)
-                continue
-            if self._thread is None or self._closed or not self._take_receiver(me):
-                concurrent.futures.wait([future], step)  # whoever receives completes it
-                continue
-            try:
-                while self.failure is None:
-                    if deadline is not None:
-                        step = deadline - time.monotonic()
-                        if step <= 0:
-                            break
-                    self._receive(min(step, 0.1), future)
-                    if is_done(future):
-                        break
-            finally:
-                self._release_receiver()
-        return True
-
-    def _take_receiver(self, me: int) -> bool:
-        """Take the receiving role (from the network thread); False when another caller has it."""
-        with self._park_lock:
-            if self._rx_caller is not None:
-                return False
-            self._rx_caller = me
-        if self._rx_owner is not None:  # the network thread polls: make it leave its poll now
-            self.transport.wake()
-        while not self._rx_lock.acquire(timeout=0.1):
-            if self.failure is not None or self._stop.is_set():
-                self._release_receiver(locked=False)
-                return False
-        self._rx_owner = me
-        return True
-
-    def _release_receiver(self, locked: bool = True) -> None:
-        """Give the receiving role up; the network thread takes it after ``_HANDBACK`` without a caller."""
-        self._rx_released = time.monotonic()
-        if locked:
-            self._rx_owner = None
-            self._rx_lock.release()
-        self._rx_caller = None
-
     def close(self, timeout: float | None = None) -> None:
         """Wait for requests in flight, tell the scheduler this worker finished, and close (idempotent).
 
@@ -295,12 +169,6 @@ class WorkerNode(Node):
             self.transport.close(linger=0.5 if error is None else 0.0)
         if error is not None and not isinstance(error, ClosedError) and self.failure is None:
             raise error
-
-    def _stop_thread(self) -> None:
-        self._stop.set()
-        with self._rx_cond:
-            self._rx_cond.notify_all()
-        self.transport.wake()
 
     def _wait_idle(self, limit: float) -> None:
         deadline = time.monotonic() + limit
@@ -418,41 +286,6 @@ class WorkerNode(Node):
             self._send(server, message, priority, req)
         return future
 
-    def _hold(self, server: int, message: list, priority: int, req: int) -> bool:
-        """Hold a small push back for the caller's next pull to ride along; True when held.
-
-        Only while the network thread is parked: a caller is then likely to pull next, and the
-        push and the pull travel as one message with one reply (see pull and _run).
-        """
-        if not self._parked or self._cork is not None or self._queue:
-            return False
-        with self._park_lock:
-            if self._parked and self._cork is None:
-                self._cork = (-priority, next(self._seq), server, message, req)
-                return True
-        return False
-
-    def _send(self, server: int, message: list, priority: int, req: int) -> None:
-        """Send one message now when nothing waits before it, else queue it (any thread)."""
-        if self._cork is None and not self._queue and self._send_lock.acquire(blocking=False):
-            try:
-                if not self._queue:
-                    try:
-                        self.transport.send(self.servers[server].uid.encode(), message, block=False)
-                        return
-                    except WouldBlock:
-                        pass
-                    except PSNodeError as exc:
-                        self._complete(req, exc)
-                        return
-                heapq.heappush(self._queue, (-priority, next(self._seq), server, message, req))
-            finally:
-                self._send_lock.release()
-            self._pump()
-            return
-        self._enqueue(server, message, priority, req)
-        self._pump()
-
     def pull(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
         """Pull ``(server, key id, out)`` parts into the C-contiguous arrays ``out``; returns at once.
 
@@ -538,17 +371,6 @@ class WorkerNode(Node):
             by_server.setdefault(part[0], []).append((index, part) if indexed else part)
         return by_server
 
-    def _send_copy(self, slot: tuple[int, int], flat: np.ndarray) -> np.ndarray:
-        """A copy of ``flat`` in a buffer kept per (key id, server), reused once ZeroMQ has sent it."""
-        entry = self._buffers.get(slot)
-        if entry is not None and entry[0].nbytes == flat.nbytes and entry[1].done:
-            buffer = entry[0]
-        else:
-            buffer = np.empty_like(flat)
-        np.copyto(buffer, flat)
-        self._buffers[slot] = (buffer, _UNSENT)
-        return buffer
-
     def _region(self, slot: tuple[int, int, int], nbytes: int) -> shm.Region | None:
         """The shared-memory region of ``slot`` when it is free (None: use a message this time)."""
         region = self._regions.get(slot)
@@ -576,62 +398,6 @@ class WorkerNode(Node):
         if self.failure is not None:  # failed between the check and now: do not leave it hanging
             self._complete(req, self.failure)
         return req
-
-    def _enqueue(self, server: int, frames: list, priority: int, req: int) -> None:
-        if self._cork is not None:  # a held push leaves before anything that follows it
-            cork = self._take_cork()
-            if cork is not None:
-                heapq.heappush(self._queue, cork)
-        heapq.heappush(self._queue, (-priority, next(self._seq), server, frames, req))
-
-    def _take_cork(self) -> tuple | None:
-        with self._park_lock:
-            cork, self._cork = self._cork, None
-        return cork
-
-    def _uncork(self) -> None:
-        """Send the held push (if any) now."""
-        cork = self._take_cork()
-        if cork is not None:
-            heapq.heappush(self._queue, cork)
-            self._pump()
-
-    def _pump(self) -> None:
-        """Send queued messages in priority order while the connections take them (any thread)."""
-        while self._queue:
-            if not self._send_lock.acquire(blocking=False):
-                return  # the holder re-checks the queue after releasing, so nothing is stranded
-            try:
-                if self._send_queued():
-                    return  # a connection is full: the network thread retries shortly
-            finally:
-                self._send_lock.release()
-
-    def _send_queued(self) -> bool:
-        """Send what the connections take; True when one was full. Call with the send lock held."""
-        queue = self._queue
-        while queue:
-            item = heapq.heappop(queue)  # atomic: other threads only ever push
-            _, _, server, frames, req = item
-            peer = self.servers[server].uid.encode()
-            try:
-                tracker = self.transport.send(peer, frames, track=len(frames) > 3 and frames[0][3] == Cmd.PUSH and not frames[0][4] & FLAG_PULL, block=False)
-            except WouldBlock:
-                heapq.heappush(queue, item)  # same sort key: it keeps its place
-                return True
-            except PSNodeError as exc:
-                self._complete(req, exc)
-                continue
-            if tracker is not None:
-                self._remember_tracker(server, frames, tracker)
-        return False
-
-    def _remember_tracker(self, server: int, frames: list, tracker: Any) -> None:
-        for key_id, _, frame, _, _, _ in unpack_entries(frames[1]):
-            if frame:
-                entry = self._buffers.get((key_id, server))
-                if entry is not None and entry[0] is frames[2 + frame]:
-                    self._buffers[(key_id, server)] = (entry[0], tracker)
 
     def _complete(self, req: int, error: BaseException | None = None) -> None:
         request = self._pending.pop(req, None)

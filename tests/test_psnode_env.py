@@ -16,6 +16,8 @@ def test_a_complete_environment_gives_the_documented_defaults():
     assert env == NodeEnv(role="worker", root_uri="127.0.0.1", root_port=9091, num_workers=2, num_servers=1, job_id=env.job_id)
     assert (env.heartbeat_interval, env.heartbeat_timeout, env.register_timeout) == (1.0, 10.0, 60.0)
     assert (env.bigarray_bound, env.server_device, env.verbose, env.local) == (1_000_000, "cpu", 0, False)
+    assert (env.same_host, env.io_sched) == ("shm", "batch")
+    assert read_env({**BASE, "PSLAUNCH_IO_SCHED": "Normal"}).io_sched == "normal"
 
 
 def test_an_unset_role_means_worker_unless_the_caller_requires_one():
@@ -46,6 +48,7 @@ def test_a_missing_required_variable_is_named(name):
         ("PSLAUNCH_BIGARRAY_BOUND", "-1", "PSLAUNCH_BIGARRAY_BOUND='-1' must be >= 1"),
         ("PSLAUNCH_SERVER_DEVICE", "tpu", "PSLAUNCH_SERVER_DEVICE='tpu' must be cpu, gpu or gpu:N"),
         ("PSLAUNCH_SAME_HOST", "carrier", "PSLAUNCH_SAME_HOST='carrier' must be shm, ipc or tcp"),
+        ("PSLAUNCH_IO_SCHED", "fifo", "PSLAUNCH_IO_SCHED='fifo' must be batch or normal"),
     ],
 )
 def test_a_malformed_variable_is_named_with_its_value(name, value, message):

@@ -134,3 +134,41 @@ def test_a_wake_before_the_poll_is_not_lost(pair):
     _, a, _, _, _, _ = pair
     a.wake()
     assert a.poll(60) is False
+
+
+def test_many_small_frames_arrive_as_sent_whatever_their_kind(pair):
+    _, a, b, _, port_b, _ = pair
+    a.connect(b"node-b", f"tcp://127.0.0.1:{port_b}")
+    small = [b"h" * 24, b"", b"m" * 40, np.arange(4, dtype=np.float32).tobytes(), b"\x00PJ looks joined"]
+    a.send(b"node-b", small)
+    a.send(b"node-b", [b"header", np.arange(4, dtype=np.float32)])  # not all bytes: frame by frame
+    a.send(b"node-b", [b"x" * 70000, b"y"])  # too big to travel joined
+    assert [f.bytes for f in recv(b)[1]] == small
+    frames = recv(b)[1]
+    assert frames[0].bytes == b"header" and np.frombuffer(frames[1].buffer, np.float32).tolist() == [0, 1, 2, 3]
+    assert [len(f.buffer) for f in recv(b)[1]] == [70000, 1]
+
+
+def test_a_single_frame_that_only_looks_joined_arrives_as_it_came(pair):
+    _, a, b, _, port_b, _ = pair
+    a.connect(b"node-b", f"tcp://127.0.0.1:{port_b}")
+    for junk in [b"\x00PJ", b"\x00PJ\x02\x00\x05\x00\x00\x00", b"\x00PJ\x01\x00\x09\x00\x00\x00abc"]:
+        a.send(b"node-b", [junk])
+        assert [f.bytes for f in recv(b)[1]] == [junk]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_io_sched_batch_runs_zeromqs_io_thread_under_sched_batch():
+    from psnode.zmq_transport import ZmqTransport
+
+    before = set(os.listdir("/proc/self/task"))
+    for sched, policy in [("batch", os.SCHED_BATCH), ("normal", os.SCHED_OTHER)]:
+        transport = ZmqTransport(b"node", io_sched=sched)
+        try:
+            transport.bind(0)  # the first socket starts the I/O thread
+            new = set(os.listdir("/proc/self/task")) - before
+            mine = [os.sched_getscheduler(int(t)) for t in new
+                    if open(f"/proc/self/task/{t}/comm").read().startswith("ZMQbg/IO")]
+            assert mine == [policy], (sched, mine)
+        finally:
+            transport.close()
