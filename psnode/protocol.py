@@ -16,6 +16,12 @@ key part, that says where its bytes lie in which data frame (64-bit offsets and 
 read with ``numpy.frombuffer``. Control commands (register, address book, errors, init) carry one
 JSON frame. Nothing on the wire is pickled except the updater a worker ships with ``set_updater``
 (a control message, only ever unpickled by a server of the same job).
+
+The small round trip has two single-frame commands whose header frame carries the whole message
+(``COMPACT_CMDS``): ``PUSH_PULL`` (a push of one small part and a pull of the same part, the
+``ONE_PART`` record after the header, then the value's bytes) and ``VALUE`` (the reply to a pull of
+one part: the header, then the value's bytes). One struct unpack reads either; the general form
+would take five frames and a dozen Python objects per message.
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ __all__ = [
     "unpack_entries",
     "pack_entries",
     "ENTRY_STRUCT",
+    "COMPACT_CMDS",
+    "ONE_PART",
+    "PUSH_PULL",
+    "pack_push_pull",
+    "pack_value",
 ]
 
 HEADER = struct.Struct("<2sBBHHQq")
@@ -88,6 +99,8 @@ class Cmd(enum.IntEnum):
     ROWS_REPLY = 27
     SET_UPDATER = 28
     SET_UPDATER_ACK = 29
+    PUSH_PULL = 30  # compact: req_id = the pull's, arg = the push's; ONE_PART record; the value
+    VALUE = 31  # compact: req_id = the pull's, arg = the part's index in it; the value
 
 
 class Group(enum.IntEnum):
@@ -117,6 +130,7 @@ def parse_group(group: "Group | int | str") -> Group:
 
 
 _CMDS = frozenset(int(c) for c in Cmd)
+COMPACT_CMDS = frozenset({int(Cmd.PUSH_PULL), int(Cmd.VALUE)})  # header frames that carry their message
 
 ENTRY = np.dtype(
     [("key", "<u8"), ("index", "<u4"), ("frame", "<u4"), ("offset", "<u8"), ("nbytes", "<u8"), ("seq", "<u8")]
@@ -147,13 +161,15 @@ def unpack_header(frame: Any) -> tuple[int, int, int, int]:
         ProtocolError: wrong length, magic, version or an unknown command.
     """
     data = getattr(frame, "buffer", frame)  # a received frame's memoryview, or bytes
-    if len(data) != HEADER.size:
+    if len(data) < HEADER.size:
         raise ProtocolError(f"header frame of {len(data)} bytes, expected {HEADER.size}")
     magic, version, cmd, flags, _, req_id, arg = HEADER.unpack_from(data)
     if magic != MAGIC or version != VERSION:
         raise ProtocolError(f"header with magic {magic!r} version {version}, expected {MAGIC!r} version {VERSION}")
     if cmd not in _CMDS:
         raise ProtocolError(f"unknown command {cmd}")
+    if len(data) != HEADER.size and cmd not in COMPACT_CMDS:
+        raise ProtocolError(f"header frame of {len(data)} bytes, expected {HEADER.size}")
     return cmd, flags, req_id, arg
 
 
@@ -176,6 +192,22 @@ def unpack_json(frame: Any) -> Any:
 
 
 ENTRY_STRUCT = struct.Struct("<QIIQQQ")  # the same record as ENTRY, for packing a few at a time
+
+ONE_PART = struct.Struct("<QIIQQ")
+"""``PUSH_PULL``'s record after the header: key id, index (the part's place in the pull), spare,
+nbytes (the value's length, which follows), seq (the push's count of the key, this one included)."""
+
+PUSH_PULL = struct.Struct(HEADER.format + ONE_PART.format[1:])  # header and record in one (un)pack
+
+
+def pack_push_pull(pull_req: int, push_req: int, key: int, index: int, seq: int, value: bytes) -> bytes:
+    """A ``PUSH_PULL`` frame: push ``value`` of part ``key`` and pull it back (see the module docstring)."""
+    return PUSH_PULL.pack(MAGIC, VERSION, Cmd.PUSH_PULL, 0, 0, pull_req, push_req, key, index, 0, len(value), seq) + value
+
+
+def pack_value(req_id: int, index: int, value: bytes) -> bytes:
+    """A ``VALUE`` frame: the reply to pull ``req_id`` for its part ``index``."""
+    return HEADER.pack(MAGIC, VERSION, Cmd.VALUE, 0, 0, req_id, index) + value
 
 
 def pack_entries(rows: list[tuple[int, int, int, int, int, int]]) -> bytes:

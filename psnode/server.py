@@ -27,15 +27,16 @@ from .env import NodeEnv
 from .errors import PSNodeError, ProtocolError
 from .node import Node, PeerInfo, logger
 from .protocol import (
-    ENTRY_STRUCT,
     FLAG_ACKS,
     FLAG_ERROR,
     FLAG_PULL,
     FLAG_SYNC,
+    PUSH_PULL,
     Cmd,
     pack_header,
     pack_entries,
     pack_json,
+    pack_value,
     unpack_entries,
     unpack_header,
     unpack_json,
@@ -80,13 +81,16 @@ class ServerNode(Node):
     def handle_data(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
         if peer.role != "worker":
             raise ProtocolError(f"{Cmd(cmd).name} from {peer.describe()}")
-        reply = self._cmd_replies.get(cmd)
-        if reply is None:
-            raise ProtocolError(f"a server does not accept {Cmd(cmd).name}")
-        if flags & FLAG_PULL and len(frames) == 5 and self._push_pull_one(peer, req_id, frames):
+        if cmd == Cmd.PUSH_PULL:
+            if len(frames) != 1:
+                raise ProtocolError(f"PUSH_PULL of {len(frames)} frames")
+            self._push_pull(peer, req_id, arg, frames[0].buffer)
             if self._outbox:  # the round closed: reply now rather than after the batch
                 self._flush()
             return
+        reply = self._cmd_replies.get(cmd)
+        if reply is None:
+            raise ProtocolError(f"a server does not accept {Cmd(cmd).name}")
         pull = None
         if flags & FLAG_PULL:  # a small push and the pull that followed it share one message
             if cmd != Cmd.PUSH or len(frames) < 5:
@@ -99,34 +103,30 @@ class ServerNode(Node):
         if pull is not None:  # after the push, so the pull's count of this worker's pushes includes it
             self._request(peer, Cmd.PULL, Cmd.PULL_REPLY, 0, pull_req, pull_arg, pull)
 
-    def _push_pull_one(self, peer: PeerInfo, push_req: int, frames: list) -> bool:
-        """A push of one small key with a pull of it attached (the small round trip): the steps of
-        ``_request`` for both, without their loops. False: not that case, use the general path."""
-        meta, pull_meta = frames[1].buffer, frames[4].buffer
-        if len(meta) != ENTRY_STRUCT.size or len(pull_meta) != ENTRY_STRUCT.size:
-            return False
-        key, _, frame, offset, nbytes, _ = ENTRY_STRUCT.unpack_from(meta)
-        pull_key, index, pull_frame, _, pull_nbytes, seq = ENTRY_STRUCT.unpack_from(pull_meta)
-        shard = self.store.shards.get(key)
-        if (pull_key != key or frame or pull_frame or shard is None or shard.group is not None
-                or nbytes != shard.nbytes or pull_nbytes != nbytes):
-            return False
-        pull_cmd, pull_flags, pull_req, _ = unpack_header(frames[3])
-        if pull_cmd != Cmd.PULL or pull_flags:
-            raise ProtocolError(f"{Cmd(pull_cmd).name} attached to a push where a pull belongs")
-        data = frames[2].buffer
-        if offset + nbytes > len(data):
-            raise ProtocolError(f"a part of key {key:#x} lies outside the message's data frames")
+    def _push_pull(self, peer: PeerInfo, pull_req: int, push_req: int, buf: memoryview) -> None:
+        """A ``PUSH_PULL`` frame: the push of one small part, then the pull of it (the small round
+        trip); the steps of ``_request`` for both, read with one struct unpack."""
+        key, index, _, nbytes, seq = PUSH_PULL.unpack_from(buf)[7:]
+        if len(buf) != PUSH_PULL.size + nbytes:
+            raise ProtocolError(f"PUSH_PULL of {len(buf)} bytes for a value of {nbytes}")
         rank = peer.rank
         try:
-            self.store.push(shard, rank, np.frombuffer(data, shard.dtype, nbytes // shard.dtype.itemsize, offset), self._answer)
+            shard = self._shard(key)
+            if nbytes != shard.nbytes:
+                raise KeyError_(f"key {shard.user_key!r}: a push of {nbytes} bytes, but this server holds {shard.nbytes}")
+        except KeyError_ as exc:  # neither can run: both fail with the reason
+            self._reply_error(peer, Cmd.PUSH_ACK, push_req, str(exc))
+            self._reply_error(peer, Cmd.PULL_REPLY, pull_req, str(exc))
+            return
+        try:
+            data = np.frombuffer(buf, shard.dtype, nbytes // shard.dtype.itemsize, PUSH_PULL.size)
+            self.store.push(shard, rank, data, self._answer)
         except KeyError_ as exc:
             self._reply_error(peer, Cmd.PUSH_ACK, push_req, str(exc))
         try:
             self.store.pull(shard, rank, pull_req, index, seq, self._answer)
         except KeyError_ as exc:
             self._reply_error(peer, Cmd.PULL_REPLY, pull_req, str(exc))
-        return True
 
     def _request(self, peer: PeerInfo, cmd: int, reply: int, flags: int, req_id: int, arg: int, frames: list, ack: bool = True) -> None:
         """Run one request (a push, pull, row pull, init or updater); refusals go back as error replies.
@@ -283,8 +283,7 @@ class ServerNode(Node):
             if len(parts) == 1 and not self._reply_regions:  # one small part: the common reply, built directly
                 index, shard = parts[0]
                 if not shard.error and shard.nbytes < _OWN_FRAME:
-                    meta = ENTRY_STRUCT.pack(shard.key_id, index, 0, 0, shard.nbytes, 0)
-                    self._send_to(worker, [pack_header(Cmd.PULL_REPLY, req_id), meta, host(shard.stored).tobytes()])
+                    self._send_to(worker, [pack_value(req_id, index, host(shard.stored).tobytes())])
                     continue
             peer = self.workers[worker]
             errors = [s.error for _, s in parts if s.error]
@@ -324,7 +323,7 @@ class ServerNode(Node):
     def _send_to(self, worker: int, frames: list, track: bool = False) -> Any:
         """Send a reply to ``worker``, with its held-back push acknowledgements as a last frame."""
         header = frames[0]
-        if header[3] == Cmd.PULL_REPLY:
+        if header[3] == Cmd.PULL_REPLY or header[3] == Cmd.VALUE:
             self._pulls_waiting[worker].discard(int.from_bytes(header[8:16], "little"))
         pairs = self._acks.pop(worker, None)
         if pairs:

@@ -38,8 +38,8 @@ from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
 from .node import Node, PeerInfo
 from .protocol import (
-    ENTRY_STRUCT, FLAG_ACKS, FLAG_ERROR, FLAG_PULL, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json, unpack_entries, unpack_json,
-    with_flags,
+    ENTRY_STRUCT, FLAG_ACKS, FLAG_ERROR, FLAG_PULL, FLAG_SYNC, HEADER, Cmd, pack_entries, pack_header, pack_json, pack_push_pull,
+    unpack_entries, unpack_json, with_flags,
 )
 from .worker_receiving import ReceivingRole, is_done
 from .worker_sending import SendQueue
@@ -338,6 +338,11 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
                 if request is not None:
                     request.carried = cork[4]
                 push = cork[3]
+                if len(push) == 3 and push[1][:8] == message[1][:8] and len(push[1]) == ENTRY_STRUCT.size:
+                    # a push of this very part: one PUSH_PULL frame (protocol's compact form)
+                    frame = pack_push_pull(req, cork[4], key_id, 0, self._push_counts[(key_id, server)], push[2])
+                    self._send(server, [frame], priority, req)
+                    return future
                 push[0] = with_flags(push[0], FLAG_PULL)
                 self._send(server, push + message, priority, req)
                 return future
@@ -434,6 +439,17 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
                     self._complete(rid)
 
     @staticmethod
+    def _take_value(request: _Request, index: int, frame: memoryview) -> None:
+        """Write a ``VALUE`` reply into the out of part ``index``."""
+        targets = request.targets
+        if targets is None or not 0 <= index < len(targets):
+            raise ProtocolError(f"VALUE for part {index} of a request with {len(targets or ())} parts")
+        target = targets[index]
+        if len(frame) - HEADER.size != target.nbytes:
+            raise ProtocolError(f"VALUE of {len(frame) - HEADER.size} bytes for an out of {target.nbytes} bytes")
+        target[:] = frame[HEADER.size:]
+
+    @staticmethod
     def _take_one(request: _Request, meta: memoryview, data: memoryview) -> None:
         """Write the one part of a reply into its out (``handle_data`` for the common case)."""
         if len(meta) != ENTRY_STRUCT.size:
@@ -468,12 +484,25 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
             message = unpack_json(frames[1]).get("error", "unknown error")
             self._complete(req_id, RemoteError(f"{request.what} failed on {peer.describe()}: {message}"))
             return
-        if cmd in (Cmd.PULL_REPLY, Cmd.ROWS_REPLY):
+        try:
+            self._take_reply(request, cmd, arg, frames)
+        except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
+            self._complete(req_id, ProtocolError(f"{request.what}: malformed reply from {peer.describe()}: {exc}"))
+            raise  # and the message is counted as malformed
+        if request.remaining <= 0:
+            self._complete(req_id)
+        if self._queue:
+            self._pump()
+
+    def _take_reply(self, request: _Request, cmd: int, arg: int, frames: list) -> None:
+        """Write a reply's values into the request's outs and count the parts it answered."""
+        if cmd == Cmd.VALUE:  # one part, in the header frame (protocol's compact form)
+            self._take_value(request, arg, frames[0].buffer)
+            request.remaining -= 1
+        elif cmd in (Cmd.PULL_REPLY, Cmd.ROWS_REPLY):
             if len(frames) == 3 and len(request.targets) == 1:  # one part in the message (most small pulls)
                 self._take_one(request, frames[1].buffer, frames[2].buffer)
-                self._complete(req_id)
-                if self._queue:
-                    self._pump()
+                request.remaining -= 1
                 return
             data_frames = frames[2:]
             buffers = [f.buffer for f in data_frames]
@@ -492,7 +521,3 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
             request.remaining -= arg
         else:
             raise ProtocolError(f"a worker does not accept {Cmd(cmd).name}")
-        if request.remaining <= 0:
-            self._complete(req_id)
-        if self._queue:
-            self._pump()

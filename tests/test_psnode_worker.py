@@ -6,7 +6,7 @@ import pytest
 from psnode.env import read_env
 from psnode.errors import PeerDiedError
 from psnode.node import PeerInfo
-from psnode.protocol import FLAG_PULL, Cmd, unpack_entries, unpack_header
+from psnode.protocol import FLAG_PULL, PUSH_PULL, Cmd, unpack_entries, unpack_header
 from psnode.transport import WouldBlock
 from psnode.worker import WorkerNode
 
@@ -76,17 +76,30 @@ def test_requests_in_flight_fail_with_the_dead_peer_and_bookkeeping_empties(work
         worker.push([(0, 1, np.ones(2, np.float32))])
 
 
-def test_a_held_small_push_carries_the_next_pull_of_its_server_in_one_message(worker):
+def test_a_held_small_push_and_the_pull_of_the_same_part_travel_as_one_push_pull_frame(worker):
     worker._parked = True  # as when the network thread waits for a caller's next call
-    worker.push([(1, 7, np.ones(2, np.float32))])
+    worker.push([(1, 7, np.arange(2, dtype=np.float32))])
     assert worker.sent == []  # held back for a pull to join it
     worker.pull([(1, 7, np.zeros(2, np.float32))])
+    assert len(worker.sent) == 1
+    frames = worker.sent[0][1]
+    assert len(frames) == 1
+    fields = PUSH_PULL.unpack_from(frames[0])
+    cmd, (pull_req, push_req), (key, index, _, nbytes, seq) = fields[2], fields[5:7], fields[7:]
+    assert cmd == Cmd.PUSH_PULL and pull_req > push_req and (key, index, nbytes, seq) == (7, 0, 8, 1)
+    assert np.frombuffer(frames[0][PUSH_PULL.size:], np.float32).tolist() == [0, 1]
+
+
+def test_a_held_small_push_carries_a_pull_of_other_parts_of_its_server_in_one_message(worker):
+    worker._parked = True
+    worker.push([(1, 7, np.ones(2, np.float32))])
+    worker.pull([(1, 8, np.zeros(2, np.float32))])
     assert len(worker.sent) == 1
     frames = worker.sent[0][1]
     cmd, flags, _, _ = unpack_header(frames[0])
     assert cmd == Cmd.PUSH and flags & FLAG_PULL and len(frames) == 5
     pull_cmd, _, _, _ = unpack_header(frames[3])
-    assert pull_cmd == Cmd.PULL and unpack_entries(frames[4])[0][5] == 1
+    assert pull_cmd == Cmd.PULL and unpack_entries(frames[4])[0][:1] == (8,)
 
 
 def test_a_held_push_leaves_on_its_own_before_a_pull_of_another_server_or_a_wait(worker):
