@@ -161,8 +161,8 @@ def test_a_single_frame_that_only_looks_joined_arrives_as_it_came(pair):
 def test_io_sched_batch_runs_zeromqs_io_thread_under_sched_batch():
     from psnode.zmq_transport import ZmqTransport
 
-    before = set(os.listdir("/proc/self/task"))
     for sched, policy in [("batch", os.SCHED_BATCH), ("normal", os.SCHED_OTHER)]:
+        before = set(os.listdir("/proc/self/task"))  # per round: thread ids are reused
         transport = ZmqTransport(b"node", io_sched=sched)
         try:
             transport.bind(0)  # the first socket starts the I/O thread
