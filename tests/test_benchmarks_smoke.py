@@ -80,3 +80,15 @@ def test_quick_run_reports_every_row_for_pslaunch_and_raw_pyzmq(tmp_path):
     assert machine["nproc"] >= 1 and "cpu_model" in machine
     # the table went to stdout too
     assert "4-element key" in completed.stdout and "issue 3 targets" in completed.stdout
+
+
+def test_python_cost_measures_the_one_frame_round_trip_on_both_sides():
+    # the script exits non-zero unless the timed rounds were PUSH_PULL frames answered by VALUE
+    # frames, and the pulled value is right: a check that the small round trip takes its compact path
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "python_cost.py"), "--rounds", "200", "--reps", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["worker", "server"], proc.stdout
+    for line in lines:
+        assert float(line.split(":")[1].split()[0]) > 0, line
