@@ -330,7 +330,7 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
     def _pull_one(self, server: int, key_id: int, out: np.ndarray, priority: int, future: Any) -> Any:
         """``pull`` of one part answered in a message: the same request, built without the general bookkeeping."""
         req = self._track(future, 1, [memoryview(out).cast("B")], "pull")
-        message = [pack_header(Cmd.PULL, req, 1), ENTRY_STRUCT.pack(key_id, 0, 0, 0, out.nbytes, self._push_counts.get((key_id, server), 0))]
+        seq = self._push_counts.get((key_id, server), 0)
         cork = self._take_cork() if self._cork is not None else None
         if cork is not None:
             if cork[2] == server and cork[0] == -priority:  # the held push carries this pull
@@ -338,17 +338,21 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
                 if request is not None:
                     request.carried = cork[4]
                 push = cork[3]
-                if len(push) == 3 and push[1][:8] == message[1][:8] and len(push[1]) == ENTRY_STRUCT.size:
+                if len(push) == 3 and len(push[1]) == ENTRY_STRUCT.size and ENTRY_STRUCT.unpack(push[1])[0] == key_id:
                     # a push of this very part: one PUSH_PULL frame (protocol's compact form)
-                    frame = pack_push_pull(req, cork[4], key_id, 0, self._push_counts[(key_id, server)], push[2])
-                    self._send(server, [frame], priority, req)
+                    self._send(server, [pack_push_pull(req, cork[4], key_id, 0, seq, push[2])], priority, req)
                     return future
                 push[0] = with_flags(push[0], FLAG_PULL)
-                self._send(server, push + message, priority, req)
+                self._send(server, push + self._pull_message(req, key_id, out.nbytes, seq), priority, req)
                 return future
             heapq.heappush(self._queue, cork)  # it cannot carry this pull: it leaves on its own
-        self._send(server, message, priority, req)
+        self._send(server, self._pull_message(req, key_id, out.nbytes, seq), priority, req)
         return future
+
+    @staticmethod
+    def _pull_message(req: int, key_id: int, nbytes: int, seq: int) -> list:
+        """The frames of a pull of one part: header and meta."""
+        return [pack_header(Cmd.PULL, req, 1), ENTRY_STRUCT.pack(key_id, 0, 0, 0, nbytes, seq)]
 
     def pull_rows(self, parts: Sequence[tuple[int, int, np.ndarray, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
         """Pull the rows ``rows`` (int64, local to the part) of ``(server, key id, rows, out)`` parts into ``out``."""
