@@ -266,3 +266,8 @@ def test_a_barrier_of_all_nodes_fails_naming_a_server_that_died(tmp_path):
     for r in results:
         if r.role == "worker" or (r.role == "server" and r.returncode != 3):
             assert r.returncode not in (0, None) and re.search(r"server \d on .* died", r.output), str(r)
+
+
+def test_one_frame_round_trips_the_server_refuses_fail_naming_why_and_later_rounds_stay_exact():
+    results = run_ok("bad_round_trips.py", workers=1, servers=1)
+    assert all(r.returncode == 0 for r in results), "\n".join(str(r) for r in results)

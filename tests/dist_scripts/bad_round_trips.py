@@ -1,0 +1,68 @@
+"""Worker: one-frame round trips that the server must refuse (an unknown key, a wrong size, a
+truncated frame) fail with errors naming the problem; a refused push never leaves later pulls
+waiting for it; and the next rounds stay exact."""
+
+import numpy as np
+
+import kvcore
+from psnode.protocol import Cmd, pack_push_pull
+
+kv = kvcore.create("dist_sync")
+assert kv.num_workers == 1
+value, out = np.ones(4, np.float32), np.zeros(4, np.float32)
+kv.init(3, value)
+node = kv._worker
+server, key_id = kv._whole[3]
+uid = node.servers[server].uid.encode()
+
+sent = []  # the command of every message this worker sends (the real socket still sends it)
+real_send = node.transport.send
+
+
+def recording_send(peer, frames, track=False, block=True):
+    sent.append(frames[0][3])
+    return real_send(peer, frames, track, block)
+
+
+node.transport.send = recording_send
+
+
+def round_trip(key, push_value, pull_out):
+    """push then pull of one part as kvcore's fast path issues them; returns both futures."""
+    for _ in range(3):  # let the network thread park, so the push waits for the pull (one frame)
+        kv.push(3, value)
+        kv.pull(3, out=out)
+    sent.clear()
+    push = node.push_part(server, key, push_value)
+    pull = node.pull_part(server, key, pull_out)
+    assert node.wait_for(pull, 30) and node.wait_for(push, 30)
+    assert sent == [Cmd.PUSH_PULL], [Cmd(c).name for c in sent]
+    return push, pull
+
+
+for key, push_value, pull_out, expected in [
+    (0xDEAD, value, np.zeros(4, np.float32), "key id 0xdead was never initialised"),
+    (key_id, np.ones(8, np.float32), np.zeros(8, np.float32), "a push of 32 bytes, but this server holds 16"),
+]:
+    push, pull = round_trip(key, push_value, pull_out)
+    for future in (push, pull):
+        error = future.exception()
+        assert isinstance(error, kvcore.ServerError) and expected in str(error), repr(error)
+
+# a refused push on its own (the general PUSH message) still counts, so the next pull does not wait for it
+sent.clear()
+push = node.push_part(server, key_id, np.ones(8, np.float32))
+assert node.wait_for(push, 30)
+assert isinstance(push.exception(), kvcore.ServerError) and "a push of 32 bytes" in str(push.exception()), push.exception()
+assert sent == [Cmd.PUSH], [Cmd(c).name for c in sent]
+pulled = kv.pull(3, out=out, wait=False)
+pulled.wait(30)
+
+# a truncated frame is dropped by the server (counted as malformed); nothing answers it
+node.transport.send(uid, [pack_push_pull(node.next_req_id(), node.next_req_id(), key_id, 0, 1, value.tobytes())[:-3]])
+
+for i in range(50):  # and the job goes on with exact values: one worker, so the pull is its own push
+    kv.push(3, value * i)
+    kv.pull(3, out=out)
+    assert np.all(out == i), (i, out)
+print("OK", kv.rank, flush=True)
