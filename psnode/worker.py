@@ -36,12 +36,12 @@ import numpy as np
 from . import shm
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
-from .node import Node, PeerInfo
+from .node import Node, PeerInfo, is_done
 from .protocol import (
     ENTRY_STRUCT, FLAG_ACKS, FLAG_ERROR, FLAG_PULL, FLAG_SYNC, HEADER, Cmd, pack_entries, pack_header, pack_json, pack_push_pull,
     unpack_entries, unpack_json, with_flags,
 )
-from .worker_receiving import ReceivingRole, is_done
+from .worker_receiving import ReceivingRole
 from .worker_sending import SendQueue
 
 __all__ = ["WorkerNode", "is_done"]

@@ -19,24 +19,14 @@ import time
 from typing import Any
 
 from .errors import ClosedError, PSNodeError
+from .node import is_done
 
-__all__ = ["ReceivingRole", "is_done"]
+__all__ = ["ReceivingRole"]
 
 # After a caller stops receiving (wait_for), the network thread takes the role back only once no
 # caller has received for this long: a caller in a loop of waits keeps it without a hand-over each
 # time. Messages that arrive in such a gap wait at most this long (heartbeats are unaffected).
 _HANDBACK = 0.002
-
-_DONE_STATES = frozenset({"CANCELLED", "CANCELLED_AND_NOTIFIED", "FINISHED"})
-
-
-def is_done(future: concurrent.futures.Future) -> bool:
-    """``future.done()`` without taking the future's lock (reading one attribute is atomic).
-
-    The receive loops ask this after every message; the lock ``done()`` takes is most of its cost.
-    """
-    return future._state in _DONE_STATES
-
 
 class ReceivingRole:
     """The receiving role of a ``WorkerNode`` and its hand-over (see the module docstring)."""
