@@ -87,8 +87,8 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
         self._rx_caller: int | None = None  # a caller thread that takes over receiving (see wait_for)
         self._rx_released = 0.0  # when a caller last gave the role up
         # A small push to one server may be held back (corked) while the network thread is parked,
-        # so that a pull right after it travels in the same message (see push). Both are guarded
-        # by _rx_cond's lock; the parked network thread sends a held push within _HANDBACK.
+        # so that a pull right after it travels in the same message (worker_sending). Both are
+        # guarded by _park_lock; the parked network thread sends a held push within _HANDBACK.
         self._parked = False
         self._cork: tuple | None = None
 

@@ -28,6 +28,7 @@ __all__ = ["ReceivingRole"]
 # time. Messages that arrive in such a gap wait at most this long (heartbeats are unaffected).
 _HANDBACK = 0.002
 
+
 class ReceivingRole:
     """The receiving role of a ``WorkerNode`` and its hand-over (see the module docstring)."""
 
