@@ -47,7 +47,7 @@ from psnode.worker import WorkerNode, is_done
 
 from . import arrays
 from .errors import DistributedError, DistTimeoutError, NodeDiedError, OptimizerError, ServerError
-from .handles import Handle, KVTimeoutError
+from .handles import Handle, KVTimeoutError, LazyHandle
 from .optim.base import Optimizer, Updater
 from .sharding import KeyLayout, layout
 from .store_base import KVStoreBase
@@ -101,7 +101,7 @@ def worker_node() -> WorkerNode:
         return _node
 
 
-class _NodeHandle(Handle):
+class _NodeHandle(LazyHandle):
     """A ``Handle`` whose ``wait`` receives the reply on the waiting thread (``WorkerNode.wait_for``).
 
     Skipping the hand-off from the network thread to the waiter saves a thread wake-up per wait,
@@ -122,7 +122,7 @@ class _NodeHandle(Handle):
                 done = True
             if not done:
                 raise KVTimeoutError(f"{self.description} did not complete within {timeout} s")
-        return self.result()
+        return LazyHandle.wait(self)  # done: the result without a lock
 
 
 class DistKVStore(KVStoreBase):

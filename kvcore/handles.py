@@ -10,6 +10,7 @@ stores complete them from their network thread.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Any, Iterable
 
 from .errors import KVStoreError
@@ -45,6 +46,76 @@ class Handle(concurrent.futures.Future):
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<Handle {self.description} {state}>"
+
+
+_MAKE_CONDITION = threading.Lock()  # makes a LazyHandle's condition exactly once
+_PENDING, _FINISHED = "PENDING", "FINISHED"  # concurrent.futures.Future's state names
+
+
+class LazyHandle(Handle):
+    """A ``Handle`` that makes its lock only when someone needs it.
+
+    A ``concurrent.futures.Future`` builds a ``threading.Condition`` when it is made and takes it
+    to complete; a distributed store makes two handles per push + pull round, and nobody waits on
+    most of them (a push's handle) or waits through the store (``wait``, which looks at the state
+    first). This one behaves the same, but its condition is made on first use (``result``,
+    ``done``, ``add_done_callback``, ``concurrent.futures.wait`` ...), and completing it takes no
+    lock while there is none. The state is written before the condition is looked at, and every
+    waiter looks at the state under the condition after making it, so a waiter arriving at the
+    same moment either sees the result or is notified.
+    """
+
+    def __init__(self, description: str = "operation") -> None:
+        # concurrent.futures.Future.__init__'s fields, but no condition yet (see _condition)
+        self._state = _PENDING
+        self._result = None
+        self._exception = None
+        self._waiters: list = []
+        self._done_callbacks: list = []
+        self._lazy_condition: threading.Condition | None = None
+        self.description = description
+
+    @property
+    def _condition(self) -> threading.Condition:  # what Future's methods use
+        condition = self._lazy_condition
+        if condition is None:
+            with _MAKE_CONDITION:
+                condition = self._lazy_condition
+                if condition is None:
+                    condition = self._lazy_condition = threading.Condition()
+        return condition
+
+    def set_result(self, result: Any) -> None:
+        if self._lazy_condition is not None or self._state != _PENDING:
+            super().set_result(result)  # someone waits or looked: the full protocol (and its errors)
+            return
+        self._result = result
+        self._state = _FINISHED
+        if self._lazy_condition is not None:  # a waiter came meanwhile: wake it
+            self._notify_late(lambda waiter: waiter.add_result(self))
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        if self._lazy_condition is not None or self._state != _PENDING:
+            super().set_exception(exception)
+            return
+        self._exception = exception
+        self._state = _FINISHED
+        if self._lazy_condition is not None:
+            self._notify_late(lambda waiter: waiter.add_exception(self))
+
+    def _notify_late(self, tell: Any) -> None:
+        with self._condition:
+            for waiter in self._waiters:
+                tell(waiter)
+            self._condition.notify_all()
+        self._invoke_callbacks()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._state == _FINISHED:  # done: no lock needed to read it
+            if self._exception is not None:
+                raise self._exception
+            return self._result
+        return super().wait(timeout)
 
 
 def completed(result: Any = None, description: str = "operation") -> Handle:
