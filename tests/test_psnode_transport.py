@@ -1,6 +1,7 @@
 """Transport conformance: every registered transport moves frames between named peers the same way."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -162,13 +163,25 @@ def test_io_sched_batch_runs_zeromqs_io_thread_under_sched_batch():
     from psnode.zmq_transport import ZmqTransport
 
     for sched, policy in [("batch", os.SCHED_BATCH), ("normal", os.SCHED_OTHER)]:
-        before = set(os.listdir("/proc/self/task"))  # per round: thread ids are reused
+        before = set(os.listdir("/proc/self/task"))
         transport = ZmqTransport(b"node", io_sched=sched)
         try:
             transport.bind(0)  # the first socket starts the I/O thread
-            new = set(os.listdir("/proc/self/task")) - before
-            mine = [os.sched_getscheduler(int(t)) for t in new
-                    if open(f"/proc/self/task/{t}/comm").read().startswith("ZMQbg/IO")]
+            deadline = time.monotonic() + 5
+            while True:  # the thread names itself once it runs, a moment after bind returns
+                new = set(os.listdir("/proc/self/task")) - before
+                mine = [os.sched_getscheduler(int(t)) for t in new if _thread_name(t).startswith("ZMQbg/IO")]
+                if mine or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
             assert mine == [policy], (sched, mine)
         finally:
             transport.close()
+
+
+def _thread_name(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as fh:
+            return fh.read()
+    except FileNotFoundError:  # it ended meanwhile
+        return ""
