@@ -271,3 +271,7 @@ def test_a_barrier_of_all_nodes_fails_naming_a_server_that_died(tmp_path):
 def test_one_frame_round_trips_the_server_refuses_fail_naming_why_and_later_rounds_stay_exact():
     results = run_ok("bad_round_trips.py", workers=1, servers=1)
     assert all(r.returncode == 0 for r in results), "\n".join(str(r) for r in results)
+
+
+def test_pushes_sent_on_their_own_are_acknowledged_on_the_next_value_reply_and_values_stay_exact():
+    run_ok("acks_on_values.py", workers=2, servers=1)
