@@ -4,8 +4,9 @@ The worker's API speaks in *parts*: ``(server rank, key id, array)``. Which part
 is decided above (``kvcore.sharding``). Every call returns at once with a
 ``concurrent.futures.Future`` (or completes the one it is given); a dedicated network thread
 receives the replies, writes pulled values into their outs and completes the futures, and keeps
-heartbeats going. Parts of one call headed to one server travel in one message; small values are
-packed into one data frame, large ones are their own frame, sent without a copy.
+heartbeats going. Small parts of one call headed to one server travel in one message, packed into
+one data frame; each part of 64 KiB or more travels in a message of its own (sent from its buffer
+without a copy), so the server merges and answers it while the next one is still arriving.
 
 Sends are queued by priority (higher first, then in call order) and leave as soon as the
 connection takes them; when a connection's queue is full they wait in that order. Correctness does
@@ -233,7 +234,7 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
         counts = self._push_counts
         for server, items in by_server.items():
             entries = []
-            small, frames = [], []
+            small = []
             offset = 0
             for i, (_, key_id, value) in enumerate(items):
                 slot = (key_id, server)
@@ -247,16 +248,20 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
                     entries.append((key_id, i, shm.SHM_FRAME, region.ref, nbytes, seq))
                 elif nbytes >= _OWN_FRAME:
                     flat = value.reshape(-1).view(np.uint8) if value.flags.c_contiguous else np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-                    frames.append(self._send_copy(slot, flat) if copy else flat)
-                    entries.append((key_id, i, len(frames), 0, nbytes, seq))
+                    buffer = self._send_copy(slot, flat) if copy else flat
+                    # its own message: the server merges and answers it while the next part arrives
+                    own = [pack_header(Cmd.PUSH, req, 1), ENTRY_STRUCT.pack(key_id, i, 1, 0, nbytes, seq), b"", buffer]
+                    self._enqueue(server, own, priority, req)
                 else:
                     small.append(value)
                     entries.append((key_id, i, 0, offset, nbytes, seq))
                     offset += nbytes
+            if not entries:
+                continue
             # small values are copied here (the caller may change its arrays as soon as push returns)
             payload: Any = small[0].tobytes() if len(small) == 1 else b"".join([v.tobytes() for v in small])
-            message = [pack_header(Cmd.PUSH, req, len(items)), pack_entries(entries), payload] + frames
-            if len(by_server) == 1 and not frames and self._hold(server, message, priority, req):
+            message = [pack_header(Cmd.PUSH, req, len(entries)), pack_entries(entries), payload]
+            if len(by_server) == 1 and self._hold(server, message, priority, req):
                 return future
             self._enqueue(server, message, priority, req)
         self._pump()
@@ -305,6 +310,9 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
             heapq.heappush(self._queue, cork)  # it cannot carry this pull: it leaves on its own
             cork = None
         for server, items in by_server.items():
+            items = self._pull_big_alone(server, items, req, priority) if len(items) > 1 or cork is None else items
+            if not items:
+                continue
             entries = [(key_id, index, 0, 0, out.nbytes, counts.get((key_id, server), 0)) for index, (_, key_id, out) in items]
             if server in self._shm_servers and request is not None:
                 for j, (index, (_, key_id, out)) in enumerate(items):
@@ -326,6 +334,20 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
             self._enqueue(server, message, priority, req)
         self._pump()
         return future
+
+    def _pull_big_alone(self, server: int, items: list, req: int, priority: int) -> list:
+        """Send a pull message of its own for each big part answered over the socket (as pushes
+        do, so that the server answers each as soon as its round closes); the other items."""
+        rest = []
+        local = server in self._shm_servers
+        for item in items:
+            index, (_, key_id, out) = item
+            if out.nbytes >= _OWN_FRAME and not (local and out.nbytes >= shm.SHM_MIN):
+                entry = ENTRY_STRUCT.pack(key_id, index, 0, 0, out.nbytes, self._push_counts.get((key_id, server), 0))
+                self._enqueue(server, [pack_header(Cmd.PULL, req, 1), entry], priority, req)
+            else:
+                rest.append(item)
+        return rest
 
     def _pull_one(self, server: int, key_id: int, out: np.ndarray, priority: int, future: Any) -> Any:
         """``pull`` of one part answered in a message: the same request, built without the general bookkeeping."""

@@ -111,3 +111,18 @@ def test_a_held_push_leaves_on_its_own_before_a_pull_of_another_server_or_a_wait
     assert len(worker.sent) == 2
     worker.wait_for(future, 0.01)
     assert len(worker.sent) == 3 and unpack_header(worker.sent[2][1][0])[:2] == (Cmd.PUSH, 0)
+
+
+def test_big_parts_travel_in_messages_of_their_own_and_small_ones_together(worker):
+    big = np.arange(20000, dtype=np.float32)  # 80 KB: a frame of its own
+    worker.push([(0, 1, big), (0, 2, np.ones(2, np.float32)), (0, 3, big + 1), (0, 4, np.ones(2, np.float32))])
+    pushes = [frames for _, frames in worker.sent]
+    assert [unpack_header(f[0])[3] for f in pushes] == [1, 1, 2]  # parts per message
+    assert [unpack_entries(f[1])[0][0] for f in pushes[:2]] == [1, 3]
+    assert np.array_equal(np.frombuffer(pushes[1][3], np.float32), big + 1)
+    assert [e[0] for e in unpack_entries(pushes[2][1])] == [2, 4]
+    worker.sent.clear()
+    worker.pull([(0, 1, np.zeros(20000, np.float32)), (0, 2, np.zeros(2, np.float32)), (0, 3, np.zeros(20000, np.float32))])
+    pulls = [frames for _, frames in worker.sent]
+    assert [[e[:2] for e in unpack_entries(f[1])] for f in pulls] == [[(1, 0)], [(3, 2)], [(2, 1)]]
+    assert len({unpack_header(f[0])[2] for f in pulls}) == 1  # one request, answered part by part
