@@ -20,6 +20,7 @@ import numpy as np
 
 from .node import logger
 from .protocol import ENTRY
+from .server_store import drain_backlog
 
 __all__ = ["Group", "MIN_GROUP"]
 
@@ -91,14 +92,7 @@ class Group:
             self.count = 0
             self.pushed.clear()
             self.first = None
-            kept: deque = deque()
-            while self.backlog:
-                w, d = self.backlog.popleft()
-                if w in self.pushed:
-                    kept.append((w, d))
-                else:
-                    self._merge(w, d)
-            self.backlog = kept
+            self.backlog = drain_backlog(self.backlog, self.pushed, self._merge)
 
     def _merge(self, worker: int, data: np.ndarray) -> None:
         if self.count == 0:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
-__all__ = ["Shard", "ServerStore", "KeyError_", "device_backend"]
+__all__ = ["Shard", "ServerStore", "KeyError_", "device_backend", "drain_backlog"]
 
 
 class KeyError_(Exception):
@@ -163,6 +163,19 @@ class Shard:
 Answer = Callable[[int, int, int, "Shard"], None]
 
 
+def drain_backlog(backlog: deque, pushed: set, merge: Callable[[int, Any], None]) -> deque:
+    """After a round closed: ``merge(worker, data)`` each held push of a worker not yet in the new
+    round (``pushed``), in arrival order; the pushes still held for a later round."""
+    kept: deque = deque()
+    while backlog:
+        worker, data = backlog.popleft()
+        if worker in pushed:
+            kept.append((worker, data))
+        else:
+            merge(worker, data)
+    return kept
+
+
 class ServerStore:
     """All shards of one server, and the rules that merge and apply pushes (see the module docstring)."""
 
@@ -272,14 +285,7 @@ class ServerStore:
                 self._release(shard, answer)
 
     def _drain_backlog(self, shard: Shard) -> None:
-        kept: deque = deque()
-        while shard.backlog:
-            worker, data = shard.backlog.popleft()
-            if worker in shard.pushed:
-                kept.append((worker, data))
-            else:
-                self._merge(shard, worker, data)
-        shard.backlog = kept
+        shard.backlog = drain_backlog(shard.backlog, shard.pushed, lambda worker, data: self._merge(shard, worker, data))
 
     def _apply(self, shard: Shard) -> None:
         busy = bool(shard.trackers) and any(not t.done for t in shard.trackers)
