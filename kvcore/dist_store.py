@@ -201,33 +201,36 @@ class DistKVStore(KVStoreBase):
     # ---- the common case without the general normalisation ------------------------------------
     def push(self, key: Any, value: Any, priority: int = 0) -> Handle:
         """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
-        if type(value) is np.ndarray and (type(key) is int or type(key) is str) and (self._sync or self._has_updater):
-            target = self._whole.get(key)
-            meta = self._meta.get(key)
-            if target is not None and meta is not None and value.shape == meta.shape and value.dtype == meta.dtype:
+        if type(value) is np.ndarray and (self._sync or self._has_updater):
+            target = self._whole_target(key, value)
+            if target is not None:
                 handle = _NodeHandle("push", self._worker)
-                try:
-                    self._worker.push_part(target[0], target[1], value, priority, handle)
-                except ps_errors.PSNodeError as exc:
-                    raise translate_error(exc) from exc
+                self._call(self._worker.push_part, target[0], target[1], value, priority, handle)
                 return handle
         return super().push(key, value, priority)
 
     def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True, wait: bool = True) -> Handle:
         """As ``KVStoreBase.pull``; one numpy out of an initialised whole key skips the grouping."""
-        if type(out) is np.ndarray and (type(key) is int or type(key) is str) and out.flags.c_contiguous and out.flags.writeable:
-            target = self._whole.get(key)
-            meta = self._meta.get(key)
-            if target is not None and meta is not None and out.shape == meta.shape and out.dtype == meta.dtype:
+        if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable:
+            target = self._whole_target(key, out)
+            if target is not None:
                 handle = _NodeHandle("pull", self._worker)
-                try:
-                    self._worker.pull_part(target[0], target[1], out, priority, handle)
-                except ps_errors.PSNodeError as exc:
-                    raise translate_error(exc) from exc
+                self._call(self._worker.pull_part, target[0], target[1], out, priority, handle)
                 if wait:
                     handle.wait()
                 return handle
         return super().pull(key, out, priority, ignore_sparse, wait)
+
+    def _whole_target(self, key: Any, array: np.ndarray) -> tuple[int, int] | None:
+        """``(server, key id)`` when ``key`` is one initialised, unsplit key of ``array``'s shape and
+        dtype (the fast path of push and pull), else None."""
+        if type(key) is not int and type(key) is not str:
+            return None
+        target = self._whole.get(key)
+        meta = self._meta.get(key)
+        if target is None or meta is None or array.shape != meta.shape or array.dtype != meta.dtype:
+            return None
+        return target
 
     # ---- hooks ----------------------------------------------------------------------------
     def _init_keys(self, pairs: list[tuple[Hashable, Any]]) -> None:
