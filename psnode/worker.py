@@ -343,8 +343,8 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
         for item in items:
             index, (_, key_id, out) = item
             if out.nbytes >= _OWN_FRAME and not (local and out.nbytes >= shm.SHM_MIN):
-                entry = ENTRY_STRUCT.pack(key_id, index, 0, 0, out.nbytes, self._push_counts.get((key_id, server), 0))
-                self._enqueue(server, [pack_header(Cmd.PULL, req, 1), entry], priority, req)
+                seq = self._push_counts.get((key_id, server), 0)
+                self._enqueue(server, self._pull_message(req, key_id, index, out.nbytes, seq), priority, req)
             else:
                 rest.append(item)
         return rest
@@ -365,16 +365,16 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
                     self._send(server, [pack_push_pull(req, cork[4], key_id, 0, seq, push[2])], priority, req)
                     return future
                 push[0] = with_flags(push[0], FLAG_PULL)
-                self._send(server, push + self._pull_message(req, key_id, out.nbytes, seq), priority, req)
+                self._send(server, push + self._pull_message(req, key_id, 0, out.nbytes, seq), priority, req)
                 return future
             heapq.heappush(self._queue, cork)  # it cannot carry this pull: it leaves on its own
-        self._send(server, self._pull_message(req, key_id, out.nbytes, seq), priority, req)
+        self._send(server, self._pull_message(req, key_id, 0, out.nbytes, seq), priority, req)
         return future
 
     @staticmethod
-    def _pull_message(req: int, key_id: int, nbytes: int, seq: int) -> list:
-        """The frames of a pull of one part: header and meta."""
-        return [pack_header(Cmd.PULL, req, 1), ENTRY_STRUCT.pack(key_id, 0, 0, 0, nbytes, seq)]
+    def _pull_message(req: int, key_id: int, index: int, nbytes: int, seq: int) -> list:
+        """The frames of a pull of one part (``index``: its place in the request): header and meta."""
+        return [pack_header(Cmd.PULL, req, 1), ENTRY_STRUCT.pack(key_id, index, 0, 0, nbytes, seq)]
 
     def pull_rows(self, parts: Sequence[tuple[int, int, np.ndarray, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
         """Pull the rows ``rows`` (int64, local to the part) of ``(server, key id, rows, out)`` parts into ``out``."""
