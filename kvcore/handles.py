@@ -86,27 +86,30 @@ class LazyHandle(Handle):
         return condition
 
     def set_result(self, result: Any) -> None:
-        if self._lazy_condition is not None or self._state != _PENDING:
-            super().set_result(result)  # someone waits or looked: the full protocol (and its errors)
-            return
-        self._result = result
-        self._state = _FINISHED
-        if self._lazy_condition is not None:  # a waiter came meanwhile: wake it
-            self._notify_late(lambda waiter: waiter.add_result(self))
+        if not self._finish_without_lock("_result", result, "add_result"):
+            super().set_result(result)
 
     def set_exception(self, exception: BaseException | None) -> None:
-        if self._lazy_condition is not None or self._state != _PENDING:
+        if not self._finish_without_lock("_exception", exception, "add_exception"):
             super().set_exception(exception)
-            return
-        self._exception = exception
-        self._state = _FINISHED
-        if self._lazy_condition is not None:
-            self._notify_late(lambda waiter: waiter.add_exception(self))
 
-    def _notify_late(self, tell: Any) -> None:
+    def _finish_without_lock(self, field: str, value: Any, tell: str) -> bool:
+        """Complete with ``value`` in ``field`` while no condition exists; False: someone waits or
+        looked (or it is done already), so Future's own completion (and its errors) must run."""
+        if self._lazy_condition is not None or self._state != _PENDING:
+            return False
+        setattr(self, field, value)
+        self._state = _FINISHED
+        if self._lazy_condition is not None:  # a waiter came meanwhile: wake it
+            self._notify_late(tell)
+        return True
+
+    def _notify_late(self, tell: str) -> None:
+        """Wake what started waiting between the state's write and the look for a condition
+        (``tell``: the name of the waiters' method, ``add_result`` or ``add_exception``)."""
         with self._condition:
             for waiter in self._waiters:
-                tell(waiter)
+                getattr(waiter, tell)(self)
             self._condition.notify_all()
         self._invoke_callbacks()
 

@@ -119,7 +119,7 @@ def test_a_waiter_that_arrives_between_the_state_and_the_condition_check_is_woke
             and time.monotonic() < deadline:
         time.sleep(0.001)
     handle._result, handle._state = 42, "FINISHED"  # what set_result writes before looking for a condition
-    handle._notify_late(lambda waiter: waiter.add_result(handle))
+    handle._notify_late("add_result")
     for thread in threads:
         thread.join(5)
     assert sorted(got) == [1, 42]
