@@ -113,7 +113,7 @@ class ServerNode(Node):
         try:
             shard = self._shard(key)
             if nbytes != shard.nbytes:
-                raise KeyError_(self._refuse_size(shard, rank, nbytes))
+                raise self.store.wrong_size(shard, rank, nbytes)
         except KeyError_ as exc:  # neither can run: both fail with the reason
             self._reply_error(peer, Cmd.PUSH_ACK, push_req, str(exc))
             self._reply_error(peer, Cmd.PULL_REPLY, pull_req, str(exc))
@@ -210,29 +210,19 @@ class ServerNode(Node):
         if self._groups.try_push(peer.rank, frames[1].buffer, buffers):
             return
         store, rank, answer = self.store, peer.rank, self._answer
-        refused: str | None = None
+        refused: KeyError_ | None = None
         for key, _, frame, offset, nbytes, _ in unpack_entries(frames[1], [len(b) for b in buffers]):
             shard = self._shard(key)
             if nbytes != shard.nbytes:
-                refused = refused or self._refuse_size(shard, rank, nbytes)
+                refused = refused or store.wrong_size(shard, rank, nbytes)
                 continue
             if frame == shm.SHM_FRAME:  # in the worker's shared memory: read it there, keep no reference
                 store.push(shard, rank, self._shared(offset, nbytes).view(shard.dtype), answer, borrowed=True)
                 continue
             data = np.frombuffer(buffers[frame], dtype=shard.dtype, count=nbytes // shard.dtype.itemsize, offset=offset)
             store.push(shard, rank, data, answer)
-        if refused:
-            raise KeyError_(refused)
-
-    @staticmethod
-    def _refuse_size(shard: Shard, worker: int, nbytes: int) -> str:
-        """Refuse a push of the wrong size; why, for the error reply.
-
-        The push still counts as received from ``worker``: the worker counted it when it sent it,
-        and its later pulls of the key ask for that many pushes (they would wait forever otherwise).
-        """
-        shard.received[worker] += 1
-        return f"key {shard.user_key!r}: a push of {nbytes} bytes, but this server holds {shard.nbytes}"
+        if refused is not None:
+            raise refused
 
     def _shared(self, ref: int, nbytes: int) -> np.ndarray:
         """A view of a worker's shared-memory region."""

@@ -260,6 +260,15 @@ class ServerStore:
         if shard.count == self.num_workers:
             self._close_round(shard, answer)
 
+    def wrong_size(self, shard: Shard, worker: int, nbytes: int) -> KeyError_:
+        """Refuse ``worker``'s push of ``nbytes`` bytes to ``shard``: the error to send back.
+
+        The push still counts as received: the worker counted it when it sent it, and its later
+        pulls of the key ask for that many pushes (they would wait forever otherwise).
+        """
+        shard.received[worker] += 1
+        return KeyError_(f"key {shard.user_key!r}: a push of {nbytes} bytes, but this server holds {shard.nbytes}")
+
     def _merge(self, shard: Shard, worker: int, data: np.ndarray) -> None:
         # The first push of a round is kept as a view of its frame; the second is summed with it into
         # the merge buffer in one pass; later ones are added in place.
