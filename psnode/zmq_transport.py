@@ -181,6 +181,7 @@ class ZmqTransport(Transport):
             raise TransportError(f"no connection to peer {peer.decode(errors='replace')}")
         sock, lock = entry
         flags = 0 if block else _NOBLOCK
+        joined = join_frames(frames) if not track and len(frames) > 1 else None  # outside the lock
         with lock:
             if self._closed:
                 raise ClosedError("the transport was closed")
@@ -190,12 +191,10 @@ class ZmqTransport(Transport):
                     sock.send_multipart(parts, flags=flags, copy=False)
                     trackers = [p.tracker for p in parts if isinstance(p, zmq.Frame)]
                     return zmq.MessageTracker(*trackers) if trackers else None
+                if joined is not None:
+                    sock.send(joined, flags)  # copied: cheaper than a zero-copy frame when small
+                    return None
                 last = len(frames) - 1
-                if last > 0:
-                    joined = join_frames(frames)
-                    if joined is not None:
-                        sock.send(joined, flags)  # copied: cheaper than a zero-copy frame when small
-                        return None
                 # frame by frame with int flags: pyzmq's send_multipart costs twice as much per small
                 # message (flag enums); big frames still go without a copy
                 send = sock.send
