@@ -43,7 +43,8 @@ from .protocol import (
     with_flags,
 )
 from .server_groups import Groups
-from .server_store import KeyError_, ServerStore, Shard, device_backend
+from .server_store import KeyError_, ServerStore, Shard
+from .shard_memory import shard_memory
 
 __all__ = ["ServerNode", "run_server"]
 
@@ -56,7 +57,7 @@ class ServerNode(Node):
 
     def __init__(self, env: NodeEnv, transport: str = "zmq") -> None:
         super().__init__(env, "server", transport)
-        self.store = ServerStore(env.num_workers, device_backend(env.server_device))
+        self.store = ServerStore(env.num_workers, shard_memory(env.server_device))
         self._outbox: dict[tuple[int, int], list[tuple[int, Shard]]] = defaultdict(list)
         self._acks: dict[int, list[tuple[int, int]]] = defaultdict(list)  # worker -> (req_id, parts)
         self._attached = shm.Attachments()

@@ -18,109 +18,18 @@ stored array, the next update writes a fresh copy instead (copy on write).
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from typing import Any, Callable, Hashable
 
 import numpy as np
 
-__all__ = ["Shard", "ServerStore", "KeyError_", "device_backend", "drain_backlog"]
+from .shard_memory import HostMemory
+
+__all__ = ["Shard", "ServerStore", "KeyError_", "drain_backlog"]
 
 
 class KeyError_(Exception):
     """A request a server refuses; the message goes back to the worker (``RemoteError`` there)."""
-
-
-class _HostBackend:
-    """Shards in host memory (numpy)."""
-
-    name = "cpu"
-
-    @staticmethod
-    def place(array: np.ndarray) -> Any:
-        return np.array(array, copy=True)
-
-    @staticmethod
-    def empty_like(array: Any) -> Any:
-        return np.empty_like(array)
-
-    @staticmethod
-    def load(dst: Any, src: np.ndarray) -> None:
-        np.copyto(dst, src)  # both flat
-
-    @staticmethod
-    def add(dst: Any, src: np.ndarray) -> None:
-        np.add(dst, src, out=dst)
-
-    @staticmethod
-    def add2(dst: Any, a: np.ndarray, b: np.ndarray) -> None:
-        np.add(a, b, out=dst)
-
-    @staticmethod
-    def host(array: Any) -> np.ndarray:
-        return array
-
-    def context(self):
-        return _null
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_null = _Null()
-
-
-class _DeviceBackend:
-    """Shards on a GPU through kvcore.arrays (CuPy)."""
-
-    def __init__(self, arrays: Any, device: Any) -> None:
-        self.arrays = arrays
-        self.device = device
-        self.name = str(device)
-
-    def place(self, array: np.ndarray) -> Any:
-        return self.arrays.to_device(array, self.device, copy=True)
-
-    def empty_like(self, array: Any) -> Any:
-        return self.arrays.empty(array.shape, array.dtype, self.device)
-
-    def load(self, dst: Any, src: np.ndarray) -> None:
-        self.arrays.copy_into(dst, src.reshape(dst.shape))
-
-    def add(self, dst: Any, src: np.ndarray) -> None:
-        with self.arrays.device_context(self.device):
-            dst += self.arrays.to_device(src.reshape(dst.shape), self.device)
-
-    def add2(self, dst: Any, a: np.ndarray, b: np.ndarray) -> None:
-        self.load(dst, a)
-        self.add(dst, b)
-
-    def host(self, array: Any) -> np.ndarray:
-        return self.arrays.asnumpy(array)
-
-    def context(self):
-        return self.arrays.device_context(self.device)
-
-
-def device_backend(spec: str) -> Any:
-    """The backend for ``PSLAUNCH_SERVER_DEVICE``: host numpy for ``cpu``; a GPU via kvcore.arrays otherwise.
-
-    A GPU that cannot be used falls back to the host with a warning.
-    """
-    if spec == "cpu":
-        return _HostBackend()
-    from kvcore import arrays  # the array backend (the one module that may import CuPy)
-
-    device = arrays.Device.parse(spec)
-    if not arrays.gpu_available() or device.index >= arrays.num_gpus():
-        warnings.warn(f"PSLAUNCH_SERVER_DEVICE={spec}: no usable GPU {device.index}; the server keeps its shards on the CPU")
-        return _HostBackend()
-    return _DeviceBackend(arrays, device)
 
 
 class Shard:
@@ -181,7 +90,7 @@ class ServerStore:
 
     def __init__(self, num_workers: int, backend: Any = None) -> None:
         self.num_workers = num_workers
-        self.backend = backend or _HostBackend()
+        self.backend = backend or HostMemory()
         self.shards: dict[int, Shard] = {}
         self.updater: Any = None
         self.finished: dict[int, str] = {}  # workers that left the job: rank -> description

@@ -1,6 +1,6 @@
 """A test kit: start a whole job (scheduler, servers, worker scripts) on 127.0.0.1 and always reap it.
 
-    with LocalJob(num_workers=3, num_servers=2, worker=["tests/dist_scripts/sums.py"]) as job:
+    with LocalJob(num_workers=3, num_servers=2, worker=["tests/kvcore/dist_scripts/sums.py"]) as job:
         results = job.wait(timeout=60)          # every process's exit code and output
         assert all(r.returncode == 0 for r in results)
 

@@ -26,9 +26,9 @@ from kvcore.shared_model import (
     create_shared_model,
 )
 
-from shared_model_testkit import run_device_threads
+from kvcore_testkit import run_device_threads
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model_threads() -> list[str]:

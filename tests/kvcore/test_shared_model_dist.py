@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("psnode.testing")
 from psnode.testing import LocalJob  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "dist_async_sum.py")
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvcore.shared_model import ConfigError, SharedModel, SumUpdater
 
-from shared_model_testkit import run_device_threads
+from kvcore_testkit import run_device_threads
 
 
 def _store_and_count():

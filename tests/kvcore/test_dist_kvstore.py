@@ -167,7 +167,7 @@ def test_python_m_psnode_with_a_malformed_variable_exits_2_naming_it(role):
 
 
 def test_the_ported_mxnet_dist_sync_check_passes_with_every_role_running_the_script():
-    example = str(Path(__file__).resolve().parent.parent / "examples" / "dist_kvstore_check.py")
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "dist_kvstore_check.py")
     argv = [sys.executable, example]
     with LocalJob(3, 2, start_scheduler=False, start_servers=0, env=SMALL_BOUND) as job:
         job.start("scheduler", 0, argv)
@@ -187,7 +187,7 @@ def test_lists_of_many_small_keys_stay_exact_when_the_access_pattern_changes():
 
 
 def test_a_user_updater_with_init_key_runs_on_the_servers_and_its_errors_reach_the_workers():
-    env = {**SMALL_BOUND, "PSLAUNCH_BIGARRAY_BOUND": "100000", "PYTHONPATH": f"{SCRIPTS}:{Path(__file__).resolve().parent.parent}"}
+    env = {**SMALL_BOUND, "PSLAUNCH_BIGARRAY_BOUND": "100000", "PYTHONPATH": f"{SCRIPTS}:{Path(__file__).resolve().parents[2]}"}
     run_ok("updater_protocol.py", workers=2, servers=2, env=env)
 
 

@@ -75,9 +75,9 @@ def test_the_advertised_host_resolves_names_and_interfaces():
 
 
 def test_every_variable_psnode_reads_is_documented_in_env_md():
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "env.md").read_text()
-    source = (Path(__file__).resolve().parent.parent / "psnode" / "env.py").read_text()
-    source += (Path(__file__).resolve().parent.parent / "psnode" / "node.py").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "env.md").read_text()
+    source = (Path(__file__).resolve().parents[2] / "psnode" / "env.py").read_text()
+    source += (Path(__file__).resolve().parents[2] / "psnode" / "node.py").read_text()
     names = set(re.findall(r'"((?:DMLC|PS|PSLAUNCH)_[A-Z_]+)"', source))
     assert names, "no variable names found"
     missing = sorted(n for n in names if f"`{n}`" not in doc)

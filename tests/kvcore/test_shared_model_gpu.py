@@ -12,7 +12,7 @@ import pytest
 from kvcore import arrays
 from kvcore.shared_model import SumUpdater, create_shared_model
 
-from shared_model_testkit import run_device_threads
+from kvcore_testkit import run_device_threads
 
 pytestmark = [
     pytest.mark.gpu,
