@@ -16,6 +16,7 @@ from .errors import (
     DuplicateKeyError,
     KeyTypeError,
     KVStoreError,
+    KVTimeoutError,
     NodeDiedError,
     OptimizerError,
     ServerError,
@@ -25,7 +26,7 @@ from .errors import (
     UnknownStoreError,
     ValueCountError,
 )
-from .handles import Handle, KVTimeoutError, wait_all
+from .handles import Handle, wait_all
 from .registry import create, register_store, store_names
 from .sparse import RowSparseArray
 from .store_base import KVStoreBase

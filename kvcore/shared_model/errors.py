@@ -21,7 +21,7 @@ Every message names the key and the device id.
 from __future__ import annotations
 
 from ..errors import KVStoreError, UninitializedKeyError
-from ..handles import KVTimeoutError
+from ..errors import KVTimeoutError
 
 __all__ = [
     "SharedModelError",
