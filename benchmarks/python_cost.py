@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any
+from typing import Any, Callable
 
 import click
 import numpy as np
@@ -33,7 +33,7 @@ from psnode import protocol
 from psnode.env import read_env
 from psnode.membership import SCHEDULER, PeerInfo
 from psnode.server import ServerNode
-from psnode.transport import Transport
+from psnode.transport import Frame, Transport
 from psnode.worker import WorkerNode
 
 _KEY = 3
@@ -43,16 +43,6 @@ def _env(role: str, workers: int):
     return read_env(contract_env(role=role, root_uri="127.0.0.1", root_port=1, num_workers=workers, num_servers=1,
                                  job_id="cost", rank=0, local_rank=0, local_size=1, fixed_rank=False,
                                  settings={"PS_HEARTBEAT_INTERVAL": "0", "PSLAUNCH_SAME_HOST": "tcp"}))
-
-
-class _Frame:
-    """A received frame as a transport gives it: ``.buffer`` and ``.bytes``."""
-
-    __slots__ = ("bytes", "buffer")
-
-    def __init__(self, data: bytes) -> None:
-        self.bytes = data
-        self.buffer = memoryview(data)
 
 
 def _peer(role: str, rank: int) -> dict:
@@ -99,7 +89,7 @@ class _StandIn(Transport):
         return f"standin://{local_name}"
 
     def _reply(self, peer: bytes, *frames: bytes) -> None:
-        self.inbox.append((peer, [_Frame(f) for f in frames]))
+        self.inbox.append((peer, [Frame(memoryview(f)) for f in frames]))
 
     def send(self, peer: bytes, frames: Any, track: bool = False, block: bool = True) -> Any:
         cmd, _, req, arg = protocol.unpack_header(frames[0])
@@ -125,41 +115,60 @@ class _StandIn(Transport):
         return None
 
 
-def worker_cost(rounds: int, reps: int) -> float:
-    """µs of the calling thread per push + pull round of one 4-float key."""
+def worker_rounds() -> tuple[object, Callable[[int], None]]:
+    """A dist_sync store on a real ``WorkerNode`` whose transport is the stand-in, and ``rounds(n)``
+    running ``n`` push + pull rounds of one 4-float key (stop it with ``stop_worker``)."""
     import kvcore.dist_store as dist_store
 
     stand_in = _StandIn([_peer("server", 0)])
     node = WorkerNode(_env("worker", 1), transport=stand_in).start()  # parks as in a job
     dist_store._node = node
-    try:
-        kv = dist_store.DistKVStore("dist_sync")
-        value, out = np.ones(4, np.float32), np.zeros(4, np.float32)
-        kv.init(_KEY, value)
-        for _ in range(rounds // 2):  # warm up
+    kv = dist_store.DistKVStore("dist_sync")
+    value, out = np.ones(4, np.float32), np.zeros(4, np.float32)
+    kv.init(_KEY, value)
+
+    def rounds(n: int) -> None:
+        for _ in range(n):
             kv.push(_KEY, value)
             kv.pull(_KEY, out=out)
+        if out[0] != 1.0:
+            raise SystemExit(f"python_cost: pulled {out[0]}, expected 1.0")
+
+    kv.stand_in = stand_in
+    return kv, rounds
+
+
+def stop_worker(kv: object) -> None:
+    """Stop the worker of ``worker_rounds``."""
+    import kvcore.dist_store as dist_store
+
+    dist_store._node = None
+    kv._worker.receiver.stop()
+
+
+def worker_cost(rounds: int, reps: int) -> float:
+    """µs of the calling thread per push + pull round of one 4-float key."""
+    kv, run = worker_rounds()
+    stand_in = kv.stand_in
+    try:
+        run(rounds // 2)  # warm up
         best = float("inf")
         stand_in.kinds.clear()
         for _ in range(reps):
             start = time.thread_time()
-            for _ in range(rounds):
-                kv.push(_KEY, value)
-                kv.pull(_KEY, out=out)
+            run(rounds)
             best = min(best, time.thread_time() - start)
         # a round the OS delays past the network thread's hand-back may go the two-message way
         if stand_in.kinds[protocol.Cmd.PUSH_PULL] < 0.9 * rounds * reps:
             raise SystemExit(f"python_cost: the timed rounds were not the small round trip: {dict(stand_in.kinds)}")
-        if out[0] != 1.0:
-            raise SystemExit(f"python_cost: pulled {out[0]}, expected 1.0")
         return best / rounds * 1e6
     finally:
-        dist_store._node = None
-        node.receiver.stop()
+        stop_worker(kv)
 
 
-def server_cost(rounds: int, reps: int) -> float:
-    """µs of the server's thread per round: 2 workers' PUSH_PULL frames in, 2 VALUE frames out."""
+def server_rounds() -> Callable[[], int]:
+    """A real ``ServerNode`` on the stand-in holding one 4-float key, and ``one_round()``: both of
+    its 2 workers send the ``PUSH_PULL`` frame of a round; returns the replies sent so far."""
     workers = [_peer("worker", 0), _peer("worker", 1)]
     stand_in = _StandIn(workers)
     node = ServerNode(_env("server", 2), transport=stand_in)
@@ -169,25 +178,32 @@ def server_cost(rounds: int, reps: int) -> float:
     uids = [w["uid"].encode() for w in workers]
     pushes = [0, 0]
 
-    def one_round() -> None:
+    def one_round() -> int:
         for rank in (0, 1):
             pushes[rank] += 1
             req = 2 * pushes[rank]
             frame = protocol.pack_push_pull(req + 1, req, _KEY, 0, pushes[rank], payload)
-            stand_in.inbox.append((uids[rank], [_Frame(frame)]))
+            stand_in.inbox.append((uids[rank], [Frame(memoryview(frame))]))
             node.conn.process(0)
+        return stand_in.replies
 
+    return one_round
+
+
+def server_cost(rounds: int, reps: int) -> float:
+    """µs of the server's thread per round: 2 workers' PUSH_PULL frames in, 2 VALUE frames out."""
+    one_round = server_rounds()
     for _ in range(rounds // 2):
         one_round()
     best = float("inf")
     for _ in range(reps):
-        stand_in.replies = 0
+        before = one_round()
         start = time.thread_time()
         for _ in range(rounds):
-            one_round()
+            replies = one_round()
         best = min(best, time.thread_time() - start)
-        if stand_in.replies != 2 * rounds:
-            raise SystemExit(f"python_cost: the server sent {stand_in.replies} replies for {rounds} rounds of 2 workers")
+        if replies - before != 2 * rounds:
+            raise SystemExit(f"python_cost: the server sent {replies - before} replies for {rounds} rounds of 2 workers")
     return best / rounds * 1e6
 
 

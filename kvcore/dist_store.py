@@ -361,8 +361,10 @@ class DistKVStore(KVStoreBase):
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _call(self, fn: Any, *args: Any) -> Any:
-        with runtime_errors():
+        try:  # runtime_errors() spelled out: this is on every push and pull
             return fn(*args)
+        except ps_errors.PSNodeError as exc:
+            raise translate(exc) from exc
 
     def _wait(self, future: concurrent.futures.Future) -> None:
         with runtime_errors():

@@ -23,22 +23,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import ClosedError, TransportError, WouldBlock
-from .transport import Transport
+from .transport import Frame, Transport
 
 __all__ = ["InProcHub", "InProcTransport", "default_hub"]
-
-
-class _Frame:
-    """A received frame: ``.buffer`` and ``.bytes`` like a ``zmq.Frame``."""
-
-    __slots__ = ("bytes",)
-
-    def __init__(self, data: bytes) -> None:
-        self.bytes = data
-
-    @property
-    def buffer(self) -> memoryview:
-        return memoryview(self.bytes)
 
 
 class _Done:
@@ -53,10 +40,10 @@ class _Done:
 _DONE = _Done()
 
 
-def _copy(frame: Any) -> _Frame:
+def _copy(frame: Any) -> Frame:
     if isinstance(frame, np.ndarray):
-        return _Frame(np.ascontiguousarray(frame).tobytes())
-    return _Frame(bytes(frame))
+        return Frame(memoryview(np.ascontiguousarray(frame).tobytes()))
+    return Frame(memoryview(bytes(frame)))
 
 
 class InProcHub:
@@ -145,7 +132,7 @@ class InProcTransport(Transport):
         target = self.hub.find(endpoint)
         message = [_copy(f) for f in frames]
         if self.record:
-            self.outgoing.append((peer, [f.bytes for f in message]))
+            self.outgoing.append((peer, [f.buffer.obj for f in message]))
         if target is not None:  # like ZeroMQ, a message to an endpoint nobody binds is dropped
             target._deliver(identity, message)
         return _DONE if track else None

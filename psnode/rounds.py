@@ -92,13 +92,13 @@ class Round:
         """The full round's sum: the merge buffer, or the only push itself (a round of one)."""
         return self.merge if self.first is None else self.first
 
-    def close(self, apply: Callable[["Round"], None]) -> None:
-        """Apply every full round with ``apply(self)`` (which reads ``result``) and open the next.
+    def close(self, apply: Callable[[Any, "Round"], None], owner: Any) -> None:
+        """Apply every full round with ``apply(owner, self)`` (which reads ``result``) and open the next.
 
         Held pushes of workers not yet in the new round join it at once, which may fill it again.
         """
         while self.count == self.quorum:
-            apply(self)
+            apply(owner, self)
             self.count = 0
             self.pushed.clear()
             self.first = None

@@ -103,7 +103,7 @@ class ServerNode:
             if len(frames) != 1:
                 raise ProtocolError(f"PUSH_PULL of {len(frames)} frames")
             self._push_pull(peer, frames[0].buffer)
-            if self.replies.has_answers:  # the round closed: reply now rather than after the batch
+            if self.replies.answers:  # the round closed: reply now rather than after the batch
                 self.replies.flush()
             return
         reply = _REPLY_TO.get(cmd)
@@ -182,10 +182,12 @@ class ServerNode:
         pull_req, push_req, key, index, codec, nbytes, seq = unpack_push_pull(buf)
         rank = peer.rank
         replies = self.replies
-        replies.pull_arrived(rank, pull_req)
         try:
             shard = self._shard(key)
-            data = self._decode(shard, rank, codec, buf[PUSH_PULL.size:], nbytes)
+            if codec == RAW and nbytes == shard.nbytes:  # the common case: a view of the frame
+                data = np.frombuffer(buf, shard.dtype, nbytes // shard.dtype.itemsize, PUSH_PULL.size)
+            else:
+                data = self._decode(shard, rank, codec, buf[PUSH_PULL.size:], nbytes)
         except RequestRefused as exc:  # neither can run: both fail with the reason
             replies.refuse(peer, Cmd.PUSH_ACK, push_req, str(exc))
             replies.refuse(peer, Cmd.PULL_REPLY, pull_req, str(exc))

@@ -13,7 +13,7 @@ results.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -84,20 +84,16 @@ class Group:
         reply["seq"] = 0
         return reply.tobytes()
 
-    def apply(self, updater: Any) -> Callable[[Round], None]:
-        """The apply of this group's rounds: the sum becomes the values, or the updater runs per key."""
-
-        def apply(full: Round) -> None:
-            if updater is None:
-                np.copyto(self.stored, full.result)
-                return
-            if full.first is not None:
-                np.copyto(full.merge, full.first)
-            for shard, (lo, hi) in zip(self.shards, self.views):
-                shard.error = run_updater(updater, shard.user_key, full.merge[lo:hi].reshape(shard.shape),
-                                          self.stored[lo:hi].reshape(shard.shape))
-
-        return apply
+    def apply(self, updater: Any, full: Round) -> None:
+        """Apply a full round: the sum becomes the values, or ``updater`` runs once per key."""
+        if updater is None:
+            np.copyto(self.stored, full.result)
+            return
+        if full.first is not None:
+            np.copyto(full.merge, full.first)
+        for shard, (lo, hi) in zip(self.shards, self.views):
+            shard.error = run_updater(updater, shard.user_key, full.merge[lo:hi].reshape(shard.shape),
+                                      self.stored[lo:hi].reshape(shard.shape))
 
     def dissolve(self) -> list:
         """Give each shard a round with the group's progress; return the waiting pulls per key.
@@ -151,7 +147,7 @@ class Groups:
         if np.any(entries["seq"] != round_.received[worker] + 1):
             return False  # pushes of these keys went another way before: per key is exact
         if round_.push(worker, np.frombuffer(data_frames[0], dtype=group.dtype)):
-            round_.close(group.apply(self.store.updater))
+            round_.close(group.apply, self.store.updater)
             if any(s.error for s in group.shards):
                 self._fall_back(group)  # each key's pullers hear of its own updater error
                 return True
@@ -182,7 +178,7 @@ class Groups:
         return True
 
     def _reply(self, group: Group, worker: int, req_id: int, entries: np.ndarray) -> None:
-        self.replies.send_to(worker, pull_reply(req_id, group.reply_meta(entries), group.stored.tobytes()))
+        self.replies.send_to(worker, pull_reply(req_id, group.reply_meta(entries), group.stored.tobytes()), req_id)
 
     def _fall_back(self, group: Group) -> None:
         """Dissolve ``group`` and answer the pulls its last round released, key by key."""

@@ -27,8 +27,7 @@ from . import shm
 from .log import logger
 from .membership import Membership, PeerInfo
 from .protocol import (
-    FLAG_ACKS, FLAG_ERROR, IN_SHARED_MEMORY, Cmd, pack_entries, pack_header, pack_json, pack_value, peek,
-    peek_req_id, with_flags,
+    FLAG_ACKS, FLAG_ERROR, IN_SHARED_MEMORY, Cmd, pack_entries, pack_header, pack_json, pack_value, with_flags,
 )
 from .server_store import Shard
 from .transport import Transport
@@ -57,7 +56,7 @@ class Replies:
         self.members = members
         self.memory = memory
         self.attached = attached
-        self._answers: dict[tuple[int, int], list[tuple[int, Shard]]] = defaultdict(list)
+        self.answers: dict[tuple[int, int], list[tuple[int, Shard]]] = defaultdict(list)  # until ``flush``
         self._acks: dict[int, list[tuple[int, int]]] = defaultdict(list)  # worker -> (req_id, parts)
         self._pulls_waiting: dict[int, set[int]] = defaultdict(set)  # worker -> pull req_ids not answered yet
         self._regions: dict[tuple[int, int, int], tuple[int, int]] = {}  # pulls answered in shared memory
@@ -85,23 +84,18 @@ class Replies:
 
     def answer(self, worker: int, req_id: int, index: int, shard: Shard) -> None:
         """Answer part ``index`` of pull ``req_id`` with ``shard``'s value (sent at ``flush``)."""
-        self._answers[(worker, req_id)].append((index, shard))
-
-    @property
-    def has_answers(self) -> bool:
-        """True when answers wait for ``flush``."""
-        return bool(self._answers)
+        self.answers[(worker, req_id)].append((index, shard))
 
     # ---- sending -----------------------------------------------------------------------------
     def flush(self) -> None:
         """Send the gathered pull replies, one message per request."""
-        answers, self._answers = self._answers, defaultdict(list)
+        answers, self.answers = self.answers, defaultdict(list)
         host = self.memory.host
         for (worker, req_id), parts in answers.items():
             if len(parts) == 1 and not self._regions:  # one small part: the common reply, built directly
                 index, shard = parts[0]
                 if not shard.error and shard.nbytes < OWN_FRAME:
-                    self.send_to(worker, [pack_value(req_id, index, host(shard.stored).tobytes())])
+                    self.send_to(worker, [pack_value(req_id, index, host(shard.stored).tobytes())], req_id)
                     continue
             errors = [s.error for _, s in parts if s.error]
             if errors:
@@ -137,16 +131,16 @@ class Replies:
         frames = [pack_header(Cmd.PULL_REPLY, req_id), pack_entries(entries), payload]
         for shard in big:
             frames.append(host(shard.stored).reshape(-1))
-        tracker = self.send_to(worker, frames, track=bool(big))
+        tracker = self.send_to(worker, frames, req_id, track=bool(big))
         if tracker is not None:
             for shard in big:
                 shard.trackers.append(tracker)
 
-    def send_to(self, worker: int, frames: list, track: bool = False) -> Any:
-        """Send a reply to ``worker``, with its held-back push acknowledgements as a last frame."""
-        cmd, _ = peek(frames[0])
-        if cmd == Cmd.PULL_REPLY or cmd == Cmd.VALUE:
-            self._pulls_waiting[worker].discard(peek_req_id(frames[0]))
+    def send_to(self, worker: int, frames: list, pull_req: int | None = None, track: bool = False) -> Any:
+        """Send a reply to ``worker`` (``pull_req``: the pull it answers), with its held-back push
+        acknowledgements as a last frame."""
+        if pull_req is not None:
+            self._pulls_waiting[worker].discard(pull_req)
         pairs = self._acks.pop(worker, None)
         if pairs:
             frames[0] = with_flags(frames[0], FLAG_ACKS)
@@ -168,7 +162,7 @@ class Replies:
     # ---- the held acknowledgements (``node.Deferred``) ----------------------------------------
     def after_batch(self) -> None:
         """Send the batch's pull replies; decide when the acknowledgements no reply took along leave."""
-        if self._answers:
+        if self.answers:
             self.flush()
         if not self._acks:
             self.when_idle = False

@@ -130,7 +130,7 @@ class ServerStore:
             )
         round_ = shard.round
         if round_.push(worker, data, borrowed):
-            round_.close(lambda full: self._apply(shard, full))
+            round_.close(self._apply, shard)
             if round_.waiting:
                 for waiter, (req_id, index) in round_.release():
                     answer(waiter, req_id, index, shard)

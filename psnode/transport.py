@@ -24,7 +24,20 @@ from typing import Any, Callable, Sequence
 
 from .errors import PSNodeError, WouldBlock
 
-__all__ = ["Transport", "register_transport", "create_transport", "transport_names", "WouldBlock"]
+__all__ = ["Transport", "Frame", "register_transport", "create_transport", "transport_names", "WouldBlock"]
+
+
+class Frame:
+    """A received frame that is not a ``zmq.Frame``: ``.buffer`` (a memoryview) and ``.bytes``, as one is."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer = buffer
+
+    @property
+    def bytes(self) -> bytes:
+        return self.buffer.tobytes()
 
 
 class Transport(abc.ABC):

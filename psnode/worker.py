@@ -64,11 +64,13 @@ class WorkerNode:
     def __init__(self, env: NodeEnv, transport: Transport | None = None) -> None:
         self.env = env
         self.conn = Connection(env, "worker", self._on_reply, transport)
-        self.requests = RequestTable(self._check)
+        self.requests = RequestTable(self._check, self.conn.failure)
         self.outbox = Outbox(self.conn.transport, self.conn.members, self.requests.complete)
         self.receiver = Receiver(self.conn, self.outbox)
         self.regions = shm.WorkerRegions()
         self.closed = False
+        # ``wait_for(future, timeout)``: block until done, receiving on this thread (``Receiver.wait_for``)
+        self.wait_for = self.receiver.wait_for
         self.conn.failure.on_failure(self.requests.fail_all)
 
     # ---- life cycle ----------------------------------------------------------------------
@@ -169,15 +171,13 @@ class WorkerNode:
         return self.conn.failure.error
 
     def _check(self) -> None:
-        self.conn.failure.check()
+        error = self.conn.failure.error
+        if error is not None:
+            raise error
         if self.closed:
             raise ClosedError(f"worker {self.rank} was closed")
 
     # ---- waiting -------------------------------------------------------------------------------
-    def wait_for(self, future: concurrent.futures.Future, timeout: float | None = None) -> bool:
-        """Block until ``future`` is done or ``timeout`` passed; True when done (``Receiver.wait_for``)."""
-        return self.receiver.wait_for(future, timeout)
-
     def _wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:
         if not self.receiver.wait_for(future, limit):
             raise NodeTimeoutError(f"worker {self.rank}: no {what} within {limit:g} s")
@@ -227,16 +227,17 @@ class WorkerNode:
 
     # ---- the API: push -----------------------------------------------------------------------------
     def push(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, copy: bool = True,
-             future: Any = None) -> Any:
+             future: Any = None, codec: int = RAW) -> Any:
         """Push ``(server, key id, value)`` parts; returns at once.
 
         With ``copy=True`` the values are copied before push returns (the caller may change them
         right away); with ``copy=False`` the caller hands them over and must not change them.
-        The future is done when every server has received its parts.
+        ``codec``: how the values are encoded (``psnode.codecs``); with any codec but ``RAW`` each
+        value is the encoded bytes. The future is done when every server has received its parts.
         """
         future = future or concurrent.futures.Future()
         if len(parts) == 1 and parts[0][2].nbytes < OWN_FRAME:
-            return self._push_small(*parts[0], priority, future)
+            return self._push_small(*parts[0], priority, future, codec)
         by_server = _by_server(parts)
         requests, outbox = self.requests, self.outbox
         req = requests.track(future, len(parts), None, "push")
@@ -252,16 +253,16 @@ class WorkerNode:
                 if region is not None:  # same host: one copy into shared memory, the server reads it there
                     np.copyto(region.array, _flat_bytes(value))
                     region.busy = future
-                    entries.append((key_id, i, shm.SHM_FRAME, RAW, region.ref, nbytes, seq))
+                    entries.append((key_id, i, shm.SHM_FRAME, codec, region.ref, nbytes, seq))
                 elif nbytes >= OWN_FRAME:
                     flat = _flat_bytes(value)
                     buffer = outbox.copy_for_send((key_id, server), flat) if copy else flat
                     # its own message: the server merges and answers it while the next part arrives
-                    own = [pack_header(Cmd.PUSH, req, 1), ENTRY_STRUCT.pack(key_id, i, 1, RAW, 0, nbytes, seq), b"", buffer]
+                    own = [pack_header(Cmd.PUSH, req, 1), ENTRY_STRUCT.pack(key_id, i, 1, codec, 0, nbytes, seq), b"", buffer]
                     outbox.enqueue(server, own, priority, req)
                 else:
                     small.append(value)
-                    entries.append((key_id, i, 0, RAW, offset, nbytes, seq))
+                    entries.append((key_id, i, 0, codec, offset, nbytes, seq))
                     offset += nbytes
             if not entries:
                 continue
@@ -274,18 +275,21 @@ class WorkerNode:
         outbox.pump()
         return future
 
-    def push_part(self, server: int, key_id: int, value: np.ndarray, priority: int = 0, future: Any = None) -> Any:
-        """``push([(server, key_id, value)], priority)`` (value copied), for callers with one part."""
+    def push_part(self, server: int, key_id: int, value: np.ndarray, priority: int = 0, future: Any = None,
+                  codec: int = RAW) -> Any:
+        """``push([(server, key_id, value)], priority, codec=codec)`` (value copied), for callers with one part."""
         if value.nbytes < OWN_FRAME:
-            return self._push_small(server, key_id, value, priority, future or concurrent.futures.Future())
-        return self.push([(server, key_id, value)], priority, True, future)
+            return self._push_small(server, key_id, value, priority, future or concurrent.futures.Future(), codec)
+        return self.push([(server, key_id, value)], priority, True, future, codec)
 
-    def _push_small(self, server: int, key_id: int, value: np.ndarray, priority: int, future: Any) -> Any:
+    def _push_small(self, server: int, key_id: int, value: np.ndarray, priority: int, future: Any,
+                    codec: int = RAW) -> Any:
         """``push`` of one small part: the same message, built without the general bookkeeping."""
         requests = self.requests
         req = requests.track(future, 1, None, "push")
         seq = requests.next_push(key_id, server)
-        message = [pack_header(Cmd.PUSH, req, 1), ENTRY_STRUCT.pack(key_id, 0, 0, RAW, 0, value.nbytes, seq), value.tobytes()]
+        message = [pack_header(Cmd.PUSH, req, 1), ENTRY_STRUCT.pack(key_id, 0, 0, codec, 0, value.nbytes, seq),
+                   value.tobytes()]
         if not self.outbox.hold(server, message, priority, req):
             self.outbox.send(server, message, priority, req)
         return future
@@ -304,7 +308,7 @@ class WorkerNode:
         requests, outbox = self.requests, self.outbox
         targets = [memoryview(out).cast("B") for _, _, out in parts]  # C-contiguous outs, as bytes
         req = requests.track(future, len(parts), targets, "pull")
-        request = requests.get(req)
+        request = requests.pending.get(req)
         by_server = _by_server(parts, indexed=True)
         held = outbox.take_held(next(iter(by_server)), priority) if len(by_server) == 1 else None
         if held is None:
@@ -360,15 +364,15 @@ class WorkerNode:
         requests, outbox = self.requests, self.outbox
         req = requests.track(future, 1, [memoryview(out).cast("B")], "pull")
         seq = requests.pushes(key_id, server)
-        message = _pull_message(req, key_id, 0, out.nbytes, seq)
         held = outbox.take_held(server, priority) if outbox.held.item is not None else None
         if held is not None:  # the held push carries this pull; the server acknowledges it with the reply
-            request = requests.get(req)
+            request = requests.pending.get(req)
             if request is not None:
                 request.carried = held[4]
-            outbox.join(held, message, req, (key_id, 0, seq))
+            if not outbox.join_compact(held, req, key_id, seq):
+                outbox.join(held, _pull_message(req, key_id, 0, out.nbytes, seq), req)
             return future
-        outbox.send(server, message, priority, req)
+        outbox.send(server, _pull_message(req, key_id, 0, out.nbytes, seq), priority, req)
         return future
 
     def pull_rows(self, parts: Sequence[tuple[int, int, np.ndarray, np.ndarray]], priority: int = 0,

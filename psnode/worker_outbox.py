@@ -162,23 +162,30 @@ class Outbox:
             return None
         return item
 
-    def join(self, held: tuple, pull: list, pull_req: int, compact: tuple[int, int, int] | None = None) -> None:
-        """Send the held push ``held`` with pull ``pull_req`` (its frames ``pull``) as one message.
+    def join_compact(self, held: tuple, pull_req: int, key_id: int, seq: int) -> bool:
+        """Send the held push ``held`` and pull ``pull_req`` of part ``key_id`` as one ``PUSH_PULL``
+        frame when the push is one part of that very key; False (nothing sent) otherwise.
 
-        ``compact = (key_id, index, seq)``: when the push is one part of that very key, push and pull
-        travel as one ``PUSH_PULL`` frame; otherwise the push's header gets ``FLAG_PULL`` and the
-        pull's frames follow it. The caller has made the pull carry the push (``Request.carried``).
+        The caller has made the pull carry the push (``Request.carried``).
         """
-        priority, order, server, push, push_req = held
-        if compact is not None and len(push) == 3 and len(push[1]) == ENTRY_STRUCT.size:
-            key_id, _, _, codec, _, _, _ = ENTRY_STRUCT.unpack(push[1])
-            pull_key, index, seq = compact
-            if key_id == pull_key:
-                self.send(server, [pack_push_pull(pull_req, push_req, key_id, index, seq, push[2], codec)], -priority,
-                          pull_req)
-                return
+        priority, _, server, push, push_req = held
+        if len(push) != 3 or len(push[1]) != ENTRY_STRUCT.size:
+            return False
+        pushed_key, _, _, codec, _, _, _ = ENTRY_STRUCT.unpack(push[1])
+        if pushed_key != key_id:
+            return False
+        self.send(server, [pack_push_pull(pull_req, push_req, key_id, 0, seq, push[2], codec)], -priority, pull_req)
+        return True
+
+    def join(self, held: tuple, pull: list, pull_req: int) -> None:
+        """Send the held push ``held`` with pull ``pull_req`` (its frames ``pull``) as one message: the
+        push's header gets ``FLAG_PULL`` and the pull's frames follow it, in the push's place in line.
+
+        The caller has made the pull carry the push (``Request.carried``).
+        """
+        priority, order, server, push, _ = held
         push[0] = with_flags(push[0], FLAG_PULL)
-        heapq.heappush(self.queue, (priority, order, server, push + pull, pull_req))  # the push's place in line
+        heapq.heappush(self.queue, (priority, order, server, push + pull, pull_req))
         self.pump()
 
     def pump(self) -> None:

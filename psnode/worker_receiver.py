@@ -115,7 +115,8 @@ class Receiver:
         me = threading.get_ident()
         failure = self.conn.failure
         while not is_done(future):
-            failure.check()
+            if failure.error is not None:
+                raise failure.error
             step = 0.1
             if deadline is not None:
                 step = min(step, deadline - time.monotonic())

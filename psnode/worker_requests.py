@@ -50,11 +50,13 @@ class Request:
 class RequestTable:
     """The requests of one worker (see the module docstring).
 
-    ``check()`` raises when no new request may start (the worker failed or was closed).
+    ``check()`` raises when no new request may start (the worker failed or was closed); ``failure``
+    is the worker's latch (a request started as it fails is failed at once).
     """
 
-    def __init__(self, check: Callable[[], None]) -> None:
+    def __init__(self, check: Callable[[], None], failure: Any) -> None:
         self._check = check
+        self._failure = failure
         self.pending: dict[int, Request] = {}
         self.push_counts: dict[tuple[int, int], int] = {}  # (key id, server) -> pushes sent
         self._ids = itertools.count(1)  # next() on a count is atomic: no lock needed
@@ -74,15 +76,9 @@ class RequestTable:
             future.set_result(None)
             return req
         self.pending[req] = Request(future, remaining, targets, what)
-        try:
-            self._check()
-        except Exception as exc:  # failed between the check and now: do not leave it hanging
-            self.complete(req, exc)
+        if self._failure.error is not None:  # failed between the check and now: do not leave it hanging
+            self.complete(req, self._failure.error)
         return req
-
-    def get(self, req: int) -> Request | None:
-        """The request ``req`` while it is pending."""
-        return self.pending.get(req)
 
     def next_push(self, key_id: int, server: int) -> int:
         """Count one more push of part ``key_id`` to ``server``; return its number (from 1)."""

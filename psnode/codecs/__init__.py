@@ -5,7 +5,8 @@ Every push record names its codec (``ENTRY.codec`` / ``ONE_PART``'s codec field,
 ``decode``; size checks compare the key's element count with what the bytes encode
 (``encoded_nbytes``), so a compressed push is checked against the decoded size.
 
-Adding a codec is one module beside this one (a ``Codec`` subclass) and one line in ``_TABLE``.
+Adding a codec is one module beside this one (a ``Codec`` subclass) and one line in ``_TABLE``
+(``register_codec`` adds one from elsewhere, as a test does).
 A codec with parameters (a threshold) gets them through ``configure`` on every server before the
 first push that uses it.
 
@@ -23,13 +24,27 @@ from ..errors import RequestRefused
 from .base import Codec
 from .raw import RawCodec
 
-__all__ = ["Codec", "RAW", "CodecTable", "codec_names"]
+__all__ = ["Codec", "RAW", "CodecTable", "codec_names", "register_codec"]
 
 RAW = RawCodec.id
 
 _TABLE: dict[int, type[Codec]] = {
     RawCodec.id: RawCodec,
 }
+
+
+def register_codec(cls: type[Codec]) -> None:
+    """Add codec ``cls`` under its ``id`` (tables made afterwards know it).
+
+    Raises:
+        ValueError: the id is taken by another codec, or does not fit the wire's 16 bits.
+    """
+    if not 0 <= cls.id < 1 << 16:
+        raise ValueError(f"codec {cls.name!r} has id {cls.id}; ids are 0..65535")
+    taken = _TABLE.get(cls.id)
+    if taken is not None and taken is not cls:
+        raise ValueError(f"codec id {cls.id} is taken by {taken.name!r}")
+    _TABLE[cls.id] = cls
 
 
 def codec_names() -> str:

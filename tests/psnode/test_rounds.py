@@ -11,7 +11,7 @@ def new_round(workers=3, quorum=None, size=4):
 
 
 def collect(applied):
-    def apply(full):
+    def apply(owner, full):
         applied.append(np.array(full.result))
     return apply
 
@@ -21,7 +21,7 @@ def test_a_round_closes_on_the_last_workers_push_and_applies_the_exact_sum_once(
     assert r.push(0, np.full(4, 1, np.float32)) is False
     assert r.push(2, np.full(4, 10, np.float32)) is False
     assert r.push(1, np.full(4, 100, np.float32)) is True
-    r.close(collect(applied))
+    r.close(collect(applied), None)
     assert [a.tolist() for a in applied] == [[111.0] * 4]
     assert r.count == 0 and r.pushed == set()
 
@@ -30,7 +30,7 @@ def test_a_round_of_one_worker_applies_its_push_without_copying_it():
     r, seen = new_round(workers=1), []
     data = np.arange(4, dtype=np.float32)
     assert r.push(0, data)
-    r.close(lambda full: seen.append(full.result is data))
+    r.close(lambda owner, full: seen.append(full.result is data), None)
     assert seen == [True]
 
 
@@ -40,11 +40,11 @@ def test_a_second_push_before_the_round_closes_waits_for_the_next_round():
     r.push(0, np.full(4, 2, np.float32))  # worker 0 again: held for round 2
     assert r.count == 1 and len(r.backlog) == 1
     assert r.push(1, np.full(4, 10, np.float32))
-    r.close(collect(applied))
+    r.close(collect(applied), None)
     assert [a[0] for a in applied] == [11.0]  # round 2 has begun with the held push
     assert r.count == 1 and r.pushed == {0} and not r.backlog
     assert r.push(1, np.full(4, 20, np.float32))
-    r.close(collect(applied))
+    r.close(collect(applied), None)
     assert [a[0] for a in applied] == [11.0, 22.0]
 
 
@@ -56,11 +56,11 @@ def test_held_pushes_of_several_workers_join_the_next_round_in_arrival_order():
     r.push(1, np.full(4, 20, np.float32))  # held
     r.push(0, np.full(4, 3, np.float32))  # held for round 3
     assert r.push(2, np.full(4, 100, np.float32))
-    r.close(collect(applied))
+    r.close(collect(applied), None)
     assert [a[0] for a in applied] == [111.0]
     assert r.count == 2 and r.pushed == {0, 1} and [w for w, _ in r.backlog] == [0]
     assert r.push(2, np.full(4, 200, np.float32))
-    r.close(collect(applied))
+    r.close(collect(applied), None)
     assert [a[0] for a in applied] == [111.0, 222.0] and r.count == 1 and not r.backlog
 
 
@@ -74,7 +74,7 @@ def test_a_pull_waits_until_every_push_of_its_worker_is_in_a_closed_round():
     r.wait(0, 1, "pull of worker 0")
     assert r.release() == []
     r.push(1, np.ones(4, np.float32))
-    r.close(lambda full: None)
+    r.close(lambda owner, full: None, None)
     assert r.release() == [(0, "pull of worker 0")] and r.waiting == []
 
 
@@ -82,7 +82,7 @@ def test_an_async_round_applies_every_push_on_arrival():
     r, applied = new_round(workers=3, quorum=1), []
     for worker, value in [(2, 5), (2, 6), (0, 7)]:
         assert r.push(worker, np.full(4, value, np.float32))
-        r.close(collect(applied))
+        r.close(collect(applied), None)
     assert [a[0] for a in applied] == [5.0, 6.0, 7.0]
     assert r.received == [1, 0, 2] and r.ready_for(2, 2)
 
@@ -94,7 +94,7 @@ def test_a_borrowed_push_is_copied_not_kept():
     region[:] = -1  # the sender reuses its shared memory
     r.push(1, np.ones(4, np.float32))
     sums = []
-    r.close(lambda full: sums.append(full.result.tolist()))
+    r.close(lambda owner, full: sums.append(full.result.tolist()), None)
     assert sums == [[4.0] * 4]
 
 
@@ -122,7 +122,7 @@ def test_a_slice_of_a_round_keeps_its_progress_for_those_elements():
     assert part.first.tolist() == [2, 3] and part.backlog[0][1].tolist() == [20, 30]
     assert part.push(1, np.ones(2, np.float32))
     sums = []
-    part.close(lambda full: sums.append(full.result.tolist()))
+    part.close(lambda owner, full: sums.append(full.result.tolist()), None)
     assert sums == [[3.0, 4.0]] and part.first.tolist() == [20, 30]
 
 

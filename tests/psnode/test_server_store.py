@@ -19,7 +19,7 @@ class Replies:
     def answer(self, worker, req_id, index, shard):
         self.answers.append((worker, req_id, index, shard.error or shard.stored.tolist()))
 
-    def send_to(self, worker, frames):
+    def send_to(self, worker, frames, pull_req=None):
         self.sent.append((worker, frames))
 
 
