@@ -166,9 +166,10 @@ def worker_cost(rounds: int, reps: int) -> float:
         stop_worker(kv)
 
 
-def server_rounds() -> Callable[[], int]:
-    """A real ``ServerNode`` on the stand-in holding one 4-float key, and ``one_round()``: both of
-    its 2 workers send the ``PUSH_PULL`` frame of a round; returns the replies sent so far."""
+def server_rounds() -> tuple[Callable[[], list], Callable[[list], int]]:
+    """A real ``ServerNode`` on the stand-in holding one 4-float key: ``messages()`` builds the
+    ``PUSH_PULL`` frames of the next round of its 2 workers, ``deliver(messages)`` has the server
+    receive and serve them; it returns the replies sent so far."""
     workers = [_peer("worker", 0), _peer("worker", 1)]
     stand_in = _StandIn(workers)
     node = ServerNode(_env("server", 2), transport=stand_in)
@@ -178,29 +179,34 @@ def server_rounds() -> Callable[[], int]:
     uids = [w["uid"].encode() for w in workers]
     pushes = [0, 0]
 
-    def one_round() -> int:
+    def messages() -> list:
+        out = []
         for rank in (0, 1):
             pushes[rank] += 1
             req = 2 * pushes[rank]
-            frame = protocol.pack_push_pull(req + 1, req, _KEY, 0, pushes[rank], payload)
-            stand_in.inbox.append((uids[rank], [Frame(memoryview(frame))]))
+            out.append((uids[rank], [Frame(memoryview(protocol.pack_push_pull(req + 1, req, _KEY, 0, pushes[rank], payload)))]))
+        return out
+
+    def deliver(batch: list) -> int:
+        for message in batch:
+            stand_in.inbox.append(message)
             node.conn.process(0)
         return stand_in.replies
 
-    return one_round
+    return messages, deliver
 
 
 def server_cost(rounds: int, reps: int) -> float:
     """µs of the server's thread per round: 2 workers' PUSH_PULL frames in, 2 VALUE frames out."""
-    one_round = server_rounds()
+    messages, deliver = server_rounds()
     for _ in range(rounds // 2):
-        one_round()
+        deliver(messages())
     best = float("inf")
     for _ in range(reps):
-        before = one_round()
+        before = deliver(messages())
         start = time.thread_time()
         for _ in range(rounds):
-            replies = one_round()
+            replies = deliver(messages())
         best = min(best, time.thread_time() - start)
         if replies - before != 2 * rounds:
             raise SystemExit(f"python_cost: the server sent {replies - before} replies for {rounds} rounds of 2 workers")
