@@ -6,10 +6,11 @@ distributed stores register themselves under ``dist_*``). ``kvcore.optim`` holds
 mshadow-ps style asynchronous shared model (``create_shared_model``).
 """
 
-from . import arrays, optim
+from . import arrays, compression, optim
 from .arrays import Device, cpu, gpu, num_gpus
 from .dataparallel import SplitSampler, split_and_load
 from .errors import (
+    CompressionError,
     DistributedError,
     DistTimeoutError,
     DTypeMismatchError,
@@ -35,6 +36,7 @@ from .shared_model import ModelUpdater, SharedModel, create_shared_model
 
 __all__ = [
     "arrays",
+    "compression",
     "optim",
     "Device",
     "cpu",
@@ -58,6 +60,7 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "CompressionError",
     "DistributedError",
     "NodeDiedError",
     "ServerError",

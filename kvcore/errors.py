@@ -12,6 +12,7 @@ The tree::
     ├── DTypeMismatchError         a value's dtype differs from the key's dtype
     ├── ValueCountError            lists of keys and values (or outs) of different lengths
     ├── OptimizerError             missing or unusable optimizer / updater
+    ├── CompressionError           bad gradient compression parameters, or a store that cannot compress
     └── DistributedError           the distributed runtime failed (the psnode error is its __cause__)
         ├── NodeDiedError          a node of the job died or left: .role, .rank, .host name it
         ├── ServerError            a server refused or failed a request (e.g. the updater raised)
@@ -33,6 +34,7 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "CompressionError",
     "DistributedError",
     "NodeDiedError",
     "ServerError",
@@ -81,6 +83,10 @@ class ValueCountError(KVStoreError, ValueError):
 
 class OptimizerError(KVStoreError):
     """An optimizer or updater is missing where one is required, or cannot be used."""
+
+
+class CompressionError(KVStoreError, ValueError):
+    """``set_gradient_compression`` got parameters MXNet would refuse, or a store that cannot compress."""
 
 
 class DistributedError(KVStoreError):
