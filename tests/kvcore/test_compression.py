@@ -8,6 +8,7 @@ the tests need no MXNet: kvcore must pull the very same float32 bits.
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import pytest
 import kvcore
 from kvcore.compression import parse_threshold
 from kvcore.errors import CompressionError, DTypeMismatchError, KVStoreError
+from psnode.testing import LocalJob
 
 F32 = np.float32
 
@@ -263,3 +265,14 @@ def test_a_push_that_is_not_float32_is_refused_with_compression_on(dtype):
 
 def test_1bit_accepts_a_threshold_of_zero_or_below():
     kvcore.create("device").set_gradient_compression({"type": "1bit", "threshold": -0.5})
+
+
+# ---- dist stores -----------------------------------------------------------------------------------
+
+
+def test_dist_sync_checks_and_keeps_the_parameters_and_refuses_compressed_pushes_for_now():
+    script = Path(__file__).parent / "dist_scripts" / "compression_params.py"
+    with LocalJob(2, 1, worker=[str(script)]) as job:
+        results = job.wait(60)
+    assert all(r.returncode == 0 for r in results), "\n".join(map(str, results))
+    assert sorted(r.output.count("OK ") for r in results if r.role == "worker") == [1, 1]
