@@ -267,6 +267,35 @@ def test_1bit_accepts_a_threshold_of_zero_or_below():
     kvcore.create("device").set_gradient_compression({"type": "1bit", "threshold": -0.5})
 
 
+# ---- Trainer ---------------------------------------------------------------------------------------
+
+
+def test_trainer_compression_params_push_quantized_gradients():
+    w = [np.zeros(4, F32), np.zeros(4, F32)]  # two replicas
+    trainer = kvcore.Trainer({"w": w}, kvcore.optim.SGD(learning_rate=1.0), kvstore="device",
+                             compression_params={"type": "2bit", "threshold": 0.5})
+    grads = [np.array([0.75, -0.75, 0.25, 0.0], F32), np.array([0.75, 0.25, 0.25, -0.5], F32)]
+    trainer.step(1, {"w": [g.copy() for g in grads]})
+    # each replica's gradient is quantized on its own: [0.5, -0.5, 0, 0] + [0.5, 0, 0, -0.5]
+    assert w[0].tolist() == w[1].tolist() == [-1.0, 0.5, 0.0, 0.5]
+    trainer.step(1, {"w": [g.copy() for g in grads]})
+    # residuals plus gradients, [1, -1, .5, 0] and [1, .5, .5, -.5], send [.5, -.5, .5, 0] + [.5, .5, .5, -.5]
+    assert w[0].tolist() == w[1].tolist() == [-2.0, 0.5, -1.0, 1.0]
+
+
+def test_trainer_refuses_compression_for_float16_parameters_naming_them():
+    with pytest.raises(DTypeMismatchError, match=r"only supported for float32 parameters.*'h' \(float16\)"):
+        kvcore.Trainer({"w": np.zeros(2, F32), "h": np.zeros(2, np.float16)}, "sgd", kvstore="device",
+                       compression_params={"type": "2bit"})
+
+
+def test_trainer_checks_compression_params_before_any_step():
+    with pytest.raises(CompressionError, match="Unknown type for gradient compression 3bit"):
+        kvcore.Trainer([np.zeros(2, F32)], "sgd", kvstore="device", compression_params={"type": "3bit"})
+    with pytest.raises(CompressionError, match=r"not supported for this type of kvstore \('local'\)"):
+        kvcore.Trainer([np.zeros(2, F32)], "sgd", compression_params={"type": "2bit"})
+
+
 # ---- dist stores -----------------------------------------------------------------------------------
 
 
