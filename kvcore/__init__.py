@@ -2,7 +2,8 @@
 
 ``kvcore.create(name)`` returns a KVStore with MXNet's semantics (``local``, ``device``; the
 distributed stores register themselves under ``dist_*``). ``kvcore.optim`` holds the optimizers,
-``kvcore.arrays`` the numpy/CuPy array backend and device helpers. ``kvcore.shared_model`` holds the
+``kvcore.arrays`` the numpy/CuPy array backend and device helpers, ``kvcore.compression`` MXNet's
+2bit/1bit gradient compression (``kv.set_gradient_compression``). ``kvcore.shared_model`` holds the
 mshadow-ps style asynchronous shared model (``create_shared_model``).
 """
 
