@@ -87,7 +87,8 @@ _QUANTIZERS = {"2bit": _quantize_2bit_numpy, "1bit": _quantize_1bit_numpy}
 
 def quantize(kind: str, grad: np.ndarray, residual: np.ndarray, t: np.float32, out: np.ndarray) -> None:
     """Quantize flat float32 ``grad`` with flat ``residual`` (updated) into uint8 ``out``."""
-    _QUANTIZERS[kind](grad, residual, t, out)
+    if grad.size:
+        _QUANTIZERS[kind](grad, residual, t, out)
 
 _tables: dict[tuple[str, bytes], np.ndarray] = {}
 _tables_lock = threading.Lock()
@@ -114,9 +115,11 @@ def _table(kind: str, t: np.float32) -> np.ndarray:
 
 def dequantize(kind: str, packed: np.ndarray, t: np.float32, out: np.ndarray, accumulate: bool) -> None:
     """Write (or with ``accumulate`` add) the values of uint8 ``packed`` into flat float32 ``out``."""
+    n = out.size
+    if n == 0:
+        return
     table = _table(kind, t)
     per_byte = _VALUES_PER_BYTE[kind]
-    n = out.size
     chunk = min(_CHUNK, -(-n // 32) * 32)
     values = np.empty((chunk // per_byte, per_byte), np.float32)
     for start in range(0, n, chunk):

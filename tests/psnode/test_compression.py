@@ -168,6 +168,12 @@ def test_split_on_words_parts_quantized_alone_give_the_whole_keys_bytes(kind):
     assert [p.size // 4 for p in parts[:-1]] == [(b - a) // per_word for a, b in zip(bounds, bounds[1:-1])]
 
 
+@pytest.mark.parametrize("kind", ["2bit", "1bit"])
+def test_an_empty_gradient_packs_into_no_bytes(kind):
+    packed = quantize(kind, np.zeros(0, F32), np.zeros(0, F32), 0.5)
+    assert packed.size == 0 and dequantize(kind, packed, 0.5, size=0).size == 0
+
+
 def test_split_on_words_leaves_parts_empty_when_words_run_out():
     assert split_on_words(20, 4, "2bit") == [0, 0, 16, 16, 20]
 
