@@ -17,53 +17,44 @@ from .. import devices
 
 __all__ = ["CUDA_SOURCES", "kernel"]
 
-CUDA_SOURCES = {
-    ("2bit", "quantize"): (
-        "raw float32 grad, int64 n, float32 t",
-        "raw float32 residual, uint8 out",
-        """
-        const long long first = 4LL * (long long)i;
+
+def _quantize_source(per_byte: int, decide: str) -> str:
+    """A quantize body: one thread per packed byte adds the gradient to each of its ``per_byte``
+    residuals, lets ``decide`` set the element's bits in ``byte`` and adjust ``r``, and stores both."""
+    return f"""
+        const long long first = {per_byte}LL * (long long)i;
         unsigned int byte = 0u;
-        for (int k = 0; k < 4; ++k) {
+        for (int k = 0; k < {per_byte}; ++k) {{
             const long long j = first + k;
-            if (j < n) {
+            if (j < n) {{
                 float r = residual[j] + grad[j];
+{decide}
+                residual[j] = r;
+            }}
+        }}
+        out = (unsigned char)byte;
+        """
+
+
+_QUANTIZE_PARAMS = ("raw float32 grad, int64 n, float32 t", "raw float32 residual, uint8 out")
+CUDA_SOURCES = {
+    ("2bit", "quantize"): _QUANTIZE_PARAMS + (_quantize_source(4, """
                 if (r >= t) {
                     byte |= 0xC0u >> (2 * k);
                     r = r - t;
                 } else if (r <= -t) {
                     byte |= 0x80u >> (2 * k);
                     r = r - (-t);
-                }
-                residual[j] = r;
-            }
-        }
-        out = (unsigned char)byte;
-        """,
-    ),
-    ("1bit", "quantize"): (
-        "raw float32 grad, int64 n, float32 t",
-        "raw float32 residual, uint8 out",
-        """
-        const long long first = 8LL * (long long)i;
-        unsigned int byte = 0u;
-        for (int k = 0; k < 8; ++k) {
-            const long long j = first + k;
-            if (j < n) {
-                float r = residual[j] + grad[j];
+                }"""),),
+    ("1bit", "quantize"): _QUANTIZE_PARAMS + (_quantize_source(8, """
                 if (r > t) {
                     byte |= 0x80u >> k;
                     r = r - 1.0f;
                 } else {
                     r = r + 1.0f;
-                }
-                residual[j] = r;
-            }
-        }
-        out = (unsigned char)byte;
-        """,
-    ),
+                }"""),),
 }
+
 # A dequantizer computes ``v`` for value ``i``, then stores it or adds it to what ``out`` holds.
 _DEQUANTIZED_VALUE = {
     "2bit": """

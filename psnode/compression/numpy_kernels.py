@@ -27,21 +27,31 @@ _POS_SPREAD = np.uint32((3 * _SPREAD) & 0xFFFFFFFF)  # code 11 for a positive el
 _NEG_SPREAD = np.uint32((2 * _SPREAD) & 0xFFFFFFFF)  # code 10 for a negative one
 
 
+def _chunk_size(n: int) -> int:
+    """Elements per pass for ``n`` values: ``_CHUNK``, or ``n`` rounded up to whole words of either kind."""
+    return min(_CHUNK, -(-n // 32) * 32)
+
+
+def _added_chunks(grad: np.ndarray, residual: np.ndarray, chunk: int):
+    """Yield ``(start, r)`` per chunk, ``r`` the residual's chunk with the gradient added in place."""
+    for start in range(0, grad.size, chunk):
+        r = residual[start : start + chunk]
+        np.add(r, grad[start : start + chunk], out=r)
+        yield start, r
+
+
 def _quantize_2bit_numpy(grad: np.ndarray, residual: np.ndarray, t: np.float32, out: np.ndarray) -> None:
     n = grad.size
     neg_t = np.float32(-t)
-    chunk = min(_CHUNK, -(-n // 16) * 16)
+    chunk = _chunk_size(n)
     pos = np.zeros(chunk, bool)
     neg = np.zeros(chunk, bool)
     sign = np.empty(chunk, np.int8)
     step = np.empty(chunk, np.float32)
     word = np.empty(chunk // 4, np.uint32)
     spare = np.empty(chunk // 4, np.uint32)
-    for start in range(0, n, chunk):
-        stop = min(start + chunk, n)
-        m = stop - start
-        r = residual[start:stop]
-        np.add(r, grad[start:stop], out=r)
+    for start, r in _added_chunks(grad, residual, chunk):
+        m = r.size
         np.greater_equal(r, t, out=pos[:m])
         np.less_equal(r, neg_t, out=neg[:m])
         if m < chunk:  # the last, short chunk: its padding elements code as 00
@@ -64,14 +74,11 @@ def _quantize_2bit_numpy(grad: np.ndarray, residual: np.ndarray, t: np.float32, 
 
 def _quantize_1bit_numpy(grad: np.ndarray, residual: np.ndarray, t: np.float32, out: np.ndarray) -> None:
     n = grad.size
-    chunk = min(_CHUNK, -(-n // 32) * 32)
+    chunk = _chunk_size(n)
     bit = np.empty(chunk, bool)
     step = np.empty(chunk, np.int8)
-    for start in range(0, n, chunk):
-        stop = min(start + chunk, n)
-        m = stop - start
-        r = residual[start:stop]
-        np.add(r, grad[start:stop], out=r)
+    for start, r in _added_chunks(grad, residual, chunk):
+        m = r.size
         np.greater(r, t, out=bit[:m])
         # r -= 1 for a 1 bit, r -= -1 for a 0 bit
         np.left_shift(bit[:m].view(np.int8), 1, out=step[:m])
@@ -120,7 +127,7 @@ def dequantize(kind: str, packed: np.ndarray, t: np.float32, out: np.ndarray, ac
         return
     table = _table(kind, t)
     per_byte = _VALUES_PER_BYTE[kind]
-    chunk = min(_CHUNK, -(-n // 32) * 32)
+    chunk = _chunk_size(n)
     values = np.empty((chunk // per_byte, per_byte), np.float32)
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
