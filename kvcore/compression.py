@@ -175,14 +175,6 @@ class GradientCompression:
         """Change the parameters; residuals are kept."""
         self._params = params
 
-    def residual(self, slot: Hashable) -> Any:
-        """The residual of ``slot`` (None before its first quantize)."""
-        return self._residuals.get(slot)
-
-    def compressed_nbytes(self, size: int) -> int:
-        """How many bytes ``size`` values pack into under the current type."""
-        return compressed_nbytes(size, self._params.type)
-
     def quantize(self, slot: Hashable, value: Any, out: Any = None) -> Any:
         """Quantize float32 ``value`` with the residual of ``slot``; return the packed bytes (on its device).
 
