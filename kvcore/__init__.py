@@ -2,14 +2,16 @@
 
 ``kvcore.create(name)`` returns a KVStore with MXNet's semantics (``local``, ``device``; the
 distributed stores register themselves under ``dist_*``). ``kvcore.optim`` holds the optimizers,
-``kvcore.arrays`` the numpy/CuPy array backend and device helpers. ``kvcore.shared_model`` holds the
+``kvcore.arrays`` the numpy/CuPy array backend and device helpers, ``kvcore.compression`` MXNet's
+2bit/1bit gradient compression (``kv.set_gradient_compression``). ``kvcore.shared_model`` holds the
 mshadow-ps style asynchronous shared model (``create_shared_model``).
 """
 
-from . import arrays, optim
+from . import arrays, compression, optim
 from .arrays import Device, cpu, gpu, num_gpus
 from .dataparallel import SplitSampler, split_and_load
 from .errors import (
+    CompressionError,
     DistributedError,
     DistTimeoutError,
     DTypeMismatchError,
@@ -36,6 +38,7 @@ from .shared_model import ModelUpdater, SharedModel, create_shared_model
 
 __all__ = [
     "arrays",
+    "compression",
     "optim",
     "Device",
     "cpu",
@@ -59,6 +62,7 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "CompressionError",
     "DistributedError",
     "NodeDiedError",
     "ServerError",

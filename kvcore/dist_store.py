@@ -188,7 +188,7 @@ class DistKVStore(KVStoreBase):
     # ---- the common case without the general normalisation ------------------------------------
     def push(self, key: Any, value: Any, priority: int = 0) -> Handle:
         """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
-        if type(value) is np.ndarray and (self._sync or self._has_updater):
+        if type(value) is np.ndarray and (self._sync or self._has_updater) and self._compression is None:
             target = self._whole_target(key, value)
             if target is not None:
                 handle = _NodeHandle("push", self._worker)
@@ -240,6 +240,13 @@ class DistKVStore(KVStoreBase):
                 self._whole[lay.key] = (lay.parts[0].server, lay.id)
 
     def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+        if self._compression is not None:
+            # The parameters are checked and kept; compressed pushes do not travel to the servers yet,
+            # and sending them uncompressed would give other numbers than MXNet.
+            raise NotImplementedError(
+                f"{self.type} cannot push with gradient compression yet (key {groups[0][0]!r}); "
+                "push without set_gradient_compression, or use the 'device' store"
+            )
         if not self._sync and not self._has_updater:
             raise OptimizerError(
                 f"dist_async applies every push on the servers as it arrives, so it needs an optimizer: "

@@ -13,6 +13,7 @@ The tree::
     ├── ValueCountError            lists of keys and values (or outs) of different lengths
     ├── OptimizerError             missing or unusable optimizer / updater
     ├── KVTimeoutError             a wait on a handle ran past its timeout (also TimeoutError)
+    ├── CompressionError           bad gradient compression parameters, or a store that cannot compress
     └── DistributedError           the distributed runtime failed (the psnode error is its __cause__)
         ├── NodeDiedError          a node of the job died or left: .role, .rank, .host name it
         ├── ServerError            a server refused or failed a request (e.g. the updater raised)
@@ -36,6 +37,7 @@ __all__ = [
     "ValueCountError",
     "OptimizerError",
     "KVTimeoutError",
+    "CompressionError",
     "DistributedError",
     "NodeDiedError",
     "ServerError",
@@ -88,6 +90,10 @@ class OptimizerError(KVStoreError):
 
 class KVTimeoutError(KVStoreError, TimeoutError):
     """A wait on a handle ran past its timeout (the operation goes on)."""
+
+
+class CompressionError(KVStoreError, ValueError):
+    """``set_gradient_compression`` got parameters MXNet would refuse, or a store that cannot compress."""
 
 
 class DistributedError(KVStoreError):
