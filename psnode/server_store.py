@@ -273,7 +273,7 @@ class ServerStore:
         Raises:
             KeyError_: a row id outside the shard.
         """
-        table = self.backend.host(shard.stored).reshape(-1, shard.row_size)
-        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= table.shape[0]):
-            raise KeyError_(f"key {shard.user_key!r}: row ids outside 0..{table.shape[0] - 1} on this server")
-        return table[rows]
+        count = shard.stored.size // shard.row_size
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= count):
+            raise KeyError_(f"key {shard.user_key!r}: row ids outside 0..{count - 1} on this server")
+        return self.backend.rows(shard.stored, shard.row_size, rows)
