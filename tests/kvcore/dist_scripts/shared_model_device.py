@@ -1,0 +1,68 @@
+"""Worker (argv: cpu|gpu): the 'dist' shared model with its devices' arrays there (every GPU, or two
+CPU slots): starting weights pulled into strided targets, three rounds from every device, exact."""
+
+import sys
+import threading
+
+import numpy as np
+
+import kvcore
+from kvcore import arrays
+
+
+class AddUpdater(kvcore.ModelUpdater):
+    """Starts every key at 1 and adds each merged gradient (the servers load this script for it)."""
+
+    def init_model(self, key, data):
+        data[...] = 1
+
+    def update(self, key, grad):
+        self.weight(key)[...] += grad
+
+
+if __name__ == "__main__":
+    kind = sys.argv[1]
+    model = kvcore.create_shared_model("dist", updater=AddUpdater(), device=kind, timeout=60)
+    devids = list(range(arrays.num_gpus())) if kind == "gpu" else [0, 1]
+    model.init(devids)
+    assert all(model.device(d).is_gpu == (kind == "gpu") for d in devids), arrays.gpu_status()
+    shapes = {"w": (64, 33), "b": (7,)}
+    errors = []
+
+    def device(devid):
+        try:
+            dev = model.device(devid)
+            with arrays.device_context(dev):
+                targets = {}
+                for key, shape in shapes.items():
+                    model.init_key(shape, key, devid)
+                    wide = arrays.zeros(shape[:-1] + (2 * shape[-1],), np.float32, dev)
+                    targets[key] = wide[..., ::2]  # strided: the host-to-GPU copy must handle it
+                    model.pull_req(targets[key], key, devid)
+                for key in shapes:
+                    model.pull_wait(key, devid)
+                    assert np.all(arrays.asnumpy(targets[key]) == 1), (key, devid)
+                for r in range(3):
+                    for key, shape in shapes.items():
+                        grad = arrays.zeros(shape, np.float32, dev) + (devid + 1)
+                        model.push(grad, key, devid)
+                        model.pull_req(targets[key], key, devid)
+                    for key in shapes:
+                        model.pull_wait(key, devid)
+                        expected = 1 + (r + 1) * sum(d + 1 for d in devids)
+                        got = arrays.asnumpy(targets[key])
+                        assert np.all(got == expected), (key, devid, r, float(got.max()), expected)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=device, args=(d,), daemon=True) for d in devids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a device thread did not finish"
+    if errors:
+        raise errors[0]
+    model.barrier()
+    model.close()
+    print("OK", model.rank, flush=True)
