@@ -121,6 +121,9 @@ def shard_memory(spec: str) -> Any:
         return HostMemory()
     device = devices.Device.parse(spec)
     if not devices.gpu_available() or device.index >= devices.num_gpus():
-        warnings.warn(f"PSLAUNCH_SERVER_DEVICE={spec}: no usable GPU {device.index}; the server keeps its shards on the CPU")
+        why = devices.gpu_status() if not devices.gpu_available() else f"this host has {devices.num_gpus()} GPU(s)"
+        warnings.warn(
+            f"PSLAUNCH_SERVER_DEVICE={spec}: no usable GPU {device.index} ({why}); the server keeps its shards on the CPU"
+        )
         return HostMemory()
     return GpuMemory(device)

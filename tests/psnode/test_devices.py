@@ -13,7 +13,12 @@ import pytest
 from kvcore import arrays
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_gpu = pytest.mark.skipif(not arrays.gpu_available(), reason="needs a CUDA GPU with a working CuPy")
+
+
+def needs_gpu(test):
+    """Marked ``gpu`` (scripts/gpu_check.sh runs those) and skipped without a GPU that runs kernels."""
+    skip = pytest.mark.skipif(not arrays.gpu_available(), reason=f"needs a CUDA GPU: {arrays.gpu_status()}")
+    return pytest.mark.gpu(skip(test))
 
 
 def test_cpu_device_and_spellings():
