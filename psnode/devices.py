@@ -319,13 +319,13 @@ def copy_into(dst: Any, src: Any) -> None:
         return
     with cp.cuda.Device(dst_dev.index):
         stream = cp.cuda.get_current_stream()
-        direct = dst.flags.c_contiguous and dst.dtype == src.dtype
-        if src_dev.is_gpu and src_dev != dst_dev:
-            staged = _from_peer(cp, src, None if not direct else dst, stream)
-        elif not src_dev.is_gpu:  # host -> GPU: ndarray.set needs a contiguous destination
+        if not src_dev.is_gpu:  # host -> GPU: ndarray.set needs a contiguous destination
             host = np.ascontiguousarray(src, dtype=dst.dtype)
-            staged = None if direct else cp.empty(dst.shape, dst.dtype)
-            (dst if direct else staged).set(host, stream=stream)
+            staged = None if dst.flags.c_contiguous else cp.empty(dst.shape, dst.dtype)
+            (dst if staged is None else staged).set(host, stream=stream)
+        elif src_dev != dst_dev:  # GPU -> another GPU
+            direct = dst.flags.c_contiguous and dst.dtype == src.dtype
+            staged = _from_peer(cp, src, dst if direct else None, stream)
         else:
             staged = src
         if staged is not None:
