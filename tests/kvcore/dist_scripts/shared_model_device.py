@@ -1,6 +1,8 @@
 """Worker (argv: cpu|gpu): the 'dist' shared model with its devices' arrays there (every GPU, or two
-CPU slots): starting weights pulled into strided targets, three rounds from every device, exact."""
+CPU slots): starting weights pulled into strided targets, three rounds from every device, exact;
+on GPUs a fourth round while each device's default stream is busy for seconds."""
 
+import os
 import sys
 import threading
 
@@ -8,6 +10,8 @@ import numpy as np
 
 import kvcore
 from kvcore import arrays
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/kvcore: the test kit
 
 
 class AddUpdater(kvcore.ModelUpdater):
@@ -52,6 +56,21 @@ if __name__ == "__main__":
                         expected = 1 + (r + 1) * sum(d + 1 for d in devids)
                         got = arrays.asnumpy(targets[key])
                         assert np.all(got == expected), (key, devid, r, float(got.max()), expected)
+                if dev.is_gpu:
+                    # a round while the default stream is busy for seconds: the download to the
+                    # servers, the upload of their answer and the pull's copy run on streams of their own
+                    from kvcore_testkit import default_stream_busy, finish_default_stream, keep_default_stream_busy
+
+                    grad = arrays.zeros(shapes["w"], np.float32, dev) + (devid + 1)
+                    model.push(grad, "w", devid)
+                    model.pull_req(targets["w"], "w", devid)
+                    keep_default_stream_busy(dev, 4.0)
+                    model.pull_wait("w", devid)
+                    busy = default_stream_busy(dev)
+                    finish_default_stream(dev)
+                    assert busy, f"device {devid}: pull_wait returned only after the default stream finished"
+                    got = arrays.asnumpy(targets["w"])
+                    assert np.all(got == 1 + 4 * sum(d + 1 for d in devids)), (devid, float(got.max()))
         except BaseException as exc:
             errors.append(exc)
 
