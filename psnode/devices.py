@@ -269,24 +269,37 @@ class _NullContext:
 
 
 def to_device(array: Any, device: Device, copy: bool = False) -> Any:
-    """Return ``array`` on ``device``; the same object when it already lives there and ``copy`` is False."""
+    """Return ``array`` on ``device``; the same object when it already lives there and ``copy`` is False.
+
+    The copy is ordered after the work this thread queued on ``array``'s GPU so far. From the host
+    or onto the host it is queued on this thread's current stream (host results are complete);
+    between two GPUs it has completed when the call returns (CuPy's own cross-device copy does not
+    wait for the source GPU's streams).
+    """
     if device_of(array) == device and not copy:
         return array
     if not device.is_gpu:
         cp = cupy_module()
         if cp is not None and isinstance(array, cp.ndarray):
-            return cp.asnumpy(array)
+            return asnumpy(array)
         return np.array(array, copy=True)
     cp = _require_gpu(device)
+    source = device_of(array)
     with cp.cuda.Device(device.index):
+        if source.is_gpu and source != device:
+            placed = cp.empty(array.shape, array.dtype)
+            _from_peer(cp, array, placed, cp.cuda.get_current_stream())
+            return placed
         return cp.array(array, copy=True)
 
 
 def asnumpy(array: Any) -> np.ndarray:
-    """A numpy view or copy of ``array`` (copied to the host when it lives on a GPU)."""
+    """A numpy view or copy of ``array`` (copied to the host when it lives on a GPU, after the work
+    this thread queued on that GPU's current stream)."""
     cp = cupy_module()
     if cp is not None and isinstance(array, cp.ndarray):
-        return cp.asnumpy(array)
+        with cp.cuda.Device(array.device.id):  # CuPy's get() takes the current device's stream
+            return cp.asnumpy(array)
     return np.asarray(array)
 
 
