@@ -146,3 +146,16 @@ def test_an_nccl_group_sums_all_reduces_that_threads_issue_in_differing_orders()
         run_device_threads(run, [0, 1, 2], join_timeout=90)
     finally:
         group.close()
+
+
+def test_to_device_and_asnumpy_from_another_gpu_read_after_the_work_queued_there():
+    first, second = (arrays.gpu(i) for i in gpu_ids(2))
+    cp = _cp()
+    with arrays.device_context(second):
+        keep_default_stream_busy(second, 0.3)
+        source = cp.full((1 << 20,), 5, cp.float32)  # filled behind the spinning kernel on the second GPU
+    with arrays.device_context(first):  # the first GPU current: CuPy alone would use its stream
+        placed = arrays.to_device(source, first)
+        host = arrays.asnumpy(source)
+    assert arrays.device_of(placed) == first
+    assert float(arrays.asnumpy(placed).min()) == 5 and host.min() == host.max() == 5
