@@ -14,7 +14,6 @@ asynchronously.
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any, Callable, Hashable, Iterable
 
 import numpy as np
@@ -33,7 +32,7 @@ from .errors import (
     UnknownDeviceError,
     WeightMismatchError,
 )
-from .level1 import KeyState, Level1Buffers
+from .level1 import KeyState, Level1Buffers, nccl_group
 from .pulls import PullSide, PullTask
 from .queues import PriorityWorkQueue, QueueClosed, WorkerThread
 from .updater import ModelUpdater, ServerUpdater
@@ -181,7 +180,7 @@ class SharedModel(PullSide):
         self._devices = [arrays.gpu(i) if use_gpu else arrays.Device("cpu", i) for i in ids]
         self._ids = ids
         self._index = {devid: wid for wid, devid in enumerate(ids)}
-        self._nccl = self._make_nccl(use_gpu, ids)
+        self._nccl = nccl_group(self.config.nccl, use_gpu, ids)
         self._push_workers = self._start_workers("push", self.config.push_thread)
         self._pull_workers = self._start_workers("pull", self.config.pull_thread)
         self._state = "ready"
@@ -191,30 +190,6 @@ class SharedModel(PullSide):
             except BaseException:
                 self.close()
                 raise
-
-    def _make_nccl(self, use_gpu: bool, ids: list[int]) -> Any:
-        mode = self.config.nccl
-        if not use_gpu or len(ids) < 2 or mode == "off":
-            return None
-        if not arrays.nccl_available():
-            if mode == "on":
-                raise ConfigError(
-                    "set_param('nccl', 'on') was given, but CuPy's NCCL binding is not usable here "
-                    "(libnccl missing? pip install 'pslaunch[gpu]' installs nvidia-nccl-cu12)"
-                )
-            return None
-        try:
-            return arrays.NcclGroup(ids)
-        except Exception as exc:
-            if mode == "on":
-                raise ConfigError(f"set_param('nccl', 'on') was given, but {exc}") from exc
-            warnings.warn(
-                f"{exc}; Level 1 sums on gpu({ids[0]}) with peer copies instead (set_param('nccl', 'off') "
-                "skips NCCL, 'on' makes this an error)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return None
 
     def _start_workers(self, role: str, mode: str) -> list[WorkerThread]:
         names = [f"shared-model-{role}-dev{d}" for d in self._ids] if mode == "ndev" else [f"shared-model-{role}"]

@@ -28,14 +28,16 @@ stream the memory pool handed the blocks out on.
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 import numpy as np
 
 from .. import arrays
+from .errors import ConfigError
 
-__all__ = ["KeyState", "PullRequest", "Level1Buffers"]
+__all__ = ["KeyState", "PullRequest", "Level1Buffers", "nccl_group"]
 
 
 @dataclass
@@ -52,6 +54,35 @@ class PullRequest:
     error: BaseException | None = None
     reported: bool = False
     version: int | None = None
+
+
+def nccl_group(mode: str, use_gpu: bool, ids: list[int]) -> "arrays.NcclGroup | None":
+    """The NCCL group Level 1 sums with, for the ``nccl`` parameter ``mode``; None to sum without.
+
+    Only several GPUs use one. Under 'auto' a missing libnccl means none, and a group that fails to
+    start means none with a warning; under 'on' either is a ``ConfigError`` naming the cause.
+    """
+    if not use_gpu or len(ids) < 2 or mode == "off":
+        return None
+    if not arrays.nccl_available():
+        if mode == "on":
+            raise ConfigError(
+                "set_param('nccl', 'on') was given, but CuPy's NCCL binding is not usable here "
+                "(libnccl missing? pip install 'pslaunch[gpu]' installs nvidia-nccl-cu12)"
+            )
+        return None
+    try:
+        return arrays.NcclGroup(ids)
+    except Exception as exc:
+        if mode == "on":
+            raise ConfigError(f"set_param('nccl', 'on') was given, but {exc}") from exc
+        warnings.warn(
+            f"{exc}; Level 1 sums on gpu({ids[0]}) with peer copies instead (set_param('nccl', 'off') "
+            "skips NCCL, 'on' makes this an error)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
 
 class Level1Buffers:
