@@ -120,6 +120,8 @@ class DistKVStore(KVStoreBase):
         self._worker = worker_node()
         self._sync = store_type != "dist_async"
         self._merge_on_device = store_type == "dist_device_sync"
+        self._merge_buffers: dict[Hashable, Any] = {}  # dist_device_sync: key -> its sum's buffer on the GPU
+        self._merge_lock = threading.Lock()
         self._layouts: dict[Hashable, KeyLayout] = {}
         self._whole: dict[Hashable, tuple[int, int]] = {}  # key -> (server, key id) for unsplit keys
         self._has_updater = False
@@ -269,22 +271,29 @@ class DistKVStore(KVStoreBase):
                 else:
                     flat = arrays.asnumpy(value).reshape(-1)
             else:
-                flat = self._merge(values).reshape(-1)
+                flat = self._merge(key, values).reshape(-1)
             for part in lay.parts:
                 parts.append((part.server, part.id, flat[part.start:part.stop]))
         handle = _NodeHandle("push", self._worker)
         self._call(self._worker.push, parts, priority, not fresh, handle)
         return handle
 
-    def _merge(self, values: list[Any]) -> np.ndarray:
-        """Sum per-device values into a new host array (on the first value's device for dist_device_sync)."""
-        if self._merge_on_device:
-            home = arrays.device_of(values[0])
-            with arrays.device_context(home):
-                total = values[0].copy()
+    def _merge(self, key: Hashable, values: list[Any]) -> np.ndarray:
+        """Sum per-device values into a new host array (on the first value's GPU for dist_device_sync).
+
+        dist_device_sync keeps one buffer per key on that GPU, so a step allocates nothing there;
+        the copy to the host waits for the sum, so the buffer is free again when this returns.
+        """
+        home = arrays.device_of(values[0])
+        if self._merge_on_device and home.is_gpu:
+            with self._merge_lock, arrays.device_context(home):
+                total = self._merge_buffers.get(key)
+                if total is None or arrays.device_of(total) != home or total.shape != values[0].shape:
+                    total = self._merge_buffers[key] = arrays.empty(values[0].shape, values[0].dtype, home)
+                total[...] = values[0]
                 for value in values[1:]:
-                    total += arrays.to_device(value, home)
-            return np.ascontiguousarray(arrays.asnumpy(total))
+                    total += value if arrays.device_of(value) == home else arrays.to_device(value, home)
+                return np.ascontiguousarray(arrays.asnumpy(total))
         total = np.array(arrays.asnumpy(values[0]), copy=True)
         for value in values[1:]:
             total += arrays.asnumpy(value)

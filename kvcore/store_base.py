@@ -329,11 +329,13 @@ def _write_rows(out: Any, rows: np.ndarray, data: Any) -> None:
         out.indices = rows.copy()
         out.data = arrays.to_device(data, arrays.device_of(out.data) if out.data is not None else arrays.cpu())
         return
-    xp = arrays.array_module(out)
-    out[...] = 0
-    if rows.size:
-        index = xp.asarray(rows)
-        if arrays.device_of(data) != arrays.device_of(out):
-            data = arrays.to_device(data, arrays.device_of(out))
-        out[index] = data
+    home = arrays.device_of(out)
+    # the index, the fill and the scatter all run on out's device, whichever is current
+    with arrays.device_context(home):
+        out[...] = 0
+        if rows.size:
+            index = arrays.to_device(rows, home)
+            if arrays.device_of(data) != home:
+                data = arrays.to_device(data, home)
+            out[index] = data
 

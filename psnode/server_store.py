@@ -194,7 +194,7 @@ class ServerStore:
         Raises:
             RequestRefused: a row id outside the shard.
         """
-        table = self.memory.host(shard.stored).reshape(-1, shard.row_size)
-        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= table.shape[0]):
-            raise RequestRefused(f"key {shard.user_key!r}: row ids outside 0..{table.shape[0] - 1} on this server")
-        return table[rows]
+        count = shard.stored.size // shard.row_size
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= count):
+            raise RequestRefused(f"key {shard.user_key!r}: row ids outside 0..{count - 1} on this server")
+        return self.memory.rows(shard.stored, shard.row_size, rows)
