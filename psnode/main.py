@@ -2,20 +2,39 @@
 
 ``run_node(role)`` reads the environment (docs/env.md), runs the scheduler or a server until the
 job ends and returns the exit code: 0 when the job ended in order, 1 when it failed (the error,
-naming the node or variable at fault, is printed on stderr), 2 when the environment is malformed.
+naming the node or variable at fault, is printed on stderr), 2 when the environment is malformed,
+``EXIT_PEER_FAILED`` (75) when another node failed or the job was torn down (one line says which).
+
+Signals: SIGTERM means the job is being torn down (exit 75); SIGUSR1 means the job is over (every
+worker exited 0; exit 0): pslaunch sends it so that a job whose workers never used the runtime
+ends at once. Under pslaunch the node says it handles them with a marker line on stderr.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
-from .env import read_env
+from .env import EXIT_PEER_FAILED, MARKER_READY, read_env
 from .errors import EnvError, PSNodeError
 
 __all__ = ["run_node", "node_running", "main"]
 
 _running = False
+
+
+class _Ended(BaseException):
+    """Raised by the signal handlers; a BaseException so that no ``except Exception`` keeps the node."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum: int, frame) -> None:  # noqa: ARG001
+    raise _Ended(signum)
 
 
 def node_running() -> bool:
@@ -37,7 +56,10 @@ def run_node(role: str) -> int:
         print(f"psnode {role}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     _running = True
+    previous = _install_handlers()
     try:
+        if previous and env.supervised:
+            print(MARKER_READY, file=sys.stderr, flush=True)
         if role == "scheduler":
             from .scheduler import run_scheduler
 
@@ -50,8 +72,24 @@ def run_node(role: str) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except _Ended as end:
+        if end.signum == signal.SIGUSR1:
+            return 0
+        print(f"psnode {role} (pid {os.getpid()}): stopped by {signal.Signals(end.signum).name}: "
+              "the job is being torn down", file=sys.stderr, flush=True)
+        return EXIT_PEER_FAILED
     finally:
         _running = False
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _install_handlers() -> dict:
+    """SIGTERM and SIGUSR1 end the node (see the module docstring); returns the handlers replaced,
+    empty off the main thread, where Python cannot install handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
 
 def main(argv: list[str] | None = None) -> int:

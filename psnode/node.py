@@ -129,6 +129,7 @@ class Node:
         self.malformed = 0
         self._fail_lock = threading.Lock()
         self._last_from_scheduler = time.monotonic()
+        self._last_beat_check = 0.0  # when _heartbeat last ran
         self._next_heartbeat = 0.0
         self._waiters: dict[int, Any] = {}  # req_id -> future, for barrier / finish replies
         self._req_ids = itertools.count(1)  # next() on a count is atomic: no lock needed
@@ -201,7 +202,7 @@ class Node:
             endpoint = self.endpoint_of(peer)
             self.transport.connect(peer.uid.encode(), endpoint)
             logger.info("%s %d connected to %s at %s", self.role, self.rank, peer.describe(), endpoint)
-        self._last_from_scheduler = time.monotonic()
+        self._last_from_scheduler = self._last_beat_check = time.monotonic()
 
     def endpoint_of(self, peer: PeerInfo) -> str:
         """The same-host endpoint for a peer on this host (unless PSLAUNCH_SAME_HOST=tcp), else TCP."""
@@ -258,6 +259,10 @@ class Node:
         interval = self.env.heartbeat_interval
         if interval <= 0 or self.failure is not None:
             return
+        stalled = now - self._last_beat_check
+        self._last_beat_check = now
+        if stalled > self.env.heartbeat_timeout / 2:
+            self._last_from_scheduler += stalled  # this process was stopped: not the scheduler's silence
         if now - self._last_from_scheduler > self.env.heartbeat_timeout:
             self.fail(
                 PeerDiedError(

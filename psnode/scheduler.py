@@ -12,10 +12,11 @@ scheduler exits 0.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
-from .env import NodeEnv
+from .env import EXIT_PEER_FAILED, NodeEnv
 from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError
 from .node import PeerInfo, host_fingerprint, logger, setup_logging
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
@@ -47,6 +48,7 @@ class Scheduler:
         self.members: dict[bytes, _Member] = {}
         self.malformed = 0
         self._barriers: dict[int, list[tuple[bytes, int]]] = {}
+        self._last_check = 0.0  # when _check_alive last ran
 
     # ---- registration -------------------------------------------------------------------
     def _expected(self) -> dict[str, int]:
@@ -169,6 +171,7 @@ class Scheduler:
         """
         env = self.env
         tick = 0.5 if env.heartbeat_interval <= 0 else min(0.5, env.heartbeat_interval / 2)
+        self._last_check = time.monotonic()
         while not all(m.finished for m in self.members.values() if m.peer.role == "worker"):
             if self.transport.poll(tick):
                 for _ in range(256):
@@ -250,6 +253,13 @@ class Scheduler:
 
     def _check_alive(self) -> None:
         now = time.monotonic()
+        stalled = now - self._last_check
+        self._last_check = now
+        if stalled > self.env.heartbeat_timeout / 2:
+            # This process did not run (the job was stopped with Ctrl-Z, or the machine froze):
+            # the others could not be heard meanwhile, so that time is not their silence.
+            for member in self.members.values():
+                member.last_seen += stalled
         for member in self.members.values():
             if member.finished:
                 continue
@@ -294,14 +304,19 @@ class Scheduler:
         self.transport.close(linger)
 
     def run(self) -> int:
-        """Register, serve, shut down; return the exit code (errors are printed on stderr)."""
+        """Register, serve, shut down; return the exit code (errors are printed on stderr): 0, 1, or
+        ``EXIT_PEER_FAILED`` when another node failed (the line printed names it)."""
         try:
             self.register()
             self.serve()
             self.close()
             return 0
+        except PeerDiedError as exc:
+            print(f"psnode scheduler (pid {os.getpid()}): ended because a peer failed: {exc}", flush=True, file=sys.stderr)
+            self.close(linger=0.5)
+            return EXIT_PEER_FAILED
         except PSNodeError as exc:
-            print(f"psnode scheduler (pid {os.getpid()}): error: {exc}", flush=True, file=__import__("sys").stderr)
+            print(f"psnode scheduler (pid {os.getpid()}): error: {exc}", flush=True, file=sys.stderr)
             self.close(linger=0.5)
             return 1
         except BaseException:

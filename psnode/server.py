@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from . import shm
-from .env import NodeEnv
-from .errors import PSNodeError, ProtocolError
+from .env import EXIT_PEER_FAILED, NodeEnv
+from .errors import PeerDiedError, PSNodeError, ProtocolError
 from .node import Node, PeerInfo, logger
 from .protocol import (
     FLAG_ACKS,
@@ -378,11 +378,15 @@ class ServerNode(Node):
 
 
 def run_server(env: NodeEnv) -> int:
-    """Run a server of the job ``env`` describes; return the exit code (errors are printed on stderr)."""
+    """Run a server of the job ``env`` describes; return the exit code (errors are printed on stderr):
+    0, 1, or ``EXIT_PEER_FAILED`` when another node failed (the line printed names it)."""
     node = None
     try:
         node = ServerNode(env)
         return node.run()
+    except PeerDiedError as exc:
+        print(f"psnode server (pid {os.getpid()}): ended because a peer failed: {exc}", file=sys.stderr, flush=True)
+        return EXIT_PEER_FAILED
     except PSNodeError as exc:
         print(f"psnode server (pid {os.getpid()}): error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -26,6 +26,7 @@ import atexit
 import concurrent.futures
 import heapq
 import itertools
+import os
 import pickle
 import sys
 import threading
@@ -35,8 +36,8 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 
 from . import shm
-from .env import NodeEnv
-from .errors import ClosedError, NodeTimeoutError, PSNodeError, ProtocolError, RemoteError
+from .env import EXIT_PEER_FAILED, MARKER_FAILED, NodeEnv
+from .errors import ClosedError, NodeTimeoutError, PeerDiedError, PSNodeError, ProtocolError, RemoteError
 from .node import Node, PeerInfo, is_done
 from .protocol import (
     ENTRY_STRUCT, FLAG_ACKS, FLAG_ERROR, FLAG_PULL, FLAG_SYNC, HEADER, Cmd, pack_entries, pack_header, pack_json, pack_push_pull,
@@ -46,6 +47,17 @@ from .worker_receiving import ReceivingRole
 from .worker_sending import SendQueue
 
 __all__ = ["WorkerNode", "is_done"]
+
+
+def _peer_failure(error: BaseException | None) -> PeerDiedError | None:
+    """The ``PeerDiedError`` behind ``error`` (kvcore wraps it as the cause), if any."""
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, PeerDiedError):
+            return error
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return None
 
 _OWN_FRAME = 65536  # values at least this big travel in their own frame
 
@@ -106,11 +118,33 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
         previous = sys.excepthook
 
         def report_crash(kind: type, value: BaseException, tb: Any) -> None:
-            self.abort(f"{kind.__name__}: {value}")
+            peer = _peer_failure(value)
+            if peer is not None:
+                self._exit_for_peer(peer)
+            # The traceback goes out before the other nodes hear of the failure and end, so that
+            # it is the first error of the job on the screen and in pslaunch's report.
             previous(kind, value, tb)
+            if self.env.supervised:
+                print(MARKER_FAILED, file=sys.stderr, flush=True)
+            self.abort(f"{kind.__name__}: {value}")
 
         sys.excepthook = report_crash
         return self
+
+    def _exit_for_peer(self, error: PeerDiedError) -> None:
+        """End the process with ``EXIT_PEER_FAILED`` and one line naming the failed peer instead of a
+        traceback: this worker did nothing wrong. Exit handlers still run."""
+        print(f"psnode worker {self.rank} (pid {os.getpid()}): ended because a peer failed: {error}",
+              file=sys.stderr, flush=True)
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            os._exit(EXIT_PEER_FAILED)  # an excepthook cannot choose the exit code otherwise
 
     def abort(self, reason: str) -> None:
         """Tell the scheduler this worker failed (so every other node stops with ``reason``), then close."""
