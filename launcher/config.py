@@ -85,6 +85,7 @@ class LaunchConfig:
     hosts: tuple[Host, ...] = ()
     user_command_for_all_roles: bool = False
     python: str = "python3"
+    python_unbuffered: str = "1"
     env: tuple[EnvVar, ...] = ()
     scheduler_host: str | None = None
     scheduler_port: int | None = None

@@ -2,7 +2,9 @@
 
 This is the only launcher module that knows the variable names. ``contract_env`` builds the
 variables one process of the job gets; the names are module constants so a test can hold this
-module and the runtime's reader (``psnode/env.py``) together.
+module and the runtime's reader (``psnode/env.py``) together. The way back is here too: the exit
+code of a node that ended because of another (``EXIT_PEER_FAILED``) and the marker lines a
+supervised process writes on stderr (docs/env.md, "Under pslaunch").
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ __all__ = [
     "PSLAUNCH_LOCAL_RANK",
     "PSLAUNCH_LOCAL_SIZE",
     "PSLAUNCH_RANK",
+    "PSLAUNCH_SUPERVISED",
+    "EXIT_PEER_FAILED",
+    "MARKER",
+    "MARKER_READY",
+    "MARKER_FAILED",
     "ROLES",
     "REQUIRED",
     "WRITTEN",
@@ -42,6 +49,16 @@ PSLAUNCH_JOB_ID = "PSLAUNCH_JOB_ID"
 PSLAUNCH_LOCAL_RANK = "PSLAUNCH_LOCAL_RANK"
 PSLAUNCH_LOCAL_SIZE = "PSLAUNCH_LOCAL_SIZE"
 PSLAUNCH_RANK = "PSLAUNCH_RANK"
+PSLAUNCH_SUPERVISED = "PSLAUNCH_SUPERVISED"
+
+#: Exit code of a node that ended because another node failed or the job was torn down.
+EXIT_PEER_FAILED = 75
+#: Start of a control line on a process's stderr (also written by the guard and ``mpi_rank``).
+MARKER = "\x1fPSLAUNCH-"
+#: A bundled node handles SIGUSR1 (end normally) and SIGTERM from here on.
+MARKER_READY = MARKER + "READY"
+#: A worker printed the traceback of its own uncaught error.
+MARKER_FAILED = MARKER + "FAILED"
 
 #: The three roles, in the order the launcher starts them.
 ROLES = ("scheduler", "server", "worker")
@@ -59,6 +76,7 @@ WRITTEN = REQUIRED + (
     PSLAUNCH_LOCAL_RANK,
     PSLAUNCH_LOCAL_SIZE,
     PSLAUNCH_RANK,
+    PSLAUNCH_SUPERVISED,
     DMLC_WORKER_ID,
 )
 
@@ -96,6 +114,7 @@ def contract_env(
         PSLAUNCH_RANK: str(rank),
         PSLAUNCH_LOCAL_RANK: str(local_rank),
         PSLAUNCH_LOCAL_SIZE: str(local_size),
+        PSLAUNCH_SUPERVISED: "1",
     }
     if role == "worker":
         # A fixed rank makes the runtime's rank the launcher's: `[worker.1@host]` is kv.rank 1.

@@ -7,8 +7,10 @@ The mpi backend starts one ``mpirun`` for the whole job; every rank runs this mo
 2. builds the environment: the contract variables of that entry, plus the ``--env`` values the
    launcher exported as ``PSLAUNCH_ENV_<i>`` (only those meant for this role, under their real
    names), without the launcher's own transport variables;
-3. starts the command in its own process group, passes SIGTERM / SIGINT on to that group, and
-   stops it when its own parent (mpirun's daemon) dies (``PR_SET_PDEATHSIG``);
+3. starts the command in its own process group, passes SIGTERM / SIGINT / SIGHUP (each with a
+   SIGCONT) and SIGUSR1 on to that group, stops it on SIGUSR2 and continues it on SIGCONT (what
+   pslaunch sends through mpirun for Ctrl-Z), and stops it when its own parent (mpirun's daemon)
+   dies (``PR_SET_PDEATHSIG``);
 4. writes a marker line with the pid at start and the exit status at the end on stderr (the
    launcher reads them from mpirun's tagged output) and exits with the command's exit code.
 
@@ -67,6 +69,10 @@ def main() -> int:
     env.update(entry["env"])
     for name, index in entry["user_env"]:
         env[name] = os.environ.get(f"{ENV_PREFIX}{index}", "")
+    # Held until the child exists (handlers, unlike ignored signals, do not pass to the child).
+    early: list[int] = []
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
+        signal.signal(sig, lambda signum, frame: early.append(signum))
     try:
         child = subprocess.Popen(entry["argv"], env=env, cwd=entry.get("cwd") or None, start_new_session=True)
     except OSError as exc:
@@ -76,15 +82,26 @@ def main() -> int:
     print(f"{_MARKER}PID {child.pid}", file=sys.stderr, flush=True)
     stopping: list[int] = []
 
+    def to_group(*signals: int) -> None:
+        for sig in signals:
+            try:
+                os.killpg(child.pid, sig)
+            except ProcessLookupError:
+                return
+
     def forward(signum, frame):  # noqa: ARG001
         stopping.append(signum)
-        try:
-            os.killpg(child.pid, signum)
-        except ProcessLookupError:
-            pass
+        to_group(signum, signal.SIGCONT)  # a stopped group gets the signal only once continued
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
+    # What pslaunch sends through mpirun (which passes SIGUSR1, SIGUSR2 and SIGCONT to every rank):
+    # SIGUSR1 ends a bundled node normally, SIGUSR2 stops the group (Ctrl-Z), SIGCONT continues it.
+    passed = {signal.SIGUSR1: signal.SIGUSR1, signal.SIGUSR2: signal.SIGSTOP, signal.SIGCONT: signal.SIGCONT}
+    for sig, what in passed.items():
+        signal.signal(sig, lambda signum, frame, what=what: to_group(what))
+    for sig in early:
+        to_group(passed[sig])
     grace = float(entry.get("grace", 5))
     killed_at = None
     while True:

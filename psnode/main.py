@@ -33,8 +33,31 @@ class _Ended(BaseException):
         self.signum = signum
 
 
+_armed = False  # the node exists: a signal unwinds it (see _arm)
+_role = ""
+
+
 def _on_signal(signum: int, frame) -> None:  # noqa: ARG001
-    raise _Ended(signum)
+    if _armed:
+        raise _Ended(signum)
+    # Still importing: nothing to close yet, and an exception raised inside an import (numpy's,
+    # say) would come out as an ImportError. End right here.
+    code = 0 if signum == signal.SIGUSR1 else _stopped_line(_role, signum)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _stopped_line(role: str, signum: int) -> int:
+    print(f"psnode {role} (pid {os.getpid()}): stopped by {signal.Signals(signum).name}: "
+          "the job is being torn down", file=sys.stderr, flush=True)
+    return EXIT_PEER_FAILED
+
+
+def _arm() -> None:
+    """From here on a signal raises ``_Ended`` in the node's loop, which closes it on the way out."""
+    global _armed
+    _armed = True
 
 
 def node_running() -> bool:
@@ -44,7 +67,7 @@ def node_running() -> bool:
 
 def run_node(role: str) -> int:
     """Run the ``role`` node of the job the environment describes; return the exit code."""
-    global _running
+    global _running, _armed, _role
     if role not in ("scheduler", "server"):
         print(f"psnode: the role must be scheduler or server, got {role!r}", file=sys.stderr)
         return 2
@@ -56,30 +79,27 @@ def run_node(role: str) -> int:
         print(f"psnode {role}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     _running = True
+    _role = role
     previous = _install_handlers()
     try:
         if previous and env.supervised:
             print(MARKER_READY, file=sys.stderr, flush=True)
+        from . import zmq_transport  # noqa: F401  the default transport, imported before _arm
         if role == "scheduler":
-            from .scheduler import run_scheduler
-
-            return run_scheduler(env)
-        from .server import run_server
-
-        return run_server(env)
+            from .scheduler import run_scheduler as run
+        else:
+            from .server import run_server as run
+        _arm()
+        return run(env)
     except PSNodeError as exc:
         print(f"psnode {role} (pid {os.getpid()}): error: {exc}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         return 130
     except _Ended as end:
-        if end.signum == signal.SIGUSR1:
-            return 0
-        print(f"psnode {role} (pid {os.getpid()}): stopped by {signal.Signals(end.signum).name}: "
-              "the job is being torn down", file=sys.stderr, flush=True)
-        return EXIT_PEER_FAILED
+        return 0 if end.signum == signal.SIGUSR1 else _stopped_line(role, end.signum)
     finally:
-        _running = False
+        _running = _armed = False
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
