@@ -22,13 +22,17 @@ Bookkeeping is bounded: one entry per request in flight, one push counter per ke
 
 from __future__ import annotations
 
+import array
 import atexit
 import concurrent.futures
+import fcntl
 import heapq
 import itertools
 import os
 import pickle
+import stat
 import sys
+import termios
 import threading
 import time
 from typing import Any, Hashable, Sequence
@@ -47,6 +51,24 @@ from .worker_receiving import ReceivingRole
 from .worker_sending import SendQueue
 
 __all__ = ["WorkerNode", "is_done"]
+
+
+def _wait_until_read(stream: Any, limit: float) -> None:
+    """Wait (at most ``limit`` seconds) until the pipe behind ``stream`` is empty: pslaunch has read
+    what this process wrote, so the other nodes' reaction cannot be shown before it."""
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+        pending = array.array("i", [0])
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            fcntl.ioctl(fd, termios.FIONREAD, pending)
+            if pending[0] == 0:
+                return
+            time.sleep(0.005)
+    except (OSError, ValueError, AttributeError):
+        return  # not a pipe we can ask (Linux answers for the writing end too): go on
 
 
 def _peer_failure(error: BaseException | None) -> PeerDiedError | None:
@@ -126,6 +148,7 @@ class WorkerNode(ReceivingRole, SendQueue, Node):
             previous(kind, value, tb)
             if self.env.supervised:
                 print(MARKER_FAILED, file=sys.stderr, flush=True)
+                _wait_until_read(sys.stderr, 0.5)
             self.abort(f"{kind.__name__}: {value}")
 
         sys.excepthook = report_crash
