@@ -7,7 +7,7 @@ Every process that ended falls into one kind (``kind_of``):
   its traceback, also when it was stopped before it could exit);
 * ``peer``: it exited with ``EXIT_PEER_FAILED`` (75): it ended because another process failed, or
   because the job was torn down;
-* ``stopped``: pslaunch stopped it (teardown), or mpirun did while aborting its job;
+* ``stopped``: pslaunch stopped it (teardown);
 * ``ok``: it exited 0.
 
 The root cause (``culprit``) is the ``own`` process that failed first (by when pslaunch learned
@@ -50,7 +50,7 @@ def kind_of(handle: "ProcessHandle", stopped: set[int]) -> str:
         return "running"
     if status.ok:
         return "ok"
-    if id(handle) in stopped or handle.stopped_by:
+    if id(handle) in stopped:
         return "stopped"
     if status.signal is None and status.code == EXIT_PEER_FAILED:
         return "peer"
@@ -85,14 +85,14 @@ def culprit(handles: "list[ProcessHandle]", stopped: set[int]) -> Failure | None
     if own:
         first = own[0]
         status = first.status
-        was_stopped = id(first) in stopped or bool(first.stopped_by)
+        was_stopped = id(first) in stopped
         if status is not None and not status.ok and not was_stopped:
             code, note = job_exit_code(status.exit_code)
             return Failure(f"{who(first)} failed first: {status.describe()}{note}", code, first)
         if status is None:
             then = ""
         elif was_stopped:
-            then = f", then {first.stopped_by or 'pslaunch'} stopped it ({status.describe()})"
+            then = f", then pslaunch stopped it ({status.describe()})"
         else:
             then = f", yet it exited with {status.describe()}"
         return Failure(f"{who(first)} failed first: it reported its own uncaught error{then}", 1, first)
@@ -116,8 +116,8 @@ def notes(handles: "list[ProcessHandle]", stopped: set[int], failure: Failure | 
             out[id(h)] = "failed"
         elif kind == "peer":
             out[id(h)] = "ended: a peer failed"
-        elif id(h) in stopped or h.stopped_by:
-            out[id(h)] = f"stopped by {h.stopped_by or 'pslaunch'}"
+        elif id(h) in stopped:
+            out[id(h)] = "stopped by pslaunch"
         elif kind == "running":
             out[id(h)] = "still running"
         else:

@@ -72,8 +72,7 @@ class ProcessHandle(ABC):
 
     Besides its exit status a handle learns from marker lines (``on_marker``): ``ready`` (a
     bundled node that ends normally on ``request_end``) and ``failed_at`` (the process reported its
-    own uncaught error, the time pslaunch read that). ``stopped_by`` names who stopped the process
-    when that was not pslaunch's teardown (``mpirun`` aborting its job).
+    own uncaught error, the time pslaunch read that).
     """
 
     def __init__(self, spec: ProcessSpec) -> None:
@@ -84,7 +83,6 @@ class ProcessHandle(ABC):
         self.status: ExitStatus | None = None
         self.ready = False
         self.failed_at: float | None = None
-        self.stopped_by: str | None = None
 
     def poll(self) -> ExitStatus | None:
         """The exit status once the process ended, else None. Non-blocking."""

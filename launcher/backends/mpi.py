@@ -60,10 +60,8 @@ class MpiRankHandle(ProcessHandle):
         if verb == "PID":
             self.pid = int(arg)
             return
-        status = ExitStatus(code=int(arg)) if verb == "EXIT" else ExitStatus(signal=int(arg))
         self.ended = time.monotonic()  # the marker's arrival orders the ranks' ends
-        self._backend.rank_ended(self, status)
-        self._marked = status
+        self._marked = ExitStatus(code=int(arg)) if verb == "EXIT" else ExitStatus(signal=int(arg))
 
     def _poll(self) -> ExitStatus | None:
         if self._marked is not None:
@@ -71,8 +69,6 @@ class MpiRankHandle(ProcessHandle):
         mpirun = self._backend.mpirun
         if mpirun is not None and mpirun.popen.poll() is not None and self._backend.output_done.is_set():
             rc = mpirun.popen.returncode
-            if self._backend.aborting:
-                self.stopped_by = "mpirun"
             return ExitStatus(code=255 if rc == 0 else ExitStatus.from_returncode(rc).exit_code,
                               detail=f"no exit status from this rank; mpirun ended with {rc}")
         return None
@@ -180,11 +176,11 @@ class MpiBackend(Backend):
         self.spawner = LocalSpawner(config.stop_grace)
         self.mpirun = None
         self.output_done = threading.Event()
-        self.aborting = False  # a rank failed: mpirun is stopping the others by itself
         self._lock = threading.Lock()
         self._stopping = False
         self._suspended = False
         self._ending = False
+        self._ranks: list[MpiRankHandle] = []
 
     def prepare(self, plan: Plan) -> None:
         """Check mpirun is there; with a hostfile, run the ssh pre-flight check (one clear line per
@@ -200,8 +196,9 @@ class MpiBackend(Backend):
         from ..sshconn import SshConnector
 
         connector = SshConnector(self.config)
-        clients = connector.preflight(remote)
+        clients: dict = {}
         try:
+            clients = connector.preflight(remote)
             if self.config.sync_dst_dir:
                 sync_all(connector, remote, self.config.sync_src_dir, self.config.sync_dst_dir, clients,
                          self.printer, self.config)
@@ -210,23 +207,16 @@ class MpiBackend(Backend):
         finally:
             for client in clients.values():
                 client.close()
-
-    def rank_ended(self, handle: MpiRankHandle, status: ExitStatus) -> None:
-        """Called from a reader thread when a rank's exit marker arrives."""
-        if not status.ok and self.aborting and status.signal in (signal.SIGTERM, signal.SIGKILL):
-            handle.stopped_by = "mpirun"  # mpirun's abort after another rank failed
-        elif not status.ok:
-            self.aborting = True  # mpirun aborts the job when a rank exits non-zero
+            connector.close()
 
     def stop_job(self) -> None:
-        """SIGTERM to mpirun, once; not while it aborts its job by itself: a second signal then can
-        crash it (Open MPI 4.1), and its abort reaches every rank anyway."""
+        """SIGTERM to mpirun, once: it passes it to every rank (a second one while it stops its job
+        can crash it, Open MPI 4.1). Ranks never make mpirun abort by itself (``mpi_rank`` exits 0)."""
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True
-        if not self.aborting:
-            self.signal_mpirun(signal.SIGTERM)
+        self.signal_mpirun(signal.SIGTERM)
         if self._suspended:
             self.suspend_job(False)  # ranks stopped with Ctrl-Z must run to end
 
@@ -240,9 +230,10 @@ class MpiBackend(Backend):
         self.signal_mpirun(signal.SIGUSR2 if stop else signal.SIGCONT)
 
     def end_job(self) -> None:
-        """SIGUSR1 to every rank through mpirun, once: the bundled nodes end normally."""
+        """SIGUSR1 to every rank through mpirun, once every rank still running is ready for it (a
+        rank that is not would die of it): the bundled nodes end normally."""
         with self._lock:
-            if self._ending:
+            if self._ending or not all(h.ready for h in self._ranks if h.poll() is None):
                 return
             self._ending = True
         self.signal_mpirun(signal.SIGUSR1)
@@ -284,6 +275,7 @@ class MpiBackend(Backend):
         ssh_args = _ssh_args(self.config) if self.config.hosts else None
         argv = mpirun_argv(plan, self.config.python, exported, ssh_args, bool(self.config.hosts), os.geteuid() == 0)
         handles = [MpiRankHandle(spec, self) for spec in ordered]
+        self._ranks = handles
         mpirun_spec = ProcessSpec("mpirun", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
         self.mpirun = self.spawner.spawn(mpirun_spec, self.printer, argv=argv, env=env, handle_cls=MpirunHandle, readers=False)
         self.mpirun.attach(self, handles)

@@ -161,3 +161,4 @@ class SshBackend(Backend):
             for client, _ in pool:
                 client.close()
         self._clients.clear()
+        self.connector.close()
