@@ -168,8 +168,9 @@ class SshConnector:
                 except JumpError:
                     raise
                 except Exception as exc:
-                    raise JumpError(f"bastion {hop.label} (ProxyJump): "
-                                    f"{describe_connect_error(exc, self.endpoint(hop), self.config)}") from exc
+                    hop_ep = self.endpoint(hop)
+                    raise JumpError(f"bastion {hop_ep.label} (ProxyJump): "
+                                    f"{describe_connect_error(exc, hop_ep, self.config)}") from exc
                 self._jumps.append(client)
             nxt = hops[i + 1] if i + 1 < len(hops) else None
             target = self.endpoint(nxt) if nxt is not None else ep
@@ -177,8 +178,8 @@ class SshConnector:
                 channel = client.get_transport().open_channel(  # type: ignore[union-attr]
                     "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0), timeout=timeout)
             except Exception as exc:
-                raise JumpError(f"bastion {hop.label} (ProxyJump) cannot reach {target.hostname}:{target.port}: "
-                                f"{exc}") from exc
+                raise JumpError(f"bastion {self.endpoint(hop).label} (ProxyJump) cannot reach "
+                                f"{target.hostname}:{target.port}: {exc}") from exc
             if nxt is None:
                 return channel
             client = paramiko.SSHClient()
@@ -190,7 +191,7 @@ class SshConnector:
                                allow_agent=True, look_for_keys=not target.key_files)
             except Exception as exc:
                 client.close()
-                raise JumpError(f"bastion {nxt.label} (ProxyJump): "
+                raise JumpError(f"bastion {target.label} (ProxyJump): "
                                 f"{describe_connect_error(exc, target, self.config)}") from exc
             self._jumps.append(client)
         raise AssertionError("unreachable")
