@@ -7,8 +7,12 @@ finds its process of the plan by rank. The plan travels in the ``PSLAUNCH_MPI_PL
 command line, never values.
 
 mpirun runs with ``--tag-output``; ``TagDemux`` splits its output back into each rank's stdout and
-stderr, and reads the pid / exit status markers ``mpi_rank`` writes. Stopping a rank means stopping
-mpirun (SIGTERM, which it forwards; SIGKILL of its group); ``mpi_rank`` also dies with its parent.
+stderr (untagged lines are mpirun's own, shown as ``[mpirun]``), and reads the pid / exit status
+markers ``mpi_rank`` writes. ``mpi_rank`` exits 0 once its marker is out, so mpirun never aborts the
+job by itself; pslaunch decides. Signals reach the ranks only through mpirun, and each is sent once
+for the whole job: stopping means one SIGTERM to mpirun (SIGKILL of its group after the grace);
+Ctrl-Z is SIGUSR2 / SIGCONT and the end request SIGUSR1, which mpirun passes to every rank's
+``mpi_rank`` and that to its process group. ``mpi_rank`` also dies with its parent.
 """
 
 from __future__ import annotations
