@@ -26,7 +26,7 @@ import shlex
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import paramiko
 
@@ -120,12 +120,13 @@ class SshConnector:
         return Endpoint(host, found.get("hostname", host.name), port, user, keys,
                         None if command in (None, "none") else command, None if jump in (None, "none") else jump)
 
-    def connect(self, host: Host, timeout: float | None = None, depth: int = 0) -> paramiko.SSHClient:
+    def connect(self, host: Host, timeout: float | None = None) -> paramiko.SSHClient:
         """Open an authenticated client to ``host``. Raises paramiko / socket errors (see
         ``describe_connect_error``) and ``JumpError``. Blocks up to about ``timeout`` seconds per hop
         (default --connect-timeout)."""
-        ep = self.endpoint(host)
-        timeout = self.config.connect_timeout if timeout is None else timeout
+        return self._open(self.endpoint(host), self.config.connect_timeout if timeout is None else timeout, 0)
+
+    def _open(self, ep: Endpoint, timeout: float, depth: int) -> paramiko.SSHClient:
         client = paramiko.SSHClient()
         self._configure(client)
         sock = None
@@ -156,45 +157,26 @@ class SshConnector:
         return client
 
     def _through_jumps(self, ep: Endpoint, timeout: float, depth: int) -> paramiko.Channel:
-        """A channel to ``ep`` through its ``ProxyJump`` hosts (``a,b``: a first, then b)."""
+        """A channel to ``ep`` from its last ``ProxyJump`` host, itself reached through the ones
+        before it (``a,b``: a first, then b), as ``ssh -J`` does."""
         if depth > 8:
             raise JumpError(f"ProxyJump of {ep.host.label} loops (more than 8 hops)")
-        hops = [parse_hostfile_text(text, f"ProxyJump of {ep.host.label}")[0] for text in ep.proxy_jump.split(",")]
-        client = None
-        for i, hop in enumerate(hops):
-            if client is None:
-                try:
-                    client = self.connect(hop, timeout, depth + 1)
-                except JumpError:
-                    raise
-                except Exception as exc:
-                    hop_ep = self.endpoint(hop)
-                    raise JumpError(f"bastion {hop_ep.label} (ProxyJump): "
-                                    f"{describe_connect_error(exc, hop_ep, self.config)}") from exc
-                self._jumps.append(client)
-            nxt = hops[i + 1] if i + 1 < len(hops) else None
-            target = self.endpoint(nxt) if nxt is not None else ep
-            try:
-                channel = client.get_transport().open_channel(  # type: ignore[union-attr]
-                    "direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0), timeout=timeout)
-            except Exception as exc:
-                raise JumpError(f"bastion {self.endpoint(hop).label} (ProxyJump) cannot reach "
-                                f"{target.hostname}:{target.port}: {exc}") from exc
-            if nxt is None:
-                return channel
-            client = paramiko.SSHClient()
-            self._configure(client)
-            try:
-                client.connect(target.hostname, port=target.port, username=target.user,
-                               key_filename=list(target.key_files) or None, timeout=timeout,
-                               banner_timeout=timeout, auth_timeout=timeout, sock=channel,
-                               allow_agent=True, look_for_keys=not target.key_files)
-            except Exception as exc:
-                client.close()
-                raise JumpError(f"bastion {target.label} (ProxyJump): "
-                                f"{describe_connect_error(exc, target, self.config)}") from exc
-            self._jumps.append(client)
-        raise AssertionError("unreachable")
+        *before, last = ep.proxy_jump.split(",")  # type: ignore[union-attr]
+        hop = self.endpoint(parse_hostfile_text(last, f"ProxyJump of {ep.host.label}")[0])
+        if before:
+            hop = replace(hop, proxy_command=None, proxy_jump=",".join(before))
+        try:
+            client = self._open(hop, timeout, depth + 1)
+        except JumpError:
+            raise
+        except Exception as exc:
+            raise JumpError(f"bastion {hop.label} (ProxyJump): {describe_connect_error(exc, hop, self.config)}") from exc
+        self._jumps.append(client)
+        try:
+            return client.get_transport().open_channel(  # type: ignore[union-attr]
+                "direct-tcpip", (ep.hostname, ep.port), ("127.0.0.1", 0), timeout=timeout)
+        except Exception as exc:
+            raise JumpError(f"bastion {hop.label} (ProxyJump) cannot reach {ep.hostname}:{ep.port}: {exc}") from exc
 
     def close(self) -> None:
         """Close the connections to bastion hosts (the clients ``connect`` returned are the caller's)."""
