@@ -73,7 +73,8 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
 @click.option("--stop-grace", type=float, default=DEFAULT_STOP_GRACE, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping processes.")
 @click.option("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE, show_default=True,
-              help="Seconds scheduler and servers get to exit after every worker exited 0.")
+              help="Seconds a scheduler or server that is not the bundled runtime gets to exit after every "
+                   "worker exited 0 (bundled ones are asked to end at once).")
 @click.option("--job-id", default=None, help="Job id (PSLAUNCH_JOB_ID) [default: random].")
 @click.option("--dry-run", is_flag=True, help="Print the plan (hosts, argv, environment names) and exit.")
 @click.option("-v", "--verbose", count=True, help="More about what pslaunch does; -vv also sets PS_VERBOSE.")
