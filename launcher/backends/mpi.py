@@ -7,8 +7,12 @@ finds its process of the plan by rank. The plan travels in the ``PSLAUNCH_MPI_PL
 command line, never values.
 
 mpirun runs with ``--tag-output``; ``TagDemux`` splits its output back into each rank's stdout and
-stderr, and reads the pid / exit status markers ``mpi_rank`` writes. Stopping a rank means stopping
-mpirun (SIGTERM, which it forwards; SIGKILL of its group); ``mpi_rank`` also dies with its parent.
+stderr (untagged lines are mpirun's own, shown as ``[mpirun]``), and reads the pid / exit status
+markers ``mpi_rank`` writes. ``mpi_rank`` exits 0 once its marker is out, so mpirun never aborts the
+job by itself; pslaunch decides. Signals reach the ranks only through mpirun, and each is sent once
+for the whole job: stopping means one SIGTERM to mpirun (SIGKILL of its group after the grace);
+Ctrl-Z is SIGUSR2 / SIGCONT and the end request SIGUSR1, which mpirun passes to every rank's
+``mpi_rank`` and that to its process group. ``mpi_rank`` also dies with its parent.
 """
 
 from __future__ import annotations
@@ -19,23 +23,30 @@ import re
 import shutil
 import signal
 import threading
+import time
 
 from ..errors import SpawnError
 from ..hostfile import Host
 from ..mpi_rank import ENV_PREFIX, PLAN_VARIABLE
 from ..output import LineSplitter
 from ..plan import Plan, ProcessSpec
-from .base import MARKER, Backend, ExitStatus, ProcessHandle
-from .local import LocalHandle, LocalSpawner, _launcher_root
+from ..scriptcheck import check_scripts_here, check_scripts_remote
+from .base import Backend, ExitStatus, ProcessHandle, route_block
+from .local import READ_SIZE, LocalHandle, LocalSpawner, _launcher_root
 
 __all__ = ["MpiBackend", "MpiRankHandle", "TagDemux", "mpirun_argv"]
 
 _TAG = re.compile(rb"\[(\d+),(\d+)\]<(stdout|stderr)>:")
+_FORWARDING = re.compile(r"^mpirun: Forwarding signal \d+ to job$")
 _MAX_HELD = 48
 
 
 class MpiRankHandle(ProcessHandle):
-    """One rank of the mpirun job. Its exit status comes from ``mpi_rank``'s marker line."""
+    """One rank of the mpirun job. Its exit status comes from ``mpi_rank``'s marker line.
+
+    Signals reach ranks only through mpirun, which passes them to every rank's ``mpi_rank``, so
+    each handle's request goes to the backend, which sends each at most once.
+    """
 
     def __init__(self, spec: ProcessSpec, backend: "MpiBackend") -> None:
         super().__init__(spec)
@@ -43,16 +54,18 @@ class MpiRankHandle(ProcessHandle):
         self._marked: ExitStatus | None = None
 
     def on_marker(self, text: str) -> None:
-        """``PID n``, ``EXIT n`` or ``SIGNAL n`` from ``launcher.mpi_rank``."""
+        """``PID n``, ``EXIT n`` or ``SIGNAL n`` from ``launcher.mpi_rank``; the runtime's markers."""
         verb, _, arg = text.strip().partition(" ")
+        if verb not in ("PID", "EXIT", "SIGNAL"):
+            super().on_marker(text)
+            return
         if not arg.lstrip("-").isdigit():
             return
         if verb == "PID":
             self.pid = int(arg)
-        elif verb == "EXIT":
-            self._marked = ExitStatus(code=int(arg))
-        elif verb == "SIGNAL":
-            self._marked = ExitStatus(signal=int(arg))
+            return
+        self.ended = time.monotonic()  # the marker's arrival orders the ranks' ends
+        self._marked = ExitStatus(code=int(arg)) if verb == "EXIT" else ExitStatus(signal=int(arg))
 
     def _poll(self) -> ExitStatus | None:
         if self._marked is not None:
@@ -65,17 +78,26 @@ class MpiRankHandle(ProcessHandle):
         return None
 
     def terminate(self) -> None:
-        self._backend.signal_mpirun(signal.SIGTERM)
+        self._backend.stop_job()
 
     def kill(self) -> None:
         self._backend.signal_mpirun(signal.SIGKILL)
+
+    def suspend(self) -> None:
+        self._backend.suspend_job(True)
+
+    def resume(self) -> None:
+        self._backend.suspend_job(False)
+
+    def request_end(self) -> None:
+        self._backend.end_job()
 
 
 class TagDemux:
     """Splits mpirun's ``--tag-output`` stream into per-rank lines. One per mpirun stream.
 
-    Chunks start with ``[job,rank]<stdout|stderr>:``; text up to the next tag belongs to that rank
-    and stream (partial lines included). Untagged text is mpirun's own.
+    Chunks start with ``[job,rank]<stdout|stderr>:``; text up to the end of its line (or the next
+    tag) belongs to that rank and stream. Untagged lines are mpirun's own.
     """
 
     def __init__(self, route) -> None:
@@ -83,13 +105,24 @@ class TagDemux:
         self._buf = b""
         self._current: tuple[int | None, str | None] = (None, None)
 
+    def _send(self, data: bytes) -> None:
+        # A rank's text runs to the end of its line; what follows untagged is mpirun's own.
+        nl = data.find(b"\n")
+        if nl < 0 or self._current == (None, None):
+            self._route(*self._current, data)
+            return
+        self._route(*self._current, data[: nl + 1])
+        self._current = (None, None)
+        if nl + 1 < len(data):
+            self._route(None, None, data[nl + 1 :])
+
     def feed(self, data: bytes) -> None:
         """Add a chunk of mpirun's output."""
         self._buf += data
         pos = 0
         for match in _TAG.finditer(self._buf):
             if match.start() > pos:
-                self._route(*self._current, self._buf[pos : match.start()])
+                self._send(self._buf[pos : match.start()])
             self._current = (int(match.group(2)), match.group(3).decode())
             pos = match.end()
         rest = self._buf[pos:]
@@ -101,12 +134,12 @@ class TagDemux:
         else:
             self._buf = b""
         if rest:
-            self._route(*self._current, rest)
+            self._send(rest)
 
     def close(self) -> None:
         """End of stream: route what is held back."""
         if self._buf:
-            self._route(*self._current, self._buf)
+            self._send(self._buf)
             self._buf = b""
 
 
@@ -148,12 +181,18 @@ class MpiBackend(Backend):
         self.mpirun = None
         self.output_done = threading.Event()
         self._lock = threading.Lock()
+        self._stopping = False
+        self._suspended = False
+        self._ending = False
+        self._ranks: list[MpiRankHandle] = []
 
     def prepare(self, plan: Plan) -> None:
         """Check mpirun is there; with a hostfile, run the ssh pre-flight check (one clear line per
         failing host instead of mpirun's own errors) and ``--sync-dst-dir``."""
         if shutil.which("mpirun") is None:
             raise SpawnError("--launcher mpi: no `mpirun` on PATH (install Open MPI, e.g. apt install openmpi-bin)")
+        local = [spec for spec in plan.processes if spec.host.name == "localhost"]
+        check_scripts_here(local, self.config.cwd)
         remote = [h for h in plan.remote_hosts if h.name != "localhost"]
         if not remote:
             return
@@ -161,14 +200,47 @@ class MpiBackend(Backend):
         from ..sshconn import SshConnector
 
         connector = SshConnector(self.config)
-        clients = connector.preflight(remote)
+        clients: dict = {}
         try:
+            clients = connector.preflight(remote)
             if self.config.sync_dst_dir:
                 sync_all(connector, remote, self.config.sync_src_dir, self.config.sync_dst_dir, clients,
                          self.printer, self.config)
+            check_scripts_remote([spec for spec in plan.processes if spec.host.name != "localhost"], clients,
+                                 self.config.connect_timeout)
         finally:
             for client in clients.values():
                 client.close()
+            connector.close()
+
+    def stop_job(self) -> None:
+        """SIGTERM to mpirun, once: it passes it to every rank (a second one while it stops its job
+        can crash it, Open MPI 4.1). Ranks never make mpirun abort by itself (``mpi_rank`` exits 0)."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self.signal_mpirun(signal.SIGTERM)
+        if self._suspended:
+            self.suspend_job(False)  # ranks stopped with Ctrl-Z must run to end
+
+    def suspend_job(self, stop: bool) -> None:
+        """Stop (``stop``) or continue every rank: mpirun passes SIGUSR2 / SIGCONT to each
+        ``mpi_rank``, which stops / continues its process group. Each change is sent once."""
+        with self._lock:
+            if self._suspended == stop:
+                return
+            self._suspended = stop
+        self.signal_mpirun(signal.SIGUSR2 if stop else signal.SIGCONT)
+
+    def end_job(self) -> None:
+        """SIGUSR1 to every rank through mpirun, once every rank still running is ready for it (a
+        rank that is not would die of it): the bundled nodes end normally."""
+        with self._lock:
+            if self._ending or not all(h.ready for h in self._ranks if h.poll() is None):
+                return
+            self._ending = True
+        self.signal_mpirun(signal.SIGUSR1)
 
     def signal_mpirun(self, sig: int) -> None:
         """Send ``sig`` to mpirun (SIGKILL goes to its whole process group)."""
@@ -207,6 +279,7 @@ class MpiBackend(Backend):
         ssh_args = _ssh_args(self.config) if self.config.hosts else None
         argv = mpirun_argv(plan, self.config.python, exported, ssh_args, bool(self.config.hosts), os.geteuid() == 0)
         handles = [MpiRankHandle(spec, self) for spec in ordered]
+        self._ranks = handles
         mpirun_spec = ProcessSpec("mpirun", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
         self.mpirun = self.spawner.spawn(mpirun_spec, self.printer, argv=argv, env=env, handle_cls=MpirunHandle, readers=False)
         self.mpirun.attach(self, handles)
@@ -250,25 +323,22 @@ class MpirunHandle(LocalHandle):
 
 def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBackend, done: list) -> None:
     printer = backend.printer
+    verbose = backend.config.verbose
     splitters: dict[tuple[int | None, str], LineSplitter] = {}
 
     def splitter_for(rank: int | None, sub: str) -> LineSplitter:
         key = (rank, sub)
         if key not in splitters:
             if rank is None or rank >= len(ranks):
-                def emit(text, sub=sub):
-                    printer.line("mpirun", "mpirun", text, sub)
+                def emit(block: str, sub: str = sub) -> None:
+                    if not verbose:  # mpirun reports each signal pslaunch sent through it
+                        block = "\n".join(t for t in block.split("\n") if not _FORWARDING.match(t))
+                        if not block:
+                            return
+                    printer.lines("mpirun", "mpirun", block, sub)
             else:
-                handle = ranks[rank]
-
-                def emit(text, handle=handle, sub=sub):
-                    if MARKER in text:
-                        before, _, control = text.partition(MARKER)
-                        if before:
-                            printer.line(handle.spec.name, handle.spec.role, before, sub)
-                        handle.on_marker(control)
-                    else:
-                        printer.line(handle.spec.name, handle.spec.role, text, sub)
+                def emit(block: str, handle: MpiRankHandle = ranks[rank], sub: str = sub) -> None:
+                    route_block(handle, sub, printer, block)
             splitters[key] = LineSplitter(emit)
         return splitters[key]
 
@@ -276,7 +346,7 @@ def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBack
     try:
         while True:
             try:
-                data = os.read(pipe.fileno(), 65536)
+                data = os.read(pipe.fileno(), READ_SIZE)
             except (OSError, ValueError):
                 break
             if not data:

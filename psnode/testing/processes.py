@@ -60,7 +60,7 @@ def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, s
                             num_servers=num_servers, job_id=f"test-{port}", rank=rank, local_rank=rank,
                             local_size=num_workers if role == "worker" else num_servers, node_host="127.0.0.1",
                             all_local=extra.pop("DMLC_LOCAL", "0") == "1", verbose=int(extra.pop("PS_VERBOSE", "0")),
-                            fixed_rank=False, settings=settings))
+                            fixed_rank=False, supervised=False, settings=settings))
     env.update(PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p), PYTHONUNBUFFERED="1")
     env.update({k: v for k, v in extra.items() if k not in SETTINGS})
     return env
