@@ -26,7 +26,8 @@ from .errors import NodeTimeoutError, ProtocolError, PSNodeError
 from .log import logger, setup_logging
 from .membership import SCHEDULER, Membership, PeerInfo, host_fingerprint
 from .protocol import GROUP_ROLES, Cmd, Group, parse_group, unpack_header
-from .transport import Transport, create_transport
+from .security import secure_or_loopback
+from .transport import Transport, node_transport
 
 __all__ = ["Connection", "Deferred", "DataHandler", "is_done"]
 
@@ -77,16 +78,17 @@ class Connection:
                  on_worker_finished: Callable[[int, str], None] | None = None) -> None:
         setup_logging(env.verbose)
         self.env = env
-        self.transport = transport or create_transport(env.transport, b"", io_sched=env.io_sched)
+        host = env.advertised_host()
+        secure_or_loopback(env, {"DMLC_NODE_HOST / the advertised address": host})
+        self.transport = transport or node_transport(env, b"")
         job = re.sub(r"[^A-Za-z0-9_.-]", "_", env.job_id)[:40]
         local_name = f"{job}-{role}-{os.getpid()}-{os.urandom(3).hex()}"
-        port = self.transport.bind(0, local_name)
-        self.probe = shm.probe() if env.same_host == "shm" else None
-        host = env.advertised_host()
+        port = self.transport.bind(0, local_name, None if env.bind_all else host)
+        self.probe = shm.probe(env.job_id) if env.same_host == "shm" else None
         uid = f"{role}@{host}:{port}"
         self.transport.identity = uid.encode()
         self.me = PeerInfo(role, -1, host, port, uid, host_fingerprint(), local_name,
-                           self.probe.ref if self.probe is not None else 0)
+                           self.probe.ref if self.probe is not None else 0, os.getpid())
         self.members = Membership(role)
         self.failure = FailureLatch()
         self.link = SchedulerLink(env, self.transport, self.me, self.members, self.failure, on_worker_finished)

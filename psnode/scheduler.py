@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .env import NodeEnv
+from .env import NodeEnv, resolve_host
 from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError
 from .log import logger, setup_logging
 from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
-from .transport import Transport, create_transport
+from .security import secure_or_loopback
+from .transport import Transport, node_transport
 
 __all__ = ["Scheduler", "Roster", "Barriers"]
 
@@ -44,8 +45,10 @@ class Member:
 class Roster:
     """The registered nodes and their ranks (see ``Scheduler``)."""
 
-    def __init__(self, num_workers: int, num_servers: int) -> None:
+    def __init__(self, num_workers: int, num_servers: int, job_id: str = "", port: int = 0) -> None:
         self.expected = {"server": num_servers, "worker": num_workers}
+        self.job_id = job_id
+        self.port = port
         self.members: dict[bytes, Member] = {}
 
     def count(self, role: str) -> int:
@@ -77,6 +80,10 @@ class Roster:
         worker_id = info.get("worker_id")
         if worker_id is not None and not isinstance(worker_id, int):
             raise ProtocolError(f"registration with worker_id {worker_id!r}, not an integer")
+        job = info.get("job_id")
+        if self.job_id and job is not None and job != self.job_id:
+            return (f"a {peer.role} of job {job!r} at {peer.host}:{peer.port} tried to join; port {self.port} belongs "
+                    f"to job {self.job_id!r}")
         expected = self.expected[peer.role]
         if self.count(peer.role) >= expected:
             return (f"a {peer.role} at {peer.host}:{peer.port} registered, but the job already has all {expected} "
@@ -112,7 +119,7 @@ class Roster:
         for member in workers + servers:
             p = member.peer
             member.peer = PeerInfo(p.role, ranks[id(member)], p.host, p.port, p.uid, p.fingerprint, p.local_name,
-                                   p.shm_probe)
+                                   p.shm_probe, p.pid)
 
     def of_roles(self, roles: tuple[str, ...]) -> list[bytes]:
         """The identities of the members with one of ``roles``."""
@@ -145,10 +152,11 @@ class Scheduler:
     def __init__(self, env: NodeEnv, transport: Transport | None = None) -> None:
         setup_logging(env.verbose)
         self.env = env
-        self.transport = transport or create_transport(env.transport, SCHEDULER)
-        self.transport.bind(env.root_port)
+        secure_or_loopback(env, {})
+        self.transport = transport or node_transport(env, SCHEDULER)
+        self.transport.bind(env.root_port, None, None if env.bind_all else resolve_host(env.root_uri, "DMLC_PS_ROOT_URI"))
         self.fingerprint = host_fingerprint()
-        self.roster = Roster(env.num_workers, env.num_servers)
+        self.roster = Roster(env.num_workers, env.num_servers, env.job_id, env.root_port)
         self.barriers = Barriers()
         self.malformed = 0
         self._last_check = 0.0  # when _check_alive last ran
@@ -168,7 +176,7 @@ class Scheduler:
             if remaining <= 0:
                 message = (f"registration timed out after {env.register_timeout:g} s (PSLAUNCH_REGISTER_TIMEOUT): "
                            f"{roster.missing(f'with the scheduler at {env.root_address}')}")
-                self._refuse_all(message)
+                self._refuse_all(message, "timeout")
                 raise RegistrationTimeoutError(message)
             if not self.transport.poll(min(remaining, 0.5)):
                 continue
@@ -208,9 +216,9 @@ class Scheduler:
         except PSNodeError as exc:
             logger.info("scheduler could not tell %s: %s", uid, exc)
 
-    def _refuse_all(self, message: str) -> None:
+    def _refuse_all(self, message: str, kind: str = "refused") -> None:
         for uid, member in self.roster.members.items():
-            self._send_once(uid, member.peer, Cmd.REGISTER_FAILED, {"error": message})
+            self._send_once(uid, member.peer, Cmd.REGISTER_FAILED, {"error": message, "kind": kind})
 
     # ---- serving -------------------------------------------------------------------------
     def serve(self) -> None:

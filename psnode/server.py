@@ -51,7 +51,7 @@ class ServerNode:
         memory = shard_memory(env.server_device)
         self.store = ServerStore(env.num_workers, memory)
         self.codecs = CodecTable()
-        self.attached = shm.Attachments()
+        self.attached = shm.Attachments(shm.job_tag(env.job_id))
         self.conn = Connection(env, "server", self._handle, transport, on_worker_finished=self._worker_finished)
         self.replies = Replies(self.conn.transport, self.conn.members, memory, self.attached)
         self.conn.serve_with(after_batch=self.replies.after_batch, deferred=self.replies)
@@ -138,7 +138,7 @@ class ServerNode:
                     for args in deferred:
                         self._rows(*args)
             elif cmd == Cmd.PULL:
-                self._pull(peer.rank, req_id, frames)
+                self._pull(peer, req_id, frames)
             elif cmd == Cmd.ROWS:
                 self._rows(peer, req_id, frames)
             elif cmd == Cmd.INIT:
@@ -212,7 +212,7 @@ class ServerNode:
             try:
                 shard = self._shard(key)
                 if frame == IN_SHARED_MEMORY:  # in the worker's shared memory: read it there, keep no reference
-                    data = self._decode(shard, rank, codec, self._shared(offset, nbytes), nbytes)
+                    data = self._decode(shard, rank, codec, self._shared(peer, offset, nbytes), nbytes)
                     store.push(shard, rank, data, answer, borrowed=codec == RAW)
                     continue
                 data = self._decode(shard, rank, codec, buffers[frame][offset:offset + nbytes], nbytes)
@@ -222,8 +222,8 @@ class ServerNode:
         if refused is not None:
             raise refused
 
-    def _pull(self, rank: int, req_id: int, frames: list) -> None:
-        replies = self.replies
+    def _pull(self, peer: PeerInfo, req_id: int, frames: list) -> None:
+        replies, rank = self.replies, peer.rank
         replies.pull_arrived(rank, req_id)
         meta = frames[1].buffer
         if self.groups.by_keys and self.groups.try_pull(rank, req_id, meta):
@@ -232,19 +232,25 @@ class ServerNode:
         try:
             for key, index, frame, _, offset, nbytes, seq in unpack_entries(meta):
                 if frame == IN_SHARED_MEMORY:  # the reply goes into the worker's shared memory
+                    self._shared(peer, offset, nbytes)  # checked and mapped now, so the reply cannot fail
                     replies.in_shared_memory(rank, req_id, index, offset, nbytes)
                 pull(shard(key), rank, req_id, index, seq, answer)
         except RequestRefused:
             replies.forget_regions(rank, req_id)
             raise
 
-    def _shared(self, ref: int, nbytes: int) -> np.ndarray:
-        """A view of a worker's shared-memory region."""
+    def _shared(self, peer: PeerInfo, ref: int, nbytes: int) -> np.ndarray:
+        """A view of ``peer``'s shared-memory region ``ref`` (only ever one of its own, of this job).
+
+        Raises:
+            RequestRefused: the reference is not such a region, or cannot be mapped (the message says which).
+        """
         try:
-            return self.attached.view(ref, nbytes)
+            return self.attached.view(ref, nbytes, peer.pid)
         except (OSError, ValueError) as exc:
             pid, fd = shm.decode(ref)
-            raise RequestRefused(f"server {self.rank} cannot map shared memory fd {fd} of process {pid}: {exc}") from exc
+            raise RequestRefused(f"server {self.rank} cannot use shared memory fd {fd} of process {pid} from "
+                                 f"{peer.describe()}: {exc}") from exc
 
     def _init(self, frames: list, sync: bool) -> None:
         specs = unpack_json(frames[1])

@@ -102,7 +102,7 @@ class WorkerNode:
         self.requests = RequestTable(self._check, self.conn.failure)
         self.outbox = Outbox(self.conn.transport, self.conn.members, self.requests.complete)
         self.receiver = Receiver(self.conn, self.outbox)
-        self.regions = shm.WorkerRegions()
+        self.regions = shm.WorkerRegions(env.job_id)
         self.closed = False
         # ``wait_for(future, timeout)``: block until done, receiving on this thread (``Receiver.wait_for``)
         self.wait_for = self.receiver.wait_for

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from launcher.envcontract import SETTINGS, contract_env
+from launcher.envcontract import PSLAUNCH_JOB_KEY, SETTINGS, contract_env, new_job_key
 
 __all__ = ["LocalJob", "ProcessResult", "JobFailed", "free_port", "job_env", "reap"]
 
@@ -44,14 +44,15 @@ def free_port() -> int:
 
 
 def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, str] | None = None,
-            role: str = "worker", rank: int = 0, test_settings: bool = True) -> dict[str, str]:
+            role: str = "worker", rank: int = 0, test_settings: bool = True, job_key: str | None = None) -> dict[str, str]:
     """The environment of one process of a job on 127.0.0.1, plus ``extra``.
 
     The contract is written by ``launcher.envcontract.contract_env``, its one writer: ``DMLC_LOCAL``,
     ``PS_VERBOSE`` and the names of its ``SETTINGS`` in ``extra`` go through it; other variables of
     ``extra`` are added as they are (a test may write a malformed contract on purpose). With
     ``test_settings`` heartbeats and registration are short, for tests. Workers get no fixed
-    rank: the scheduler orders them, as for a job started by hand.
+    rank: the scheduler orders them, as for a job started by hand. ``job_key`` (64 hex digits) is
+    the job's ``PSLAUNCH_JOB_KEY``; None starts the job without one (loopback only, unauthenticated).
     """
     extra = dict(extra or {})
     settings = {**(_TEST_SETTINGS if test_settings else {}), **{k: v for k, v in extra.items() if k in SETTINGS}}
@@ -61,6 +62,8 @@ def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, s
                             local_size=num_workers if role == "worker" else num_servers, node_host="127.0.0.1",
                             all_local=extra.pop("DMLC_LOCAL", "0") == "1", verbose=int(extra.pop("PS_VERBOSE", "0")),
                             fixed_rank=False, supervised=False, settings=settings))
+    if job_key is not None:
+        env[PSLAUNCH_JOB_KEY] = job_key
     env.update(PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p), PYTHONUNBUFFERED="1")
     env.update({k: v for k, v in extra.items() if k not in SETTINGS})
     return env
@@ -157,6 +160,8 @@ class LocalJob:
         log_dir: keep each process's output in ``<log_dir>/<role><index>.log`` (default: temporary files).
         test_settings: short heartbeats and registration (``job_env``); False keeps the runtime's
             defaults (the benchmarks).
+        job_key: True (a fresh key, as pslaunch gives every job), a key of 64 hex digits, or None
+            (no key: an unauthenticated job on loopback).
     """
 
     def __init__(
@@ -174,6 +179,7 @@ class LocalJob:
         python: str = sys.executable,
         log_dir: Path | None = None,
         test_settings: bool = True,
+        job_key: str | None | bool = True,
     ) -> None:
         self.port = free_port()
         self.num_workers = num_workers
@@ -182,6 +188,7 @@ class LocalJob:
         self._extra = dict(env or {})
         self._log_dir = log_dir
         self._test_settings = test_settings
+        self.job_key = new_job_key() if job_key is True else job_key or None
         self._plan = (worker, worker_env, start_scheduler,
                       num_servers if start_servers is None else start_servers,
                       num_workers if start_workers is None else start_workers,
@@ -211,7 +218,7 @@ class LocalJob:
         ``DMLC_ROLE=""`` starts it without the variable)."""
         contract_role = role if role in ("scheduler", "server", "worker") else "worker"
         env = job_env(self.num_workers, self.num_servers, self.port, {**self._extra, **(extra or {})},
-                      role=contract_role, rank=index, test_settings=self._test_settings)
+                      role=contract_role, rank=index, test_settings=self._test_settings, job_key=self.job_key)
         env["DMLC_ROLE"] = (extra or {}).get("DMLC_ROLE", role)
         if env["DMLC_ROLE"] == "":
             del env["DMLC_ROLE"]
