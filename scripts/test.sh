@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything the test suite needs on a fresh Debian/Ubuntu machine, then runs every test.
-#   system packages: openssh-server + client (ssh backend tests), rsync (code sync), Open MPI (mpi backend)
+#   system packages: openssh-server + client (ssh backend tests), rsync (code sync), Open MPI (mpi backend),
+#                    iproute2 (ip and tc: the rate-limited link between network namespaces of a benchmark)
 #   Python: a virtual environment in .venv with pslaunch installed editable, plus the test extra and
 #           the torch extra (torch==2.13.0, the CPU build, for the PyTorch training example)
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -k kvstore`).
@@ -13,6 +14,7 @@ command -v ssh >/dev/null 2>&1 || missing+=(openssh-client)
 command -v rsync >/dev/null 2>&1 || missing+=(rsync)
 command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
 command -v ps >/dev/null 2>&1 || missing+=(procps)
+command -v tc >/dev/null 2>&1 || missing+=(iproute2)
 if [ ${#missing[@]} -gt 0 ]; then
     sudo=""
     [ "$(id -u)" = 0 ] || sudo=sudo
