@@ -30,6 +30,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--job-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
+    # TERM unwinds like an exception: the jobs are reaped and the namespaces deleted on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.size_mib <= 0 or args.rounds < 1 or args.reps < 1 or args.warmup < 0:
         parser.error("--size-mib must be positive, --rounds and --reps at least 1, --warmup at least 0")
     mxnet_python = None

@@ -9,13 +9,16 @@ token bucket (``tc qdisc ... tbf``), so traffic between them is capped at ``rate
 addresses come from 198.18.0.0/15 (RFC 2544's benchmarking range) only, and before anything else
 the root namespace gets ``ip route add unreachable 198.18.0.0/15``: no packet for those addresses
 can leave the machine, whatever else goes wrong. Leaving the ``with`` block (or an exception, or a
-TERM while set up) deletes the namespaces (which removes the veth pair and its queues) and the
-route, if this process added it. Needs root (CAP_NET_ADMIN) and iproute2.
+exception; the caller turns TERM into one) deletes the namespaces (which removes the veth pair and
+its queues), and the route when no other run's namespaces are left (runs may overlap: the last one
+out removes it). A run that was killed outright leaves its namespaces behind: the next run deletes
+those of processes that no longer exist. Needs root (CAP_NET_ADMIN) and iproute2.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from typing import Sequence
@@ -24,6 +27,8 @@ __all__ = ["RateLimitedLink", "LinkError", "BENCH_NET"]
 
 BENCH_NET = "198.18.0.0/15"
 _ADDRESSES = {"a": "198.18.0.1", "b": "198.18.0.2"}
+_PREFIX = "pslbench-"
+_STALE = re.compile(rf"^{_PREFIX}(\d+)-[ab]\b")
 
 
 class LinkError(RuntimeError):
@@ -46,9 +51,9 @@ class RateLimitedLink:
 
     def __init__(self, rate: str = "1gbit", burst: str = "1mb", latency: str = "50ms") -> None:
         self.rate, self.burst, self.latency = rate, burst, latency
-        tag = f"{os.getpid() % 100000}"
-        self.namespaces = {side: f"pslbench-{tag}-{side}" for side in _ADDRESSES}
-        self._veth = {side: f"pslb{tag}{side}" for side in _ADDRESSES}  # at most 15 characters
+        tag = str(os.getpid())
+        self.namespaces = {side: f"{_PREFIX}{tag}-{side}" for side in _ADDRESSES}
+        self._veth = {side: f"pslb{tag}{side}" for side in _ADDRESSES}  # at most 12 of the 15 characters allowed
         self._route_added = False
         self._created: list[str] = []
 
@@ -79,10 +84,10 @@ class RateLimitedLink:
     def _setup(self) -> None:
         # first: nothing addressed to the benchmark range may leave through the machine's real routes
         added = _ip("route", "add", "unreachable", BENCH_NET, check=False)
-        if added.returncode == 0:
-            self._route_added = True
-        elif "File exists" not in added.stderr:  # already there (another run): keep it, it is what we need
+        if added.returncode != 0 and "File exists" not in added.stderr:  # (present: an overlapping run's)
             raise LinkError(f"`ip route add unreachable {BENCH_NET}` exited {added.returncode}: {added.stderr.strip()}")
+        self._route_added = True
+        self._sweep_stale()
         for side, ns in self.namespaces.items():
             _ip("netns", "add", ns)
             self._created.append(ns)
@@ -96,14 +101,28 @@ class RateLimitedLink:
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate, "burst", self.burst,
                   "latency", self.latency])
 
+    @staticmethod
+    def _sweep_stale() -> bool:
+        """Delete the namespaces of runs whose process is gone; True when a live run still has some."""
+        live = False
+        for line in _ip("netns", "list", check=False).stdout.splitlines():
+            match = _STALE.match(line)
+            if match is None:
+                continue
+            if os.path.exists(f"/proc/{match.group(1)}"):
+                live = True
+            else:
+                _ip("netns", "del", line.split()[0], check=False)
+        return live
+
     def close(self) -> None:
         """Delete what this link created (idempotent); deleting a namespace removes its veth end and queue."""
         for ns in reversed(self._created):
             _ip("netns", "del", ns, check=False)
         self._created = []
-        if self._route_added:
+        if self._route_added and not self._sweep_stale():
             _ip("route", "del", "unreachable", BENCH_NET, check=False)
-            self._route_added = False
+        self._route_added = False
 
     def __exit__(self, *exc: object) -> None:
         self.close()
