@@ -164,20 +164,23 @@ class ServerNode:
         """The values a push of ``shard`` carries (``data``: its ``nbytes`` encoded bytes).
 
         Raises:
-            RequestRefused: the bytes do not encode the shard's size (the push still counts as
-                received), or an unknown codec.
+            RequestRefused: the bytes do not encode the shard's size, an unknown codec, or one that
+                cannot decode it (no parameters yet, another dtype); the push still counts as received.
         """
         if codec == RAW:  # the common case, without the table
             if nbytes != shard.nbytes:
                 raise self.store.wrong_size(shard, worker, nbytes)
             return np.frombuffer(data, dtype=shard.dtype, count=shard.size)
-        decoder = self.codecs.get(codec)
-        expected = decoder.encoded_nbytes(shard.size, shard.dtype)
-        if nbytes != expected:
-            shard.round.count_refused(worker)
-            raise RequestRefused(f"key {shard.user_key!r}: a {decoder.name} push of {nbytes} bytes, but the "
-                                 f"{shard.size} values held here take {expected} bytes in {decoder.name}")
-        return decoder.decode(data, shard.dtype, shard.size)
+        try:
+            decoder = self.codecs.get(codec)
+            expected = decoder.encoded_nbytes(shard.size, shard.dtype)
+            if nbytes != expected:
+                raise RequestRefused(f"key {shard.user_key!r}: a {decoder.name} push of {nbytes} bytes, but the "
+                                     f"{shard.size} values held here take {expected} bytes in {decoder.name}")
+            return decoder.decode(data, shard.dtype, shard.size)
+        except RequestRefused:
+            shard.round.count_refused(worker)  # its worker counted it: later pulls must not wait for it
+            raise
 
     def _push_pull(self, peer: PeerInfo, buf: memoryview) -> None:
         """A ``PUSH_PULL`` frame: the push of one small part, then the pull of it (the small round

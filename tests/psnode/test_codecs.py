@@ -195,3 +195,20 @@ def test_the_size_of_a_compressed_push_is_checked_against_the_decoded_size():
         assert worker.wait_for(future, 10)
         with pytest.raises(RemoteError, match=r"a 2bit push of 4 bytes, but the 17 values held here take 8 bytes in 2bit"):
             future.result()
+
+
+@pytest.mark.parametrize("codec, words", [(codec_id("2bit"), "a 2bit push arrived before the compression parameters"),
+                                          (77, "unknown codec 77")])
+def test_a_push_the_server_cannot_decode_is_refused_and_later_pulls_do_not_wait_for_it(codec, words):
+    with InProcJob(num_workers=1, num_servers=1) as job:
+        init_keys(job, {5: (0, np.ones(16, np.float32))})
+        worker = job.workers[0]
+        future = worker.push([(0, 5, np.zeros(4, np.uint8))], codec=codec)
+        assert worker.wait_for(future, 10)
+        with pytest.raises(RemoteError, match=words):
+            future.result()
+        out = np.zeros(16, np.float32)
+        future = worker.pull([(0, 5, out)])  # it must include this worker's one push, which was refused
+        assert worker.wait_for(future, 10), "the pull waited for a push the server refused"
+        future.result()
+        assert out.tolist() == [1.0] * 16
