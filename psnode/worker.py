@@ -26,15 +26,9 @@ whichever thread receives the reply and must be quick.
 
 from __future__ import annotations
 
-import array
 import atexit
 import concurrent.futures
-import fcntl
-import os
 import pickle
-import stat
-import sys
-import termios
 import time
 from typing import Any, Hashable, Sequence
 
@@ -42,48 +36,20 @@ import numpy as np
 
 from . import shm
 from .codecs import RAW
-from .env import EXIT_PEER_FAILED, MARKER_FAILED, NodeEnv
-from .errors import ClosedError, NodeTimeoutError, PeerDiedError, PSNodeError
+from .env import NodeEnv
+from .errors import ClosedError, NodeTimeoutError, PSNodeError
 from .membership import PeerInfo
 from .node import Connection
-from .protocol import ENTRY_STRUCT, FLAG_SYNC, Cmd, Group, pack_entries, pack_header, pack_json
+from .protocol import ENTRY_STRUCT, FLAG_SYNC, Cmd, Group, pack_codec_params, pack_entries, pack_header, pack_json
 from .transport import Transport
 from .worker_outbox import Outbox
+from .worker_process import watch
 from .worker_receiver import Receiver
 from .worker_requests import RequestTable
 
 __all__ = ["WorkerNode"]
 
 OWN_FRAME = 65536  # values at least this big travel in a frame (and a message) of their own
-
-
-def _wait_until_read(stream: Any, limit: float) -> None:
-    """Wait (at most ``limit`` seconds) until the pipe behind ``stream`` is empty: pslaunch has read
-    what this process wrote, so the other nodes' reaction cannot be shown before it."""
-    try:
-        fd = stream.fileno()
-        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-            return
-        pending = array.array("i", [0])
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            fcntl.ioctl(fd, termios.FIONREAD, pending)
-            if pending[0] == 0:
-                return
-            time.sleep(0.005)
-    except (OSError, ValueError, AttributeError):
-        return  # not a pipe we can ask (Linux answers for the writing end too): go on
-
-
-def _peer_failure(error: BaseException | None) -> PeerDiedError | None:
-    """The ``PeerDiedError`` behind ``error`` (kvcore wraps it as the cause), if any."""
-    seen = 0
-    while error is not None and seen < 16:
-        if isinstance(error, PeerDiedError):
-            return error
-        error = error.__cause__ or error.__context__
-        seen += 1
-    return None
 
 
 def _flat_bytes(value: np.ndarray) -> np.ndarray:
@@ -124,43 +90,10 @@ class WorkerNode:
         return self
 
     def watch_process(self) -> "WorkerNode":
-        """Make this process's end the worker's: ``close`` at exit, and an uncaught exception
-        ``abort``s the job naming it (the process's one worker node calls this once).
-
-        The traceback goes out before the other nodes hear of the failure and end, so that it is the
-        first error of the job on the screen and in pslaunch's report. An uncaught error that is
-        another node's failure ends the process with ``EXIT_PEER_FAILED`` and one line instead.
-        """
-        atexit.register(self.close)
-        previous = sys.excepthook
-
-        def report_crash(kind: type, value: BaseException, tb: Any) -> None:
-            peer = _peer_failure(value)
-            if peer is not None:
-                self._exit_for_peer(peer)
-            previous(kind, value, tb)
-            if self.env.supervised:
-                print(MARKER_FAILED, file=sys.stderr, flush=True)
-                _wait_until_read(sys.stderr, 0.5)
-            self.abort(f"{kind.__name__}: {value}")
-
-        sys.excepthook = report_crash
+        """Make this process's end the worker's (``worker_process.watch``): close at exit, and an
+        uncaught exception aborts the job naming it."""
+        watch(self)
         return self
-
-    def _exit_for_peer(self, error: PeerDiedError) -> None:
-        """End the process with ``EXIT_PEER_FAILED`` and one line naming the failed peer instead of a
-        traceback: this worker did nothing wrong. Exit handlers still run."""
-        print(f"psnode worker {self.rank} (pid {os.getpid()}): ended because a peer failed: {error}",
-              file=sys.stderr, flush=True)
-        try:
-            atexit._run_exitfuncs()
-        finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
-            os._exit(EXIT_PEER_FAILED)  # an excepthook cannot choose the exit code otherwise
 
     def abort(self, reason: str) -> None:
         """Tell the scheduler this worker failed (so every other node stops with ``reason``), then close."""
@@ -283,6 +216,40 @@ class WorkerNode:
         req = self.requests.track(future, self.num_servers, None, "set_updater")
         for server in range(self.num_servers):
             self.outbox.enqueue(server, [pack_header(Cmd.SET_UPDATER, req, 1), blob], 0, req)
+        self.outbox.pump()
+        return future
+
+    def wait_pushes(self, timeout: float | None = None) -> None:
+        """Block until every push this worker issued so far was answered by its server (receiving
+        on this thread meanwhile); a refused push counts as answered.
+
+        Raises:
+            NodeTimeoutError: a push still unanswered after ``timeout`` seconds (default: a minute,
+                or the heartbeat timeout when longer); PSNodeError: the worker failed or was closed.
+        """
+        self._check()
+        self.outbox.release_held()
+        self.outbox.pump()
+        limit = timeout if timeout is not None else max(60.0, self.env.heartbeat_timeout)
+        deadline = time.monotonic() + limit
+        pushes = [r.future for r in list(self.requests.pending.values()) if r.what == "push"]
+        for future in pushes:
+            if not self.receiver.wait_for(future, max(0.0, deadline - time.monotonic())):
+                raise NodeTimeoutError(f"worker {self.rank}: pushes still unanswered after {limit:g} s")
+        self.conn.failure.check()
+
+    def set_codec(self, codec: int, params: dict[str, Any], future: Any = None) -> Any:
+        """Send codec ``codec``'s parameters (``{"threshold": t}``) to every server; the future is
+        done when all took them, or fails with the first refusal (which names the bad value).
+
+        Pushes in that codec sent after the future is done are decoded with these parameters; the
+        caller makes sure no worker's push in it is still on the way when they change.
+        """
+        future = future or concurrent.futures.Future()
+        body = pack_codec_params(codec, params)
+        req = self.requests.track(future, self.num_servers, None, "set_codec")
+        for server in range(self.num_servers):
+            self.outbox.enqueue(server, [pack_header(Cmd.SET_CODEC, req, 1), body], 0, req)
         self.outbox.pump()
         return future
 
