@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import os
 import threading
 import time
 from typing import Any, Callable

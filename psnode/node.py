@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 from . import shm
 from .control import CONTROL_CMDS, FailureLatch, SchedulerLink
 from .env import NodeEnv
-from .errors import NodeTimeoutError, ProtocolError, PSNodeError
+from .errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
 from .log import logger, setup_logging
 from .membership import SCHEDULER, Membership, PeerInfo, host_fingerprint
 from .protocol import GROUP_ROLES, Cmd, Group, parse_group, unpack_header
@@ -184,7 +184,9 @@ class Connection:
             return
         try:
             self._handle(peer, cmd, flags, req_id, arg, frames)
-        except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
+        except ClosedError:
+            raise
+        except Exception as exc:  # a message from the network must never end the node: count it, go on
             link.note_malformed(sender, exc)
 
     def ask_barrier(self, group: "Group | int | str") -> tuple[concurrent.futures.Future, str]:
