@@ -194,8 +194,11 @@ class SchedulerLink:
         except ClosedError:
             pass
 
-    def ask(self, cmd: int, arg: int = 0) -> concurrent.futures.Future:
-        """Send ``cmd`` (a barrier or finish) and return the future the scheduler's answer completes."""
+    def ask(self, cmd: int, arg: int = 0, body: Any = None) -> concurrent.futures.Future:
+        """Send ``cmd`` (a barrier or finish) and return the future the scheduler's answer completes.
+
+        A barrier's future holds the notes its members left (``Connection.ask_barrier``).
+        """
         future: concurrent.futures.Future = concurrent.futures.Future()
         req_id = next(self._req_ids)
         with self._waiters_lock:
@@ -203,7 +206,7 @@ class SchedulerLink:
                 future.set_exception(self.failure.error)
                 return future
             self._waiters[req_id] = future
-        self.send(cmd, req_id, arg)
+        self.send(cmd, req_id, arg, body)
         return future
 
     def handle(self, cmd: int, flags: int, req_id: int, frames: list) -> None:
@@ -232,7 +235,8 @@ class SchedulerLink:
                 if flags & FLAG_ERROR:
                     waiter.set_exception(PSNodeError(str(unpack_json(frames[1])["error"])))
                 else:
-                    waiter.set_result(None)
+                    notes = unpack_json(frames[1]).get("notes", []) if len(frames) > 1 else []
+                    waiter.set_result(notes if isinstance(notes, list) else [])
 
     def note_malformed(self, sender: bytes, exc: BaseException) -> None:
         """Count and log a message this node could not use."""

@@ -189,9 +189,10 @@ class Connection:
         except Exception as exc:  # a message from the network must never end the node: count it, go on
             link.note_malformed(sender, exc)
 
-    def ask_barrier(self, group: "Group | int | str") -> tuple[concurrent.futures.Future, str]:
+    def ask_barrier(self, group: "Group | int | str", note: Any = None) -> tuple[concurrent.futures.Future, str]:
         """Enter a barrier of ``group`` (workers, servers or all): the future its end completes, and
-        what to call it in a timeout message.
+        what to call it in a timeout message. ``note`` (a small JSON value) reaches every member: the
+        future's result is the list of the members' notes that are not None.
 
         Liveness-checked: a node of the job that dies meanwhile fails the future naming that node.
 
@@ -203,7 +204,8 @@ class Connection:
         if self.me.role not in GROUP_ROLES[group]:
             raise PSNodeError(f"{self.describe()} is not in the barrier group {group.name.lower()}")
         self.failure.check()
-        return self.link.ask(Cmd.BARRIER, int(group)), f"end of the {group.name.lower()} barrier"
+        body = None if note is None else {"note": note}
+        return self.link.ask(Cmd.BARRIER, int(group), body), f"end of the {group.name.lower()} barrier"
 
     def wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:
         """Receive on this thread until ``future`` is done (single-threaded nodes), then raise its error.

@@ -130,19 +130,27 @@ class Roster:
         return all(m.finished for m in self.members.values() if m.peer.role == "worker")
 
 
+_NOTE_LIMIT = 4096  # bytes of JSON a member's barrier note may take
+
+
 class Barriers:
-    """The open barriers: who arrived in which group, answered once every member did."""
+    """The open barriers: who arrived in which group (with the note each left), answered once every
+    member did."""
 
     def __init__(self) -> None:
         self.waiting: dict[int, list[tuple[bytes, int]]] = {}
+        self.notes: dict[int, list] = {}
 
-    def arrive(self, group: int, sender: bytes, req_id: int, members: list[bytes]) -> list[tuple[bytes, int]] | None:
-        """Count ``sender``; every waiter ``(uid, req_id)`` when the group is complete, else None."""
+    def arrive(self, group: int, sender: bytes, req_id: int, members: list[bytes], note: Any = None
+               ) -> tuple[list[tuple[bytes, int]], list] | None:
+        """Count ``sender``; ``(every waiter (uid, req_id), the notes)`` when the group is complete, else None."""
         waiting = self.waiting.setdefault(group, [])
         waiting.append((sender, req_id))
+        if note is not None:
+            self.notes.setdefault(group, []).append(note)
         if len({u for u, _ in waiting}) >= len(members):
             del self.waiting[group]
-            return waiting
+            return waiting, self.notes.pop(group, [])
         return None
 
 
@@ -255,7 +263,7 @@ class Scheduler:
         if cmd == Cmd.HEARTBEAT:
             self.transport.send(sender, [pack_header(Cmd.HEARTBEAT_ACK, req_id)])
         elif cmd == Cmd.BARRIER:
-            self._barrier(sender, member, req_id, arg)
+            self._barrier(sender, member, req_id, arg, frames)
         elif cmd == Cmd.FINISH:
             self._finished(sender, member, req_id)
         elif cmd == Cmd.NODE_DIED:
@@ -277,22 +285,34 @@ class Scheduler:
         logger.info("scheduler: %s finished", member.peer.describe())
         self._fail_blocked_barriers()
 
-    def _barrier(self, sender: bytes, member: Member, req_id: int, group: int) -> None:
+    def _barrier(self, sender: bytes, member: Member, req_id: int, group: int, frames: list) -> None:
         """Count ``sender`` in ``group``'s barrier; answer everyone once every member arrived."""
         error = None
-        if group not in GROUP_ROLES:
+        note = None
+        if len(frames) > 1:
+            if len(frames[1].buffer) > _NOTE_LIMIT:
+                error = f"a barrier note of {len(frames[1].buffer)} bytes; notes take at most {_NOTE_LIMIT}"
+            else:
+                try:
+                    body = unpack_json(frames[1])
+                    note = body.get("note") if isinstance(body, dict) else None
+                except ProtocolError as exc:
+                    error = f"a malformed barrier note: {exc}"
+        if error is None and group not in GROUP_ROLES:
             error = f"unknown barrier group {group}; the groups are " + ", ".join(f"{g.name.lower()} ({int(g)})" for g in Group)
-        elif member.peer.role not in GROUP_ROLES[Group(group)]:
+        elif error is None and member.peer.role not in GROUP_ROLES[Group(group)]:
             error = f"{member.peer.describe()} is not in the barrier group {Group(group).name.lower()}"
         if error is not None:
             self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id, flags=FLAG_ERROR), pack_json({"error": error})])
             return
-        done = self.barriers.arrive(group, sender, req_id, self.roster.of_roles(GROUP_ROLES[Group(group)]))
+        done = self.barriers.arrive(group, sender, req_id, self.roster.of_roles(GROUP_ROLES[Group(group)]), note)
         if done is None:
             self._fail_blocked_barriers()
             return
-        for uid, rid in done:
-            self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid)])
+        waiters, notes = done
+        body = [pack_json({"notes": notes})] if notes else []
+        for uid, rid in waiters:
+            self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid), *body])
 
     def _fail_blocked_barriers(self) -> None:
         """A barrier that waits for a finished node can never complete: say so instead of hanging."""
@@ -307,6 +327,7 @@ class Scheduler:
             for uid, rid in waiting:
                 self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid, flags=FLAG_ERROR), pack_json({"error": message})])
             del self.barriers.waiting[group]
+            self.barriers.notes.pop(group, None)
 
     def _check_alive(self) -> None:
         now = time.monotonic()

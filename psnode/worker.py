@@ -179,17 +179,20 @@ class WorkerNode:
             raise NodeTimeoutError(f"worker {self.rank}: no {what} within {limit:g} s")
         future.result()
 
-    def barrier(self, group: "Group | int | str" = Group.WORKERS, timeout: float | None = None) -> None:
+    def barrier(self, group: "Group | int | str" = Group.WORKERS, timeout: float | None = None,
+                note: Any = None) -> list:
         """Block until every node of ``group`` (workers or all) reached a barrier; no time limit unless
-        ``timeout`` is given (see ``Connection.ask_barrier``).
+        ``timeout`` is given (see ``Connection.ask_barrier``). Returns the notes members left (a
+        small JSON value each, ``note``), in no set order.
 
         Raises:
             ValueError: an unknown group; PSNodeError: not in ``group``, or the barrier can never
             complete (a member already finished); PeerDiedError: a node died; NodeTimeoutError: ``timeout``.
         """
         self._check()
-        future, what = self.conn.ask_barrier(group)
+        future, what = self.conn.ask_barrier(group, note)
         self._wait(future, timeout, what)
+        return future.result() or []
 
     # ---- the API: init and updater -------------------------------------------------------------
     def init(self, parts: Sequence[tuple[int, int, Hashable, np.ndarray, int]], sync: bool, future: Any = None) -> Any:
@@ -338,7 +341,7 @@ class WorkerNode:
         if len(parts) == 1 and (parts[0][2].nbytes < shm.SHM_MIN or parts[0][0] not in regions.servers):
             return self._pull_one(*parts[0], priority, future)
         requests, outbox = self.requests, self.outbox
-        targets = [memoryview(out).cast("B") for _, _, out in parts]  # C-contiguous outs, as bytes
+        targets = [_writable_bytes(out) for _, _, out in parts]  # C-contiguous outs, as bytes
         req = requests.track(future, len(parts), targets, "pull", tuple(part[0] for part in parts))
         request = requests.pending.get(req)
         by_server = _by_server(parts, indexed=True)
@@ -396,7 +399,7 @@ class WorkerNode:
     def _pull_one(self, server: int, key_id: int, out: np.ndarray, priority: int, future: Any) -> Any:
         """``pull`` of one part answered in a message: the same request, built without the general bookkeeping."""
         requests, outbox = self.requests, self.outbox
-        req = requests.track(future, 1, [memoryview(out).cast("B")], "pull", server)
+        req = requests.track(future, 1, [_writable_bytes(out)], "pull", server)
         seq = requests.pushes(key_id, server)
         held = outbox.take_held(server, priority) if outbox.held.item is not None else None
         if held is not None:  # the held push carries this pull; the server acknowledges it with the reply
@@ -414,7 +417,7 @@ class WorkerNode:
         """Pull the rows ``rows`` (int64, local to the part) of ``(server, key id, rows, out)`` parts into ``out``."""
         future = future or concurrent.futures.Future()
         requests = self.requests
-        targets = [memoryview(out).cast("B") for _, _, _, out in parts]
+        targets = [_writable_bytes(out) for _, _, _, out in parts]
         req = requests.track(future, len(parts), targets, "row_sparse_pull", tuple(part[0] for part in parts))
         for server, items in _by_server(parts, indexed=True).items():
             entries = []
@@ -435,6 +438,11 @@ class WorkerNode:
         self.requests.take_reply(peer, cmd, flags, req_id, arg, frames)
         if self.outbox.queue:  # a reply may mean a connection has room again
             self.outbox.pump()
+
+
+def _writable_bytes(out: np.ndarray) -> memoryview:
+    """``out``'s bytes as a writable flat memoryview (a C-contiguous out; an empty one is fine too)."""
+    return memoryview(out).cast("B") if out.size else memoryview(bytearray(0))
 
 
 def _packed_push(req: int, entries: list, small: list) -> list:

@@ -322,3 +322,14 @@ def test_one_frame_round_trips_the_server_refuses_fail_naming_why_and_later_roun
 
 def test_pushes_sent_on_their_own_are_acknowledged_on_the_next_value_reply_and_values_stay_exact():
     run_ok("acks_on_values.py", workers=2, servers=1)
+
+
+def test_every_mxnet_dtype_and_zero_size_keys_work_others_are_refused_and_a_refused_init_fails_every_rank():
+    with LocalJob(3, 2, worker=script("values.py")) as job:
+        results = job.wait(90)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(map(str, failed))
+    workers = [r for r in results if r.role == "worker"]
+    assert all("OK" in r.output for r in workers), "\n".join(map(str, workers))
+    refusals = {line.split(" ", 2)[2] for r in workers for line in r.output.splitlines() if line.startswith("REFUSED")}
+    assert len(refusals) == 1 and "key 'again' is already initialised" in refusals.pop()
