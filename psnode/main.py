@@ -125,6 +125,9 @@ def run_node(role: str) -> int:
     except PeerDiedError as exc:
         print(f"psnode {role} (pid {os.getpid()}): ended because a peer failed: {exc}", file=sys.stderr, flush=True)
         return EXIT_PEER_FAILED
+    except EnvError as exc:  # e.g. no job key on a network address: a configuration to fix, not a failure
+        print(f"psnode {role} (pid {os.getpid()}): error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except PSNodeError as exc:
         print(f"psnode {role} (pid {os.getpid()}): error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -13,6 +13,7 @@ when the test failed. ``free_port()`` and ``job_env()`` help tests that start pr
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -250,6 +251,24 @@ class LocalJob:
             if proc.role == role and proc.index == index:
                 return proc.output()
         raise KeyError(f"no {role} {index} was started")
+
+    def wait_for_line(self, role: str, index: int | None, pattern: str, timeout: float = 30) -> "re.Match":
+        """Wait until process ``role``/``index`` (any of the role when None) prints a line matching ``pattern``.
+
+        Raises:
+            AssertionError: the process exited first, or ``timeout`` seconds passed (with its output).
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for result in self.results():
+                if result.role == role and index in (None, result.index):
+                    match = re.search(pattern, result.output, re.M)
+                    if match:
+                        return match
+                    if result.returncode is not None:
+                        raise AssertionError(f"{role} {index} exited before printing {pattern!r}:\n{result}")
+            time.sleep(0.05)
+        raise AssertionError(f"{role} {index} did not print {pattern!r} within {timeout} s")
 
     def wait(self, timeout: float) -> list[ProcessResult]:
         """Wait for every process to exit; on timeout kill them all and raise with their output.

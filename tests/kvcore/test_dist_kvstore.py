@@ -36,18 +36,7 @@ def run_ok(name: str, workers: int, servers: int, env: dict | None = None, args:
 
 
 def wait_for_line(job: LocalJob, role: str, index: int | None, pattern: str, timeout: float = 30) -> re.Match:
-    """Wait until process ``role``/``index`` (any of the role when None) prints a line matching ``pattern``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for result in job.results():
-            if result.role == role and index in (None, result.index):
-                match = re.search(pattern, result.output, re.M)
-                if match:
-                    return match
-                if result.returncode is not None:
-                    raise AssertionError(f"{role} {index} exited before printing {pattern!r}:\n{result}")
-        time.sleep(0.05)
-    raise AssertionError(f"{role} {index} did not print {pattern!r} within {timeout} s")
+    return job.wait_for_line(role, index, pattern, timeout)
 
 
 @pytest.mark.parametrize("same_host", ["shm", "ipc", "tcp"])
