@@ -106,6 +106,10 @@ class Cmd(enum.IntEnum):
     SET_UPDATER_ACK = 29
     PUSH_PULL = 30  # compact: req_id = the pull's, arg = the push's; ONE_PART record; the value
     VALUE = 31  # compact: req_id = the pull's, arg = the part's index in it; the value
+    COLL = 40  # between workers: req_id = the collective's key id, arg = its version; psnode.collectives.wire
+    RDV_SET = 41  # to the scheduler: {"key", "value"}, a rendezvous value (e.g. NCCL's unique id)
+    RDV_GET = 42  # to the scheduler: {"key"}; answered by RDV_VALUE once the key is set
+    RDV_VALUE = 43  # from the scheduler: {"value"} (or FLAG_ERROR and {"error"})
 
 
 class Group(enum.IntEnum):
