@@ -24,6 +24,7 @@ from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeo
 from .log import logger, setup_logging
 from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
+from .rendezvous import Rendezvous
 from .transport import Transport, create_transport
 
 __all__ = ["Scheduler", "Roster", "Barriers"]
@@ -150,6 +151,7 @@ class Scheduler:
         self.fingerprint = host_fingerprint()
         self.roster = Roster(env.num_workers, env.num_servers)
         self.barriers = Barriers()
+        self.rendezvous = Rendezvous()
         self.malformed = 0
 
     # ---- registration -------------------------------------------------------------------
@@ -248,6 +250,8 @@ class Scheduler:
             self._barrier(sender, member, req_id, arg)
         elif cmd == Cmd.FINISH:
             self._finished(sender, member, req_id)
+        elif cmd in (Cmd.RDV_SET, Cmd.RDV_GET):
+            self._rendezvous(sender, cmd, req_id, frames)
         elif cmd == Cmd.NODE_DIED:
             try:
                 body = unpack_json(frames[1]) if len(frames) > 1 else {}
@@ -257,6 +261,25 @@ class Scheduler:
             self._announce_death(member, f"{member.peer.describe()} failed: {reason}")
         elif cmd != Cmd.REGISTER:  # a repeated registration is harmless
             self.malformed += 1
+
+    def _rendezvous(self, sender: bytes, cmd: int, req_id: int, frames: list) -> None:
+        """Set a rendezvous value (answering who waited for it) or answer / park a request for one."""
+        try:
+            body = unpack_json(frames[1]) if len(frames) > 1 else None
+            if cmd == Cmd.RDV_SET:
+                value, answer = self.rendezvous.set(body)
+                answer.append((sender, req_id))
+            else:
+                value = self.rendezvous.get(sender, req_id, body)
+                if value is None:
+                    return
+                answer = [(sender, req_id)]
+        except ProtocolError as exc:
+            self.malformed += 1
+            self.transport.send(sender, [pack_header(Cmd.RDV_VALUE, req_id, flags=FLAG_ERROR), pack_json({"error": str(exc)})])
+            return
+        for uid, rid in answer:
+            self.transport.send(uid, [pack_header(Cmd.RDV_VALUE, rid), pack_json({"value": value})])
 
     def _finished(self, sender: bytes, member: Member, req_id: int) -> None:
         member.finished = True
