@@ -285,8 +285,10 @@ class Scheduler:
         member.finished = True
         self.transport.send(sender, [pack_header(Cmd.FINISH_ACK, req_id)])
         note = pack_json({"rank": member.peer.rank, "node": member.peer.describe()})
-        for uid in self.roster.of_roles(("server",)):  # rounds that still wait for this worker can never close
-            self.transport.send(uid, [pack_header(Cmd.WORKER_FINISHED), note])
+        # servers: rounds that still wait for this worker can never close; workers: nor can collectives
+        for uid in self.roster.of_roles(("server", "worker")):
+            if uid != sender and not self.roster.members[uid].finished:
+                self.transport.send(uid, [pack_header(Cmd.WORKER_FINISHED), note])
         logger.info("scheduler: %s finished", member.peer.describe())
         self._fail_blocked_barriers()
 
