@@ -8,7 +8,8 @@ The tree::
     ├── PeerError                  broken by a peer
     │   ├── PeerDiedError          a node stopped (no heartbeat, or it left); names role, rank and host
     │   ├── RemoteError            a server could not carry out a request (its message is included)
-    │   └── ProtocolError          a peer sent something this node cannot understand
+    │   ├── ProtocolError          a peer sent something this node cannot understand
+    │   └── MismatchError          workers passed one collective different shapes or dtypes (names both)
     ├── RequestRefused             a server refuses one request (raised on the server; the worker that
     │                              asked gets its message back as a RemoteError)
     ├── NodeTimeoutError           a wait ran past its limit (also TimeoutError)
@@ -31,6 +32,7 @@ __all__ = [
     "PeerDiedError",
     "RemoteError",
     "ProtocolError",
+    "MismatchError",
     "RequestRefused",
     "NodeTimeoutError",
     "RegistrationTimeoutError",
@@ -71,6 +73,13 @@ class RemoteError(PeerError):
 
 class ProtocolError(PeerError):
     """A message did not follow the wire format."""
+
+
+class MismatchError(PeerError):
+    """Workers passed one collective (same key and version) values of different shapes or dtypes.
+
+    Every worker of the collective raises it, with a message that names the key and both values.
+    """
 
 
 class RequestRefused(PSNodeError):
