@@ -33,10 +33,11 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .. import devices
 from ..errors import ClosedError, MismatchError, NodeTimeoutError, PeerDiedError, ProtocolError, PSNodeError
 from ..log import logger
 from ..membership import PeerInfo, endpoint_of
@@ -134,18 +135,24 @@ class Engine:
         return workers[rank].describe() if 0 <= rank < len(workers) else f"worker {rank}"
 
     # ---- the collectives ---------------------------------------------------------------------------
-    def allreduce(self, key: Any, array: np.ndarray, out: np.ndarray | None = None, label: str | None = None,
-                  algorithm_name: str | None = None) -> concurrent.futures.Future:
-        """Sum ``array`` over every worker into ``out`` (``array`` itself when None); returns at once.
+    def allreduce(self, key: Any, array: Any, out: Any = None, label: str | None = None,
+                  algorithm_name: str | None = None, future: Any = None, after: Sequence[Any] = ()) -> Any:
+        """Sum ``array`` over every worker into ``out`` (``array`` itself when None); returns a future at once.
 
-        ``array`` must not change, and ``out`` must stay untouched, until the future is done
-        (C-contiguous arrays are used in place; others are copied first). ``algorithm_name`` picks
-        an algorithm (``base.algorithm_names``); by default ``base.choose`` does.
+        ``key`` (a str, int, bytes or tuple of them) names the collective on every worker; its
+        version is counted here. ``array`` must not change, and ``out`` must stay untouched, until
+        the future is done (C-contiguous arrays are used in place; others are copied first). A CuPy
+        array is summed by ``nccl.GpuCollectives``. ``algorithm_name`` picks an algorithm
+        (``base.algorithm_names``); by default ``base.choose`` does. ``future``: a future to complete
+        instead of a new one; ``after``: futures that must be done before this one starts (the
+        previous collective of ``key`` always is).
 
         Raises:
-            TypeError: a dtype collectives do not sum. ValueError: ``out`` of another shape or dtype.
-            PSNodeError: the worker failed or was closed.
+            TypeError: a dtype collectives do not sum. ValueError: ``out`` of another shape or dtype,
+            an unknown algorithm. PSNodeError: the worker failed or was closed.
         """
+        if type(array) is not np.ndarray and devices.device_of(array).is_gpu:
+            return self.gpu.allreduce(key, array, out, label, future, after)
         desc = Desc(array.dtype, array.shape)  # refuses an unsupported dtype here, on the caller's thread
         if out is not None and (tuple(out.shape) != desc.shape or np.dtype(out.dtype) != desc.dtype):
             raise ValueError(f"allreduce of {desc} into an out of {np.dtype(out.dtype).name} of shape {tuple(out.shape)}")
@@ -156,12 +163,14 @@ class Engine:
             np.copyto(buf.reshape(desc.shape), array)
         name = algorithm_name or choose(desc.total * desc.dtype.itemsize, self.topology)
         factory = algorithm(name)
-        future = self._submit(key, lambda tag: factory(self, tag, desc, label or f"allreduce of key {key!r}", buf))
+        future = self._submit(key, lambda tag: factory(self, tag, desc, label or f"allreduce of key {key!r}", buf),
+                              future, after)
         if not usable:
             future.add_done_callback(lambda f: f.exception() is None and np.copyto(target, buf.reshape(desc.shape)))
         return future
 
-    def broadcast(self, key: Any, array: np.ndarray, root: int = 0, label: str | None = None) -> concurrent.futures.Future:
+    def broadcast(self, key: Any, array: np.ndarray, root: int = 0, label: str | None = None, future: Any = None,
+                  after: Sequence[Any] = ()) -> Any:
         """Copy worker ``root``'s ``array`` into every worker's ``array`` (C-contiguous, writable); at once."""
         from .gather import Broadcast
 
@@ -171,9 +180,10 @@ class Engine:
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast from worker {root}, but the job has workers 0..{self.size - 1}")
         return self._submit(key, lambda tag: Broadcast(self, tag, desc, label or f"broadcast of key {key!r}",
-                                                       array.reshape(-1), root))
+                                                       array.reshape(-1), root), future, after)
 
-    def allgather(self, key: Any, array: np.ndarray, out: np.ndarray, label: str | None = None) -> concurrent.futures.Future:
+    def allgather(self, key: Any, array: np.ndarray, out: np.ndarray, label: str | None = None,
+                  future: Any = None) -> Any:
         """Gather every worker's ``array`` into ``out[rank]`` (``out``: shape ``(workers,) + array.shape``)."""
         from .gather import Allgather
 
@@ -183,25 +193,47 @@ class Engine:
                              f"{(self.size,) + desc.shape}, got {np.dtype(out.dtype).name} of shape {tuple(out.shape)}")
         out[self.rank] = array
         flat = out.reshape(self.size, -1)
-        return self._submit(key, lambda tag: Allgather(self, tag, desc, label or f"allgather of key {key!r}", flat))
+        return self._submit(key, lambda tag: Allgather(self, tag, desc, label or f"allgather of key {key!r}", flat),
+                            future)
 
     # ---- ops in flight ---------------------------------------------------------------------------------
-    def _submit(self, key: Any, make: Callable[[Tag], Op]) -> concurrent.futures.Future:
-        """Give the op the key's next version and start it once the key's previous op is done."""
-        key_id = key_id_of(key)
+    def _submit(self, key: Any, make: Callable[[Tag], Op], future: Any = None, after: Sequence[Any] = ()) -> Any:
+        """Give the op the key's next version and start it once the key's previous op (and ``after``) is done."""
         self._check()
+        tag = self.next_tag(key)
+        key_id = tag[0]
         with self._lock:
-            version = self.versions.get(key_id, 0)
-            self.versions[key_id] = version + 1
-            op = make((key_id, version))
+            op = make(tag)
+            if future is not None:
+                op.future = future
             previous = self.last.get(key_id)
             self.last[key_id] = op.future
         op.future.add_done_callback(lambda f, k=key_id: self._forget_last(k, f))
-        if previous is None or previous.done():
+        waits = [f for f in ([previous] if previous is not None else []) + list(after) if not f.done()]
+        if not waits:
             self._start(op)
-        else:
-            previous.add_done_callback(lambda _: self._start(op))
+            return op.future
+        left = [len(waits)]
+        count_lock = threading.Lock()
+
+        def one_done(_: Any) -> None:
+            with count_lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._start(op)
+
+        for wait in waits:
+            wait.add_done_callback(one_done)
         return op.future
+
+    def next_tag(self, key: Any) -> Tag:
+        """``key``'s tag for its next collective on this worker: its id and how many came before."""
+        key_id = key_id_of(key)
+        with self._lock:
+            version = self.versions.get(key_id, 0)
+            self.versions[key_id] = version + 1
+        return key_id, version
 
     def _forget_last(self, key_id: int, future: concurrent.futures.Future) -> None:
         with self._lock:

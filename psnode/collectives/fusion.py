@@ -1,0 +1,69 @@
+"""Fusion: many small values summed as one buffer, grouped the same way on every worker.
+
+A model of many small tensors (biases, norms) or a push of a thousand one-float keys would cost one
+collective (one round of messages) per value. ``plan`` groups consecutive values of one dtype into
+buffers of at most ``limit`` bytes, in the order given, so workers that pass the same values in the
+same order (the same keys, the same parameters) form the same groups and tag them alike. A
+``FusionBuffer`` copies a group's values into one flat buffer, which one collective sums, and
+copies the sums back out; it is kept and reused while its layout stays.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["plan", "FusionBuffer", "DEFAULT_LIMIT"]
+
+DEFAULT_LIMIT = 4 << 20
+
+
+def plan(nbytes: Sequence[int], dtypes: Sequence[Any], limit: int = DEFAULT_LIMIT) -> list[list[int]]:
+    """Indices of the values, grouped: consecutive values of one dtype, at most ``limit`` bytes in
+    all; a value of ``limit`` bytes or more (or every value when ``limit`` <= 0) is a group alone."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    kind = None
+    for i, (n, dtype) in enumerate(zip(nbytes, dtypes)):
+        dtype = np.dtype(dtype)
+        if limit <= 0 or n >= limit:
+            if current:
+                groups.append(current)
+                current, size = [], 0
+            groups.append([i])
+            continue
+        if current and (dtype != kind or size + n > limit):
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+        kind = dtype
+    if current:
+        groups.append(current)
+    return groups
+
+
+class FusionBuffer:
+    """A flat buffer holding values of ``sizes`` elements of ``dtype`` back to back."""
+
+    def __init__(self, dtype: Any, sizes: Sequence[int]) -> None:
+        self.dtype = np.dtype(dtype)
+        self.sizes = tuple(int(n) for n in sizes)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)]).tolist()
+        self.buffer = np.empty(self.offsets[-1], self.dtype)
+
+    def fits(self, dtype: Any, sizes: Sequence[int]) -> bool:
+        """True when this buffer has exactly that layout (so it may be reused)."""
+        return self.dtype == np.dtype(dtype) and self.sizes == tuple(int(n) for n in sizes)
+
+    def part(self, i: int) -> np.ndarray:
+        """The flat view of value ``i`` in the buffer."""
+        return self.buffer[self.offsets[i]:self.offsets[i + 1]]
+
+    def pack(self, values: Sequence[np.ndarray]) -> np.ndarray:
+        """Copy ``values`` (host arrays of the layout's sizes, any shape) in; the buffer."""
+        for i, value in enumerate(values):
+            np.copyto(self.part(i), value.reshape(-1) if value.flags.c_contiguous else np.ravel(value))
+        return self.buffer
