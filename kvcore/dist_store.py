@@ -54,7 +54,7 @@ from .optim.base import Optimizer, Updater
 from .sharding import KeyLayout, layout
 from .store_base import KVStoreBase
 
-__all__ = ["DistKVStore", "create", "worker_node"]
+__all__ = ["DistKVStore", "NodeHandle", "create", "worker_node"]
 
 _node: WorkerNode | None = None
 _node_lock = threading.Lock()
@@ -83,7 +83,7 @@ def worker_node() -> WorkerNode:
         return _node
 
 
-class _NodeHandle(LazyHandle):
+class NodeHandle(LazyHandle):
     """A ``Handle`` the worker node completes: its error becomes kvcore's as it is set
     (``dist_errors.translate``), and ``wait`` receives the reply on the waiting thread
     (``WorkerNode.wait_for``).
@@ -117,6 +117,13 @@ class DistKVStore(KVStoreBase):
 
     def __init__(self, store_type: str) -> None:
         super().__init__(store_type)
+        with runtime_errors():
+            servers = read_env(default_role="worker").num_servers
+        if servers == 0:
+            raise DistributedError(
+                f"kvcore.create({store_type!r}) keeps the values on servers, but this job has none "
+                "(DMLC_NUM_SERVER=0, as pslaunch -s 0 starts it); use kvcore.create('allreduce'), whose "
+                "workers sum among themselves, or start the job with servers (pslaunch -s N)")
         self._worker = worker_node()
         self._sync = store_type != "dist_async"
         self._merge_on_device = store_type == "dist_device_sync"
@@ -141,6 +148,11 @@ class DistKVStore(KVStoreBase):
     def num_servers(self) -> int:
         """Number of servers in the job."""
         return self._worker.num_servers
+
+    @property
+    def local_rank(self) -> int:
+        """This worker's index among the workers on its host (``PSLAUNCH_LOCAL_RANK``)."""
+        return self._worker.env.local_rank
 
     def barrier(self) -> None:
         """Block until every worker reached the barrier.
@@ -193,7 +205,7 @@ class DistKVStore(KVStoreBase):
         if type(value) is np.ndarray and (self._sync or self._has_updater) and self._compression is None:
             target = self._whole_target(key, value)
             if target is not None:
-                handle = _NodeHandle("push", self._worker)
+                handle = NodeHandle("push", self._worker)
                 self._call(self._worker.push_part, target[0], target[1], value, priority, handle)
                 return handle
         return super().push(key, value, priority)
@@ -203,7 +215,7 @@ class DistKVStore(KVStoreBase):
         if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable:
             target = self._whole_target(key, out)
             if target is not None:
-                handle = _NodeHandle("pull", self._worker)
+                handle = NodeHandle("pull", self._worker)
                 self._call(self._worker.pull_part, target[0], target[1], out, priority, handle)
                 if wait:
                     handle.wait()
@@ -274,7 +286,7 @@ class DistKVStore(KVStoreBase):
                 flat = self._merge(key, values).reshape(-1)
             for part in lay.parts:
                 parts.append((part.server, part.id, flat[part.start:part.stop]))
-        handle = _NodeHandle("push", self._worker)
+        handle = NodeHandle("push", self._worker)
         self._call(self._worker.push, parts, priority, not fresh, handle)
         return handle
 
@@ -317,7 +329,7 @@ class DistKVStore(KVStoreBase):
                 copies.append((flat, outs))
             for part in lay.parts:
                 parts.append((part.server, part.id, flat[part.start:part.stop]))
-        handle = _NodeHandle("pull", self._worker)
+        handle = NodeHandle("pull", self._worker)
         if not copies:
             self._call(self._worker.pull, parts, priority, handle)
             return handle
