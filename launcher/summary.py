@@ -19,7 +19,8 @@ def print_summary(handles: "list[ProcessHandle]", stopped: set[int], failure, pr
     """Print the summary table on pslaunch's stderr (plain text when it is not a terminal)."""
     console = Console(file=printer.err, force_terminal=printer.colour, no_color=not printer.colour, width=120)
     job = handles[0].spec.env.get("PSLAUNCH_JOB_ID", "")
-    table = Table(title=f"pslaunch job {job}", title_justify="left", box=box.SIMPLE_HEAD if printer.colour else box.ASCII)
+    mode = " (allreduce: no servers)" if handles[0].spec.env.get("DMLC_NUM_SERVER") == "0" else ""
+    table = Table(title=f"pslaunch job {job}{mode}", title_justify="left", box=box.SIMPLE_HEAD if printer.colour else box.ASCII)
     for col in ("role", "rank", "host", "pid", "exit", "duration", "note"):
         table.add_column(col, justify="right" if col in ("rank", "pid", "duration") else "left")
     for h in handles:
