@@ -50,7 +50,7 @@ class AllreduceKVStore(KVStoreBase):
         self._worker = self._coll._worker
         self._stored: dict[Hashable, np.ndarray] = {}
         self._sums: dict[Hashable, np.ndarray] = {}  # key -> the buffer its pushes are summed in
-        self._pending: dict[Hashable, tuple[Handle, bool]] = {}  # key -> (its push in flight, apply it when done)
+        self._pending: dict[Hashable, _Push] = {}  # key -> its push in flight
         self._lock = threading.Lock()
         self.fusion_bytes = 1 << 20
         """Keys of one push smaller than this travel together (0: every key alone)."""
@@ -87,8 +87,8 @@ class AllreduceKVStore(KVStoreBase):
 
     def close(self) -> None:
         """Finish this worker's part of the job (also done at exit)."""
-        for key in list(self._pending):
-            self._settle(key)
+        while self._pending:
+            self._settle(next(iter(self._pending)))
         with runtime_errors():
             self._worker.close()
 
@@ -108,49 +108,69 @@ class AllreduceKVStore(KVStoreBase):
             raise NotImplementedError(
                 f"the allreduce store cannot push with gradient compression (key {groups[0][0]!r}); push without "
                 "set_gradient_compression")
-        keys, sums = [], []
+        keys, sources, sums = [], [], []
+        pending, all_sums, meta = self._pending, self._sums, self._meta
         for key, values in groups:
-            self._settle(key)
-            total = self._sums.get(key)
-            meta = self._meta[key]
+            if key in pending:
+                self._settle(key)
+            total = all_sums.get(key)
             if total is None:
-                total = self._sums[key] = np.empty(meta.shape, meta.dtype)
-            np.copyto(total, arrays.asnumpy(values[0]))
-            for value in values[1:]:
-                total += arrays.asnumpy(value)
+                info = meta[key]
+                total = all_sums[key] = np.empty(info.shape, info.dtype)
+            if len(values) == 1 and type(values[0]) is np.ndarray:
+                source = values[0]  # copied into the sum (or the fused buffer) before push returns
+            else:  # this worker's values are summed first, on the host
+                np.copyto(total, arrays.asnumpy(values[0]))
+                for value in values[1:]:
+                    total += arrays.asnumpy(value)
+                source = total
             keys.append(key)
+            sources.append(source)
             sums.append(total)
-        return self._launch(keys, sums, sums, apply=True)
+        return self._launch(keys, sources, sums, apply=True)
 
     def _launch(self, keys: list[Hashable], values: list[np.ndarray], outs: list[Any], apply: bool) -> Handle:
         """Sum ``values`` into ``outs`` over every worker; each key's pending push until done."""
         futures = self._coll.allreduce_arrays(values, outs, ("kv", tuple(keys)), self.fusion_bytes)
         handle = _joined(futures, self._worker, "push", None)
+        push = _Push(handle, keys if apply else [])
+        pending = self._pending
         for key in keys:
-            self._pending[key] = (handle, apply)
+            pending[key] = push
         return handle
 
     def _settle(self, key: Hashable) -> None:
-        """Wait for ``key``'s push in flight and apply it (the updater or a copy), on this thread."""
-        pending = self._pending.pop(key, None)
-        if pending is None:
+        """Wait for ``key``'s push in flight and apply it, with the other keys it carried (the
+        updater, or the sum becomes the stored value), on this thread."""
+        push = self._pending.get(key)
+        if push is None:
             return
-        handle, apply = pending
-        handle.wait()
-        if not apply:
-            return
-        stored, total = self._stored[key], self._sums[key]
-        if self._updater is None:
-            np.copyto(stored, total)
-        else:
-            self._updater(key, total, stored)
+        try:
+            push.handle.wait()
+        finally:
+            pending = self._pending
+            for k in push.keys or [key]:
+                if pending.get(k) is push:
+                    del pending[k]
+        stored, sums, updater = self._stored, self._sums, self._updater
+        for k in push.keys:
+            if updater is None:  # the sum buffer becomes the stored value; the old one sums the next push
+                stored[k], sums[k] = sums[k], stored[k]
+            else:
+                updater(k, sums[k], stored[k])
+        push.keys = []
 
     def _pull_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+        pending, all_stored = self._pending, self._stored
         for key, outs in groups:
-            self._settle(key)
-            stored = self._stored[key]
+            if key in pending:
+                self._settle(key)
+            stored = all_stored[key]
             for out in outs:
-                arrays.copy_into(out, stored)
+                if type(out) is np.ndarray:
+                    np.copyto(out, stored)
+                else:
+                    arrays.copy_into(out, stored)
         return completed(description="pull")
 
     def _pull_rows(self, requests: list[tuple[Hashable, np.ndarray]], priority: int) -> list[Any]:
@@ -205,8 +225,9 @@ class AllreduceKVStore(KVStoreBase):
                         arrays.copy_into(target, o)
 
         done = _joined([handle], self._worker, "pushpull", None, then=finish)
+        push = _Push(done, [])
         for k in keys:
-            self._pending[k] = (done, False)
+            self._pending[k] = push
         if wait:
             done.wait()
         return done
@@ -215,6 +236,17 @@ class AllreduceKVStore(KVStoreBase):
         """Initialise ``key`` with worker 0's ``value`` and pull it into ``out`` (MXNet 2's broadcast)."""
         self.init(key, value)
         self.pull(key, out=out, priority=priority)
+
+
+class _Push:
+    """A push in flight: its handle, and the keys whose sums it applies once done (none: pushpull,
+    which writes the stored values itself)."""
+
+    __slots__ = ("handle", "keys")
+
+    def __init__(self, handle: Handle, keys: list[Hashable]) -> None:
+        self.handle = handle
+        self.keys = keys
 
 
 def _groups(store: KVStoreBase, key: Any, value: Any, what: str = "value") -> list[tuple[Hashable, list[Any]]]:

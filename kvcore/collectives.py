@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from psnode.collectives.fusion import DEFAULT_LIMIT, FusionBuffer, plan
+from psnode.errors import PSNodeError
 
 from . import arrays
 from .dist_errors import runtime_errors, translate
@@ -94,6 +95,18 @@ class Collectives:
             ValueError: ``out`` unlike ``value``.
             NodeDiedError, WorkerMismatchError, DistributedError: see the module docstring.
         """
+        if not average and type(value) is not list and type(value) is not tuple and type(out) is not list:
+            # one array: straight to the engine, one handle (the latency-bound case)
+            handle = NodeHandle("allreduce", self._worker)
+            try:
+                self._engine.allreduce(("allreduce", 0, 1) if key is None else ("allreduce", key, 0, 1), value,
+                                       None if out is value else out, future=handle)
+            except PSNodeError as exc:
+                raise translate(exc) from exc
+            if not wait:
+                return _Result(handle, value if out is None else out)
+            handle.wait()
+            return value if out is None else out
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         outs = values if out is None else (list(out) if isinstance(out, (list, tuple)) else [out])
         if len(outs) != len(values):
@@ -134,12 +147,12 @@ class Collectives:
     def _fused_allreduce(self, key: Any, values: list[Any], outs: list[Any]) -> concurrent.futures.Future:
         """Pack ``values`` into the group's buffer, sum it, and copy the sums out into ``outs``."""
         dtype = np.dtype(values[0].dtype)
-        sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in values]
-        slot = (key, dtype.str, tuple(sizes))
+        sizes = tuple([v.size for v in values])
+        slot = (key, dtype.str, sizes)
         fused = self._fused.get(slot)
         if fused is None:
             fused = self._fused[slot] = FusionBuffer(dtype, sizes)
-        fused.pack([arrays.asnumpy(v) for v in values])
+        fused.pack(values)
         inner = NodeHandle("allreduce", self._worker)
         with runtime_errors():
             self._engine.allreduce(key, fused.buffer, future=inner)
@@ -149,8 +162,7 @@ class Collectives:
             error = finished.exception()
             if error is None:
                 try:
-                    for i, o in enumerate(outs):
-                        arrays.copy_into(o, fused.part(i).reshape(o.shape))
+                    fused.unpack(outs)
                 except Exception as exc:  # a failed copy (a GPU out) goes to the waiter
                     error = exc
             if error is None:
@@ -230,6 +242,27 @@ class Collectives:
         for fused, members in fused_groups:
             for j, i in enumerate(members):
                 np.copyto(values[i], fused.part(j).reshape(values[i].shape))
+
+
+class _Result(Handle):
+    """The handle of a one-array allreduce: done with its inner handle, whose result is the array."""
+
+    def __init__(self, inner: Handle, result: Any) -> None:
+        super().__init__("allreduce")
+        self._inner = inner
+        self._value = result
+        inner.add_done_callback(self._done)
+
+    def _done(self, inner: Handle) -> None:
+        error = inner.exception()
+        if error is None:
+            self.set_result(self._value)
+        else:
+            self.set_exception(error)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        self._inner.wait(timeout)  # receives on this thread
+        return super().wait(timeout)
 
 
 def _scale(array: Any, factor: float) -> None:

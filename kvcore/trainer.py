@@ -50,6 +50,8 @@ class Parameter:
 
     def __init__(self, name: str, data: Any, grad: GradSource = None) -> None:
         self.name = str(name)
+        self.source: Any = None
+        """The framework tensor this parameter views (PyTorch), whose gradient hooks the Trainer uses."""
         self._data = _as_list(data)
         if not self._data:
             raise ValueError(f"parameter {self.name!r} has no data arrays")
@@ -102,6 +104,10 @@ class Trainer:
             store does (a distributed store fails on its own when a peer dies).
         coalesce_bytes: parameters smaller than this travel together, up to this many bytes per
             call (see below).
+        overlap: with PyTorch parameters, send each group's gradients as soon as backprop has
+            produced all of them (from the second step on), as DDP's buckets do, so that sending
+            overlaps the rest of the backward pass; ``step`` then sends what is left and waits.
+            One backward pass per step: for gradient accumulation over several, pass False.
 
     Keys in the store are the parameter names. Parameter ``i`` is pushed and pulled with priority
     ``-i``, as in MXNet: the first layers' weights, needed first by the next forward pass, go first.
@@ -110,6 +116,11 @@ class Trainer:
     messages per step instead of one per tensor. ``coalesce_bytes=0`` sends every parameter alone.
     The store's keys are initialised by ``sync_params`` or the first ``step`` (in a distributed
     store rank 0's values win and every worker pulls them).
+
+    With a store whose workers sum among themselves (``allreduce``) and the optimizer run here
+    (``update_on_kvstore=False``, its default there), gradients are summed in place through the
+    store's collectives (``kvcore.collectives``): no copy into the store and back, and
+    ``sync_params`` broadcasts worker 0's weights.
 
     Not thread-safe.
     """
@@ -125,6 +136,7 @@ class Trainer:
         scale: float = 1.0,
         timeout: float | None = None,
         coalesce_bytes: int = 1 << 20,
+        overlap: bool = True,
     ) -> None:
         self._params = _normalise_params(params)
         self._groups = _plan_groups(self._params, int(coalesce_bytes))
@@ -151,6 +163,10 @@ class Trainer:
         self._timeout = timeout
         self._params_synced = False
         self._store_rescale: float | None = None  # rescale_grad the store's optimizer was shipped with
+        self._coll = None if self._update_on_kvstore else kvstore.collectives
+        self._coalesce = int(coalesce_bytes)
+        self._group_of = {i: g for g, (indices, _) in enumerate(self._groups) for i in indices}
+        self._hand_off = _HandOff(self) if overlap else None
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -187,6 +203,10 @@ class Trainer:
         """
         if self._params_synced:
             return
+        if self._coll is not None:
+            self._coll.broadcast_parameters(self._params, root=0)
+            self._params_synced = True
+            return
         names = [p.name for p in self._params]
         self._kv.init(names, [p.list_data()[0] for p in self._params])
         self._wait_all(self._pull_groups([p.list_data() for p in self._params]))
@@ -213,13 +233,17 @@ class Trainer:
                 checked before anything is pushed, so the weights stay as they were.
             KVStoreError: from the store.
         """
+        sent = self._hand_off.take(grads is not None) if self._hand_off is not None else {}
         grad_lists = self._gather_grads(grads)
         self._prepare(batch_size)
-        self._push_groups(grad_lists)
+        handles = self._send_groups(grad_lists, sent)
+        if self._hand_off is not None:
+            self._hand_off.arm()
         if self._update_on_kvstore:
             self._wait_all(self._pull_groups([p.list_data() for p in self._params]))
             return
-        handles = self._pull_groups(grad_lists)
+        if self._coll is None:
+            handles = self._pull_groups(grad_lists)
         for (indices, _), handle in zip(self._groups, handles):
             handle.wait(self._timeout)  # update these layers while later layers' sums still arrive
             for i in indices:
@@ -234,9 +258,10 @@ class Trainer:
         self._require_local_update("allreduce_grads")
         if not self._params_synced:
             self.sync_params()
+        sent = self._hand_off.take(grads is not None) if self._hand_off is not None else {}
         grad_lists = self._gather_grads(grads)
-        self._push_groups(grad_lists)
-        self._wait_all(self._pull_groups(grad_lists))
+        handles = self._send_groups(grad_lists, sent)
+        self._wait_all(handles if self._coll is not None else self._pull_groups(grad_lists))
         return grad_lists
 
     def update(self, batch_size: int, grads: Any = None) -> None:
@@ -271,11 +296,37 @@ class Trainer:
                 "(drop the last partial batch) or use update_on_kvstore=False"
             )
 
-    def _push_groups(self, value_lists: list[list[Any]]) -> None:
-        """Push each parameter's list of values (one per replica), group by group."""
-        for indices, priority in self._groups:
-            self._kv.push([self._params[i].name for i in indices], [value_lists[i] for i in indices],
-                          priority=priority)
+    def _send_groups(self, grad_lists: list[list[Any]], sent: dict[int, Any]) -> list[Any]:
+        """Send every group's gradients that the hand-off has not sent yet; one handle per group
+        (the sum's, through collectives; the push's, through the store)."""
+        return [sent[g] if g in sent else self._send_group(g, grad_lists) for g in range(len(self._groups))]
+
+    def _send_group(self, g: int, grad_lists: list[list[Any]]) -> Any:
+        """Send group ``g``'s gradients: sum them in place over every device and worker through the
+        collectives, or push them to the store."""
+        indices, priority = self._groups[g]
+        if self._coll is None:
+            return self._kv.push([self._params[i].name for i in indices], [grad_lists[i] for i in indices],
+                                 priority=priority)
+        firsts = []
+        for i in indices:  # this worker's replicas are summed into the first one
+            first = grad_lists[i][0]
+            for other in grad_lists[i][1:]:
+                with arrays.device_context(arrays.device_of(first)):
+                    first += other if arrays.device_of(other) == arrays.device_of(first) else \
+                        arrays.to_device(other, arrays.device_of(first))
+            firsts.append(first)
+        futures = self._coll.allreduce_arrays(firsts, firsts, ("trainer", g), max(1, self._coalesce))
+        copies = [(grad_lists[i][0], grad_lists[i][1:]) for i in indices if len(grad_lists[i]) > 1]
+
+        def to_replicas() -> None:
+            for first, others in copies:
+                for other in others:
+                    arrays.copy_into(other, first)
+
+        from .collectives import _joined
+
+        return _joined(futures, self._coll._worker, "allreduce", None, then=to_replicas if copies else None)
 
     def _pull_groups(self, out_lists: list[list[Any]]) -> list[Any]:
         """Start pulling each parameter's stored value into its outs; return one handle per group."""
@@ -370,6 +421,86 @@ class Trainer:
             f"Trainer({len(self._params)} params, {self._optimizer!r}, kvstore={self._kv.type!r}, "
             f"update_on_kvstore={self._update_on_kvstore})"
         )
+
+
+class _HandOff:
+    """Sends a group's gradients from PyTorch's gradient hooks, as soon as backprop produced them all.
+
+    Armed after the first step (keys initialised, optimizer set); each step takes what was sent
+    (``take``) and arms it again. A gradient produced twice in one step (two backward passes) is
+    refused at the next ``step``: it may have been sent half-summed.
+    """
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+        self.armed = False
+        self.watched = False
+        self.sent: dict[int, Any] = {}
+        self.seen: set[int] = set()
+        self.left = [len(indices) for indices, _ in trainer._groups]
+        self.error: BaseException | None = None
+        self.twice: str | None = None
+
+    def arm(self) -> None:
+        """Start a step: hooks send groups from now on."""
+        trainer = self.trainer
+        if not self.watched:
+            sources = [p.source for p in trainer._params]
+            if not any(s is not None for s in sources):
+                return
+            from .torch_adapter import watch_gradients
+
+            watch_gradients(sources, self.ready)
+            self.watched = True
+        self.sent = {}
+        self.seen = set()
+        self.left = [len(indices) for indices, _ in trainer._groups]
+        self.armed = True
+
+    def ready(self, i: int) -> None:
+        """Parameter ``i``'s gradient is complete (a hook, on the thread that runs backward)."""
+        if not self.armed:
+            return
+        trainer = self.trainer
+        if i in self.seen:
+            self.twice = trainer._params[i].name
+            return
+        self.seen.add(i)
+        g = trainer._group_of[i]
+        self.left[g] -= 1
+        if self.left[g] or self.error is not None:
+            return
+        try:
+            indices = trainer._groups[g][0]
+            grads: list[list[Any]] = [[]] * len(trainer._params)
+            for j in indices:
+                grads[j] = [_from_framework(a, trainer._params[j].name) for a in trainer._params[j].list_grad() or []]
+                if not grads[j]:
+                    return  # no gradient after all: step sends the group (and names the parameter)
+            self.sent[g] = trainer._send_group(g, grads)
+        except Exception as exc:  # raised at step(), not inside PyTorch's backward
+            self.error = exc
+
+    def take(self, explicit: bool) -> dict[int, Any]:
+        """What the hooks sent this step (disarmed until ``arm``).
+
+        Raises:
+            ValueError: gradients were sent and ``step`` was given others, or a gradient came twice.
+        """
+        sent, self.armed = self.sent, False
+        self.sent = {}
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        if self.twice is not None:
+            name, self.twice = self.twice, None
+            raise ValueError(
+                f"parameter {name!r} got a gradient twice before step() (two backward passes), but its group "
+                "was already sent after the first; create the Trainer with overlap=False to accumulate gradients")
+        if sent and explicit:
+            raise ValueError("step() was given gradients, but the parameters' own were already sent as backprop "
+                             "produced them; call step() without grads, or create the Trainer with overlap=False")
+        return sent
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -121,12 +121,12 @@ class Op(abc.ABC):
         self.tag = tag
         self.desc = desc
         self.label = label
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.future: Any = None  # the engine gives the caller's future, or a new one
         self.lock = threading.RLock()
         self.finished = False  # no more messages expected (the engine forgets the op)
         self.trackers: list[Any] = []  # zero-copy sends still leaving
         self.started = time.monotonic()
-        self._seen: set[tuple[int, int, int, int]] = set()  # (src, kind, step, segment): no message counts twice
+        self._seen: set[tuple[int, int, int, int]] | None = None  # (src, kind, step, segment): none counts twice
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -156,7 +156,9 @@ class Op(abc.ABC):
             ProtocolError: the same (sender, kind, step, segment) came before.
         """
         mark = (src, record.kind, record.step, record.segment)
-        if mark in self._seen:
+        if self._seen is None:
+            self._seen = set()
+        elif mark in self._seen:
             raise ProtocolError(f"worker {src} sent segment {record.segment} of step {record.step} of "
                                 f"{self.describe()} twice")
         self._seen.add(mark)

@@ -18,6 +18,8 @@ from .wire import Desc, Kind, Record
 
 __all__ = ["DirectAllreduce"]
 
+_DIRECT = int(Kind.DIRECT)
+
 
 class DirectAllreduce(Op):
     """Sum ``buf`` (flat) over every worker, in place (see the module docstring)."""
@@ -43,16 +45,16 @@ class DirectAllreduce(Op):
         self.parts[me] = np.frombuffer(payload, self.desc.dtype)
 
     def on_message(self, src: int, record: Record, data: Any) -> None:
-        if record.kind != Kind.DIRECT or record.offset != 0 or record.count != self.desc.total or src in self.parts:
+        if record.kind != _DIRECT or record.offset or record.count != self.desc.total or src in self.parts:
             raise ProtocolError(f"worker {src} sent an unexpected message (kind {record.kind}, elements "
                                 f"{record.offset}+{record.count}) for {self.describe()}")
         self.parts[src] = np.frombuffer(data, self.desc.dtype, record.count)
         if len(self.parts) < self.engine.size:
             return
-        buf = self.buf
-        np.copyto(buf, self.parts[0])
-        for rank in range(1, self.engine.size):
-            np.add(buf, self.parts[rank], out=buf)
+        buf, parts = self.buf, self.parts
+        np.add(parts[0], parts[1], out=buf)
+        for rank in range(2, self.engine.size):
+            np.add(buf, parts[rank], out=buf)
         self.parts.clear()
         self.finished = True
         self.complete()

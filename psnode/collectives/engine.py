@@ -41,6 +41,7 @@ from .. import devices
 from ..errors import ClosedError, MismatchError, NodeTimeoutError, PeerDiedError, ProtocolError, PSNodeError
 from ..log import logger
 from ..membership import PeerInfo, endpoint_of
+from ..node import is_done
 from . import wire
 from .base import Op, Tag, Topology, algorithm, choose
 from .wire import Desc, Kind, Record
@@ -57,10 +58,19 @@ _FLAG_MISMATCH = 1  # an ERROR's flags: the op failed because workers disagree o
 _FLAG_PROTOCOL = 2  # or because a worker sent a malformed message
 
 
+_KEY_IDS: dict[Any, int] = {}
+_KEY_IDS_MAX = 100_000  # ids kept for keys seen before (a hash is a few microseconds)
+
+
 def key_id_of(key: Any) -> int:
     """A 64-bit id of ``key`` (str, int, bytes or a tuple of those), the same in every process."""
-    digest = hashlib.blake2b(repr(_canonical(key)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    key_id = _KEY_IDS.get(key)
+    if key_id is None or type(key) is bool:
+        digest = hashlib.blake2b(repr(_canonical(key)).encode(), digest_size=8).digest()
+        key_id = int.from_bytes(digest, "little")
+        if len(_KEY_IDS) < _KEY_IDS_MAX:
+            _KEY_IDS[key] = key_id
+    return key_id
 
 
 def _canonical(key: Any) -> Any:
@@ -96,9 +106,11 @@ class Engine:
         self._completing: list[Op] = []
         self._helper: threading.Thread | None = None
         self._stop = threading.Event()
+        self._sending = threading.Event()  # an op waits for its tracked sends
         self._warned: set[Tag] = set()
         self._shared: Any = None
         self._gpu: Any = None
+        self._choice: dict[Desc, Any] = {}  # the algorithm chosen for each value's description
 
     # ---- facts -----------------------------------------------------------------------------------
     @property
@@ -153,17 +165,21 @@ class Engine:
         """
         if type(array) is not np.ndarray and devices.device_of(array).is_gpu:
             return self.gpu.allreduce(key, array, out, label, future, after)
-        desc = Desc(array.dtype, array.shape)  # refuses an unsupported dtype here, on the caller's thread
-        if out is not None and (tuple(out.shape) != desc.shape or np.dtype(out.dtype) != desc.dtype):
+        desc = describe(array)  # refuses an unsupported dtype here, on the caller's thread
+        if out is not None and (out.shape != array.shape or out.dtype != desc.dtype):
             raise ValueError(f"allreduce of {desc} into an out of {np.dtype(out.dtype).name} of shape {tuple(out.shape)}")
         target = array if out is None else out
         usable = target.flags.c_contiguous and target.flags.writeable
         buf = target.reshape(-1) if usable else np.empty(desc.total, desc.dtype)
         if not (usable and target is array):
             np.copyto(buf.reshape(desc.shape), array)
-        name = algorithm_name or choose(desc.total * desc.dtype.itemsize, self.topology)
-        factory = algorithm(name)
-        future = self._submit(key, lambda tag: factory(self, tag, desc, label or f"allreduce of key {key!r}", buf),
+        if algorithm_name is None:
+            factory = self._choice.get(desc)
+            if factory is None:
+                factory = self._choice[desc] = algorithm(choose(desc.nbytes, self.topology))
+        else:
+            factory = algorithm(algorithm_name)
+        future = self._submit(key, lambda tag: factory(self, tag, desc, label or _Label("allreduce", key), buf),
                               future, after)
         if not usable:
             future.add_done_callback(lambda f: f.exception() is None and np.copyto(target, buf.reshape(desc.shape)))
@@ -174,12 +190,12 @@ class Engine:
         """Copy worker ``root``'s ``array`` into every worker's ``array`` (C-contiguous, writable); at once."""
         from .gather import Broadcast
 
-        desc = Desc(array.dtype, array.shape)
+        desc = describe(array)
         if not (array.flags.c_contiguous and array.flags.writeable):
             raise ValueError("broadcast needs a C-contiguous, writable array")
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast from worker {root}, but the job has workers 0..{self.size - 1}")
-        return self._submit(key, lambda tag: Broadcast(self, tag, desc, label or f"broadcast of key {key!r}",
+        return self._submit(key, lambda tag: Broadcast(self, tag, desc, label or _Label("broadcast", key),
                                                        array.reshape(-1), root), future, after)
 
     def allgather(self, key: Any, array: np.ndarray, out: np.ndarray, label: str | None = None,
@@ -187,29 +203,33 @@ class Engine:
         """Gather every worker's ``array`` into ``out[rank]`` (``out``: shape ``(workers,) + array.shape``)."""
         from .gather import Allgather
 
-        desc = Desc(array.dtype, array.shape)
+        desc = describe(array)
         if tuple(out.shape) != (self.size,) + desc.shape or np.dtype(out.dtype) != desc.dtype or not out.flags.c_contiguous:
             raise ValueError(f"allgather of {desc} over {self.size} workers needs a C-contiguous out of shape "
                              f"{(self.size,) + desc.shape}, got {np.dtype(out.dtype).name} of shape {tuple(out.shape)}")
         out[self.rank] = array
         flat = out.reshape(self.size, -1)
-        return self._submit(key, lambda tag: Allgather(self, tag, desc, label or f"allgather of key {key!r}", flat),
+        return self._submit(key, lambda tag: Allgather(self, tag, desc, label or _Label("allgather", key), flat),
                             future)
 
     # ---- ops in flight ---------------------------------------------------------------------------------
     def _submit(self, key: Any, make: Callable[[Tag], Op], future: Any = None, after: Sequence[Any] = ()) -> Any:
         """Give the op the key's next version and start it once the key's previous op (and ``after``) is done."""
-        self._check()
-        tag = self.next_tag(key)
-        key_id = tag[0]
+        if self.failure is not None:
+            raise self.failure
+        key_id = key_id_of(key)
         with self._lock:
-            op = make(tag)
-            if future is not None:
-                op.future = future
+            version = self.versions.get(key_id, 0)
+            self.versions[key_id] = version + 1
+            op = make((key_id, version))
+            op.future = future if future is not None else concurrent.futures.Future()
             previous = self.last.get(key_id)
-            self.last[key_id] = op.future
-        op.future.add_done_callback(lambda f, k=key_id: self._forget_last(k, f))
-        waits = [f for f in ([previous] if previous is not None else []) + list(after) if not f.done()]
+            self.last[key_id] = op.future  # one entry per key: the latest op's future
+        if previous is not None and is_done(previous):
+            previous = None
+        waits = [previous] if previous is not None else []
+        if after:
+            waits += [f for f in after if not is_done(f)]
         if not waits:
             self._start(op)
             return op.future
@@ -235,21 +255,18 @@ class Engine:
             self.versions[key_id] = version + 1
         return key_id, version
 
-    def _forget_last(self, key_id: int, future: concurrent.futures.Future) -> None:
-        with self._lock:
-            if self.last.get(key_id) is future:
-                del self.last[key_id]
-
     def _start(self, op: Op) -> None:
-        self._ensure_helper()
+        if self._helper is None:
+            self._ensure_helper()
         with op.lock:
             with self._lock:
                 failure = self.failure
-                told = self.told.pop(op.tag, None)
-                early = self.early.pop(op.tag, [])
-                for _, _, data in early:
-                    self.early_bytes -= 0 if data is None else len(data)
-                self.early_messages -= len(early)
+                told = self.told.pop(op.tag, None) if self.told else None
+                early = self.early.pop(op.tag, None) if self.early else None
+                if early:
+                    for _, _, data in early:
+                        self.early_bytes -= 0 if data is None else len(data)
+                    self.early_messages -= len(early)
                 if failure is None and told is None:
                     self.ops[op.tag] = op
             if failure is not None:
@@ -261,7 +278,7 @@ class Engine:
                 return
             try:
                 op.start()
-                for src, record, data in early:
+                for src, record, data in early or ():
                     if op.finished:
                         break
                     self._feed(op, src, record, data)
@@ -274,7 +291,7 @@ class Engine:
     def on_message(self, peer: PeerInfo, key_id: int, version: int, frames: list) -> None:
         """Take one ``COLL`` message of worker ``peer`` (the receiving thread)."""
         tag = (key_id, version)
-        if peer.role != "worker" or not 0 <= peer.rank < self.size:
+        if peer.role != "worker" or not 0 <= peer.rank < len(self.conn.members.workers):
             self._malformed(peer, f"a collective message from {peer.describe()}, not a worker of the job")
             return
         src = peer.rank
@@ -313,7 +330,9 @@ class Engine:
             error = _told_error(bytes(data).decode(errors="replace"), record.flags)
             self.abort(op, error, tell=False)
             return
-        why = op.desc.mismatch(record)
+        desc = op.desc
+        why = None if (record.dtype == desc.code and record.total == desc.total and record.shape == desc.crc) \
+            else desc.mismatch(record)
         if why is not None:
             self.abort(op, MismatchError(
                 f"{op.describe()}: worker {src} passed {why}, but worker {self.rank} passed {op.desc}; "
@@ -368,12 +387,14 @@ class Engine:
 
     def complete(self, op: Op) -> None:
         """Complete ``op``'s future now, or once its tracked sends have left (the helper thread)."""
-        op.trackers = [t for t in op.trackers if not t.done]
+        if op.trackers:
+            op.trackers = [t for t in op.trackers if not t.done]
         if not op.trackers:
             _set_result(op.future)
             return
         with self._lock:
             self._completing.append(op)
+        self._sending.set()
 
     def abort(self, op: Op, error: PSNodeError, tell: bool = True) -> None:
         """Fail ``op`` here and, with ``tell``, on every other worker."""
@@ -407,6 +428,7 @@ class Engine:
         if self._gpu is not None:
             self._gpu.fail_all(error)
         self._stop.set()
+        self._sending.set()
 
     def peer_left(self, rank: int, description: str) -> None:
         """Worker ``rank`` finished the job: ops still waiting for it fail after ``LEFT_GRACE``."""
@@ -437,6 +459,7 @@ class Engine:
     def close(self) -> None:
         """Stop the helper thread and the GPU launcher (the worker is closing)."""
         self._stop.set()
+        self._sending.set()
         if self._gpu is not None:
             self._gpu.close()
 
@@ -450,25 +473,49 @@ class Engine:
                     self._helper.start()
 
     def _run_helper(self) -> None:
-        while not self._stop.wait(_TICK):
+        next_check = 0.0
+        while not self._stop.is_set():
             try:
-                self._complete_sent()
-                self._fail_left()
-                self._warn_stalled()
+                if not self._wait_sent():
+                    self._sending.wait(_TICK)
+                    self._sending.clear()
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + _TICK
+                    self._fail_left()
+                    self._warn_stalled()
             except Exception as exc:  # never die silently: the ops it watches would wait forever
                 self.conn.failure.fail(PSNodeError(f"worker {self.rank}'s collectives helper failed: "
                                                    f"{type(exc).__name__}: {exc}"))
                 return
 
-    def _complete_sent(self) -> None:
+    def _wait_sent(self) -> bool:
+        """Wait a moment for the first op's tracked sends; complete every op whose sends all left.
+
+        Returns False when no op waits for its sends. A completed future is seen at once by a
+        caller that receives in a poll: the transport is woken.
+        """
+        with self._lock:
+            if not self._completing:
+                return False
+            first = self._completing[0]
+        for tracker in first.trackers:
+            if not tracker.done:
+                try:
+                    tracker.wait(_TICK)  # returns as soon as the transport let go of the frame
+                except Exception:  # not done within the tick (ZeroMQ's NotDone): look again
+                    pass
+                break
         with self._lock:
             ready = [op for op in self._completing if all(t.done for t in op.trackers)]
-            if not ready:
-                return
-            self._completing = [op for op in self._completing if op not in ready]
+            if ready:
+                self._completing = [op for op in self._completing if op not in ready]
         for op in ready:
             op.trackers = []
             _set_result(op.future)
+        if ready:
+            self.conn.transport.wake()
+        return True
 
     def _fail_left(self) -> None:
         if not self.left:
@@ -509,6 +556,39 @@ class Engine:
                 if self._gpu is None:
                     self._gpu = GpuCollectives(self)
         return self._gpu
+
+
+class _Label:
+    """``allreduce of key 'w'``, written only when an error or a warning needs it."""
+
+    __slots__ = ("what", "key")
+
+    def __init__(self, what: str, key: Any) -> None:
+        self.what = what
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"{self.what} of key {self.key!r}"
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
+_DESCS: dict[tuple[Any, tuple[int, ...]], Desc] = {}
+
+
+def describe(array: Any) -> Desc:
+    """``array``'s ``Desc`` (kept for shapes seen before: a collective's hot path).
+
+    Raises:
+        TypeError: a dtype collectives do not sum.
+    """
+    slot = (array.dtype, array.shape)
+    desc = _DESCS.get(slot)
+    if desc is None:
+        desc = Desc(array.dtype, array.shape)
+        if len(_DESCS) < 10_000:
+            _DESCS[slot] = desc
+    return desc
 
 
 def _told_error(text: str, flags: int) -> PSNodeError:

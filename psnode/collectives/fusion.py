@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import devices
+
 __all__ = ["plan", "FusionBuffer", "DEFAULT_LIMIT"]
 
 DEFAULT_LIMIT = 4 << 20
@@ -62,8 +64,19 @@ class FusionBuffer:
         """The flat view of value ``i`` in the buffer."""
         return self.buffer[self.offsets[i]:self.offsets[i + 1]]
 
-    def pack(self, values: Sequence[np.ndarray]) -> np.ndarray:
-        """Copy ``values`` (host arrays of the layout's sizes, any shape) in; the buffer."""
-        for i, value in enumerate(values):
-            np.copyto(self.part(i), value.reshape(-1) if value.flags.c_contiguous else np.ravel(value))
+    def pack(self, values: Sequence[Any]) -> np.ndarray:
+        """Copy ``values`` (arrays of the layout's sizes, any shape; device arrays are downloaded) in;
+        the buffer."""
+        flat = [v.reshape(-1) if type(v) is np.ndarray else np.ravel(devices.asnumpy(v)) for v in values]
+        np.concatenate(flat, out=self.buffer)
         return self.buffer
+
+    def unpack(self, outs: Sequence[Any]) -> None:
+        """Copy the buffer's parts out into ``outs`` (arrays of the layout's sizes; device arrays too)."""
+        offsets, buffer = self.offsets, self.buffer
+        for i, out in enumerate(outs):
+            part = buffer[offsets[i]:offsets[i + 1]]
+            if type(out) is np.ndarray:
+                np.copyto(out, part.reshape(out.shape))
+            else:
+                devices.copy_into(out, part.reshape(out.shape))

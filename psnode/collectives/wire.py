@@ -29,8 +29,7 @@ from __future__ import annotations
 import enum
 import struct
 import zlib
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -41,6 +40,8 @@ __all__ = ["RECORD", "Kind", "Record", "Desc", "DTYPES", "dtype_code", "dtype_of
            "MAX_ERROR"]
 
 RECORD = struct.Struct("<HBBIIIQQQQ")
+_RECORD_SIZE = RECORD.size
+_unpack_record = RECORD.unpack
 MAX_ERROR = 4096
 
 
@@ -60,12 +61,15 @@ class Kind(enum.IntEnum):
 
 
 _KINDS = frozenset(int(k) for k in Kind)
+_ERROR = int(Kind.ERROR)
 
 DTYPES = [np.dtype(n) for n in ("float16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32",
                                  "uint32", "int64", "uint64")]
 """The dtypes a collective sums, by wire code (index + 1)."""
 
 _CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
+_NDTYPES = len(DTYPES)
+_ITEMSIZES = [0] + [d.itemsize for d in DTYPES]
 
 
 def dtype_code(dtype: Any) -> int:
@@ -136,8 +140,7 @@ class Desc:
         return f"{self.dtype.name} of shape {self.shape}"
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(NamedTuple):
     """One message's record (see the module docstring)."""
 
     kind: int
@@ -150,6 +153,9 @@ class Record:
     offset: int
     count: int
     aux: int
+
+
+_make_record = Record._make
 
 
 def pack(key_id: int, version: int, kind: int, desc: Desc, step: int = 0, segment: int = 0, offset: int = 0,
@@ -169,19 +175,23 @@ def unpack(frames: list) -> tuple[Record, Any]:
     if len(frames) not in (2, 3):
         raise ProtocolError(f"a collective message of {len(frames)} frames, not 2 or 3")
     raw = frames[1].buffer if hasattr(frames[1], "buffer") else frames[1]
-    if len(raw) != RECORD.size:
+    if len(raw) != _RECORD_SIZE:
         raise ProtocolError(f"a collective record of {len(raw)} bytes, not {RECORD.size}")
-    record = Record(*RECORD.unpack(raw))
-    if record.kind not in _KINDS:
-        raise ProtocolError(f"a collective message of unknown kind {record.kind}")
+    record = _make_record(_unpack_record(raw))
+    kind = record.kind
+    if kind not in _KINDS:
+        raise ProtocolError(f"a collective message of unknown kind {kind}")
     data = None
     if len(frames) == 3:
         data = frames[2].buffer if hasattr(frames[2], "buffer") else memoryview(frames[2])
-    if record.kind == Kind.ERROR:
+    if kind == _ERROR:
         if data is None or len(data) > MAX_ERROR:
             raise ProtocolError("a collective error message without a sentence, or one too long")
         return record, data
-    itemsize = dtype_of(record.dtype).itemsize
+    code = record.dtype
+    if not 1 <= code <= _NDTYPES:
+        dtype_of(code)  # raises, naming it
+    itemsize = _ITEMSIZES[code]
     if record.offset + record.count > record.total:
         raise ProtocolError(f"a collective message with elements {record.offset}..{record.offset + record.count} "
                             f"of a collective of {record.total}")
