@@ -102,6 +102,7 @@ class Engine:
         self.left: dict[int, tuple[float, str]] = {}
         self.failure: BaseException | None = None
         self.malformed = 0
+        self.malformed_reason = ""  # the last dropped message's, for logs and tests
         self._connected: set[int] = set()
         self._completing: list[Op] = []
         self._helper: threading.Thread | None = None
@@ -367,6 +368,7 @@ class Engine:
 
     def _malformed(self, peer: PeerInfo, why: str) -> None:
         self.malformed += 1
+        self.malformed_reason = why
         logger.info("worker %d dropped a collective message from %s (%d so far): %s", self.rank, peer.describe(),
                     self.malformed, why)
 

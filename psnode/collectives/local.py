@@ -87,13 +87,14 @@ class SharedRegions:
             if not target.startswith(f"/memfd:{REGION_NAME}"):
                 raise ProtocolError(f"worker {src} named {path} ({target}), which is not a collectives region")
             with self._lock:
-                return self._maps.view(ref, nbytes)
+                view = self._maps.view(ref, nbytes)
+            if len(view) < nbytes:
+                raise ProtocolError(f"worker {src}'s shared-memory region {path} is smaller than {nbytes} bytes")
+            return view
         except OSError as exc:
             raise ProtocolError(
                 f"worker {src}'s shared-memory region {path} cannot be mapped here ({exc}); if this host does not "
                 "let processes map each other's memory, set PSLAUNCH_SAME_HOST=ipc") from exc
-        except ValueError as exc:
-            raise ProtocolError(f"worker {src}'s shared-memory region {path} is smaller than {nbytes} bytes") from exc
 
 
 class LocalPhase:
