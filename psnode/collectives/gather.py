@@ -1,7 +1,8 @@
 """Broadcast and allgather: values copied, not summed, one segment per message.
 
 ``Broadcast``: the root sends its value to every other worker in segments of ``base.SEGMENT``
-bytes; the others copy each segment into place as it comes. ``Allgather``: every worker sends its
+bytes; the others copy each segment into place as it comes and acknowledge the whole.
+``Allgather``: every worker sends its
 value to every other one the same way and each lands in its row of the result. Both run straight
 from the workers' arrays (tracked until sent) and finish once every segment expected arrived.
 """
@@ -34,7 +35,12 @@ def _check_segment(op: Op, src: int, record: Record, segments: list[tuple[int, i
 
 
 class Broadcast(Op):
-    """Copy worker ``root``'s ``buf`` (flat) into every worker's ``buf``."""
+    """Copy worker ``root``'s ``buf`` (flat) into every worker's ``buf``.
+
+    The others acknowledge once they hold the whole value; once all did, the root tells them (an
+    ``ACK`` of its own). So a broadcast ends on every worker only when every worker has the value,
+    and a worker that refuses it (another shape or dtype, another root) fails it everywhere.
+    """
 
     kind = "broadcast"
 
@@ -44,33 +50,55 @@ class Broadcast(Op):
         self.root = root
         self.segments = _segments(desc.total, desc.dtype.itemsize)
         self.remaining = len(self.segments)
+        self.unacked: set[int] = set()
+        self.everyone = False  # the root said every worker has the value
 
     def start(self) -> None:
         engine = self.engine
         if engine.rank == self.root:
-            for rank in range(engine.size):
-                if rank != self.root:
-                    for s, (a, b) in enumerate(self.segments):
-                        self.send(rank, Kind.BCAST, self.root, s, a, b - a, data=self.buf[a:b])
+            self.unacked = {r for r in range(engine.size) if r != self.root}
+            for rank in sorted(self.unacked):
+                for s, (a, b) in enumerate(self.segments):
+                    self.send(rank, Kind.BCAST, self.root, s, a, b - a, data=self.buf[a:b])
             self.remaining = 0
         self._check()
 
     def on_message(self, src: int, record: Record, data: Any) -> None:
+        root = self.engine.rank == self.root
+        if record.kind == Kind.ACK and (src in self.unacked if root else src == self.root and not self.remaining):
+            if root:
+                self.unacked.discard(src)
+            else:
+                self.everyone = True
+            self._check()
+            return
         if record.kind != Kind.BCAST or record.step != self.root or src != self.root:
             raise ProtocolError(f"worker {src} sent a broadcast from worker {record.step} for {self.describe()}, "
                                 f"which worker {self.engine.rank} expects from worker {self.root}")
         a, b = _check_segment(self, src, record, self.segments)
         np.copyto(self.buf[a:b], np.frombuffer(data, self.buf.dtype, b - a))
         self.remaining -= 1
-        self._check()
+        if self.remaining == 0:
+            self.send(self.root, Kind.ACK)
 
     def _check(self) -> None:
-        if self.remaining == 0 and not self.finished:
-            self.finished = True
-            self.complete()
+        if self.finished:
+            return
+        if self.engine.rank == self.root:
+            if self.unacked:
+                return
+            for rank in range(self.engine.size):
+                if rank != self.root:
+                    self.send(rank, Kind.ACK)
+        elif self.remaining or not self.everyone:
+            return
+        self.finished = True
+        self.complete()
 
     def waiting_for(self) -> set[int]:
-        return {self.root} if self.remaining else set()
+        if self.engine.rank == self.root:
+            return set(self.unacked)
+        return {self.root} if self.remaining or not self.everyone else set()
 
 
 class Allgather(Op):

@@ -58,6 +58,7 @@ class Kind(enum.IntEnum):
     GATHER = 8  # a segment of a worker's value for allgather
     ERROR = 9  # the collective failed: a sentence every worker raises
     GO = 10  # rank 0 launched this GPU collective: launch it next (``nccl``)
+    ACK = 11  # "I have the whole value" (to a broadcast's root)
 
 
 _KINDS = frozenset(int(k) for k in Kind)
