@@ -30,6 +30,16 @@ def test_local_plan_runs_bundled_runtime_for_scheduler_and_servers_and_py_comman
     assert all(p.on_launcher and p.cwd is None for p in plan.processes)
 
 
+def test_zero_servers_plans_the_scheduler_and_the_workers_and_dry_run_says_allreduce():
+    plan = make_plan(_config(num_workers=3, num_servers=0))
+    assert [p.role for p in plan.processes] == ["scheduler", "worker", "worker", "worker"]
+    assert all(p.env[ec.DMLC_NUM_SERVER] == "0" for p in plan.processes)
+    assert plan.by_role("scheduler")[0].env[ec.PSLAUNCH_LOCAL_SIZE] == "1"
+    text = format_plan(plan)
+    assert "0 server(s), 3 worker(s)" in text and "allreduce mode: no servers" in text
+    assert "allreduce mode" not in format_plan(make_plan(_config()))
+
+
 def test_command_for_all_roles_runs_the_user_command_everywhere():
     plan = make_plan(_config(command=("mytool", "a"), user_command_for_all_roles=True))
     assert {p.argv for p in plan.processes} == {("mytool", "a")}
@@ -121,7 +131,7 @@ def test_env_option_forms_and_errors_that_never_show_values():
 def test_config_rejects_bad_counts_naming_the_flag_and_value():
     with pytest.raises(ConfigError, match="-n/--num-workers must be >= 1, got 0"):
         _config(num_workers=0)
-    with pytest.raises(ConfigError, match="-s/--num-servers must be >= 1, got -1"):
+    with pytest.raises(ConfigError, match=r"-s/--num-servers must be >= 0 \(0: no servers.*got -1"):
         _config(num_servers=-1)
     with pytest.raises(ConfigError, match="no COMMAND given"):
         _config(command=())

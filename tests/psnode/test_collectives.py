@@ -254,13 +254,12 @@ def test_broadcast_copies_the_roots_value_and_allgather_stacks_every_workers():
         assert all(o.tolist() == [[0, 0], [1, -1], [2, -2]] for o in outs)
 
 
-def test_a_broadcast_from_a_root_a_worker_does_not_expect_fails_that_worker_naming_both():
+def test_a_broadcast_from_a_root_a_worker_does_not_expect_fails_it_on_every_worker_naming_both():
     with Started(job_of(3, (0, 1, 2))) as ws:
         roots = [0, 0, 1]  # worker 2 expects worker 1's value; worker 0 sends its own
         errors = finish(ws, [w.collectives.broadcast("r", np.zeros(3), root=r) for w, r in zip(ws, roots)])
-        assert errors[:2] == [None, None]
-        assert isinstance(errors[2], ProtocolError), errors
-        assert "worker 0 sent a broadcast" in str(errors[2]) and "expects from worker 1" in str(errors[2])
+        assert all(isinstance(e, ProtocolError) for e in errors), errors
+        assert all("worker 0 sent a broadcast" in str(e) and "expects from worker 1" in str(e) for e in errors), errors
 
 
 def test_a_peer_region_that_is_not_a_collectives_region_is_refused(tmp_path):

@@ -1,7 +1,8 @@
-"""Worker of the bundled-runtime end-to-end tests: one dist_sync push/pull, results to a file.
+"""Worker of the bundled-runtime end-to-end tests: one push/pull, results to a file.
 
 Every worker pushes ones * (rank + 1) to key 3; the pulled value must be the sum over workers,
-n (n + 1) / 2. Writes OUTDIR/worker.<rank>.txt with "rank num_workers value".
+n (n + 1) / 2. Writes OUTDIR/worker.<rank>.txt with "rank num_workers value". The store is
+dist_sync, or allreduce in a job without servers (the same script runs under -s N and -s 0).
 """
 
 import os
@@ -12,7 +13,7 @@ import numpy as np
 import kvcore
 
 out = sys.argv[1]
-kv = kvcore.create("dist_sync")
+kv = kvcore.create("allreduce" if os.environ.get("DMLC_NUM_SERVER") == "0" else "dist_sync")
 kv.init(3, np.zeros((2, 3), np.float32))
 kv.push(3, np.ones((2, 3), np.float32) * (kv.rank + 1))
 result = np.empty((2, 3), np.float32)
