@@ -19,24 +19,12 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 
 import numpy as np
 
 import kvcore
 from kvcore import collectives
-
-
-def timed(call, rounds: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        call()
-    collectives.barrier()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return times
+from timing import timed  # beside this script
 
 
 def main() -> int:
@@ -51,7 +39,7 @@ def main() -> int:
             value[:] = 1.0
             collectives.allreduce(value, key="bw")
 
-        times = timed(one, rounds, plan["warmup"])
+        times = timed(one, rounds, plan["warmup"], collectives.barrier)
         if not np.all(value == n):
             print(f"worker {rank}: allreduce of {nbytes} bytes gave {value[:4]}, expected {n}", file=sys.stderr)
             return 1
@@ -64,7 +52,7 @@ def main() -> int:
         small[:] = 1.0
         collectives.allreduce(small, key="lat")
 
-    times = timed(tiny, plan["latency_rounds"], plan["warmup"] * 5)
+    times = timed(tiny, plan["latency_rounds"], plan["warmup"] * 5, collectives.barrier)
     if not np.all(small == n):
         print(f"worker {rank}: 4-element allreduce gave {small}", file=sys.stderr)
         return 1
@@ -81,7 +69,7 @@ def main() -> int:
             kv.push(keys, values)
             kv.pull(keys, out=outs)
 
-        times = timed(round_trip, plan["keys_rounds"], 2)
+        times = timed(round_trip, plan["keys_rounds"], 2, collectives.barrier)
         if not all(o[0] == n for o in outs):
             print(f"worker {rank}: {name} pulled {outs[0]}, expected {n}", file=sys.stderr)
             return 1

@@ -13,22 +13,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-
-def timed(call, rounds: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        call()
-    dist.barrier()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return times
+from timing import timed  # beside this script
 
 
 def main() -> int:
@@ -44,7 +33,7 @@ def main() -> int:
             value.fill_(1.0)
             dist.all_reduce(value)
 
-        times = timed(one, rounds, plan["warmup"])
+        times = timed(one, rounds, plan["warmup"], dist.barrier)
         if not bool((value == n).all()):
             print(f"rank {rank}: gloo allreduce of {nbytes} bytes gave {value[:4]}", file=sys.stderr)
             return 1
@@ -57,7 +46,7 @@ def main() -> int:
         small.fill_(1.0)
         dist.all_reduce(small)
 
-    times = timed(tiny, plan["latency_rounds"], plan["warmup"] * 5)
+    times = timed(tiny, plan["latency_rounds"], plan["warmup"] * 5, dist.barrier)
     measures["latency_4"] = {"median_us": statistics.median(times) * 1e6, "rounds": plan["latency_rounds"]}
     print("RESULT " + json.dumps({"rank": rank, "workers": n, "measures": measures}), flush=True)
     dist.destroy_process_group()

@@ -40,6 +40,7 @@ import numpy as np
 
 from psnode.collectives.fusion import DEFAULT_LIMIT, FusionBuffer, plan
 from psnode.errors import PSNodeError
+from psnode.futures import chain
 
 from . import arrays
 from .dist_errors import runtime_errors, translate
@@ -104,7 +105,7 @@ class Collectives:
             except PSNodeError as exc:
                 raise translate(exc) from exc
             if not wait:
-                return _Result(handle, value if out is None else out)
+                return chain(handle, NodeHandle("allreduce", self._worker), result=value if out is None else out)
             handle.wait()
             return value if out is None else out
         values = list(value) if isinstance(value, (list, tuple)) else [value]
@@ -156,22 +157,7 @@ class Collectives:
         inner = NodeHandle("allreduce", self._worker)
         with runtime_errors():
             self._engine.allreduce(key, fused.buffer, future=inner)
-        done = NodeHandle("allreduce", self._worker)
-
-        def unpack(finished: Any) -> None:
-            error = finished.exception()
-            if error is None:
-                try:
-                    fused.unpack(outs)
-                except Exception as exc:  # a failed copy (a GPU out) goes to the waiter
-                    error = exc
-            if error is None:
-                done.set_result(None)
-            else:
-                done.set_exception(error)
-
-        inner.add_done_callback(unpack)
-        return done
+        return chain(inner, NodeHandle("allreduce", self._worker), lambda: fused.unpack(outs))
 
     def allgather(self, value: Any, key: Any = None) -> Any:
         """Every worker's ``value`` (same shape and dtype everywhere), stacked: shape
@@ -242,27 +228,6 @@ class Collectives:
         for fused, members in fused_groups:
             for j, i in enumerate(members):
                 np.copyto(values[i], fused.part(j).reshape(values[i].shape))
-
-
-class _Result(Handle):
-    """The handle of a one-array allreduce: done with its inner handle, whose result is the array."""
-
-    def __init__(self, inner: Handle, result: Any) -> None:
-        super().__init__("allreduce")
-        self._inner = inner
-        self._value = result
-        inner.add_done_callback(self._done)
-
-    def _done(self, inner: Handle) -> None:
-        error = inner.exception()
-        if error is None:
-            self.set_result(self._value)
-        else:
-            self.set_exception(error)
-
-    def wait(self, timeout: float | None = None) -> Any:
-        self._inner.wait(timeout)  # receives on this thread
-        return super().wait(timeout)
 
 
 def _scale(array: Any, factor: float) -> None:

@@ -42,6 +42,7 @@ import numpy as np
 
 from psnode import errors as ps_errors
 from psnode.env import read_env
+from psnode.futures import chain
 from psnode.node import is_done
 from psnode.protocol import Group
 from psnode.worker import WorkerNode
@@ -333,23 +334,13 @@ class DistKVStore(KVStoreBase):
         if not copies:
             self._call(self._worker.pull, parts, priority, handle)
             return handle
+        def deliver() -> None:
+            for flat, outs in copies:
+                for out in outs:
+                    arrays.copy_into(out, flat.reshape(out.shape))
+
         inner: concurrent.futures.Future = concurrent.futures.Future()
-
-        def deliver(done: concurrent.futures.Future) -> None:
-            error = done.exception()
-            if error is None:
-                try:
-                    for flat, outs in copies:
-                        for out in outs:
-                            arrays.copy_into(out, flat.reshape(out.shape))
-                except Exception as exc:  # a GPU copy failed: give it to the waiter
-                    error = exc
-            if error is None:
-                handle.set_result(None)
-            else:
-                handle.set_exception(error)
-
-        inner.add_done_callback(deliver)
+        chain(inner, handle, deliver)  # a GPU copy that fails goes to the waiter
         self._call(self._worker.pull, parts, priority, inner)
         return handle
 

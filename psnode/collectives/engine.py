@@ -40,6 +40,7 @@ import numpy as np
 from .. import devices
 from ..errors import ClosedError, MismatchError, NodeTimeoutError, PeerDiedError, ProtocolError, PSNodeError
 from ..log import logger
+from ..futures import chain
 from ..membership import PeerInfo, endpoint_of
 from ..node import is_done
 from . import wire
@@ -180,11 +181,14 @@ class Engine:
                 factory = self._choice[desc] = algorithm(choose(desc.nbytes, self.topology))
         else:
             factory = algorithm(algorithm_name)
-        future = self._submit(key, lambda tag: factory(self, tag, desc, label or _Label("allreduce", key), buf),
-                              future, after)
-        if not usable:
-            future.add_done_callback(lambda f: f.exception() is None and np.copyto(target, buf.reshape(desc.shape)))
-        return future
+        if usable:
+            return self._submit(key, lambda tag: factory(self, tag, desc, label or _Label("allreduce", key), buf),
+                                future, after)
+        # the caller's future completes only once the sum was copied back into its array
+        inner = self._submit(key, lambda tag: factory(self, tag, desc, label or _Label("allreduce", key), buf),
+                             None, after)
+        return chain(inner, future if future is not None else concurrent.futures.Future(),
+                     lambda: np.copyto(target, buf.reshape(desc.shape)))
 
     def broadcast(self, key: Any, array: np.ndarray, root: int = 0, label: str | None = None, future: Any = None,
                   after: Sequence[Any] = ()) -> Any:

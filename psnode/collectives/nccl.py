@@ -26,6 +26,7 @@ copied to the host, summed there by the host collectives, and copied back.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import threading
 import time
@@ -35,6 +36,7 @@ import numpy as np
 
 from .. import devices
 from ..errors import MismatchError, PSNodeError
+from ..futures import chain
 from ..log import logger
 from ..nccl_group import NcclGroup, nccl_supports
 from ..protocol import Cmd
@@ -112,8 +114,6 @@ class GpuCollectives:
             raise ValueError("NCCL sums C-contiguous CuPy arrays; pass a contiguous out")
         if target is not array:
             devices.copy_into(target, array)
-        import concurrent.futures
-
         op = _GpuOp(engine.next_tag(key), desc, target, out, future or concurrent.futures.Future(), label)
         with self._cond:
             self._submitted[op.tag] = op
@@ -135,24 +135,8 @@ class GpuCollectives:
         host = np.ascontiguousarray(devices.asnumpy(array))
         target = array if out is None else out
         inner = self.engine.allreduce(key, host, label=label, after=after)
-        import concurrent.futures
-
-        result = future or concurrent.futures.Future()
-
-        def upload(done: Any) -> None:
-            error = done.exception()
-            if error is None:
-                try:
-                    devices.copy_into(target, host.reshape(target.shape))
-                except Exception as exc:  # a failed upload goes to the waiter
-                    error = exc
-            if error is None:
-                result.set_result(None)
-            else:
-                result.set_exception(error)
-
-        inner.add_done_callback(upload)
-        return result
+        return chain(inner, future or concurrent.futures.Future(),
+                     lambda: devices.copy_into(target, host.reshape(target.shape)))
 
     # ---- ordering (the receiving thread) ---------------------------------------------------------------
     def on_go(self, src: int, tag: tuple[int, int], record: Record) -> None:

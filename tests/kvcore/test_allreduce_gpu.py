@@ -5,25 +5,18 @@ Marked ``gpu``: skipped without a CUDA GPU (``scripts/gpu_check.sh`` runs them o
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from kvcore import arrays
-from kvcore_testkit import gpu_ids, gpu_test
-from psnode.testing import LocalJob
+from kvcore_testkit import gpu_ids, gpu_test, run_job_ok
 
 SCRIPT = Path(__file__).parent / "allreduce_scripts" / "gpu_sums.py"
 
 
 def _run(mode: str, workers: int) -> None:
-    with LocalJob(workers, 0, worker=[str(SCRIPT), mode]) as job:
-        results = job.wait(180)
-    failed = [r for r in results if r.returncode != 0]
-    assert not failed, "\n".join(map(str, failed))
-    oks = sorted(int(m) for r in results for m in re.findall(r"^OK (\d+)", r.output, re.M))
-    assert oks == list(range(workers))
+    run_job_ok([str(SCRIPT), mode], workers, 0, timeout=180)
 
 
 @gpu_test

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcore_testkit import run_job_ok
 from psnode.testing import LocalJob
 
 SCRIPTS = Path(__file__).parent / "allreduce_scripts"
@@ -17,13 +18,7 @@ FAST_HEARTBEATS = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "2"}
 
 
 def run_ok(name: str, workers: int, env: dict | None = None, timeout: float = 90) -> list:
-    with LocalJob(workers, 0, worker=[str(SCRIPTS / name)], env=env) as job:
-        results = job.wait(timeout)
-    failed = [r for r in results if r.returncode != 0]
-    assert not failed, "\n".join(str(r) for r in failed)
-    oks = sorted(int(m) for r in results if r.role == "worker" for m in re.findall(r"^OK (\d+)", r.output, re.M))
-    assert oks == list(range(workers)), "\n".join(str(r) for r in results)
-    return results
+    return run_job_ok([str(SCRIPTS / name)], workers, 0, env, timeout)
 
 
 @pytest.mark.parametrize("workers,same_host", [(2, "shm"), (3, "tcp"), (4, "shm")])
