@@ -118,8 +118,8 @@ class DistKVStore(KVStoreBase):
 
     def __init__(self, store_type: str) -> None:
         super().__init__(store_type)
-        with runtime_errors():
-            servers = read_env(default_role="worker").num_servers
+        with runtime_errors():  # before registering: the job's other workers need not wait for this one
+            servers = _node.num_servers if _node is not None else read_env(default_role="worker").num_servers
         if servers == 0:
             raise DistributedError(
                 f"kvcore.create({store_type!r}) keeps the values on servers, but this job has none "
