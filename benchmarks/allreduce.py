@@ -1,6 +1,6 @@
 """Allreduce without servers against torch.distributed's gloo, and the training step against DDP, in one run.
 
-    python -m benchmarks.allreduce [--reps 3] [--ranks 2,4] [--quick] [--skip-train] [--json out.json]
+    python -m benchmarks.allreduce [--reps 3] [--ranks 2,4] [--sizes 4,64] [--quick] [--skip-train] [--json out.json]
 
 Measures (docs/benchmarks.md, "Allreduce"), every job on 127.0.0.1, each process started on its
 own (``psnode.testing.LocalJob``):
@@ -45,14 +45,15 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SYSTEMS = ("gloo", "pslaunch_tcp", "pslaunch_shm")
 PATH_ENV = {"pslaunch_tcp": {"PSLAUNCH_SAME_HOST": "tcp"}, "pslaunch_shm": {"PSLAUNCH_SAME_HOST": "shm"}}
-SIZES = (4 << 20, 64 << 20)
+SIZES = (4 << 20, 64 << 20)  # what the issue's targets name
 
 
-def plan_of(quick: bool) -> dict[str, Any]:
+def plan_of(quick: bool, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
     """Rounds per measure: fewer for bigger values (each job stays near 20 s on 2 cores)."""
     if quick:
-        return {"sizes": list(SIZES), "rounds": [3, 2], "warmup": 1, "latency_rounds": 30, "keys_rounds": 2}
-    return {"sizes": list(SIZES), "rounds": [20, 6], "warmup": 2, "latency_rounds": 300, "keys_rounds": 5}
+        return {"sizes": list(sizes), "rounds": [3] * len(sizes), "warmup": 1, "latency_rounds": 30, "keys_rounds": 2}
+    rounds = [20 if n <= 4 << 20 else 10 if n <= 16 << 20 else 6 for n in sizes]
+    return {"sizes": list(sizes), "rounds": rounds, "warmup": 2, "latency_rounds": 300, "keys_rounds": 5}
 
 
 def _result(job: LocalJob, role: str, index: int) -> dict:
@@ -109,14 +110,14 @@ def _median(reps: list[dict], system: str, measure: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def collective_rows(reps_by_ranks: dict[int, list[dict]]) -> list[dict[str, Any]]:
+def collective_rows(reps_by_ranks: dict[int, list[dict]], sizes: list[int]) -> list[dict[str, Any]]:
     """The table's rows: each measure's medians and its ratio against its baseline, with the target."""
     rows = []
     for ranks, reps in sorted(reps_by_ranks.items()):
-        for nbytes in SIZES:
+        for nbytes in sizes:
             measure = f"busbw_{nbytes}"
             for system, target in (("pslaunch_tcp", 1.0), ("pslaunch_shm", 2.0)):
-                rows.append({"measure": f"bus bandwidth {nbytes >> 20} MiB, {ranks} workers, "
+                rows.append({"measure": f"bus bandwidth {nbytes / (1 << 20):g} MiB, {ranks} workers, "
                                         f"{'TCP' if system.endswith('tcp') else 'same host'}",
                              "ours": _median(reps, system, measure), "base": _median(reps, "gloo", measure),
                              "unit": "B/s", "ratio": _ratio(reps, system, "gloo", measure), "target": f">= {target:g}x gloo",
@@ -158,24 +159,28 @@ def render(rows: list[dict[str, Any]]) -> str:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True, help="Repetitions.")
 @click.option("--ranks", default="2,4", show_default=True, help="Worker counts, comma-separated.")
+@click.option("--sizes", default="4,64", show_default=True, help="Allreduce sizes in MiB, comma-separated.")
 @click.option("--quick", is_flag=True, help="Few rounds, one repetition: does it all run?")
 @click.option("--skip-train", is_flag=True, help="Leave the training step out.")
 @click.option("--skip-collectives", is_flag=True, help="Only the training step.")
 @click.option("--job-timeout", type=float, default=300.0, show_default=True, help="Seconds per job.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the JSON report here.")
-def main(reps: int, ranks: str, quick: bool, skip_train: bool, skip_collectives: bool, job_timeout: float,
-         json_path: Path | None) -> None:
+@click.option("--results-dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS, show_default=True,
+              help="Where the JSON, the table and the logs go.")
+def main(reps: int, ranks: str, sizes: str, quick: bool, skip_train: bool, skip_collectives: bool,
+         job_timeout: float, json_path: Path | None, results_dir: Path) -> None:
     """Allreduce and the training step against torch.distributed (see the module docstring)."""
     try:
         counts = sorted({int(r) for r in ranks.split(",") if r.strip()})
+        size_list = tuple(int(float(m) * (1 << 20)) // 4 * 4 for m in sizes.split(",") if m.strip())
     except ValueError:
-        raise click.BadParameter(f"--ranks {ranks!r} is not a comma-separated list of numbers") from None
+        raise click.BadParameter(f"--ranks {ranks!r} and --sizes {sizes!r} must be comma-separated numbers") from None
     if quick:
         reps = 1
-    plan = plan_of(quick)
+    plan = plan_of(quick, size_list)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    log_root = RESULTS / "logs" / f"allreduce-{stamp}"
+    log_root = results_dir / "logs" / f"allreduce-{stamp}"
     machine = report.machine_info()
     started = time.monotonic()
     failures: list[str] = []
@@ -206,7 +211,7 @@ def main(reps: int, ranks: str, quick: bool, skip_train: bool, skip_collectives:
                     failures.append(f"rep {rep} train {system}: {exc}")
                     click.echo(f"    FAILED: {exc}", err=True)
             train_reps.append(figures)
-    rows = collective_rows(collective_reps) + train_rows(train_reps)
+    rows = collective_rows(collective_reps, plan["sizes"]) + (train_rows(train_reps) if train_reps else [])
     machine["loadavg_end"] = list(os.getloadavg())
     out = {
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -220,14 +225,14 @@ def main(reps: int, ranks: str, quick: bool, skip_train: bool, skip_collectives:
         "log_dir": str(log_root),
     }
     table = render(rows)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"allreduce-{stamp}.json").write_text(json.dumps(out, indent=2))
-    (RESULTS / f"allreduce-{stamp}.md").write_text(table + "\n")
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"allreduce-{stamp}.json").write_text(json.dumps(out, indent=2))
+    (results_dir / f"allreduce-{stamp}.md").write_text(table + "\n")
     if json_path is not None:
         json_path.write_text(json.dumps(out, indent=2))
     click.echo(table)
     click.echo(f"load average {machine['loadavg_start']} at start, {machine['loadavg_end']} at end; "
-               f"{out['wall_s']} s; JSON in {RESULTS / f'allreduce-{stamp}.json'}", err=True)
+               f"{out['wall_s']} s; JSON in {results_dir / f'allreduce-{stamp}.json'}", err=True)
     if failures:
         click.echo("failed jobs:\n  " + "\n  ".join(failures), err=True)
         sys.exit(1)
