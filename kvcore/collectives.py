@@ -276,11 +276,11 @@ def _joined(futures: Sequence[concurrent.futures.Future], worker: Any, what: str
 
 def _parameter_lists(params: Any) -> list[list[Any]]:
     """Every parameter's replicas, in the order given (the same on every worker)."""
-    from .trainer import Parameter, _normalise_params
+    from .parameters import Parameter, normalise_params
 
     if isinstance(params, (list, tuple)) and params and all(isinstance(p, Parameter) for p in params):
         return [p.list_data() for p in params]
-    return [p.list_data() for p in _normalise_params(params)]
+    return [p.list_data() for p in normalise_params(params)]
 
 
 _group: Collectives | None = None

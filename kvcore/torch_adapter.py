@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .trainer import Parameter
+from .parameters import Parameter
 
 __all__ = ["tensor_as_array", "torch_parameters", "watch_gradients"]
 

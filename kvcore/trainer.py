@@ -6,8 +6,13 @@ KVStore, and does what MXNet's gluon ``Trainer`` does each step:
 * ``update_on_kvstore=True`` (the default for ``dist_*`` stores): the gradients of every device
   (and, in a distributed store, every worker) are pushed, the store sums them and runs the optimizer
   once, and the new weights are pulled into every replica.
-* ``update_on_kvstore=False`` (the default for ``local`` and ``device``): the gradients are pushed,
-  their sum is pulled back into the gradient arrays (an all-reduce), and the optimizer runs here.
+* ``update_on_kvstore=False`` (the default for ``local``, ``device`` and ``allreduce``): the
+  gradients are pushed, their sum is pulled back into the gradient arrays (an all-reduce), and the
+  optimizer runs here; with a store whose workers sum among themselves the gradients are summed in
+  place through its collectives instead (``KVStoreBase.collectives``).
+
+With PyTorch parameters each group of gradients leaves as soon as backprop produced it
+(``trainer_handoff``). Parameters and the forms they are given in are ``kvcore.parameters``'.
 
 Gradients are sums over samples; the optimizer's ``rescale_grad`` is set to ``scale / batch_size``
 so that a step applies their mean. The Trainer is written against ``KVStoreBase``'s public API only,
@@ -24,64 +29,12 @@ import numpy as np
 from . import arrays
 from .errors import DTypeMismatchError, ShapeMismatchError
 from .optim.base import Optimizer, Updater, create as create_optimizer
+from .parameters import Parameter, as_list, from_framework, normalise_params
 from .registry import create as create_store
 from .store_base import KVStoreBase
+from .trainer_handoff import HandOff
 
-__all__ = ["Parameter", "Trainer"]
-
-GradSource = Any
-"""An array, a list of arrays (one per replica), a callable returning either, or None."""
-
-
-class Parameter:
-    """One trainable parameter: its replicas (one array per device) and where its gradients are.
-
-    Args:
-        name: the parameter's name; the Trainer uses it as the parameter's key in the store.
-        data: an array, or a list of arrays of one shape and dtype, one per device. The Trainer
-            writes new weights into these arrays in place.
-        grad: the gradients: an array, a list (one per replica), a callable returning either (read
-            at every step, for frameworks that replace their gradient arrays), or None when the
-            gradients are passed to ``Trainer.step`` instead.
-
-    Raises:
-        ValueError: no replicas, or replicas of different shapes or dtypes (naming them).
-    """
-
-    def __init__(self, name: str, data: Any, grad: GradSource = None) -> None:
-        self.name = str(name)
-        self.source: Any = None
-        """The framework tensor this parameter views (PyTorch), whose gradient hooks the Trainer uses."""
-        self._data = _as_list(data)
-        if not self._data:
-            raise ValueError(f"parameter {self.name!r} has no data arrays")
-        first = self._data[0]
-        for i, replica in enumerate(self._data[1:], start=1):
-            if tuple(replica.shape) != tuple(first.shape) or replica.dtype != first.dtype:
-                raise ValueError(
-                    f"parameter {self.name!r}: replica {i} has shape {tuple(replica.shape)} and dtype "
-                    f"{replica.dtype}, but replica 0 has shape {tuple(first.shape)} and dtype {first.dtype}"
-                )
-        self._grad = grad
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The parameter's shape."""
-        return tuple(self._data[0].shape)
-
-    def list_data(self) -> list[Any]:
-        """The replicas, one array per device."""
-        return list(self._data)
-
-    def list_grad(self) -> list[Any] | None:
-        """The gradients, one array per replica, or None when this parameter carries none."""
-        grad = self._grad() if callable(self._grad) else self._grad
-        return None if grad is None else _as_list(grad)
-
-    def __repr__(self) -> str:
-        devices = ", ".join(str(arrays.device_of(d)) for d in self._data)
-        return f"Parameter({self.name!r}, shape={self.shape}, devices=[{devices}])"
-
+__all__ = ["Parameter", "Trainer"]  # Parameter lives in kvcore.parameters
 
 class Trainer:
     """Applies an optimizer to a set of parameters, synchronising their gradients through a KVStore.
@@ -138,7 +91,7 @@ class Trainer:
         coalesce_bytes: int = 1 << 20,
         overlap: bool = True,
     ) -> None:
-        self._params = _normalise_params(params)
+        self._params = normalise_params(params)
         self._groups = _plan_groups(self._params, int(coalesce_bytes))
         self._index = {p.name: i for i, p in enumerate(self._params)}
         if isinstance(optimizer, str):
@@ -166,7 +119,7 @@ class Trainer:
         self._coll = None if self._update_on_kvstore else kvstore.collectives
         self._coalesce = int(coalesce_bytes)
         self._group_of = {i: g for g, (indices, _) in enumerate(self._groups) for i in indices}
-        self._hand_off = _HandOff(self) if overlap else None
+        self._hand_off = HandOff(self) if overlap else None
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -301,6 +254,17 @@ class Trainer:
         (the sum's, through collectives; the push's, through the store)."""
         return [sent[g] if g in sent else self._send_group(g, grad_lists) for g in range(len(self._groups))]
 
+    def _group_grads(self, g: int) -> list[list[Any]] | None:
+        """Group ``g``'s gradients as arrays (a list per parameter; others empty), or None when one
+        has none."""
+        grads: list[list[Any]] = [[]] * len(self._params)
+        for i in self._groups[g][0]:
+            p = self._params[i]
+            grads[i] = [from_framework(a, p.name) for a in p.list_grad() or []]
+            if not grads[i]:
+                return None
+        return grads
+
     def _send_group(self, g: int, grad_lists: list[list[Any]]) -> Any:
         """Send group ``g``'s gradients: sum them in place over every device and worker through the
         collectives, or push them to the store."""
@@ -370,14 +334,14 @@ class Trainer:
                     f"the gradients do not match the parameters: missing {missing or 'none'}, "
                     f"unknown {extra or 'none'}"
                 )
-            lists = [_as_list(grads[p.name]) for p in self._params]
+            lists = [as_list(grads[p.name]) for p in self._params]
         elif isinstance(grads, Sequence):
             if len(grads) != len(self._params):
                 raise ValueError(f"{len(grads)} gradients were given for {len(self._params)} parameters")
-            lists = [_as_list(g) for g in grads]
+            lists = [as_list(g) for g in grads]
         else:
             raise TypeError(f"grads must be a mapping, a sequence or None, got {type(grads).__name__}")
-        lists = [[_from_framework(a, p.name) for a in g] for p, g in zip(self._params, lists)]
+        lists = [[from_framework(a, p.name) for a in g] for p, g in zip(self._params, lists)]
         # Checked before anything is pushed, so that a bad gradient leaves every weight as it was.
         for p, g in zip(self._params, lists):
             if len(g) != len(p.list_data()):
@@ -423,103 +387,6 @@ class Trainer:
         )
 
 
-class _HandOff:
-    """Sends a group's gradients from PyTorch's gradient hooks, as soon as backprop produced them all.
-
-    Armed after the first step (keys initialised, optimizer set); each step takes what was sent
-    (``take``) and arms it again. A gradient produced twice in one step (two backward passes) is
-    refused at the next ``step``: it may have been sent half-summed.
-    """
-
-    def __init__(self, trainer: "Trainer") -> None:
-        self.trainer = trainer
-        self.armed = False
-        self.watched = False
-        self.sent: dict[int, Any] = {}
-        self.seen: set[int] = set()
-        self.left = [len(indices) for indices, _ in trainer._groups]
-        self.error: BaseException | None = None
-        self.twice: str | None = None
-
-    def arm(self) -> None:
-        """Start a step: hooks send groups from now on."""
-        trainer = self.trainer
-        if not self.watched:
-            sources = [p.source for p in trainer._params]
-            if not any(s is not None for s in sources):
-                return
-            from .torch_adapter import watch_gradients
-
-            watch_gradients(sources, self.ready)
-            self.watched = True
-        self.sent = {}
-        self.seen = set()
-        self.left = [len(indices) for indices, _ in trainer._groups]
-        self.armed = True
-
-    def ready(self, i: int) -> None:
-        """Parameter ``i``'s gradient is complete (a hook, on the thread that runs backward)."""
-        if not self.armed:
-            return
-        trainer = self.trainer
-        if i in self.seen:
-            self.twice = trainer._params[i].name
-            return
-        self.seen.add(i)
-        g = trainer._group_of[i]
-        self.left[g] -= 1
-        if self.left[g] or self.error is not None:
-            return
-        try:
-            indices = trainer._groups[g][0]
-            grads: list[list[Any]] = [[]] * len(trainer._params)
-            for j in indices:
-                grads[j] = [_from_framework(a, trainer._params[j].name) for a in trainer._params[j].list_grad() or []]
-                if not grads[j]:
-                    return  # no gradient after all: step sends the group (and names the parameter)
-            self.sent[g] = trainer._send_group(g, grads)
-        except Exception as exc:  # raised at step(), not inside PyTorch's backward
-            self.error = exc
-
-    def take(self, explicit: bool) -> dict[int, Any]:
-        """What the hooks sent this step (disarmed until ``arm``).
-
-        Raises:
-            ValueError: gradients were sent and ``step`` was given others, or a gradient came twice.
-        """
-        sent, self.armed = self.sent, False
-        self.sent = {}
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
-        if self.twice is not None:
-            name, self.twice = self.twice, None
-            raise ValueError(
-                f"parameter {name!r} got a gradient twice before step() (two backward passes), but its group "
-                "was already sent after the first; create the Trainer with overlap=False to accumulate gradients")
-        if sent and explicit:
-            raise ValueError("step() was given gradients, but the parameters' own were already sent as backprop "
-                             "produced them; call step() without grads, or create the Trainer with overlap=False")
-        return sent
-
-
-def _as_list(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _is_torch(value: Any) -> bool:
-    return type(value).__module__.split(".", 1)[0] == "torch"
-
-
-def _from_framework(value: Any, name: str) -> Any:
-    """A framework tensor as an array (PyTorch CPU tensors become numpy views); arrays unchanged."""
-    if _is_torch(value):
-        from .torch_adapter import tensor_as_array
-
-        return tensor_as_array(value, f"the gradient of {name!r}")
-    return value
-
-
 def _plan_groups(params: list[Parameter], limit: int) -> list[tuple[list[int], int]]:
     """Consecutive parameters under ``limit`` bytes, packed up to ``limit`` bytes: ``(indices, priority)``.
 
@@ -541,43 +408,3 @@ def _plan_groups(params: list[Parameter], limit: int) -> list[tuple[list[int], i
     if current:
         groups.append((current, -current[0]))
     return groups
-
-
-def _normalise_params(params: Any) -> list[Parameter]:
-    """Accepted parameter forms -> a list of Parameters with unique names."""
-    if hasattr(params, "named_parameters") or _is_torch(params):
-        from .torch_adapter import torch_parameters
-
-        result = torch_parameters(params)
-    elif isinstance(params, Mapping):
-        result = [_as_parameter(name, value) for name, value in params.items()]
-    else:
-        items = list(params)
-        if items and (_is_torch(items[0]) or (isinstance(items[0], tuple) and len(items[0]) == 2
-                                              and isinstance(items[0][0], str) and _is_torch(items[0][1]))):
-            from .torch_adapter import torch_parameters
-
-            result = torch_parameters(items)
-        else:
-            result = [v if isinstance(v, Parameter) else _as_parameter(str(i), v) for i, v in enumerate(items)]
-    if not result:
-        raise ValueError("the Trainer was given no parameters")
-    seen: set[str] = set()
-    for p in result:
-        if p.name in seen:
-            raise ValueError(f"two parameters are named {p.name!r}; names are the store's keys and must be unique")
-        seen.add(p.name)
-    return result
-
-
-def _as_parameter(name: str, value: Any) -> Parameter:
-    if isinstance(value, Parameter):
-        if value.name != str(name):
-            raise ValueError(f"parameter {value.name!r} was given under the name {name!r}")
-        return value
-    for replica in _as_list(value):
-        if not arrays.is_array(replica):
-            raise TypeError(
-                f"parameter {name!r} must be a numpy or CuPy array (or a list of them), got {type(replica).__name__}"
-            )
-    return Parameter(name, value)

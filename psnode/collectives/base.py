@@ -19,7 +19,6 @@ the address book and the job's settings).
 from __future__ import annotations
 
 import abc
-import concurrent.futures
 import importlib
 import threading
 import time

@@ -10,26 +10,26 @@ of that key this worker started before. Messages carry the tag, so workers may s
 in different orders (prioritised asynchronous pushes do): a message for a collective this worker
 has not started yet waits in the early buffer (bounded: ``EARLY_BYTES``, ``EARLY_MESSAGES``) until
 it starts. Collectives of one key run one at a time on each worker, in call order. Workers must
-still run the same collectives: one that never comes is reported by a stall warning after
-``STALL`` seconds that names the tag and the workers it waits for (Horovod's stall check), and
+still run the same collectives: one that never comes is reported by a stall warning
+(``watch.STALL``) that names the tag and the workers it waits for (Horovod's stall check), and
 ends when a worker leaves or dies.
 
 **Failure.** A dead or stopped worker is announced by the scheduler (heartbeats): every op in
 flight fails with that ``PeerDiedError``, and so does every later one. A worker that finished the
-job while an op still waits for it fails that op naming it (after ``LEFT_GRACE`` seconds, for its
-last messages to arrive). Workers that disagree on a collective's shape or dtype all raise
+job while an op still waits for it fails that op naming it (after ``watch.LEFT_GRACE`` seconds,
+for its last messages to arrive). Workers that disagree on a collective's shape or dtype all raise
 ``MismatchError``; a malformed message fails the op it names on every worker (``ERROR``
 messages), never leaves it waiting. A message that names no op is counted and dropped.
 
-**Threads.** Ops start on the calling thread and advance on the receiving thread. A helper thread
-(started with the first op) completes ops whose zero-copy sends are still leaving, fails ops that
-wait for a worker that left, and warns about stalls. ``_lock`` guards the tables; each op has its own.
+**Threads.** Ops start on the calling thread and advance on the receiving thread. The
+``watch.Watcher``'s thread (started with the first op) completes ops whose zero-copy sends are
+still leaving, fails ops that wait for a worker that left, and warns about stalls. ``_lock``
+guards the tables; each op has its own; the watcher has its own.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import threading
 import time
 from collections import OrderedDict
@@ -38,48 +38,22 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import devices
-from ..errors import ClosedError, MismatchError, NodeTimeoutError, PeerDiedError, ProtocolError, PSNodeError
+from ..errors import ClosedError, MismatchError, NodeTimeoutError, ProtocolError, PSNodeError
 from ..log import logger
 from ..futures import chain
 from ..membership import PeerInfo, endpoint_of
 from ..node import is_done
 from . import wire
 from .base import Op, Tag, Topology, algorithm, choose
+from .tags import Label, describe, error_flags, key_id_of, told_error
+from .watch import Watcher
 from .wire import Desc, Kind, Record
 
-__all__ = ["Engine", "key_id_of", "EARLY_BYTES", "EARLY_MESSAGES", "STALL", "LEFT_GRACE"]
+__all__ = ["Engine", "key_id_of", "EARLY_BYTES", "EARLY_MESSAGES"]
 
 EARLY_BYTES = 1 << 30  # data held for collectives not started here yet, at most
 EARLY_MESSAGES = 100_000
-STALL = 60.0  # seconds an op may wait before a warning names what it waits for
-LEFT_GRACE = 1.0  # seconds a finished worker's last messages get to arrive before ops waiting for it fail
 _TOLD = 1024  # errors kept for ops not started here yet
-_TICK = 0.05
-_FLAG_MISMATCH = 1  # an ERROR's flags: the op failed because workers disagree on shape or dtype,
-_FLAG_PROTOCOL = 2  # or because a worker sent a malformed message
-
-
-_KEY_IDS: dict[Any, int] = {}
-_KEY_IDS_MAX = 100_000  # ids kept for keys seen before (a hash is a few microseconds)
-
-
-def key_id_of(key: Any) -> int:
-    """A 64-bit id of ``key`` (str, int, bytes or a tuple of those), the same in every process."""
-    key_id = _KEY_IDS.get(key)
-    if key_id is None or type(key) is bool:
-        digest = hashlib.blake2b(repr(_canonical(key)).encode(), digest_size=8).digest()
-        key_id = int.from_bytes(digest, "little")
-        if len(_KEY_IDS) < _KEY_IDS_MAX:
-            _KEY_IDS[key] = key_id
-    return key_id
-
-
-def _canonical(key: Any) -> Any:
-    if isinstance(key, (str, int, bytes)):
-        return (type(key).__name__, key)
-    if isinstance(key, tuple):
-        return tuple(_canonical(k) for k in key)
-    raise TypeError(f"a collective's key is a str, int, bytes or a tuple of those, not {type(key).__name__}")
 
 
 class Engine:
@@ -100,16 +74,11 @@ class Engine:
         self.told: OrderedDict[Tag, tuple[str, int]] = OrderedDict()
         self.versions: dict[int, int] = {}
         self.last: dict[int, concurrent.futures.Future] = {}
-        self.left: dict[int, tuple[float, str]] = {}
         self.failure: BaseException | None = None
         self.malformed = 0
         self.malformed_reason = ""  # the last dropped message's, for logs and tests
         self._connected: set[int] = set()
-        self._completing: list[Op] = []
-        self._helper: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._sending = threading.Event()  # an op waits for its tracked sends
-        self._warned: set[Tag] = set()
+        self.watcher = Watcher(self)
         self._shared: Any = None
         self._gpu: Any = None
         self._choice: dict[Desc, Any] = {}  # the algorithm chosen for each value's description
@@ -182,10 +151,10 @@ class Engine:
         else:
             factory = algorithm(algorithm_name)
         if usable:
-            return self._submit(key, lambda tag: factory(self, tag, desc, label or _Label("allreduce", key), buf),
+            return self._submit(key, lambda tag: factory(self, tag, desc, label or Label("allreduce", key), buf),
                                 future, after)
         # the caller's future completes only once the sum was copied back into its array
-        inner = self._submit(key, lambda tag: factory(self, tag, desc, label or _Label("allreduce", key), buf),
+        inner = self._submit(key, lambda tag: factory(self, tag, desc, label or Label("allreduce", key), buf),
                              None, after)
         return chain(inner, future if future is not None else concurrent.futures.Future(),
                      lambda: np.copyto(target, buf.reshape(desc.shape)))
@@ -200,7 +169,7 @@ class Engine:
             raise ValueError("broadcast needs a C-contiguous, writable array")
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast from worker {root}, but the job has workers 0..{self.size - 1}")
-        return self._submit(key, lambda tag: Broadcast(self, tag, desc, label or _Label("broadcast", key),
+        return self._submit(key, lambda tag: Broadcast(self, tag, desc, label or Label("broadcast", key),
                                                        array.reshape(-1), root), future, after)
 
     def allgather(self, key: Any, array: np.ndarray, out: np.ndarray, label: str | None = None,
@@ -214,7 +183,7 @@ class Engine:
                              f"{(self.size,) + desc.shape}, got {np.dtype(out.dtype).name} of shape {tuple(out.shape)}")
         out[self.rank] = array
         flat = out.reshape(self.size, -1)
-        return self._submit(key, lambda tag: Allgather(self, tag, desc, label or _Label("allgather", key), flat),
+        return self._submit(key, lambda tag: Allgather(self, tag, desc, label or Label("allgather", key), flat),
                             future)
 
     # ---- ops in flight ---------------------------------------------------------------------------------
@@ -261,8 +230,8 @@ class Engine:
         return key_id, version
 
     def _start(self, op: Op) -> None:
-        if self._helper is None:
-            self._ensure_helper()
+        if not self.watcher.started:
+            self.watcher.start()
         with op.lock:
             with self._lock:
                 failure = self.failure
@@ -275,11 +244,11 @@ class Engine:
                 if failure is None and told is None:
                     self.ops[op.tag] = op
             if failure is not None:
-                _set_error(op.future, failure)
+                set_error(op.future, failure)
                 return
             if told is not None:
                 op.finished = True
-                _set_error(op.future, _told_error(*told))
+                set_error(op.future, told_error(*told))
                 return
             try:
                 op.start()
@@ -332,7 +301,7 @@ class Engine:
 
     def _feed(self, op: Op, src: int, record: Record, data: Any) -> None:
         if record.kind == Kind.ERROR:
-            error = _told_error(bytes(data).decode(errors="replace"), record.flags)
+            error = told_error(bytes(data).decode(errors="replace"), record.flags)
             self.abort(op, error, tell=False)
             return
         desc = op.desc
@@ -396,11 +365,18 @@ class Engine:
         if op.trackers:
             op.trackers = [t for t in op.trackers if not t.done]
         if not op.trackers:
-            _set_result(op.future)
+            set_result(op.future)
             return
+        self.watcher.complete_when_sent(op)
+
+    def finish(self, op: Op) -> None:
+        """Complete ``op``'s future: its tracked sends have left (the watcher)."""
+        set_result(op.future)
+
+    def ops_snapshot(self) -> list[Op]:
+        """The ops in flight now."""
         with self._lock:
-            self._completing.append(op)
-        self._sending.set()
+            return list(self.ops.values())
 
     def abort(self, op: Op, error: PSNodeError, tell: bool = True) -> None:
         """Fail ``op`` here and, with ``tell``, on every other worker."""
@@ -410,36 +386,33 @@ class Engine:
                 del self.ops[op.tag]
         if tell:
             text = str(error).encode()[:wire.MAX_ERROR]
-            flags = _FLAG_MISMATCH if isinstance(error, MismatchError) else _FLAG_PROTOCOL if isinstance(error, ProtocolError) else 0
-            frames = wire.pack(op.tag[0], op.tag[1], Kind.ERROR, op.desc, flags=flags)
+            frames = wire.pack(op.tag[0], op.tag[1], Kind.ERROR, op.desc, flags=error_flags(error))
             for rank in range(self.size):
                 if rank != self.rank:
                     try:
                         self.send(rank, frames + [text], False)
                     except PSNodeError:
                         pass
-        _set_error(op.future, error)
+        set_error(op.future, error)
 
     # ---- failure and leaving ------------------------------------------------------------------------
     def fail_all(self, error: BaseException) -> None:
         """The worker failed: fail every op in flight and every later one with ``error``."""
         with self._lock:
             self.failure = error
-            ops = list(self.ops.values()) + self._completing
+            ops = list(self.ops.values())
             self.ops.clear()
-            self._completing = []
+        ops += self.watcher.take_all()
         for op in ops:
             op.finished = True
-            _set_error(op.future, error)
+            set_error(op.future, error)
         if self._gpu is not None:
             self._gpu.fail_all(error)
-        self._stop.set()
-        self._sending.set()
+        self.watcher.stop()
 
     def peer_left(self, rank: int, description: str) -> None:
-        """Worker ``rank`` finished the job: ops still waiting for it fail after ``LEFT_GRACE``."""
-        with self._lock:
-            self.left[rank] = (time.monotonic(), description)
+        """Worker ``rank`` finished the job: ops still waiting for it fail soon (``watch.LEFT_GRACE``)."""
+        self.watcher.peer_left(rank, description)
 
     def _check(self) -> None:
         if self.failure is not None:
@@ -453,8 +426,7 @@ class Engine:
         """
         deadline = time.monotonic() + limit
         while True:
-            with self._lock:
-                pending = [op for op in list(self.ops.values()) + self._completing if not op.future.done()]
+            pending = [op for op in self.ops_snapshot() + self.watcher.pending() if not op.future.done()]
             if not pending or self.failure is not None:
                 return
             if time.monotonic() > deadline:
@@ -463,93 +435,10 @@ class Engine:
             concurrent.futures.wait([op.future for op in pending], timeout=0.1)
 
     def close(self) -> None:
-        """Stop the helper thread and the GPU launcher (the worker is closing)."""
-        self._stop.set()
-        self._sending.set()
+        """Stop the watcher and the GPU launcher (the worker is closing)."""
+        self.watcher.stop()
         if self._gpu is not None:
             self._gpu.close()
-
-    # ---- the helper thread ----------------------------------------------------------------------------
-    def _ensure_helper(self) -> None:
-        if self._helper is None:
-            with self._lock:
-                if self._helper is None:
-                    self._helper = threading.Thread(target=self._run_helper, name=f"psnode-collectives-{self.rank}",
-                                                    daemon=True)
-                    self._helper.start()
-
-    def _run_helper(self) -> None:
-        next_check = 0.0
-        while not self._stop.is_set():
-            try:
-                if not self._wait_sent():
-                    self._sending.wait(_TICK)
-                    self._sending.clear()
-                now = time.monotonic()
-                if now >= next_check:
-                    next_check = now + _TICK
-                    self._fail_left()
-                    self._warn_stalled()
-            except Exception as exc:  # never die silently: the ops it watches would wait forever
-                self.conn.failure.fail(PSNodeError(f"worker {self.rank}'s collectives helper failed: "
-                                                   f"{type(exc).__name__}: {exc}"))
-                return
-
-    def _wait_sent(self) -> bool:
-        """Wait a moment for the first op's tracked sends; complete every op whose sends all left.
-
-        Returns False when no op waits for its sends. A completed future is seen at once by a
-        caller that receives in a poll: the transport is woken.
-        """
-        with self._lock:
-            if not self._completing:
-                return False
-            first = self._completing[0]
-        for tracker in first.trackers:
-            if not tracker.done:
-                try:
-                    tracker.wait(_TICK)  # returns as soon as the transport let go of the frame
-                except Exception:  # not done within the tick (ZeroMQ's NotDone): look again
-                    pass
-                break
-        with self._lock:
-            ready = [op for op in self._completing if all(t.done for t in op.trackers)]
-            if ready:
-                self._completing = [op for op in self._completing if op not in ready]
-        for op in ready:
-            op.trackers = []
-            _set_result(op.future)
-        if ready:
-            self.conn.transport.wake()
-        return True
-
-    def _fail_left(self) -> None:
-        if not self.left:
-            return
-        now = time.monotonic()
-        with self._lock:
-            gone = {r: d for r, (t, d) in self.left.items() if now - t > LEFT_GRACE}
-            ops = list(self.ops.values())
-        for op in ops:
-            with op.lock:
-                waiting = op.waiting_for() & gone.keys() if not op.future.done() else set()
-                if waiting:
-                    rank = min(waiting)
-                    peer = self.conn.members.workers[rank]
-                    self.abort(op, PeerDiedError(
-                        f"{gone[rank]} finished the job while {op.describe()} on worker {self.rank} still waits for "
-                        "it: every worker must run the same collectives", "worker", rank, peer.host), tell=False)
-
-    def _warn_stalled(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            ops = [op for op in self.ops.values() if now - op.started > STALL and op.tag not in self._warned]
-        for op in ops:
-            self._warned.add(op.tag)
-            with op.lock:
-                waiting = sorted(op.waiting_for())
-            logger.warning("worker %d: %s has waited %.0f s for workers %s; every worker must run the same "
-                           "collectives (the same keys, as often)", self.rank, op.describe(), now - op.started, waiting)
 
     # ---- GPUs ------------------------------------------------------------------------------------------
     @property
@@ -564,56 +453,14 @@ class Engine:
         return self._gpu
 
 
-class _Label:
-    """``allreduce of key 'w'``, written only when an error or a warning needs it."""
-
-    __slots__ = ("what", "key")
-
-    def __init__(self, what: str, key: Any) -> None:
-        self.what = what
-        self.key = key
-
-    def __str__(self) -> str:
-        return f"{self.what} of key {self.key!r}"
-
-    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
-
-
-_DESCS: dict[tuple[Any, tuple[int, ...]], Desc] = {}
-
-
-def describe(array: Any) -> Desc:
-    """``array``'s ``Desc`` (kept for shapes seen before: a collective's hot path).
-
-    Raises:
-        TypeError: a dtype collectives do not sum.
-    """
-    slot = (array.dtype, array.shape)
-    desc = _DESCS.get(slot)
-    if desc is None:
-        desc = Desc(array.dtype, array.shape)
-        if len(_DESCS) < 10_000:
-            _DESCS[slot] = desc
-    return desc
-
-
-def _told_error(text: str, flags: int) -> PSNodeError:
-    """The error an ``ERROR`` message tells, of the class its flags name."""
-    if flags & _FLAG_MISMATCH:
-        return MismatchError(text)
-    if flags & _FLAG_PROTOCOL:
-        return ProtocolError(text)
-    return PSNodeError(text)
-
-
-def _set_result(future: concurrent.futures.Future) -> None:
+def set_result(future: concurrent.futures.Future) -> None:
     try:
         future.set_result(None)
     except concurrent.futures.InvalidStateError:
         pass
 
 
-def _set_error(future: concurrent.futures.Future, error: BaseException) -> None:
+def set_error(future: concurrent.futures.Future, error: BaseException) -> None:
     try:
         future.set_exception(error)
     except concurrent.futures.InvalidStateError:
