@@ -193,10 +193,8 @@ class Trainer:
         if self._hand_off is not None:
             self._hand_off.arm()
         if self._update_on_kvstore:
-            self._wait_all(self._pull_groups([p.list_data() for p in self._params]))
+            self._wait_all(handles)  # the new weights are in every replica
             return
-        if self._coll is None:
-            handles = self._pull_groups(grad_lists)
         for (indices, _), handle in zip(self._groups, handles):
             handle.wait(self._timeout)  # update these layers while later layers' sums still arrive
             for i in indices:
@@ -213,8 +211,7 @@ class Trainer:
             self.sync_params()
         sent = self._hand_off.take(grads is not None) if self._hand_off is not None else {}
         grad_lists = self._gather_grads(grads)
-        handles = self._send_groups(grad_lists, sent)
-        self._wait_all(handles if self._coll is not None else self._pull_groups(grad_lists))
+        self._wait_all(self._send_groups(grad_lists, sent))
         return grad_lists
 
     def update(self, batch_size: int, grads: Any = None) -> None:
@@ -250,8 +247,8 @@ class Trainer:
             )
 
     def _send_groups(self, grad_lists: list[list[Any]], sent: dict[int, Any]) -> list[Any]:
-        """Send every group's gradients that the hand-off has not sent yet; one handle per group
-        (the sum's, through collectives; the push's, through the store)."""
+        """Send every group's gradients that the hand-off has not sent yet; one handle per group,
+        done once its result is in place (see ``_send_group``)."""
         return [sent[g] if g in sent else self._send_group(g, grad_lists) for g in range(len(self._groups))]
 
     def _group_grads(self, g: int) -> list[list[Any]] | None:
@@ -266,12 +263,20 @@ class Trainer:
         return grads
 
     def _send_group(self, g: int, grad_lists: list[list[Any]]) -> Any:
-        """Send group ``g``'s gradients: sum them in place over every device and worker through the
-        collectives, or push them to the store."""
+        """Send group ``g``'s gradients; the handle of its result: the gradients summed in place
+        over every device and worker through the collectives, or pushed to the store and pulled
+        back (the new weights when the store runs the optimizer, else the summed gradients).
+
+        The pull leaves right after the push, so the result comes back while backprop goes on
+        (from the hand-off): a parameter's value is not read again in a backward pass once its
+        gradient is complete, and ``step`` waits for every result before it returns.
+        """
         indices, priority = self._groups[g]
         if self._coll is None:
-            return self._kv.push([self._params[i].name for i in indices], [grad_lists[i] for i in indices],
-                                 priority=priority)
+            names = [self._params[i].name for i in indices]
+            self._kv.push(names, [grad_lists[i] for i in indices], priority=priority)
+            outs = [self._params[i].list_data() if self._update_on_kvstore else grad_lists[i] for i in indices]
+            return self._kv.pull(names, out=outs, priority=priority, wait=False)
         firsts = []
         for i in indices:  # this worker's replicas are summed into the first one
             first = grad_lists[i][0]

@@ -20,7 +20,8 @@ docs/collectives.md describes the algorithms, the ordering and the failures.
 """
 
 from .base import Op, Topology, algorithm, algorithm_names, choose, register_algorithm
-from .engine import Engine, key_id_of
+from .engine import Engine
+from .tags import key_id_of
 from .wire import Desc
 
 __all__ = ["Engine", "Op", "Topology", "Desc", "algorithm", "algorithm_names", "choose", "register_algorithm",
