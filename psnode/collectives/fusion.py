@@ -29,7 +29,8 @@ def plan(nbytes: Sequence[int], dtypes: Sequence[Any], limit: int = DEFAULT_LIMI
     size = 0
     kind = None
     for i, (n, dtype) in enumerate(zip(nbytes, dtypes)):
-        dtype = np.dtype(dtype)
+        if type(dtype) is not np.dtype and not isinstance(dtype, np.dtype):
+            dtype = np.dtype(dtype)
         if limit <= 0 or n >= limit:
             if current:
                 groups.append(current)
@@ -73,10 +74,12 @@ class FusionBuffer:
 
     def unpack(self, outs: Sequence[Any]) -> None:
         """Copy the buffer's parts out into ``outs`` (arrays of the layout's sizes; device arrays too)."""
-        offsets, buffer = self.offsets, self.buffer
-        for i, out in enumerate(outs):
-            part = buffer[offsets[i]:offsets[i + 1]]
+        copyto, buffer, offsets = np.copyto, self.buffer, self.offsets
+        for out, start, stop in zip(outs, offsets, offsets[1:]):
+            part = buffer[start:stop]
+            if part.shape != out.shape:
+                part = part.reshape(out.shape)
             if type(out) is np.ndarray:
-                np.copyto(out, part.reshape(out.shape))
+                copyto(out, part)
             else:
-                devices.copy_into(out, part.reshape(out.shape))
+                devices.copy_into(out, part)
