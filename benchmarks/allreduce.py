@@ -53,7 +53,7 @@ def plan_of(quick: bool, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
     if quick:
         return {"sizes": list(sizes), "rounds": [3] * len(sizes), "warmup": 1, "latency_rounds": 30, "keys_rounds": 2}
     rounds = [20 if n <= 4 << 20 else 10 if n <= 16 << 20 else 6 for n in sizes]
-    return {"sizes": list(sizes), "rounds": rounds, "warmup": 2, "latency_rounds": 300, "keys_rounds": 5}
+    return {"sizes": list(sizes), "rounds": rounds, "warmup": 4, "latency_rounds": 300, "keys_rounds": 5}
 
 
 def _result(job: LocalJob, role: str, index: int) -> dict:
