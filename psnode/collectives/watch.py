@@ -141,7 +141,8 @@ class Watcher:
                         "for it: every worker must run the same collectives", "worker", rank, peer.host), tell=False)
 
     def _warn_stalled(self, now: float) -> None:
-        ops = [op for op in self.engine.ops_snapshot() if now - op.started > STALL and op.tag not in self._warned]
+        ops = [op for op in self.engine.ops_snapshot()
+               if now - op.started > STALL and op.tag not in self._warned and not op.future.done()]
         for op in ops:
             self._warned.add(op.tag)
             with op.lock:
