@@ -17,7 +17,9 @@ allreduce's latency, and (pslaunch) 1000 one-float keys pushed and pulled throug
 on ``dist_sync`` with 2 servers, 2 workers.
 
 Systems run back to back within each repetition in a rotating order, so that a noisy shared
-machine slows them alike; a ratio is the median of the per-repetition ratios. Every figure is
+machine slows them alike; a ratio is the median of the per-repetition ratios. Each bandwidth job
+also reports the CPU its workers spent per allreduce (user and system time of every thread,
+``getrusage``), which a shared machine moves far less than wall time. Every figure is
 checked (the sums are exact; the trained weights equal on every worker): a wrong one fails the
 job. The JSON (every repetition's figures) and a Markdown table go to ``benchmarks/results/``.
 Exit status: 0 when every job ran, 1 when one failed (the report says which), 2 for bad options.
@@ -122,6 +124,13 @@ def collective_rows(reps_by_ranks: dict[int, list[dict]], sizes: list[int]) -> l
                              "ours": _median(reps, system, measure), "base": _median(reps, "gloo", measure),
                              "unit": "B/s", "ratio": _ratio(reps, system, "gloo", measure), "target": f">= {target:g}x gloo",
                              "met": _met(_ratio(reps, system, "gloo", measure), target, higher=True)})
+        for nbytes in sizes:  # what each worker's process spent, every thread: steadier than wall time here
+            for system in ("pslaunch_tcp", "pslaunch_shm"):
+                ratio = _ratio(reps, system, "gloo", f"cpu_{nbytes}")
+                rows.append({"measure": f"CPU per {nbytes / (1 << 20):g} MiB allreduce and worker, {ranks} workers, "
+                                        f"{'TCP' if system.endswith('tcp') else 'same host'}",
+                             "ours": _median(reps, system, f"cpu_{nbytes}"), "base": _median(reps, "gloo", f"cpu_{nbytes}"),
+                             "unit": "ms", "ratio": ratio, "target": "(none; context)", "met": "-"})
         for system in ("pslaunch_tcp", "pslaunch_shm"):
             ratio = _ratio(reps, system, "gloo", "latency_4")
             rows.append({"measure": f"4-element allreduce, {ranks} workers, {'TCP' if system.endswith('tcp') else 'same host'}",

@@ -39,20 +39,21 @@ def main() -> int:
             value[:] = 1.0
             collectives.allreduce(value, key="bw")
 
-        times = timed(one, rounds, plan["warmup"], collectives.barrier)
+        times, cpu = timed(one, rounds, plan["warmup"], collectives.barrier)
         if not np.all(value == n):
             print(f"worker {rank}: allreduce of {nbytes} bytes gave {value[:4]}, expected {n}", file=sys.stderr)
             return 1
         median = statistics.median(times)
         measures[f"busbw_{nbytes}"] = {"median_s": median, "busbw": nbytes / median * 2 * (n - 1) / n,
                                        "rounds": rounds}
+        measures[f"cpu_{nbytes}"] = {"median_ms": cpu * 1e3, "rounds": rounds}
     small = np.ones(4, np.float32)
 
     def tiny() -> None:
         small[:] = 1.0
         collectives.allreduce(small, key="lat")
 
-    times = timed(tiny, plan["latency_rounds"], plan["warmup"] * 5, collectives.barrier)
+    times, _ = timed(tiny, plan["latency_rounds"], plan["warmup"] * 5, collectives.barrier)
     if not np.all(small == n):
         print(f"worker {rank}: 4-element allreduce gave {small}", file=sys.stderr)
         return 1
@@ -69,7 +70,7 @@ def main() -> int:
             kv.push(keys, values)
             kv.pull(keys, out=outs)
 
-        times = timed(round_trip, plan["keys_rounds"], 2, collectives.barrier)
+        times, _ = timed(round_trip, plan["keys_rounds"], 2, collectives.barrier)
         if not all(o[0] == n for o in outs):
             print(f"worker {rank}: {name} pulled {outs[0]}, expected {n}", file=sys.stderr)
             return 1

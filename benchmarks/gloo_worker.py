@@ -33,20 +33,21 @@ def main() -> int:
             value.fill_(1.0)
             dist.all_reduce(value)
 
-        times = timed(one, rounds, plan["warmup"], dist.barrier)
+        times, cpu = timed(one, rounds, plan["warmup"], dist.barrier)
         if not bool((value == n).all()):
             print(f"rank {rank}: gloo allreduce of {nbytes} bytes gave {value[:4]}", file=sys.stderr)
             return 1
         median = statistics.median(times)
         measures[f"busbw_{nbytes}"] = {"median_s": median, "busbw": nbytes / median * 2 * (n - 1) / n,
                                        "rounds": rounds}
+        measures[f"cpu_{nbytes}"] = {"median_ms": cpu * 1e3, "rounds": rounds}
     small = torch.ones(4, dtype=torch.float32)
 
     def tiny() -> None:
         small.fill_(1.0)
         dist.all_reduce(small)
 
-    times = timed(tiny, plan["latency_rounds"], plan["warmup"] * 5, dist.barrier)
+    times, _ = timed(tiny, plan["latency_rounds"], plan["warmup"] * 5, dist.barrier)
     measures["latency_4"] = {"median_us": statistics.median(times) * 1e6, "rounds": plan["latency_rounds"]}
     print("RESULT " + json.dumps({"rank": rank, "workers": n, "measures": measures}), flush=True)
     dist.destroy_process_group()

@@ -69,7 +69,8 @@ def run_train_job(system: str, log_dir: Path, timeout: float, quick: bool = Fals
             job.wait_ok(["worker"], timeout)
             results = [_result(job, "worker", i) for i in range(WORKERS)]
             result = next(r for r in results if r["rank"] == 0)
-    return {"ms_per_step": result["ms_per_step"], "params": result["params"]}
+    return {"ms_per_step": result["ms_per_step"], "cpu_ms_per_step": result["cpu_ms_per_step"],
+            "params": result["params"]}
 
 
 def train_rows(reps: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -84,6 +85,12 @@ def train_rows(reps: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "ours": statistics.median(ours) if ours else None, "base": statistics.median(base) if base else None,
                      "unit": "ms", "ratio": ratio, "target": f"<= {target:g}x DDP",
                      "met": "n/a" if ratio is None else "yes" if ratio <= target else "no"})
+        cpu = [r[system]["cpu_ms_per_step"] / r["ddp"]["cpu_ms_per_step"] for r in reps if r.get(system) and r.get("ddp")]
+        rows.append({"measure": f"CPU per training step of worker 0, {system.removeprefix('trainer_')} store",
+                     "ours": statistics.median([r[system]["cpu_ms_per_step"] for r in reps if r.get(system)] or [0]),
+                     "base": statistics.median([r["ddp"]["cpu_ms_per_step"] for r in reps if r.get("ddp")] or [0]),
+                     "unit": "ms", "ratio": statistics.median(cpu) if cpu else None, "target": "(none; context)",
+                     "met": "-"})
     return rows
 
 

@@ -4,7 +4,8 @@ The model and data are those of the DDP baseline the project compares with: an M
 ``IN -> H -> H -> H -> 10`` with ReLU (IN = 1024, H = 2048: about 10.5 M parameters, 42 MB of
 float32 gradients), a random batch of 32 samples per worker, cross-entropy, SGD. Each worker runs
 ``--warmup`` untimed steps, then ``--steps`` timed ones (zero the gradients, forward, backward,
-step), and prints ``RESULT {"ms_per_step": median, ...}``.
+step), and prints ``RESULT {"ms_per_step": median, "cpu_ms_per_step": ...}`` (the CPU this process
+spent per timed step, every thread).
 
 ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over gloo (torch's ``env://`` variables).
 ``trainer``: ``kvcore.Trainer`` over ``kvcore.create(--store)`` in a job the runner starts
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -77,10 +79,14 @@ def main() -> int:
 
     times = []
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         step()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_ms = ((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)) / len(times) * 1e3
     checksum = torch.tensor([float(sum(p.detach().double().sum() for p in model.parameters()))], dtype=torch.float64)
     if args.mode == "ddp":
         first = checksum.clone()
@@ -95,7 +101,7 @@ def main() -> int:
         return 1
     params = sum(p.numel() for p in model.parameters())
     print("RESULT " + json.dumps({"rank": rank, "workers": world, "params": params,
-                                  "ms_per_step": statistics.median(times) * 1e3}), flush=True)
+                                  "ms_per_step": statistics.median(times) * 1e3, "cpu_ms_per_step": cpu_ms}), flush=True)
     return 0
 
 

@@ -36,5 +36,5 @@ def test_a_quick_run_reports_every_collective_row_with_measured_figures(tmp_path
     report = json.loads(out.read_text())
     assert report["failures"] == []
     measures = [row["measure"] for row in report["rows"]]
-    assert len(measures) == 6, measures  # bus bandwidth, latency and the 1000 keys, each over TCP and one host
+    assert len(measures) == 8, measures  # bandwidth, CPU, latency and the 1000 keys, each over TCP and one host
     assert all(row["ratio"] is not None and row["ours"] > 0 and row["base"] > 0 for row in report["rows"]), report["rows"]
