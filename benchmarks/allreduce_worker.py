@@ -24,7 +24,7 @@ import numpy as np
 
 import kvcore
 from kvcore import collectives
-from timing import timed  # beside this script
+from timing import bandwidth_measures, timed  # beside this script
 
 
 def main() -> int:
@@ -43,10 +43,7 @@ def main() -> int:
         if not np.all(value == n):
             print(f"worker {rank}: allreduce of {nbytes} bytes gave {value[:4]}, expected {n}", file=sys.stderr)
             return 1
-        median = statistics.median(times)
-        measures[f"busbw_{nbytes}"] = {"median_s": median, "busbw": nbytes / median * 2 * (n - 1) / n,
-                                       "rounds": rounds}
-        measures[f"cpu_{nbytes}"] = {"median_ms": cpu * 1e3, "rounds": rounds}
+        measures.update(bandwidth_measures(nbytes, n, times, cpu))
     small = np.ones(4, np.float32)
 
     def tiny() -> None:

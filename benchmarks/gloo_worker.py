@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from timing import timed  # beside this script
+from timing import bandwidth_measures, timed  # beside this script
 
 
 def main() -> int:
@@ -37,10 +37,7 @@ def main() -> int:
         if not bool((value == n).all()):
             print(f"rank {rank}: gloo allreduce of {nbytes} bytes gave {value[:4]}", file=sys.stderr)
             return 1
-        median = statistics.median(times)
-        measures[f"busbw_{nbytes}"] = {"median_s": median, "busbw": nbytes / median * 2 * (n - 1) / n,
-                                       "rounds": rounds}
-        measures[f"cpu_{nbytes}"] = {"median_ms": cpu * 1e3, "rounds": rounds}
+        measures.update(bandwidth_measures(nbytes, n, times, cpu))
     small = torch.ones(4, dtype=torch.float32)
 
     def tiny() -> None:

@@ -7,10 +7,11 @@ their ``sys.path``); standard library only, so the gloo worker needs nothing of 
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 from typing import Callable
 
-__all__ = ["timed"]
+__all__ = ["timed", "bandwidth_measures"]
 
 
 def timed(call: Callable[[], None], rounds: int, warmup: int, barrier: Callable[[], None]) -> tuple[list[float], float]:
@@ -32,3 +33,12 @@ def timed(call: Callable[[], None], rounds: int, warmup: int, barrier: Callable[
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return times, cpu / max(1, rounds)
+
+
+def bandwidth_measures(nbytes: int, workers: int, times: list[float], cpu: float) -> dict[str, dict]:
+    """The two measures of one size: ``busbw_<nbytes>`` (the median call and the bus bandwidth,
+    ``bytes / t * 2 (n - 1) / n``, NCCL's and gloo's convention) and ``cpu_<nbytes>`` (ms per call)."""
+    median = statistics.median(times)
+    return {f"busbw_{nbytes}": {"median_s": median, "busbw": nbytes / median * 2 * (workers - 1) / workers,
+                                "rounds": len(times)},
+            f"cpu_{nbytes}": {"median_ms": cpu * 1e3, "rounds": len(times)}}
