@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import devices
-from ..errors import ClosedError, MismatchError, NodeTimeoutError, ProtocolError, PSNodeError
+from ..errors import ClosedError, MismatchError, NodeTimeoutError, PeerDiedError, ProtocolError, PSNodeError
 from ..log import logger
 from ..futures import chain
 from ..membership import PeerInfo, endpoint_of
@@ -257,7 +257,7 @@ class Engine:
                         break
                     self._feed(op, src, record, data)
             except PSNodeError as exc:
-                self.abort(op, exc, tell=not isinstance(exc, ClosedError))
+                self.abort(op, exc, tell=not isinstance(exc, (ClosedError, PeerDiedError)))
             except Exception as exc:  # a bug must fail the op, not leave every worker waiting
                 self.abort(op, PSNodeError(f"{op.describe()} failed on worker {self.rank}: {type(exc).__name__}: {exc}"))
             self._drop_if_finished(op)
@@ -293,8 +293,8 @@ class Engine:
                 return
             try:
                 self._feed(op, src, record, data)
-            except PSNodeError as exc:
-                self.abort(op, exc)
+            except PSNodeError as exc:  # a death is announced to every worker by the scheduler
+                self.abort(op, exc, tell=not isinstance(exc, PeerDiedError))
             except Exception as exc:
                 self.abort(op, PSNodeError(f"{op.describe()} failed on worker {self.rank}: {type(exc).__name__}: {exc}"))
         self._drop_if_finished(op)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import shm
-from ..errors import ProtocolError
+from ..errors import PeerDiedError, ProtocolError
 from .base import Op, Tag, slices
 from .ring import RingState
 from .wire import Desc, Kind, Record
@@ -79,6 +79,7 @@ class SharedRegions:
         Raises:
             ProtocolError: ``ref`` is not an anonymous collectives region of ``nbytes`` or more, or it
                 cannot be mapped (naming the worker and why).
+            PeerDiedError: the process that made it is gone.
         """
         pid, fd = shm.decode(ref)
         path = f"/proc/{pid}/fd/{fd}"
@@ -92,6 +93,10 @@ class SharedRegions:
                 raise ProtocolError(f"worker {src}'s shared-memory region {path} is smaller than {nbytes} bytes")
             return view
         except OSError as exc:
+            if not os.path.exists(f"/proc/{pid}"):  # the process is gone: the scheduler will say so too
+                host = self.workers[src].host if 0 <= src < len(self.workers) else ""
+                raise PeerDiedError(f"worker {src} (pid {pid}) died or was killed: its shared-memory region is gone",
+                                    "worker", src, host) from exc
             raise ProtocolError(
                 f"worker {src}'s shared-memory region {path} cannot be mapped here ({exc}); if this host does not "
                 "let processes map each other's memory, set PSLAUNCH_SAME_HOST=ipc") from exc

@@ -25,7 +25,10 @@ from .base import Op, Tag
 __all__ = ["Watcher", "STALL", "LEFT_GRACE"]
 
 STALL = 60.0  # seconds an op may wait before a warning names what it waits for
-LEFT_GRACE = 1.0  # seconds a finished worker's last messages get to arrive before ops waiting for it fail
+# Seconds a finished worker's last messages get before ops still waiting for it fail. Its messages
+# left before it finished, but on a loaded machine the receiving thread may not have read them yet:
+# a worker that leaves early is a program's error, so this errs on the side of waiting.
+LEFT_GRACE = 5.0
 _TICK = 0.05
 
 
