@@ -93,13 +93,23 @@ class SharedRegions:
                 raise ProtocolError(f"worker {src}'s shared-memory region {path} is smaller than {nbytes} bytes")
             return view
         except OSError as exc:
-            if not os.path.exists(f"/proc/{pid}"):  # the process is gone: the scheduler will say so too
+            if _process_gone(pid):  # the process died: the scheduler will say so too
                 host = self.workers[src].host if 0 <= src < len(self.workers) else ""
                 raise PeerDiedError(f"worker {src} (pid {pid}) died or was killed: its shared-memory region is gone",
                                     "worker", src, host) from exc
             raise ProtocolError(
                 f"worker {src}'s shared-memory region {path} cannot be mapped here ({exc}); if this host does not "
                 "let processes map each other's memory, set PSLAUNCH_SAME_HOST=ipc") from exc
+
+
+def _process_gone(pid: int) -> bool:
+    """True when process ``pid`` no longer runs (gone, or a zombie not reaped yet: its descriptors are)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[-1].split()[:1]
+    except OSError:
+        return True
+    return state in ([b"Z"], [b"X"])
 
 
 class LocalPhase:

@@ -274,6 +274,21 @@ def test_a_peer_region_that_is_not_a_collectives_region_is_refused(tmp_path):
         os.close(fd)
     with pytest.raises(ProtocolError, match="cannot be mapped"):
         regions.view(1, (os.getpid() << 32) | 999_999, 8)
+    import signal
+    import subprocess
+
+    dead = subprocess.Popen(["sleep", "30"])
+    try:
+        os.kill(dead.pid, signal.SIGKILL)
+        dead_ref = (dead.pid << 32) | 3
+        deadline = time.monotonic() + 5
+        while not open(f"/proc/{dead.pid}/stat").read().rsplit(")", 1)[-1].split()[0] == "Z":
+            assert time.monotonic() < deadline, "the killed process did not become a zombie"
+            time.sleep(0.01)
+        with pytest.raises(PeerDiedError, match=f"worker 1 \\(pid {dead.pid}\\) died"):  # killed, not reaped yet
+            regions.view(1, dead_ref, 8)
+    finally:
+        dead.wait()
     mine = regions.take(16)
     with pytest.raises(ProtocolError, match="smaller than"):
         regions.view(1, mine.ref, mine.nbytes + 1)
