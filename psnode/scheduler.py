@@ -24,6 +24,7 @@ from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeo
 from .log import logger, setup_logging
 from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
+from .rendezvous import Rendezvous
 from .security import secure_or_loopback
 from .transport import Transport, node_transport
 
@@ -166,6 +167,7 @@ class Scheduler:
         self.fingerprint = host_fingerprint()
         self.roster = Roster(env.num_workers, env.num_servers, env.job_id, env.root_port)
         self.barriers = Barriers()
+        self.rendezvous = Rendezvous()
         self.malformed = 0
         self._last_check = 0.0  # when _check_alive last ran
 
@@ -266,6 +268,8 @@ class Scheduler:
             self._barrier(sender, member, req_id, arg, frames)
         elif cmd == Cmd.FINISH:
             self._finished(sender, member, req_id)
+        elif cmd in (Cmd.RDV_SET, Cmd.RDV_GET):
+            self._rendezvous(sender, cmd, req_id, frames)
         elif cmd == Cmd.NODE_DIED:
             try:
                 body = unpack_json(frames[1]) if len(frames) > 1 else {}
@@ -276,12 +280,33 @@ class Scheduler:
         elif cmd != Cmd.REGISTER:  # a repeated registration is harmless
             self.malformed += 1
 
+    def _rendezvous(self, sender: bytes, cmd: int, req_id: int, frames: list) -> None:
+        """Set a rendezvous value (answering who waited for it) or answer / park a request for one."""
+        try:
+            body = unpack_json(frames[1]) if len(frames) > 1 else None
+            if cmd == Cmd.RDV_SET:
+                value, answer = self.rendezvous.set(body)
+                answer.append((sender, req_id))
+            else:
+                value = self.rendezvous.get(sender, req_id, body)
+                if value is None:
+                    return
+                answer = [(sender, req_id)]
+        except ProtocolError as exc:
+            self.malformed += 1
+            self.transport.send(sender, [pack_header(Cmd.RDV_VALUE, req_id, flags=FLAG_ERROR), pack_json({"error": str(exc)})])
+            return
+        for uid, rid in answer:
+            self.transport.send(uid, [pack_header(Cmd.RDV_VALUE, rid), pack_json({"value": value})])
+
     def _finished(self, sender: bytes, member: Member, req_id: int) -> None:
         member.finished = True
         self.transport.send(sender, [pack_header(Cmd.FINISH_ACK, req_id)])
         note = pack_json({"rank": member.peer.rank, "node": member.peer.describe()})
-        for uid in self.roster.of_roles(("server",)):  # rounds that still wait for this worker can never close
-            self.transport.send(uid, [pack_header(Cmd.WORKER_FINISHED), note])
+        # servers: rounds that still wait for this worker can never close; workers: nor can collectives
+        for uid in self.roster.of_roles(("server", "worker")):
+            if uid != sender and not self.roster.members[uid].finished:
+                self.transport.send(uid, [pack_header(Cmd.WORKER_FINISHED), note])
         logger.info("scheduler: %s finished", member.peer.describe())
         self._fail_blocked_barriers()
 
