@@ -56,11 +56,14 @@ from psnode.worker import WorkerNode
 
 from . import arrays
 from .dist_errors import runtime_errors, translate
-from .errors import DistributedError, DistTimeoutError, KVTimeoutError, NodeDiedError, OptimizerError, ServerError
+from .errors import (
+    DistributedError, DistTimeoutError, DTypeMismatchError, KVTimeoutError, NodeDiedError, OptimizerError, ServerError,
+    ShapeMismatchError,
+)
 from .handles import Handle, LazyHandle
 from .optim.base import Optimizer, Updater
 from .sharding import KeyLayout, layout
-from .store_base import KVStoreBase
+from .store_base import KeyMeta, KVStoreBase
 
 __all__ = ["DistKVStore", "create", "worker_node"]
 
@@ -134,6 +137,7 @@ class DistKVStore(KVStoreBase):
         self._whole: dict[Hashable, tuple[int, int]] = {}  # key -> (server, key id) for unsplit keys
         self._has_updater = False
         self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
+        self._restored: dict[Hashable, KeyMeta] = {}  # keys of the checkpoint restored (kvcore.elastic)
 
     # ---- job facts --------------------------------------------------------------------------
     @property
@@ -253,14 +257,24 @@ class DistKVStore(KVStoreBase):
         return target
 
     # ---- hooks ----------------------------------------------------------------------------
+    def _layout_for(self, key: Hashable, shape: tuple[int, ...], dtype: Any) -> KeyLayout:
+        """Where ``key`` lives on the servers (its layout once initialised, else the one it would get)."""
+        known = self._layouts.get(key)
+        if known is not None:
+            return known
+        dtype = np.dtype(dtype)
+        # compressed pushes are split on whole words (as MXNet splits them); init itself is not compressed
+        word = values_per_word(self._compression.params.type) if self._compression and dtype == np.float32 else 1
+        return layout(key, tuple(shape), dtype, self.num_servers, self._worker.env.bigarray_bound, word)
+
     def _init_keys(self, pairs: list[tuple[Hashable, Any]]) -> None:
-        env = self._worker.env
-        layouts = []
-        for key, value in pairs:
-            dtype = np.dtype(value.dtype)
-            # compressed pushes are split on whole words (as MXNet splits them); init itself is not compressed
-            word = values_per_word(self._compression.params.type) if self._compression and dtype == np.float32 else 1
-            layouts.append(layout(key, tuple(value.shape), dtype, self.num_servers, env.bigarray_bound, word))
+        for key, value in pairs:  # a restored key keeps the checkpoint's value: it must fit (every rank checks)
+            meta = self._restored.get(key)
+            if meta is not None and (tuple(value.shape) != meta.shape or np.dtype(value.dtype) != meta.dtype):
+                kind = ShapeMismatchError if tuple(value.shape) != meta.shape else DTypeMismatchError
+                raise kind(f"key {key!r} is initialised with shape {tuple(value.shape)} and dtype {np.dtype(value.dtype)}, "
+                           f"but the checkpoint restored holds shape {meta.shape} and dtype {meta.dtype} for it")
+        layouts = [self._layout_for(key, tuple(value.shape), value.dtype) for key, value in pairs]
         refusal = None
         if self.rank == 0:
             parts = []

@@ -17,6 +17,7 @@ The tree::
     └── DistributedError           the distributed runtime failed (the psnode error is its __cause__)
         ├── NodeDiedError          a node of the job died or left: .role, .rank, .host name it
         ├── ServerError            a server refused or failed a request (e.g. the updater raised)
+        ├── CheckpointError        a checkpoint could not be committed or restored (kvcore.elastic)
         └── DistTimeoutError       a wait on the runtime timed out (also a KVTimeoutError)
 
 Every message names the key and the values involved. The runtime's own errors (``psnode.errors``)
@@ -41,6 +42,7 @@ __all__ = [
     "DistributedError",
     "NodeDiedError",
     "ServerError",
+    "CheckpointError",
     "DistTimeoutError",
 ]
 
@@ -112,6 +114,11 @@ class NodeDiedError(DistributedError):
 
 class ServerError(DistributedError):
     """A server refused or failed a request; the message is the server's."""
+
+
+class CheckpointError(DistributedError):
+    """``kvcore.elastic.State.commit`` or ``restore`` failed; the message says which checkpoint and why
+    (every worker raises the same one)."""
 
 
 class DistTimeoutError(DistributedError, KVTimeoutError):

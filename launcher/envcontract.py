@@ -37,6 +37,10 @@ __all__ = [
     "PSLAUNCH_TRANSPORT",
     "PSLAUNCH_ENCRYPT",
     "PSLAUNCH_BIND_ALL",
+    "PSLAUNCH_CHECKPOINT_DIR",
+    "PSLAUNCH_RESTART_SCOPE",
+    "PSLAUNCH_RESTART_COUNT",
+    "RESTART_SCOPES",
     "PSLAUNCH_JOB_KEY",
     "PSLAUNCH_JOB_KEY_FILE",
     "new_job_key",
@@ -76,6 +80,14 @@ PSLAUNCH_BIGARRAY_BOUND = "PSLAUNCH_BIGARRAY_BOUND"
 PSLAUNCH_TRANSPORT = "PSLAUNCH_TRANSPORT"
 PSLAUNCH_ENCRYPT = "PSLAUNCH_ENCRYPT"
 PSLAUNCH_BIND_ALL = "PSLAUNCH_BIND_ALL"
+#: Where servers write checkpoints (``kvcore.elastic.State.commit``); absolute.
+PSLAUNCH_CHECKPOINT_DIR = "PSLAUNCH_CHECKPOINT_DIR"
+#: ``job`` or ``worker``: what pslaunch restarts after a failure (``worker``: a failed worker alone).
+PSLAUNCH_RESTART_SCOPE = "PSLAUNCH_RESTART_SCOPE"
+#: How many times pslaunch restarted the job (or this worker) before this start: 0 on the first.
+PSLAUNCH_RESTART_COUNT = "PSLAUNCH_RESTART_COUNT"
+#: The values ``PSLAUNCH_RESTART_SCOPE`` takes.
+RESTART_SCOPES = ("job", "worker")
 #: The job's secret: passed like a secret ``--env`` value (never in a plan's printed environment).
 PSLAUNCH_JOB_KEY = "PSLAUNCH_JOB_KEY"
 PSLAUNCH_JOB_KEY_FILE = "PSLAUNCH_JOB_KEY_FILE"
@@ -92,6 +104,8 @@ SETTINGS = (
     PSLAUNCH_TRANSPORT,
     PSLAUNCH_ENCRYPT,
     PSLAUNCH_BIND_ALL,
+    PSLAUNCH_CHECKPOINT_DIR,
+    PSLAUNCH_RESTART_SCOPE,
 )
 PSLAUNCH_SUPERVISED = "PSLAUNCH_SUPERVISED"
 
@@ -121,6 +135,7 @@ WRITTEN = REQUIRED + (
     PSLAUNCH_LOCAL_SIZE,
     PSLAUNCH_RANK,
     PSLAUNCH_SUPERVISED,
+    PSLAUNCH_RESTART_COUNT,
     DMLC_WORKER_ID,
     PSLAUNCH_JOB_KEY,
 ) + SETTINGS
@@ -150,14 +165,16 @@ def contract_env(
     verbose: int = 0,
     fixed_rank: bool = True,
     supervised: bool = True,
+    restart_count: int = 0,
     settings: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Return the contract variables of one process as a new ``{name: value}`` dict of strings.
 
     ``fixed_rank``: a worker's runtime rank is ``rank`` (``DMLC_WORKER_ID``); False leaves it to the
     scheduler. ``supervised``: pslaunch watches the process (``PSLAUNCH_SUPERVISED``); False for a job
-    started as by hand (the test kit). ``settings``: values for names of ``SETTINGS`` (heartbeats,
-    same-host path ...).
+    started as by hand (the test kit). ``restart_count``: how many restarts came before this start
+    (``PSLAUNCH_RESTART_COUNT``). ``settings``: values for names of ``SETTINGS`` (heartbeats,
+    same-host path, checkpoint directory ...).
 
     Pure: reads nothing from the caller's own environment. Raises ``ValueError`` for a role outside
     ``ROLES`` or a setting outside ``SETTINGS`` (naming it).
@@ -177,6 +194,7 @@ def contract_env(
         PSLAUNCH_RANK: str(rank),
         PSLAUNCH_LOCAL_RANK: str(local_rank),
         PSLAUNCH_LOCAL_SIZE: str(local_size),
+        PSLAUNCH_RESTART_COUNT: str(restart_count),
     }
     if supervised:
         env[PSLAUNCH_SUPERVISED] = "1"

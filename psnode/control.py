@@ -179,6 +179,18 @@ class SchedulerLink:
             self.send(Cmd.HEARTBEAT)
         return self._next_heartbeat
 
+    def beat(self) -> None:
+        """Between chunks of long work on the receiving thread (a checkpoint's files): send a heartbeat
+        when one is due. Nothing is received meanwhile, so the time is not counted as the scheduler's
+        silence."""
+        now = time.monotonic()
+        self._last_heard += now - self._last_tick
+        self._last_tick = now
+        interval = self.env.heartbeat_interval
+        if interval > 0 and now >= self._next_heartbeat and self.failure.error is None:
+            self._next_heartbeat = now + interval
+            self.send(Cmd.HEARTBEAT)
+
     def heard(self) -> None:
         """The scheduler just sent something: it is alive."""
         self._last_heard = time.monotonic()

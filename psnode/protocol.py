@@ -14,7 +14,7 @@ Data commands (push, pull, rows) carry a meta frame: a packed array of ``ENTRY``
 key part, that says where its bytes lie in which data frame (64-bit offsets and lengths, so no
 32-bit size limit) and how they are encoded (``codec``: ``psnode.codecs``; ``raw`` is 0). Data frames are the arrays' raw bytes, sent and received without copies and
 read with ``numpy.frombuffer``. Control commands (register, address book, errors, init) carry one
-JSON frame. Nothing on the wire is pickled except the updater a worker ships with ``set_updater``
+JSON frame (a checkpoint request and its reply too). Nothing on the wire is pickled except the updater a worker ships with ``set_updater``
 (a control message, only ever unpickled by a server of the same job).
 
 The small round trip has two single-frame commands whose header frame carries the whole message
@@ -111,6 +111,8 @@ class Cmd(enum.IntEnum):
     VALUE = 31  # compact: req_id = the pull's, arg = the part's index in it; the value
     SET_CODEC = 32  # JSON {"codec": id, "params": {...}}: a codec's parameters (a threshold), before its pushes
     SET_CODEC_ACK = 33
+    CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server_checkpoint
+    CHECKPOINT_REPLY = 35  # JSON: the operation's result
 
 
 class Group(enum.IntEnum):

@@ -114,6 +114,12 @@ class ServerStore:
         self.shards: dict[int, Shard] = {}
         self.updater: Any = None
         self.finished: dict[int, str] = {}  # workers that left the job: rank -> description
+        # From a checkpoint (``server_checkpoint``): values of keys not initialised yet (key id ->
+        # (user key, flat value)), the key ids whose value came from one, and optimizer state no
+        # updater has taken yet.
+        self.pending: dict[int, tuple[Hashable, np.ndarray]] = {}
+        self.restored: set[int] = set()
+        self.restored_state: dict | None = None
 
     # ---- init / updater ------------------------------------------------------------------
     def init(self, key_id: int, user_key: Hashable, value: np.ndarray, sync: bool, row_size: int) -> None:
@@ -124,19 +130,52 @@ class ServerStore:
         """
         if key_id in self.shards:
             raise RequestRefused(f"key {user_key!r} is already initialised on this server")
+        restored = self.pending.get(key_id)
+        if restored is not None:  # the checkpoint's value wins over the initial one
+            if restored[0] != user_key or restored[1].dtype != value.dtype or restored[1].size != value.size:
+                raise RequestRefused(
+                    f"key {user_key!r} is initialised with {value.size} values of {value.dtype} (shape "
+                    f"{tuple(value.shape)}), but the checkpoint restored {restored[1].size} values of "
+                    f"{restored[1].dtype} of key {restored[0]!r} for it")
+            value = restored[1].reshape(value.shape)
+            del self.pending[key_id]
+            self.restored.add(key_id)
         memory = self.memory
         stored = memory.place(value.reshape(-1))  # kept flat; the updater gets ``shape`` views
         quorum = self.num_workers if sync else 1
         round_ = Round(self.num_workers, quorum, memory, memory.empty_like(stored))
         shard = Shard(key_id, user_key, tuple(value.shape), stored, round_, sync, row_size)
         self.shards[key_id] = shard
-        init_key = getattr(self.updater, "init_key", None)
-        if init_key is not None:
-            with memory.context():
-                init_key(user_key, shard.stored.reshape(shard.shape))
+        self._announce(shard)
+
+    def _announce(self, shard: Shard) -> None:
+        """Tell the updater of a key it holds now: ``init_key``, or ``restore_key`` for a restored one
+        (which must keep its value)."""
+        name = "restore_key" if shard.key_id in self.restored else "init_key"
+        announce = getattr(self.updater, name, None)
+        if announce is not None:
+            with self.memory.context():
+                announce(shard.user_key, shard.stored.reshape(shard.shape))
+
+    def take_restored_state(self, state: dict | None) -> None:
+        """Optimizer state from a checkpoint: loaded into the updater now if it can take it
+        (``load_state_dict``), else kept for the updater that arrives next."""
+        if state is None:
+            return
+        load = getattr(self.updater, "load_state_dict", None)
+        if load is None:
+            self.restored_state = state
+            return
+        self.restored_state = None
+        try:
+            with self.memory.context():
+                load(state)
+        except Exception as exc:  # the user's code
+            raise RequestRefused(f"the updater's load_state_dict() raised {type(exc).__name__}: {exc}") from exc
 
     def set_updater(self, updater: Any) -> None:
-        """Install ``updater(key, merged, stored)``; call its ``init_key`` for keys that already exist.
+        """Install ``updater(key, merged, stored)``; call its ``init_key`` (``restore_key``) for keys that
+        already exist, and give it the restored optimizer state it can take.
 
         Raises:
             RequestRefused: ``updater`` is not callable.
@@ -144,11 +183,9 @@ class ServerStore:
         if not callable(updater):
             raise RequestRefused(f"the updater must be callable, got {type(updater).__name__}")
         self.updater = updater
-        init_key = getattr(updater, "init_key", None)
-        if init_key is not None:
-            with self.memory.context():
-                for shard in self.shards.values():
-                    init_key(shard.user_key, shard.stored.reshape(shard.shape))
+        for shard in self.shards.values():
+            self._announce(shard)
+        self.take_restored_state(self.restored_state)
 
     def shard(self, key_id: int) -> Shard:
         """The shard of ``key_id``.
