@@ -44,6 +44,7 @@ __all__ = [
     "PSLAUNCH_JOB_KEY",
     "PSLAUNCH_JOB_KEY_FILE",
     "new_job_key",
+    "with_restart_count",
     "SETTINGS",
     "PSLAUNCH_SUPERVISED",
     "EXIT_PEER_FAILED",
@@ -139,6 +140,13 @@ WRITTEN = REQUIRED + (
     DMLC_WORKER_ID,
     PSLAUNCH_JOB_KEY,
 ) + SETTINGS
+
+
+def with_restart_count(env: Mapping[str, str], count: int) -> dict[str, str]:
+    """A copy of one process's contract ``env`` for its start after ``count`` restarts of the job."""
+    out = dict(env)
+    out[PSLAUNCH_RESTART_COUNT] = str(count)
+    return out
 
 
 def new_job_key() -> str:
