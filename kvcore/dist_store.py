@@ -26,6 +26,9 @@ Semantics (MXNet's dist KVStore):
   split across the servers, and the updater then sees flat 1-D shards of them. Optimizer states live
   on the servers.
 - ``priority``: higher goes first when sends queue up.
+- A worker pslaunch started again alone (``--restart-scope worker``, ``dist_async`` only) joins the
+  running job with its rank: its ``init``, ``set_optimizer`` and ``set_gradient_compression`` only
+  set it up locally (the servers hold the keys, the optimizer and its state), and it goes on pushing.
 - ``set_gradient_compression(params)`` (every worker calls it; rank 0 sends the threshold to every
   server, at full float32 precision; all return after a barrier): from then on each worker
   quantizes a key's value after its local reduce, with a residual per (key, part), and pushes the
@@ -129,6 +132,11 @@ class DistKVStore(KVStoreBase):
     def __init__(self, store_type: str) -> None:
         super().__init__(store_type)
         self._worker = worker_node()
+        if self._worker.env.restart_scope == "worker" and store_type != "dist_async":
+            raise DistributedError(
+                f"{store_type} cannot run under --restart-scope worker (PSLAUNCH_RESTART_SCOPE=worker): a worker "
+                "started again alone cannot rejoin a synchronous round exactly (the servers cannot tell which of its "
+                "pushes the open rounds hold); use dist_async, or --restart-scope job")
         self._sync = store_type != "dist_async"
         self._merge_on_device = store_type == "dist_device_sync"
         self._merge_buffers: dict[Hashable, Any] = {}  # dist_device_sync: key -> its sum's buffer on the GPU
@@ -192,9 +200,10 @@ class DistKVStore(KVStoreBase):
                 f"the updater {updater!r} cannot be pickled, so it cannot run on the servers: {exc}; "
                 "use a module-level class or function"
             ) from exc
-        if self.rank == 0:
-            self._wait(self._worker.set_updater(updater))
-        self.barrier()
+        if not self._worker.rejoined:  # a restarted worker: the servers hold the updater and its state
+            if self.rank == 0:
+                self._wait(self._worker.set_updater(updater))
+            self.barrier()
         self._updater = updater
         self._has_updater = True
 
@@ -216,6 +225,8 @@ class DistKVStore(KVStoreBase):
         """
         super().set_gradient_compression(compression_params)
         params = self._compression.params
+        if self._worker.rejoined:  # a restarted worker: the servers have the parameters
+            return
         self._call(self._worker.wait_pushes)
         self.barrier()  # no push encoded with the old parameters is still on its way to a server
         if self.rank == 0:
@@ -275,6 +286,9 @@ class DistKVStore(KVStoreBase):
                 raise kind(f"key {key!r} is initialised with shape {tuple(value.shape)} and dtype {np.dtype(value.dtype)}, "
                            f"but the checkpoint restored holds shape {meta.shape} and dtype {meta.dtype} for it")
         layouts = [self._layout_for(key, tuple(value.shape), value.dtype) for key, value in pairs]
+        if self._worker.rejoined:  # a restarted worker: the servers hold the keys, with the job's progress
+            self._take_layouts(layouts)
+            return
         refusal = None
         if self.rank == 0:
             parts = []
@@ -291,6 +305,9 @@ class DistKVStore(KVStoreBase):
             notes = self._worker.barrier(Group.WORKERS, note=refusal)
         for note in notes:
             raise _error_of(note)
+        self._take_layouts(layouts)
+
+    def _take_layouts(self, layouts: list[KeyLayout]) -> None:
         for lay in layouts:
             self._layouts[lay.key] = lay
             if not lay.split:

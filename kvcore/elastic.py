@@ -21,6 +21,9 @@ number of servers gets the keys re-sharded. Checkpoints live in ``PSLAUNCH_CHECK
 (``pslaunch --checkpoint-dir DIR``); without one, ``restore`` finds nothing and ``commit`` keeps
 nothing (with a warning). Details: docs/checkpoints.md.
 
+A worker pslaunch restarted alone (``--restart-scope worker``, ``dist_async``) restores only the
+scalars of the newest checkpoint: the servers, which never stopped, hold newer values.
+
 ``State`` works with a ``dist_sync`` / ``dist_async`` / ``dist_device_sync`` KVStore and with a
 'dist' shared model (``create_shared_model('dist')``, after ``model.init(devices)``; call
 ``restore()`` before ``init_key``, so that the keys start from the checkpoint).
@@ -105,6 +108,16 @@ class State:
         kv, worker = self._kv, self._kv._worker
         if worker.env.checkpoint_dir is None:
             return False
+        if worker.rejoined:  # restarted alone: the servers hold newer values; only the scalars come back
+            newest = self._ask(0, {"op": "scan"}).get("newest")
+            if newest is None:
+                return False
+            manifest = self._ask(0, {"op": "read", "id": newest})["manifest"]
+            for name, value in manifest["scalars"].items():
+                if name in self._names:
+                    setattr(self, name, value)
+            self.checkpoint_id = newest
+            return True
         with runtime_errors():
             worker.wait_pushes()
         note = None

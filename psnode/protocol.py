@@ -97,6 +97,7 @@ class Cmd(enum.IntEnum):
     SHUTDOWN_ACK = 11
     NODE_DIED = 12
     WORKER_FINISHED = 13
+    WORKER_REJOINED = 14  # scheduler -> servers, JSON {"old": uid, "node": record}: a restarted worker's new address
     INIT = 20
     INIT_ACK = 21
     PUSH = 22

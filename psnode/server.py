@@ -54,7 +54,8 @@ class ServerNode:
         self.store = ServerStore(env.num_workers, memory)
         self.codecs = CodecTable()
         self.attached = shm.Attachments(shm.job_tag(env.job_id))
-        self.conn = Connection(env, "server", self._handle, transport, on_worker_finished=self._worker_finished)
+        self.conn = Connection(env, "server", self._handle, transport, on_worker_finished=self._worker_finished,
+                               on_worker_rejoined=self._worker_rejoined)
         self.replies = Replies(self.conn.transport, self.conn.members, memory, self.attached)
         self.conn.serve_with(after_batch=self.replies.after_batch, deferred=self.replies)
         self.groups = Groups(self.store, self.replies)
@@ -356,6 +357,14 @@ class ServerNode:
         self.replies.send_to(peer.rank, [pack_header(Cmd.ROWS_REPLY, req_id), pack_entries(out_entries), payload])
 
     # ---- the job -----------------------------------------------------------------------------
+    def _worker_rejoined(self, rank: int) -> None:
+        """A restarted worker took rank ``rank`` back (``PSLAUNCH_RESTART_SCOPE=worker``, dist_async): it
+        counts its pushes from zero, and nothing owed to its predecessor is sent to it."""
+        self.store.worker_rejoined(rank)
+        for group in self.groups.by_keys.values():
+            group.round.received[rank] = 0
+        self.replies.forget_worker(rank)
+
     def _worker_finished(self, rank: int, node: str) -> None:
         """Fail the pulls that wait for a round this worker will never push to (instead of hanging)."""
         store = self.store

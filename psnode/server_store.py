@@ -187,6 +187,14 @@ class ServerStore:
             self._announce(shard)
         self.take_restored_state(self.restored_state)
 
+    def worker_rejoined(self, rank: int) -> None:
+        """Worker ``rank`` was started again: it counts its pushes from zero. Its predecessor's pushes
+        were applied on arrival (dist_async, where every round is one push), so none is pending."""
+        self.finished.pop(rank, None)
+        for shard in self.shards.values():
+            shard.round.received[rank] = 0
+            shard.round.waiting = [w for w in shard.round.waiting if w[0] != rank]
+
     def shard(self, key_id: int) -> Shard:
         """The shard of ``key_id``.
 

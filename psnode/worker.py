@@ -162,6 +162,12 @@ class WorkerNode:
         return self.conn.members.servers
 
     @property
+    def rejoined(self) -> bool:
+        """True when this worker took the rank of one that died (``PSLAUNCH_RESTART_SCOPE=worker``): the
+        others passed the job's set-up long ago, so it joins no set-up collective (``kvcore``)."""
+        return self.conn.members.rejoined
+
+    @property
     def failure(self) -> BaseException | None:
         """Why the node failed, or None."""
         return self.conn.failure.error
