@@ -4,8 +4,9 @@ Usage: resume_train.py OUTDIR. Keys: a small one, a big one split across the ser
 (PSLAUNCH_BIGARRAY_BOUND below its size), an embedding table. The optimizer is SGD with momentum
 (state on the servers). Each step every worker pushes a gradient computed from the weights it
 pulled, rounded to multiples of 1/64 so that any order of summing gives the same bits; the weights
-after the last step are written by worker 0 to OUTDIR/final.npz, the step it resumed from to
-OUTDIR/resumed.<attempt>.<rank>.
+after the last step are written by worker 0 to OUTDIR/final.npz, the step it resumed from and the checkpoint's id to
+OUTDIR/resumed.<attempt>.<rank>, and what the checkpoint directory held then to
+OUTDIR/listing.<attempt>.json.
 
 Faults, each on attempt $FAULT_ATTEMPT only (PSLAUNCH_RESTART_COUNT; "any": every attempt), at step
 $FAULT_STEP, by worker $FAULT_RANK:
@@ -16,6 +17,7 @@ $FAULT_STEP, by worker $FAULT_RANK:
                      servers wrote their files and before the manifest (a torn checkpoint)
 """
 
+import json
 import os
 import signal
 import sys
@@ -44,6 +46,10 @@ state = kvcore.elastic.State(kv, step=0, note="start")
 state.restore()
 with open(os.path.join(out, f"resumed.{attempt}.{kv.rank}"), "w") as fh:
     fh.write(f"{state.step} {state.checkpoint_id}\n")
+ckpt_dir = os.environ.get("PSLAUNCH_CHECKPOINT_DIR")
+if kv.rank == 0 and ckpt_dir and os.path.isdir(ckpt_dir):  # what the restore saw, for the test
+    with open(os.path.join(out, f"listing.{attempt}.json"), "w") as fh:
+        json.dump({d: sorted(os.listdir(os.path.join(ckpt_dir, d))) for d in sorted(os.listdir(ckpt_dir))}, fh)
 
 if fault == "torn" and fault_here and kv.rank == 0:
     ask = kv._worker.checkpoint
