@@ -7,7 +7,8 @@ A job's checkpoint directory (``PSLAUNCH_CHECKPOINT_DIR``) holds one directory p
     ckpt-00000007/MANIFEST.json          written last, by server 0: the checkpoint is complete
 
 Every file is written to a temporary name in the same directory, flushed to disk (``fsync``) and
-renamed into place, so a file under its final name is whole. A checkpoint is *complete* once its
+renamed into place, so a file under its final name is whole; the directory itself is synced after
+the manifest's rename, which makes every name in it durable at once. A checkpoint is *complete* once its
 manifest is renamed in; a checkpoint without one (a server died during the commit) is ignored by
 ``scan`` and removed by a later ``collect``.
 
@@ -142,7 +143,8 @@ def write_server_file(directory: str, name: str, index: dict, body: ServerFile,
     head += b"\0" * (_aligned(len(head)) - len(head))
     try:
         os.makedirs(directory, exist_ok=True)
-        with _Atomic(path) as fh:
+        # the directory is synced once, with the manifest's rename: that makes this name durable too
+        with _Atomic(path, sync_dir=False) as fh:
             fh.write(head)
             written = 0
             for array in body.arrays:
@@ -354,8 +356,9 @@ def check_user_key(key: Any, bad: Callable[[str], Exception]) -> None:
 class _Atomic:
     """A file written under a temporary name, fsynced and renamed to ``path`` on success (removed on failure)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, sync_dir: bool = True) -> None:
         self.path = path
+        self.sync_dir = sync_dir
         self.tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
         self.fh: Any = None
 
@@ -370,7 +373,8 @@ class _Atomic:
             self.fh.close()
             if kind is None:
                 os.replace(self.tmp, self.path)
-                _fsync_dir(os.path.dirname(self.path))
+                if self.sync_dir:
+                    _fsync_dir(os.path.dirname(self.path))
         finally:
             if os.path.exists(self.tmp):
                 try:

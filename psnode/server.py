@@ -97,8 +97,10 @@ class ServerNode:
         self.conn.wait(future, timeout, what)
 
     def close(self) -> None:
-        """Close the sockets, giving queued replies a moment to leave."""
+        """Close the sockets, giving queued replies a moment to leave, and let a removal of old
+        checkpoints finish."""
         self.conn.transport.close(linger=0.5)
+        self.checkpoints.close()
 
     # ---- requests ------------------------------------------------------------------------
     def _handle(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:

@@ -22,13 +22,15 @@ re-sharded with the values). An updater without them has its values checkpointed
 Restored keys are announced to an updater with ``restore_key(key, value)`` (when it has one) instead
 of ``init_key``, so it keeps the restored weights.
 
-Single-threaded (the server's loop); long reads and writes call ``beat`` between chunks so that the
-server's heartbeats go on.
+Single-threaded (the server's loop), but for the removal of old checkpoints, which runs on a thread
+of its own (``_collect``); long reads and writes call ``beat`` between chunks so that the server's
+heartbeats go on.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Callable, Hashable
 
 import numpy as np
@@ -60,6 +62,7 @@ class Checkpoints:
         self.job_id = job_id
         self._rank = rank
         self._beat = beat
+        self._collector: threading.Thread | None = None
 
     def handle(self, worker: int, body: Any) -> dict:
         """Run one request of worker ``worker``; the reply's JSON object.
@@ -171,9 +174,24 @@ class Checkpoints:
                 raise RequestRefused(f"checkpoint {ckpt_id} cannot be committed: {path} holds {size} bytes, "
                                      f"server {item['server']} wrote {item['bytes']}")
         ck.write_manifest(directory, manifest)
-        removed = ck.collect(self.root, ckpt_id)
-        logger.info("server 0 committed checkpoint %d; removed %s", ckpt_id, removed or "none")
-        return {"id": ckpt_id, "removed": removed}
+        logger.info("server 0 committed checkpoint %d", ckpt_id)
+        self._collect(ckpt_id)
+        return {"id": ckpt_id}
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Let a removal of old checkpoints finish (at most ``timeout`` seconds)."""
+        if self._collector is not None:
+            self._collector.join(timeout)
+
+    def _collect(self, newest: int) -> None:
+        """Remove older checkpoints on a thread of its own: freeing gigabytes takes a while, and the
+        commit is complete already. It touches only directories nobody writes any more; one runs at
+        a time, and one cut short (the process ended) is finished by the next."""
+        if self._collector is not None:
+            self._collector.join()
+        self._collector = threading.Thread(target=ck.collect, args=(self.root, newest), daemon=True,
+                                           name="psnode-checkpoint-collect")
+        self._collector.start()
 
     # ---- restoring ------------------------------------------------------------------------------
     def restore(self, ckpt_id: Any, parts: Any) -> dict:
