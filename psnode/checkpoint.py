@@ -31,16 +31,18 @@ import os
 import re
 import shutil
 import struct
+import threading
 from typing import Any, Callable
 
 import numpy as np
 
 from .errors import RequestRefused
+from .server_store import VALUE_DTYPES, dtype_of, is_int, is_shape
 
 __all__ = [
     "MAGIC", "ALIGN", "MANIFEST", "FORMAT", "KEEP", "FILE_NAME", "dir_of", "file_name", "scan", "ServerFile",
     "write_server_file", "read_index", "read_into", "write_manifest", "read_manifest", "check_manifest",
-    "collect", "check_user_key", "json_safe", "is_int", "STATE_DTYPES",
+    "collect", "check_user_key", "json_safe", "STATE_DTYPES",
 ]
 
 MAGIC = b"PSCKPT\x00\x01"
@@ -52,12 +54,11 @@ FILE_NAME = re.compile(r"server-(\d{1,6})-of-(\d{1,6})\.bin")
 _DIR_NAME = re.compile(r"ckpt-(\d{8})")
 _MAX_ID = 10**8 - 1
 _MAX_JSON = 512 << 20  # bytes of index or manifest read back at most
-_CHUNK = 64 << 20  # bytes written between two calls of ``tick`` (the server's heartbeats)
+_CHUNK = 64 << 20  # bytes per read or write call
 _HEADER = struct.Struct("<8sQ")
-_MAX_DIMS = 32
 
-STATE_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "uint8", "int8", "int32", "int64"))
-"""The dtypes a value or an optimizer state array may have in a checkpoint."""
+STATE_DTYPES = VALUE_DTYPES
+"""The dtypes a value or an optimizer state array may have in a checkpoint: a key's."""
 
 
 def dir_of(root: str, ckpt_id: Any) -> str:
@@ -130,9 +131,14 @@ class ServerFile:
 
 
 def write_server_file(directory: str, name: str, index: dict, body: ServerFile,
-                      tick: Callable[[], None] = lambda: None) -> int:
+                      beat: Callable[[], None] = lambda: None) -> int:
     """Write ``index`` and ``body``'s arrays to ``directory/name`` (temporary file, fsync, rename);
-    return the file's size. ``tick`` is called between chunks of at most 64 MiB.
+    return the file's size.
+
+    The writing runs on a thread of its own while the calling thread calls ``beat`` every half
+    second: a loaded disk may take many seconds for a gigabyte (the kernel holds back a writer of
+    many dirty pages, and the fsync waits for all of them), and the server's heartbeats must go on.
+    The caller changes none of the arrays meanwhile.
 
     Raises:
         RequestRefused: the file cannot be written (the message names it and the OS error).
@@ -141,7 +147,8 @@ def write_server_file(directory: str, name: str, index: dict, body: ServerFile,
     text = json.dumps(index, separators=(",", ":")).encode()
     head = _HEADER.pack(MAGIC, len(text)) + text
     head += b"\0" * (_aligned(len(head)) - len(head))
-    try:
+
+    def write() -> int:
         os.makedirs(directory, exist_ok=True)
         # the directory is synced once, with the manifest's rename: that makes this name durable too
         with _Atomic(path, sync_dir=False) as fh:
@@ -151,15 +158,41 @@ def write_server_file(directory: str, name: str, index: dict, body: ServerFile,
                 data = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
                 for start in range(0, len(data), _CHUNK):
                     fh.write(data[start:start + _CHUNK])
-                    tick()
                 written += len(data)
                 pad = _aligned(written) - written
                 if pad:
                     fh.write(b"\0" * pad)
                     written += pad
+        return len(head) + written
+
+    try:
+        return _beating(write, beat)
     except OSError as exc:
         raise RequestRefused(f"cannot write the checkpoint file {path}: {exc.strerror or exc}") from exc
-    return len(head) + written
+
+
+def _beating(work: Callable[[], Any], beat: Callable[[], None]) -> Any:
+    """``work()`` on a thread of its own, calling ``beat`` here every half second until it is done;
+    its result, or its exception raised here."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as exc:  # handed to the caller
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="psnode-checkpoint-write", daemon=True)
+    thread.start()
+    while True:
+        thread.join(0.5)
+        if not thread.is_alive():
+            break
+        beat()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def read_index(path: str) -> tuple[dict, int, int]:
@@ -238,14 +271,7 @@ def _check_index(index: Any, path: str, data_size: int) -> None:
 
 def _check_array_entry(entry: dict, data_size: int, bad: Callable[[str], Exception]) -> None:
     shape, offset = entry.get("shape"), entry.get("offset")
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(is_int(n) and n >= 0 for n in shape):
-        raise bad(f"shape {shape!r}")
-    try:
-        dtype = np.dtype(entry.get("dtype"))
-    except TypeError:
-        raise bad(f"dtype {entry.get('dtype')!r}") from None
-    if dtype not in STATE_DTYPES:
-        raise bad(f"dtype {dtype}")
+    dtype = _checked(shape, entry.get("dtype"), "", bad)
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if not is_int(offset) or offset < 0 or offset % ALIGN or offset + count * dtype.itemsize > data_size:
         raise bad(f"{count} values of {dtype} at offset {offset!r} of a data area of {data_size} bytes")
@@ -323,13 +349,7 @@ def check_manifest(manifest: Any, where: str) -> None:
             raise bad(f"key entry {str(entry)[:200]}")
         check_user_key(entry.get("key"), bad)
         shape, parts = entry.get("shape"), entry.get("parts")
-        if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(is_int(n) and n >= 0 for n in shape):
-            raise bad(f"shape {shape!r} of key {entry['key']!r}")
-        try:
-            if np.dtype(entry.get("dtype")) not in STATE_DTYPES:
-                raise TypeError
-        except TypeError:
-            raise bad(f"dtype {entry.get('dtype')!r} of key {entry['key']!r}") from None
+        _checked(shape, entry.get("dtype"), f" of key {entry['key']!r}", bad)
         size = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if not isinstance(parts, list) or not parts:
             raise bad(f"no parts of key {entry['key']!r}")
@@ -341,6 +361,16 @@ def check_manifest(manifest: Any, where: str) -> None:
             covered = part[3]
         if covered != size:
             raise bad(f"the parts of key {entry['key']!r} cover {covered} of its {size} elements")
+
+
+def _checked(shape: Any, dtype: Any, what: str, bad: Callable[[str], Exception]) -> np.dtype:
+    """The dtype of an array described by ``shape`` and ``dtype`` read back, both checked."""
+    if not is_shape(shape):
+        raise bad(f"shape {str(shape)[:100]!r}{what}")
+    found = dtype_of(dtype)
+    if found not in STATE_DTYPES:
+        raise bad(f"dtype {found if found is not None else repr(dtype)[:40]}{what}")
+    return found
 
 
 def check_user_key(key: Any, bad: Callable[[str], Exception]) -> None:
@@ -393,11 +423,6 @@ def _fsync_dir(directory: str) -> None:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def is_int(value: Any) -> bool:
-    """An int that is not a bool (JSON's numbers come back as both)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def json_safe(value: Any, what: str) -> Any:

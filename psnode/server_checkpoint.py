@@ -38,6 +38,7 @@ import numpy as np
 from . import checkpoint as ck
 from .errors import RequestRefused
 from .log import logger
+from .server_store import is_int
 
 __all__ = ["Checkpoints"]
 
@@ -250,8 +251,8 @@ class Checkpoints:
             if entry is None:
                 raise RequestRefused(f"key {user_key!r} is not in checkpoint {ckpt_id}")
             size = int(np.prod(entry["shape"], dtype=np.int64)) if entry["shape"] else 1
-            if (not ck.is_int(part_id) or not 0 <= part_id < 1 << 64 or part_id in seen or not ck.is_int(start)
-                    or not ck.is_int(stop) or not 0 <= start <= stop <= size):
+            if (not is_int(part_id) or not 0 <= part_id < 1 << 64 or part_id in seen or not is_int(start)
+                    or not is_int(stop) or not 0 <= start <= stop <= size):
                 raise RequestRefused(f"restore part {str(part)[:100]} of key {user_key!r} (of {size} elements in "
                                      f"checkpoint {ckpt_id})")
             seen.add(part_id)

@@ -23,7 +23,7 @@ from .errors import ProtocolError, RequestRefused
 from .rounds import Round, run_updater
 from .shard_memory import HostMemory
 
-__all__ = ["Shard", "ServerStore", "Answer", "init_value", "VALUE_DTYPES"]
+__all__ = ["Shard", "ServerStore", "Answer", "init_value", "VALUE_DTYPES", "is_int", "is_shape", "dtype_of"]
 
 VALUE_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "uint8", "int8", "int32", "int64"))
 """The dtypes a key may have: MXNet's KVStore's (anything else is refused at init)."""
@@ -42,23 +42,22 @@ def init_value(spec: Any, data_frames: list) -> tuple[int, Hashable, np.ndarray,
         raise ProtocolError(f"an INIT spec is a {type(spec).__name__}, not an object")
     key, user_key, shape = spec.get("key"), spec.get("user_key"), spec.get("shape")
     frame, offset, row_size = spec.get("frame"), spec.get("offset", 0), spec.get("row_size", 1)
-    if not _is_int(key) or not 0 <= key < 1 << 64:
+    if not is_int(key) or not 0 <= key < 1 << 64:
         raise ProtocolError(f"INIT key id {key!r} is not a 64-bit unsigned integer")
-    if not (isinstance(user_key, str) or _is_int(user_key)):
+    if not (isinstance(user_key, str) or is_int(user_key)):
         raise ProtocolError(f"INIT of key id {key:#x}: the key {user_key!r} is neither int nor str")
     where = f"INIT of key {user_key!r}"
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_int(n) and n >= 0 for n in shape):
+    if not is_shape(shape):
         raise ProtocolError(f"{where}: shape {shape!r} is not a list of at most {_MAX_DIMS} sizes")
-    try:
-        dtype = np.dtype(spec.get("dtype"))
-    except TypeError:
-        raise ProtocolError(f"{where}: dtype {spec.get('dtype')!r} is not a dtype") from None
+    dtype = dtype_of(spec.get("dtype"))
+    if dtype is None:
+        raise ProtocolError(f"{where}: dtype {spec.get('dtype')!r} is not a dtype")
     if dtype not in VALUE_DTYPES:
         known = ", ".join(sorted(str(d) for d in VALUE_DTYPES))
         raise RequestRefused(f"{where}: dtype {dtype} is not one a key may have ({known})")
-    if not _is_int(frame) or not 0 <= frame < len(data_frames):
+    if not is_int(frame) or not 0 <= frame < len(data_frames):
         raise ProtocolError(f"{where}: data frame {frame!r} is not one of the message's {len(data_frames)}")
-    if not _is_int(offset) or offset < 0 or not _is_int(row_size) or row_size < 1:
+    if not is_int(offset) or offset < 0 or not is_int(row_size) or row_size < 1:
         raise ProtocolError(f"{where}: offset {offset!r} or row size {row_size!r} is out of range")
     count = 1
     for n in shape:
@@ -70,8 +69,22 @@ def init_value(spec: Any, data_frames: list) -> tuple[int, Hashable, np.ndarray,
     return key, user_key, value, row_size
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON's numbers come back as both)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_shape(value: Any) -> bool:
+    """True for a shape from the network or a file: a list of at most 32 sizes >= 0."""
+    return isinstance(value, list) and len(value) <= _MAX_DIMS and all(is_int(n) and n >= 0 for n in value)
+
+
+def dtype_of(value: Any) -> np.dtype | None:
+    """The dtype ``value`` names, or None when it names none."""
+    try:
+        return np.dtype(value)
+    except TypeError:
+        return None
 
 
 Answer = Callable[[int, int, int, "Shard"], None]

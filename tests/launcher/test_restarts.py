@@ -28,6 +28,15 @@ def _train(out, *options: str, fault: dict | None = None, timeout: float = 200):
     return res
 
 
+def _resume(out, uninterrupted, restarts: int, **fault: str):
+    """Run the job with ``fault`` and ``restarts`` restarts and a checkpoint directory: it must
+    succeed and end with the uninterrupted run's weights. Returns the run."""
+    res = _train(out, "--max-restarts", str(restarts), "--checkpoint-dir", str(out / "ckpt"), fault=fault)
+    assert res.returncode == 0, res.stderr
+    assert _weights(out) == uninterrupted
+    return res
+
+
 def _weights(out) -> dict[str, bytes]:
     with np.load(out / "final.npz") as final:
         return {k: final[k].tobytes() for k in final.files}
@@ -49,11 +58,7 @@ def uninterrupted(tmp_path_factory):
 
 def test_a_worker_that_raises_at_step_37_is_restarted_with_the_job_and_the_weights_match_bit_for_bit(
         tmp_path, uninterrupted):
-    ckpt = tmp_path / "ckpt"
-    res = _train(tmp_path, "--max-restarts", "1", "--checkpoint-dir", str(ckpt),
-                 fault={"FAULT": "raise", "FAULT_RANK": "1", "FAULT_STEP": "37"})
-    assert res.returncode == 0, res.stderr
-    assert _weights(tmp_path) == uninterrupted
+    res = _resume(tmp_path, uninterrupted, 1, FAULT="raise", FAULT_RANK="1", FAULT_STEP="37")
     assert _resumed(tmp_path, 0) == (0, "None") and _resumed(tmp_path, 1) == (35, "7")
     assert "RuntimeError: worker 1 fails at step 37" in res.stderr
     assert "restarting the job (restart 1 of 1, PSLAUNCH_RESTART_COUNT=1)" in res.stderr
@@ -65,10 +70,7 @@ def test_a_worker_that_raises_at_step_37_is_restarted_with_the_job_and_the_weigh
 
 
 def test_a_server_killed_mid_run_is_restarted_with_the_job_and_the_weights_match_bit_for_bit(tmp_path, uninterrupted):
-    res = _train(tmp_path, "--max-restarts", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                 fault={"FAULT": "kill-server", "FAULT_RANK": "0", "FAULT_STEP": "23", "FAULT_SERVER": "1"})
-    assert res.returncode == 0, res.stderr
-    assert _weights(tmp_path) == uninterrupted
+    res = _resume(tmp_path, uninterrupted, 2, FAULT="kill-server", FAULT_RANK="0", FAULT_STEP="23", FAULT_SERVER="1")
     assert _resumed(tmp_path, 1) == (20, "4")
     assert re.search(r"attempt 1: server\.\d@localhost \(server rank \d on localhost, pid \d+\) failed first: "
                      r"signal SIGKILL -> restarted the job \(restart 1 of 2\)", res.stderr), res.stderr
@@ -76,18 +78,14 @@ def test_a_server_killed_mid_run_is_restarted_with_the_job_and_the_weights_match
 
 def test_a_checkpoint_torn_by_a_server_killed_during_the_commit_is_ignored_and_the_previous_one_restored(
         tmp_path, uninterrupted):
-    ckpt = tmp_path / "ckpt"
-    res = _train(tmp_path, "--max-restarts", "1", "--checkpoint-dir", str(ckpt),
-                 fault={"FAULT": "torn", "FAULT_STEP": "40", "FAULT_SERVER": "0"})
-    assert res.returncode == 0, res.stderr
+    _resume(tmp_path, uninterrupted, 1, FAULT="torn", FAULT_STEP="40", FAULT_SERVER="0")
     seen = json.loads((tmp_path / "listing.1.json").read_text())
     # the commit of step 40 (checkpoint 8): both servers' files written, no manifest
     assert seen["ckpt-00000008"] == ["server-0-of-2.bin", "server-1-of-2.bin"], seen
     assert seen["ckpt-00000007"] == ["MANIFEST.json", "server-0-of-2.bin", "server-1-of-2.bin"], seen
     assert _resumed(tmp_path, 1) == (35, "7")
-    assert _weights(tmp_path) == uninterrupted
     # later commits went on (ids after the torn one) and removed it; the two newest complete ones stay
-    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-00000012", "ckpt-00000013"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["ckpt-00000012", "ckpt-00000013"]
 
 
 def test_when_restarts_are_exhausted_the_job_exits_with_the_last_root_causes_code(tmp_path):
@@ -164,6 +162,5 @@ def test_over_ssh_servers_on_two_hosts_sharing_the_checkpoint_dir_pass_the_prefl
     res = _train(tmp_path, "-H", hosts, *sshd.ssh_flags(), "--env", f"PYTHONPATH:{REPO}", "--max-restarts", "1",
                  "--checkpoint-dir", str(tmp_path / "ckpt"), fault={"FAULT": "raise", "FAULT_STEP": "12"})
     assert res.returncode == 0, res.stderr
-    assert _resumed(tmp_path, 1) == (10, "2")
-    assert _weights(tmp_path) == uninterrupted
+    assert _resumed(tmp_path, 1) == (10, "2") and _weights(tmp_path) == uninterrupted
     assert not list((tmp_path / "ckpt").glob(".pslaunch-probe-*"))  # the pre-flight's probe is gone

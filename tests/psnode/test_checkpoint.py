@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -64,8 +65,13 @@ def step(job, key: int, server: int, values) -> None:
         future.result()
 
 
-def value(job, server: int, key: int) -> np.ndarray:
-    return np.array(job.servers[server].store.shards[key].stored)
+def server(job, rank: int):
+    """The server of ``rank`` (``job.servers`` was sorted when the ranks may not all have been known)."""
+    return next(s for s in job.servers if s.rank == rank)
+
+
+def value(job, rank: int, key: int) -> np.ndarray:
+    return np.array(server(job, rank).store.shards[key].stored)
 
 
 def manifest(ckpt_id: int, files: dict, keys: list, num_servers: int = 2) -> dict:
@@ -108,7 +114,7 @@ def test_servers_write_their_files_server_0_the_manifest_and_a_restore_brings_va
     step(job, 8, 1, [np.ones(6, np.float32)] * 2)
     ask(w0, {0: {"op": "restore", "id": 3, "parts": [[7, 7, 0, 4]]}, 1: {"op": "restore", "id": 3, "parts": [[8, 8, 0, 6]]}})
     assert value(job, 0, 7).tobytes() == saved[7].tobytes() and value(job, 1, 8).tobytes() == saved[8].tobytes()
-    updater = job.servers[0].store.updater
+    updater = server(job, 0).store.updater
     assert updater.updates == {7: 1} and updater.mom[7].tolist() == [3.0] * 4  # ... and back, momentum too
     step(job, 7, 0, [np.ones(4, np.float32)] * 2)
     assert value(job, 0, 7).tolist() == [3 + 1.5 + 2] * 4
@@ -122,7 +128,7 @@ def test_a_restore_onto_other_servers_re_shards_values_and_element_wise_state(jo
     # key 8 now held in two parts, one per server: elements 0:2 on server 0, 2:6 on server 1
     ask(w0, {0: {"op": "restore", "id": 1, "parts": [[7, 7, 0, 4], [81, 8, 0, 2]]},
              1: {"op": "restore", "id": 1, "parts": [[82, 8, 2, 6]]}})
-    stores = [s.store for s in job.servers]
+    stores = [server(job, r).store for r in range(2)]
     assert stores[0].pending[81][1].tolist() == [0.0, 2.0] and stores[1].pending[82][1].tolist() == [4, 6, 8, 10]
     assert stores[1].updater.mom[8].tolist() == [4, 6, 8, 10]  # the state cut like the values
     assert stores[0].updater.mom[8].tolist() == [0, 2]
@@ -152,7 +158,7 @@ def test_a_checkpoint_without_its_manifest_is_ignored_and_removed_by_a_later_com
     assert "cannot read the checkpoint manifest" in refused(w0, {0: {"op": "restore", "id": 2, "parts": []}})
     commit(job, 3)
     commit(job, 4)
-    job.servers[0].checkpoints._collector.join(10)  # old ones are removed on a thread, after the commit
+    server(job, 0).checkpoints._collector.join(10)  # old ones are removed on a thread, after the commit
     assert sorted(os.listdir(job.root)) == ["ckpt-00000003", "ckpt-00000004"]
 
 
@@ -280,3 +286,18 @@ def test_a_rank_that_finished_cannot_be_taken_again():
     next(m for m in roster.members.values() if m.peer.rank == 1).finished = True
     with pytest.raises(PSNodeError, match="worker 1 already finished the job"):
         roster.replace(b"worker@h:3", _record("worker@h:3", 1))
+
+
+def test_a_long_write_keeps_the_servers_heartbeats_going_and_hands_back_its_error():
+    beats = []
+    released = threading.Event()
+
+    def beat():  # the writing may finish only once the writer's thread saw two heartbeats go out
+        beats.append(threading.current_thread().name)
+        if len(beats) == 2:
+            released.set()
+
+    assert ck._beating(lambda: released.wait(10) and "written", beat) == "written"
+    assert beats == [threading.current_thread().name] * 2  # beats come from the caller, the server's thread
+    with pytest.raises(OSError, match="disk full"):
+        ck._beating(lambda: (_ for _ in ()).throw(OSError("disk full")), beat)

@@ -30,6 +30,7 @@ if __name__ == "__main__":
         assert state.restore() is (phase == "restore")
         model.init_key((6,), 0, 0)
         print("START", float(model.get_weight(0, 0)[0]), flush=True)
+        model.barrier()  # every worker read its start before any pushes (dist_async applies them at once)
         data = np.ones(6, np.float32)
         for r in range(state.rounds, 5):
             model.push(np.ones(6, np.float32), 0, 0)
