@@ -41,7 +41,7 @@ class Member:
     peer: PeerInfo
     last_seen: float = field(default_factory=time.monotonic)
     finished: bool = False
-    away: bool = False  # a worker that died under PSLAUNCH_RESTART_SCOPE=worker: its rank waits for it
+    away_since: float | None = None  # a worker that died under PSLAUNCH_RESTART_SCOPE=worker: since when
 
 
 class Roster:
@@ -407,8 +407,15 @@ class Scheduler:
             # the others could not be heard meanwhile, so that time is not their silence.
             for member in self.roster.members.values():
                 member.last_seen += stalled
+                if member.away_since is not None:
+                    member.away_since += stalled
         for member in list(self.roster.members.values()):
-            if member.finished or member.away:
+            if member.finished:
+                continue
+            if member.away_since is not None:
+                if now - member.away_since > self.env.heartbeat_timeout:  # it was not started again
+                    self._announce_death(member, f"{member.peer.describe()} died and did not come back within "
+                                                 f"{self.env.heartbeat_timeout:g} s (PS_HEARTBEAT_TIMEOUT)", final=True)
                 continue
             silent = now - member.last_seen
             if silent > self.env.heartbeat_timeout:
@@ -418,12 +425,14 @@ class Scheduler:
                     f"(PS_HEARTBEAT_TIMEOUT={self.env.heartbeat_timeout:g})",
                 )
 
-    def _announce_death(self, dead: Member, message: str) -> None:
+    def _announce_death(self, dead: Member, message: str, final: bool = False) -> None:
         peer = dead.peer
-        if peer.role == "worker" and self.env.restart_scope == "worker":
-            # pslaunch starts it again alone; the others go on, and its rank waits for it
-            dead.away = True
-            logger.warning("scheduler: %s; waiting for it to be restarted (PSLAUNCH_RESTART_SCOPE=worker)", message)
+        if peer.role == "worker" and self.env.restart_scope == "worker" and not final:
+            # pslaunch starts it again alone once it has ended; the others go on, and its rank waits
+            # for it one heartbeat timeout (a worker that hangs instead of ending is not restarted)
+            if dead.away_since is None:
+                dead.away_since = time.monotonic()
+                logger.warning("scheduler: %s; waiting for it to be restarted (PSLAUNCH_RESTART_SCOPE=worker)", message)
             return
         body = {"message": message, "role": peer.role, "rank": peer.rank, "host": peer.host}
         for uid, member in self.roster.members.items():

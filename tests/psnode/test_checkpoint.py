@@ -12,7 +12,7 @@ import pytest
 from psnode_testkit import InProcJob, init_keys
 
 from psnode import checkpoint as ck
-from psnode.errors import PSNodeError, RemoteError
+from psnode.errors import PeerDiedError, PSNodeError, RemoteError
 from psnode.scheduler import Roster
 
 
@@ -301,3 +301,12 @@ def test_a_long_write_keeps_the_servers_heartbeats_going_and_hands_back_its_erro
     assert beats == [threading.current_thread().name] * 2  # beats come from the caller, the server's thread
     with pytest.raises(OSError, match="disk full"):
         ck._beating(lambda: (_ for _ in ()).throw(OSError("disk full")), beat)
+
+
+def test_a_worker_that_stops_without_ending_fails_the_job_one_heartbeat_timeout_after_it_went_silent():
+    settings = {"PSLAUNCH_RESTART_SCOPE": "worker", "PS_HEARTBEAT_TIMEOUT": "1"}
+    with InProcJob(num_workers=2, num_servers=1, settings=settings, expect_failure=True) as job:
+        w0, w1 = job.workers
+        w1.receiver.stop()  # hangs: no more heartbeats, and no end pslaunch would restart it after
+        with pytest.raises(PeerDiedError, match=r"worker 1 on \S+ died and did not come back within 1 s"):
+            w0.barrier(timeout=30)
