@@ -164,3 +164,11 @@ def test_over_ssh_servers_on_two_hosts_sharing_the_checkpoint_dir_pass_the_prefl
     assert res.returncode == 0, res.stderr
     assert _resumed(tmp_path, 1) == (10, "2") and _weights(tmp_path) == uninterrupted
     assert not list((tmp_path / "ckpt").glob(".pslaunch-probe-*"))  # the pre-flight's probe is gone
+
+
+def test_under_mpi_the_restarted_job_is_a_new_mpirun_and_resumes_bit_for_bit(tmp_path, uninterrupted):
+    res = _train(tmp_path, "--launcher", "mpi", "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 fault={"FAULT": "raise", "FAULT_STEP": "37"})
+    assert res.returncode == 0, res.stderr
+    assert _resumed(tmp_path, 1) == (35, "7") and _weights(tmp_path) == uninterrupted
+    assert "attempt 2: every worker finished -> none: the job succeeded" in res.stderr
