@@ -28,7 +28,7 @@ Examples:
   pslaunch -n 2 --launcher mpi python train.py         one mpirun for every role
   pslaunch -n 2 --dry-run -H hosts train.py            print the plan, start nothing
 \b
-Exit codes: 0 success; the root-cause process's code (128+signal; 1 when it is 2-5); 2 bad input;
+Exit codes: 0 success; the (last) root-cause process's code (128+signal; 1 when it is 2-5); 2 bad input;
 3 a host failed the pre-flight check; 4 rsync failed; 5 a process could not be started; 75 a
 process ended because of another and none failed on its own; 124 --timeout; 129 / 130 / 143
 SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
@@ -83,6 +83,16 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
 @click.option("--encrypt", is_flag=True,
               help="Encrypt every connection of the job (CurveZMQ, keys from the job's key); slower, for networks "
                    "others can read.")
+@click.option("--max-restarts", type=int, default=0, show_default=True, metavar="N",
+              help="Restart the job after a failure, N times at most in all (the count is the job's, "
+                   "PSLAUNCH_RESTART_COUNT); needs --checkpoint-dir or --allow-restart-from-scratch.")
+@click.option("--checkpoint-dir", default=None, metavar="DIR",
+              help="Where the servers keep checkpoints (kvcore.elastic.State); every server host must reach it.")
+@click.option("--allow-restart-from-scratch", is_flag=True,
+              help="Allow --max-restarts without --checkpoint-dir: a restarted job begins from scratch.")
+@click.option("--restart-scope", type=click.Choice(["job", "worker"]), default="job", show_default=True,
+              help="What a restart starts again: every process, or only a failed worker (dist_async), "
+                   "while the others go on.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (hosts, argv, environment names) and exit.")
 @click.option("-v", "--verbose", count=True, help="More about what pslaunch does; -vv also sets PS_VERBOSE.")
 @click.option("-q", "--quiet", is_flag=True, help="Only the root cause of a failure; no output lines, no table.")
@@ -171,6 +181,10 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         job_id=options["job_id"] or uuid.uuid4().hex[:12],
         job_key=new_job_key(),
         encrypt=options["encrypt"],
+        max_restarts=options["max_restarts"],
+        checkpoint_dir=os.path.abspath(os.path.expanduser(options["checkpoint_dir"])) if options["checkpoint_dir"] else None,
+        allow_restart_from_scratch=options["allow_restart_from_scratch"],
+        restart_scope=options["restart_scope"],
         verbose=options["verbose"],
         quiet=options["quiet"],
         dry_run=options["dry_run"],

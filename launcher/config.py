@@ -11,6 +11,7 @@ import re
 import socket
 from dataclasses import dataclass, field, replace
 
+from .envcontract import RESTART_SCOPES
 from .errors import ConfigError
 from .hostfile import Host
 
@@ -108,6 +109,10 @@ class LaunchConfig:
     job_id: str = "job"
     job_key: str = field(default="", repr=False)  # the job's secret (PSLAUNCH_JOB_KEY); never printed
     encrypt: bool = False
+    max_restarts: int = 0
+    checkpoint_dir: str | None = None  # absolute
+    allow_restart_from_scratch: bool = False
+    restart_scope: str = "job"
     verbose: int = 0
     quiet: bool = False
     dry_run: bool = False
@@ -128,6 +133,21 @@ class LaunchConfig:
                             ("--connect-timeout", self.connect_timeout)):
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.max_restarts and not self.checkpoint_dir and not self.allow_restart_from_scratch:
+            raise ConfigError(
+                f"--max-restarts {self.max_restarts} without --checkpoint-dir: every restart would begin the training "
+                "from scratch; give --checkpoint-dir DIR (a directory every server host reaches) so that the job "
+                "resumes from its last checkpoint, or --allow-restart-from-scratch")
+        if self.restart_scope not in RESTART_SCOPES:
+            raise ConfigError(f"--restart-scope must be {' or '.join(RESTART_SCOPES)}, got {self.restart_scope!r}")
+        if self.restart_scope == "worker" and not self.max_restarts:
+            raise ConfigError("--restart-scope worker restarts a failed worker alone, which needs --max-restarts N "
+                              "(N > 0)")
+        if self.restart_scope == "worker" and self.user_command_for_all_roles:
+            raise ConfigError("--restart-scope worker needs the bundled runtime, which lets a restarted worker rejoin; "
+                              "with --command-for-all-roles use --restart-scope job")
         if self.host_key_policy not in ("accept-new", "strict", "ignore"):
             raise ConfigError(f"--host-key-policy must be accept-new, strict or ignore, got {self.host_key_policy!r}")
 

@@ -18,7 +18,7 @@ Placement (also in docs/launcher.md):
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import envcontract as ec
 from .config import EnvVar, LaunchConfig
@@ -72,6 +72,12 @@ class Plan:
     root_uri: str
     root_port: int
     processes: tuple[ProcessSpec, ...] = field(default_factory=tuple)
+
+    def restarted(self, count: int, processes: "tuple[ProcessSpec, ...] | None" = None) -> "Plan":
+        """This plan (or the part of it in ``processes``) for its ``count``-th restart: the same
+        processes, each told how many restarts came before it (``PSLAUNCH_RESTART_COUNT``)."""
+        specs = self.processes if processes is None else processes
+        return replace(self, processes=tuple(replace(p, env=ec.with_restart_count(p.env, count)) for p in specs))
 
     def by_role(self, role: str) -> list[ProcessSpec]:
         """The processes of ``role`` in rank order."""
@@ -181,6 +187,13 @@ def make_plan(config: LaunchConfig) -> Plan:
     secrets = () if given or not config.job_key else (EnvVar(ec.PSLAUNCH_JOB_KEY, config.job_key, "all"),)
     all_local = local_only or all(h.is_loopback for h in config.hosts)
     remote_cwd = config.sync_dst_dir or config.cwd
+    settings = {}
+    if config.encrypt:
+        settings[ec.PSLAUNCH_ENCRYPT] = "curve"
+    if config.checkpoint_dir:
+        settings[ec.PSLAUNCH_CHECKPOINT_DIR] = config.checkpoint_dir
+    if config.restart_scope != "job":
+        settings[ec.PSLAUNCH_RESTART_SCOPE] = config.restart_scope
     processes = []
     for role, rank, host in placed:
         local_rank = seen.get((role, host), 0)
@@ -214,7 +227,7 @@ def make_plan(config: LaunchConfig) -> Plan:
             interface=config.interface,
             all_local=all_local,
             verbose=config.verbose if config.verbose > 1 else 0,
-            settings={ec.PSLAUNCH_ENCRYPT: "curve"} if config.encrypt else None,
+            settings=settings,
         )
         # Python children write to pipes, which block-buffer print(): lines would arrive at exit.
         env["PYTHONUNBUFFERED"] = config.python_unbuffered

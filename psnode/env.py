@@ -65,6 +65,9 @@ class NodeEnv:
     job_key: bytes | None = field(default=None, repr=False)
     encrypt: bool = False
     bind_all: bool = False
+    restart_count: int = 0
+    checkpoint_dir: str | None = None
+    restart_scope: str = "job"
 
     @property
     def root_address(self) -> str:
@@ -195,6 +198,15 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     if encrypt_text == "curve" and key is None:
         raise EnvError("PSLAUNCH_ENCRYPT=curve needs a job key (PSLAUNCH_JOB_KEY or PSLAUNCH_JOB_KEY_FILE): "
                        "the encryption keys are derived from it")
+    restart_count = _int("PSLAUNCH_RESTART_COUNT", _get(env, "PSLAUNCH_RESTART_COUNT") or "0", 0)
+    restart_scope = (_get(env, "PSLAUNCH_RESTART_SCOPE") or "job").lower()
+    if restart_scope not in ("job", "worker"):
+        raise EnvError(f"environment variable PSLAUNCH_RESTART_SCOPE={restart_scope!r} must be job or worker")
+    checkpoint_dir = _get(env, "PSLAUNCH_CHECKPOINT_DIR")
+    if checkpoint_dir is not None:
+        if "\0" in checkpoint_dir:
+            raise EnvError("environment variable PSLAUNCH_CHECKPOINT_DIR holds a NUL byte")
+        checkpoint_dir = os.path.abspath(os.path.expanduser(checkpoint_dir))
     node_host = _get(env, "DMLC_NODE_HOST")
     interface = _get(env, "DMLC_INTERFACE")
     if interface is not None and not interface.replace("-", "").replace(".", "").replace("_", "").isalnum():
@@ -225,6 +237,9 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         job_key=key,
         encrypt=encrypt_text == "curve",
         bind_all=bind_all_text == "1",
+        restart_count=restart_count,
+        checkpoint_dir=checkpoint_dir,
+        restart_scope=restart_scope,
     )
 
 

@@ -6,7 +6,8 @@ endpoint for a peer: the same-host endpoint for a peer on this host (same boot a
 namespace, unless ``PSLAUNCH_SAME_HOST=tcp``), TCP otherwise. The scheduler uses the same
 ``PeerInfo`` and ``endpoint_of`` to reach the nodes.
 
-Written once (at registration, on the thread that registers), read-only afterwards: no lock.
+Written at registration (on the thread that registers) and, when a restarted worker rejoins, by the
+receiving thread, which swaps in new dicts and lists whole: readers need no lock.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class Membership:
         self.peers: dict[bytes, PeerInfo] = {}
         self.workers: list[PeerInfo] = []
         self.servers: list[PeerInfo] = []
+        self.rejoined = False  # this worker took the rank of one that died (PSLAUNCH_RESTART_SCOPE=worker)
 
     def apply(self, book: Any) -> list[PeerInfo]:
         """Take the scheduler's address book; return the peers this node connects to (workers to
@@ -110,10 +112,27 @@ class Membership:
             peer = PeerInfo.from_record(item)
             peers[peer.uid.encode()] = peer
         self.rank = rank
+        self.rejoined = book.get("rejoined") is True
         self.peers = peers
         self.workers = sorted((p for p in peers.values() if p.role == "worker"), key=lambda p: p.rank)
         self.servers = sorted((p for p in peers.values() if p.role == "server"), key=lambda p: p.rank)
         return self.servers if self.role == "worker" else self.workers
+
+    def replace_worker(self, old_uid: str, peer: PeerInfo) -> None:
+        """A restarted worker ``peer`` took the rank of the worker whose identity was ``old_uid``.
+
+        Raises:
+            ProtocolError: ``peer`` is not a worker of a rank this book holds.
+        """
+        if peer.role != "worker" or not 0 <= peer.rank < len(self.workers):
+            raise ProtocolError(f"a rejoined {peer.role} of rank {peer.rank}, not one of the {len(self.workers)} workers")
+        peers = dict(self.peers)
+        peers.pop(old_uid.encode(), None)
+        peers[peer.uid.encode()] = peer
+        workers = list(self.workers)
+        workers[peer.rank] = peer
+        # whole new objects: a thread reading the book meanwhile sees the old one or the new one
+        self.peers, self.workers = peers, workers
 
     def get(self, sender: bytes) -> PeerInfo | None:
         """The peer whose identity is ``sender``, or None."""

@@ -25,7 +25,8 @@ import signal
 import threading
 import time
 
-from ..errors import SpawnError
+from ..checkpointdir import check_checkpoint_dir
+from ..errors import ConfigError, SpawnError
 from ..hostfile import Host
 from ..mpi_rank import ENV_PREFIX, PLAN_VARIABLE
 from ..output import LineSplitter
@@ -176,6 +177,9 @@ class MpiBackend(Backend):
     name = "mpi"
 
     def __init__(self, config, printer) -> None:
+        if config.restart_scope == "worker":
+            raise ConfigError("--restart-scope worker cannot be used with --launcher mpi: one mpirun runs every rank, "
+                              "so a rank cannot be started again alone; use --restart-scope job")
         super().__init__(config, printer)
         self.spawner = LocalSpawner(config.stop_grace)
         self.mpirun = None
@@ -195,6 +199,7 @@ class MpiBackend(Backend):
         check_scripts_here(local, self.config.cwd)
         remote = [h for h in plan.remote_hosts if h.name != "localhost"]
         if not remote:
+            check_checkpoint_dir(plan, self.config.checkpoint_dir, {}, self.config.connect_timeout)
             return
         from ..rsync import sync_all
         from ..sshconn import SshConnector
@@ -208,6 +213,7 @@ class MpiBackend(Backend):
                          self.printer, self.config)
             check_scripts_remote([spec for spec in plan.processes if spec.host.name != "localhost"], clients,
                                  self.config.connect_timeout)
+            check_checkpoint_dir(plan, self.config.checkpoint_dir, clients, self.config.connect_timeout)
         finally:
             for client in clients.values():
                 client.close()
@@ -256,6 +262,10 @@ class MpiBackend(Backend):
                     pass
 
     def launch(self, plan: Plan) -> list[ProcessHandle]:
+        if self.mpirun is not None:  # a restart of the job: a new mpirun, and its requests not sent yet
+            self.mpirun.close()
+            self.output_done = threading.Event()
+            self._stopping = self._suspended = self._ending = False
         ordered, _ = _layout(plan)
         user_vars = {}
         for spec in ordered:

@@ -13,6 +13,7 @@ import threading
 
 import paramiko
 
+from ..checkpointdir import check_checkpoint_dir
 from ..errors import SpawnError
 from ..guard import env_payload, remote_command
 from ..hostfile import Host
@@ -113,6 +114,7 @@ class SshBackend(Backend):
             sync_all(self.connector, hosts, self.config.sync_src_dir, self.config.sync_dst_dir, clients,
                      self.printer, self.config)
         check_scripts_remote([s for s in plan.processes if not s.on_launcher], clients, self.config.connect_timeout)
+        check_checkpoint_dir(plan, self.config.checkpoint_dir, clients, self.config.connect_timeout)
 
     def _client_for(self, host: Host) -> paramiko.SSHClient:
         pool = self._clients.setdefault(host, [])
