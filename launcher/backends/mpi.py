@@ -13,6 +13,12 @@ job by itself; pslaunch decides. Signals reach the ranks only through mpirun, an
 for the whole job: stopping means one SIGTERM to mpirun (SIGKILL of its group after the grace);
 Ctrl-Z is SIGUSR2 / SIGCONT and the end request SIGUSR1, which mpirun passes to every rank's
 ``mpi_rank`` and that to its process group. ``mpi_rank`` also dies with its parent.
+
+mpirun drops the output still on its way once it is told to stop, and with it the status markers
+of ranks that were ending by themselves. So when a rank failed (the job is ending because of it),
+the SIGTERM waits until every rank has reported, at most ``SETTLE`` seconds (and never more than
+half of ``--stop-grace``): the bystanders' own exit codes get through, and a rank that does not end
+by itself costs the job that bounded moment only.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import signal
 import threading
 import time
 
+from ..envcontract import EXIT_PEER_FAILED
 from ..errors import SpawnError
 from ..hostfile import Host
 from ..mpi_rank import ENV_PREFIX, PLAN_VARIABLE
@@ -39,6 +46,8 @@ __all__ = ["MpiBackend", "MpiRankHandle", "TagDemux", "mpirun_argv"]
 _TAG = re.compile(rb"\[(\d+),(\d+)\]<(stdout|stderr)>:")
 _FORWARDING = re.compile(r"^mpirun: Forwarding signal \d+ to job$")
 _MAX_HELD = 48
+#: Seconds at most that stopping the job waits, after a rank failed, for every rank's status marker.
+SETTLE = 2.0
 
 
 class MpiRankHandle(ProcessHandle):
@@ -66,6 +75,17 @@ class MpiRankHandle(ProcessHandle):
             return
         self.ended = time.monotonic()  # the marker's arrival orders the ranks' ends
         self._marked = ExitStatus(code=int(arg)) if verb == "EXIT" else ExitStatus(signal=int(arg))
+        self._backend.rank_reported()
+
+    @property
+    def reported(self) -> bool:
+        """Whether this rank's exit status marker arrived."""
+        return self._marked is not None
+
+    def failed(self) -> bool:
+        """Whether this rank failed: it reported its own error, or a status other than 0 and 75."""
+        marked = self._marked
+        return self.failed_at is not None or (marked is not None and not marked.ok and marked.code != EXIT_PEER_FAILED)
 
     def _poll(self) -> ExitStatus | None:
         if self._marked is not None:
@@ -185,6 +205,7 @@ class MpiBackend(Backend):
         self._suspended = False
         self._ending = False
         self._ranks: list[MpiRankHandle] = []
+        self._reported = threading.Condition()
 
     def prepare(self, plan: Plan) -> None:
         """Check mpirun is there; with a hostfile, run the ssh pre-flight check (one clear line per
@@ -215,11 +236,36 @@ class MpiBackend(Backend):
 
     def stop_job(self) -> None:
         """SIGTERM to mpirun, once: it passes it to every rank (a second one while it stops its job
-        can crash it, Open MPI 4.1). Ranks never make mpirun abort by itself (``mpi_rank`` exits 0)."""
+        can crash it, Open MPI 4.1). Ranks never make mpirun abort by itself (``mpi_rank`` exits 0).
+
+        Non-blocking. After a rank failed, the SIGTERM is sent from a thread once every rank has
+        reported its status, or after ``SETTLE`` seconds (see the module docstring)."""
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True
+        settle = min(SETTLE, self.config.stop_grace / 2)
+        if self._suspended or settle <= 0 or not any(h.failed() for h in self._ranks):
+            self._stop_now()
+            return
+        threading.Thread(target=self._stop_when_reported, args=(time.monotonic() + settle,),
+                         name="pslaunch-mpirun-settle", daemon=True).start()
+
+    def rank_reported(self) -> None:
+        """A rank's exit status arrived (called by the reader threads)."""
+        with self._reported:
+            self._reported.notify_all()
+
+    def _stop_when_reported(self, deadline: float) -> None:
+        with self._reported:
+            while not all(h.reported for h in self._ranks):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.output_done.is_set():
+                    break
+                self._reported.wait(min(left, 0.1))
+        self._stop_now()
+
+    def _stop_now(self) -> None:
         self.signal_mpirun(signal.SIGTERM)
         if self._suspended:
             self.suspend_job(False)  # ranks stopped with Ctrl-Z must run to end
