@@ -52,7 +52,9 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
 @click.option("--env-worker", multiple=True, metavar="NAME[:VALUE]", help="Like --env, for workers.")
 @click.option("--scheduler-host", default=None, help="Run the scheduler on this host [default: here].")
 @click.option("--scheduler-port", type=int, default=None, help="Scheduler port [default: a free one].")
-@click.option("--interface", default=None, help="Network interface the nodes advertise (DMLC_INTERFACE).")
+@click.option("--interface", default=None, metavar="NAME[,NAME...]|NETWORK",
+              help="The interface whose address each node advertises, resolved on each host: a name, names "
+                   "tried in order (ib0,eth0) or an IPv4 network (10.1.0.0/16) [default: toward the scheduler].")
 @click.option("--sync-dst-dir", default=None, metavar="DIR",
               help="rsync the current directory to DIR on every host first; processes start there.")
 @click.option("--ssh-port", type=int, default=None, help="ssh port for hosts whose line gives none.")

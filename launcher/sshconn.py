@@ -34,7 +34,7 @@ from .config import LaunchConfig
 from .errors import PreflightError
 from .hostfile import Host, parse_hostfile_text
 
-__all__ = ["Endpoint", "SshConnector", "JumpError", "describe_connect_error", "find_known_host"]
+__all__ = ["Endpoint", "SshConnector", "JumpError", "describe_connect_error", "find_known_host", "real_names"]
 
 _known_hosts_lock = threading.Lock()
 
@@ -247,6 +247,14 @@ class SshConnector:
         ep = self.endpoint(host)
         name = f"[{ep.hostname}]" if ":" in ep.hostname else ep.hostname
         return f"{ep.user}@{name}"
+
+
+def real_names(config: LaunchConfig, extra: str | None = None) -> list[tuple[str, str]]:
+    """``(label, name ssh connects to)`` for each host of ``config`` (and ``extra``, a host name, last):
+    ssh config's ``HostName`` of an alias, else the name itself. Reads the ssh config; connects nowhere."""
+    connector = SshConnector(config)
+    hosts = list(config.hosts) + ([Host(extra)] if extra else [])
+    return [(host.name, connector.endpoint(host).hostname) for host in hosts]
 
 
 def run_remote(client: paramiko.SSHClient, command: str, timeout: float) -> int:
