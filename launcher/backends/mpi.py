@@ -34,6 +34,7 @@ import time
 from ..envcontract import EXIT_PEER_FAILED
 from ..errors import SpawnError
 from ..hostfile import Host
+from ..network import check_plan_reachable
 from ..mpi_rank import ENV_PREFIX, PLAN_VARIABLE
 from ..output import LineSplitter
 from ..plan import Plan, ProcessSpec
@@ -229,6 +230,7 @@ class MpiBackend(Backend):
                          self.printer, self.config)
             check_scripts_remote([spec for spec in plan.processes if spec.host.name != "localhost"], clients,
                                  self.config.connect_timeout)
+            check_plan_reachable(plan, clients, self.config, self.printer)
         finally:
             for client in clients.values():
                 client.close()

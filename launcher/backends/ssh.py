@@ -16,6 +16,7 @@ import paramiko
 from ..errors import SpawnError
 from ..guard import env_payload, remote_command
 from ..hostfile import Host
+from ..network import check_plan_reachable
 from ..plan import Plan, ProcessSpec
 from ..rsync import sync_all
 from ..scriptcheck import check_scripts_here, check_scripts_remote
@@ -113,6 +114,7 @@ class SshBackend(Backend):
             sync_all(self.connector, hosts, self.config.sync_src_dir, self.config.sync_dst_dir, clients,
                      self.printer, self.config)
         check_scripts_remote([s for s in plan.processes if not s.on_launcher], clients, self.config.connect_timeout)
+        check_plan_reachable(plan, clients, self.config, self.printer)
 
     def _client_for(self, host: Host) -> paramiko.SSHClient:
         pool = self._clients.setdefault(host, [])
