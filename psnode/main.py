@@ -134,6 +134,10 @@ def run_node(role: str) -> int:
         _armed = False
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if previous:
+            # the node has ended: a late "the job is over" (pslaunch's SIGUSR1, sent once every worker
+            # exited 0) must not kill the process while it exits
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _build(role: str, env: NodeEnv):
