@@ -13,7 +13,8 @@ import uuid
 
 import click
 
-from .config import DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option, resolve
+from .config import (DEFAULT_LINK_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option,
+                     resolve)
 from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
 
@@ -68,6 +69,9 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
               show_default=True, help="Unknown host keys: record them, refuse them, or neither.")
 @click.option("--connect-timeout", type=float, default=10.0, show_default=True,
               help="Seconds for each host's pre-flight ssh check.")
+@click.option("--link-timeout", type=float, default=DEFAULT_LINK_TIMEOUT, show_default=True,
+              help="Seconds without a word between pslaunch and a remote host after which the host is lost "
+                   "and its processes are stopped there (0: never).")
 @click.option("--python", default=sys.executable, show_default="this Python",
               help="Interpreter for a COMMAND starting with python, python3 or a .py file, and for the bundled runtime.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Keep one log file per process here.")
@@ -155,6 +159,7 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         known_hosts=options["known_hosts"],
         host_key_policy=options["host_key_policy"],
         connect_timeout=options["connect_timeout"],
+        link_timeout=options["link_timeout"],
         sync_dst_dir=options["sync_dst_dir"],
         sync_src_dir=os.getcwd(),
         cwd=os.getcwd(),

@@ -22,6 +22,7 @@ __all__ = [
     "free_port",
     "DEFAULT_STOP_GRACE",
     "DEFAULT_SHUTDOWN_GRACE",
+    "DEFAULT_LINK_TIMEOUT",
 ]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -30,6 +31,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEFAULT_STOP_GRACE = 5.0
 #: Seconds a scheduler or server that is not the bundled runtime gets to exit once every worker exited 0.
 DEFAULT_SHUTDOWN_GRACE = 10.0
+#: Seconds of silence after which a remote host is lost and its guards stop their processes.
+DEFAULT_LINK_TIMEOUT = 15.0
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class LaunchConfig:
     known_hosts: str | None = None
     host_key_policy: str = "accept-new"
     connect_timeout: float = 10.0
+    link_timeout: float = DEFAULT_LINK_TIMEOUT
     sync_dst_dir: str | None = None
     sync_src_dir: str = "."
     cwd: str | None = None
@@ -121,7 +125,7 @@ class LaunchConfig:
         if self.timeout is not None and self.timeout <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
         for flag, value in (("--stop-grace", self.stop_grace), ("--shutdown-grace", self.shutdown_grace),
-                            ("--connect-timeout", self.connect_timeout)):
+                            ("--connect-timeout", self.connect_timeout), ("--link-timeout", self.link_timeout)):
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
         if self.host_key_policy not in ("accept-new", "strict", "ignore"):
