@@ -230,7 +230,7 @@ class SshConnector:
         """An OpenSSH command line (without the destination) with the same options, for rsync's ``-e``."""
         ep = self.endpoint(host)
         argv = ["ssh", "-p", str(ep.port), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(self.config.connect_timeout)}"]
-        if self.ssh_config_path and self.config.ssh_config:
+        if self.ssh_config_path:  # the file read here ($HOME's), not the one of the passwd home directory
             argv += ["-F", self.ssh_config_path]
         for key in ep.key_files:
             argv += ["-i", key]
@@ -241,6 +241,31 @@ class SshConnector:
         else:
             argv += ["-o", f"UserKnownHostsFile={self.known_hosts}"]
         return argv
+
+    def openssh_config(self, hosts: list[Host], extra: dict[str, str]) -> str:
+        """An OpenSSH client config that reaches each of ``hosts`` by its name exactly as this
+        connector does (host name, port, user, keys, proxy, known-hosts file and policy), for a
+        program that runs ``ssh HOST`` itself (mpirun): with ``-F`` it reads this instead of the
+        passwd home directory's config, which differs from ``$HOME``'s under ``sudo -E`` or in
+        containers. ``extra``: options for every host. The ssh config read here follows, for the rest."""
+        strict = {"accept-new": "accept-new", "strict": "yes", "ignore": "no"}[self.config.host_key_policy]
+        known = "/dev/null" if self.config.host_key_policy == "ignore" else self.known_hosts
+        common = {"BatchMode": "yes", "StrictHostKeyChecking": strict, "UserKnownHostsFile": known, **extra}
+        keys = [os.path.expanduser(f"~/.ssh/{n}") for n in ("id_ed25519", "id_ecdsa", "id_rsa")]
+        lines = []
+        for host in dict.fromkeys(hosts):
+            ep = self.endpoint(host)
+            options = {"HostName": ep.hostname, "Port": str(ep.port), "User": ep.user, **common}
+            if ep.proxy_command:
+                options["ProxyCommand"] = ep.proxy_command
+            elif ep.proxy_jump:
+                options["ProxyJump"] = ep.proxy_jump
+            lines.append(f"Host {host.name}")
+            lines += [f"    {name} {value}" for name, value in options.items()]
+            lines += [f"    IdentityFile {key}" for key in (ep.key_files or [k for k in keys if os.path.exists(k)])]
+        if self.ssh_config_path:
+            lines += ["Match all", f"    Include {self.ssh_config_path}"]
+        return "\n".join(lines) + "\n"
 
     def destination(self, host: Host) -> str:
         """``user@hostname`` as OpenSSH and rsync want it (IPv6 in brackets for rsync paths)."""

@@ -14,6 +14,11 @@ for the whole job: stopping means one SIGTERM to mpirun (SIGKILL of its group af
 Ctrl-Z is SIGUSR2 / SIGCONT and the end request SIGUSR1, which mpirun passes to every rank's
 ``mpi_rank`` and that to its process group. ``mpi_rank`` also dies with its parent.
 
+Link liveness (``launcher.linkwatch``): mpirun's daemons notice no network partition, so pslaunch
+sends mpirun a SIGCONT every few seconds, which it passes to every rank; ``mpi_rank`` on a remote
+host answers each with a ``PONG`` marker and stops its process group once none came for
+``--link-timeout`` seconds; a host none of whose ranks was heard from for that long is lost.
+
 mpirun drops the output still on its way once it is told to stop, and with it the status markers
 of ranks that were ending by themselves. So when a rank failed (the job is ending because of it),
 the SIGTERM waits until every rank has reported, at most ``SETTLE`` seconds (and never more than
@@ -28,12 +33,14 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 import threading
 import time
 
 from ..envcontract import EXIT_PEER_FAILED
 from ..errors import SpawnError
 from ..hostfile import Host
+from ..linkwatch import LinkWatch, PongFilter
 from ..network import check_plan_reachable
 from ..mpi_rank import ENV_PREFIX, PLAN_VARIABLE
 from ..output import LineSplitter
@@ -46,6 +53,7 @@ __all__ = ["MpiBackend", "MpiRankHandle", "TagDemux", "mpirun_argv"]
 
 _TAG = re.compile(rb"\[(\d+),(\d+)\]<(stdout|stderr)>:")
 _FORWARDING = re.compile(r"^mpirun: Forwarding signal \d+ to job$")
+_PINGED = f"mpirun: Forwarding signal {int(signal.SIGCONT)} to job"  # the link watch's, every few seconds
 _MAX_HELD = 48
 #: Seconds at most that stopping the job waits, after a rank failed, for every rank's status marker.
 SETTLE = 2.0
@@ -91,12 +99,21 @@ class MpiRankHandle(ProcessHandle):
     def _poll(self) -> ExitStatus | None:
         if self._marked is not None:
             return self._marked
+        watch = self._backend.watch
+        if watch.lost(self.spec.host):
+            self.unreachable = True
+            self.ended = watch.last_heard(self.spec.host)
+            return ExitStatus(code=255, detail=f"no answer for {watch.timeout:g} s", lost=True)
         mpirun = self._backend.mpirun
         if mpirun is not None and mpirun.popen.poll() is not None and self._backend.output_done.is_set():
             rc = mpirun.popen.returncode
             return ExitStatus(code=255 if rc == 0 else ExitStatus.from_returncode(rc).exit_code,
                               detail=f"no exit status from this rank; mpirun ended with {rc}")
         return None
+
+    def in_doubt(self) -> bool:
+        # once the job is being stopped mpirun passes no pings: silence then says nothing
+        return self.status is None and not self._backend.stopping and self._backend.watch.in_doubt(self.spec.host)
 
     def terminate(self) -> None:
         self._backend.stop_job()
@@ -184,7 +201,7 @@ def mpirun_argv(plan: Plan, python: str, exported: list[str], ssh_args: list[str
     if has_hostfile:
         argv += ["--host", ",".join(f"{'localhost' if h.name == 'localhost' else h.name}:{n}" for h, n in hosts)]
     if ssh_args:
-        argv += ["--mca", "plm_rsh_args", " ".join(ssh_args)]
+        argv += ["--mca", "plm_rsh_agent", "ssh", "--mca", "plm_rsh_args", " ".join(ssh_args)]
     for name in exported:
         argv += ["-x", name]
     argv += [python, "-m", "launcher.mpi_rank"]
@@ -207,6 +224,8 @@ class MpiBackend(Backend):
         self._ending = False
         self._ranks: list[MpiRankHandle] = []
         self._reported = threading.Condition()
+        self.watch = LinkWatch(config.link_timeout)
+        self._ssh_config: str | None = None  # the OpenSSH config mpirun's ssh reads (see prepare)
 
     def prepare(self, plan: Plan) -> None:
         """Check mpirun is there; with a hostfile, run the ssh pre-flight check (one clear line per
@@ -231,6 +250,7 @@ class MpiBackend(Backend):
             check_scripts_remote([spec for spec in plan.processes if spec.host.name != "localhost"], clients,
                                  self.config.connect_timeout)
             check_plan_reachable(plan, clients, self.config, self.printer)
+            self._ssh_config = _write_ssh_config(connector, remote, self.config)
         finally:
             for client in clients.values():
                 client.close()
@@ -252,6 +272,11 @@ class MpiBackend(Backend):
             return
         threading.Thread(target=self._stop_when_reported, args=(time.monotonic() + settle,),
                          name="pslaunch-mpirun-settle", daemon=True).start()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the job is being stopped."""
+        return self._stopping
 
     def rank_reported(self) -> None:
         """A rank's exit status arrived (called by the reader threads)."""
@@ -290,6 +315,20 @@ class MpiBackend(Backend):
             self._ending = True
         self.signal_mpirun(signal.SIGUSR1)
 
+    def _ping(self, _: bytes) -> None:
+        """The link watch's ping: a SIGCONT through mpirun to every rank, once every rank started
+        (mpirun cannot pass a signal on while it still wires up its daemons: it aborts), and not
+        while the job is stopped (Ctrl-Z), which a SIGCONT would end; the lock orders it with a
+        stop request."""
+        if not all(h.pid for h in self._ranks):
+            return
+        with self._lock:
+            if not self._suspended and self.mpirun is not None and self.mpirun.popen.poll() is None:
+                try:
+                    self.mpirun.popen.send_signal(signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
     def signal_mpirun(self, sig: int) -> None:
         """Send ``sig`` to mpirun (SIGKILL goes to its whole process group)."""
         with self._lock:
@@ -320,44 +359,61 @@ class MpiBackend(Backend):
                 "cwd": spec.cwd,
                 "grace": self.config.stop_grace,
                 "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+                # mpirun's own host needs no link guard: its ranks die with mpirun (PDEATHSIG)
+                "link": 0 if spec.host.name == "localhost" else self.config.link_timeout,
             })
         env = {PLAN_VARIABLE: json.dumps(entries), "PYTHONPATH": root}
         env.update({f"{ENV_PREFIX}{i}": value for (_, value, _), i in user_vars.items()})
         exported = [PLAN_VARIABLE, "PYTHONPATH", *(f"{ENV_PREFIX}{i}" for i in user_vars.values())]
-        ssh_args = _ssh_args(self.config) if self.config.hosts else None
+        ssh_args = ["-F", self._ssh_config] if self._ssh_config else None
         argv = mpirun_argv(plan, self.config.python, exported, ssh_args, bool(self.config.hosts), os.geteuid() == 0)
         handles = [MpiRankHandle(spec, self) for spec in ordered]
         self._ranks = handles
         mpirun_spec = ProcessSpec("mpirun", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
         self.mpirun = self.spawner.spawn(mpirun_spec, self.printer, argv=argv, env=env, handle_cls=MpirunHandle, readers=False)
         self.mpirun.attach(self, handles)
+        for host in {spec.host for spec in ordered if spec.host.name != "localhost"}:
+            self.watch.add(host, counting=False)  # counted from its first word: mpirun starts its daemons
+        self.watch.add("mpirun", self._ping)
         by_spec = {id(h.spec): h for h in handles}
         return [by_spec[id(spec)] for spec in plan.processes]
 
     def close(self) -> None:
+        self.watch.close()
         if self.mpirun is not None:
             self.mpirun.close()
         self.spawner.close()
+        if self._ssh_config:
+            shutil.rmtree(os.path.dirname(self._ssh_config), ignore_errors=True)
+            self._ssh_config = None
 
 
-def _ssh_args(config) -> list[str]:
-    """Options for the ssh mpirun uses to start its daemons: the job's port, key, user and host-key policy."""
-    args = ["-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]
-    if config.ssh_port:
-        args += ["-p", str(config.ssh_port)]
-    if config.identity:
-        args += ["-i", config.identity]
-    if config.ssh_user:
-        args += ["-l", config.ssh_user]
-    if config.ssh_config:
-        args += ["-F", os.path.expanduser(config.ssh_config)]
-    strict = {"accept-new": "accept-new", "strict": "yes", "ignore": "no"}[config.host_key_policy]
-    known = "/dev/null" if config.host_key_policy == "ignore" else os.path.expanduser(config.known_hosts or "~/.ssh/known_hosts")
-    return args + ["-o", f"StrictHostKeyChecking={strict}", "-o", f"UserKnownHostsFile={known}"]
+def _write_ssh_config(connector, hosts: list[Host], config) -> str:
+    """Write the OpenSSH config mpirun's ssh reads (``-F``): each host reached as the pre-flight
+    check reached it (``SshConnector.openssh_config``), and ssh keepalives that end a daemon's ssh
+    in a partition within about ``--link-timeout``. Returns its path, in a private directory."""
+    extra = {"ConnectTimeout": str(max(1, int(config.connect_timeout))), "LogLevel": "ERROR"}
+    if config.link_timeout > 0:
+        extra.update(ServerAliveInterval=str(max(1, round(config.link_timeout / 3))), ServerAliveCountMax="3")
+    directory = tempfile.mkdtemp(prefix="pslaunch-ssh-")
+    path = os.path.join(directory, "config")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as fh:
+        fh.write(connector.openssh_config(hosts, extra))
+    return path
 
 
 class MpirunHandle(LocalHandle):
-    """mpirun itself: its output is read by ``TagDemux`` threads instead of plain readers."""
+    """mpirun itself: its output is read by ``TagDemux`` threads instead of plain readers. It puts
+    each daemon's ssh and each local rank in a process group of its own, in its session: killing it
+    kills that whole session."""
+
+    def kill(self) -> None:
+        super().kill()
+        for pid in _session_members(self.popen.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def attach(self, backend: MpiBackend, ranks: list[MpiRankHandle]) -> None:
         """Start the threads that split mpirun's output into the ranks' lines."""
@@ -367,6 +423,26 @@ class MpirunHandle(LocalHandle):
                                       name=f"pslaunch-mpirun-{stream}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+
+def _session_members(sid: int) -> list[int]:
+    """The processes of session ``sid`` (from /proc; empty elsewhere)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            found.append(int(entry))
+    return found
 
 
 def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBackend, done: list) -> None:
@@ -379,10 +455,10 @@ def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBack
         if key not in splitters:
             if rank is None or rank >= len(ranks):
                 def emit(block: str, sub: str = sub) -> None:
-                    if not verbose:  # mpirun reports each signal pslaunch sent through it
-                        block = "\n".join(t for t in block.split("\n") if not _FORWARDING.match(t))
-                        if not block:
-                            return
+                    # mpirun reports each signal pslaunch sent through it (shown with -v, but pings)
+                    block = "\n".join(t for t in block.split("\n") if t != _PINGED and (verbose or not _FORWARDING.match(t)))
+                    if not block:
+                        return
                     printer.lines("mpirun", "mpirun", block, sub)
             else:
                 def emit(block: str, handle: MpiRankHandle = ranks[rank], sub: str = sub) -> None:
@@ -390,7 +466,16 @@ def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBack
             splitters[key] = LineSplitter(emit)
         return splitters[key]
 
-    demux = TagDemux(lambda rank, sub, data: splitter_for(rank, sub or stream).feed(data))
+    pongs: dict[tuple[int, str], PongFilter] = {}
+
+    def feed(rank: int | None, sub: str, data: bytes) -> None:
+        if rank is not None and rank < len(ranks):  # word from the rank's host; its answers to pings go
+            backend.watch.heard(ranks[rank].spec.host)
+            data = pongs.setdefault((rank, sub), PongFilter()).feed(data)
+        if data:
+            splitter_for(rank, sub).feed(data)
+
+    demux = TagDemux(lambda rank, sub, data: feed(rank, sub or stream, data))
     try:
         while True:
             try:
@@ -402,6 +487,10 @@ def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBack
             demux.feed(data)
     finally:
         demux.close()
+        for (rank, sub), held in pongs.items():
+            rest = held.feed(b"")
+            if rest:
+                splitter_for(rank, sub).feed(rest)
         for s in splitters.values():
             s.close()
         done.append(stream)
