@@ -176,9 +176,12 @@ class NetnsCluster:
         """``network`` as a CIDR."""
         return f"198.{18 if network == 'management' else 19}.{self.octet}.0/24"
 
-    def run_in(self, host: str, argv: Sequence[str]) -> list[str]:
-        """``argv`` started inside ``host`` (``ip netns exec`` execs it: the pid stays the program's)."""
-        return ["ip", "netns", "exec", self.namespace(host), *argv]
+    def run_in(self, host: str, argv: Sequence[str], hostname: bool = False) -> list[str]:
+        """``argv`` started inside ``host`` (``ip netns exec`` execs it: the pid stays the program's);
+        with ``hostname``, also in a UTS namespace of its own named ``host`` (as a real host's
+        programs see their own host name: Open MPI tells its daemons apart by it)."""
+        named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host] if hostname else []
+        return ["ip", "netns", "exec", self.namespace(host), *named, *argv]
 
     def describe(self) -> str:
         """One line for reports."""

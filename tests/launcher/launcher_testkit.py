@@ -284,7 +284,7 @@ def start_cluster(d: Path):
             sub = d / host
             sub.mkdir()
             gen = start_sshd(sub, (net.address(host), net.address(host, "compute")), authorized_key=key,
-                             prefix=tuple(net.run_in(host, [])), port=22, reachable=(net.address(host),))
+                             prefix=tuple(net.run_in(host, [], hostname=True)), port=22, reachable=(net.address(host),))
             first = next(gen)
             stack.callback(_finish, gen)
             if key is None:

@@ -8,12 +8,16 @@ Marked ``netns`` (root and iproute2; ``scripts/test.sh`` runs them with the rest
 
 from __future__ import annotations
 
+import os
 import re
+import select
+import subprocess
 import sys
+import time
 
 import pytest
 
-from launcher_testkit import helper, processes_with, run_pslaunch, wait_gone
+from launcher_testkit import cmdline, helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_gone
 
 pytestmark = pytest.mark.netns
 
@@ -104,3 +108,82 @@ def test_a_host_that_cannot_reach_the_schedulers_address_stops_the_launch_naming
     assert re.search(rf"^  node3c cannot reach the scheduler at {re.escape(net.launcher_address)}:\d+: "
                      r"no answer within 2 s$", res.stderr, re.M), res.stderr
     assert "node1 cannot" not in res.stderr and processes_with(marker) == []
+
+
+def _wait_for_output(proc, text: str, timeout: float = 60) -> str:
+    """Read pslaunch's stdout until a line holds ``text`` (fails if pslaunch ends first)."""
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while text not in seen:
+        assert time.monotonic() < deadline, f"{text!r} did not come within {timeout} s:\n{seen}"
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            chunk = os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
+            assert chunk, f"pslaunch ended before {text!r}: {seen}{proc.communicate()}"
+            seen += chunk
+    return seen
+
+
+def _job_processes(cluster, host: str) -> list[str]:
+    """The job's processes still running in ``host``'s namespace (guards, the runtime, the helpers)."""
+    pids = subprocess.run(["ip", "netns", "pids", cluster.net.namespace(host)], capture_output=True, text=True,
+                          timeout=10).stdout.split()
+    found = [f"{pid}: {cmdline(int(pid))}" for pid in pids]
+    return [line for line in found if re.search(r"pslaunch-guard|psnode|steps_worker|sleeper|mpi_rank|orted", line)]
+
+
+@pytest.mark.parametrize(("backend", "kind"), [("ssh", "kvcore"), ("ssh", "plain"), ("mpi", "plain")])
+def test_a_link_dropped_mid_job_fails_it_naming_the_host_and_leaves_nothing_running_there(cluster, tmp_path, marker,
+                                                                                          backend, kind):
+    hosts = cluster.hostfile("two", ["node1", "node2"])
+    if kind == "kvcore":
+        job = ["--env", "STEPS:100000", "--env", "STEP_SLEEP:0.02", sys.executable, helper("steps_worker.py"), marker]
+        started = "step 10"
+    else:  # a program with its own scheduler and servers (MXNet, ps-lite, BytePS) that notices nothing
+        job = ["--command-for-all-roles", sys.executable, helper("sleeper.py"), "600", marker]
+        started = "[worker.1@node2] sleeping"
+    net, link_timeout = cluster.net, 6
+    with reaped(start_pslaunch(["-n", "2", "-s", "2", "-H", hosts, *cluster.ssh_flags(), "--launcher", backend,
+                                "--link-timeout", str(link_timeout), "--stop-grace", "2", "--timeout", "120", *job]),
+                marker) as proc:
+        _wait_for_output(proc, started)
+        net.cut("h2")
+        try:
+            _, err = proc.communicate(timeout=60)
+        finally:
+            net.restore("h2")
+    stderr = err.decode()
+    assert proc.returncode == 255, stderr
+    assert (f"pslaunch: root cause: host node2 lost (no answer for {link_timeout} s): pslaunch could not reach "
+            "server.1@node2, worker.1@node2\n") in stderr, stderr
+    rows = {f"{m[0]}.{m[1]}@{m[2]}": (m[3], m[4]) for m in re.findall(
+        r"^\| (\w+) +\| +(\d+) \| (\w+) +\| +[-\d]+ \| ([^|]+?) +\| +[\d.]+s \| ([^|]*?) *\|$", stderr, re.M)}
+    lost = f"host lost (no answer for {link_timeout} s)"
+    assert rows["server.1@node2"] == (lost, "root cause, unreachable"), stderr
+    assert rows["worker.1@node2"] == (lost, "unreachable"), stderr
+    assert "did not end after SIGKILL" not in stderr
+    # the guards on node2 (mpi: mpi_rank) stopped their processes when pslaunch went quiet, and once
+    # the link is back nothing is left anywhere (mpirun's daemon there ends when it finds mpirun gone)
+    deadline = time.monotonic() + link_timeout + 10
+    while (_job_processes(cluster, "h2") or processes_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _job_processes(cluster, "h2") == [] and processes_with(marker) == []
+
+
+def test_the_mpi_backend_runs_across_hosts_with_the_ssh_settings_the_preflight_used_not_the_passwd_homes(
+        cluster, tmp_path, marker):
+    # Under `sudo -E` or in a container $HOME is not the passwd home directory, whose ~/.ssh/config
+    # mpirun's own ssh would read: the aliases below are only in $HOME's.
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(open(cluster.ssh_config).read())
+    hosts = cluster.hostfile("mpi-hosts", ["node1", "node2"])
+    out = tmp_path / "out"
+    out.mkdir()
+    res = run_pslaunch(["-n", "2", "-s", "2", "-H", hosts, "--known-hosts", cluster.known_hosts, "--launcher", "mpi",
+                        "--timeout", "60", sys.executable, helper("kv_worker.py"), str(out), marker],
+                       timeout=90, env=dict(os.environ, HOME=str(home)))
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in out.glob("worker.*.txt")) == ["worker.0.txt", "worker.1.txt"]
+    assert "[worker.1@node2] worker 1 pulled 3.0" in res.stdout
+    assert wait_gone(marker, 10) == []
