@@ -39,7 +39,7 @@ import subprocess
 import time
 from typing import Sequence
 
-__all__ = ["NetnsCluster", "NetnsError", "BENCH_RANGE", "usable"]
+__all__ = ["NetnsCluster", "NetnsError", "BENCH_RANGE", "usable", "sweep_stale", "process_alive"]
 
 #: The only addresses a cluster uses, unreachable from the root namespace but for its bridges.
 BENCH_RANGE = "198.18.0.0/15"
@@ -82,8 +82,13 @@ def usable() -> str | None:
     return None if made.returncode == 0 else f"cannot make a network namespace: {made.stderr.strip()}"
 
 
-def _alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}")
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a killed run's process may stay one)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _kill_namespace(name: str) -> None:
@@ -96,7 +101,7 @@ def _kill_namespace(name: str) -> None:
             pass
     deadline = time.monotonic() + 5
     while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if _alive(int(p))]
+        pids = [p for p in pids if process_alive(int(p))]
         time.sleep(0.02)
     _ip("netns", "del", name, check=False)
 
@@ -105,11 +110,11 @@ def sweep_stale() -> None:
     """Delete the namespaces and links of clusters whose process is gone (a run killed outright)."""
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         match = _STALE_NS.match(line)
-        if match and not _alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             _kill_namespace(line.split()[0])
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         match = _STALE_LINK.match(line)
-        if match and not _alive(int(match.group(2))):
+        if match and not process_alive(int(match.group(2))):
             _ip("link", "del", match.group(1), check=False)
 
 
