@@ -70,9 +70,10 @@ class LinkWatch:
         it sends: a host still being started is not silent). ``send(PING)`` is called every
         interval from now on, when given."""
         with self._lock:
+            now = self._look()  # (time before the first host, the pre-flight check say, is no gap)
             self._watched.add(host)
             if counting:
-                self._heard.setdefault(host, self._clock())
+                self._heard.setdefault(host, now)
             if send is not None:
                 self._senders.append(send)
         if send is not None and self._thread is None and self.timeout > 0:

@@ -142,7 +142,7 @@ def test_a_link_dropped_mid_job_fails_it_naming_the_host_and_leaves_nothing_runn
     else:  # a program with its own scheduler and servers (MXNet, ps-lite, BytePS) that notices nothing
         job = ["--command-for-all-roles", sys.executable, helper("sleeper.py"), "600", marker]
         started = "[worker.1@node2] sleeping"
-    net, link_timeout = cluster.net, 6
+    net, link_timeout = cluster.net, 8
     with reaped(start_pslaunch(["-n", "2", "-s", "2", "-H", hosts, *cluster.ssh_flags(), "--launcher", backend,
                                 "--link-timeout", str(link_timeout), "--stop-grace", "2", "--timeout", "120", *job]),
                 marker) as proc:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 from launcher.guard import PING, PONG, env_payload, remote_command
 from launcher.linkwatch import LinkWatch, PongFilter
@@ -24,6 +25,7 @@ class Guard:
 
     def __init__(self, marker: str, link_timeout: float) -> None:
         command = remote_command([sys.executable, helper("sleeper.py"), "600", marker], None, False, 1, link_timeout)
+        self.marker = marker
         self.proc = subprocess.Popen(["sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
         self.err = b""
@@ -40,54 +42,52 @@ class Guard:
             if select.select([self.proc.stderr], [], [], 0.2)[0]:
                 self.err += os.read(self.proc.stderr.fileno(), 65536)
 
-    def close(self, marker: str) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
+    def assert_stopped_its_command(self) -> None:
+        """The guard ended as after SIGTERM to its group, and nothing of the command is left."""
+        assert self.proc.wait(30) == 128 + signal.SIGTERM
+        assert wait_gone(self.marker, 10) == []
+
+
+@contextmanager
+def started_guard(marker: str, link_timeout: float):
+    """A ``Guard`` whose command started; killed with everything it started afterwards."""
+    guard = Guard(marker, link_timeout)
+    try:
+        guard.read_until(b"PSLAUNCH-PID")
+        yield guard
+    finally:
+        if guard.proc.poll() is None:
+            os.killpg(guard.proc.pid, signal.SIGKILL)
+        guard.proc.wait(10)
         for line in processes_with(marker):
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
 def test_the_guard_answers_pings_and_stops_its_command_once_no_line_came_for_the_link_timeout(marker):
-    guard = Guard(marker, link_timeout=2)
-    try:
-        guard.read_until(b"PSLAUNCH-PID")
+    with started_guard(marker, link_timeout=2) as guard:
         for _ in range(4):  # pinged, the command lives on past the timeout
             guard.send(PING)
             time.sleep(1)
         guard.read_until(PONG)
         assert processes_with(marker)
-        # silence (the channel stays open, as in a partition): TERM to the group, the guard ends
-        assert guard.proc.wait(30) == 128 + signal.SIGTERM
-        assert wait_gone(marker, 10) == []
-    finally:
-        guard.close(marker)
+        guard.assert_stopped_its_command()  # silence, the channel still open (as in a partition)
 
 
 def test_a_stop_holds_the_guards_link_timeout_until_the_next_line(marker):
-    guard = Guard(marker, link_timeout=2)
-    try:
-        guard.read_until(b"PSLAUNCH-PID")
+    with started_guard(marker, link_timeout=2) as guard:
         guard.send(b"STOP\n")  # pslaunch is stopped too (Ctrl-Z): no pings come meanwhile
         time.sleep(4)
         assert guard.proc.poll() is None and processes_with(marker)
         guard.send(b"CONT\n")
-        assert guard.proc.wait(30) == 128 + signal.SIGTERM  # the clock runs again from CONT
-        assert wait_gone(marker, 10) == []
-    finally:
-        guard.close(marker)
+        guard.assert_stopped_its_command()  # the clock runs again from CONT
 
 
 def test_without_a_link_timeout_the_guard_waits_for_the_end_of_its_input(marker):
-    guard = Guard(marker, link_timeout=0)
-    try:
-        guard.read_until(b"PSLAUNCH-PID")
-        time.sleep(2)
+    with started_guard(marker, link_timeout=0) as guard:
+        time.sleep(3)
         assert guard.proc.poll() is None
         guard.proc.stdin.close()
-        assert guard.proc.wait(30) == 128 + signal.SIGTERM
-    finally:
-        guard.close(marker)
+        guard.assert_stopped_its_command()
 
 
 def test_pong_markers_leave_the_stream_whole_lines_and_split_markers_included():
@@ -101,6 +101,7 @@ def test_a_host_is_lost_after_the_timeout_of_silence_and_time_pslaunch_did_not_r
     now = [100.0]
     watch = LinkWatch(10, clock=lambda: now[0])
     assert watch.interval == 2.0
+    now[0] += 60  # the pre-flight check and rsync ran before the first host was added
     watch.add("a", counting=False)
     watch.heard("elsewhere")  # not watched: never lost
     now[0] += 4
