@@ -31,6 +31,7 @@ root (CAP_NET_ADMIN) and iproute2. Thread-safe: no; one owner.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import os
 import re
 import shutil
@@ -44,8 +45,9 @@ __all__ = ["NetnsCluster", "NetnsError", "BENCH_RANGE", "usable", "sweep_stale",
 #: The only addresses a cluster uses, unreachable from the root namespace but for its bridges.
 BENCH_RANGE = "198.18.0.0/15"
 _NS_PREFIX = "pslnet-"
-_STALE_NS = re.compile(rf"^{_NS_PREFIX}(\d+)-h\d+\b")
-_STALE_LINK = re.compile(r"^\d+: (pn(\d+)-[0-9a-z]+)[@:]")
+_STALE_NS = re.compile(rf"^{_NS_PREFIX}(\d+)[a-z]-h\d+\b")
+_STALE_LINK = re.compile(r"^\d+: (pn(\d+)[a-z]-[0-9a-z]+)[@:]")
+_made = itertools.count()  # clusters made by this process: each gets a letter of its own
 
 
 class NetnsError(RuntimeError):
@@ -148,12 +150,14 @@ class NetnsCluster:
         self.nics = tuple(nics)
         self.compute = compute
         self.launcher_on_compute = launcher_on_compute
-        self.tag = str(os.getpid())
+        # the process id (a killed run's leftovers are found by it) and a letter per cluster
+        self.tag = f"{os.getpid()}{'abcdefghijklmnopqrstuvwxyz'[next(_made) % 26]}"
         self.hosts = [f"h{i + 1}" for i in range(len(self.nics))]
         self.octet = 0
         self._route_added = False
         self._namespaces: list[str] = []
         self._links: list[str] = []  # root-side interfaces (bridges, veth ends) this cluster made
+        self._routes: list[str] = []  # this cluster's own unreachable routes
 
     # -- names and addresses ---------------------------------------------------------------------
     def namespace(self, host: str) -> str:
@@ -161,7 +165,7 @@ class NetnsCluster:
         return f"{_NS_PREFIX}{self.tag}-{host}"
 
     def _dev(self, suffix: str) -> str:
-        return f"pn{self.tag}-{suffix}"  # at most 15 characters: pn + 7 digits + - + 3
+        return f"pn{self.tag}-{suffix}"  # at most 15 characters: pn + 7 digits + a letter + - + 3
 
     def address(self, host: str, network: str = "management") -> str:
         """``host``'s address on ``network`` (``management`` or ``compute``)."""
@@ -240,6 +244,10 @@ class NetnsCluster:
                 root.append(f"link set {outer} master {self._dev(f'b{network[0]}')}")
                 root.append(f"link set {outer} up")
                 inside[ns] += [f"addr add {self.address(host, network)}/24 dev {nic}", f"link set {nic} up"]
+        if self.compute and not self.launcher_on_compute:
+            # This run's own guard: the range's route is shared with other runs, one may remove it.
+            root.append(f"route add unreachable {self.subnet('compute')}")
+            self._routes.append(self.subnet("compute"))
         _batch([], root)
         for ns, lines in inside.items():
             _batch(["-n", ns], lines)
@@ -247,6 +255,8 @@ class NetnsCluster:
     def join(self, network: str) -> str:
         """Put the root namespace (the launching host) on ``network`` too; returns its address there."""
         address = f"198.{18 if network == 'management' else 19}.{self.octet}.1"
+        if self.subnet(network) in self._routes:
+            _ip("route", "del", "unreachable", self.subnet(network), check=False)
         _ip("addr", "replace", f"{address}/24", "dev", self._dev(f"b{network[0]}"))
         return address
 
@@ -254,6 +264,8 @@ class NetnsCluster:
         """Take the root namespace's address off ``network`` (undoes ``join``)."""
         address = f"198.{18 if network == 'management' else 19}.{self.octet}.1"
         _ip("addr", "del", f"{address}/24", "dev", self._dev(f"b{network[0]}"), check=False)
+        if self.subnet(network) in self._routes:
+            _ip("route", "add", "unreachable", self.subnet(network), check=False)
 
     def _outer(self, host: str, network: str | None = None) -> list[str]:
         index = self.hosts.index(host) + 1
@@ -287,6 +299,9 @@ class NetnsCluster:
         for dev in reversed(self._links):
             _ip("link", "del", dev, check=False)  # a veth's end in a deleted namespace took the pair with it
         self._links = []
+        for subnet in self._routes:
+            _ip("route", "del", "unreachable", subnet, check=False)
+        self._routes = []
         if self._route_added and not _range_in_use():
             _ip("route", "del", "unreachable", BENCH_RANGE, check=False)
         self._route_added = False

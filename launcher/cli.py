@@ -30,7 +30,7 @@ Examples:
 Exit codes: 0 success; the root-cause process's code (128+signal; 1 when it is 2-5); 2 bad input;
 3 a host failed the pre-flight check; 4 rsync failed; 5 a process could not be started; 75 a
 process ended because of another and none failed on its own; 124 --timeout; 129 / 130 / 143
-SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
+SIGHUP / SIGINT / SIGTERM; 255 a host was lost. Documentation: docs/launcher.md.
 """
 
 

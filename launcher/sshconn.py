@@ -24,6 +24,7 @@ import getpass
 import os
 import shlex
 import socket
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -266,6 +267,18 @@ class SshConnector:
         if self.ssh_config_path:
             lines += ["Match all", f"    Include {self.ssh_config_path}"]
         return "\n".join(lines) + "\n"
+
+    def write_openssh_config(self, hosts: list[Host]) -> str:
+        """Write ``openssh_config`` for ``hosts`` to a file in a private temporary directory (the
+        caller removes it) and return its path. ssh keepalives end such an ssh within about
+        ``--link-timeout`` when its link is gone (a partition closes no connection by itself)."""
+        extra = {"ConnectTimeout": str(max(1, int(self.config.connect_timeout))), "LogLevel": "ERROR"}
+        if self.config.link_timeout > 0:
+            extra.update(ServerAliveInterval=str(max(1, round(self.config.link_timeout / 3))), ServerAliveCountMax="3")
+        path = os.path.join(tempfile.mkdtemp(prefix="pslaunch-ssh-"), "config")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as fh:
+            fh.write(self.openssh_config(hosts, extra))
+        return path
 
     def destination(self, host: Host) -> str:
         """``user@hostname`` as OpenSSH and rsync want it (IPv6 in brackets for rsync paths)."""

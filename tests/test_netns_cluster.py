@@ -53,9 +53,11 @@ def _reaches(cluster: NetnsCluster, source: str | None, target: str, network: st
 
 
 def _leftovers(tag: str) -> list[str]:
+    """Namespaces and links of the cluster(s) tagged ``tag`` (``<pid><letter>``, or a pid: every one)."""
     names = [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
-    links = [line.split(":")[1].strip() for line in _ip("-o", "link", "show").splitlines()]
-    return [n for n in names + links if f"-{tag}-" in f"-{n}" or n.startswith(f"pn{tag}-")]
+    links = [line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link", "show").splitlines()]
+    mine = re.compile(rf"^(pslnet-|pn){tag}{'' if tag[-1].isalpha() else '[a-z]'}-")
+    return [n for n in names + links if mine.match(n)]
 
 
 def test_hosts_reach_each_other_on_both_networks_the_launcher_only_the_management_one_and_nothing_is_left():
@@ -66,12 +68,18 @@ def test_hosts_reach_each_other_on_both_networks_the_launcher_only_the_managemen
             assert re.search(rf"^\d+: ens5\s+inet {re.escape(cluster.address('h2'))}/24 ", inside, re.M), inside
             assert _reaches(cluster, "h1", "h2", "management") and _reaches(cluster, "h1", "h2", "compute")
             assert _reaches(cluster, None, "h2", "management") and not _reaches(cluster, None, "h2", "compute")
+            cluster.join("compute")
+            assert _reaches(cluster, None, "h2", "compute")
+            cluster.leave("compute")
+            assert not _reaches(cluster, None, "h2", "compute")
             cluster.cut("h2")
             assert not _reaches(cluster, "h1", "h2", "management")
             cluster.restore("h2")
             assert _reaches(cluster, "h1", "h2", "management")
+            tag = cluster.tag
+            assert _leftovers(tag)
             raise RuntimeError("inside")
-    assert _leftovers(str(os.getpid())) == []
+    assert _leftovers(tag) == []
 
 
 def test_a_killed_runs_namespaces_and_what_ran_in_them_are_swept_by_the_next_cluster(tmp_path):

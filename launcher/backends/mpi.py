@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 import signal
-import tempfile
 import threading
 import time
 
@@ -100,7 +99,7 @@ class MpiRankHandle(ProcessHandle):
         if self._marked is not None:
             return self._marked
         watch = self._backend.watch
-        if watch.lost(self.spec.host):
+        if self._backend.pinging and watch.lost(self.spec.host):
             self.unreachable = True
             self.ended = watch.last_heard(self.spec.host)
             return ExitStatus(code=255, detail=f"no answer for {watch.timeout:g} s", lost=True)
@@ -113,7 +112,8 @@ class MpiRankHandle(ProcessHandle):
 
     def in_doubt(self) -> bool:
         # once the job is being stopped mpirun passes no pings: silence then says nothing
-        return self.status is None and not self._backend.stopping and self._backend.watch.in_doubt(self.spec.host)
+        backend = self._backend
+        return self.status is None and backend.pinging and not backend.stopping and backend.watch.in_doubt(self.spec.host)
 
     def terminate(self) -> None:
         self._backend.stop_job()
@@ -225,6 +225,7 @@ class MpiBackend(Backend):
         self._ranks: list[MpiRankHandle] = []
         self._reported = threading.Condition()
         self.watch = LinkWatch(config.link_timeout)
+        self.pinging = False  # whether the link watch pings the ranks yet (once every rank started)
         self._ssh_config: str | None = None  # the OpenSSH config mpirun's ssh reads (see prepare)
 
     def prepare(self, plan: Plan) -> None:
@@ -250,7 +251,7 @@ class MpiBackend(Backend):
             check_scripts_remote([spec for spec in plan.processes if spec.host.name != "localhost"], clients,
                                  self.config.connect_timeout)
             check_plan_reachable(plan, clients, self.config, self.printer)
-            self._ssh_config = _write_ssh_config(connector, remote, self.config)
+            self._ssh_config = connector.write_openssh_config(remote)
         finally:
             for client in clients.values():
                 client.close()
@@ -322,6 +323,10 @@ class MpiBackend(Backend):
         stop request."""
         if not all(h.pid for h in self._ranks):
             return
+        if not self.pinging:  # the hosts' clocks start with the first ping
+            for host in {h.spec.host for h in self._ranks}:
+                self.watch.heard(host)
+            self.pinging = True
         with self._lock:
             if not self._suspended and self.mpirun is not None and self.mpirun.popen.poll() is None:
                 try:
@@ -373,7 +378,7 @@ class MpiBackend(Backend):
         self.mpirun = self.spawner.spawn(mpirun_spec, self.printer, argv=argv, env=env, handle_cls=MpirunHandle, readers=False)
         self.mpirun.attach(self, handles)
         for host in {spec.host for spec in ordered if spec.host.name != "localhost"}:
-            self.watch.add(host, counting=False)  # counted from its first word: mpirun starts its daemons
+            self.watch.add(host, counting=False)  # counted from the first ping: mpirun starts its daemons
         self.watch.add("mpirun", self._ping)
         by_spec = {id(h.spec): h for h in handles}
         return [by_spec[id(spec)] for spec in plan.processes]
@@ -386,20 +391,6 @@ class MpiBackend(Backend):
         if self._ssh_config:
             shutil.rmtree(os.path.dirname(self._ssh_config), ignore_errors=True)
             self._ssh_config = None
-
-
-def _write_ssh_config(connector, hosts: list[Host], config) -> str:
-    """Write the OpenSSH config mpirun's ssh reads (``-F``): each host reached as the pre-flight
-    check reached it (``SshConnector.openssh_config``), and ssh keepalives that end a daemon's ssh
-    in a partition within about ``--link-timeout``. Returns its path, in a private directory."""
-    extra = {"ConnectTimeout": str(max(1, int(config.connect_timeout))), "LogLevel": "ERROR"}
-    if config.link_timeout > 0:
-        extra.update(ServerAliveInterval=str(max(1, round(config.link_timeout / 3))), ServerAliveCountMax="3")
-    directory = tempfile.mkdtemp(prefix="pslaunch-ssh-")
-    path = os.path.join(directory, "config")
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as fh:
-        fh.write(connector.openssh_config(hosts, extra))
-    return path
 
 
 class MpirunHandle(LocalHandle):

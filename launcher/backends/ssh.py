@@ -3,7 +3,9 @@
 Before anything starts, every host is checked in parallel (``SshConnector.preflight``) and, with
 ``--sync-dst-dir``, the current directory is rsynced to each. Each remote process runs inside
 ``launcher.guard``: its environment arrives on the channel's stdin, and it dies with its group
-when the channel closes — also when pslaunch is SIGKILLed. Processes placed on the launching host
+when the channel closes — also when pslaunch is SIGKILLed — or when no ping from pslaunch came for
+``--link-timeout`` (a partition); a host pslaunch hears nothing from for that long is lost
+(``launcher.linkwatch``). Processes placed on the launching host
 (the scheduler, by default) are local children, as in the local backend.
 """
 
