@@ -13,7 +13,8 @@ import uuid
 
 import click
 
-from .config import DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option, resolve
+from .config import (DEFAULT_LINK_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option,
+                     resolve)
 from .envcontract import new_job_key
 from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
@@ -31,7 +32,7 @@ Examples:
 Exit codes: 0 success; the (last) root-cause process's code (128+signal; 1 when it is 2-5); 2 bad input;
 3 a host failed the pre-flight check; 4 rsync failed; 5 a process could not be started; 75 a
 process ended because of another and none failed on its own; 124 --timeout; 129 / 130 / 143
-SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
+SIGHUP / SIGINT / SIGTERM; 255 a host was lost. Documentation: docs/launcher.md.
 """
 
 
@@ -56,7 +57,9 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
 @click.option("--env-worker", multiple=True, metavar="NAME[:VALUE]", help="Like --env, for workers.")
 @click.option("--scheduler-host", default=None, help="Run the scheduler on this host [default: here].")
 @click.option("--scheduler-port", type=int, default=None, help="Scheduler port [default: a free one].")
-@click.option("--interface", default=None, help="Network interface the nodes advertise (DMLC_INTERFACE).")
+@click.option("--interface", default=None, metavar="NAME[,NAME...]|NETWORK",
+              help="The interface whose address each node advertises, resolved on each host: a name, names "
+                   "tried in order (ib0,eth0) or an IPv4 network (10.1.0.0/16) [default: toward the scheduler].")
 @click.option("--sync-dst-dir", default=None, metavar="DIR",
               help="rsync the current directory to DIR on every host first; processes start there.")
 @click.option("--ssh-port", type=int, default=None, help="ssh port for hosts whose line gives none.")
@@ -70,6 +73,9 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
               show_default=True, help="Unknown host keys: record them, refuse them, or neither.")
 @click.option("--connect-timeout", type=float, default=10.0, show_default=True,
               help="Seconds for each host's pre-flight ssh check.")
+@click.option("--link-timeout", type=float, default=DEFAULT_LINK_TIMEOUT, show_default=True,
+              help="Seconds without a word between pslaunch and a remote host after which the host is lost "
+                   "and its processes are stopped there (0: never).")
 @click.option("--python", default=sys.executable, show_default="this Python",
               help="Interpreter for a COMMAND starting with python, python3 or a .py file, and for the bundled runtime.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Keep one log file per process here.")
@@ -171,6 +177,7 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         known_hosts=options["known_hosts"],
         host_key_policy=options["host_key_policy"],
         connect_timeout=options["connect_timeout"],
+        link_timeout=options["link_timeout"],
         sync_dst_dir=options["sync_dst_dir"],
         sync_src_dir=os.getcwd(),
         cwd=os.getcwd(),

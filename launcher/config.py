@@ -21,9 +21,9 @@ __all__ = [
     "parse_env_option",
     "resolve",
     "free_port",
-    "interface_address",
     "DEFAULT_STOP_GRACE",
     "DEFAULT_SHUTDOWN_GRACE",
+    "DEFAULT_LINK_TIMEOUT",
 ]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -32,6 +32,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEFAULT_STOP_GRACE = 5.0
 #: Seconds a scheduler or server that is not the bundled runtime gets to exit once every worker exited 0.
 DEFAULT_SHUTDOWN_GRACE = 10.0
+#: Seconds of silence after which a remote host is lost and its guards stop their processes.
+DEFAULT_LINK_TIMEOUT = 15.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class LaunchConfig:
     known_hosts: str | None = None
     host_key_policy: str = "accept-new"
     connect_timeout: float = 10.0
+    link_timeout: float = DEFAULT_LINK_TIMEOUT
     sync_dst_dir: str | None = None
     sync_src_dir: str = "."
     cwd: str | None = None
@@ -130,7 +133,7 @@ class LaunchConfig:
         if self.timeout is not None and self.timeout <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
         for flag, value in (("--stop-grace", self.stop_grace), ("--shutdown-grace", self.shutdown_grace),
-                            ("--connect-timeout", self.connect_timeout)):
+                            ("--connect-timeout", self.connect_timeout), ("--link-timeout", self.link_timeout)):
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
         if self.max_restarts < 0:
@@ -160,56 +163,40 @@ def free_port(address: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _route_address(target: str, port: int) -> str | None:
-    """The local address the kernel would use to reach ``target`` (no packet is sent)."""
-    try:
-        infos = socket.getaddrinfo(target, port, type=socket.SOCK_DGRAM)
-    except OSError:
-        return None
-    for family, kind, proto, _, addr in infos:
-        try:
-            with socket.socket(family, kind, proto) as sock:
-                sock.connect(addr)
-                return sock.getsockname()[0]
-        except OSError:
-            continue
-    return None
-
-
-def interface_address(name: str) -> str:
-    """The IPv4 address of network interface ``name`` (Linux). Raises ``ConfigError`` naming the
-    interfaces that exist when it has none."""
-    import fcntl
-    import struct
-
-    siocgifaddr = 0x8915
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            packed = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-        return socket.inet_ntoa(packed[20:24])
-    except OSError:
-        known = ", ".join(n for _, n in socket.if_nameindex())
-        raise ConfigError(f"--interface {name}: no such interface with an IPv4 address here (interfaces: {known})") from None
-
-
-def resolve(config: LaunchConfig) -> LaunchConfig:
+def resolve(config: LaunchConfig, real_names: list[tuple[str, str]] | None = None) -> LaunchConfig:
     """Fill in what needs a look at this machine; returns a new config.
 
-    * ``launch_address``: ``127.0.0.1`` for the local backend or when every host is a loopback
-      address; otherwise the address of ``--interface`` here, or else the address this machine
-      uses to reach the first remote host, so that every host can reach a scheduler started here.
+    * ``launch_address``: the address every node dials for the scheduler. ``127.0.0.1`` for the local
+      backend or when every host is this machine; the real name of ``--scheduler-host``; otherwise
+      the address other hosts reach this machine at (``launcher.network``: ``--interface`` here, or
+      the route toward the hosts' real names), never a loopback address.
+      ``real_names``: ``(label, name ssh connects to)`` per host (ssh config's ``HostName``); read
+      from the ssh config when None.
     * ``scheduler_port``: a free port here when the scheduler runs on this machine and none was
       given; 9091 (the DMLC tracker's default) when it runs on ``--scheduler-host``.
+
+    Raises ``ConfigError`` for a malformed ``--interface``, one that matches nothing here when every
+    process runs here, and when no address but a loopback one can be found for remote hosts.
     """
+    from .network import choose_scheduler_address, interface_addresses, parse_interface, resolve_interface
+
     address = config.launch_address
-    remote = [h for h in config.hosts if not h.is_loopback]
-    if config.interface:
-        interface_address(config.interface)  # fails early, naming the interfaces that exist
-    if config.backend != "local" and remote:
-        if config.interface:
-            address = interface_address(config.interface)
+    spec = parse_interface(config.interface) if config.interface else None
+    remote = False
+    if config.backend != "local" and config.hosts:
+        if real_names is None:
+            from .sshconn import real_names as read_names
+
+            real_names = read_names(config, extra=config.scheduler_host)
+        if config.scheduler_host:  # the name every node dials: what ssh reaches it by
+            address = dict(real_names).get(config.scheduler_host, config.scheduler_host)
         else:
-            address = _route_address(remote[0].name, remote[0].port or 22) or socket.gethostname()
+            address, remote = choose_scheduler_address(real_names, config.interface)
+    if spec is not None and not remote and not config.scheduler_host:
+        here = interface_addresses()
+        if resolve_interface(spec, here) is None:  # every process runs here: it must match here
+            known = ", ".join(f"{n} {a}" for n, a in here.items())
+            raise ConfigError(f"--interface {config.interface}: nothing here matches it (interfaces: {known})")
     port = config.scheduler_port
     if port is None:
         port = 9091 if config.scheduler_host else free_port("0.0.0.0" if address != "127.0.0.1" else "127.0.0.1")

@@ -167,7 +167,7 @@ def make_plan(config: LaunchConfig) -> Plan:
             if h.name == config.scheduler_host:
                 sched_host = Host(h.name, h.user, h.port)
                 break
-        root_uri = config.scheduler_host
+        root_uri = config.launch_address  # its real name (ssh config's HostName), see config.resolve
     else:
         sched_host = LOCAL_HOST
         root_uri = "127.0.0.1" if local_only else config.launch_address
@@ -207,12 +207,14 @@ def make_plan(config: LaunchConfig) -> Plan:
             script = script_of(config.command)
         else:
             argv = runtime_argv(role, config.python)
+        # Otherwise each node advertises its interface toward the scheduler (or --interface's),
+        # found on its own host: an address of the hostfile may be on another network.
         node_host = None
         if not config.interface:
             if on_launcher and host is LOCAL_HOST:
                 node_host = "127.0.0.1" if all_local else None
-            elif host.is_ip:
-                node_host = host.name
+            elif host.is_loopback and host.is_ip:
+                node_host = host.name  # 127.0.0.2, 127.0.0.3: distinct hosts on one machine
         env = ec.contract_env(
             role=role,
             root_uri=root_uri,

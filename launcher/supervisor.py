@@ -7,7 +7,8 @@ Rules (docs/launcher.md, "Failures"):
   grace period, SIGKILL) and the root cause is named (``launcher.verdict``);
 * a process that exits 75 ended because another one failed: pslaunch waits up to
   ``CULPRIT_WAIT`` seconds for the process that failed on its own before it stops the rest, so
-  that the root cause is the culprit, not the first bystander to notice;
+  that the root cause is the culprit, not the first bystander to notice (and longer while a host
+  has gone quiet, until it is heard from again or lost: ``--link-timeout``);
 * a scheduler or server that exits, even with 0, before every worker has finished fails the job
   (exit code 1 when it exited 0; after exit 0 the workers get ``shutdown_grace`` seconds to
   finish too, since the runtime may end a moment before the workers' interpreters do);
@@ -192,7 +193,9 @@ class Supervisor:
                 elif handle.spec.role != "worker" and end_deadline is None and early is None:
                     early = (handle, now + self.config.shutdown_grace)
             if blamed_at is not None:
-                if now - blamed_at > CULPRIT_WAIT or all(h.status is not None for h in self.handles):
+                # A host pslaunch has stopped hearing from may be the culprit: wait for that verdict.
+                waited = now - blamed_at > CULPRIT_WAIT and not any(h.in_doubt() for h in self.handles)
+                if waited or all(h.status is not None for h in self.handles):
                     return _PROCESS_FAILED
             elif end_deadline is None and all(h.status is not None for h in workers):
                 end_deadline = now + self.config.shutdown_grace
@@ -286,7 +289,12 @@ class Supervisor:
             time.sleep(_TICK)
             running = [h for h in running if h.poll() is None]
         for handle in running:
-            self.printer.note(f"{who(handle)} did not end after SIGKILL")
+            if handle.in_doubt():  # its host went quiet: the signals may never have got there
+                handle.unreachable = True
+                self.printer.note(f"{who(handle)} is unreachable: no word from its host for a while "
+                                  f"(its guard stops it there after --link-timeout {self.config.link_timeout:g} s)")
+            else:
+                self.printer.note(f"{who(handle)} did not end after SIGKILL")
 
     # -- reporting -----------------------------------------------------------------------------
     def _report(self, then: str | None = None) -> None:

@@ -13,13 +13,15 @@ receiving thread, which swaps in new dicts and lists whole: readers need no lock
 from __future__ import annotations
 
 import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import ProtocolError
 from .transport import Transport
 
-__all__ = ["PeerInfo", "Membership", "host_fingerprint", "endpoint_of"]
+__all__ = ["PeerInfo", "Membership", "host_fingerprint", "endpoint_of", "unreachable"]
 
 SCHEDULER = b"scheduler"
 """The scheduler's identity on the wire."""
@@ -81,6 +83,28 @@ def endpoint_of(peer: PeerInfo, transport: Transport, fingerprint: str, same_hos
     if same_host in ("ipc", "shm") and peer.fingerprint == fingerprint:
         return transport.same_host_endpoint(peer.local_name)
     return f"tcp://{peer.host}:{peer.port}"
+
+
+def unreachable(peers: list[PeerInfo], fingerprint: str, same_host: str, timeout: float) -> list[tuple[PeerInfo, str]]:
+    """The peers whose advertised TCP address does not accept a connection from here within
+    ``timeout`` seconds, each with why (``No route to host``, ``no answer within 5 s``). Peers
+    reached through the same-host path are not tried. Blocks up to about ``timeout``; the tries run
+    in parallel (a plain connect, closed at once: the node's socket drops it)."""
+
+    def one(peer: PeerInfo) -> tuple[PeerInfo, str] | None:
+        try:
+            socket.create_connection((peer.host, peer.port), timeout).close()
+        except socket.timeout:
+            return peer, f"no answer within {timeout:g} s"
+        except OSError as exc:
+            return peer, exc.strerror or str(exc)
+        return None
+
+    remote = [p for p in peers if not (same_host in ("ipc", "shm") and p.fingerprint == fingerprint)]
+    if not remote:
+        return []
+    with ThreadPoolExecutor(max_workers=min(64, len(remote))) as pool:
+        return [found for found in pool.map(one, remote) if found is not None]
 
 
 class Membership:

@@ -23,7 +23,7 @@ from typing import Any
 from .env import NodeEnv, resolve_host
 from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError
 from .log import logger, setup_logging
-from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint
+from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint, unreachable
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
 from .rendezvous import Rendezvous
 from .security import secure_or_loopback
@@ -196,6 +196,9 @@ class Scheduler:
         setup_logging(env.verbose)
         self.env = env
         secure_or_loopback(env, {})
+        # Nodes' advertised TCP addresses are tried before the address book goes out when the
+        # scheduler runs the TCP transport itself (an injected one may not use those addresses).
+        self._probe_tcp = transport is None and env.transport == "zmq"
         self.transport = transport or node_transport(env, SCHEDULER)
         self.transport.bind(env.root_port, None, None if env.bind_all else resolve_host(env.root_uri, "DMLC_PS_ROOT_URI"))
         self.fingerprint = host_fingerprint()
@@ -242,6 +245,7 @@ class Scheduler:
                 logger.info("scheduler dropped a malformed registration from %r: %s", sender[:64], exc)
         try:
             roster.assign_ranks()
+            self._check_reachable()
         except PSNodeError as exc:
             self._refuse_all(str(exc))
             raise
@@ -252,6 +256,26 @@ class Scheduler:
             member.last_seen = time.monotonic()
             self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), pack_json({"rank": member.peer.rank, "nodes": nodes})])
         logger.info("scheduler: %d servers and %d workers registered", env.num_servers, env.num_workers)
+
+    def _check_reachable(self) -> None:
+        """Every node's advertised address must be reachable from here, or the address book would
+        never arrive there (and the node would look dead): say which address, and what to set.
+
+        Raises:
+            PSNodeError: naming each node that cannot be reached, its address and why.
+        """
+        if not self._probe_tcp:
+            return
+        peers = [m.peer for m in self.roster.members.values()]
+        found = unreachable(peers, self.fingerprint, self.env.same_host, min(5.0, max(1.0, self.env.heartbeat_timeout)))
+        if found:
+            (first, why), *others = sorted(found, key=lambda f: (f[0].role, f[0].rank))
+            also = ", ".join(f"{p.role} {p.rank} at {p.host}:{p.port} ({w})" for p, w in others[:5])
+            more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+            raise PSNodeError(
+                f"{first.role} {first.rank} advertised {first.host}:{first.port}, which the scheduler at "
+                f"{self.env.root_uri} cannot reach ({why})" + (f"; nor {also}{more}" if others else "")
+                + "; set --interface (DMLC_INTERFACE) to an interface on a network the scheduler is on")
 
     def _send_once(self, uid: bytes, peer: PeerInfo, cmd: int, body: dict) -> None:
         try:
