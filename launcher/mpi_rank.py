@@ -3,7 +3,9 @@
 The mpi backend starts one ``mpirun`` for the whole job; every rank runs this module, which
 
 1. reads its rank from ``OMPI_COMM_WORLD_RANK`` (Open MPI), ``PMI_RANK`` (MPICH / Hydra) or
-   ``PMIX_RANK``, and its entry from the plan in ``PSLAUNCH_MPI_PLAN`` (JSON, one entry per rank);
+   ``PMIX_RANK`` (or from the variable ``--rank-from NAME`` names: the slurm backend's
+   ``SLURM_PROCID``, the sge backend's host agent), and its entry from the plan in
+   ``PSLAUNCH_MPI_PLAN`` (JSON, one entry per rank; ``payload`` makes it);
 2. builds the environment: the contract variables of that entry, plus the ``--env`` values the
    launcher exported as ``PSLAUNCH_ENV_<i>`` (only those meant for this role, under their real
    names), without the launcher's own transport variables;
@@ -25,7 +27,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["main", "PLAN_VARIABLE", "ENV_PREFIX", "rank_from_environ"]
+__all__ = ["main", "payload", "PLAN_VARIABLE", "ENV_PREFIX", "rank_from_environ"]
 
 PLAN_VARIABLE = "PSLAUNCH_MPI_PLAN"
 ENV_PREFIX = "PSLAUNCH_ENV_"
@@ -33,13 +35,37 @@ _MARKER = "\x1fPSLAUNCH-"
 _PR_SET_PDEATHSIG = 1
 
 
-def rank_from_environ(environ) -> int:
-    """This process's MPI rank. Raises ``RuntimeError`` when no MPI launcher set one."""
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        value = environ.get(name)
+def payload(specs, grace: float, pythonpath: str) -> dict[str, str]:
+    """The variables that carry the processes ``specs`` (``ProcessSpec``s, in rank order) to
+    their ranks: the plan in ``PSLAUNCH_MPI_PLAN`` and each distinct ``--env`` value once, as
+    ``PSLAUNCH_ENV_<i>``. Values travel only here, never on a command line. Holds secrets."""
+    values: dict[tuple[str, str, str], int] = {}
+    for spec in specs:
+        for var in spec.user_env:
+            values.setdefault((var.name, var.value, var.scope), len(values))
+    entries = [{
+        "name": spec.name,
+        "argv": list(spec.argv),
+        "env": spec.env,
+        "user_env": [(v.name, values[(v.name, v.value, v.scope)]) for v in spec.user_env],
+        "cwd": spec.cwd,
+        "grace": grace,
+        "PYTHONPATH": pythonpath,
+    } for spec in specs]
+    env = {PLAN_VARIABLE: json.dumps(entries)}
+    env.update({f"{ENV_PREFIX}{i}": value for (_, value, _), i in values.items()})
+    return env
+
+
+def rank_from_environ(environ, name: str | None = None) -> int:
+    """This process's rank: from variable ``name`` if given, else from the MPI launcher's.
+    Raises ``RuntimeError`` when there is none."""
+    names = (name,) if name else ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+    for candidate in names:
+        value = environ.get(candidate)
         if value is not None and value.isdigit():
             return int(value)
-    raise RuntimeError("no MPI rank in the environment (OMPI_COMM_WORLD_RANK / PMI_RANK / PMIX_RANK)")
+    raise RuntimeError(f"no rank in the environment ({' / '.join(names)})")
 
 
 def _die_with_parent() -> None:
@@ -50,10 +76,14 @@ def _die_with_parent() -> None:
         pass  # not Linux: mpirun's own signal forwarding still applies
 
 
-def main() -> int:
-    """Run this rank's process of the plan; returns its exit code (128+signal for a signal)."""
+def main(argv: list[str] | None = None) -> int:
+    """Run this rank's process of the plan; returns its exit code (128+signal for a signal).
+
+    ``argv`` (default ``sys.argv[1:]``) may be ``--rank-from NAME``."""
+    args = sys.argv[1:] if argv is None else argv
+    rank_variable = args[1] if len(args) == 2 and args[0] == "--rank-from" else None
     try:
-        rank = rank_from_environ(os.environ)
+        rank = rank_from_environ(os.environ, rank_variable)
         plan = json.loads(os.environ[PLAN_VARIABLE])
         entry = plan[rank]
     except (RuntimeError, KeyError, IndexError, ValueError) as exc:

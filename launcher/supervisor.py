@@ -86,7 +86,7 @@ class Supervisor:
         start = time.monotonic()
         try:
             try:
-                self.backend.prepare(plan)
+                plan = self.backend.prepare(plan) or plan  # a batch scheduler's hosts are known now
                 self.handles = self.backend.launch(plan)
                 self._raise_on_signal = False
                 if self._signals:

@@ -13,7 +13,6 @@ mpirun (SIGTERM, which it forwards; SIGKILL of its group); ``mpi_rank`` also die
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -22,7 +21,7 @@ import threading
 
 from ..errors import SpawnError
 from ..hostfile import Host
-from ..mpi_rank import ENV_PREFIX, PLAN_VARIABLE
+from ..mpi_rank import payload
 from ..output import LineSplitter
 from ..plan import Plan, ProcessSpec
 from .base import MARKER, Backend, ExitStatus, ProcessHandle
@@ -185,25 +184,9 @@ class MpiBackend(Backend):
 
     def launch(self, plan: Plan) -> list[ProcessHandle]:
         ordered, _ = _layout(plan)
-        user_vars = {}
-        for spec in ordered:
-            for var in spec.user_env:
-                user_vars.setdefault((var.name, var.value, var.scope), len(user_vars))
-        entries = []
-        root = _launcher_root()
-        for spec in ordered:
-            entries.append({
-                "name": spec.name,
-                "argv": list(spec.argv),
-                "env": spec.env,
-                "user_env": [(v.name, user_vars[(v.name, v.value, v.scope)]) for v in spec.user_env],
-                "cwd": spec.cwd,
-                "grace": self.config.stop_grace,
-                "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-            })
-        env = {PLAN_VARIABLE: json.dumps(entries), "PYTHONPATH": root}
-        env.update({f"{ENV_PREFIX}{i}": value for (_, value, _), i in user_vars.items()})
-        exported = [PLAN_VARIABLE, "PYTHONPATH", *(f"{ENV_PREFIX}{i}" for i in user_vars.values())]
+        env = payload(ordered, self.config.stop_grace, os.environ.get("PYTHONPATH", ""))
+        exported = [*env, "PYTHONPATH"]
+        env["PYTHONPATH"] = _launcher_root()
         ssh_args = _ssh_args(self.config) if self.config.hosts else None
         argv = mpirun_argv(plan, self.config.python, exported, ssh_args, bool(self.config.hosts), os.geteuid() == 0)
         handles = [MpiRankHandle(spec, self) for spec in ordered]
