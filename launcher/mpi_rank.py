@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return 125
     _die_with_parent()
     parent = os.getppid()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k != PLAN_VARIABLE}
+    own = {PLAN_VARIABLE, rank_variable if (rank_variable or "").startswith("PSLAUNCH_") else None}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k not in own}
     if "PYTHONPATH" in entry:
         env["PYTHONPATH"] = entry["PYTHONPATH"]
     env.update(entry["env"])

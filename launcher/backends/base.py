@@ -22,7 +22,7 @@ from ..config import LaunchConfig
 from ..output import LineSplitter, Printer
 from ..plan import Plan, ProcessSpec
 
-__all__ = ["Backend", "ProcessHandle", "ExitStatus", "pump", "MARKER"]
+__all__ = ["Backend", "ProcessHandle", "ExitStatus", "pump", "route_line", "MARKER"]
 
 #: Start of a control line that remote guards and ``launcher.mpi_rank`` write on stderr.
 MARKER = "\x1fPSLAUNCH-"
@@ -153,6 +153,21 @@ class Backend(ABC):
         """Release everything the backend holds (connections, the watchdog). Idempotent."""
 
 
+def route_line(handle: ProcessHandle, stream: str, printer: Printer, text: str,
+               on_marker: Callable[[str], None] | None = None) -> None:
+    """Print one line of ``handle``'s output; a line holding ``MARKER`` is a control line: the
+    text after the marker goes to ``on_marker`` and the text before it (a partial line) is printed."""
+    spec = handle.spec
+    if MARKER in text:
+        before, _, control = text.partition(MARKER)
+        if before:
+            printer.line(spec.name, spec.role, before, stream)
+        if on_marker is not None:
+            on_marker(control)
+        return
+    printer.line(spec.name, spec.role, text, stream)
+
+
 def pump(
     read: Callable[[], bytes],
     handle: ProcessHandle,
@@ -167,18 +182,8 @@ def pump(
     """
     spec = handle.spec
 
-    def emit(text: str) -> None:
-        if MARKER in text:
-            before, _, control = text.partition(MARKER)
-            if before:
-                printer.line(spec.name, spec.role, before, stream)
-            if on_marker is not None:
-                on_marker(control)
-            return
-        printer.line(spec.name, spec.role, text, stream)
-
     def run() -> None:
-        splitter = LineSplitter(emit)
+        splitter = LineSplitter(lambda text: route_line(handle, stream, printer, text, on_marker))
         try:
             while True:
                 try:

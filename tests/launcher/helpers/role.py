@@ -3,7 +3,8 @@
 Usage: role.py OUTDIR [ARG...]. Writes OUTDIR/<role>.<rank>.json with argv[2:], the contract
 variables and the variables named in $CHECK_VARS. Then, by environment:
   EXIT_<role>_<rank>=N     exit with N (default 0)
-  SLEEP_<role>_<rank>, SLEEP_<role>=S   sleep S seconds first ("forever": until stopped)
+  SLEEP_<role>_<rank>, SLEEP_<role>=S   sleep S seconds first ("forever": until stopped;
+                           "until:PATH": until PATH exists, at most 120 s)
   SIGNAL_<role>_<rank>=N   kill itself with signal N after the sleep
   IGNORE_TERM_<role>=1     ignore SIGTERM (only SIGKILL stops it)
   PS_DUMP_<role>_<rank>=1  also write `ps -eww -o args` (every command line on the machine) to
@@ -41,6 +42,10 @@ sleep = os.environ.get(f"SLEEP_{role}_{rank}", os.environ.get(f"SLEEP_{role}"))
 if sleep == "forever":
     while True:
         time.sleep(1)
+elif sleep and sleep.startswith("until:"):
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sleep[len("until:"):]) and time.monotonic() < deadline:
+        time.sleep(0.05)
 elif sleep:
     time.sleep(float(sleep))
 if f"SIGNAL_{role}_{rank}" in os.environ:

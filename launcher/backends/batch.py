@@ -1,0 +1,166 @@
+"""What the batch-scheduler backends (``slurm``, ``sge``) share.
+
+A batch scheduler, not a hostfile, decides where a job runs, and often only once it starts the
+job. So these backends plan on a placeholder host until the scheduler has granted the job
+(``with_hosts`` then gives the config to plan with: its hosts, the scheduler on the first), start
+every process through ``launcher.mpi_rank`` (``ShimHandle``: pid and exit status arrive as marker
+lines), and run the scheduler's client tools (``run_tool``) with an environment that holds none of
+the ``--env`` values (``tool_environ``): those reach the job's processes only, never the scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import threading
+from dataclasses import replace
+from typing import Sequence
+
+from ..config import LaunchConfig
+from ..errors import ConfigError, SpawnError
+from ..hostfile import Host
+from ..plan import ProcessSpec
+from .base import ExitStatus, ProcessHandle
+from .local import child_environ
+
+__all__ = ["ShimHandle", "JobControl", "with_hosts", "split_args", "refuse_host_flags", "run_tool",
+           "tool_environ", "read_lines", "require_tools", "private_dir", "TOOL_TIMEOUT"]
+
+#: Seconds a scheduler client command (scontrol, qconf, scancel, ...) may take.
+TOOL_TIMEOUT = 30.0
+
+
+class JobControl:
+    """What a ``ShimHandle`` asks of its backend: how the job's launcher process ended, and
+    signals for every process of the job (a batch scheduler signals a job or step, not a pid)."""
+
+    #: How handles name the launcher process in their details (``srun``, ``the SGE job``).
+    launcher_name = "the job"
+
+    def launcher_ended(self) -> tuple[int, str] | None:
+        """``(exit code, its last line)`` once the launcher process ended and its output is read."""
+        raise NotImplementedError
+
+    def signal_job(self, sig: int) -> None:
+        """Send ``sig`` (SIGTERM or SIGKILL) to every process of the job, at most once each."""
+        raise NotImplementedError
+
+
+class ShimHandle(ProcessHandle):
+    """One process of a batch job, started by ``launcher.mpi_rank``: its pid and exit status come
+    from the shim's marker lines; stopping it stops the whole job (``JobControl.signal_job``)."""
+
+    def __init__(self, spec: ProcessSpec, job: JobControl) -> None:
+        super().__init__(spec)
+        self._job = job
+        self._marked: ExitStatus | None = None
+
+    def on_marker(self, text: str) -> None:
+        """``PID n``, ``EXIT n`` or ``SIGNAL n`` from ``launcher.mpi_rank``."""
+        verb, _, arg = text.strip().partition(" ")
+        if not arg.isdigit():
+            return
+        if verb == "PID":
+            self.pid = int(arg)
+        elif verb in ("EXIT", "SIGNAL"):
+            self._marked = ExitStatus(code=int(arg)) if verb == "EXIT" else ExitStatus(signal=int(arg))
+
+    def _poll(self) -> ExitStatus | None:
+        if self._marked is not None:
+            return self._marked
+        ended = self._job.launcher_ended()
+        if ended is None:
+            return None
+        code, last = ended
+        detail = f"no exit status from this process; {self._job.launcher_name} ended with {code}"
+        return ExitStatus(code=code or 255, detail=f"{detail}: {last}" if last else detail)
+
+    def terminate(self) -> None:
+        self._job.signal_job(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._job.signal_job(signal.SIGKILL)
+
+
+def with_hosts(config: LaunchConfig, hosts: Sequence[Host]) -> LaunchConfig:
+    """``config`` with the job's ``hosts`` and the scheduler on the first of them."""
+    return replace(config, hosts=tuple(hosts), scheduler_host=hosts[0].name)
+
+
+def refuse_host_flags(config: LaunchConfig, backend: str, who: str) -> None:
+    """Raise ``ConfigError`` for flags that choose hosts or copy code: ``who`` (the batch
+    scheduler) places the job, and its nodes share the file system."""
+    if config.hosts:
+        raise ConfigError(f"--launcher {backend} runs on the hosts {who} gives the job; drop -H/--hostfile")
+    if config.scheduler_host:
+        raise ConfigError(f"--launcher {backend} runs the scheduler on the job's first host; drop --scheduler-host "
+                          f"{config.scheduler_host}")
+    if config.sync_dst_dir:
+        raise ConfigError(f"--sync-dst-dir is for the ssh and mpi backends; under {who} the job's hosts share "
+                          "pslaunch's directory")
+
+
+def split_args(config: LaunchConfig, name: str) -> list[str]:
+    """The words of backend option ``name`` (shell syntax). Raises ``ConfigError`` naming it."""
+    text = config.option(name) or ""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise ConfigError(f"--{name.replace('_', '-')} {text!r}: {exc}") from None
+
+
+def tool_environ(config: LaunchConfig) -> dict[str, str]:
+    """pslaunch's environment for a scheduler client tool: without the ``--env`` variables, so
+    that no value meant for the job's processes reaches the scheduler (some store what they get)."""
+    secret = {var.name for var in config.env}
+    return {k: v for k, v in child_environ({}).items() if k not in secret}
+
+
+def run_tool(argv: Sequence[str], env: dict[str, str], timeout: float = TOOL_TIMEOUT) -> subprocess.CompletedProcess:
+    """Run a scheduler client command, its output captured as text; the caller reads the exit
+    code. Raises ``SpawnError`` naming the command when it cannot run or takes over ``timeout``."""
+    try:
+        return subprocess.run(list(argv), env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              errors="replace", timeout=timeout, check=False)
+    except FileNotFoundError:
+        raise SpawnError(f"no `{argv[0]}` on PATH: {shlex.join(argv)} cannot run") from None
+    except OSError as exc:
+        raise SpawnError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from exc
+    except subprocess.TimeoutExpired:
+        raise SpawnError(f"{shlex.join(argv)} did not answer within {timeout:g} s") from None
+
+
+def read_lines(pipe, on_line) -> threading.Thread:
+    """Start a daemon thread calling ``on_line(text)`` for each line of ``pipe`` until EOF."""
+
+    def run() -> None:
+        try:
+            for raw in iter(pipe.readline, b""):
+                on_line(raw.decode("utf-8", "replace").rstrip("\n"))
+        except (OSError, ValueError):
+            pass
+
+    thread = threading.Thread(target=run, name="pslaunch-tool-reader", daemon=True)
+    thread.start()
+    return thread
+
+
+def require_tools(names: Sequence[str], backend: str, package: str) -> None:
+    """Raise ``SpawnError`` when one of the scheduler's client commands is not on PATH."""
+    import shutil
+
+    missing = [name for name in names if shutil.which(name) is None]
+    if missing:
+        raise SpawnError(f"--launcher {backend}: no {', '.join(f'`{m}`' for m in missing)} on PATH "
+                         f"(install the scheduler's client tools, e.g. apt install {package})")
+
+
+def private_dir(parent: str | None, prefix: str) -> str:
+    """A new directory only this user can enter (mode 0700), in ``parent`` (default: the temp dir)."""
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    os.chmod(path, 0o700)
+    return path

@@ -1,0 +1,374 @@
+"""The slurm backend: the whole job as one Slurm job step (``--launcher slurm``).
+
+**Hosts.** Inside an allocation (``SLURM_JOB_ID`` in pslaunch's environment: under ``salloc`` or in
+an ``sbatch`` script) the job runs on that allocation's nodes. Outside one, pslaunch asks for one
+first: ``salloc --no-shell -n N -J pslaunch-ID <--slurm-args>``, one task per process, waits
+until Slurm grants it and cancels it at the end. It does not let ``srun`` allocate and start at
+once because the plan needs the nodes before anything starts (the scheduler's address is the first
+node's). ``scontrol show job -d`` gives the nodes and each node's CPUs; a node's slots are its
+CPUs divided by the CPUs per task. Placement then follows the usual rules.
+
+**One step.** ``srun --jobid J -n N --distribution=arbitrary --overcommit --label ... python -m
+launcher.mpi_rank --rank-from SLURM_PROCID`` with ``SLURM_HOSTFILE`` naming the node of each task,
+in plan order: task i is process i of the plan, on the node the plan gave it. ``mpi_rank`` finds its
+process by ``SLURM_PROCID`` as it does by MPI rank under mpirun. The plan and the ``--env`` values
+travel in srun's environment (Slurm's environment propagation, ``--export=ALL``), never on a
+command line; ``salloc``, ``squeue``, ``scancel`` and ``scontrol`` get none of the ``--env`` values.
+
+**Output.** ``--label`` prefixes every line with its task number; the backend sends each line to
+its process and reads ``mpi_rank``'s pid and exit-status markers. srun's own per-task exit lines
+are shown with ``-v`` only (pslaunch reports failures itself).
+
+**Stopping.** ``scancel --signal=TERM J.S`` reaches every task's ``mpi_rank``, which passes it to its
+process group and kills it after the grace period (srun's own reaction to SIGTERM is to kill the
+step at once); ``--signal=KILL`` follows. At the end pslaunch cancels its step if it still runs and
+the allocation if it made it, and waits until ``squeue`` no longer lists them. When pslaunch dies,
+the watchdog stops srun (which ends its step) and runs ``scancel`` on the allocation it made.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shlex
+import shutil
+import signal
+import threading
+import time
+
+from ..errors import LaunchError, PlacementError, SpawnError
+from ..hostfile import Host
+from ..mpi_rank import payload
+from ..output import LineSplitter
+from ..plan import Plan, ProcessSpec, make_plan
+from .base import Backend, ProcessHandle, route_line
+from .batch import (
+    JobControl,
+    ShimHandle,
+    private_dir,
+    read_lines,
+    refuse_host_flags,
+    require_tools,
+    run_tool,
+    split_args,
+    tool_environ,
+    with_hosts,
+)
+from .local import LocalHandle, LocalSpawner, _launcher_root, child_environ
+
+__all__ = ["SlurmBackend", "salloc_argv", "srun_argv", "parse_job_nodes", "PENDING_HOST"]
+
+#: Where the plan puts processes while Slurm has not granted the allocation yet (``--dry-run``).
+PENDING_HOST = Host("<slurm-node>")
+#: Pending reasons that waiting does not cure: the request exceeds what the cluster or the
+#: account may ever run. pslaunch cancels such a job instead of waiting forever.
+HOPELESS_REASONS = frozenset({
+    "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
+    "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "DependencyNeverSatisfied",
+})
+_LABEL = re.compile(r"^ *(\d+): ?(.*)$", re.S)
+# srun's lines that repeat what pslaunch reports itself (per-task exits), or say that the cluster
+# does no CPU binding anyway (pslaunch asks for none): shown with -v only.
+_ROUTINE = re.compile(r"^srun: (error: \S+: tasks? [\d,\-]+: (Exited with exit code \d+|Killed|Terminated)"
+                      r"|cluster configuration lacks support for cpu binding)")
+_SLURMSTEPD = re.compile(r"^slurmstepd(-\S+)?: ")
+_CANCELLED = re.compile(r"^slurmstepd(-\S+)?: error: \*\*\* (STEP|JOB) \S+ ON \S+ CANCELLED AT ")
+_ALLOCATION = re.compile(r"(Pending|Granted) job allocation (\d+)")
+_POLL = 0.2
+_REASON_EVERY = 1.0
+_GONE_WAIT = 15.0
+
+
+def salloc_argv(count: int, name: str, user_args: list[str]) -> list[str]:
+    """The allocation pslaunch asks for outside an allocation: one task per process."""
+    return ["salloc", "--no-shell", *user_args, "-n", str(count), "-J", name]
+
+
+def srun_argv(job: str, plan: Plan, name: str, python: str, user_args: list[str]) -> list[str]:
+    """The one step that starts every process of ``plan`` (``SLURM_HOSTFILE`` places the tasks)."""
+    nodes = {spec.host.name for spec in plan.processes}
+    return ["srun", "--jobid", job, "-J", name, *user_args, "-n", str(len(plan.processes)), "-N", str(len(nodes)),
+            "--distribution=arbitrary", "--overcommit", "--label", "--kill-on-bad-exit=0", "--export=ALL",
+            "--mpi=none", "--cpu-bind=none", python, "-m", "launcher.mpi_rank", "--rank-from", "SLURM_PROCID"]
+
+
+def _count_ids(text: str) -> int:
+    count = 0
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        count += int(hi) - int(lo) + 1 if hi else 1
+    return count
+
+
+def parse_job_nodes(text: str) -> tuple[list[tuple[str, int]], int]:
+    """From ``scontrol show job -d -o``: ``[(node list expression, CPUs on each of its nodes)]`` in
+    node order, and the job's CPUs per task."""
+    per_task = re.search(r"\bCPUs/Task=(\d+)", text)
+    groups = [(nodes, _count_ids(ids)) for nodes, ids in re.findall(r"\bNodes=(\S+) CPU_IDs=([\d,\-]+)", text)]
+    return groups, int(per_task.group(1)) if per_task else 1
+
+
+class SlurmBackend(Backend, JobControl):
+    """Runs the plan as one Slurm job step (``--launcher slurm``). Not thread-safe, except the
+    ``JobControl`` methods the handles call from reader threads."""
+
+    name = "slurm"
+    options = ("slurm_args",)
+    launcher_name = "srun"
+
+    def __init__(self, config, printer) -> None:
+        super().__init__(config, printer)
+        self.spawner = LocalSpawner(config.stop_grace)
+        self.env = tool_environ(config)
+        self.job: str | None = None  # the allocation the step runs in
+        self.own_job = False  # pslaunch asked for it, so pslaunch cancels it
+        self.srun: LocalHandle | None = None
+        self.output_done = threading.Event()
+        self._step: str | None = None
+        self._sent: set[int] = set()
+        self._lock = threading.Lock()
+        self._last_srun_line = ""
+        self._tmp: str | None = None
+        self._allocator: LocalHandle | None = None
+
+    # -- before planning -----------------------------------------------------------------------
+    @classmethod
+    def configure(cls, config, environ):
+        refuse_host_flags(config, "slurm", "Slurm")
+        split_args(config, "slurm_args")  # a quoting error shows before anything runs
+        job = environ.get("SLURM_JOB_ID")
+        if not job:
+            return with_hosts(config, [PENDING_HOST])
+        require_tools(["scontrol"], "slurm", "slurm-client")
+        return with_hosts(config, job_hosts(job, tool_environ(config)))
+
+    @classmethod
+    def dry_run_notes(cls, config):
+        count = 1 + config.num_servers + config.num_workers
+        name = f"pslaunch-{config.job_id}"
+        args = split_args(config, "slurm_args")
+        if config.hosts == (PENDING_HOST,):
+            return [f"slurm: outside an allocation, pslaunch asks for one: {shlex.join(salloc_argv(count, name, args))}",
+                    f"slurm: then places the processes on the nodes Slurm grants as above ({PENDING_HOST.name} "
+                    "stands for them; the scheduler goes on the first) and starts them as one srun step"]
+        return [f"slurm: allocation {os.environ.get('SLURM_JOB_ID')}: "
+                + ", ".join(f"{h.name} slots={h.slots}" for h in config.hosts)
+                + f"; one srun step of {count} tasks" + (f" with {shlex.join(args)}" if args else "")]
+
+    # -- the allocation ------------------------------------------------------------------------
+    def prepare(self, plan: Plan) -> Plan | None:
+        """Check the Slurm tools; outside an allocation ask for one (blocks until Slurm grants it)
+        and return the plan for its nodes. Raises ``PlacementError`` when Slurm refuses it or
+        leaves it pending for a reason no waiting cures, ``LaunchError`` (124) past ``--timeout``."""
+        require_tools(["srun", "scontrol", "scancel", "squeue", "salloc"], "slurm", "slurm-client")
+        if plan.processes[0].host != PENDING_HOST:
+            self.job = os.environ["SLURM_JOB_ID"]
+            return None
+        self.job = self._allocate(len(plan.processes))
+        return make_plan(with_hosts(self.config, job_hosts(self.job, self.env)))
+
+    def _allocate(self, count: int) -> str:
+        args = split_args(self.config, "slurm_args")
+        argv = salloc_argv(count, f"pslaunch-{self.config.job_id}", args)
+        spec = ProcessSpec("salloc", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
+        self._allocator = self.spawner.spawn(spec, self.printer, argv=argv, env=self.env, readers=False)
+        lines: queue.Queue[str] = queue.Queue()
+        reader = read_lines(self._allocator.popen.stderr, lines.put)
+        said: list[str] = []
+        granted = False
+        reason = None
+        start = time.monotonic()
+        checked = start
+        while True:
+            try:
+                line = lines.get(timeout=_POLL)
+            except queue.Empty:
+                line = None
+            if line is not None:
+                found = _ALLOCATION.search(line)
+                if found and self.job is None:
+                    self.job, self.own_job = found.group(2), True
+                    self.spawner.on_death(["scancel", self.job])
+                granted = granted or bool(found and found.group(1) == "Granted")
+                if not found and line.strip():
+                    said.append(line.removeprefix("salloc: ").strip())
+                continue
+            if self._allocator.popen.poll() is not None:
+                reader.join(5)
+                while not lines.empty():
+                    said.append(lines.get().removeprefix("salloc: ").strip())
+                if self._allocator.popen.returncode == 0 and granted and self.job:
+                    return self.job
+                raise PlacementError(f"Slurm refused the allocation ({shlex.join(argv)}): "
+                                     + ("; ".join(s for s in said if s) or f"salloc exited with {self._allocator.popen.returncode}"))
+            now = time.monotonic()
+            if self.job and now - checked >= _REASON_EVERY:
+                checked = now
+                reason = self._pending_reason(reason, said, argv)
+            if self.config.timeout is not None and now - start > self.config.timeout:
+                raise LaunchError(f"Slurm had not granted job {self.job or '(not yet submitted)'} "
+                                  f"after --timeout {self.config.timeout:g} s", exit_code=124)
+
+    def _pending_reason(self, previous: str | None, said: list[str], argv: list[str]) -> str | None:
+        res = run_tool(["squeue", "-h", "-j", str(self.job), "-o", "%T %r"], self.env)
+        state, _, reason = res.stdout.strip().partition(" ")
+        if state != "PENDING" or not reason:
+            return previous
+        if reason in HOPELESS_REASONS:
+            why = f" ({'; '.join(said)})" if said else ""
+            raise PlacementError(f"Slurm will not run the allocation pslaunch asked for ({shlex.join(argv)}): "
+                                 f"job {self.job} is pending with reason {reason}{why}, which waiting does not cure; "
+                                 "ask for fewer tasks (-n, -s) or other --slurm-args")
+        if reason != previous:
+            self.printer.note(f"waiting for Slurm to grant job {self.job}: {reason}")
+        return reason
+
+    # -- the step ------------------------------------------------------------------------------
+    def launch(self, plan: Plan) -> list[ProcessHandle]:
+        assert self.job is not None, "prepare runs first"
+        self._tmp = private_dir(None, "pslaunch-slurm-")
+        self.spawner.on_death(["rm", "-rf", "--", self._tmp])
+        hostfile = os.path.join(self._tmp, "hostfile")
+        with open(hostfile, "w", encoding="utf-8") as fh:
+            fh.write("".join(f"{spec.host.name}\n" for spec in plan.processes))
+        env = payload(plan.processes, self.config.stop_grace, os.environ.get("PYTHONPATH", ""))
+        env.update({"PYTHONPATH": _launcher_root(), "SLURM_HOSTFILE": hostfile})
+        step_args = [] if self.own_job else split_args(self.config, "slurm_args")
+        argv = srun_argv(self.job, plan, f"pslaunch-{self.config.job_id}", self.config.python, step_args)
+        handles = [ShimHandle(spec, self) for spec in plan.processes]
+        spec = ProcessSpec("srun", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
+        self.srun = self.spawner.spawn(spec, self.printer, argv=argv, env=child_environ(env), readers=False)
+        done: list[str] = []
+        for stream, pipe in (("stdout", self.srun.popen.stdout), ("stderr", self.srun.popen.stderr)):
+            thread = threading.Thread(target=self._read_labelled, args=(pipe, stream, handles, done),
+                                      name=f"pslaunch-srun-{stream}", daemon=True)
+            thread.start()
+            self.srun._threads.append(thread)
+        return handles
+
+    def _read_labelled(self, pipe, stream: str, handles: list[ShimHandle], done: list[str]) -> None:
+        def emit(text: str) -> None:
+            found = _LABEL.match(text)
+            task = int(found.group(1)) if found else -1
+            if found and _SLURMSTEPD.match(found.group(2)):
+                text = found.group(2)  # Slurm's words on the task's stream, not the process's
+                if self._sent and _CANCELLED.match(text) and not self.config.verbose:
+                    return  # pslaunch cancelled it: the summary says so
+            elif found and task < len(handles):
+                handle = handles[task]
+                route_line(handle, stream, self.printer, found.group(2), handle.on_marker)
+                return
+            if text.strip():
+                self._last_srun_line = text.strip()
+            if self.config.verbose or not _ROUTINE.match(text):
+                self.printer.line("srun", "srun", text, stream)
+
+        splitter = LineSplitter(emit)
+        try:
+            while True:
+                try:
+                    data = os.read(pipe.fileno(), 65536)
+                except (OSError, ValueError):
+                    break
+                if not data:
+                    break
+                splitter.feed(data)
+        finally:
+            splitter.close()
+            with self._lock:
+                done.append(stream)
+                if len(done) == 2:
+                    self.output_done.set()
+
+    # -- JobControl ------------------------------------------------------------------------------
+    def launcher_ended(self) -> tuple[int, str] | None:
+        if self.srun is None or self.srun.popen.poll() is None or not self.output_done.is_set():
+            return None
+        status = self.srun.poll()
+        assert status is not None
+        return status.exit_code, self._last_srun_line
+
+    def _step_id(self) -> str | None:
+        """``J.S`` of this job's step, from squeue by the step's name; None before Slurm lists it."""
+        if self._step is None:
+            res = run_tool(["squeue", "-h", "-s", "-j", str(self.job), "-o", "%i %j"], self.env)
+            name = f"pslaunch-{self.config.job_id}"
+            for line in res.stdout.splitlines():
+                step, _, step_name = line.strip().partition(" ")
+                if step_name == name:
+                    self._step = step
+        return self._step
+
+    def signal_job(self, sig: int) -> None:
+        with self._lock:
+            if sig in self._sent or self.srun is None or self.srun.popen.poll() is not None:
+                return
+            self._sent.add(sig)
+        step = self._step_id()
+        if step is not None:
+            run_tool(["scancel", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}", step], self.env)
+        elif sig == signal.SIGKILL:
+            self.srun.kill()
+        else:
+            self.srun.terminate()  # not listed yet: srun itself ends its step (at once)
+
+    # -- the end -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Cancel what pslaunch started in Slurm and wait until squeue no longer lists it."""
+        try:
+            if self.srun is not None and self.srun.popen.poll() is None:
+                self.signal_job(signal.SIGKILL)
+                try:
+                    self.srun.popen.wait(5)
+                except Exception:  # noqa: BLE001 - TimeoutExpired; the spawner kills it below
+                    pass
+            if self.job is not None:
+                target = self.job if self.own_job else self._step
+                if target is not None:
+                    self._cancel_and_wait(target)
+        finally:
+            if self._allocator is not None:
+                self._allocator.close(0.5)
+            if self.srun is not None:
+                self.srun.close(2.0)
+            self.spawner.close()
+            if self._tmp is not None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _cancel_and_wait(self, target: str) -> None:
+        steps = "." in target
+        listing = ["squeue", "-h", *(["-s"] if steps else []), "-j", target.partition(".")[0], "-o", "%i"]
+        deadline = time.monotonic() + _GONE_WAIT
+        cancelled = False
+        while True:
+            try:
+                listed = target in run_tool(listing, self.env).stdout.split()
+            except SpawnError as exc:
+                self.printer.note(f"could not check that Slurm {'step' if steps else 'job'} {target} ended: {exc}")
+                return
+            if not listed:
+                return
+            if not cancelled:
+                run_tool(["scancel", target], self.env)
+                cancelled = True
+            if time.monotonic() > deadline:
+                self.printer.note(f"Slurm still lists {'step' if steps else 'job'} {target} {_GONE_WAIT:g} s after "
+                                  f"scancel {target}")
+                return
+            time.sleep(_POLL)
+
+
+def job_hosts(job: str, env: dict[str, str]) -> list[Host]:
+    """The nodes of Slurm job ``job`` in order, each with its slots (CPUs / CPUs per task).
+    Raises ``SpawnError`` naming the job when Slurm does not show its nodes."""
+    res = run_tool(["scontrol", "show", "job", "-d", "-o", job], env)
+    groups, per_task = parse_job_nodes(res.stdout)
+    if res.returncode != 0 or not groups:
+        said = (res.stderr or res.stdout).strip() or f"exit code {res.returncode}"
+        raise SpawnError(f"scontrol shows no nodes of Slurm job {job}: {said}")
+    hosts: list[Host] = []
+    for nodes, cpus in groups:
+        names = run_tool(["scontrol", "show", "hostnames", nodes], env).stdout.split()
+        hosts += [Host(name, slots=max(1, cpus // per_task)) for name in names]
+    return hosts
