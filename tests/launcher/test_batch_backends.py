@@ -313,6 +313,9 @@ def test_dry_run_outside_a_job_shows_placeholder_hosts_and_what_pslaunch_will_as
                                                       "drop --scheduler-host h1"),
     (["--launcher", "slurm", "--sync-dst-dir", "/x"], "--sync-dst-dir is for the ssh and mpi backends"),
     (["--launcher", "slurm", "--slurm-args", "-p 'gpu"], "--slurm-args \"-p 'gpu\": No closing quotation"),
+    (["--launcher", "sge", "--sge-args", "-q a -V"], "--sge-args -V would store pslaunch's whole environment, --env "
+                                                     "values included, in the qmaster's spool"),
+    (["--launcher", "sge", "--sge-args", "-pe mpi 4"], "name the parallel environment with --sge-pe"),
 ])
 def test_flags_a_batch_backend_cannot_use_are_refused_naming_them(args, message):
     res = run_pslaunch(["-n", "1", *args, "--dry-run", "true"])

@@ -112,7 +112,13 @@ class SgeBackend(Backend, JobControl):
     @classmethod
     def configure(cls, config, environ):
         refuse_host_flags(config, "sge", "SGE")
-        split_args(config, "sge_args")
+        args = split_args(config, "sge_args")
+        if "-V" in args:
+            raise ConfigError("--sge-args -V would store pslaunch's whole environment, --env values included, in the "
+                              "qmaster's spool; give the job's processes what they need with --env instead")
+        if "-pe" in args:
+            raise ConfigError("--sge-args -pe: pslaunch asks for the slots itself (one per process); name the "
+                              "parallel environment with --sge-pe")
         return with_hosts(config, [PENDING_HOST])
 
     @classmethod
