@@ -22,7 +22,7 @@ from ..config import LaunchConfig
 from ..output import LineSplitter, Printer
 from ..plan import Plan, ProcessSpec
 
-__all__ = ["Backend", "ProcessHandle", "ExitStatus", "pump", "route_line", "MARKER"]
+__all__ = ["Backend", "ProcessHandle", "ExitStatus", "pump", "drain", "route_line", "MARKER"]
 
 #: Start of a control line that remote guards and ``launcher.mpi_rank`` write on stderr.
 MARKER = "\x1fPSLAUNCH-"
@@ -153,6 +153,18 @@ class Backend(ABC):
         """Release everything the backend holds (connections, the watchdog). Idempotent."""
 
 
+def drain(read: Callable[[], bytes], feed: Callable[[bytes], None]) -> None:
+    """Pass each chunk ``read()`` returns to ``feed`` until it returns b"" or fails (the stream closed)."""
+    while True:
+        try:
+            data = read()
+        except (OSError, EOFError, ValueError):
+            return
+        if not data:
+            return
+        feed(data)
+
+
 def route_line(handle: ProcessHandle, stream: str, printer: Printer, text: str,
                on_marker: Callable[[str], None] | None = None) -> None:
     """Print one line of ``handle``'s output; a line holding ``MARKER`` is a control line: the
@@ -185,14 +197,7 @@ def pump(
     def run() -> None:
         splitter = LineSplitter(lambda text: route_line(handle, stream, printer, text, on_marker))
         try:
-            while True:
-                try:
-                    data = read()
-                except (OSError, EOFError, ValueError):
-                    break
-                if not data:
-                    break
-                splitter.feed(data)
+            drain(read, splitter.feed)
         finally:
             splitter.close()
 

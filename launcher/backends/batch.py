@@ -4,7 +4,7 @@ A batch scheduler, not a hostfile, decides where a job runs, and often only once
 job. So these backends plan on a placeholder host until the scheduler has granted the job
 (``with_hosts`` then gives the config to plan with: its hosts, the scheduler on the first), start
 every process through ``launcher.mpi_rank`` (``ShimHandle``: pid and exit status arrive as marker
-lines), and run the scheduler's client tools (``run_tool``) with an environment that holds none of
+lines) under one launcher process (``BatchBackend``), and run the scheduler's client tools (``run_tool``) with an environment that holds none of
 the ``--env`` values (``tool_environ``): those reach the job's processes only, never the scheduler.
 """
 
@@ -15,44 +15,101 @@ import shlex
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..config import LaunchConfig
 from ..errors import ConfigError, SpawnError
 from ..hostfile import Host
 from ..plan import ProcessSpec
-from .base import ExitStatus, ProcessHandle
-from .local import child_environ
+from .base import Backend, ExitStatus, ProcessHandle
+from .local import LocalHandle, LocalSpawner, child_environ
 
-__all__ = ["ShimHandle", "JobControl", "with_hosts", "split_args", "refuse_host_flags", "run_tool",
-           "tool_environ", "read_lines", "require_tools", "private_dir", "TOOL_TIMEOUT"]
+__all__ = ["BatchBackend", "ShimHandle", "with_hosts", "split_args", "refuse_host_flags", "run_tool",
+           "tool_environ", "read_lines", "require_tools", "private_dir", "TOOL_TIMEOUT", "GONE_WAIT"]
 
 #: Seconds a scheduler client command (scontrol, qconf, scancel, ...) may take.
 TOOL_TIMEOUT = 30.0
+#: Seconds pslaunch waits, at the end, for the scheduler to stop listing a job it cancelled.
+GONE_WAIT = 15.0
 
 
-class JobControl:
-    """What a ``ShimHandle`` asks of its backend: how the job's launcher process ended, and
-    signals for every process of the job (a batch scheduler signals a job or step, not a pid)."""
+class BatchBackend(Backend):
+    """Base of the slurm and sge backends: one launcher process (``srun``, ``qsub -sync y``) is a
+    child of pslaunch while the job runs; every process of the job is a ``ShimHandle``.
+
+    Subclasses set ``launcher`` when they start it, call ``output_done.set()`` once its output
+    (or the job's files) is read to the end, and implement ``_deliver``. ``launcher_ended`` and
+    ``signal_job`` may be called from any thread.
+    """
 
     #: How handles name the launcher process in their details (``srun``, ``the SGE job``).
     launcher_name = "the job"
 
+    def __init__(self, config: LaunchConfig, printer) -> None:
+        super().__init__(config, printer)
+        self.spawner = LocalSpawner(config.stop_grace)
+        self.env = tool_environ(config)
+        self.launcher: LocalHandle | None = None
+        self.output_done = threading.Event()
+        self.last_line = ""  # the launcher's or the job's own last line: why it ended, if it did early
+        self._sent: set[int] = set()
+        self._lock = threading.Lock()
+
+    def start_tool(self, argv: list[str], env: dict[str, str]) -> LocalHandle:
+        """Start scheduler client ``argv`` as a child of pslaunch (watched by the watchdog), its
+        output left to the caller. Raises ``SpawnError``."""
+        spec = ProcessSpec(argv[0], 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
+        return self.spawner.spawn(spec, self.printer, argv=argv, env=env, readers=False)
+
     def launcher_ended(self) -> tuple[int, str] | None:
-        """``(exit code, its last line)`` once the launcher process ended and its output is read."""
-        raise NotImplementedError
+        """``(exit code, last line)`` once the launcher process ended and its output is read."""
+        if self.launcher is None or self.launcher.popen.poll() is None or not self.output_done.is_set():
+            return None
+        status = self.launcher.poll()
+        assert status is not None
+        return status.exit_code, self.last_line
 
     def signal_job(self, sig: int) -> None:
-        """Send ``sig`` (SIGTERM or SIGKILL) to every process of the job, at most once each."""
+        """Send ``sig`` (SIGTERM or SIGKILL) to every process of the job, each signal at most once,
+        and only while the launcher process runs."""
+        with self._lock:
+            if sig in self._sent or self.launcher is None or self.launcher.popen.poll() is not None:
+                return
+            self._sent.add(sig)
+        self._deliver(sig)
+
+    def _deliver(self, sig: int) -> None:
+        """Send ``sig`` to the job through the scheduler."""
         raise NotImplementedError
+
+    def cancel_and_wait(self, listed: Callable[[], bool], cancel: list[str], what: str) -> None:
+        """Until ``listed()`` is False: run ``cancel`` once, then poll, for at most ``GONE_WAIT``
+        seconds; a job still listed then is noted, not waited for."""
+        deadline = time.monotonic() + GONE_WAIT
+        cancelled = False
+        while True:
+            try:
+                if not listed():
+                    return
+                if not cancelled:
+                    run_tool(cancel, self.env)
+                    cancelled = True
+            except SpawnError as exc:
+                self.printer.note(f"could not check that {what} ended: {exc}")
+                return
+            if time.monotonic() > deadline:
+                self.printer.note(f"{what} is still listed {GONE_WAIT:g} s after {shlex.join(cancel)}")
+                return
+            time.sleep(0.2)
 
 
 class ShimHandle(ProcessHandle):
     """One process of a batch job, started by ``launcher.mpi_rank``: its pid and exit status come
-    from the shim's marker lines; stopping it stops the whole job (``JobControl.signal_job``)."""
+    from the shim's marker lines; stopping it stops the whole job (``BatchBackend.signal_job``)."""
 
-    def __init__(self, spec: ProcessSpec, job: JobControl) -> None:
+    def __init__(self, spec: ProcessSpec, job: BatchBackend) -> None:
         super().__init__(spec)
         self._job = job
         self._marked: ExitStatus | None = None

@@ -34,6 +34,7 @@ import re
 import shlex
 import shutil
 import signal
+import subprocess
 import threading
 import time
 
@@ -41,10 +42,10 @@ from ..errors import LaunchError, PlacementError, SpawnError
 from ..hostfile import Host
 from ..mpi_rank import payload
 from ..output import LineSplitter
-from ..plan import Plan, ProcessSpec, make_plan
-from .base import Backend, ProcessHandle, route_line
+from ..plan import Plan, make_plan
+from .base import ProcessHandle, drain, route_line
 from .batch import (
-    JobControl,
+    BatchBackend,
     ShimHandle,
     private_dir,
     read_lines,
@@ -55,7 +56,7 @@ from .batch import (
     tool_environ,
     with_hosts,
 )
-from .local import LocalHandle, LocalSpawner, _launcher_root, child_environ
+from .local import LocalHandle, _launcher_root, child_environ
 
 __all__ = ["SlurmBackend", "salloc_argv", "srun_argv", "parse_job_nodes", "PENDING_HOST"]
 
@@ -77,7 +78,6 @@ _CANCELLED = re.compile(r"^slurmstepd(-\S+)?: error: \*\*\* (STEP|JOB) \S+ ON \S
 _ALLOCATION = re.compile(r"(Pending|Granted) job allocation (\d+)")
 _POLL = 0.2
 _REASON_EVERY = 1.0
-_GONE_WAIT = 15.0
 
 
 def salloc_argv(count: int, name: str, user_args: list[str]) -> list[str]:
@@ -109,9 +109,9 @@ def parse_job_nodes(text: str) -> tuple[list[tuple[str, int]], int]:
     return groups, int(per_task.group(1)) if per_task else 1
 
 
-class SlurmBackend(Backend, JobControl):
-    """Runs the plan as one Slurm job step (``--launcher slurm``). Not thread-safe, except the
-    ``JobControl`` methods the handles call from reader threads."""
+class SlurmBackend(BatchBackend):
+    """Runs the plan as one Slurm job step (``--launcher slurm``); ``launcher`` is srun. Not
+    thread-safe, except the methods the handles call (``BatchBackend``)."""
 
     name = "slurm"
     options = ("slurm_args",)
@@ -119,16 +119,9 @@ class SlurmBackend(Backend, JobControl):
 
     def __init__(self, config, printer) -> None:
         super().__init__(config, printer)
-        self.spawner = LocalSpawner(config.stop_grace)
-        self.env = tool_environ(config)
         self.job: str | None = None  # the allocation the step runs in
         self.own_job = False  # pslaunch asked for it, so pslaunch cancels it
-        self.srun: LocalHandle | None = None
-        self.output_done = threading.Event()
         self._step: str | None = None
-        self._sent: set[int] = set()
-        self._lock = threading.Lock()
-        self._last_srun_line = ""
         self._tmp: str | None = None
         self._allocator: LocalHandle | None = None
 
@@ -141,7 +134,13 @@ class SlurmBackend(Backend, JobControl):
         if not job:
             return with_hosts(config, [PENDING_HOST])
         require_tools(["scontrol"], "slurm", "slurm-client")
-        return with_hosts(config, job_hosts(job, tool_environ(config)))
+        hosts = job_hosts(job, tool_environ(config))
+        slots = sum(h.slots or 0 for h in hosts)
+        if config.num_workers > slots:
+            raise PlacementError(f"{config.num_workers} workers do not fit the {slots} slots of Slurm allocation {job} "
+                                 f"({', '.join(f'{h.name} slots={h.slots}' for h in hosts)}: CPUs / CPUs per task); "
+                                 "lower -n or ask salloc / sbatch for more tasks")
+        return with_hosts(config, hosts)
 
     @classmethod
     def dry_run_notes(cls, config):
@@ -171,8 +170,7 @@ class SlurmBackend(Backend, JobControl):
     def _allocate(self, count: int) -> str:
         args = split_args(self.config, "slurm_args")
         argv = salloc_argv(count, f"pslaunch-{self.config.job_id}", args)
-        spec = ProcessSpec("salloc", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
-        self._allocator = self.spawner.spawn(spec, self.printer, argv=argv, env=self.env, readers=False)
+        self._allocator = self.start_tool(argv, self.env)
         lines: queue.Queue[str] = queue.Queue()
         reader = read_lines(self._allocator.popen.stderr, lines.put)
         said: list[str] = []
@@ -237,14 +235,13 @@ class SlurmBackend(Backend, JobControl):
         step_args = [] if self.own_job else split_args(self.config, "slurm_args")
         argv = srun_argv(self.job, plan, f"pslaunch-{self.config.job_id}", self.config.python, step_args)
         handles = [ShimHandle(spec, self) for spec in plan.processes]
-        spec = ProcessSpec("srun", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
-        self.srun = self.spawner.spawn(spec, self.printer, argv=argv, env=child_environ(env), readers=False)
+        self.launcher = self.start_tool(argv, child_environ(env))
         done: list[str] = []
-        for stream, pipe in (("stdout", self.srun.popen.stdout), ("stderr", self.srun.popen.stderr)):
+        for stream, pipe in (("stdout", self.launcher.popen.stdout), ("stderr", self.launcher.popen.stderr)):
             thread = threading.Thread(target=self._read_labelled, args=(pipe, stream, handles, done),
                                       name=f"pslaunch-srun-{stream}", daemon=True)
             thread.start()
-            self.srun._threads.append(thread)
+            self.launcher._threads.append(thread)
         return handles
 
     def _read_labelled(self, pipe, stream: str, handles: list[ShimHandle], done: list[str]) -> None:
@@ -260,20 +257,13 @@ class SlurmBackend(Backend, JobControl):
                 route_line(handle, stream, self.printer, found.group(2), handle.on_marker)
                 return
             if text.strip():
-                self._last_srun_line = text.strip()
+                self.last_line = text.strip()
             if self.config.verbose or not _ROUTINE.match(text):
                 self.printer.line("srun", "srun", text, stream)
 
         splitter = LineSplitter(emit)
         try:
-            while True:
-                try:
-                    data = os.read(pipe.fileno(), 65536)
-                except (OSError, ValueError):
-                    break
-                if not data:
-                    break
-                splitter.feed(data)
+            drain(lambda: os.read(pipe.fileno(), 65536), splitter.feed)
         finally:
             splitter.close()
             with self._lock:
@@ -281,14 +271,7 @@ class SlurmBackend(Backend, JobControl):
                 if len(done) == 2:
                     self.output_done.set()
 
-    # -- JobControl ------------------------------------------------------------------------------
-    def launcher_ended(self) -> tuple[int, str] | None:
-        if self.srun is None or self.srun.popen.poll() is None or not self.output_done.is_set():
-            return None
-        status = self.srun.poll()
-        assert status is not None
-        return status.exit_code, self._last_srun_line
-
+    # -- signals ---------------------------------------------------------------------------------
     def _step_id(self) -> str | None:
         """``J.S`` of this job's step, from squeue by the step's name; None before Slurm lists it."""
         if self._step is None:
@@ -300,63 +283,40 @@ class SlurmBackend(Backend, JobControl):
                     self._step = step
         return self._step
 
-    def signal_job(self, sig: int) -> None:
-        with self._lock:
-            if sig in self._sent or self.srun is None or self.srun.popen.poll() is not None:
-                return
-            self._sent.add(sig)
+    def _deliver(self, sig: int) -> None:
+        assert self.launcher is not None
         step = self._step_id()
         if step is not None:
             run_tool(["scancel", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}", step], self.env)
         elif sig == signal.SIGKILL:
-            self.srun.kill()
+            self.launcher.kill()
         else:
-            self.srun.terminate()  # not listed yet: srun itself ends its step (at once)
+            self.launcher.terminate()  # not listed yet: srun itself ends its step (at once)
 
     # -- the end -------------------------------------------------------------------------------
     def close(self) -> None:
         """Cancel what pslaunch started in Slurm and wait until squeue no longer lists it."""
         try:
-            if self.srun is not None and self.srun.popen.poll() is None:
+            if self.launcher is not None and self.launcher.popen.poll() is None:
                 self.signal_job(signal.SIGKILL)
                 try:
-                    self.srun.popen.wait(5)
-                except Exception:  # noqa: BLE001 - TimeoutExpired; the spawner kills it below
-                    pass
-            if self.job is not None:
-                target = self.job if self.own_job else self._step
-                if target is not None:
-                    self._cancel_and_wait(target)
+                    self.launcher.popen.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass  # the spawner kills it below
+            target = self.job if self.own_job else self._step
+            if target is not None:
+                steps = "." in target
+                listing = ["squeue", "-h", *(["-s"] if steps else []), "-j", target.partition(".")[0], "-o", "%i"]
+                self.cancel_and_wait(lambda: target in run_tool(listing, self.env).stdout.split(),
+                                     ["scancel", target], f"Slurm {'step' if steps else 'job'} {target}")
         finally:
             if self._allocator is not None:
                 self._allocator.close(0.5)
-            if self.srun is not None:
-                self.srun.close(2.0)
+            if self.launcher is not None:
+                self.launcher.close(2.0)
             self.spawner.close()
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
-
-    def _cancel_and_wait(self, target: str) -> None:
-        steps = "." in target
-        listing = ["squeue", "-h", *(["-s"] if steps else []), "-j", target.partition(".")[0], "-o", "%i"]
-        deadline = time.monotonic() + _GONE_WAIT
-        cancelled = False
-        while True:
-            try:
-                listed = target in run_tool(listing, self.env).stdout.split()
-            except SpawnError as exc:
-                self.printer.note(f"could not check that Slurm {'step' if steps else 'job'} {target} ended: {exc}")
-                return
-            if not listed:
-                return
-            if not cancelled:
-                run_tool(["scancel", target], self.env)
-                cancelled = True
-            if time.monotonic() > deadline:
-                self.printer.note(f"Slurm still lists {'step' if steps else 'job'} {target} {_GONE_WAIT:g} s after "
-                                  f"scancel {target}")
-                return
-            time.sleep(_POLL)
 
 
 def job_hosts(job: str, env: dict[str, str]) -> list[Host]:

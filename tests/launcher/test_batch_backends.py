@@ -330,6 +330,11 @@ def test_dry_run_inside_an_allocation_places_processes_on_its_nodes(slurm, tmp_p
     assert res.returncode == 0, res.stderr
     assert f"worker.1@{slurm.node}  (local rank 1/2, via slurm)" in res.stdout
     assert re.search(rf"slurm: allocation \d+: {slurm.node} slots=5; one srun step of 4 tasks", res.stdout), res.stdout
+    argv[argv.index("-n", 3) + 1] = "6"  # more workers than the allocation has slots
+    res = subprocess.run(argv, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert re.search(rf"pslaunch: error: 6 workers do not fit the 5 slots of Slurm allocation \d+ \({slurm.node} "
+                     r"slots=5: CPUs / CPUs per task\); lower -n", res.stderr), res.stderr
     assert slurm.wait_no_jobs() == []
 
 

@@ -40,10 +40,11 @@ from ...errors import ConfigError, LaunchError, PlacementError, SpawnError
 from ...hostfile import Host
 from ...mpi_rank import payload
 from ...output import LineSplitter
-from ...plan import Plan, ProcessSpec, make_plan
-from ..base import Backend, ProcessHandle, route_line
+from ...plan import Plan, make_plan
+from ..base import ProcessHandle, route_line
 from ..batch import (
-    JobControl,
+    GONE_WAIT,
+    BatchBackend,
     ShimHandle,
     private_dir,
     read_lines,
@@ -51,10 +52,9 @@ from ..batch import (
     require_tools,
     run_tool,
     split_args,
-    tool_environ,
     with_hosts,
 )
-from ..local import LocalHandle, LocalSpawner, _launcher_root
+from ..local import _launcher_root
 from .job import HOSTS_FILE, PLAN_FILE, STOP_FILE
 
 __all__ = ["SgeBackend", "qsub_argv", "parse_pe", "PENDING_HOST", "DEFAULT_PE"]
@@ -64,7 +64,6 @@ PENDING_HOST = Host("<sge-host>")
 DEFAULT_PE = "smp"
 _POLL = 0.1
 _PENDING_NOTE_AFTER = 3.0
-_END_WAIT = 15.0
 
 
 def parse_pe(text: str) -> dict[str, str]:
@@ -81,9 +80,9 @@ def qsub_argv(name: str, pe: str, slots: int, jobdir: str, python: str, pythonpa
             "-b", "y", python, "-m", "launcher.backends.sge.job", "master", jobdir]
 
 
-class SgeBackend(Backend, JobControl):
-    """Runs the plan as one SGE parallel-environment job (``--launcher sge``). Not thread-safe,
-    except the ``JobControl`` methods the handles call."""
+class SgeBackend(BatchBackend):
+    """Runs the plan as one SGE parallel-environment job (``--launcher sge``); ``launcher`` is
+    ``qsub -sync y``. Not thread-safe, except the methods the handles call (``BatchBackend``)."""
 
     name = "sge"
     options = ("sge_args", "sge_pe")
@@ -91,21 +90,14 @@ class SgeBackend(Backend, JobControl):
 
     def __init__(self, config, printer) -> None:
         super().__init__(config, printer)
-        self.spawner = LocalSpawner(config.stop_grace)
-        self.env = tool_environ(config)
         # qsub -sync y tells the job number only at the end (its stdout is a pipe): pslaunch names
         # the job by its name, which holds pslaunch's random job id, in qstat and qdel.
         self.job = f"pslaunch-{config.job_id}"
         self.submitted = False
         self.number: str | None = None
         self.jobdir: str | None = None
-        self.qsub: LocalHandle | None = None
-        self.output_done = threading.Event()
         self.handles: list[ShimHandle] = []
         self._said: list[str] = []
-        self._job_lines: list[str] = []
-        self._sent: set[int] = set()
-        self._lock = threading.Lock()
         self._tail: threading.Thread | None = None
 
     # -- before planning -----------------------------------------------------------------------
@@ -155,9 +147,8 @@ class SgeBackend(Backend, JobControl):
         self.spawner.on_death(["rm", "-rf", "--", self.jobdir])  # it holds the --env values
         argv = qsub_argv(self.job, pe, slots, self.jobdir, self.config.python, _launcher_root(),
                          split_args(self.config, "sge_args"))
-        spec = ProcessSpec("qsub", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
         self.spawner.on_death(["qdel", self.job])
-        self.qsub = self.spawner.spawn(spec, self.printer, argv=argv, env=self.env, readers=False)
+        self.launcher = self.start_tool(argv, self.env)
         self.submitted = True
 
         def said(line: str) -> None:
@@ -165,15 +156,17 @@ class SgeBackend(Backend, JobControl):
                 self.number = line.strip()
             elif line.strip():
                 self._said.append(line.strip())
+                self.last_line = line.strip()
 
-        self.qsub._threads = [read_lines(self.qsub.popen.stdout, said), read_lines(self.qsub.popen.stderr, said)]
+        self.launcher._threads = [read_lines(self.launcher.popen.stdout, said),
+                                  read_lines(self.launcher.popen.stderr, said)]
         hosts = self._wait_for_hosts(argv)
         plan = make_plan(with_hosts(self.config, hosts))
         self._hand_over(plan)
         return plan
 
     def _wait_for_hosts(self, argv: list[str]) -> list[Host]:
-        assert self.qsub is not None and self.jobdir is not None
+        assert self.launcher is not None and self.jobdir is not None
         path = os.path.join(self.jobdir, HOSTS_FILE)
         start = time.monotonic()
         noted = False
@@ -182,16 +175,16 @@ class SgeBackend(Backend, JobControl):
                 with open(path, encoding="utf-8") as fh:
                     granted = json.load(fh)["hosts"]
                 return [Host(name, slots=slots) for name, slots in granted]
-            if self.qsub.popen.poll() is not None:
-                for thread in self.qsub._threads:
+            if self.launcher.popen.poll() is not None:
+                for thread in self.launcher._threads:
                     thread.join(5)
                 if self.number is None:
                     self.submitted = False
                     raise PlacementError(f"SGE refused the job ({shlex.join(argv)}): "
-                                         + ("; ".join(self._said) or f"qsub exited with {self.qsub.popen.returncode}"))
+                                         + ("; ".join(self._said) or f"qsub exited with {self.launcher.popen.returncode}"))
                 tail = "; ".join(_tail(os.path.join(self.jobdir, "job.err")) or self._said)
                 raise SpawnError(f"SGE job {self.job} ended before it started the processes "
-                                 f"(qsub exited with {self.qsub.popen.returncode})" + (f": {tail}" if tail else ""))
+                                 f"(qsub exited with {self.launcher.popen.returncode})" + (f": {tail}" if tail else ""))
             now = time.monotonic()
             if not noted and now - start > _PENDING_NOTE_AFTER:
                 noted = True
@@ -221,7 +214,7 @@ class SgeBackend(Backend, JobControl):
 
     def _follow(self) -> None:
         """Print what the job's files gain, until the job has ended and they are read to the end."""
-        assert self.jobdir is not None and self.qsub is not None
+        assert self.jobdir is not None and self.launcher is not None
         readers = []
         for index, handle in enumerate(self.handles):
             for stream in ("out", "err"):
@@ -231,7 +224,7 @@ class SgeBackend(Backend, JobControl):
             readers.append(_FileTail(os.path.join(self.jobdir, f"job.{stream}"), self._job_line(f"std{stream}")))
         try:
             while True:
-                ended = self.qsub.popen.poll() is not None
+                ended = self.launcher.popen.poll() is not None
                 for reader in readers:
                     reader.read()
                 if ended:
@@ -245,23 +238,12 @@ class SgeBackend(Backend, JobControl):
     def _job_line(self, stream: str):
         def emit(text: str) -> None:
             if text.strip():
-                self._job_lines.append(text.strip())
+                self.last_line = text.strip()
             self.printer.line("sge", "sge", text, stream)
         return emit
 
-    # -- JobControl ------------------------------------------------------------------------------
-    def launcher_ended(self) -> tuple[int, str] | None:
-        if self.qsub is None or self.qsub.popen.poll() is None or not self.output_done.is_set():
-            return None
-        status = self.qsub.poll()
-        assert status is not None
-        return status.exit_code, (self._job_lines or self._said or [""])[-1]
-
-    def signal_job(self, sig: int) -> None:
-        with self._lock:
-            if sig in self._sent or self.qsub is None or self.qsub.popen.poll() is not None:
-                return
-            self._sent.add(sig)
+    # -- signals ---------------------------------------------------------------------------------
+    def _deliver(self, sig: int) -> None:
         if sig == signal.SIGKILL:
             run_tool(["qdel", self.job], self.env)
         elif self.jobdir is not None:
@@ -272,50 +254,24 @@ class SgeBackend(Backend, JobControl):
     def close(self) -> None:
         """Delete the job if it still runs, wait until qstat no longer lists it, remove DIR."""
         try:
-            if self.qsub is not None and self.qsub.popen.poll() is None:
+            if self.launcher is not None and self.launcher.popen.poll() is None:
                 # Every process ended: the job ends by itself in a moment. Otherwise delete it now.
                 if not (self.handles and all(h.status is not None for h in self.handles)):
                     self.signal_job(signal.SIGKILL)
-                self._wait_end()
+                deadline = time.monotonic() + GONE_WAIT
+                while self.launcher.popen.poll() is None and time.monotonic() < deadline:
+                    time.sleep(_POLL)
             if self.submitted:
-                self._wait_gone(self.job)
+                self.cancel_and_wait(lambda: run_tool(["qstat", "-j", self.job], self.env).returncode == 0,
+                                     ["qdel", self.job], f"SGE job {self.job}")
         finally:
             if self._tail is not None:
                 self._tail.join(5)
-            if self.qsub is not None:
-                self.qsub.close(2.0)
+            if self.launcher is not None:
+                self.launcher.close(2.0)
             self.spawner.close()
             if self.jobdir is not None:
                 shutil.rmtree(self.jobdir, ignore_errors=True)
-
-    def _wait_end(self) -> None:
-        assert self.qsub is not None
-        deadline = time.monotonic() + _END_WAIT
-        while self.qsub.popen.poll() is None and time.monotonic() < deadline:
-            time.sleep(_POLL)
-        if self.qsub.popen.poll() is None:
-            with self._lock:
-                self._sent.discard(signal.SIGKILL)
-            self.signal_job(signal.SIGKILL)
-
-    def _wait_gone(self, job: str) -> None:
-        deadline = time.monotonic() + _END_WAIT
-        deleted = False
-        while True:
-            try:
-                listed = run_tool(["qstat", "-j", job], self.env).returncode == 0
-            except SpawnError as exc:
-                self.printer.note(f"could not check that SGE job {job} ended: {exc}")
-                return
-            if not listed:
-                return
-            if not deleted and time.monotonic() > deadline - _END_WAIT / 2:
-                run_tool(["qdel", job], self.env)
-                deleted = True
-            if time.monotonic() > deadline:
-                self.printer.note(f"SGE still lists job {job} {_END_WAIT:g} s after qdel {job}")
-                return
-            time.sleep(_POLL * 2)
 
 
 class _FileTail:
