@@ -1,9 +1,10 @@
 """One benchmark job per system: who is started, with which argv and environment, and what it measured.
 
 A KVStore job (pslaunch or MXNet) is 1 scheduler, 1 server and N workers on 127.0.0.1, started
-directly with the DMLC_* contract of docs/env.md, exactly as any launcher would. A ceiling job is
-one raw pyzmq ROUTER and N DEALERs. Each job returns its figures per measure (the mean over workers
-of each worker's median), or raises ``procs.JobFailed``.
+directly with the DMLC_* contract of docs/env.md, exactly as any launcher would: through
+``psnode.testing.LocalJob``, the tests' starter (the contract is written by
+``launcher.envcontract``). A ceiling job is one raw pyzmq ROUTER and N DEALERs. Each job returns its
+figures per measure (the mean over workers of each worker's median), or raises ``JobFailed``.
 """
 
 from __future__ import annotations
@@ -13,21 +14,18 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import kv_suite
-from procs import JobFailed, ProcessGroup, free_port
+from psnode.testing import JobFailed, LocalJob, free_port
+
+from . import kv_suite
 
 __all__ = ["KVSystem", "kv_systems", "run_kv_job", "run_zmq_job", "ZMQ_TRANSPORTS"]
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-
-# Variables of the job contract that must never leak from the caller's shell into a job.
-_CONTRACT_PREFIXES = ("DMLC_", "PS_", "PSLAUNCH_", "MXNET_")
 
 # How pslaunch is told which path to take between co-located peers (docs/env.md): PSLAUNCH_SAME_HOST
 # is "shm" (the default: ipc for messages, shared memory for values of 1 MiB or more), "ipc" (Unix
@@ -58,7 +56,7 @@ class KVSystem:
     python: str
     scheduler: list[str]
     server: list[str]
-    worker: list[str]
+    worker: list[str]  # after ``python``: the worker script (the plan's JSON follows it)
     env: dict[str, str] = field(default_factory=dict)
     check_values: bool = False  # whether pulled values must equal the number of workers
 
@@ -66,10 +64,9 @@ class KVSystem:
 def kv_systems(mxnet_python: str | None, profile_dir: Path | None = None) -> dict[str, KVSystem]:
     """Every KVStore system by name; MXNet ones only when ``mxnet_python`` is given."""
     py = sys.executable
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     systems = {}
     for path, extra in PSLAUNCH_PATH_ENV.items():
-        env = {"PYTHONPATH": pythonpath, **extra}
+        env = dict(extra)
         if profile_dir is not None:
             env["PSLAUNCH_BENCH_PROFILE"] = str(profile_dir / f"pslaunch_{path}.prof")
         server = [py, "-m", "psnode", "server"]
@@ -79,30 +76,25 @@ def kv_systems(mxnet_python: str | None, profile_dir: Path | None = None) -> dic
         systems[f"pslaunch_{path}"] = KVSystem(
             name=f"pslaunch_{path}", python=py,
             scheduler=[py, "-m", "psnode", "scheduler"], server=server,
-            worker=[py, str(HERE / "ps_worker.py")], env=env, check_values=True,
+            worker=[str(HERE / "ps_worker.py")], env=env, check_values=True,
         )
     if mxnet_python:
         for path, extra in MXNET_PATH_ENV.items():
             node = [mxnet_python, "-c", "import mxnet"]
             systems[f"mxnet_{path}"] = KVSystem(
                 name=f"mxnet_{path}", python=mxnet_python, scheduler=node, server=node,
-                worker=[mxnet_python, str(HERE / "mx_worker.py")],
+                worker=[str(HERE / "mx_worker.py")],
                 # one engine thread each, as MXNet is run on a 2-core machine
                 env={"OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1", **extra},
             )
     return systems
 
 
-def clean_env() -> dict[str, str]:
-    """The caller's environment without any job-contract variable."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(_CONTRACT_PREFIXES)}
-
-
-def _read_result(log: Path) -> dict[str, Any]:
-    for line in log.read_text(errors="replace").splitlines():
+def _read_result(job: LocalJob, role: str, index: int) -> dict[str, Any]:
+    for line in job.output_of(role, index).splitlines():
         if line.startswith(kv_suite.RESULT_PREFIX):
             return json.loads(line[len(kv_suite.RESULT_PREFIX):])
-    raise JobFailed(f"{log} holds no {kv_suite.RESULT_PREFIX.strip()} line")
+    raise JobFailed(f"{role} {index} printed no {kv_suite.RESULT_PREFIX.strip()} line")
 
 
 def run_kv_job(system: KVSystem, plan: kv_suite.Plan, num_workers: int, log_dir: Path, timeout_s: float) -> dict:
@@ -112,25 +104,12 @@ def run_kv_job(system: KVSystem, plan: kv_suite.Plan, num_workers: int, log_dir:
         JobFailed: a node failed, a worker printed no result, a value check failed, or the job
             ran past ``timeout_s``.
     """
-    port = free_port()
-    base = clean_env()
-    base.update({
-        "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
-        "DMLC_NUM_SERVER": "1", "DMLC_NUM_WORKER": str(num_workers),
-        "DMLC_NODE_HOST": "127.0.0.1", **system.env,
-    })
-    deadline = time.monotonic() + timeout_s
-    workers = [f"worker{i}" for i in range(num_workers)]
-    with ProcessGroup(log_dir) as group:
-        group.start("scheduler", system.scheduler, {**base, "DMLC_ROLE": "scheduler"}, cwd=REPO)
-        group.start("server", system.server, {**base, "DMLC_ROLE": "server"}, cwd=REPO)
-        for i, name in enumerate(workers):
-            argv = [a.replace("{index}", str(i)) for a in system.worker] + [plan.to_json()]
-            group.start(name, argv, {**base, "DMLC_ROLE": "worker"}, cwd=REPO)
-        group.wait(workers, deadline)
-        results = [_read_result(group.log_of(name)) for name in workers]
+    with LocalJob(num_workers, 1, worker=[*system.worker, plan.to_json()], env=system.env, scheduler=system.scheduler,
+                  server=system.server, python=system.python, log_dir=log_dir, test_settings=False) as job:
+        job.wait_ok(["worker"], timeout_s)
+        results = [_read_result(job, "worker", i) for i in range(num_workers)]
         # the scheduler and server end by themselves once the workers are done
-        group.wait(["scheduler", "server"], min(deadline, time.monotonic() + 30))
+        job.wait_ok(["scheduler", "server"], min(timeout_s, 30))
     if system.check_values:
         _check_values(system.name, results, num_workers)
     return {"system": results[0].get("system", system.name), "measures": _merge_workers(results),
@@ -170,16 +149,14 @@ def run_zmq_job(transport: str, plan: kv_suite.Plan, num_dealers: int, log_dir: 
     """
     with tempfile.TemporaryDirectory(prefix="pslaunch-bench-") as tmp:
         endpoint = f"tcp://127.0.0.1:{free_port()}" if transport == "tcp" else f"ipc://{tmp}/ceiling.sock"
-        env = {**clean_env(), "OMP_NUM_THREADS": "1"}
         script = str(HERE / "zmq_ceiling.py")
-        dealers = [f"dealer{i}" for i in range(num_dealers)]
-        deadline = time.monotonic() + timeout_s
-        with ProcessGroup(log_dir) as group:
-            group.start("router", [sys.executable, script, "router", endpoint, str(num_dealers)], env)
-            for name in dealers:
-                group.start(name, [sys.executable, script, "dealer", endpoint, plan.to_json()], env)
-            group.wait(dealers + ["router"], deadline)
-            results = [_read_result(group.log_of(name)) for name in dealers]
+        no_role = {"DMLC_ROLE": "", "OMP_NUM_THREADS": "1"}  # raw pyzmq: the job's contract is not read
+        with LocalJob(num_dealers, 1, start_scheduler=False, start_servers=0, log_dir=log_dir, test_settings=False) as job:
+            job.start("router", 0, [sys.executable, script, "router", endpoint, str(num_dealers)], no_role)
+            for i in range(num_dealers):
+                job.start("dealer", i, [sys.executable, script, "dealer", endpoint, plan.to_json()], no_role)
+            job.wait_ok(["dealer", "router"], timeout_s)
+            results = [_read_result(job, "dealer", i) for i in range(num_dealers)]
     measures: dict[str, dict] = {}
     for key in results[0]["measures"]:
         rows = [r["measures"][key] for r in results]

@@ -1,10 +1,11 @@
 """Python's own cost of the 4-element round trip, per side, with no sockets and no other process.
 
-    python benchmarks/python_cost.py [--rounds 4000] [--reps 7]
+    python -m benchmarks.python_cost [--rounds 4000] [--reps 7]
 
 The round trip's time is mostly waiting: for ZeroMQ's I/O threads, the kernel and the other
-processes. This measures what is left, the Python that pslaunch runs per round, by putting an
-in-process stand-in where the transport would be:
+processes. This measures what is left, the Python that pslaunch runs per round, by giving the node
+an in-process stand-in for the rest of the job as its transport (``psnode`` nodes take a
+``Transport`` instance):
 
 * **worker**: a real ``WorkerNode`` behind ``kvcore.create('dist_sync')``; ``kv.push(k, v)`` then
   ``kv.pull(k, out=out)`` of one 4-float key. The stand-in answers the ``PUSH_PULL`` frame at once
@@ -21,155 +22,195 @@ the time goes"). The stand-in's own work is included (a struct pack per reply or
 from __future__ import annotations
 
 import collections
-import sys
-import threading
 import time
-from pathlib import Path
+from typing import Any, Callable
 
 import click
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from launcher.envcontract import contract_env
+from psnode import protocol
+from psnode.env import read_env
+from psnode.membership import SCHEDULER, PeerInfo
+from psnode.server import ServerNode
+from psnode.transport import Frame, Transport
+from psnode.worker import WorkerNode
 
-from psnode import protocol  # noqa: E402
-from psnode.env import read_env  # noqa: E402
-from psnode.node import SCHEDULER, PeerInfo  # noqa: E402
-from psnode.server import ServerNode  # noqa: E402
-from psnode.worker import WorkerNode  # noqa: E402
-
-_CONTRACT = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1", "DMLC_NUM_SERVER": "1",
-             "PS_HEARTBEAT_INTERVAL": "0", "PSLAUNCH_SAME_HOST": "tcp"}
 _KEY = 3
 
 
-class _Frame:
-    """A received frame as the transport gives it: ``.buffer`` and ``.bytes``."""
-
-    __slots__ = ("bytes", "buffer")
-
-    def __init__(self, data: bytes) -> None:
-        self.bytes = data
-        self.buffer = memoryview(data)
+def _env(role: str, workers: int):
+    return read_env(contract_env(role=role, root_uri="127.0.0.1", root_port=1, num_workers=workers, num_servers=1,
+                                 job_id="cost", rank=0, local_rank=0, local_size=1, fixed_rank=False,
+                                 settings={"PS_HEARTBEAT_INTERVAL": "0", "PSLAUNCH_SAME_HOST": "tcp"}))
 
 
-def _peer(role: str, rank: int) -> PeerInfo:
-    return PeerInfo(role, rank, "127.0.0.1", 2000 + rank, f"{role}@127.0.0.1:{2000 + rank}", "-", "-")
+def _peer(role: str, rank: int) -> dict:
+    return PeerInfo(role, rank, "127.0.0.1", 2000 + rank, f"{role}@127.0.0.1:{2000 + rank}", "-", "-").as_record()
 
 
-class _ServerStandIn:
-    """Answers a worker's messages in-process: init, barrier and the small round trip only."""
+class _StandIn(Transport):
+    """The rest of the job, answering in the calling thread: the node's only transport.
 
-    def __init__(self, node: WorkerNode) -> None:
+    It plays the scheduler (the address book, barriers) and, for a worker, the server (init and the
+    small round trip); ``inbox`` is what the node receives next.
+    """
+
+    def __init__(self, book: list[dict]) -> None:
+        super().__init__(b"")
+        self.book = book
         self.inbox: collections.deque = collections.deque()
         self.value = b""
         self.kinds: collections.Counter = collections.Counter()  # messages by command
-        node.transport.send = self.send
-        node.transport.poll = self.poll
-        node.transport.recv = self.inbox.popleft
+        self.replies = 0
+
+    def bind(self, port: int = 0, local_name: str | None = None) -> int:
+        return 1000
+
+    def connect(self, peer: bytes, endpoint: str) -> None:
+        pass
 
     def poll(self, timeout: float) -> bool:
         if not self.inbox and timeout > 0:
             time.sleep(min(timeout, 0.0005))  # as a real poll waits: the network thread must not spin
         return bool(self.inbox)
 
-    def send(self, peer: bytes, frames: list, track: bool = False, block: bool = True) -> None:
+    def wake(self) -> None:
+        pass
+
+    def recv(self) -> tuple[bytes, list[Any]]:
+        return self.inbox.popleft()
+
+    def close(self, linger: float = 0.0) -> None:
+        pass
+
+    @staticmethod
+    def same_host_endpoint(local_name: str) -> str:
+        return f"standin://{local_name}"
+
+    def _reply(self, peer: bytes, *frames: bytes) -> None:
+        self.inbox.append((peer, [Frame(memoryview(f)) for f in frames]))
+
+    def send(self, peer: bytes, frames: Any, track: bool = False, block: bool = True) -> Any:
         cmd, _, req, arg = protocol.unpack_header(frames[0])
         self.kinds[cmd] += 1
-        if cmd == protocol.Cmd.PUSH_PULL:
-            self.inbox.append((peer, [_Frame(protocol.pack_value(req, 0, self.value))]))
+        if peer == SCHEDULER:
+            if cmd == protocol.Cmd.REGISTER:
+                me = protocol.unpack_json(frames[1])
+                nodes = self.book + [{**me, "rank": 0}]
+                self._reply(SCHEDULER, protocol.pack_header(protocol.Cmd.ADDRBOOK), protocol.pack_json({"rank": 0, "nodes": nodes}))
+            elif cmd == protocol.Cmd.BARRIER:
+                self._reply(SCHEDULER, protocol.pack_header(protocol.Cmd.BARRIER_DONE, req))
+            return None
+        self.replies += 1
+        if cmd in (protocol.Cmd.PUSH_PULL, protocol.Cmd.PULL):
+            self._reply(peer, protocol.pack_value(req, 0, self.value))
         elif cmd == protocol.Cmd.PUSH:  # before the network thread parks, pushes leave on their own
-            acks = np.array([[req, arg]], np.uint64).tobytes()
-            self.inbox.append((peer, [_Frame(protocol.pack_header(protocol.Cmd.PUSH_ACK, 0, 1)), _Frame(acks)]))
-        elif cmd == protocol.Cmd.PULL:
-            self.inbox.append((peer, [_Frame(protocol.pack_value(req, 0, self.value))]))
+            self._reply(peer, protocol.pack_header(protocol.Cmd.PUSH_ACK, 0, 1), np.array([[req, arg]], np.uint64).tobytes())
         elif cmd == protocol.Cmd.INIT:
             self.value = bytes(frames[2])
-            self.inbox.append((peer, [_Frame(protocol.pack_header(protocol.Cmd.INIT_ACK, req, arg))]))
-        elif peer == SCHEDULER and cmd == protocol.Cmd.BARRIER:
-            self.inbox.append((SCHEDULER, [_Frame(protocol.pack_header(protocol.Cmd.BARRIER_DONE, req))]))
-        elif peer != SCHEDULER:
-            raise SystemExit(f"python_cost: the worker sent {protocol.Cmd(cmd).name}, not the small round trip's frame")
+            self._reply(peer, protocol.pack_header(protocol.Cmd.INIT_ACK, req, arg))
+        elif cmd not in (protocol.Cmd.VALUE, protocol.Cmd.PULL_REPLY):
+            raise SystemExit(f"python_cost: the node sent {protocol.Cmd(cmd).name}, not the small round trip's frame")
+        return None
+
+
+def worker_rounds() -> tuple[object, Callable[[int], None]]:
+    """A dist_sync store on a real ``WorkerNode`` whose transport is the stand-in, and ``rounds(n)``
+    running ``n`` push + pull rounds of one 4-float key (stop it with ``stop_worker``)."""
+    import kvcore.dist_store as dist_store
+
+    stand_in = _StandIn([_peer("server", 0)])
+    node = WorkerNode(_env("worker", 1), transport=stand_in).start()  # parks as in a job
+    dist_store._node = node
+    kv = dist_store.DistKVStore("dist_sync")
+    value, out = np.ones(4, np.float32), np.zeros(4, np.float32)
+    kv.init(_KEY, value)
+
+    def rounds(n: int) -> None:
+        for _ in range(n):
+            kv.push(_KEY, value)
+            kv.pull(_KEY, out=out)
+        if out[0] != 1.0:
+            raise SystemExit(f"python_cost: pulled {out[0]}, expected 1.0")
+
+    kv.stand_in = stand_in
+    return kv, rounds
+
+
+def stop_worker(kv: object) -> None:
+    """Stop the worker of ``worker_rounds``."""
+    import kvcore.dist_store as dist_store
+
+    dist_store._node = None
+    kv._worker.receiver.stop()
 
 
 def worker_cost(rounds: int, reps: int) -> float:
     """µs of the calling thread per push + pull round of one 4-float key."""
-    import kvcore.dist_store as dist_store
-
-    node = WorkerNode(read_env({**_CONTRACT, "DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "1"}))
-    node.rank = 0
-    server = _peer("server", 0)
-    node.servers, node.peers = [server], {server.uid.encode(): server}
-    stand_in = _ServerStandIn(node)
-    node._thread = threading.Thread(target=node._run, name="psnode-worker-0", daemon=True)
-    node._thread.start()  # parks as in a job: the caller receives its own replies
-    dist_store._node = node
+    kv, run = worker_rounds()
+    stand_in = kv.stand_in
     try:
-        kv = dist_store.DistKVStore("dist_sync")
-        value, out = np.ones(4, np.float32), np.zeros(4, np.float32)
-        kv.init(_KEY, value)
-        for _ in range(rounds // 2):  # warm up
-            kv.push(_KEY, value)
-            kv.pull(_KEY, out=out)
+        run(rounds // 2)  # warm up
         best = float("inf")
         stand_in.kinds.clear()
         for _ in range(reps):
             start = time.thread_time()
-            for _ in range(rounds):
-                kv.push(_KEY, value)
-                kv.pull(_KEY, out=out)
+            run(rounds)
             best = min(best, time.thread_time() - start)
         # a round the OS delays past the network thread's hand-back may go the two-message way
         if stand_in.kinds[protocol.Cmd.PUSH_PULL] < 0.9 * rounds * reps:
             raise SystemExit(f"python_cost: the timed rounds were not the small round trip: {dict(stand_in.kinds)}")
-        if out[0] != 1.0:
-            raise SystemExit(f"python_cost: pulled {out[0]}, expected 1.0")
         return best / rounds * 1e6
     finally:
-        dist_store._node = None
-        node._stop_thread()
-        node._thread.join(2)
-        node.transport.close()
+        stop_worker(kv)
+
+
+def server_rounds() -> tuple[Callable[[], list], Callable[[list], int]]:
+    """A real ``ServerNode`` on the stand-in holding one 4-float key: ``messages()`` builds the
+    ``PUSH_PULL`` frames of the next round of its 2 workers, ``deliver(messages)`` has the server
+    receive and serve them; it returns the replies sent so far."""
+    workers = [_peer("worker", 0), _peer("worker", 1)]
+    stand_in = _StandIn(workers)
+    node = ServerNode(_env("server", 2), transport=stand_in)
+    node.register()
+    node.store.init(_KEY, _KEY, np.ones(4, np.float32), True, 1)
+    payload = np.ones(4, np.float32).tobytes()
+    uids = [w["uid"].encode() for w in workers]
+    pushes = [0, 0]
+
+    def messages() -> list:
+        out = []
+        for rank in (0, 1):
+            pushes[rank] += 1
+            req = 2 * pushes[rank]
+            out.append((uids[rank], [Frame(memoryview(protocol.pack_push_pull(req + 1, req, _KEY, 0, pushes[rank], payload)))]))
+        return out
+
+    def deliver(batch: list) -> int:
+        for message in batch:
+            stand_in.inbox.append(message)
+            node.conn.process(0)
+        return stand_in.replies
+
+    return messages, deliver
 
 
 def server_cost(rounds: int, reps: int) -> float:
     """µs of the server's thread per round: 2 workers' PUSH_PULL frames in, 2 VALUE frames out."""
-    node = ServerNode(read_env({**_CONTRACT, "DMLC_ROLE": "server", "DMLC_NUM_WORKER": "2"}))
-    node.rank = 0
-    workers = [_peer("worker", 0), _peer("worker", 1)]
-    node.workers, node.peers = workers, {w.uid.encode(): w for w in workers}
-    inbox: collections.deque = collections.deque()
-    sent: list = []
-    node.transport.send = lambda peer, frames, track=False, block=True: sent.append(frames[0])
-    node.transport.poll = lambda timeout: bool(inbox)
-    node.transport.recv = inbox.popleft
-    node.store.init(_KEY, _KEY, np.ones(4, np.float32), True, 1)
-    payload = np.ones(4, np.float32).tobytes()
-    uids = [w.uid.encode() for w in workers]
-    pushes = [0, 0]
-
-    def one_round() -> None:
-        for rank in (0, 1):
-            pushes[rank] += 1
-            req = 2 * pushes[rank]
-            frame = protocol.pack_push_pull(req + 1, req, _KEY, 0, pushes[rank], payload)
-            inbox.append((uids[rank], [_Frame(frame)]))
-            node.process(0)
-
-    try:
-        for _ in range(rounds // 2):
-            one_round()
-        best = float("inf")
-        for _ in range(reps):
-            sent.clear()
-            start = time.thread_time()
-            for _ in range(rounds):
-                one_round()
-            best = min(best, time.thread_time() - start)
-            if len(sent) != 2 * rounds:
-                raise SystemExit(f"python_cost: the server sent {len(sent)} replies for {rounds} rounds of 2 workers")
-        return best / rounds * 1e6
-    finally:
-        node.transport.close()
+    messages, deliver = server_rounds()
+    for _ in range(rounds // 2):
+        deliver(messages())
+    best = float("inf")
+    for _ in range(reps):
+        before = deliver(messages())
+        start = time.thread_time()
+        for _ in range(rounds):
+            replies = deliver(messages())
+        best = min(best, time.thread_time() - start)
+        if replies - before != 2 * rounds:
+            raise SystemExit(f"python_cost: the server sent {replies - before} replies for {rounds} rounds of 2 workers")
+    return best / rounds * 1e6
 
 
 @click.command(help=__doc__.split("\n\n")[0])

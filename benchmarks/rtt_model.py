@@ -1,6 +1,6 @@
 """What a small push+pull round trip costs by message pattern, in plain pyzmq: a model, not pslaunch.
 
-    python benchmarks/rtt_model.py [--reps 3] [--rounds 400]
+    python -m benchmarks.rtt_model [--reps 3] [--rounds 400]
 
 Two DEALER clients and one Python ROUTER server on 127.0.0.1 exchange 4-element-sized messages in
 three patterns, every client independent (no dist_sync coupling):
@@ -27,7 +27,7 @@ import time
 import click
 import zmq
 
-from procs import free_port
+from psnode.testing import free_port
 
 PATTERNS = ("separate", "handoff", "fused")
 TIMEOUT_MS = 20_000

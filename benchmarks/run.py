@@ -1,6 +1,6 @@
 """Run every pslaunch benchmark and its baselines in one go; print a table and write JSON.
 
-    python benchmarks/run.py [--quick] [--json out.json] [--skip-mxnet] [--mxnet-python PATH]
+    python -m benchmarks.run [--quick] [--json out.json] [--skip-mxnet] [--mxnet-python PATH]
 
 Measures, with 1 scheduler, 1 server and 2 workers on 127.0.0.1 (see docs/benchmarks.md):
 pslaunch ``dist_sync`` over TCP, over the same-host fast path (shared memory) and over ipc alone,
@@ -27,12 +27,10 @@ from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from psnode.testing import JobFailed
 
-import jobs  # noqa: E402
-import report  # noqa: E402
-from kv_suite import Plan  # noqa: E402
-from procs import JobFailed  # noqa: E402
+from . import jobs, report
+from .kv_suite import Plan
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -102,14 +100,11 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def _psnode_runnable() -> bool:
-    """Whether ``python -m psnode`` would find a runnable node in this checkout."""
-    sys.path.insert(0, str(jobs.REPO))
+    """Whether ``python -m psnode`` would find a runnable node."""
     try:
-        return importlib.util.find_spec("psnode") is not None and importlib.util.find_spec("psnode.__main__") is not None
+        return importlib.util.find_spec("psnode.__main__") is not None
     except ImportError:
         return False
-    finally:
-        sys.path.pop(0)
 
 
 def run(cfg: BenchConfig, statuses: dict[str, str]) -> tuple[dict, str]:

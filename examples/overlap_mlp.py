@@ -3,7 +3,7 @@
     python examples/overlap_mlp.py --devices 0 1 --epochs 5
 
 Every device id runs in a thread of its own (a GPU each when CuPy sees GPUs, else a CPU slot) and
-trains on its share of each global batch. Weights live with the model's updater (plain SGD,
+trains on its share of each global batch. Without ``--devices`` it uses every GPU, or two CPU slots. Weights live with the model's updater (plain SGD,
 ``update_on_server=1``); devices push gradients and pull weights.
 
 Two schedules, same arithmetic (so the same weights and accuracy):
@@ -187,7 +187,7 @@ def run(model, tag: str, schedule: str, args, data, shapes) -> dict:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--devices", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--devices", type=int, nargs="+", help="device ids (default: every GPU, or CPU slots 0 1)")
     parser.add_argument("--kind", choices=["local", "dist"], default="local",
                         help="dist: run under pslaunch; the SGD runs on the servers")
     parser.add_argument("--epochs", type=int, default=5)
@@ -200,6 +200,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="time each schedule this many times; keep the best")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
+    if args.devices is None:
+        on_gpu = args.device == "gpu" or (args.device == "auto" and arrays.gpu_available())
+        args.devices = list(range(arrays.num_gpus())) if on_gpu and arrays.num_gpus() else [0, 1]
     data = load_digits_split(args.seed)
     shapes = {"w1": (data[0].shape[1], args.hidden), "b1": (args.hidden,), "w2": (args.hidden, 10), "b2": (10,)}
     updater = SGD(args.lr, args.batch * len(args.devices), args.seed, shapes)
@@ -212,6 +215,7 @@ def main(argv: list[str]) -> int:
             for schedule in schedules if i % 2 == 0 else schedules[::-1]:
                 runs[schedule].append(run(model, f"{i}{schedule}", schedule, args, data, shapes))
         rank, workers = model.rank, model.num_workers
+        backend = str(model.device(args.devices[0]))
         model.barrier()
     if rank != 0:
         return 0  # rank 0 reports for the job
@@ -230,7 +234,7 @@ def main(argv: list[str]) -> int:
         "kind": args.kind,
         "workers": workers,
         "devices": args.devices,
-        "backend": "gpu" if arrays.gpu_available() and args.device != "cpu" else "cpu",
+        "backend": backend.split("(")[0],  # where the model ran: "gpu" or "cpu"
         "epochs": args.epochs,
         "batch_per_device": args.batch,
         "hidden": args.hidden,

@@ -2,20 +2,23 @@
 
 ``kvcore.create(name)`` returns a KVStore with MXNet's semantics (``local``, ``device``; the
 distributed stores register themselves under ``dist_*``). ``kvcore.optim`` holds the optimizers,
-``kvcore.arrays`` the numpy/CuPy array backend and device helpers. ``kvcore.shared_model`` holds the
+``kvcore.arrays`` the numpy/CuPy array backend and device helpers, ``kvcore.compression`` MXNet's
+2bit/1bit gradient compression (``kv.set_gradient_compression``). ``kvcore.shared_model`` holds the
 mshadow-ps style asynchronous shared model (``create_shared_model``).
 """
 
-from . import arrays, optim
+from . import arrays, compression, optim
 from .arrays import Device, cpu, gpu, num_gpus
 from .dataparallel import SplitSampler, split_and_load
 from .errors import (
+    CompressionError,
     DistributedError,
     DistTimeoutError,
     DTypeMismatchError,
     DuplicateKeyError,
     KeyTypeError,
     KVStoreError,
+    KVTimeoutError,
     NodeDiedError,
     OptimizerError,
     ServerError,
@@ -25,7 +28,7 @@ from .errors import (
     UnknownStoreError,
     ValueCountError,
 )
-from .handles import Handle, KVTimeoutError, wait_all
+from .handles import Handle, wait_all
 from .registry import create, register_store, store_names
 from .sparse import RowSparseArray
 from .store_base import KVStoreBase
@@ -35,6 +38,7 @@ from .shared_model import ModelUpdater, SharedModel, create_shared_model
 
 __all__ = [
     "arrays",
+    "compression",
     "optim",
     "Device",
     "cpu",
@@ -58,6 +62,7 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "CompressionError",
     "DistributedError",
     "NodeDiedError",
     "ServerError",

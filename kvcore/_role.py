@@ -5,6 +5,9 @@ A launcher (or a hand-written script) may start the user's training script for e
 the job and ends the process when the job ends: exit code 0 when it ended in order, 1 when it
 failed (the error is printed), 2 when the environment is malformed. An unset ``DMLC_ROLE`` means
 worker: the import returns and the script goes on.
+
+A process runs one node: when this process already runs one (``psnode.claimed_role()``; a server
+imports kvcore while it unpickles an optimizer), the import starts nothing.
 """
 
 from __future__ import annotations
@@ -20,11 +23,11 @@ def run_role_if_asked() -> None:
     role = os.environ.get("DMLC_ROLE", "").strip().lower()
     if role not in ("scheduler", "server"):
         return
-    import psnode.main
+    import psnode
 
-    if psnode.main.node_running():
-        return  # kvcore imported inside a running node (unpickling an optimizer): nothing to start
-    code = psnode.main.run_node(role)
+    if psnode.claimed_role() is not None:
+        return  # imported inside the node this process runs: nothing to start
+    code = psnode.run_node(role)
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)  # end here: the user's script below the import is worker code

@@ -1,8 +1,8 @@
 """The numpy/CuPy array backend, as kvcore's users know it: ``kvcore.arrays``.
 
-It lives in ``psnode.devices``, at the bottom of the house, because the runtime's servers keep
-shards on GPUs through it too; kvcore re-exports it unchanged. ``psnode.devices`` is the only
-module of the project that imports ``cupy``.
+It lives in ``psnode.devices`` (and the NCCL group in ``psnode.nccl_group``), at the bottom of the
+house, because the runtime's servers keep shards on GPUs through it too; kvcore re-exports it
+unchanged. ``psnode.devices`` is the only module of the project that imports ``cupy``.
 """
 
 from psnode.devices import (
@@ -11,6 +11,8 @@ from psnode.devices import (
     gpu,
     num_gpus,
     gpu_available,
+    gpu_status,
+    GpuUnavailableWarning,
     cupy_module,
     is_array,
     array_module,
@@ -29,9 +31,8 @@ from psnode.devices import (
     synchronize_stream,
     pinned_empty,
     peer_copy,
-    nccl_available,
-    NcclGroup,
 )
+from psnode.nccl_group import NcclGroup, nccl_available, nccl_supports
 
 __all__ = [
     "Device",
@@ -39,6 +40,8 @@ __all__ = [
     "gpu",
     "num_gpus",
     "gpu_available",
+    "gpu_status",
+    "GpuUnavailableWarning",
     "cupy_module",
     "is_array",
     "array_module",
@@ -58,5 +61,6 @@ __all__ = [
     "pinned_empty",
     "peer_copy",
     "nccl_available",
+    "nccl_supports",
     "NcclGroup",
 ]

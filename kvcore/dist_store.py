@@ -28,7 +28,7 @@ Semantics (MXNet's dist KVStore):
 - ``priority``: higher goes first when sends queue up.
 
 Errors of the runtime surface as ``DistributedError`` subclasses (``NodeDiedError`` names the dead
-node) with the psnode error as ``__cause__``.
+node) with the psnode error as ``__cause__``, mapped in one place (``kvcore.dist_errors``).
 """
 
 from __future__ import annotations
@@ -42,36 +42,22 @@ import numpy as np
 
 from psnode import errors as ps_errors
 from psnode.env import read_env
+from psnode.node import is_done
 from psnode.protocol import Group
-from psnode.worker import WorkerNode, is_done
+from psnode.worker import WorkerNode
 
 from . import arrays
-from .errors import DistributedError, DistTimeoutError, NodeDiedError, OptimizerError, ServerError
-from .handles import Handle, KVTimeoutError, LazyHandle
+from .dist_errors import runtime_errors, translate
+from .errors import DistributedError, KVTimeoutError, OptimizerError
+from .handles import Handle, LazyHandle
 from .optim.base import Optimizer, Updater
 from .sharding import KeyLayout, layout
 from .store_base import KVStoreBase
 
-__all__ = ["DistKVStore", "create", "worker_node", "translate_error"]
+__all__ = ["DistKVStore", "create", "worker_node"]
 
 _node: WorkerNode | None = None
 _node_lock = threading.Lock()
-
-
-def translate_error(exc: BaseException) -> BaseException:
-    """The kvcore error for a psnode error (others are returned as they are); the cause is kept."""
-    if isinstance(exc, DistributedError) or not isinstance(exc, ps_errors.PSNodeError):
-        return exc
-    if isinstance(exc, ps_errors.PeerDiedError):
-        new: BaseException = NodeDiedError(str(exc), exc.role, exc.rank, exc.host)
-    elif isinstance(exc, ps_errors.RemoteError):
-        new = ServerError(str(exc))
-    elif isinstance(exc, ps_errors.NodeTimeoutError):
-        new = DistTimeoutError(str(exc))
-    else:
-        new = DistributedError(str(exc))
-    new.__cause__ = exc
-    return new
 
 
 def worker_node() -> WorkerNode:
@@ -82,27 +68,25 @@ def worker_node() -> WorkerNode:
     """
     global _node
     with _node_lock:
-        if _node is not None and _node._closed:
+        if _node is not None and _node.closed:
             raise DistributedError(
                 f"worker {_node.rank} already left the job (close() was called or it aborted); "
                 "a process joins a job once"
             )
         if _node is None:
-            try:
+            with runtime_errors():
                 env = read_env(default_role="worker")
                 if env.role != "worker":
                     raise ps_errors.EnvError(f"a KVStore is created by workers, but DMLC_ROLE={env.role}")
-                node = WorkerNode(env)
-                node.wrap_error = translate_error
-                node.start()
-            except ps_errors.PSNodeError as exc:
-                raise translate_error(exc) from exc
+                node = WorkerNode(env).start().watch_process()
             _node = node
         return _node
 
 
 class _NodeHandle(LazyHandle):
-    """A ``Handle`` whose ``wait`` receives the reply on the waiting thread (``WorkerNode.wait_for``).
+    """A ``Handle`` the worker node completes: its error becomes kvcore's as it is set
+    (``dist_errors.translate``), and ``wait`` receives the reply on the waiting thread
+    (``WorkerNode.wait_for``).
 
     Skipping the hand-off from the network thread to the waiter saves a thread wake-up per wait,
     which is most of a small key's round trip.
@@ -112,13 +96,16 @@ class _NodeHandle(LazyHandle):
         super().__init__(description)
         self._worker = worker
 
+    def set_exception(self, exception: BaseException | None) -> None:
+        LazyHandle.set_exception(self, translate(exception))
+
     def wait(self, timeout: float | None = None) -> Any:
         if not is_done(self):
             try:
                 done = self._worker.wait_for(self, timeout)
             except ps_errors.PSNodeError as exc:
                 if not self.done():
-                    raise translate_error(exc) from exc
+                    raise translate(exc) from exc
                 done = True
             if not done:
                 raise KVTimeoutError(f"{self.description} did not complete within {timeout} s")
@@ -133,6 +120,8 @@ class DistKVStore(KVStoreBase):
         self._worker = worker_node()
         self._sync = store_type != "dist_async"
         self._merge_on_device = store_type == "dist_device_sync"
+        self._merge_buffers: dict[Hashable, Any] = {}  # dist_device_sync: key -> its sum's buffer on the GPU
+        self._merge_lock = threading.Lock()
         self._layouts: dict[Hashable, KeyLayout] = {}
         self._whole: dict[Hashable, tuple[int, int]] = {}  # key -> (server, key id) for unsplit keys
         self._has_updater = False
@@ -201,7 +190,7 @@ class DistKVStore(KVStoreBase):
     # ---- the common case without the general normalisation ------------------------------------
     def push(self, key: Any, value: Any, priority: int = 0) -> Handle:
         """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
-        if type(value) is np.ndarray and (self._sync or self._has_updater):
+        if type(value) is np.ndarray and (self._sync or self._has_updater) and self._compression is None:
             target = self._whole_target(key, value)
             if target is not None:
                 handle = _NodeHandle("push", self._worker)
@@ -253,6 +242,13 @@ class DistKVStore(KVStoreBase):
                 self._whole[lay.key] = (lay.parts[0].server, lay.id)
 
     def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+        if self._compression is not None:
+            # The parameters are checked and kept; compressed pushes do not travel to the servers yet,
+            # and sending them uncompressed would give other numbers than MXNet.
+            raise NotImplementedError(
+                f"{self.type} cannot push with gradient compression yet (key {groups[0][0]!r}); "
+                "push without set_gradient_compression, or use the 'device' store"
+            )
         if not self._sync and not self._has_updater:
             raise OptimizerError(
                 f"dist_async applies every push on the servers as it arrives, so it needs an optimizer: "
@@ -275,22 +271,29 @@ class DistKVStore(KVStoreBase):
                 else:
                     flat = arrays.asnumpy(value).reshape(-1)
             else:
-                flat = self._merge(values).reshape(-1)
+                flat = self._merge(key, values).reshape(-1)
             for part in lay.parts:
                 parts.append((part.server, part.id, flat[part.start:part.stop]))
         handle = _NodeHandle("push", self._worker)
         self._call(self._worker.push, parts, priority, not fresh, handle)
         return handle
 
-    def _merge(self, values: list[Any]) -> np.ndarray:
-        """Sum per-device values into a new host array (on the first value's device for dist_device_sync)."""
-        if self._merge_on_device:
-            home = arrays.device_of(values[0])
-            with arrays.device_context(home):
-                total = values[0].copy()
+    def _merge(self, key: Hashable, values: list[Any]) -> np.ndarray:
+        """Sum per-device values into a new host array (on the first value's GPU for dist_device_sync).
+
+        dist_device_sync keeps one buffer per key on that GPU, so a step allocates nothing there;
+        the copy to the host waits for the sum, so the buffer is free again when this returns.
+        """
+        home = arrays.device_of(values[0])
+        if self._merge_on_device and home.is_gpu:
+            with self._merge_lock, arrays.device_context(home):
+                total = self._merge_buffers.get(key)
+                if total is None or arrays.device_of(total) != home or total.shape != values[0].shape:
+                    total = self._merge_buffers[key] = arrays.empty(values[0].shape, values[0].dtype, home)
+                total[...] = values[0]
                 for value in values[1:]:
-                    total += arrays.to_device(value, home)
-            return np.ascontiguousarray(arrays.asnumpy(total))
+                    total += value if arrays.device_of(value) == home else arrays.to_device(value, home)
+                return np.ascontiguousarray(arrays.asnumpy(total))
         total = np.array(arrays.asnumpy(values[0]), copy=True)
         for value in values[1:]:
             total += arrays.asnumpy(value)
@@ -332,7 +335,7 @@ class DistKVStore(KVStoreBase):
             if error is None:
                 handle.set_result(None)
             else:
-                handle.set_exception(translate_error(error))
+                handle.set_exception(error)
 
         inner.add_done_callback(deliver)
         self._call(self._worker.pull, parts, priority, inner)
@@ -374,17 +377,15 @@ class DistKVStore(KVStoreBase):
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _call(self, fn: Any, *args: Any) -> Any:
-        try:
+        try:  # runtime_errors() spelled out: this is on every push and pull
             return fn(*args)
         except ps_errors.PSNodeError as exc:
-            raise translate_error(exc) from exc
+            raise translate(exc) from exc
 
     def _wait(self, future: concurrent.futures.Future) -> None:
-        try:
+        with runtime_errors():
             self._worker.wait_for(future)
             future.result()
-        except ps_errors.PSNodeError as exc:
-            raise translate_error(exc) from exc
 
 
 def create(name: str) -> DistKVStore:

@@ -12,12 +12,15 @@ The tree::
     ├── DTypeMismatchError         a value's dtype differs from the key's dtype
     ├── ValueCountError            lists of keys and values (or outs) of different lengths
     ├── OptimizerError             missing or unusable optimizer / updater
+    ├── KVTimeoutError             a wait on a handle ran past its timeout (also TimeoutError)
+    ├── CompressionError           bad gradient compression parameters, or a store that cannot compress
     └── DistributedError           the distributed runtime failed (the psnode error is its __cause__)
         ├── NodeDiedError          a node of the job died or left: .role, .rank, .host name it
         ├── ServerError            a server refused or failed a request (e.g. the updater raised)
-        └── DistTimeoutError       a wait on the runtime timed out (also TimeoutError)
+        └── DistTimeoutError       a wait on the runtime timed out (also a KVTimeoutError)
 
-Every message names the key and the values involved.
+Every message names the key and the values involved. The runtime's own errors (``psnode.errors``)
+become these at one edge, ``kvcore.dist_errors``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "KVTimeoutError",
+    "CompressionError",
     "DistributedError",
     "NodeDiedError",
     "ServerError",
@@ -83,6 +88,14 @@ class OptimizerError(KVStoreError):
     """An optimizer or updater is missing where one is required, or cannot be used."""
 
 
+class KVTimeoutError(KVStoreError, TimeoutError):
+    """A wait on a handle ran past its timeout (the operation goes on)."""
+
+
+class CompressionError(KVStoreError, ValueError):
+    """``set_gradient_compression`` got parameters MXNet would refuse, or a store that cannot compress."""
+
+
 class DistributedError(KVStoreError):
     """The distributed runtime (psnode) failed; the psnode error is the ``__cause__``."""
 
@@ -101,5 +114,5 @@ class ServerError(DistributedError):
     """A server refused or failed a request; the message is the server's."""
 
 
-class DistTimeoutError(DistributedError, TimeoutError):
+class DistTimeoutError(DistributedError, KVTimeoutError):
     """A wait on the distributed runtime ran past its limit."""

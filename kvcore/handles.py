@@ -13,13 +13,9 @@ import concurrent.futures
 import threading
 from typing import Any, Iterable
 
-from .errors import KVStoreError
+from .errors import KVTimeoutError
 
-__all__ = ["Handle", "KVTimeoutError", "completed", "wait_all"]
-
-
-class KVTimeoutError(KVStoreError, TimeoutError):
-    """A wait on a handle ran past its timeout."""
+__all__ = ["Handle", "completed", "wait_all"]
 
 
 class Handle(concurrent.futures.Future):

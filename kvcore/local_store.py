@@ -24,6 +24,10 @@ class LocalKVStore(KVStoreBase):
     the initial value, or of the first pushed value), so merging runs on the GPU through CuPy;
     without a GPU this is the same as ``local``.
 
+    ``set_gradient_compression`` works on ``device`` only (as in MXNet): every pushed value, even a
+    single one, is quantized with a residual kept per (key, list position) on the value's device,
+    and the dequantized values are summed left to right.
+
     Every call completes before it returns (the handles it returns are already done);
     ``priority`` is accepted and has no effect here.
     """
@@ -46,19 +50,27 @@ class LocalKVStore(KVStoreBase):
             for key, value in pairs:
                 self._stored[key] = arrays.to_device(value, self._home(value), copy=True)
 
-    def _merge(self, key: Hashable, values: list[Any]) -> Any:
-        """Sum ``values`` into the key's merge buffer, which lives where the stored value lives."""
+    def _merge_buffer(self, key: Hashable, first: Any) -> Any:
+        """The key's merge buffer, where the stored value lives (made or moved as needed)."""
         stored = self._stored[key]
         home = arrays.device_of(stored)
-        if self._merge_on_device and home != arrays.device_of(values[0]) and not home.is_gpu:
+        if self._merge_on_device and home != arrays.device_of(first) and not home.is_gpu:
             # A `device` store initialised from host data moves to the GPU its values come from.
-            home = arrays.device_of(values[0])
+            home = arrays.device_of(first)
             self._stored[key] = stored = arrays.to_device(stored, home)
             self._merge_buffers.pop(key, None)
         buffer = self._merge_buffers.get(key)
         if buffer is None or arrays.device_of(buffer) != home:
             buffer = arrays.empty(stored.shape, stored.dtype, home)
             self._merge_buffers[key] = buffer
+        return buffer
+
+    def _merge(self, key: Hashable, values: list[Any]) -> Any:
+        """Sum ``values`` into the key's merge buffer, which lives where the stored value lives."""
+        if self._compression is not None:
+            return self._merge_compressed(key, values)
+        buffer = self._merge_buffer(key, values[0])
+        home = arrays.device_of(buffer)
         arrays.copy_into(buffer, values[0])
         if len(values) > 1:
             with arrays.device_context(home):
@@ -66,6 +78,18 @@ class LocalKVStore(KVStoreBase):
                     if arrays.device_of(value) != home:
                         value = arrays.to_device(value, home)
                     buffer += value
+        return buffer
+
+    def _merge_compressed(self, key: Hashable, values: list[Any]) -> Any:
+        """MXNet's compressed reduce: every value (even a single one) is quantized where it lives with
+        the residual of its list position, then dequantized where the key lives and summed left to right."""
+        buffer = self._merge_buffer(key, values[0])
+        home = arrays.device_of(buffer)
+        for position, value in enumerate(values):
+            packed = self._compression.quantize((key, position), value)
+            if arrays.device_of(packed) != home:
+                packed = arrays.to_device(packed, home)
+            self._compression.dequantize(packed, buffer, accumulate=position > 0)
         return buffer
 
     def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:

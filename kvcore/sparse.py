@@ -33,8 +33,9 @@ class RowSparseArray:
 
     def todense(self) -> Any:
         """A dense array of ``shape`` holding the present rows, zeros elsewhere."""
-        dense = arrays.zeros(self.shape, self.dtype, arrays.device_of(self.data))
+        home = arrays.device_of(self.data)
+        dense = arrays.zeros(self.shape, self.dtype, home)
         if len(self.indices):
-            xp = arrays.array_module(dense)
-            dense[xp.asarray(self.indices)] = self.data
+            with arrays.device_context(home):  # the index and the scatter on data's device
+                dense[arrays.to_device(self.indices, home)] = self.data
         return dense

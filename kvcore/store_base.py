@@ -16,6 +16,7 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from . import arrays
+from .compression import GradientCompression, check_store_type, parse_params
 from .errors import (
     DTypeMismatchError,
     DuplicateKeyError,
@@ -65,6 +66,7 @@ class KVStoreBase(abc.ABC):
         self._kinds = KeyKind()
         self._meta: dict[Hashable, KeyMeta] = {}
         self._updater: UpdaterFn | None = None
+        self._compression: GradientCompression | None = None
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -113,10 +115,12 @@ class KVStoreBase(abc.ABC):
 
         The merged value is handed to the updater (by default it replaces the stored value).
         Returns a ``Handle``; the caller may modify ``value`` as soon as push returns. Higher
-        ``priority`` goes first when a store queues work.
+        ``priority`` goes first when a store queues work. With gradient compression on (see
+        ``set_gradient_compression``) each value is quantized with its own residual first.
 
         Raises:
-            UninitializedKeyError, ShapeMismatchError, DTypeMismatchError: naming key and values.
+            UninitializedKeyError, ShapeMismatchError, DTypeMismatchError: naming key and values
+                (DTypeMismatchError also for a key that is not float32 while compression is on).
         """
         groups = group(key, value, "value", self._kinds)
         groups = [(k, [self._dense_value(k, v) for v in vs]) for k, vs in groups]
@@ -124,6 +128,11 @@ class KVStoreBase(abc.ABC):
             meta = self._require(k, "push")
             for v in values:
                 self._check_value(k, meta, v)
+            if self._compression is not None and meta.dtype != np.float32:
+                raise DTypeMismatchError(
+                    f"gradient compression is only supported for float32 values, but key {k!r} holds "
+                    f"{meta.dtype}; push float32 gradients or create a store without compression"
+                )
         return self._push_groups(groups, priority)
 
     def pull(
@@ -187,6 +196,25 @@ class KVStoreBase(abc.ABC):
         fetched = self._pull_rows(unique_rows, priority)
         for (k, o, rows), data in zip(requests, fetched):
             _write_rows(o, rows, data)
+
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Compress every pushed value from now on, as MXNet's ``set_gradient_compression`` does.
+
+        ``compression_params`` is a dict: ``{'type': '2bit', 'threshold': 0.5}`` (see
+        ``kvcore.compression``). Only stores whose type names ``device`` or ``dist`` compress; only
+        float32 keys can then be pushed. Calling it again changes the parameters and keeps the
+        residuals. Pulls and ``init`` are not compressed.
+
+        Raises:
+            CompressionError: a store that cannot compress, or parameters MXNet would refuse (the
+                message says which and names the value).
+        """
+        check_store_type(self._type)
+        params = parse_params(compression_params)
+        if self._compression is None:
+            self._compression = GradientCompression(params)
+        else:
+            self._compression.set_params(params)
 
     def set_updater(self, updater: UpdaterFn) -> None:
         """Install ``updater(key, merged, stored)``, which must update ``stored`` in place."""
@@ -301,11 +329,13 @@ def _write_rows(out: Any, rows: np.ndarray, data: Any) -> None:
         out.indices = rows.copy()
         out.data = arrays.to_device(data, arrays.device_of(out.data) if out.data is not None else arrays.cpu())
         return
-    xp = arrays.array_module(out)
-    out[...] = 0
-    if rows.size:
-        index = xp.asarray(rows)
-        if arrays.device_of(data) != arrays.device_of(out):
-            data = arrays.to_device(data, arrays.device_of(out))
-        out[index] = data
+    home = arrays.device_of(out)
+    # the index, the fill and the scatter all run on out's device, whichever is current
+    with arrays.device_context(home):
+        out[...] = 0
+        if rows.size:
+            index = arrays.to_device(rows, home)
+            if arrays.device_of(data) != home:
+                data = arrays.to_device(data, home)
+            out[index] = data
 

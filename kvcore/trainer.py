@@ -19,6 +19,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from . import arrays
 from .errors import DTypeMismatchError, ShapeMismatchError
 from .optim.base import Optimizer, Updater, create as create_optimizer
@@ -89,6 +91,10 @@ class Trainer:
             Their arrays are updated in place.
         optimizer: an ``Optimizer``, or a name for ``kvcore.optim.create`` with ``optimizer_params``.
         kvstore: a store name for ``kvcore.create`` or a store.
+        compression_params: gradient compression for the store, as gluon's Trainer takes it: a
+            dict for ``kvstore.set_gradient_compression`` such as ``{'type': '2bit', 'threshold':
+            0.5}``. Needs a ``device`` or ``dist_*`` store and float32 parameters; checked here, so
+            a bad one fails before any step.
         update_on_kvstore: run the optimizer in the store (True) or here (False); None chooses True
             for distributed (``dist_*``) stores and False otherwise.
         scale: extra factor on the gradients (``rescale_grad = scale / batch_size``).
@@ -114,6 +120,7 @@ class Trainer:
         optimizer: Optimizer | str,
         optimizer_params: Mapping[str, Any] | None = None,
         kvstore: KVStoreBase | str = "local",
+        compression_params: dict[str, Any] | None = None,
         update_on_kvstore: bool | None = None,
         scale: float = 1.0,
         timeout: float | None = None,
@@ -134,6 +141,8 @@ class Trainer:
         if not isinstance(kvstore, KVStoreBase):
             raise TypeError(f"kvstore must be a KVStoreBase or a store name, got {type(kvstore).__name__}")
         self._kv = kvstore
+        if compression_params is not None:
+            self._set_compression(compression_params)
         if update_on_kvstore is None:
             update_on_kvstore = kvstore.type.startswith("dist")
         self._update_on_kvstore = bool(update_on_kvstore)
@@ -336,6 +345,17 @@ class Trainer:
                         f"parameter {p.name!r} has dtype {weight.dtype}, but its gradient {i} has dtype {grad.dtype}"
                     )
         return lists
+
+    def _set_compression(self, compression_params: dict[str, Any]) -> None:
+        """Turn on the store's gradient compression, after checking every parameter is float32."""
+        others = [p for p in self._params if p.list_data()[0].dtype != np.float32]
+        if others:
+            names = ", ".join(f"{p.name!r} ({p.list_data()[0].dtype})" for p in others[:5])
+            raise DTypeMismatchError(
+                f"gradient compression is only supported for float32 parameters, but {len(others)} "
+                f"are not: {names}"
+            )
+        self._kv.set_gradient_compression(compression_params)
 
     def _require_local_update(self, op: str) -> None:
         if self._update_on_kvstore:

@@ -1,11 +1,14 @@
-"""The launcher's side of the environment contract of docs/env.md.
+"""The writing side of the environment contract of docs/env.md: the one writer of it in the project.
 
-This is the only launcher module that knows the variable names. ``contract_env`` builds the
-variables one process of the job gets; the names are module constants so a test can hold this
-module and the runtime's reader (``psnode/env.py``) together.
+This is the only module that writes the variable names: the launcher's plan, the runtime's test kit
+(``psnode.testing``) and the benchmarks build every process's contract with ``contract_env``. The
+names are module constants so a test can hold this module and the runtime's reader
+(``psnode/env.py``) together. Pure: importing it loads nothing but the standard library.
 """
 
 from __future__ import annotations
+
+from typing import Mapping
 
 __all__ = [
     "DMLC_ROLE",
@@ -22,6 +25,15 @@ __all__ = [
     "PSLAUNCH_LOCAL_RANK",
     "PSLAUNCH_LOCAL_SIZE",
     "PSLAUNCH_RANK",
+    "PS_HEARTBEAT_INTERVAL",
+    "PS_HEARTBEAT_TIMEOUT",
+    "PSLAUNCH_REGISTER_TIMEOUT",
+    "PSLAUNCH_SAME_HOST",
+    "PSLAUNCH_IO_SCHED",
+    "PSLAUNCH_SERVER_DEVICE",
+    "PSLAUNCH_BIGARRAY_BOUND",
+    "PSLAUNCH_TRANSPORT",
+    "SETTINGS",
     "ROLES",
     "REQUIRED",
     "WRITTEN",
@@ -42,6 +54,26 @@ PSLAUNCH_JOB_ID = "PSLAUNCH_JOB_ID"
 PSLAUNCH_LOCAL_RANK = "PSLAUNCH_LOCAL_RANK"
 PSLAUNCH_LOCAL_SIZE = "PSLAUNCH_LOCAL_SIZE"
 PSLAUNCH_RANK = "PSLAUNCH_RANK"
+PS_HEARTBEAT_INTERVAL = "PS_HEARTBEAT_INTERVAL"
+PS_HEARTBEAT_TIMEOUT = "PS_HEARTBEAT_TIMEOUT"
+PSLAUNCH_REGISTER_TIMEOUT = "PSLAUNCH_REGISTER_TIMEOUT"
+PSLAUNCH_SAME_HOST = "PSLAUNCH_SAME_HOST"
+PSLAUNCH_IO_SCHED = "PSLAUNCH_IO_SCHED"
+PSLAUNCH_SERVER_DEVICE = "PSLAUNCH_SERVER_DEVICE"
+PSLAUNCH_BIGARRAY_BOUND = "PSLAUNCH_BIGARRAY_BOUND"
+PSLAUNCH_TRANSPORT = "PSLAUNCH_TRANSPORT"
+
+#: The runtime's optional settings (docs/env.md, "Optional"): ``contract_env(settings=...)`` writes them.
+SETTINGS = (
+    PS_HEARTBEAT_INTERVAL,
+    PS_HEARTBEAT_TIMEOUT,
+    PSLAUNCH_REGISTER_TIMEOUT,
+    PSLAUNCH_SAME_HOST,
+    PSLAUNCH_IO_SCHED,
+    PSLAUNCH_SERVER_DEVICE,
+    PSLAUNCH_BIGARRAY_BOUND,
+    PSLAUNCH_TRANSPORT,
+)
 
 #: The three roles, in the order the launcher starts them.
 ROLES = ("scheduler", "server", "worker")
@@ -60,7 +92,7 @@ WRITTEN = REQUIRED + (
     PSLAUNCH_LOCAL_SIZE,
     PSLAUNCH_RANK,
     DMLC_WORKER_ID,
-)
+) + SETTINGS
 
 
 def contract_env(
@@ -78,14 +110,22 @@ def contract_env(
     interface: str | None = None,
     all_local: bool = False,
     verbose: int = 0,
+    fixed_rank: bool = True,
+    settings: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Return the contract variables of one process as a new ``{name: value}`` dict of strings.
 
-    Pure: reads nothing from the launcher's own environment. Raises ``ValueError`` for a role
-    outside ``ROLES``.
+    ``fixed_rank``: a worker's runtime rank is ``rank`` (``DMLC_WORKER_ID``); False leaves it to the
+    scheduler. ``settings``: values for names of ``SETTINGS`` (heartbeats, same-host path ...).
+
+    Pure: reads nothing from the caller's own environment. Raises ``ValueError`` for a role outside
+    ``ROLES`` or a setting outside ``SETTINGS`` (naming it).
     """
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    unknown = sorted(set(settings or ()) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} is not a setting of the contract; the settings are {', '.join(SETTINGS)}")
     env = {
         DMLC_ROLE: role,
         DMLC_PS_ROOT_URI: root_uri,
@@ -97,7 +137,7 @@ def contract_env(
         PSLAUNCH_LOCAL_RANK: str(local_rank),
         PSLAUNCH_LOCAL_SIZE: str(local_size),
     }
-    if role == "worker":
+    if role == "worker" and fixed_rank:
         # A fixed rank makes the runtime's rank the launcher's: `[worker.1@host]` is kv.rank 1.
         env[DMLC_WORKER_ID] = str(rank)
     if node_host:
@@ -108,4 +148,5 @@ def contract_env(
         env[DMLC_LOCAL] = "1"
     if verbose:
         env[PS_VERBOSE] = str(verbose)
+    env.update({name: str(value) for name, value in (settings or {}).items()})
     return env

@@ -1,8 +1,10 @@
 """The pslaunch runtime nodes: transport, protocol, scheduler, server and worker over ZeroMQ.
 
 ``python -m psnode scheduler|server`` runs a bundled node from the environment contract
-(docs/env.md, read by ``psnode.env``). Workers are started by ``kvcore`` (``WorkerNode``).
-Errors are in ``psnode.errors``; ``psnode.testing`` starts whole jobs on 127.0.0.1 for tests.
+(docs/env.md, read by ``psnode.env``). Workers are started by ``kvcore`` (``WorkerNode``). The
+numpy/CuPy array backend both use is ``psnode.devices``. Errors are in ``psnode.errors``;
+``psnode.testing`` starts whole jobs on 127.0.0.1 for tests, and the ``inproc`` transport runs
+nodes inside one process. docs/runtime.md draws the parts.
 """
 
 from .env import NodeEnv, read_env
@@ -16,16 +18,19 @@ from .errors import (
     PSNodeError,
     RegistrationTimeoutError,
     RemoteError,
+    RequestRefused,
     TransportError,
+    WouldBlock,
 )
-from .main import node_running, run_node
+from .main import claim_process, claimed_role, run_node
 from .transport import Transport, create_transport, register_transport, transport_names
 
 __all__ = [
     "NodeEnv",
     "read_env",
     "run_node",
-    "node_running",
+    "claimed_role",
+    "claim_process",
     "Transport",
     "create_transport",
     "register_transport",
@@ -37,7 +42,9 @@ __all__ = [
     "PeerDiedError",
     "RemoteError",
     "ProtocolError",
+    "RequestRefused",
     "NodeTimeoutError",
     "RegistrationTimeoutError",
     "TransportError",
+    "WouldBlock",
 ]

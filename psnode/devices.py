@@ -2,18 +2,24 @@
 
 This is the only module of the project that imports ``cupy``, and it does so lazily, the first time
 a GPU question is asked; ``kvcore.arrays`` re-exports it for training code. CuPy is used only when
-it imports *and* ``cupy.is_available()`` says a driver and a device are usable: a CuPy wheel on a
-machine without a GPU must not crash anything, so every failure there means "no GPU" and numpy
-serves.
+it imports, sees a GPU *and* runs a tiny kernel on every GPU with the right answer (an elementwise
+add and a reduction, which need the driver and NVRTC). Anything less means numpy, and
+``gpu_status()`` says why in one line; when CuPy is installed but fails, that line is also given
+once as a ``GpuUnavailableWarning``.
 
 Devices follow MXNet's spelling: ``cpu()``, ``gpu(i)``, ``num_gpus()``. Arrays are plain
 ``numpy.ndarray`` or ``cupy.ndarray``; ``device_of`` tells where one lives, ``to_device`` places a
 copy on a device, ``copy_into`` copies between devices into an existing array.
+
+Streams: CuPy queues kernels and copies on the current stream of the current device, per thread.
+Helpers that move data between threads (``record_event`` / ``wait_event``) order work across
+streams; ``copy_into`` always completes before it returns.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -26,6 +32,8 @@ __all__ = [
     "gpu",
     "num_gpus",
     "gpu_available",
+    "gpu_status",
+    "GpuUnavailableWarning",
     "cupy_module",
     "is_array",
     "array_module",
@@ -44,57 +52,91 @@ __all__ = [
     "synchronize_stream",
     "pinned_empty",
     "peer_copy",
-    "nccl_available",
-    "NcclGroup",
+    "nccl_module",
 ]
 
 _probe_lock = threading.Lock()
 _probed = False
 _cupy: ModuleType | None = None
+_gpu_count = 0
+_status = "not probed yet"
+
+# The probe's kernels: 2 * (0 + 1 + ... + 1023) is exact in float32.
+_PROBE_SIZE = 1024
+_PROBE_SUM = float(_PROBE_SIZE * (_PROBE_SIZE - 1))
+
+
+class GpuUnavailableWarning(RuntimeWarning):
+    """CuPy is installed but cannot run here, so numpy serves; the message says why."""
 
 
 def cupy_module() -> ModuleType | None:
     """Return the ``cupy`` module when it is installed and usable, else ``None``.
 
-    The probe runs once; its answer is cached. Any exception while importing or probing CuPy
-    (no driver, no device, a broken install) counts as "not usable".
+    The probe runs once per process; its answer is cached. Any exception while importing CuPy,
+    counting devices or running the probe's kernels counts as "not usable" (``gpu_status()``
+    says which).
     """
-    global _probed, _cupy
+    global _probed, _cupy, _gpu_count, _status
     if _probed:
         return _cupy
     with _probe_lock:
         if not _probed:
-            _cupy = _probe_cupy()
+            _cupy, _gpu_count, _status, installed = _probe_cupy()
             _probed = True
+            if _cupy is None and installed:
+                warnings.warn(f"the GPU is not used: {_status}", GpuUnavailableWarning, stacklevel=3)
     return _cupy
 
 
-def _probe_cupy() -> ModuleType | None:
+def gpu_status() -> str:
+    """One line on the probe's answer: which CuPy and how many GPUs, or why numpy serves."""
+    cupy_module()
+    return _status
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+
+
+def _probe_cupy() -> tuple[ModuleType | None, int, str, bool]:
+    """(cupy or None, GPU count, one line saying what was found, whether CuPy is installed)."""
     try:
         import cupy  # the project's single cupy import
-    except Exception:  # ImportError, or a CUDA library that fails to load
-        return None
+    except ImportError as exc:
+        if getattr(exc, "name", None) == "cupy":
+            return None, 0, "CuPy is not installed (pip install 'pslaunch[gpu]')", False
+        return None, 0, f"CuPy is installed but does not import: {_one_line(exc)}", True
+    except Exception as exc:  # a CUDA library that fails to load while importing
+        return None, 0, f"CuPy is installed but does not import: {_one_line(exc)}", True
+    version = f"CuPy {getattr(cupy, '__version__', '?')}"
     try:
-        if not cupy.is_available():
-            return None
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return None
-    except Exception:
-        return None
-    return cupy
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # no driver, or a driver older than CuPy's CUDA
+        return None, 0, f"{version} finds no usable CUDA driver: {_one_line(exc)}", True
+    if count < 1:
+        return None, 0, f"{version} sees no GPU", True
+    for index in range(count):
+        try:
+            with cupy.cuda.Device(index):
+                values = cupy.arange(_PROBE_SIZE, dtype=cupy.float32)
+                total = float((values + values).sum())  # NVRTC compiles both kernels on first use
+        except Exception as exc:  # NVRTC or another CUDA library missing, a broken device
+            return None, 0, f"{version} cannot run a kernel on GPU {index}: {_one_line(exc)}", True
+        if total != _PROBE_SUM:
+            return None, 0, f"{version} computed {total!r} instead of {_PROBE_SUM!r} on GPU {index}", True
+    return cupy, count, f"{version} runs kernels on {count} GPU(s)", True
 
 
 def gpu_available() -> bool:
-    """True when CuPy is installed and at least one GPU is usable."""
+    """True when CuPy is installed and at least one GPU runs kernels correctly."""
     return cupy_module() is not None
 
 
 def num_gpus() -> int:
     """Number of usable GPUs (0 without a working CuPy)."""
-    cp = cupy_module()
-    if cp is None:
-        return 0
-    return int(cp.cuda.runtime.getDeviceCount())
+    return _gpu_count if cupy_module() is not None else 0
 
 
 @dataclass(frozen=True)
@@ -227,54 +269,101 @@ class _NullContext:
 
 
 def to_device(array: Any, device: Device, copy: bool = False) -> Any:
-    """Return ``array`` on ``device``; the same object when it already lives there and ``copy`` is False."""
+    """Return ``array`` on ``device``; the same object when it already lives there and ``copy`` is False.
+
+    The copy is ordered after the work this thread queued on ``array``'s GPU so far. From the host
+    or onto the host it is queued on this thread's current stream (host results are complete);
+    between two GPUs it has completed when the call returns (CuPy's own cross-device copy does not
+    wait for the source GPU's streams).
+    """
     if device_of(array) == device and not copy:
         return array
     if not device.is_gpu:
         cp = cupy_module()
         if cp is not None and isinstance(array, cp.ndarray):
-            return cp.asnumpy(array)
+            return asnumpy(array)
         return np.array(array, copy=True)
     cp = _require_gpu(device)
+    source = device_of(array)
     with cp.cuda.Device(device.index):
+        if source.is_gpu and source != device:
+            placed = cp.empty(array.shape, array.dtype)
+            _from_peer(cp, array, placed, cp.cuda.get_current_stream())
+            return placed
         return cp.array(array, copy=True)
 
 
 def asnumpy(array: Any) -> np.ndarray:
-    """A numpy view or copy of ``array`` (copied to the host when it lives on a GPU)."""
+    """A numpy view or copy of ``array`` (copied to the host when it lives on a GPU, after the work
+    this thread queued on that GPU's current stream)."""
     cp = cupy_module()
     if cp is not None and isinstance(array, cp.ndarray):
-        return cp.asnumpy(array)
+        with cp.cuda.Device(array.device.id):  # CuPy's get() takes the current device's stream
+            return cp.asnumpy(array)
     return np.asarray(array)
 
 
 def copy_into(dst: Any, src: Any) -> None:
     """Copy ``src`` into the existing array ``dst`` in place, across devices when needed.
 
-    Shapes must match exactly; the dtype of ``dst`` is kept (values are cast).
+    Shapes must match exactly; the dtype of ``dst`` is kept (values are cast). Either array may be
+    non-contiguous and on any device. Blocking: the copy has completed when the call returns, so
+    ``src`` may be reused and ``dst`` read from any stream or thread at once. A copy that involves
+    a GPU runs on this thread's current stream of that GPU, after the work already queued there;
+    between two GPUs, on ``dst``'s, after the work queued on both GPUs' current streams.
+
+    Raises:
+        ValueError: the shapes differ (the message names both).
     """
-    if dst.shape != src.shape:
-        raise ValueError(f"cannot copy an array of shape {src.shape} into one of shape {dst.shape}")
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"cannot copy an array of shape {tuple(src.shape)} into one of shape {tuple(dst.shape)}")
     dst_dev, src_dev = device_of(dst), device_of(src)
-    if dst_dev == src_dev:
-        if dst_dev.is_gpu:
-            with array_module(dst).cuda.Device(dst_dev.index):
-                dst[...] = src
-        else:
-            np.copyto(dst, src, casting="unsafe")
+    if not dst_dev.is_gpu and not src_dev.is_gpu:
+        np.copyto(dst, src, casting="unsafe")
         return
+    cp = cupy_module()
     if not dst_dev.is_gpu:  # GPU -> host
-        if dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype:
-            src.get(out=dst)  # straight into dst: no temporary host array (dst may be pinned)
-        else:
-            np.copyto(dst, asnumpy(src), casting="unsafe")
+        with cp.cuda.Device(src_dev.index):
+            stream = cp.cuda.get_current_stream()
+            if dst.flags.c_contiguous and src.flags.c_contiguous and dst.dtype == src.dtype:
+                src.get(stream=stream, out=dst)  # straight into dst (it may be pinned); blocking
+            else:
+                np.copyto(dst, src.get(stream=stream), casting="unsafe")
         return
-    cp = _require_gpu(dst_dev)
     with cp.cuda.Device(dst_dev.index):
-        if src_dev.is_gpu:  # peer copy, GPU -> GPU
-            dst[...] = cp.asarray(src)
+        stream = cp.cuda.get_current_stream()
+        if not src_dev.is_gpu:  # host -> GPU: ndarray.set needs a contiguous destination
+            host = np.ascontiguousarray(src, dtype=dst.dtype)
+            staged = None if dst.flags.c_contiguous else cp.empty(dst.shape, dst.dtype)
+            (dst if staged is None else staged).set(host, stream=stream)
+        elif src_dev != dst_dev:  # GPU -> another GPU
+            direct = dst.flags.c_contiguous and dst.dtype == src.dtype
+            staged = _from_peer(cp, src, dst if direct else None, stream)
         else:
-            dst.set(np.ascontiguousarray(src, dtype=dst.dtype))
+            staged = src
+        if staged is not None:
+            dst[...] = staged  # a kernel on this stream: any layout, casts the dtype
+        # set() from pinned memory and peer copies are asynchronous: finish before returning
+        stream.synchronize()
+
+
+def _from_peer(cp: ModuleType, src: Any, out: Any, stream: Any) -> Any:
+    """Copy GPU array ``src`` onto the current GPU, into ``out`` (contiguous, same dtype) when given.
+
+    Returns the staged copy to assign from, or None when ``out`` received the bytes. The copy is a
+    raw device-to-device transfer queued on ``stream`` after the work queued on ``src``'s GPU so far,
+    so it needs neither a kernel reading peer memory nor peer access between the GPUs.
+    """
+    with cp.cuda.Device(src.device.id):
+        source = cp.ascontiguousarray(src)
+        ready = cp.cuda.Event(disable_timing=True)
+        ready.record()
+    target = out if out is not None else cp.empty(src.shape, src.dtype)
+    stream.wait_event(ready)
+    target.data.copy_from_device_async(source.data, source.nbytes, stream)
+    # ``source`` may be a temporary whose memory the pool hands out again once this returns
+    stream.synchronize()
+    return None if out is not None else target
 
 
 def zeros(shape: Any, dtype: Any = np.float32, device: Device | None = None) -> Any:
@@ -297,7 +386,7 @@ def empty(shape: Any, dtype: Any = np.float32, device: Device | None = None) -> 
     return np.empty(shape, dtype=dtype)
 
 
-# ---- streams, events, pinned host memory and NCCL (used by kvcore.shared_model) ----------------
+# ---- streams, events and pinned host memory (used by kvcore.shared_model) ----------------------
 # These helpers keep every CUDA detail in this module. On the CPU they are no-ops or plain numpy,
 # so callers need no "if gpu" branches of their own.
 
@@ -352,8 +441,9 @@ def synchronize_stream(device: Device) -> None:
 def pinned_empty(shape: Any, dtype: Any = np.float32) -> np.ndarray:
     """A host array in page-locked (pinned) memory when CuPy is usable, else a plain numpy array.
 
-    Pinned memory lets host<->GPU copies run at full bus speed; it is scarce, so callers allocate
-    it once and reuse it.
+    Pinned memory lets host<->GPU copies run at full bus speed. It comes from CuPy's pinned memory
+    pool, which takes a block back when the array is garbage-collected and hands it out again for
+    the next request of that size, so asking for one per transfer costs no new page-locking.
     """
     dtype = np.dtype(dtype)
     shape = tuple(shape) if isinstance(shape, (tuple, list)) else (int(shape),)
@@ -388,81 +478,17 @@ def peer_copy(dst: Any, src: Any) -> None:
     dst.data.copy_from_device_async(src.data, src.nbytes, cp.cuda.get_current_stream())
 
 
-_NCCL_TYPES = {
-    "float16": "NCCL_FLOAT16",
-    "float32": "NCCL_FLOAT32",
-    "float64": "NCCL_FLOAT64",
-    "int8": "NCCL_INT8",
-    "uint8": "NCCL_UINT8",
-    "int32": "NCCL_INT32",
-    "int64": "NCCL_INT64",
-}
+def nccl_module() -> ModuleType | None:
+    """CuPy's NCCL binding (``cupy.cuda.nccl``) when it and a GPU are usable, else None.
 
-
-def _nccl_module() -> ModuleType | None:
+    ``psnode.nccl_group`` builds on it; the import lives here, with the project's only other
+    ``cupy`` import.
+    """
     if cupy_module() is None:
         return None
     try:
         from cupy.cuda import nccl
-    except Exception:  # CuPy built without NCCL, or libnccl missing
+    except Exception:  # CuPy built without NCCL
         return None
+    # False when libnccl (the nvidia-nccl-cu12 wheel, or a system copy) could not be loaded
     return nccl if getattr(nccl, "available", True) else None
-
-
-def nccl_available() -> bool:
-    """True when CuPy's NCCL binding is usable (it needs a GPU and libnccl)."""
-    return _nccl_module() is not None
-
-
-class NcclGroup:
-    """One NCCL communicator per GPU of this process, for in-process all-reduce.
-
-    ``allreduce_sum(buffers)`` takes one contiguous array per GPU, in the order of the GPU indices
-    given here, and leaves the element-wise sum in every one of them. Each GPU works on a stream of
-    its own; the call returns once every GPU has the result.
-
-    Not thread-safe: one thread at a time may run a collective on a group.
-    """
-
-    def __init__(self, device_indices: list[int]) -> None:
-        nccl = _nccl_module()
-        if nccl is None:
-            raise RuntimeError("NCCL is not usable here (no GPU, or CuPy was built without NCCL)")
-        cp = cupy_module()
-        self._nccl = nccl
-        self.device_indices = list(device_indices)
-        self._comms = nccl.NcclCommunicator.initAll(self.device_indices)
-        self._streams = []
-        for index in self.device_indices:
-            with cp.cuda.Device(index):
-                self._streams.append(cp.cuda.Stream(non_blocking=True))
-
-    def allreduce_sum(self, buffers: list[Any]) -> None:
-        """Sum ``buffers`` (one per GPU, same shape and dtype) in place on every GPU."""
-        cp = cupy_module()
-        nccl = self._nccl
-        if len(buffers) != len(self._comms):
-            raise ValueError(f"NCCL group has {len(self._comms)} GPUs, got {len(buffers)} buffers")
-        name = _NCCL_TYPES.get(np.dtype(buffers[0].dtype).name)
-        if name is None:
-            raise TypeError(f"NCCL cannot reduce dtype {buffers[0].dtype}; use one of {sorted(_NCCL_TYPES)}")
-        datatype = getattr(nccl, name)
-        nccl.groupStart()
-        try:
-            for comm, stream, buf, index in zip(self._comms, self._streams, buffers, self.device_indices):
-                with cp.cuda.Device(index):
-                    comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, datatype, nccl.NCCL_SUM, stream.ptr)
-        finally:
-            nccl.groupEnd()
-        for stream, index in zip(self._streams, self.device_indices):
-            with cp.cuda.Device(index):
-                stream.synchronize()
-
-    def close(self) -> None:
-        """Release the communicators."""
-        for comm in self._comms:
-            try:
-                comm.destroy()
-            except Exception:  # already gone; nothing left to free
-                pass
-        self._comms = []

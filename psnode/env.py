@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import struct
 import uuid
@@ -46,6 +47,7 @@ class NodeEnv:
     server_device: str = "cpu"
     same_host: str = "shm"
     io_sched: str = "batch"
+    transport: str = "zmq"
 
     @property
     def root_address(self) -> str:
@@ -138,6 +140,9 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     io_sched = (_get(env, "PSLAUNCH_IO_SCHED") or "batch").lower()
     if io_sched not in ("batch", "normal"):
         raise EnvError(f"environment variable PSLAUNCH_IO_SCHED={io_sched!r} must be batch or normal")
+    transport = _get(env, "PSLAUNCH_TRANSPORT") or "zmq"
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", transport):
+        raise EnvError(f"environment variable PSLAUNCH_TRANSPORT={transport!r} is not a transport name")
     node_host = _get(env, "DMLC_NODE_HOST")
     interface = _get(env, "DMLC_INTERFACE")
     if interface is not None and not interface.replace("-", "").replace(".", "").replace("_", "").isalnum():
@@ -163,6 +168,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         server_device=device,
         same_host=same_host,
         io_sched=io_sched,
+        transport=transport,
     )
 
 

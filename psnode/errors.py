@@ -9,9 +9,12 @@ The tree::
     │   ├── PeerDiedError          a node stopped (no heartbeat, or it left); names role, rank and host
     │   ├── RemoteError            a server could not carry out a request (its message is included)
     │   └── ProtocolError          a peer sent something this node cannot understand
+    ├── RequestRefused             a server refuses one request (raised on the server; the worker that
+    │                              asked gets its message back as a RemoteError)
     ├── NodeTimeoutError           a wait ran past its limit (also TimeoutError)
     │   └── RegistrationTimeoutError   not every node registered in time; names what is missing
     └── TransportError             the operating system or ZeroMQ refused a bind, connect or send
+        └── WouldBlock             a non-blocking send found the peer's queue full; nothing was sent
 
 *Closed by you*, *broken by the peer* and *timed out* stay distinct so callers can tell "I stopped it"
 from "it failed" from "it is slow". Errors from ZeroMQ and the OS are translated where they enter
@@ -28,9 +31,11 @@ __all__ = [
     "PeerDiedError",
     "RemoteError",
     "ProtocolError",
+    "RequestRefused",
     "NodeTimeoutError",
     "RegistrationTimeoutError",
     "TransportError",
+    "WouldBlock",
 ]
 
 
@@ -68,6 +73,14 @@ class ProtocolError(PeerError):
     """A message did not follow the wire format."""
 
 
+class RequestRefused(PSNodeError):
+    """A server refuses one request (an unknown key, a wrong size, a failed updater ...).
+
+    Raised inside the server while it serves the request; the server answers the request with the
+    message (the worker raises ``RemoteError``) and goes on serving.
+    """
+
+
 class NodeTimeoutError(PSNodeError, TimeoutError):
     """A wait ran past its limit."""
 
@@ -78,3 +91,7 @@ class RegistrationTimeoutError(NodeTimeoutError):
 
 class TransportError(PSNodeError):
     """ZeroMQ or the operating system refused an operation (bind, connect, send)."""
+
+
+class WouldBlock(TransportError):
+    """``send(..., block=False)`` found the peer's queue full; nothing was sent (retry later)."""

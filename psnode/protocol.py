@@ -3,7 +3,7 @@
 Header (little endian, ``HEADER``)::
 
     magic  2s   b"PS"
-    version u8  1
+    version u8  2
     cmd    u8   one of ``Cmd``
     flags  u16  ``FLAG_*`` bits
     spare  u16
@@ -12,7 +12,7 @@ Header (little endian, ``HEADER``)::
 
 Data commands (push, pull, rows) carry a meta frame: a packed array of ``ENTRY`` records, one per
 key part, that says where its bytes lie in which data frame (64-bit offsets and lengths, so no
-32-bit size limit). Data frames are the arrays' raw bytes, sent and received without copies and
+32-bit size limit) and how they are encoded (``codec``: ``psnode.codecs``; ``raw`` is 0). Data frames are the arrays' raw bytes, sent and received without copies and
 read with ``numpy.frombuffer``. Control commands (register, address book, errors, init) carry one
 JSON frame. Nothing on the wire is pickled except the updater a worker ships with ``set_updater``
 (a control message, only ever unpickled by a server of the same job).
@@ -60,12 +60,17 @@ __all__ = [
     "ONE_PART",
     "PUSH_PULL",
     "pack_push_pull",
+    "unpack_push_pull",
     "pack_value",
+    "peek",
+    "peek_req_id",
+    "IN_SHARED_MEMORY",
+    "MAX_DATA_FRAMES",
 ]
 
 HEADER = struct.Struct("<2sBBHHQq")
 MAGIC = b"PS"
-VERSION = 1
+VERSION = 2  # 2: entries carry a codec
 
 FLAG_ERROR = 1  # the reply carries a JSON error {"error": message} instead of a result
 FLAG_SYNC = 2  # init: the key is merged per round (dist_sync), else applied on arrival (dist_async)
@@ -133,15 +138,23 @@ _CMDS = frozenset(int(c) for c in Cmd)
 COMPACT_CMDS = frozenset({int(Cmd.PUSH_PULL), int(Cmd.VALUE)})  # header frames that carry their message
 
 ENTRY = np.dtype(
-    [("key", "<u8"), ("index", "<u4"), ("frame", "<u4"), ("offset", "<u8"), ("nbytes", "<u8"), ("seq", "<u8")]
+    [("key", "<u8"), ("index", "<u4"), ("frame", "<u2"), ("codec", "<u2"), ("offset", "<u8"), ("nbytes", "<u8"),
+     ("seq", "<u8")]
 )
 """One key part of a data message.
 
 key: the 64-bit key id; index: the part's position in the worker's request (replies echo it);
-frame: which data frame (0 = the first after the meta frame) holds its bytes; offset, nbytes: where;
-seq: push -> this worker's push count of the key including this one; pull -> pushes of the key this
-worker has issued, all of which the value returned must include.
+frame: which data frame (0 = the first after the meta frame) holds its bytes, or ``IN_SHARED_MEMORY``;
+codec: how the bytes encode the value (``psnode.codecs``; 0 = raw, the value's own bytes);
+offset, nbytes: where the (encoded) bytes lie; seq: push -> this worker's push count of the key
+including this one; pull -> pushes of the key this worker has issued, all of which the value
+returned must include.
 """
+
+IN_SHARED_MEMORY = 0xFFFF
+"""An entry's ``frame`` when the part lies in shared memory (``psnode.shm``): ``offset`` names the region."""
+
+MAX_DATA_FRAMES = IN_SHARED_MEMORY - 1  # frame numbers a message can use
 
 
 def pack_header(cmd: int, req_id: int = 0, arg: int = 0, flags: int = 0) -> bytes:
@@ -191,18 +204,46 @@ def unpack_json(frame: Any) -> Any:
         raise ProtocolError(f"control body is not JSON: {exc}") from exc
 
 
-ENTRY_STRUCT = struct.Struct("<QIIQQQ")  # the same record as ENTRY, for packing a few at a time
+ENTRY_STRUCT = struct.Struct("<QIHHQQQ")  # the same record as ENTRY, for packing a few at a time
 
-ONE_PART = struct.Struct("<QIIQQ")
-"""``PUSH_PULL``'s record after the header: key id, index (the part's place in the pull), spare,
-nbytes (the value's length, which follows), seq (the push's count of the key, this one included)."""
+ONE_PART = struct.Struct("<QIHHQQ")
+"""``PUSH_PULL``'s record after the header: key id, index (the part's place in the pull), codec (of
+the pushed value), spare, nbytes (the encoded value's length, which follows), seq (the push's count
+of the key, this one included)."""
 
 PUSH_PULL = struct.Struct(HEADER.format + ONE_PART.format[1:])  # header and record in one (un)pack
 
 
-def pack_push_pull(pull_req: int, push_req: int, key: int, index: int, seq: int, value: bytes) -> bytes:
+def pack_push_pull(pull_req: int, push_req: int, key: int, index: int, seq: int, value: bytes, codec: int = 0) -> bytes:
     """A ``PUSH_PULL`` frame: push ``value`` of part ``key`` and pull it back (see the module docstring)."""
-    return PUSH_PULL.pack(MAGIC, VERSION, Cmd.PUSH_PULL, 0, 0, pull_req, push_req, key, index, 0, len(value), seq) + value
+    return PUSH_PULL.pack(MAGIC, VERSION, Cmd.PUSH_PULL, 0, 0, pull_req, push_req, key, index, codec, 0, len(value),
+                          seq) + value
+
+
+def unpack_push_pull(buf: Any) -> tuple[int, int, int, int, int, int, int]:
+    """``(pull_req, push_req, key, index, codec, nbytes, seq)`` of a ``PUSH_PULL`` frame; the value
+    follows at ``PUSH_PULL.size``.
+
+    Raises:
+        ProtocolError: the frame is shorter than its record or its length disagrees with ``nbytes``.
+    """
+    if len(buf) < PUSH_PULL.size:
+        raise ProtocolError(f"PUSH_PULL of {len(buf)} bytes, shorter than its {PUSH_PULL.size}-byte record")
+    fields = PUSH_PULL.unpack_from(buf)
+    pull_req, push_req, key, index, codec, _, nbytes, seq = fields[5:]
+    if len(buf) != PUSH_PULL.size + nbytes:
+        raise ProtocolError(f"PUSH_PULL of {len(buf)} bytes for a value of {nbytes}")
+    return pull_req, push_req, key, index, codec, nbytes, seq
+
+
+def peek(header: bytes) -> tuple[int, int]:
+    """``(cmd, flags)`` of a header this node packed itself (no checks: for its own outgoing frames)."""
+    return header[3], int.from_bytes(header[4:6], "little")
+
+
+def peek_req_id(header: bytes) -> int:
+    """The request id of a header this node packed itself."""
+    return int.from_bytes(header[8:16], "little")
 
 
 def pack_value(req_id: int, index: int, value: bytes) -> bytes:
@@ -210,8 +251,8 @@ def pack_value(req_id: int, index: int, value: bytes) -> bytes:
     return HEADER.pack(MAGIC, VERSION, Cmd.VALUE, 0, 0, req_id, index) + value
 
 
-def pack_entries(rows: list[tuple[int, int, int, int, int, int]]) -> bytes:
-    """Encode ``(key, index, frame, offset, nbytes, seq)`` records into a meta frame."""
+def pack_entries(rows: list[tuple[int, int, int, int, int, int, int]]) -> bytes:
+    """Encode ``(key, index, frame, codec, offset, nbytes, seq)`` records into a meta frame."""
     if len(rows) > 64:  # many small keys: one numpy pass beats a Python loop
         return _pack_many(rows)
     pack = ENTRY_STRUCT.pack
@@ -226,8 +267,8 @@ def _pack_many(rows: list) -> bytes:
     return out.tobytes()
 
 
-def unpack_entries(frame: Any, frame_sizes: list[int] | None = None) -> list[tuple[int, int, int, int, int, int]]:
-    """Decode a meta frame into ``(key, index, frame, offset, nbytes, seq)`` records.
+def unpack_entries(frame: Any, frame_sizes: list[int] | None = None) -> list[tuple[int, int, int, int, int, int, int]]:
+    """Decode a meta frame into ``(key, index, frame, codec, offset, nbytes, seq)`` records.
 
     With ``frame_sizes`` (the data frames' lengths) every part is checked to lie inside its frame.
 
@@ -241,8 +282,8 @@ def unpack_entries(frame: Any, frame_sizes: list[int] | None = None) -> list[tup
     if frame_sizes is not None:
         count = len(frame_sizes)
         for row in rows:
-            if row[2] == 0xFFFFFFFF:  # the part lies in shared memory (psnode.shm), not in a frame
+            if row[2] == IN_SHARED_MEMORY:  # the part lies in shared memory (psnode.shm), not in a frame
                 continue
-            if row[2] >= count or row[3] + row[4] > frame_sizes[row[2]]:
+            if row[2] >= count or row[4] + row[5] > frame_sizes[row[2]]:
                 raise ProtocolError(f"a part of key {row[0]:#x} lies outside the message's data frames")
     return rows

@@ -5,56 +5,154 @@ It listens on ``DMLC_PS_ROOT_PORT``. Every server and worker registers; once all
 the rest ordered by (host, port)) and every node gets the address book. Then it answers heartbeats
 and barriers, and watches: a node silent for ``PS_HEARTBEAT_TIMEOUT`` (or one that reports its own
 failure) is announced to every other node as dead, naming its role, rank and host, and the
-scheduler exits 1. When every worker has finished, the servers are told to shut down and the
-scheduler exits 0.
+scheduler fails. When every worker has finished, the servers are told to shut down and the
+scheduler ends.
+
+Parts: the ``Roster`` (who registered, their ranks and liveness), the ``Barriers`` (who waits in
+which group) and the ``Scheduler`` façade that reads messages and drives both. Peers are described
+and reached with ``membership.PeerInfo`` and ``endpoint_of``, as every node does. Single-threaded.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .env import NodeEnv
 from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError
-from .node import PeerInfo, host_fingerprint, logger, setup_logging
+from .log import logger, setup_logging
+from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
-from .transport import create_transport
+from .transport import Transport, create_transport
 
-__all__ = ["Scheduler", "run_scheduler"]
+__all__ = ["Scheduler", "Roster", "Barriers"]
 
-SCHEDULER_ID = b"scheduler"
+_ROLES = ("server", "worker")
 
 
 @dataclass
-class _Member:
+class Member:
+    """A registered node: what it said of itself, its place in the book once ranked, and liveness."""
+
     info: dict
-    peer: PeerInfo | None = None
+    peer: PeerInfo
     last_seen: float = field(default_factory=time.monotonic)
     finished: bool = False
+
+
+class Roster:
+    """The registered nodes and their ranks (see ``Scheduler``)."""
+
+    def __init__(self, num_workers: int, num_servers: int) -> None:
+        self.expected = {"server": num_servers, "worker": num_workers}
+        self.members: dict[bytes, Member] = {}
+
+    def count(self, role: str) -> int:
+        """Registered nodes of ``role``."""
+        return sum(1 for m in self.members.values() if m.peer.role == role)
+
+    def complete(self) -> bool:
+        """True once every expected node registered."""
+        return all(self.count(r) >= n for r, n in self.expected.items())
+
+    def missing(self, where: str) -> str:
+        """``0 of 2 servers, 1 of 2 workers registered <where>; missing: ...``: what registration lacks."""
+        got = ", ".join(f"{self.count(r)} of {n} {r}s" for r, n in self.expected.items())
+        short = [f"{n - self.count(r)} {r}{'s' if n - self.count(r) > 1 else ''}"
+                 for r, n in self.expected.items() if self.count(r) < n]
+        return f"{got} registered {where}; missing: {', '.join(short)}"
+
+    def add(self, sender: bytes, info: Any) -> str | None:
+        """Register ``sender`` from its REGISTER body; the refusal sentence when the job is full.
+
+        Raises:
+            ProtocolError: the body is malformed, or its uid is not the sender's identity.
+        """
+        if sender in self.members:
+            return None
+        peer = PeerInfo.from_record({**info, "rank": -1}) if isinstance(info, dict) else PeerInfo.from_record(info)
+        if peer.role not in _ROLES or sender != peer.uid.encode():
+            raise ProtocolError(f"registration of role {peer.role!r} with uid {peer.uid!r} from {sender[:64]!r}")
+        worker_id = info.get("worker_id")
+        if worker_id is not None and not isinstance(worker_id, int):
+            raise ProtocolError(f"registration with worker_id {worker_id!r}, not an integer")
+        expected = self.expected[peer.role]
+        if self.count(peer.role) >= expected:
+            return (f"a {peer.role} at {peer.host}:{peer.port} registered, but the job already has all {expected} "
+                    f"{peer.role}s (DMLC_NUM_{'WORKER' if peer.role == 'worker' else 'SERVER'}={expected})")
+        self.members[sender] = Member(info, peer)
+        return None
+
+    def assign_ranks(self) -> None:
+        """Give every node its rank: workers by DMLC_WORKER_ID, the rest by (host, port).
+
+        Raises:
+            PSNodeError: two workers asked for the same DMLC_WORKER_ID (the message names both).
+        """
+        workers = [m for m in self.members.values() if m.peer.role == "worker"]
+        servers = [m for m in self.members.values() if m.peer.role == "server"]
+        fixed: dict[int, Member] = {}
+        for member in workers:
+            wid = member.info.get("worker_id")
+            if wid is None:
+                continue
+            if wid in fixed:
+                other = fixed[wid].peer
+                raise PSNodeError(f"two workers asked for DMLC_WORKER_ID={wid}: {other.host}:{other.port} and "
+                                  f"{member.peer.host}:{member.peer.port}")
+            fixed[wid] = member
+        free = iter(r for r in range(self.expected["worker"]) if r not in fixed)
+        ranks = {id(m): r for r, m in fixed.items()}
+        for member in sorted(workers, key=lambda m: (m.peer.host, m.peer.port)):
+            if id(member) not in ranks:
+                ranks[id(member)] = next(free)
+        for rank, member in enumerate(sorted(servers, key=lambda m: (m.peer.host, m.peer.port))):
+            ranks[id(member)] = rank
+        for member in workers + servers:
+            p = member.peer
+            member.peer = PeerInfo(p.role, ranks[id(member)], p.host, p.port, p.uid, p.fingerprint, p.local_name,
+                                   p.shm_probe)
+
+    def of_roles(self, roles: tuple[str, ...]) -> list[bytes]:
+        """The identities of the members with one of ``roles``."""
+        return [u for u, m in self.members.items() if m.peer.role in roles]
+
+    def all_workers_finished(self) -> bool:
+        """True once every worker said it finished."""
+        return all(m.finished for m in self.members.values() if m.peer.role == "worker")
+
+
+class Barriers:
+    """The open barriers: who arrived in which group, answered once every member did."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, list[tuple[bytes, int]]] = {}
+
+    def arrive(self, group: int, sender: bytes, req_id: int, members: list[bytes]) -> list[tuple[bytes, int]] | None:
+        """Count ``sender``; every waiter ``(uid, req_id)`` when the group is complete, else None."""
+        waiting = self.waiting.setdefault(group, [])
+        waiting.append((sender, req_id))
+        if len({u for u, _ in waiting}) >= len(members):
+            del self.waiting[group]
+            return waiting
+        return None
 
 
 class Scheduler:
     """One job's scheduler. ``run()`` returns the process exit code (0: every worker finished)."""
 
-    def __init__(self, env: NodeEnv, transport: str = "zmq") -> None:
+    def __init__(self, env: NodeEnv, transport: Transport | None = None) -> None:
         setup_logging(env.verbose)
         self.env = env
-        self.transport = create_transport(transport, SCHEDULER_ID)
+        self.transport = transport or create_transport(env.transport, SCHEDULER)
         self.transport.bind(env.root_port)
         self.fingerprint = host_fingerprint()
-        self.same_host = env.same_host
-        self.members: dict[bytes, _Member] = {}
+        self.roster = Roster(env.num_workers, env.num_servers)
+        self.barriers = Barriers()
         self.malformed = 0
-        self._barriers: dict[int, list[tuple[bytes, int]]] = {}
 
     # ---- registration -------------------------------------------------------------------
-    def _expected(self) -> dict[str, int]:
-        return {"server": self.env.num_servers, "worker": self.env.num_workers}
-
-    def _count(self, role: str) -> int:
-        return sum(1 for m in self.members.values() if m.info["role"] == role)
-
     def register(self) -> None:
         """Wait for every node, give ranks, send the address book.
 
@@ -62,18 +160,13 @@ class Scheduler:
             RegistrationTimeoutError: not every node registered in time (the message names what is missing).
             PSNodeError: two workers asked for the same DMLC_WORKER_ID.
         """
-        env = self.env
+        env, roster = self.env, self.roster
         deadline = time.monotonic() + env.register_timeout
-        expected = self._expected()
-        while any(self._count(r) < n for r, n in expected.items()):
+        while not roster.complete():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                missing = [f"{n - self._count(r)} {r}{'s' if n - self._count(r) > 1 else ''}" for r, n in expected.items() if self._count(r) < n]
-                got = ", ".join(f"{self._count(r)} of {n} {r}s" for r, n in expected.items())
-                message = (
-                    f"registration timed out after {env.register_timeout:g} s (PSLAUNCH_REGISTER_TIMEOUT): "
-                    f"{got} registered with the scheduler at {env.root_address}; missing: {', '.join(missing)}"
-                )
+                message = (f"registration timed out after {env.register_timeout:g} s (PSLAUNCH_REGISTER_TIMEOUT): "
+                           f"{roster.missing(f'with the scheduler at {env.root_address}')}")
                 self._refuse_all(message)
                 raise RegistrationTimeoutError(message)
             if not self.transport.poll(min(remaining, 0.5)):
@@ -84,81 +177,39 @@ class Scheduler:
                 if cmd != Cmd.REGISTER:
                     continue  # heartbeats of early nodes: registration answers them all
                 info = unpack_json(frames[1])
-                self._add_member(sender, info)
+                if not isinstance(info, dict):
+                    raise ProtocolError(f"a registration body that is a {type(info).__name__}, not an object")
+                refusal = roster.add(sender, info)
+                if refusal is not None:
+                    self._send_once(sender, PeerInfo.from_record({**info, "rank": -1}), Cmd.REGISTER_FAILED,
+                                    {"error": refusal})
+                    logger.info("scheduler: %s", refusal)
             except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
                 self.malformed += 1
                 logger.info("scheduler dropped a malformed registration from %r: %s", sender[:64], exc)
-        self._assign_ranks()
-        for uid, member in self.members.items():
-            self.transport.connect(uid, self._endpoint(member.peer))
-        nodes = [vars(m.peer) for m in self.members.values()]
-        for uid, member in self.members.items():
+        try:
+            roster.assign_ranks()
+        except PSNodeError as exc:
+            self._refuse_all(str(exc))
+            raise
+        for uid, member in roster.members.items():
+            self.transport.connect(uid, endpoint_of(member.peer, self.transport, self.fingerprint, env.same_host))
+        nodes = [m.peer.as_record() for m in roster.members.values()]
+        for uid, member in roster.members.items():
             member.last_seen = time.monotonic()
             self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), pack_json({"rank": member.peer.rank, "nodes": nodes})])
         logger.info("scheduler: %d servers and %d workers registered", env.num_servers, env.num_workers)
 
-    def _add_member(self, sender: bytes, info: dict) -> None:
-        role = info["role"]
-        if sender in self.members:
-            return
-        if role not in self._expected() or sender != str(info["uid"]).encode():
-            raise ProtocolError(f"registration of role {role!r} with uid {info.get('uid')!r}")
-        int(info["port"])
-        if self._count(role) >= self._expected()[role]:
-            message = (
-                f"a {role} at {info['host']}:{info['port']} registered, but the job already has all "
-                f"{self._expected()[role]} {role}s (DMLC_NUM_{'WORKER' if role == 'worker' else 'SERVER'}="
-                f"{self._expected()[role]})"
-            )
-            self._send_once(sender, info, Cmd.REGISTER_FAILED, {"error": message})
-            logger.info("scheduler: %s", message)
-            return
-        self.members[sender] = _Member(info)
-
-    def _assign_ranks(self) -> None:
-        workers = [(u, m) for u, m in self.members.items() if m.info["role"] == "worker"]
-        servers = [(u, m) for u, m in self.members.items() if m.info["role"] == "server"]
-        fixed: dict[int, _Member] = {}
-        for _, member in workers:
-            wid = member.info.get("worker_id")
-            if wid is None:
-                continue
-            if wid in fixed:
-                other = fixed[wid].info
-                message = (
-                    f"two workers asked for DMLC_WORKER_ID={wid}: {other['host']}:{other['port']} and "
-                    f"{member.info['host']}:{member.info['port']}"
-                )
-                self._refuse_all(message)
-                raise PSNodeError(message)
-            fixed[wid] = member
-        free = iter(r for r in range(self.env.num_workers) if r not in fixed)
-        ranks = {id(m): r for r, m in fixed.items()}
-        for _, member in sorted(workers, key=lambda um: (um[1].info["host"], int(um[1].info["port"]))):
-            if id(member) not in ranks:
-                ranks[id(member)] = next(free)
-        for rank, (_, member) in enumerate(sorted(servers, key=lambda um: (um[1].info["host"], int(um[1].info["port"])))):
-            ranks[id(member)] = rank
-        for _, member in workers + servers:
-            i = member.info
-            member.peer = PeerInfo(i["role"], ranks[id(member)], i["host"], int(i["port"]), i["uid"], i["fingerprint"],
-                                   i["local_name"], int(i.get("shm_probe") or 0))
-
-    def _endpoint(self, peer: PeerInfo) -> str:
-        if self.same_host in ("ipc", "shm") and peer.fingerprint == self.fingerprint:
-            return self.transport.same_host_endpoint(peer.local_name)
-        return f"tcp://{peer.host}:{peer.port}"
-
-    def _send_once(self, uid: bytes, info: dict, cmd: int, body: dict) -> None:
+    def _send_once(self, uid: bytes, peer: PeerInfo, cmd: int, body: dict) -> None:
         try:
-            self.transport.connect(uid, f"tcp://{info['host']}:{int(info['port'])}")
+            self.transport.connect(uid, f"tcp://{peer.host}:{peer.port}")
             self.transport.send(uid, [pack_header(cmd), pack_json(body)])
         except PSNodeError as exc:
             logger.info("scheduler could not tell %s: %s", uid, exc)
 
     def _refuse_all(self, message: str) -> None:
-        for uid, member in self.members.items():
-            self._send_once(uid, member.info, Cmd.REGISTER_FAILED, {"error": message})
+        for uid, member in self.roster.members.items():
+            self._send_once(uid, member.peer, Cmd.REGISTER_FAILED, {"error": message})
 
     # ---- serving -------------------------------------------------------------------------
     def serve(self) -> None:
@@ -169,7 +220,7 @@ class Scheduler:
         """
         env = self.env
         tick = 0.5 if env.heartbeat_interval <= 0 else min(0.5, env.heartbeat_interval / 2)
-        while not all(m.finished for m in self.members.values() if m.peer.role == "worker"):
+        while not self.roster.all_workers_finished():
             if self.transport.poll(tick):
                 for _ in range(256):
                     sender, frames = self.transport.recv()
@@ -181,7 +232,7 @@ class Scheduler:
         self._shutdown_servers()
 
     def _dispatch(self, sender: bytes, frames: list) -> None:
-        member = self.members.get(sender)
+        member = self.roster.members.get(sender)
         try:
             cmd, flags, req_id, arg = unpack_header(frames[0])
             if member is None:
@@ -196,27 +247,27 @@ class Scheduler:
         elif cmd == Cmd.BARRIER:
             self._barrier(sender, member, req_id, arg)
         elif cmd == Cmd.FINISH:
-            member.finished = True
-            self.transport.send(sender, [pack_header(Cmd.FINISH_ACK, req_id)])
-            note = pack_json({"rank": member.peer.rank, "node": member.peer.describe()})
-            for uid, other in self.members.items():
-                if other.peer.role == "server":  # rounds that still wait for this worker can never close
-                    self.transport.send(uid, [pack_header(Cmd.WORKER_FINISHED), note])
-            logger.info("scheduler: %s finished", member.peer.describe())
-            self._fail_blocked_barriers()
+            self._finished(sender, member, req_id)
         elif cmd == Cmd.NODE_DIED:
-            reason = unpack_json(frames[1]).get("message", "it failed") if len(frames) > 1 else "it failed"
+            try:
+                body = unpack_json(frames[1]) if len(frames) > 1 else {}
+                reason = str(body.get("message", "it failed")) if isinstance(body, dict) else "it failed"
+            except ProtocolError:
+                reason = "it failed"
             self._announce_death(member, f"{member.peer.describe()} failed: {reason}")
-        elif cmd == Cmd.REGISTER:
-            pass  # a repeated registration
-        else:
+        elif cmd != Cmd.REGISTER:  # a repeated registration is harmless
             self.malformed += 1
 
-    def _group_members(self, group: int) -> list[bytes]:
-        roles = GROUP_ROLES[Group(group)]
-        return [u for u, m in self.members.items() if m.peer.role in roles]
+    def _finished(self, sender: bytes, member: Member, req_id: int) -> None:
+        member.finished = True
+        self.transport.send(sender, [pack_header(Cmd.FINISH_ACK, req_id)])
+        note = pack_json({"rank": member.peer.rank, "node": member.peer.describe()})
+        for uid in self.roster.of_roles(("server",)):  # rounds that still wait for this worker can never close
+            self.transport.send(uid, [pack_header(Cmd.WORKER_FINISHED), note])
+        logger.info("scheduler: %s finished", member.peer.describe())
+        self._fail_blocked_barriers()
 
-    def _barrier(self, sender: bytes, member: _Member, req_id: int, group: int) -> None:
+    def _barrier(self, sender: bytes, member: Member, req_id: int, group: int) -> None:
         """Count ``sender`` in ``group``'s barrier; answer everyone once every member arrived."""
         error = None
         if group not in GROUP_ROLES:
@@ -226,31 +277,30 @@ class Scheduler:
         if error is not None:
             self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id, flags=FLAG_ERROR), pack_json({"error": error})])
             return
-        members = self._group_members(group)
-        waiting = self._barriers.setdefault(group, [])
-        waiting.append((sender, req_id))
-        if len({u for u, _ in waiting}) >= len(members):
-            for uid, rid in waiting:
-                self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid)])
-            del self._barriers[group]
-        else:
+        done = self.barriers.arrive(group, sender, req_id, self.roster.of_roles(GROUP_ROLES[Group(group)]))
+        if done is None:
             self._fail_blocked_barriers()
+            return
+        for uid, rid in done:
+            self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid)])
 
     def _fail_blocked_barriers(self) -> None:
         """A barrier that waits for a finished node can never complete: say so instead of hanging."""
-        for group, waiting in list(self._barriers.items()):
+        members = self.roster.members
+        for group, waiting in list(self.barriers.waiting.items()):
             arrived = {u for u, _ in waiting}
-            gone = [self.members[u].peer for u in self._group_members(group) if u not in arrived and self.members[u].finished]
+            gone = [members[u].peer for u in self.roster.of_roles(GROUP_ROLES[Group(group)])
+                    if u not in arrived and members[u].finished]
             if not gone:
                 continue
             message = f"barrier of {Group(group).name.lower()} can never complete: {', '.join(p.describe() for p in gone)} already finished"
             for uid, rid in waiting:
                 self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid, flags=FLAG_ERROR), pack_json({"error": message})])
-            del self._barriers[group]
+            del self.barriers.waiting[group]
 
     def _check_alive(self) -> None:
         now = time.monotonic()
-        for member in self.members.values():
+        for member in self.roster.members.values():
             if member.finished:
                 continue
             silent = now - member.last_seen
@@ -261,10 +311,10 @@ class Scheduler:
                     f"(PS_HEARTBEAT_TIMEOUT={self.env.heartbeat_timeout:g})",
                 )
 
-    def _announce_death(self, dead: _Member, message: str) -> None:
+    def _announce_death(self, dead: Member, message: str) -> None:
         peer = dead.peer
         body = {"message": message, "role": peer.role, "rank": peer.rank, "host": peer.host}
-        for uid, member in self.members.items():
+        for uid, member in self.roster.members.items():
             if member is not dead and not member.finished:
                 try:
                     self.transport.send(uid, [pack_header(Cmd.NODE_DIED), pack_json(body)])
@@ -273,7 +323,7 @@ class Scheduler:
         raise PeerDiedError(message, peer.role, peer.rank, peer.host)
 
     def _shutdown_servers(self) -> None:
-        servers = {u for u, m in self.members.items() if m.peer.role == "server"}
+        servers = set(self.roster.of_roles(("server",)))
         for uid in servers:
             self.transport.send(uid, [pack_header(Cmd.SHUTDOWN)])
         deadline = time.monotonic() + max(5.0, self.env.heartbeat_timeout)
@@ -289,26 +339,24 @@ class Scheduler:
                 self.malformed += 1
         logger.info("scheduler: every worker finished; %d of %d servers confirmed shutdown", len(acked), len(servers))
 
-    def close(self, linger: float = 0.0) -> None:
-        """Close the sockets."""
-        self.transport.close(linger)
-
     def run(self) -> int:
-        """Register, serve, shut down; return the exit code (errors are printed on stderr)."""
+        """Register, serve, shut down; return the exit code (0: every worker finished).
+
+        Raises:
+            PSNodeError: the job failed (the message says how); the sockets are closed.
+        """
         try:
             self.register()
             self.serve()
-            self.close()
-            return 0
-        except PSNodeError as exc:
-            print(f"psnode scheduler (pid {os.getpid()}): error: {exc}", flush=True, file=__import__("sys").stderr)
-            self.close(linger=0.5)
-            return 1
+        except PSNodeError:
+            self.close(linger=0.5)  # let the death notices leave
+            raise
         except BaseException:
             self.close()
             raise
+        self.close()
+        return 0
 
-
-def run_scheduler(env: NodeEnv) -> int:
-    """Run the scheduler of the job ``env`` describes; return the exit code."""
-    return Scheduler(env).run()
+    def close(self, linger: float = 0.0) -> None:
+        """Close the sockets."""
+        self.transport.close(linger)

@@ -1,30 +1,32 @@
-"""Many small keys pushed together, handled as one flat array: the server's fast path for key lists.
+"""Many small keys pushed together, handled as one flat value: the server's fast path for key lists.
 
 A worker that pushes and pulls the same list of small ``dist_sync`` keys round after round sends the
 same message layout each time. The server then keeps those keys' values side by side in one flat
-array (each key's stored value is a view into it), and merges, applies and replies for the whole
-list with a handful of numpy calls instead of a Python loop over the keys.
+array (each key's stored value is a view into it), and one ``rounds.Round`` merges, applies and
+answers for the whole list with a handful of numpy calls instead of a Python loop over the keys.
 
-The group keeps the round bookkeeping (pushes received, who pushed this round, pulls waiting) for
-all its keys at once; this is exact as long as every access to its keys comes as the whole list.
-Any other access *dissolves* the group first: its state is copied into each key's ``Shard`` and
-the keys go back to the per-key path, with identical results.
+This is exact as long as every access to its keys comes as the whole list. Any other access
+*dissolves* the group first: each key gets a round with the group's progress (``Round.slice``),
+its waiting pulls become per-key pulls, and the keys go back to the per-key path with identical
+results.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from .node import logger
+from .log import logger
 from .protocol import ENTRY
-from .server_store import drain_backlog
+from .rounds import Round, run_updater
+from .server_replies import pull_reply
+from .shard_memory import HostMemory
 
-__all__ = ["Group", "MIN_GROUP"]
+__all__ = ["Group", "Groups", "MIN_GROUP"]
 
 MIN_GROUP = 16  # fewer keys than this go the per-key way: a group would not pay for itself
+_HOST = HostMemory()
 
 
 class Group:
@@ -38,22 +40,15 @@ class Group:
         self.nbytes = entries["nbytes"].copy()
         self.total = int(self.nbytes.sum())
         self.stored = np.empty(self.total // itemsize, self.dtype)
-        self.merge = np.empty_like(self.stored)
-        self.views: list[tuple[np.ndarray, np.ndarray]] = []
+        self.round = Round(num_workers, num_workers, _HOST, np.empty_like(self.stored))
+        self.round.received = list(shards[0].round.received)
+        self.views: list[tuple[int, int]] = []
         for shard, offset, nbytes in zip(shards, self.offsets.tolist(), self.nbytes.tolist()):
             lo, hi = offset // itemsize, (offset + nbytes) // itemsize
             self.stored[lo:hi] = shard.stored
             shard.stored = self.stored[lo:hi]
-            shard.merge = self.merge[lo:hi]
             shard.group = self
             self.views.append((lo, hi))
-        self.count = 0
-        self.pushed: set[int] = set()
-        self.received = list(shards[0].received)
-        self.first: np.ndarray | None = None
-        self.backlog: deque = deque()  # (worker, flat data)
-        self.waiting: list = []  # (worker, req_id, seq, request entries)
-        self.active = True
 
     @staticmethod
     def eligible(shards: list, entries: np.ndarray, frame_size: int) -> bool:
@@ -63,14 +58,15 @@ class Group:
             return False
         offsets = entries["offset"]
         nbytes = entries["nbytes"]
-        if entries["frame"].any() or int(nbytes.sum()) != frame_size:
+        if entries["frame"].any() or entries["codec"].any() or int(nbytes.sum()) != frame_size:
             return False
         if offsets[0] != 0 or np.any(offsets[1:] != np.cumsum(nbytes)[:-1]):
             return False
-        received = first.received
+        received = first.round.received
         for shard in shards:
-            if (shard.group is not None or not shard.sync or shard.dtype != first.dtype or shard.count
-                    or shard.backlog or shard.waiting or shard.trackers or shard.error or shard.received != received
+            r = shard.round
+            if (shard.group is not None or not shard.sync or shard.dtype != first.dtype or r.count or r.backlog
+                    or r.waiting or shard.trackers or shard.error or r.received != received
                     or type(shard.stored) is not np.ndarray):
                 return False
         return len({s.key_id for s in shards}) == len(shards)
@@ -78,38 +74,6 @@ class Group:
     def matches(self, entries: np.ndarray) -> bool:
         """True when a message's entries have this group's layout (same keys already matched)."""
         return bool(np.array_equal(entries["offset"], self.offsets) and np.array_equal(entries["nbytes"], self.nbytes))
-
-    # ---- push / pull ---------------------------------------------------------------------
-    def push(self, worker: int, data: np.ndarray, num_workers: int, apply: Callable[["Group"], None]) -> None:
-        """One worker's push of every key of the group (``data`` is the flat payload)."""
-        self.received[worker] += 1
-        if worker in self.pushed:
-            self.backlog.append((worker, data))
-            return
-        self._merge(worker, data)
-        while self.count == num_workers:
-            apply(self)
-            self.count = 0
-            self.pushed.clear()
-            self.first = None
-            self.backlog = drain_backlog(self.backlog, self.pushed, self._merge)
-
-    def _merge(self, worker: int, data: np.ndarray) -> None:
-        if self.count == 0:
-            self.first = data
-        elif self.count == 1:
-            np.add(self.first, data, out=self.merge)
-            self.first = None
-        else:
-            np.add(self.merge, data, out=self.merge)
-        self.count += 1
-        self.pushed.add(worker)
-
-    def ready_for(self, worker: int, seq: int) -> bool:
-        """True when a pull needing ``seq`` pushes of ``worker`` can be answered now."""
-        if self.received[worker] < seq:
-            return False
-        return not self.count or (worker not in self.pushed and not any(w == worker for w, _ in self.backlog))
 
     def reply_meta(self, entries: np.ndarray) -> bytes:
         """The reply's meta frame for a pull with request ``entries``: the values lie in one payload frame."""
@@ -120,25 +84,30 @@ class Group:
         reply["seq"] = 0
         return reply.tobytes()
 
-    # ---- leaving the fast path -----------------------------------------------------------------
-    def dissolve(self) -> list:
-        """Hand the group's state back to its shards; return the waiting pulls as per-key records.
+    def apply(self, updater: Any, full: Round) -> None:
+        """Apply a full round: the sum becomes the values, or ``updater`` runs once per key."""
+        if updater is None:
+            np.copyto(self.stored, full.result)
+            return
+        if full.first is not None:
+            np.copyto(full.merge, full.first)
+        for shard, (lo, hi) in zip(self.shards, self.views):
+            shard.error = run_updater(updater, shard.user_key, full.merge[lo:hi].reshape(shard.shape),
+                                      self.stored[lo:hi].reshape(shard.shape))
 
-        Each returned record is ``(shard, worker, req_id, index, seq)``.
+    def dissolve(self) -> list:
+        """Give each shard a round with the group's progress; return the waiting pulls per key.
+
+        Each returned record is ``(shard, worker, seq, req_id, index)``.
         """
-        self.active = False
-        per_key = []
+        merge = self.round.merge
         for shard, (lo, hi) in zip(self.shards, self.views):
             shard.group = None
-            shard.count = self.count
-            shard.pushed = set(self.pushed)
-            shard.received = list(self.received)
-            shard.first = None if self.first is None else self.first[lo:hi]
-            shard.backlog = deque((w, d[lo:hi]) for w, d in self.backlog)
-        for worker, req_id, seq, entries in self.waiting:
+            shard.round = self.round.slice(lo, hi, merge[lo:hi])
+        per_key = []
+        for worker, seq, (req_id, entries) in self.round.take_waiting():
             for shard, index in zip(self.shards, entries["index"].tolist()):
-                per_key.append((shard, worker, req_id, index, seq))
-        self.waiting = []
+                per_key.append((shard, worker, seq, req_id, index))
         return per_key
 
 
@@ -150,13 +119,12 @@ def entries_of(meta: Any) -> np.ndarray:
 class Groups:
     """The groups of one server: finds the group of a message, runs it, dissolves it when needed.
 
-    ``send(worker, frames)`` sends a reply; ``apply_group(group)`` applies a closed round.
+    ``store`` is the server's ``ServerStore``, ``replies`` its ``server_replies.Replies``.
     """
 
-    def __init__(self, store: Any, send: Callable[[int, list], None], pull_reply: Callable[[int, bytes, bytes], list]) -> None:
+    def __init__(self, store: Any, replies: Any) -> None:
         self.store = store
-        self.send = send
-        self.pull_reply = pull_reply  # (req_id, meta, payload) -> frames
+        self.replies = replies
         self.by_keys: dict[bytes, Group] = {}
 
     def try_push(self, worker: int, meta: Any, data_frames: list) -> bool:
@@ -173,18 +141,23 @@ class Groups:
             group = Group(shards, entries, self.store.num_workers)
             self.by_keys[keys] = group
             logger.info("%d keys pushed together are handled as one group", len(shards))
-        if not group.matches(entries) or len(data_frames[0]) != group.total:
+        if not group.matches(entries) or len(data_frames[0]) != group.total or entries["codec"].any():
             return False
-        if np.any(entries["seq"] != group.received[worker] + 1):
+        round_ = group.round
+        if np.any(entries["seq"] != round_.received[worker] + 1):
             return False  # pushes of these keys went another way before: per key is exact
-        data = np.frombuffer(data_frames[0], dtype=group.dtype)
-        group.push(worker, data, self.store.num_workers, self.apply)
-        if group.waiting:
-            self._release(group)
+        if round_.push(worker, np.frombuffer(data_frames[0], dtype=group.dtype)):
+            round_.close(group.apply, self.store.updater)
+            if any(s.error for s in group.shards):
+                self._fall_back(group)  # each key's pullers hear of its own updater error
+                return True
+        if round_.waiting:
+            for waiter, (req_id, entries) in round_.release():
+                self._reply(group, waiter, req_id, entries)
         return True
 
     def try_pull(self, worker: int, req_id: int, meta: Any) -> bool:
-        """Answer (or queue) a pull through a group when its layout allows; False: use the per-key path."""
+        """Answer (or keep) a pull through a group when its layout allows; False: use the per-key path."""
         if len(meta) < MIN_GROUP * ENTRY.itemsize:
             return False
         entries = entries_of(meta)
@@ -194,38 +167,25 @@ class Groups:
         seqs = entries["seq"]
         seq = int(seqs[0])
         if np.any(seqs != seq) or any(s.error for s in group.shards):
-            return False
-        if group.ready_for(worker, seq):
-            self.send(worker, self.pull_reply(req_id, group.reply_meta(entries), group.stored.tobytes()))
-        elif self.store.blocked(group.shards[0].user_key, True, group.count, group.pushed):
+            return False  # the per-key path reports each key's updater error
+        round_ = group.round
+        if round_.ready_for(worker, seq):
+            self._reply(group, worker, req_id, entries)
+        elif self.store.stuck(group.shards[0].user_key, round_):
             return False  # the per-key path reports which round can never close
         else:
-            group.waiting.append((worker, req_id, seq, entries.copy()))
+            round_.wait(worker, seq, (req_id, entries.copy()))
         return True
 
-    def apply(self, group: Group) -> None:
-        """Apply a closed round to every key of the group (the updater once per key)."""
-        updater = self.store.updater
-        if updater is None:
-            np.copyto(group.stored, group.merge if group.first is None else group.first)
-            return
-        if group.first is not None:
-            np.copyto(group.merge, group.first)
-        for shard, (lo, hi) in zip(group.shards, group.views):
-            try:
-                updater(shard.user_key, group.merge[lo:hi].reshape(shard.shape), group.stored[lo:hi].reshape(shard.shape))
-                shard.error = None
-            except Exception as exc:  # the user's updater: reported to whoever pulls the key
-                shard.error = f"the updater raised {type(exc).__name__}: {exc} (key {shard.user_key!r})"
+    def _reply(self, group: Group, worker: int, req_id: int, entries: np.ndarray) -> None:
+        self.replies.send_to(worker, pull_reply(req_id, group.reply_meta(entries), group.stored.tobytes()), req_id)
 
-    def _release(self, group: Group) -> None:
-        still = []
-        for worker, req_id, seq, entries in group.waiting:
-            if group.ready_for(worker, seq) and not any(s.error for s in group.shards):
-                self.send(worker, self.pull_reply(req_id, group.reply_meta(entries), group.stored.tobytes()))
-            else:
-                still.append((worker, req_id, seq, entries))
-        group.waiting = still
+    def _fall_back(self, group: Group) -> None:
+        """Dissolve ``group`` and answer the pulls its last round released, key by key."""
+        self.dissolve(group)
+        for shard in group.shards:
+            for waiter, (req_id, index) in shard.round.release():
+                self.replies.answer(waiter, req_id, index, shard)
 
     def dissolve(self, group: Group) -> None:
         """Put the group's keys back on the per-key path (their state moves to the shards)."""
@@ -233,5 +193,5 @@ class Groups:
             if g is group:
                 del self.by_keys[keys]
         logger.info("a group of %d keys goes back to the per-key path", len(group.shards))
-        for shard, worker, req_id, index, seq in group.dissolve():
-            shard.waiting.append((worker, req_id, index, seq))
+        for shard, worker, seq, req_id, index in group.dissolve():
+            shard.round.wait(worker, seq, (req_id, index))

@@ -10,7 +10,8 @@ server sums straight out of the region. A pull reply is written by the server in
 pull region and the message says only that it is there. The regions replace the copies into and
 out of the kernel that a socket needs.
 
-On the wire a part in shared memory has ``frame == SHM_FRAME`` and ``offset == pid << 32 | fd``.
+On the wire a part in shared memory has ``frame == SHM_FRAME`` (``protocol.IN_SHARED_MEMORY``) and
+``offset == pid << 32 | fd``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import os
 
 import numpy as np
 
-__all__ = ["SHM_FRAME", "SHM_MIN", "Region", "Attachments", "probe", "can_attach", "encode", "decode"]
+from .protocol import IN_SHARED_MEMORY
 
-SHM_FRAME = 0xFFFFFFFF
+__all__ = ["SHM_FRAME", "SHM_MIN", "Region", "Attachments", "WorkerRegions", "probe", "can_attach", "encode", "decode"]
+
+SHM_FRAME = IN_SHARED_MEMORY
 SHM_MIN = 1 << 20  # parts smaller than this go in the message: a region would not pay for itself
 
 
@@ -100,3 +103,30 @@ def can_attach(ref: int) -> bool:
         return ok
     except (OSError, ValueError):
         return False
+
+
+class WorkerRegions:
+    """A worker's regions, one per (key part, server, push 0 / pull 1), and the servers that can map them.
+
+    A region is reused once the request that used it is done (``Region.busy``); a busy one means the
+    part travels in the message this time.
+    """
+
+    def __init__(self) -> None:
+        self._regions: dict[tuple[int, int, int], Region] = {}
+        self.servers: set[int] = set()  # servers on this host that map this worker's shared memory
+
+    def find_servers(self, servers: list, fingerprint: str) -> None:
+        """Note which of ``servers`` (PeerInfo) share this host and can map our regions (their probe)."""
+        self.servers = {p.rank for p in servers if p.fingerprint == fingerprint and p.shm_probe and can_attach(p.shm_probe)}
+
+    def region(self, slot: tuple[int, int, int], nbytes: int) -> Region | None:
+        """The region of ``slot`` when it is free (None: use a message this time)."""
+        region = self._regions.get(slot)
+        if region is None or region.nbytes != nbytes:
+            try:
+                region = Region(nbytes)
+            except OSError:
+                return None
+            self._regions[slot] = region
+        return region if region.free() else None

@@ -2,8 +2,14 @@
 
 A transport binds one receiving endpoint per node, connects to peers by name, sends a list of
 frames to a peer and receives ``(peer, frames)``. It knows nothing of registration, barriers or
-heartbeats (those live in ``psnode.node``, shared by every transport). Implementations register by
-name; ``create_transport(name)`` builds one, and an unknown name's error lists the known ones.
+heartbeats (those live in ``psnode.control``, shared by every transport). Nodes are given a
+``Transport`` instance; ``create_transport(name)`` builds one by its registered name (the nodes of a
+job use ``PSLAUNCH_TRANSPORT``, default ``zmq``), and an unknown name's error lists the known ones.
+
+Registered: ``zmq`` (``psnode.zmq_transport``, what jobs use across processes) and ``inproc``
+(``psnode.inproc_transport``, every node in one process: the test kit's transport). Adding one is a
+module with a ``Transport`` subclass and a line in ``_TRANSPORTS``; it must pass
+tests/psnode/test_transport.py, which runs for every registered name.
 
 Thread-safety (every transport): ``recv`` and ``poll`` are called by one thread at a time (whichever
 thread receives for the node, under the node's lock); ``send`` and ``wake`` may be called from any
@@ -16,13 +22,22 @@ import abc
 import importlib
 from typing import Any, Callable, Sequence
 
-from .errors import PSNodeError
+from .errors import PSNodeError, WouldBlock
 
-__all__ = ["Transport", "register_transport", "create_transport", "transport_names", "WouldBlock"]
+__all__ = ["Transport", "Frame", "register_transport", "create_transport", "transport_names", "WouldBlock"]
 
 
-class WouldBlock(PSNodeError):
-    """``send(..., block=False)`` found the peer's queue full; nothing was sent."""
+class Frame:
+    """A received frame that is not a ``zmq.Frame``: ``.buffer`` (a memoryview) and ``.bytes``, as one is."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer = buffer
+
+    @property
+    def bytes(self) -> bytes:
+        return self.buffer.tobytes()
 
 
 class Transport(abc.ABC):
@@ -91,7 +106,10 @@ class Transport(abc.ABC):
         """The endpoint a peer on this host connects to for the node bound with ``local_name``."""
 
 
-_TRANSPORTS: dict[str, str | Callable[..., Transport]] = {"zmq": "psnode.zmq_transport:ZmqTransport"}
+_TRANSPORTS: dict[str, str | Callable[..., Transport]] = {
+    "zmq": "psnode.zmq_transport:ZmqTransport",
+    "inproc": "psnode.inproc_transport:InProcTransport",
+}
 
 
 def register_transport(name: str, factory: str | Callable[..., Transport]) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import zmq
 
 from .errors import ClosedError, TransportError
-from .transport import Transport, WouldBlock
+from .transport import Frame, Transport, WouldBlock
 
 __all__ = ["ZmqTransport"]
 
@@ -44,19 +44,6 @@ _JOIN_FRAMES = 16  # at most this many frames are joined
 _COUNT = struct.Struct("<H")
 _HEADS = [_JOINED + _COUNT.pack(n) for n in range(_JOIN_FRAMES + 1)]
 _LENGTHS = [struct.Struct(f"<{n}I") for n in range(_JOIN_FRAMES + 1)]
-
-
-class _Part:
-    """One frame of a joined message: ``.buffer`` and ``.bytes`` like a ``zmq.Frame``."""
-
-    __slots__ = ("buffer",)
-
-    def __init__(self, buffer: memoryview) -> None:
-        self.buffer = buffer
-
-    @property
-    def bytes(self) -> bytes:
-        return self.buffer.tobytes()
 
 
 def join_frames(frames: Sequence[Any]) -> bytes | None:
@@ -75,7 +62,7 @@ def join_frames(frames: Sequence[Any]) -> bytes | None:
     return b"".join([_HEADS[count], _LENGTHS[count].pack(*map(len, frames)), *frames])
 
 
-def split_frames(view: memoryview) -> list[_Part] | None:
+def split_frames(view: memoryview) -> list[Frame] | None:
     """The frames a joined frame carries (views of it), or None when ``view`` is not a well-formed one."""
     size = len(view)
     if size < 5 or view[:3] != _JOINED:
@@ -89,7 +76,7 @@ def split_frames(view: memoryview) -> list[_Part] | None:
         return None
     parts = []
     for n in lengths:
-        parts.append(_Part(view[start:start + n]))
+        parts.append(Frame(view[start:start + n]))
         start += n
     return parts
 

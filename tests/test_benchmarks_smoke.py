@@ -1,7 +1,7 @@
 """The benchmark runner itself works: one quick run with tiny keys yields every row, for every system.
 
 No timing is asserted (performance lives in benchmarks/, not in tests); this only checks that
-`benchmarks/run.py` starts the pslaunch job and the raw pyzmq ceiling, reaps them, and writes a
+`python -m benchmarks.run` starts the pslaunch job and the raw pyzmq ceiling, reaps them, and writes a
 complete JSON report with values that were actually measured.
 """
 
@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-RUN = REPO / "benchmarks" / "run.py"
 SIZES_MIB = ["0.0625", "1"]  # 64 KiB (sent in messages) and 1 MiB (through shared memory on the fast path)
 KEYS = 20
 
@@ -29,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 def _run_quick(tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "out.json"
-    argv = [sys.executable, str(RUN), "--quick", "--skip-mxnet", "--sizes", ",".join(SIZES_MIB), "--keys", str(KEYS),
+    argv = [sys.executable, "-m", "benchmarks.run", "--quick", "--skip-mxnet", "--sizes", ",".join(SIZES_MIB), "--keys", str(KEYS),
             "--json", str(out), "--results-dir", str(tmp_path / "results"), "--job-timeout", "60"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -43,7 +42,7 @@ def _run_quick(tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, _ = proc.communicate(timeout=10)
-        pytest.fail(f"benchmarks/run.py --quick did not finish within 100 s; output:\n{stdout[-3000:]}")
+        pytest.fail(f"python -m benchmarks.run --quick did not finish within 100 s; output:\n{stdout[-3000:]}")
     completed = subprocess.CompletedProcess(argv, proc.returncode, stdout, None)
     assert out.exists(), f"no JSON written (exit {proc.returncode}); output:\n{stdout[-3000:]}"
     return completed, json.loads(out.read_text())
@@ -85,7 +84,7 @@ def test_quick_run_reports_every_row_for_pslaunch_and_raw_pyzmq(tmp_path):
 def test_python_cost_measures_the_one_frame_round_trip_on_both_sides():
     # the script exits non-zero unless the timed rounds were PUSH_PULL frames answered by VALUE
     # frames, and the pulled value is right: a check that the small round trip takes its compact path
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "python_cost.py"), "--rounds", "200", "--reps", "2"],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.python_cost", "--rounds", "200", "--reps", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()

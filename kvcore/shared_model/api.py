@@ -32,7 +32,7 @@ from .errors import (
     UnknownDeviceError,
     WeightMismatchError,
 )
-from .level1 import KeyState, Level1Buffers
+from .level1 import KeyState, Level1Buffers, nccl_group
 from .pulls import PullSide, PullTask
 from .queues import PriorityWorkQueue, QueueClosed, WorkerThread
 from .updater import ModelUpdater, ServerUpdater
@@ -151,6 +151,11 @@ class SharedModel(PullSide):
         """Number of worker processes sharing the model (1 for 'local')."""
         return self._bridge.num_workers if self._bridge is not None else 1
 
+    @property
+    def nccl_allreduces(self) -> int:
+        """How many Level-1 sums NCCL ran so far (0 when the model does not use NCCL)."""
+        return self._nccl.allreduces if self._nccl is not None else 0
+
     def device(self, devid: int) -> arrays.Device:
         """The kvcore device behind device id ``devid``: ``gpu(devid)``, or CPU slot ``cpu(devid)``."""
         return self._devices[self._wid(devid)]
@@ -175,7 +180,7 @@ class SharedModel(PullSide):
         self._devices = [arrays.gpu(i) if use_gpu else arrays.Device("cpu", i) for i in ids]
         self._ids = ids
         self._index = {devid: wid for wid, devid in enumerate(ids)}
-        self._nccl = self._make_nccl(use_gpu, ids)
+        self._nccl = nccl_group(self.config.nccl, use_gpu, ids)
         self._push_workers = self._start_workers("push", self.config.push_thread)
         self._pull_workers = self._start_workers("pull", self.config.pull_thread)
         self._state = "ready"
@@ -185,16 +190,6 @@ class SharedModel(PullSide):
             except BaseException:
                 self.close()
                 raise
-
-    def _make_nccl(self, use_gpu: bool, ids: list[int]) -> Any:
-        mode = self.config.nccl
-        if not use_gpu or len(ids) < 2 or mode == "off":
-            return None
-        if not arrays.nccl_available():
-            if mode == "on":
-                raise ConfigError("set_param('nccl', 'on') was given, but CuPy's NCCL binding is not usable here")
-            return None
-        return arrays.NcclGroup(ids)
 
     def _start_workers(self, role: str, mode: str) -> list[WorkerThread]:
         names = [f"shared-model-{role}-dev{d}" for d in self._ids] if mode == "ndev" else [f"shared-model-{role}"]
@@ -266,7 +261,12 @@ class SharedModel(PullSide):
             op = self.config.push_op(key)
             if op == "gather" and self.update_on_server:
                 raise ConfigError(f"key {key!r}: push_op 'gather' needs update_on_server=0 (an updater sums gradients)")
-            ks = KeyState(key, shape, dtype, Level1Buffers(self._devices, shape, dtype, op, self._nccl))
+        # No other device can use the key meanwhile: init_key runs under _init_lock, and the key is
+        # registered only once its buffers exist.
+        buffers = Level1Buffers(self._devices, shape, dtype, op, self._nccl)
+        buffers.allocate()
+        with self._cond:
+            ks = KeyState(key, shape, dtype, buffers)
             self._keys[key] = ks
             if self.update_on_server:
                 # round 0 is the starting weights; version 0 holds it until round 2 needs it back
@@ -312,7 +312,7 @@ class SharedModel(PullSide):
         self._require_ready("push")
         wid = self._wid(dev)
         ks = self._key_for(key, wid, "push")
-        check_array(data, ks.shape, ks.dtype, key, dev, "push")
+        check_array(data, ks.shape, ks.dtype, key, dev, "push", self._devices[wid])
         event = arrays.record_event(data)  # the push thread's stream waits for the kernels that made data
         worker = self._worker(self._push_workers, wid)
         with self._cond:
@@ -346,9 +346,12 @@ class SharedModel(PullSide):
             if last:
                 ks.version_state[version] = "reducing"
         if last:
-            with arrays.device_context(ks.buffers.root):
+            # The sum and the update run on this thread's own stream of the first device, not behind
+            # the training kernels queued on that device's default stream.
+            root = ks.buffers.root
+            with arrays.device_context(root), arrays.stream_context(task.worker.stream_for(root)):
                 sources = ks.buffers.reduce(version)
-            self._round_complete(ks, task.round_no, version, sources, task.priority)
+                self._round_complete(ks, task.round_no, version, sources, task.priority)
 
     def _round_complete(self, ks: KeyState, round_no: int, version: int, sources: list[Any], priority: int) -> None:
         if self.kind == "dist":
@@ -385,7 +388,7 @@ class SharedModel(PullSide):
         self._require_ready("check_weight")
         wid = self._wid(dev)
         ks = self._key_for(key, wid, "check_weight")
-        check_array(data, ks.buffers.result_shape, ks.dtype, key, dev, "check_weight")
+        check_array(data, ks.buffers.result_shape, ks.dtype, key, dev, "check_weight", self._devices[wid])
         reference = self._current_value(ks, wid, "check_weight")
         mine = arrays.asnumpy(data)
         if not np.allclose(mine, reference, rtol=rtol, atol=atol, equal_nan=True):

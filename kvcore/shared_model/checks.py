@@ -83,11 +83,24 @@ def as_shape(shape: Any, key: Hashable) -> tuple[int, ...]:
     return dims
 
 
-def check_array(data: Any, shape: tuple[int, ...], dtype: np.dtype, key: Hashable, dev: int, op: str) -> None:
-    """Refuse anything but a numpy or CuPy array of exactly ``shape`` and ``dtype``."""
+def check_array(
+    data: Any, shape: tuple[int, ...], dtype: np.dtype, key: Hashable, dev: int, op: str, device: Any = None
+) -> None:
+    """Refuse anything but a numpy or CuPy array of exactly ``shape`` and ``dtype``.
+
+    With ``device`` a GPU (the model's device behind ``dev``), a CuPy array must live on that GPU:
+    the device's threads order their copies with the work of its own streams only.
+    """
     if not arrays.is_array(data):
         raise KeyShapeError(f"{op} of key {key!r} on device {dev}: expected a numpy or CuPy array, got {type(data).__name__}")
     if tuple(data.shape) != shape:
         raise KeyShapeError(f"{op} of key {key!r} on device {dev}: the key has shape {shape}, the array has shape {tuple(data.shape)}")
     if np.dtype(data.dtype) != dtype:
         raise KeyShapeError(f"{op} of key {key!r} on device {dev}: the key has dtype {dtype}, the array has dtype {np.dtype(data.dtype)}")
+    if device is not None and device.is_gpu:
+        where = arrays.device_of(data)
+        if where.is_gpu and where != device:
+            raise KeyShapeError(
+                f"{op} of key {key!r} on device {dev}: the array lives on {where}, not on {device}; give each "
+                "device its own arrays (kvcore.arrays.to_device copies one there)"
+            )

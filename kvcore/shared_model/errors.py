@@ -9,7 +9,8 @@ The tree (every class is also a ``kvcore.KVStoreError``)::
     │                            call on a closed model
     ├── UnknownDeviceError       a device id that was not given to init()
     ├── KeyNotInitialisedError   push / pull of a key this device never ran init_key for (also a KeyError)
-    ├── KeyShapeError            data whose shape or dtype differs from the key's (also a ValueError)
+    ├── KeyShapeError            data whose shape or dtype differs from the key's, or that lives on
+    │                            another GPU than its device (also a ValueError)
     ├── DuplicatePullError       pull_req while this device's previous pull of the key is still running
     ├── PullFailedError          the work behind a pull failed (a copy, the updater, a callback, Level 2)
     ├── PullTimeoutError         pull_wait ran past its timeout; the message says what it waits for
@@ -21,7 +22,7 @@ Every message names the key and the device id.
 from __future__ import annotations
 
 from ..errors import KVStoreError, UninitializedKeyError
-from ..handles import KVTimeoutError
+from ..errors import KVTimeoutError
 
 __all__ = [
     "SharedModelError",
@@ -58,7 +59,7 @@ class KeyNotInitialisedError(SharedModelError, UninitializedKeyError):
 
 
 class KeyShapeError(SharedModelError, ValueError):
-    """An array whose shape or dtype does not match what the key was initialised with."""
+    """An array whose shape or dtype does not match the key's, or a CuPy array on another GPU than its device."""
 
 
 class DuplicatePullError(SharedModelError):

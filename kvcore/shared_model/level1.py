@@ -14,22 +14,30 @@ Where the sum is computed:
 * CPU slots: each device's push lands in row ``i`` of one host buffer ``(ndev, *shape)``; the rows
   are added into row 0 with numpy, in device order (so results are reproducible).
 * GPUs: each device's push lands in a buffer on its own GPU. With several GPUs and NCCL, one
-  all-reduce leaves the sum on every GPU and each device pulls from its own; without NCCL the
-  buffers are peer-copied to the first device and added there with CuPy.
+  all-reduce leaves the sum on every GPU and each device pulls from its own; without NCCL (or for
+  a dtype NCCL cannot reduce) the buffers are peer-copied to the first device and added there
+  with CuPy, on the stream of the push thread that completed the round (never the first device's
+  default stream, where the training kernels queue).
 * ``gather``: rows of one buffer on the first device, pulled whole as ``(ndev * shape[0], ...)``.
+
+Every buffer is allocated once, at ``init_key``, on the declaring thread, which then waits for its
+stream: the push threads write the buffers on streams of their own, which do not order with the
+stream the memory pool handed the blocks out on.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 import numpy as np
 
 from .. import arrays
+from .errors import ConfigError
 
-__all__ = ["KeyState", "PullRequest", "Level1Buffers"]
+__all__ = ["KeyState", "PullRequest", "Level1Buffers", "nccl_group"]
 
 
 @dataclass
@@ -41,10 +49,40 @@ class PullRequest:
     need_round: int
     priority: int
     callback: Callable[[], Any] | None
+    event: Any = None  # recorded at pull_req: the copy waits for the caller's earlier work on data
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     reported: bool = False
     version: int | None = None
+
+
+def nccl_group(mode: str, use_gpu: bool, ids: list[int]) -> "arrays.NcclGroup | None":
+    """The NCCL group Level 1 sums with, for the ``nccl`` parameter ``mode``; None to sum without.
+
+    Only several GPUs use one. Under 'auto' a missing libnccl means none, and a group that fails to
+    start means none with a warning; under 'on' either is a ``ConfigError`` naming the cause.
+    """
+    if not use_gpu or len(ids) < 2 or mode == "off":
+        return None
+    if not arrays.nccl_available():
+        if mode == "on":
+            raise ConfigError(
+                "set_param('nccl', 'on') was given, but CuPy's NCCL binding is not usable here "
+                "(libnccl missing? pip install 'pslaunch[gpu]' installs nvidia-nccl-cu12)"
+            )
+        return None
+    try:
+        return arrays.NcclGroup(ids)
+    except Exception as exc:
+        if mode == "on":
+            raise ConfigError(f"set_param('nccl', 'on') was given, but {exc}") from exc
+        warnings.warn(
+            f"{exc}; Level 1 sums on gpu({ids[0]}) with peer copies instead (set_param('nccl', 'off') "
+            "skips NCCL, 'on' makes this an error)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
 
 class Level1Buffers:
@@ -66,8 +104,9 @@ class Level1Buffers:
         self.root = devices[0]
         # Host rows for CPU slots and for gather; one array per device for a GPU sum.
         self._rows_layout = op == "gather" or not self.root.is_gpu
+        self._use_nccl = nccl is not None and not self._rows_layout and arrays.nccl_supports(dtype)
         self._versions: list[Any] = [None, None]
-        self._scratch: Any = None
+        self._scratch: list[Any] = [None, None]
 
     @property
     def result_shape(self) -> tuple[int, ...]:
@@ -77,22 +116,34 @@ class Level1Buffers:
             return (len(self.devices) * first,) + tuple(self.shape[1:])
         return self.shape
 
-    def _allocate(self, version: int) -> Any:
-        if self._versions[version] is None:
+    def allocate(self) -> None:
+        """Create both versions' buffers (and the first device's scratches) and wait until they exist.
+
+        ``empty``, not ``zeros``: a round reads a slot only after its device's push overwrote it
+        whole, and a fill queued here could land after that copy.
+        """
+        for version in (0, 1):
             if self._rows_layout:
-                self._versions[version] = arrays.zeros((len(self.devices),) + self.shape, self.dtype, self.root)
+                self._versions[version] = arrays.empty((len(self.devices),) + self.shape, self.dtype, self.root)
             else:
-                self._versions[version] = [arrays.zeros(self.shape, self.dtype, dev) for dev in self.devices]
-        return self._versions[version]
+                self._versions[version] = [arrays.empty(self.shape, self.dtype, dev) for dev in self.devices]
+            if not self._rows_layout and len(self.devices) > 1 and not self._use_nccl:
+                self._scratch[version] = arrays.empty(self.shape, self.dtype, self.root)
+        for device in self.devices:
+            arrays.synchronize_stream(device)
 
     def slot(self, version: int, wid: int) -> Any:
         """The buffer device ``wid`` copies its push into for rounds of this version."""
-        buffers = self._allocate(version)
+        buffers = self._versions[version]
         # [wid, ...] keeps a 0-d row a writable view (plain [wid] would give a numpy scalar)
         return buffers[wid, ...] if self._rows_layout else buffers[wid]
 
     def reduce(self, version: int) -> list[Any]:
-        """Combine the pushes of a complete round; return, per device, the array its pulls copy from."""
+        """Combine the pushes of a complete round; return, per device, the array its pulls copy from.
+
+        Runs on the caller's current stream of the first device (NCCL on the group's streams);
+        the result is complete when it returns.
+        """
         buffers = self._versions[version]
         count = len(self.devices)
         if self.op == "gather":
@@ -106,19 +157,19 @@ class Level1Buffers:
             return [total] * count
         if count == 1:
             return [buffers[0]]
-        if self.nccl is not None:
+        if self._use_nccl:
             self.nccl.allreduce_sum(buffers)
             return list(buffers)
-        return [self._reduce_at_root(buffers)] * count
+        return [self._reduce_at_root(buffers, self._scratch[version])] * count
 
-    def _reduce_at_root(self, buffers: list[Any]) -> Any:
+    def _reduce_at_root(self, buffers: list[Any], scratch: Any) -> Any:
+        # A scratch per version: rounds n and n+1 of a key can complete at once on two push threads
+        # (a higher priority lets a device's push of round n+1 run before its push of round n).
         total = buffers[0]
         with arrays.device_context(self.root):
-            if self._scratch is None:
-                self._scratch = arrays.empty(self.shape, self.dtype, self.root)
             for other in buffers[1:]:
-                arrays.peer_copy(self._scratch, other)
-                total += self._scratch
+                arrays.peer_copy(scratch, other)
+                total += scratch
             arrays.synchronize_stream(self.root)
         return total
 

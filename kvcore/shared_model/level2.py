@@ -9,10 +9,10 @@ One thread (``shared-model-level2``) makes every call into the store, so the sto
 single thread as it expects, and rounds leave highest priority first. The store's answers arrive on
 its own network thread, which only publishes.
 
-GPU path: a round's result is copied once into a pinned host buffer kept per key (the store may
-reuse nothing of ours after push returns, so one buffer per key suffices), and pulled into pinned
-host buffers kept per key and version, from which each device's pull thread uploads at full bus
-speed. On the CPU the Level-1 buffer is pushed as it is.
+GPU path: a round's result is copied once, on the bridge thread's own stream, into a pinned host
+buffer kept per key (the store may reuse nothing of ours after push returns, so one buffer per key
+suffices), and pulled into pinned host buffers kept per key and version, from which each device's
+pull thread uploads at full bus speed. On the CPU the Level-1 buffer is pushed as it is.
 """
 
 from __future__ import annotations
@@ -133,11 +133,14 @@ class Level2Bridge:
 
     # ---- the bridge thread ---------------------------------------------------------------------
     def _send_round(self, ks: KeyState, round_no: int, version: int, result: Any, priority: int) -> None:
-        if arrays.device_of(result).is_gpu:
+        device = arrays.device_of(result)
+        if device.is_gpu:
             send = self._send.get(ks.key)
             if send is None:
                 send = self._send[ks.key] = arrays.pinned_empty(ks.shape, ks.dtype)
-            with arrays.device_context(arrays.device_of(result)):
+            # on the bridge's own stream: the GPU's default stream holds the training kernels, and
+            # the result is complete already (the push thread waited for the sum)
+            with arrays.device_context(device), arrays.stream_context(self._worker.stream_for(device)):
                 arrays.copy_into(send, result)
         else:
             send = result

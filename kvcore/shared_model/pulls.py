@@ -91,7 +91,9 @@ class PullSide:
         when it pushed nothing yet, the newest result there is). The pull thread of ``dev`` writes
         the result into ``data``, then runs ``callback()`` with ``dev`` made current
         (``kvcore.arrays.current_device()``; the CUDA device for a GPU). ``pull_wait`` blocks until
-        both are done. Keep ``data`` alive and untouched until then.
+        both are done. Keep ``data`` alive and untouched until then. The copy waits for the work
+        this thread queued on ``data``'s GPU stream before the call (a fill, kernels still reading
+        the old values), without blocking here.
 
         Raises:
             KeyNotInitialisedError, KeyShapeError, UnknownDeviceError, StateError;
@@ -101,9 +103,12 @@ class PullSide:
         self._require_ready("pull_req")
         wid = self._wid(dev)
         ks = self._key_for(key, wid, "pull_req")
-        check_array(data, ks.buffers.result_shape, ks.dtype, key, dev, "pull_req")
+        check_array(data, ks.buffers.result_shape, ks.dtype, key, dev, "pull_req", self._devices[wid])
         if callback is not None and not callable(callback):
             raise ConfigError(f"pull_req(key={key!r}, dev={dev}): callback must be callable, got {callback!r}")
+        # the pull thread's copy waits for the work queued on data so far (its allocation or fill,
+        # kernels still reading it), which runs on this thread's stream, not the pull thread's
+        event = arrays.record_event(data)
         with self._cond:
             previous = ks.requests[wid]
             if previous is not None and not previous.done.is_set():
@@ -118,7 +123,7 @@ class PullSide:
                 ) from previous.error
             if ks.error is not None:
                 raise PullFailedError(f"pull_req of key {key!r} on device {dev}: the key failed earlier: {ks.error}") from ks.error
-            request = PullRequest(data, wid, ks.pushed[wid], int(priority), callback)
+            request = PullRequest(data, wid, ks.pushed[wid], int(priority), callback, event)
             ks.requests[wid] = request
             if ks.published_ok and ks.published_round >= request.need_round:
                 self._schedule_pull(ks, request, ks.published_version)
@@ -131,6 +136,7 @@ class PullSide:
                 return
             source = ks.sources[request.version][request.wid]
             with arrays.device_context(device), arrays.stream_context(task.worker.stream_for(device)):
+                arrays.wait_event(request.event)
                 arrays.peer_copy(request.data, source)
                 arrays.synchronize_stream(device)
         except BaseException as exc:

@@ -70,8 +70,9 @@ class SumUpdater(ModelUpdater):
     """Adds every merged push to the weights: after n rounds a key holds the sum of all pushes."""
 
     def update(self, key: Hashable, grad: Any) -> None:
-        """``weight += grad``."""
-        self.weight(key)[...] += grad
+        """``weight += grad``, in place (no temporary array)."""
+        weight = self.weight(key)
+        weight += grad
 
 
 class ServerUpdater:

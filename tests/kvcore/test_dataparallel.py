@@ -7,6 +7,8 @@ import kvcore
 from kvcore import SplitSampler, arrays, split_and_load
 from kvcore.dataparallel import split_data
 
+from kvcore_testkit import gpu_test
+
 
 def test_split_and_load_splits_evenly_into_views_on_the_cpu():
     data = np.arange(24, dtype=np.float32).reshape(6, 4)
@@ -64,14 +66,29 @@ def test_split_and_load_rejects_no_devices_and_non_devices():
         split_data([1, 2, 3, 4], 2)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not arrays.gpu_available(), reason="needs a CUDA GPU with a working CuPy")
+@gpu_test
 def test_split_and_load_places_slices_on_the_gpus():
     data = np.arange(8, dtype=np.float32)
     devices = [kvcore.gpu(i % arrays.num_gpus()) for i in range(2)]
     parts = split_and_load(data, devices)
     assert [arrays.device_of(p) for p in parts] == devices
     np.testing.assert_array_equal(np.concatenate([arrays.asnumpy(p) for p in parts]), data)
+
+
+@gpu_test
+def test_split_and_load_of_a_gpu_batch_gives_views_on_its_gpu_and_copies_elsewhere():
+    cp = arrays.cupy_module()
+    with arrays.device_context(kvcore.gpu(0)):
+        data = cp.arange(24, dtype=cp.float32).reshape(8, 3)
+    views = split_and_load(data, [kvcore.gpu(0), "gpu:0"])
+    assert [v.data.ptr for v in views] == [data.data.ptr, data[4:].data.ptr]  # no copies
+    on_host = split_and_load(data, [kvcore.cpu(), kvcore.cpu()], batch_axis=1, even_split=False)
+    assert [type(p) for p in on_host] == [np.ndarray, np.ndarray]
+    np.testing.assert_array_equal(np.concatenate(on_host, axis=1), cp.asnumpy(data))
+    if arrays.num_gpus() > 1:
+        parts = split_and_load(data, [kvcore.gpu(1), kvcore.gpu(0)])
+        assert [arrays.device_of(p) for p in parts] == [kvcore.gpu(1), kvcore.gpu(0)]
+        np.testing.assert_array_equal(np.concatenate([cp.asnumpy(p) for p in parts]), cp.asnumpy(data))
 
 
 def _parts(length, num_parts, epoch=0, **kwargs):

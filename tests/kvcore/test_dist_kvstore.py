@@ -14,6 +14,8 @@ import zmq
 from psnode.protocol import Cmd, pack_header
 from psnode.testing import LocalJob
 
+from kvcore_testkit import DEVICE_KINDS
+
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 SMALL_BOUND = {"PSLAUNCH_BIGARRAY_BOUND": "100000"}  # 1200x1200 keys are split across the servers
 
@@ -235,7 +237,20 @@ def test_server_device_gpu_keeps_results_exact_and_falls_back_to_the_cpu_with_a_
     results = run_ok("sums.py", workers=2, servers=2, env={"PSLAUNCH_SERVER_DEVICE": "gpu"})
     servers = [r for r in results if r.role == "server"]
     if not kvcore.arrays.gpu_available():
-        assert all("no usable GPU 0; the server keeps its shards on the CPU" in r.output for r in servers), servers
+        assert all("no usable GPU 0 (" in r.output and "the server keeps its shards on the CPU" in r.output
+                   for r in servers), servers
+    else:
+        assert not any("keeps its shards on the CPU" in r.output for r in servers), servers
+
+
+@pytest.mark.parametrize("kind", DEVICE_KINDS)
+def test_device_values_merge_and_server_shards_update_where_asked_with_an_optimizer_rows_and_async(kind):
+    # Every server update checks where its arrays live (device_updater.py), so a silent fallback
+    # to the CPU fails the workers' pulls; the worker checks where dist_device_sync summed.
+    env = {"PYTHONPATH": f"{SCRIPTS}:{Path(__file__).resolve().parents[2]}", "PSLAUNCH_SERVER_DEVICE": kind}
+    results = run_ok("device_paths.py", workers=2, servers=2, env=env, args=(kind,), timeout=120)
+    servers = [r for r in results if r.role == "server"]
+    assert not any("keeps its shards on the CPU" in r.output for r in servers), servers
 
 
 def test_threads_waiting_at_once_and_a_callback_that_waits_all_get_exact_values():

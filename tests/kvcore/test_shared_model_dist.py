@@ -10,6 +10,8 @@ import pytest
 pytest.importorskip("psnode.testing")
 from psnode.testing import LocalJob  # noqa: E402
 
+from kvcore_testkit import DEVICE_KINDS  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "dist_async_sum.py")
 
@@ -87,6 +89,15 @@ def test_dist_model_with_two_servers_and_a_split_key(tmp_path):
     # start 1; each of 2 workers sends 3 rounds of (2 + 2) * 0.5 = 2
     for out in outputs:
         assert "TOTAL 13.0 13.0 2" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", DEVICE_KINDS)
+def test_dist_model_on_its_devices_pulls_exact_weights_into_strided_targets(kind):
+    script = str(ROOT / "tests" / "kvcore" / "dist_scripts" / "shared_model_device.py")
+    with LocalJob(num_workers=1, num_servers=1, worker=[script, kind]) as job:
+        outputs = _check(job.wait(timeout=120), 1)
+    assert "OK 0" in outputs[0], outputs[0]
 
 
 @pytest.mark.slow

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 import kvcore
-from kvcore import Parameter, Trainer
+from kvcore import Parameter, Trainer, arrays
 from kvcore.local_store import LocalKVStore
+
+from kvcore_testkit import DEVICE_KINDS
 
 BOTH_MODES = pytest.mark.parametrize("update_on_kvstore", [False, True], ids=["update_here", "update_on_store"])
 
@@ -28,6 +30,30 @@ def test_step_sums_two_devices_gradients_and_applies_one_sgd_step(update_on_kvst
         np.testing.assert_array_equal(replica, expected_w)
     for replica in b:
         np.testing.assert_array_equal(replica, _f32(0.5 - 0.5 * 8 / 4))
+
+
+@pytest.mark.parametrize("kind", DEVICE_KINDS)
+@pytest.mark.parametrize("store", ["local", "device"])
+@BOTH_MODES
+def test_steps_on_device_arrays_keep_every_replica_exact_and_where_it_was(kind, store, update_on_kvstore):
+    if kind == "gpu":  # two replicas: on two GPUs when there are two, else both on the one
+        devices = [arrays.gpu(i % arrays.num_gpus()) for i in range(2)]
+    else:
+        devices = [arrays.cpu(), arrays.cpu()]
+    w = [arrays.to_device(_f32(1, 2, 3), d) for d in devices]
+    b = [arrays.to_device(_f32(0.5), d) for d in devices]
+    trainer = Trainer({"w": w, "b": b}, kvcore.optim.SGD(learning_rate=0.5), kvstore=store,
+                      update_on_kvstore=update_on_kvstore)
+    for _ in range(2):
+        gw = [arrays.to_device(g, d) for g, d in zip((_f32(1, 0, 4), _f32(3, 8, 0)), devices)]
+        gb = [arrays.to_device(g, d) for g, d in zip((_f32(2), _f32(6)), devices)]
+        trainer.step(4, {"w": gw, "b": gb})
+    for replica, device in zip(w + b, devices + devices):
+        assert arrays.device_of(replica) == device
+    for replica in w:
+        np.testing.assert_array_equal(arrays.asnumpy(replica), _f32(1, 2, 3) - 2 * 0.5 * _f32(4, 8, 4) / 4)
+    for replica in b:
+        np.testing.assert_array_equal(arrays.asnumpy(replica), _f32(0.5 - 2 * 0.5 * 8 / 4))
 
 
 @BOTH_MODES

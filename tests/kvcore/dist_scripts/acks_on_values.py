@@ -1,28 +1,22 @@
 """Worker: pushes that leave on their own (no pull to ride with) are acknowledged on the next pull's
 one-frame VALUE reply, and every pulled value is exact."""
 
+import os
 import time
 
 import numpy as np
 
-import kvcore
-from psnode.protocol import FLAG_ACKS, Cmd, unpack_header
+from psnode.testing import use_recording_transport
+
+os.environ["PSLAUNCH_TRANSPORT"] = use_recording_transport()  # the zmq transport, noting what arrives
+
+import kvcore  # noqa: E402
+from psnode.protocol import FLAG_ACKS, Cmd  # noqa: E402
 
 kv = kvcore.create("dist_sync")
 value, out = np.ones(4, np.float32), np.zeros(4, np.float32)
 kv.init(3, value)
-node = kv._worker
-replies = []  # (command, flags) of every message this worker receives (from the real socket)
-real_recv = node.transport.recv
-
-
-def recording_recv():
-    sender, frames = real_recv()
-    replies.append(unpack_header(frames[0])[:2])
-    return sender, frames
-
-
-node.transport.recv = recording_recv
+replies = kv._worker.conn.transport.received  # (command, flags) of every message this worker receives
 for i in range(20):
     time.sleep(0.01)  # the network thread takes the receiving role back: the push is not held
     handle = kv.push(3, value * i)

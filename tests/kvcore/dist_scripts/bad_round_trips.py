@@ -2,10 +2,17 @@
 truncated frame) fail with errors naming the problem; a refused push never leaves later pulls
 waiting for it; and the next rounds stay exact."""
 
+import os
+
 import numpy as np
 
-import kvcore
-from psnode.protocol import Cmd, pack_push_pull
+from psnode.testing import use_recording_transport
+
+os.environ["PSLAUNCH_TRANSPORT"] = use_recording_transport()  # the zmq transport, noting what is sent
+
+import kvcore  # noqa: E402
+from psnode.errors import RemoteError  # noqa: E402
+from psnode.protocol import Cmd, pack_push_pull  # noqa: E402
 
 kv = kvcore.create("dist_sync")
 assert kv.num_workers == 1
@@ -15,16 +22,8 @@ node = kv._worker
 server, key_id = kv._whole[3]
 uid = node.servers[server].uid.encode()
 
-sent = []  # the command of every message this worker sends (the real socket still sends it)
-real_send = node.transport.send
-
-
-def recording_send(peer, frames, track=False, block=True):
-    sent.append(frames[0][3])
-    return real_send(peer, frames, track, block)
-
-
-node.transport.send = recording_send
+transport = node.conn.transport
+sent = transport.sent_cmds  # the command of every message this worker sends (the real socket still sends it)
 
 
 def round_trip(key, push_value, pull_out):
@@ -49,20 +48,20 @@ for key, push_value, pull_out, expected in [
         paths.append(commands)
         for future in (push, pull):
             error = future.exception()
-            assert isinstance(error, kvcore.ServerError) and expected in str(error), repr(error)
+            assert isinstance(error, RemoteError) and expected in str(error), repr(error)
     assert [Cmd.PUSH_PULL] in paths, [[Cmd(c).name for c in p] for p in paths]
 
 # a refused push on its own (the general PUSH message) still counts, so the next pull does not wait for it
 sent.clear()
 push = node.push_part(server, key_id, np.ones(8, np.float32))
 assert node.wait_for(push, 30)
-assert isinstance(push.exception(), kvcore.ServerError) and "a push of 32 bytes" in str(push.exception()), push.exception()
+assert isinstance(push.exception(), RemoteError) and "a push of 32 bytes" in str(push.exception()), push.exception()
 assert sent == [Cmd.PUSH], [Cmd(c).name for c in sent]
 pulled = kv.pull(3, out=out, wait=False)
 pulled.wait(30)
 
 # a truncated frame is dropped by the server (counted as malformed); nothing answers it
-node.transport.send(uid, [pack_push_pull(node.next_req_id(), node.next_req_id(), key_id, 0, 1, value.tobytes())[:-3]])
+transport.send(uid, [pack_push_pull(10**9, 10**9 + 1, key_id, 0, 1, value.tobytes())[:-3]])
 
 for i in range(50):  # and the job goes on with exact values: one worker, so the pull is its own push
     kv.push(3, value * i)

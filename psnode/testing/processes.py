@@ -1,0 +1,289 @@
+"""A test kit: start a whole job (scheduler, servers, worker scripts) on 127.0.0.1 and always reap it.
+
+    with LocalJob(num_workers=3, num_servers=2, worker=["tests/kvcore/dist_scripts/sums.py"]) as job:
+        results = job.wait(timeout=60)          # every process's exit code and output
+        assert all(r.returncode == 0 for r in results)
+
+Every process runs in its own session (process group) with the environment contract of
+docs/env.md, on a free port, its output in a temporary file. Leaving the ``with`` block kills
+whatever is still running (TERM, a grace period, then KILL of the whole process group), also
+when the test failed. ``free_port()`` and ``job_env()`` help tests that start processes themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from launcher.envcontract import SETTINGS, contract_env
+
+__all__ = ["LocalJob", "ProcessResult", "JobFailed", "free_port", "job_env", "reap"]
+
+_ROOT = str(Path(__file__).resolve().parents[2])
+_CONTRACT_PREFIXES = ("DMLC_", "PS_", "PSLAUNCH_")
+_TEST_SETTINGS = {"PS_HEARTBEAT_INTERVAL": "0.5", "PS_HEARTBEAT_TIMEOUT": "10", "PSLAUNCH_REGISTER_TIMEOUT": "30"}
+
+
+class JobFailed(Exception):
+    """A process of a job failed or ran past its deadline; the message says which, how, and its last lines."""
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, str] | None = None,
+            role: str = "worker", rank: int = 0, test_settings: bool = True) -> dict[str, str]:
+    """The environment of one process of a job on 127.0.0.1, plus ``extra``.
+
+    The contract is written by ``launcher.envcontract.contract_env``, its one writer: ``DMLC_LOCAL``,
+    ``PS_VERBOSE`` and the names of its ``SETTINGS`` in ``extra`` go through it; other variables of
+    ``extra`` are added as they are (a test may write a malformed contract on purpose). With
+    ``test_settings`` heartbeats and registration are short, for tests. Workers get no fixed
+    rank: the scheduler orders them, as for a job started by hand.
+    """
+    extra = dict(extra or {})
+    settings = {**(_TEST_SETTINGS if test_settings else {}), **{k: v for k, v in extra.items() if k in SETTINGS}}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_CONTRACT_PREFIXES)}
+    env.update(contract_env(role=role, root_uri="127.0.0.1", root_port=port, num_workers=num_workers,
+                            num_servers=num_servers, job_id=f"test-{port}", rank=rank, local_rank=rank,
+                            local_size=num_workers if role == "worker" else num_servers, node_host="127.0.0.1",
+                            all_local=extra.pop("DMLC_LOCAL", "0") == "1", verbose=int(extra.pop("PS_VERBOSE", "0")),
+                            fixed_rank=False, settings=settings))
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p), PYTHONUNBUFFERED="1")
+    env.update({k: v for k, v in extra.items() if k not in SETTINGS})
+    return env
+
+
+@dataclass
+class ProcessResult:
+    """How one process of the job ended."""
+
+    role: str
+    index: int
+    returncode: int | None
+    output: str
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.index} exited {self.returncode}:\n{self.output[-3000:]}"
+
+
+class _Proc:
+    def __init__(self, role: str, index: int, argv: Sequence[str], env: Mapping[str, str], log: Path | None) -> None:
+        self.role = role
+        self.index = index
+        self.path = log
+        self.log = open(log, "w+b") if log is not None else tempfile.TemporaryFile(mode="w+b")
+        self.popen = subprocess.Popen(list(argv), env=dict(env), stdout=self.log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=_ROOT)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.index}"
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def result(self) -> ProcessResult:
+        return ProcessResult(self.role, self.index, self.popen.returncode, self.output())
+
+    def failure(self, how: str) -> str:
+        lines = "\n".join(self.output().splitlines()[-12:])
+        where = f" (log {self.path})" if self.path is not None else ""
+        return f"{self.name} (pid {self.popen.pid}) {how}{where}; its last lines:\n{lines}"
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def reap(popens: Sequence[subprocess.Popen], grace: float = 2.0) -> None:
+    """Stop every process group still running: TERM, ``grace`` seconds, then KILL; wait for all."""
+    for popen in popens:
+        if popen.poll() is None:
+            _signal_group(popen, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for popen in popens:
+        try:
+            popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for popen in popens:
+        if popen.poll() is None:
+            _signal_group(popen, signal.SIGKILL)
+            popen.wait()
+        else:  # the leader is gone; make sure nothing it spawned lingers in its group
+            _signal_group(popen, signal.SIGKILL)
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class LocalJob:
+    """A job on 127.0.0.1: the bundled scheduler and servers plus ``worker`` argv per worker.
+
+    Args:
+        num_workers, num_servers: the job's size.
+        worker: argv after ``python`` for every worker (a script path and its arguments), or None to
+            start no workers (the test starts them).
+        env: extra variables for every process (names of the contract's settings, such as
+            ``PSLAUNCH_SAME_HOST``, go through ``contract_env``); ``worker_env[i]`` extra ones for worker i.
+        start_scheduler, start_servers, start_workers: leave a role out, or start fewer (e.g. to test
+            a missing node).
+        scheduler, server: full argv of those roles (default: the bundled ``python -m psnode ROLE``);
+            ``python``: the interpreter workers run under.
+        log_dir: keep each process's output in ``<log_dir>/<role><index>.log`` (default: temporary files).
+        test_settings: short heartbeats and registration (``job_env``); False keeps the runtime's
+            defaults (the benchmarks).
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        num_servers: int,
+        worker: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        worker_env: Sequence[Mapping[str, str]] | None = None,
+        start_scheduler: bool = True,
+        start_servers: int | None = None,
+        start_workers: int | None = None,
+        scheduler: Sequence[str] | None = None,
+        server: Sequence[str] | None = None,
+        python: str = sys.executable,
+        log_dir: Path | None = None,
+        test_settings: bool = True,
+    ) -> None:
+        self.port = free_port()
+        self.num_workers = num_workers
+        self.num_servers = num_servers
+        self.procs: list[_Proc] = []
+        self._extra = dict(env or {})
+        self._log_dir = log_dir
+        self._test_settings = test_settings
+        self._plan = (worker, worker_env, start_scheduler,
+                      num_servers if start_servers is None else start_servers,
+                      num_workers if start_workers is None else start_workers,
+                      list(scheduler or [sys.executable, "-m", "psnode", "scheduler"]),
+                      list(server or [sys.executable, "-m", "psnode", "server"]), python)
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> "LocalJob":
+        worker, worker_env, start_scheduler, servers, workers, scheduler, server, python = self._plan
+        try:
+            if start_scheduler:
+                self.start("scheduler", 0, scheduler)
+            for i in range(servers):
+                self.start("server", i, server)
+            if worker is not None:
+                for i in range(workers):
+                    extra = dict(worker_env[i]) if worker_env else {}
+                    self.start("worker", i, [python, *(a.replace("{index}", str(i)) for a in worker)], extra)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def start(self, role: str, index: int, argv: Sequence[str], extra: Mapping[str, str] | None = None) -> subprocess.Popen:
+        """Start one more process of the job (``DMLC_ROLE=role`` unless ``extra`` says otherwise;
+        ``DMLC_ROLE=""`` starts it without the variable)."""
+        contract_role = role if role in ("scheduler", "server", "worker") else "worker"
+        env = job_env(self.num_workers, self.num_servers, self.port, {**self._extra, **(extra or {})},
+                      role=contract_role, rank=index, test_settings=self._test_settings)
+        env["DMLC_ROLE"] = (extra or {}).get("DMLC_ROLE", role)
+        if env["DMLC_ROLE"] == "":
+            del env["DMLC_ROLE"]
+        log = self._log_dir / f"{role}{index}.log" if self._log_dir is not None else None
+        proc = _Proc(role, index, argv, env, log)
+        self.procs.append(proc)
+        return proc.popen
+
+    def of(self, role: str, index: int = 0) -> subprocess.Popen:
+        """The process started as ``role`` number ``index``."""
+        for proc in self.procs:
+            if proc.role == role and proc.index == index:
+                return proc.popen
+        raise KeyError(f"no {role} {index} was started")
+
+    def output_of(self, role: str, index: int = 0) -> str:
+        """What the process started as ``role`` number ``index`` printed so far."""
+        for proc in self.procs:
+            if proc.role == role and proc.index == index:
+                return proc.output()
+        raise KeyError(f"no {role} {index} was started")
+
+    def wait(self, timeout: float) -> list[ProcessResult]:
+        """Wait for every process to exit; on timeout kill them all and raise with their output.
+
+        Raises:
+            TimeoutError: some process was still running after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                running = [p.name for p in self.procs if p.popen.poll() is None]
+                self.close()
+                details = "\n".join(str(p.result()) for p in self.procs)
+                raise TimeoutError(f"still running after {timeout:g} s: {', '.join(running)}\n{details}") from None
+        return self.results()
+
+    def wait_ok(self, roles: Sequence[str], timeout: float) -> None:
+        """Wait until every process of ``roles`` has exited 0; any process of the job exiting non-zero
+        first fails at once (a dead server must not turn into a wait for the whole timeout).
+
+        Raises:
+            JobFailed: a process failed (the first one seen) or ``roles`` still ran after ``timeout``
+                seconds; the message names it and gives its last lines.
+        """
+        deadline = time.monotonic() + timeout
+        pending = [p for p in self.procs if p.role in roles]
+        while True:
+            for proc in self.procs:
+                code = proc.popen.poll()
+                if code is not None and code != 0:
+                    raise JobFailed(proc.failure(_describe(code)))
+            pending = [p for p in pending if p.popen.poll() is None]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise JobFailed(pending[0].failure(f"still ran after {timeout:g} s (so did {len(pending) - 1} more)"))
+            time.sleep(0.05)
+
+    def results(self) -> list[ProcessResult]:
+        """Each process's role, index, exit code (None while running) and output so far."""
+        for proc in self.procs:
+            proc.popen.poll()
+        return [proc.result() for proc in self.procs]
+
+    def close(self) -> None:
+        """Kill what still runs (whole process groups) and reap it."""
+        reap([p.popen for p in self.procs])
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        for proc in self.procs:
+            proc.log.close()

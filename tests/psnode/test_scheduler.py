@@ -1,0 +1,202 @@
+"""The scheduler alone, on the in-process transport, talking to nodes the test plays itself."""
+
+import threading
+
+import pytest
+
+from launcher.envcontract import contract_env
+from psnode.env import read_env
+from psnode.errors import PeerDiedError, RegistrationTimeoutError
+from psnode.inproc_transport import InProcHub, InProcTransport
+from psnode.membership import SCHEDULER
+from psnode.protocol import FLAG_ERROR, Cmd, pack_header, pack_json, unpack_header, unpack_json
+from psnode.scheduler import Scheduler
+
+ROOT_PORT = 9
+
+
+class FakeNode:
+    """A node the test plays: registers with the scheduler and reads what it answers."""
+
+    def __init__(self, hub, role, host="127.0.0.1", worker_id=None):
+        self.transport = InProcTransport(b"", hub=hub)
+        self.port = self.transport.bind(0)
+        self.uid = f"{role}@{host}:{self.port}"
+        self.transport.identity = self.uid.encode()
+        self.info = {"role": role, "host": host, "port": self.port, "uid": self.uid, "fingerprint": "f",
+                     "local_name": self.uid, "shm_probe": 0, "worker_id": worker_id, "pid": 1}
+        self.transport.connect(SCHEDULER, f"tcp://127.0.0.1:{ROOT_PORT}")
+
+    def send(self, cmd, req_id=0, arg=0, body=None):
+        frames = [pack_header(cmd, req_id, arg)] + ([pack_json(body)] if body is not None else [])
+        self.transport.send(SCHEDULER, frames)
+
+    def register(self):
+        self.send(Cmd.REGISTER, body=self.info)
+
+    def expect(self, cmd, timeout=5.0):
+        """The next message of command ``cmd`` (others, such as heartbeat acks, are skipped)."""
+        while self.transport.poll(timeout):
+            _, frames = self.transport.recv()
+            got, flags, req_id, _ = unpack_header(frames[0])
+            if got == cmd:
+                return flags, req_id, (unpack_json(frames[1]) if len(frames) > 1 else None)
+        raise AssertionError(f"no {Cmd(cmd).name} within {timeout} s")
+
+
+class SchedulerThread:
+    def __init__(self, workers, servers, **settings):
+        self.hub = InProcHub()
+        settings = {"PS_HEARTBEAT_INTERVAL": "0", "PSLAUNCH_REGISTER_TIMEOUT": "5", **settings}
+        env = read_env(contract_env(role="scheduler", root_uri="127.0.0.1", root_port=ROOT_PORT, num_workers=workers,
+                                    num_servers=servers, job_id="t", rank=0, local_rank=0, local_size=1,
+                                    settings=settings))
+        self.scheduler = Scheduler(env, transport=InProcTransport(SCHEDULER, hub=self.hub))
+        self.result = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.result = self.scheduler.run()
+        except BaseException as exc:
+            self.result = exc
+
+    def node(self, role, **kw):
+        return FakeNode(self.hub, role, **kw)
+
+    def join(self, timeout=5.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the scheduler did not end"
+        return self.result
+
+
+def registered(job, nodes):
+    for node in nodes:
+        node.register()
+    return [node.expect(Cmd.ADDRBOOK)[2] for node in nodes]
+
+
+def test_ranks_follow_worker_ids_then_host_and_port_and_every_node_gets_the_whole_book():
+    job = SchedulerThread(workers=3, servers=2)
+    nodes = [job.node("worker", host="10.0.0.9"), job.node("worker", worker_id=0), job.node("worker", host="10.0.0.1"),
+             job.node("server", host="10.0.0.5"), job.node("server", host="10.0.0.2")]
+    books = registered(job, nodes)
+    assert [book["rank"] for book in books] == [2, 0, 1, 1, 0]
+    assert all(len(book["nodes"]) == 5 for book in books)
+    assert {n["uid"]: n["rank"] for n in books[0]["nodes"]} == {n.uid: b["rank"] for n, b in zip(nodes, books)}
+    for node in nodes[:3]:
+        node.send(Cmd.FINISH, 1)
+    for node in nodes[3:]:
+        node.expect(Cmd.SHUTDOWN)
+        node.send(Cmd.SHUTDOWN_ACK)
+    assert job.join() == 0
+
+
+def test_a_node_beyond_the_jobs_size_is_refused_naming_the_variable():
+    job = SchedulerThread(workers=1, servers=1, PSLAUNCH_REGISTER_TIMEOUT="0.5")
+    first, extra = job.node("server"), job.node("server", host="10.1.1.1")
+    first.register()
+    extra.register()
+    _, _, body = extra.expect(Cmd.REGISTER_FAILED)
+    assert "a server at 10.1.1.1" in body["error"] and "DMLC_NUM_SERVER=1" in body["error"]
+    assert isinstance(job.join(), RegistrationTimeoutError)
+
+
+def test_registration_timeout_names_what_is_missing_and_tells_the_nodes_that_came():
+    job = SchedulerThread(workers=2, servers=1, PSLAUNCH_REGISTER_TIMEOUT="0.3")
+    worker = job.node("worker")
+    worker.register()
+    _, _, body = worker.expect(Cmd.REGISTER_FAILED)
+    assert "1 of 2 workers" in body["error"] and "missing: 1 server, 1 worker" in body["error"]
+    error = job.join()
+    assert isinstance(error, RegistrationTimeoutError) and "0 of 1 servers" in str(error)
+
+
+def test_two_workers_asking_for_one_worker_id_are_refused_naming_both():
+    job = SchedulerThread(workers=2, servers=1)
+    nodes = [job.node("worker", host="10.0.0.1", worker_id=1), job.node("worker", host="10.0.0.2", worker_id=1),
+             job.node("server")]
+    for node in nodes:
+        node.register()
+    _, _, body = nodes[0].expect(Cmd.REGISTER_FAILED)
+    assert "DMLC_WORKER_ID=1" in body["error"] and "10.0.0.1" in body["error"] and "10.0.0.2" in body["error"]
+    assert "DMLC_WORKER_ID=1" in str(job.join())
+
+
+def test_malformed_registrations_are_dropped_and_the_job_still_forms():
+    job = SchedulerThread(workers=1, servers=1)
+    stranger = job.node("worker")
+    stranger.transport.send(SCHEDULER, [pack_header(Cmd.REGISTER), b"not json"])
+    stranger.send(Cmd.REGISTER, body=["a", "list"])
+    stranger.send(Cmd.REGISTER, body={**stranger.info, "uid": "someone-else"})
+    stranger.send(Cmd.REGISTER, body={**stranger.info, "port": "no port"})
+    stranger.send(Cmd.REGISTER, body={**stranger.info, "worker_id": "zero"})
+    stranger.transport.send(SCHEDULER, [b"\x00garbage"])
+    nodes = [job.node("worker"), job.node("server")]
+    assert [book["rank"] for book in registered(job, nodes)] == [0, 0]
+    assert job.scheduler.malformed == 6  # every one of them, the garbage frame too
+    nodes[0].send(Cmd.FINISH, 1)
+    nodes[1].expect(Cmd.SHUTDOWN)
+    nodes[1].send(Cmd.SHUTDOWN_ACK)
+    assert job.join() == 0
+
+
+def test_barriers_answer_once_every_member_arrived_and_refuse_outsiders_and_unknown_groups():
+    job = SchedulerThread(workers=2, servers=1)
+    w0, w1, server = job.node("worker"), job.node("worker"), job.node("server")
+    registered(job, [w0, w1, server])
+    server.send(Cmd.BARRIER, 5, 1)  # group 1 is the workers'
+    flags, req, body = server.expect(Cmd.BARRIER_DONE)
+    assert flags & FLAG_ERROR and req == 5 and "not in the barrier group workers" in body["error"]
+    w0.send(Cmd.BARRIER, 6, 99)
+    assert "unknown barrier group 99" in w0.expect(Cmd.BARRIER_DONE)[2]["error"]
+    w0.send(Cmd.BARRIER, 7, 1)
+    assert not w0.transport.poll(0.05)  # waits for worker 1
+    w1.send(Cmd.BARRIER, 8, 1)
+    assert w0.expect(Cmd.BARRIER_DONE)[:2] == (0, 7) and w1.expect(Cmd.BARRIER_DONE)[:2] == (0, 8)
+    for node in (w0, w1):
+        node.send(Cmd.FINISH, 1)
+    server.expect(Cmd.SHUTDOWN)
+    server.send(Cmd.SHUTDOWN_ACK)
+    assert job.join() == 0
+
+
+def test_a_silent_node_is_announced_dead_to_the_others_naming_it():
+    job = SchedulerThread(workers=1, servers=1, PS_HEARTBEAT_INTERVAL="0.05", PS_HEARTBEAT_TIMEOUT="0.3")
+    worker, server = job.node("worker"), job.node("server", host="10.0.0.7")
+    registered(job, [worker, server])
+    body = None
+    for _ in range(100):  # the worker keeps beating; the server says nothing
+        worker.send(Cmd.HEARTBEAT)
+        while body is None and worker.transport.poll(0.02):
+            _, frames = worker.transport.recv()
+            if unpack_header(frames[0])[0] == Cmd.NODE_DIED:
+                body = unpack_json(frames[1])
+        if body is not None:
+            break
+    assert body is not None, "no NODE_DIED within 2 s"
+    assert body["role"] == "server" and body["rank"] == 0 and body["host"] == "10.0.0.7"
+    assert "server 0 on 10.0.0.7" in body["message"] and "no heartbeat" in body["message"]
+    error = job.join()
+    assert isinstance(error, PeerDiedError) and error.role == "server"
+
+
+def test_a_node_that_reports_its_own_failure_ends_the_job_with_its_reason():
+    job = SchedulerThread(workers=2, servers=1)
+    w0, w1, server = job.node("worker"), job.node("worker"), job.node("server")
+    registered(job, [w0, w1, server])
+    w1.send(Cmd.NODE_DIED, body={"message": "ValueError: bad batch"})
+    for node in (w0, server):
+        assert "failed: ValueError: bad batch" in node.expect(Cmd.NODE_DIED)[2]["message"]
+    assert "ValueError: bad batch" in str(job.join())
+
+
+@pytest.mark.parametrize("body", [{"message": 5}, "text", None])
+def test_a_death_report_with_an_odd_body_still_ends_the_job_cleanly(body):
+    job = SchedulerThread(workers=1, servers=1)
+    worker, server = job.node("worker"), job.node("server")
+    registered(job, [worker, server])
+    worker.send(Cmd.NODE_DIED, body=body)
+    assert "NODE_DIED" not in str(server.expect(Cmd.NODE_DIED)[2]["message"])
+    assert isinstance(job.join(), PeerDiedError)
