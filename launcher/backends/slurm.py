@@ -74,7 +74,9 @@ _LABEL = re.compile(r"^ *(\d+): ?(.*)$", re.S)
 _ROUTINE = re.compile(r"^srun: (error: \S+: tasks? [\d,\-]+: (Exited with exit code \d+|Killed|Terminated)"
                       r"|cluster configuration lacks support for cpu binding)")
 _SLURMSTEPD = re.compile(r"^slurmstepd(-\S+)?: ")
-_CANCELLED = re.compile(r"^slurmstepd(-\S+)?: error: \*\*\* (STEP|JOB) \S+ ON \S+ CANCELLED AT ")
+# What Slurm says when pslaunch stops the step or cancels its allocation.
+_STOPPED = re.compile(r"^(slurmstepd(-\S+)?: error: \*\*\* (STEP|JOB) \S+ ON \S+ CANCELLED AT "
+                      r"|srun: (Force Terminated|Job step aborted|forcing job termination))")
 _ALLOCATION = re.compile(r"(Pending|Granted) job allocation (\d+)")
 _POLL = 0.2
 _REASON_EVERY = 1.0
@@ -211,7 +213,7 @@ class SlurmBackend(BatchBackend):
     def _pending_reason(self, previous: str | None, said: list[str], argv: list[str]) -> str | None:
         res = run_tool(["squeue", "-h", "-j", str(self.job), "-o", "%T %r"], self.env)
         state, _, reason = res.stdout.strip().partition(" ")
-        if state != "PENDING" or not reason:
+        if state != "PENDING" or reason in ("", "None"):  # not evaluated by the scheduler yet
             return previous
         if reason in HOPELESS_REASONS:
             why = f" ({'; '.join(said)})" if said else ""
@@ -250,12 +252,11 @@ class SlurmBackend(BatchBackend):
             task = int(found.group(1)) if found else -1
             if found and _SLURMSTEPD.match(found.group(2)):
                 text = found.group(2)  # Slurm's words on the task's stream, not the process's
-                if self._sent and _CANCELLED.match(text) and not self.config.verbose:
-                    return  # pslaunch cancelled it: the summary says so
             elif found and task < len(handles):
-                handle = handles[task]
-                route_line(handle, stream, self.printer, found.group(2), handle.on_marker)
+                route_line(handles[task], stream, self.printer, found.group(2), handles[task].on_marker)
                 return
+            if self._sent and _STOPPED.match(text) and not self.config.verbose:
+                return  # pslaunch stopped the step itself: the summary says so
             if text.strip():
                 self.last_line = text.strip()
             if self.config.verbose or not _ROUTINE.match(text):
