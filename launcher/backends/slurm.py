@@ -213,8 +213,10 @@ class SlurmBackend(BatchBackend):
     def _pending_reason(self, previous: str | None, said: list[str], argv: list[str]) -> str | None:
         res = run_tool(["squeue", "-h", "-j", str(self.job), "-o", "%T %r"], self.env)
         state, _, reason = res.stdout.strip().partition(" ")
-        if state != "PENDING" or reason in ("", "None"):  # not evaluated by the scheduler yet
+        if state != "PENDING":
             return previous
+        if reason in ("", "None"):
+            reason = "not considered by Slurm's scheduler yet"
         if reason in HOPELESS_REASONS:
             why = f" ({'; '.join(said)})" if said else ""
             raise PlacementError(f"Slurm will not run the allocation pslaunch asked for ({shlex.join(argv)}): "
