@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Callable
 
 import click
-import numpy as np
 
 from . import python_cost
 

@@ -10,7 +10,6 @@ figures per measure (the mean over workers of each worker's median), or raises `
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import tempfile

@@ -41,7 +41,7 @@ _KEY = 3
 
 def _env(role: str, workers: int):
     return read_env(contract_env(role=role, root_uri="127.0.0.1", root_port=1, num_workers=workers, num_servers=1,
-                                 job_id="cost", rank=0, local_rank=0, local_size=1, fixed_rank=False,
+                                 job_id="cost", rank=0, local_rank=0, local_size=1, fixed_rank=False, supervised=False,
                                  settings={"PS_HEARTBEAT_INTERVAL": "0", "PSLAUNCH_SAME_HOST": "tcp"}))
 
 

@@ -26,6 +26,12 @@ Semantics (MXNet's dist KVStore):
   split across the servers, and the updater then sees flat 1-D shards of them. Optimizer states live
   on the servers.
 - ``priority``: higher goes first when sends queue up.
+- ``set_gradient_compression(params)`` (every worker calls it; rank 0 sends the threshold to every
+  server, at full float32 precision; all return after a barrier): from then on each worker
+  quantizes a key's value after its local reduce, with a residual per (key, part), and pushes the
+  packed words (codec ``2bit`` or ``1bit``, ``psnode.codecs``); the servers dequantize each push and
+  sum in arrival order. Pulls and ``init`` are not compressed. Keys initialised while compression is
+  on are split over the servers on whole compressed words (see ``kvcore.sharding``).
 
 Errors of the runtime surface as ``DistributedError`` subclasses (``NodeDiedError`` names the dead
 node) with the psnode error as ``__cause__``, mapped in one place (``kvcore.dist_errors``).
@@ -41,6 +47,8 @@ from typing import Any, Hashable
 import numpy as np
 
 from psnode import errors as ps_errors
+from psnode.codecs import codec_id
+from psnode.compression import values_per_word
 from psnode.env import read_env
 from psnode.node import is_done
 from psnode.protocol import Group
@@ -125,6 +133,7 @@ class DistKVStore(KVStoreBase):
         self._layouts: dict[Hashable, KeyLayout] = {}
         self._whole: dict[Hashable, tuple[int, int]] = {}  # key -> (server, key id) for unsplit keys
         self._has_updater = False
+        self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
 
     # ---- job facts --------------------------------------------------------------------------
     @property
@@ -187,6 +196,28 @@ class DistKVStore(KVStoreBase):
 
     _set_updater = set_updater
 
+    # ---- gradient compression ------------------------------------------------------------------
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Compress every push from now on (see the module docstring and docs/compression.md).
+
+        Every worker calls it with the same parameters (as in MXNet), best before ``init``: keys
+        initialised afterwards are split on whole compressed words. Blocking: each worker first
+        waits until its earlier pushes reached the servers (they were encoded with the old
+        parameters), then rank 0 sends the new ones to every server, and all return after a
+        barrier; residuals are kept.
+
+        Raises:
+            CompressionError: parameters MXNet would refuse (nothing is sent then).
+            ServerError: a server refused the parameters (naming the value).
+        """
+        super().set_gradient_compression(compression_params)
+        params = self._compression.params
+        self._call(self._worker.wait_pushes)
+        self.barrier()  # no push encoded with the old parameters is still on its way to a server
+        if self.rank == 0:
+            self._wait(self._worker.set_codec(codec_id(params.type), {"threshold": float(params.threshold)}))
+        self.barrier()
+
     # ---- the common case without the general normalisation ------------------------------------
     def push(self, key: Any, value: Any, priority: int = 0) -> Handle:
         """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
@@ -226,7 +257,10 @@ class DistKVStore(KVStoreBase):
         env = self._worker.env
         layouts = []
         for key, value in pairs:
-            layouts.append(layout(key, tuple(value.shape), np.dtype(value.dtype), self.num_servers, env.bigarray_bound))
+            dtype = np.dtype(value.dtype)
+            # compressed pushes are split on whole words (as MXNet splits them); init itself is not compressed
+            word = values_per_word(self._compression.params.type) if self._compression and dtype == np.float32 else 1
+            layouts.append(layout(key, tuple(value.shape), dtype, self.num_servers, env.bigarray_bound, word))
         if self.rank == 0:
             parts = []
             for lay, (key, value) in zip(layouts, pairs):
@@ -242,18 +276,13 @@ class DistKVStore(KVStoreBase):
                 self._whole[lay.key] = (lay.parts[0].server, lay.id)
 
     def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
-        if self._compression is not None:
-            # The parameters are checked and kept; compressed pushes do not travel to the servers yet,
-            # and sending them uncompressed would give other numbers than MXNet.
-            raise NotImplementedError(
-                f"{self.type} cannot push with gradient compression yet (key {groups[0][0]!r}); "
-                "push without set_gradient_compression, or use the 'device' store"
-            )
         if not self._sync and not self._has_updater:
             raise OptimizerError(
                 f"dist_async applies every push on the servers as it arrives, so it needs an optimizer: "
                 f"call kv.set_optimizer(...) before pushing key {groups[0][0]!r}"
             )
+        if self._compression is not None:
+            return self._push_compressed(groups, priority)
         parts = []
         fresh = True
         whole = self._whole
@@ -276,6 +305,24 @@ class DistKVStore(KVStoreBase):
                 parts.append((part.server, part.id, flat[part.start:part.stop]))
         handle = _NodeHandle("push", self._worker)
         self._call(self._worker.push, parts, priority, not fresh, handle)
+        return handle
+
+    def _push_compressed(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+        """Quantize each key's value (after the local reduce) part by part, each part with its own
+        residual, and push the packed words in the compression's codec."""
+        compression = self._compression
+        parts = []
+        with self._compress_lock:
+            codec = codec_id(compression.params.type)
+            for key, values in groups:
+                value = values[0] if len(values) == 1 else self._merge(key, values)
+                flat = np.ascontiguousarray(arrays.asnumpy(value)).reshape(-1)
+                for index, part in enumerate(self._layouts[key].parts):
+                    packed = compression.quantize((key, index), flat[part.start:part.stop])
+                    parts.append((part.server, part.id, packed))
+        handle = _NodeHandle("push", self._worker)
+        # the packed arrays are new: handed over, not copied
+        self._call(self._worker.push, parts, priority, False, handle, codec)
         return handle
 
     def _merge(self, key: Hashable, values: list[Any]) -> np.ndarray:

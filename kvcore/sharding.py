@@ -8,11 +8,17 @@ while the next arrives. Splits follow rows when the key has enough rows (so a ro
 each server only for its rows), else elements. The servers hold a split key as flat 1-D shards,
 each with its own part id. The first part goes to a server chosen by the key's hash, so the larger
 pieces of uneven splits do not always land on server 0.
+
+A key whose pushes are compressed (``word``: 16 values per 32-bit word for 2bit, 32 for 1bit) is
+split on whole compressed words, as MXNet splits it: every part but the last holds a multiple of
+``word`` elements, so its packed words carry no padding and its length is its word count times
+``word``. Row splits then fall on rows that are also word boundaries (when there are enough).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -67,8 +73,10 @@ class KeyLayout:
     row_size: int  # elements per row; 0 when the key is split by elements (rows do not align)
 
 
-def layout(key: Hashable, shape: tuple[int, ...], dtype: np.dtype, num_servers: int, bigarray_bound: int) -> KeyLayout:
-    """Decide the parts of ``key`` (see the module docstring)."""
+def layout(key: Hashable, shape: tuple[int, ...], dtype: np.dtype, num_servers: int, bigarray_bound: int,
+           word: int = 1) -> KeyLayout:
+    """Decide the parts of ``key`` (see the module docstring); split bounds are multiples of ``word``
+    elements (the values per compressed word; 1: anywhere)."""
     kid = key_id(key)
     size = int(np.prod(shape, dtype=np.int64))
     rows = shape[0] if shape else 1
@@ -78,11 +86,14 @@ def layout(key: Hashable, shape: tuple[int, ...], dtype: np.dtype, num_servers: 
         return KeyLayout(key, kid, shape, np.dtype(dtype), (Part(home, 0, size, kid),), False, row_size)
     nbytes = size * np.dtype(dtype).itemsize
     chunks = -(-nbytes // PART_BYTES)
-    count = min(size, num_servers * max(1, -(-chunks // num_servers)))
-    if len(shape) >= 1 and rows >= count:
-        bounds = [row_size * (rows * i // count) for i in range(count + 1)]
+    units = -(-size // word)  # compressed words (elements when word is 1)
+    count = min(units, num_servers * max(1, -(-chunks // num_servers)))
+    step = math.lcm(row_size, word) if row_size else 0  # elements per block of whole rows and words
+    if len(shape) >= 1 and step and size // step >= count:
+        blocks = size // step
+        bounds = [step * (blocks * i // count) for i in range(count)] + [size]
     else:
-        bounds = [size * i // count for i in range(count + 1)]
+        bounds = [min(size, word * (units * i // count)) for i in range(count)] + [size]
         row_size = 0
     parts = tuple(
         Part((home + i) % num_servers, bounds[i], bounds[i + 1], mix64(kid ^ ((i + 1) * 0x9E3779B97F4A7C15 & _MASK)) | 1 << 63)

@@ -31,9 +31,10 @@ Examples:
   pslaunch -n 8 -s 4 --launcher sge train.py           one SGE parallel-environment job
   pslaunch -n 2 --dry-run -H hosts train.py            print the plan, start nothing
 \b
-Exit codes: 0 success; the failing process's code (128+signal); 2 bad input; 3 a host failed the
-pre-flight check; 4 rsync failed; 5 a process could not be started; 124 --timeout; 130 / 143
-SIGINT / SIGTERM. Documentation: docs/launcher.md.
+Exit codes: 0 success; the root-cause process's code (128+signal; 1 when it is 2-5); 2 bad input;
+3 a host failed the pre-flight check; 4 rsync failed; 5 a process could not be started; 75 a
+process ended because of another and none failed on its own; 124 --timeout; 129 / 130 / 143
+SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
 """
 
 
@@ -78,13 +79,14 @@ SIGINT / SIGTERM. Documentation: docs/launcher.md.
 @click.option("--sge-pe", default=None, metavar="NAME",
               help="SGE parallel environment the job asks slots of [default: smp] (--launcher sge).")
 @click.option("--python", default=sys.executable, show_default="this Python",
-              help="Interpreter for a COMMAND ending in .py and for the bundled runtime.")
+              help="Interpreter for a COMMAND starting with python, python3 or a .py file, and for the bundled runtime.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Keep one log file per process here.")
 @click.option("--timeout", type=float, default=None, help="Stop the job after this many seconds (exit 124).")
 @click.option("--stop-grace", type=float, default=DEFAULT_STOP_GRACE, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping processes.")
 @click.option("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE, show_default=True,
-              help="Seconds scheduler and servers get to exit after every worker exited 0.")
+              help="Seconds a scheduler or server that is not the bundled runtime gets to exit after every "
+                   "worker exited 0 (bundled ones are asked to end at once).")
 @click.option("--job-id", default=None, help="Job id (PSLAUNCH_JOB_ID) [default: random].")
 @click.option("--dry-run", is_flag=True, help="Print the plan (hosts, argv, environment names) and exit.")
 @click.option("-v", "--verbose", count=True, help="More about what pslaunch does; -vv also sets PS_VERBOSE.")
@@ -158,6 +160,8 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         hosts=hosts,
         user_command_for_all_roles=options["command_for_all_roles"],
         python=options["python"],
+        # children get PYTHONUNBUFFERED=1 unless the user set it for pslaunch (then their value)
+        python_unbuffered=environ.get("PYTHONUNBUFFERED", "1"),
         env=env,
         scheduler_host=options["scheduler_host"],
         scheduler_port=options["scheduler_port"],

@@ -29,7 +29,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 #: Seconds between TERM and KILL when the launcher stops a process.
 DEFAULT_STOP_GRACE = 5.0
-#: Seconds scheduler and servers get to exit by themselves once every worker exited 0.
+#: Seconds a scheduler or server that is not the bundled runtime gets to exit once every worker exited 0.
 DEFAULT_SHUTDOWN_GRACE = 10.0
 
 
@@ -85,6 +85,7 @@ class LaunchConfig:
     hosts: tuple[Host, ...] = ()
     user_command_for_all_roles: bool = False
     python: str = "python3"
+    python_unbuffered: str = "1"
     env: tuple[EnvVar, ...] = ()
     scheduler_host: str | None = None
     scheduler_port: int | None = None

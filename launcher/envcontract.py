@@ -3,7 +3,9 @@
 This is the only module that writes the variable names: the launcher's plan, the runtime's test kit
 (``psnode.testing``) and the benchmarks build every process's contract with ``contract_env``. The
 names are module constants so a test can hold this module and the runtime's reader
-(``psnode/env.py``) together. Pure: importing it loads nothing but the standard library.
+(``psnode/env.py``) together. The way back is here too: the exit code of a node that ended because
+of another (``EXIT_PEER_FAILED``) and the marker lines a supervised process writes on stderr
+(docs/env.md, "Under pslaunch"). Pure: importing it loads nothing but the standard library.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ __all__ = [
     "PSLAUNCH_BIGARRAY_BOUND",
     "PSLAUNCH_TRANSPORT",
     "SETTINGS",
+    "PSLAUNCH_SUPERVISED",
+    "EXIT_PEER_FAILED",
+    "MARKER",
+    "MARKER_READY",
+    "MARKER_FAILED",
     "ROLES",
     "REQUIRED",
     "WRITTEN",
@@ -74,6 +81,16 @@ SETTINGS = (
     PSLAUNCH_BIGARRAY_BOUND,
     PSLAUNCH_TRANSPORT,
 )
+PSLAUNCH_SUPERVISED = "PSLAUNCH_SUPERVISED"
+
+#: Exit code of a node that ended because another node failed or the job was torn down.
+EXIT_PEER_FAILED = 75
+#: Start of a control line on a process's stderr (also written by the guard and ``mpi_rank``).
+MARKER = "\x1fPSLAUNCH-"
+#: A bundled node handles SIGUSR1 (end normally) and SIGTERM from here on.
+MARKER_READY = MARKER + "READY"
+#: A worker printed the traceback of its own uncaught error.
+MARKER_FAILED = MARKER + "FAILED"
 
 #: The three roles, in the order the launcher starts them.
 ROLES = ("scheduler", "server", "worker")
@@ -91,6 +108,7 @@ WRITTEN = REQUIRED + (
     PSLAUNCH_LOCAL_RANK,
     PSLAUNCH_LOCAL_SIZE,
     PSLAUNCH_RANK,
+    PSLAUNCH_SUPERVISED,
     DMLC_WORKER_ID,
 ) + SETTINGS
 
@@ -111,12 +129,15 @@ def contract_env(
     all_local: bool = False,
     verbose: int = 0,
     fixed_rank: bool = True,
+    supervised: bool = True,
     settings: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Return the contract variables of one process as a new ``{name: value}`` dict of strings.
 
     ``fixed_rank``: a worker's runtime rank is ``rank`` (``DMLC_WORKER_ID``); False leaves it to the
-    scheduler. ``settings``: values for names of ``SETTINGS`` (heartbeats, same-host path ...).
+    scheduler. ``supervised``: pslaunch watches the process (``PSLAUNCH_SUPERVISED``); False for a job
+    started as by hand (the test kit). ``settings``: values for names of ``SETTINGS`` (heartbeats,
+    same-host path ...).
 
     Pure: reads nothing from the caller's own environment. Raises ``ValueError`` for a role outside
     ``ROLES`` or a setting outside ``SETTINGS`` (naming it).
@@ -137,6 +158,8 @@ def contract_env(
         PSLAUNCH_LOCAL_RANK: str(local_rank),
         PSLAUNCH_LOCAL_SIZE: str(local_size),
     }
+    if supervised:
+        env[PSLAUNCH_SUPERVISED] = "1"
     if role == "worker" and fixed_rank:
         # A fixed rank makes the runtime's rank the launcher's: `[worker.1@host]` is kv.rank 1.
         env[DMLC_WORKER_ID] = str(rank)

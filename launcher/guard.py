@@ -9,8 +9,9 @@ SIGKILLed, or the network went away). The guard
 2. changes to the working directory;
 3. starts the command in its own session / process group (``setsid``; ``set -m`` where there is
    no setsid), with stdin from /dev/null, and reports its pid as a marker line on stderr;
-4. watches stdin: ``TERM`` / ``KILL`` lines signal the group; at EOF the group gets SIGTERM and,
-   after the grace period, SIGKILL;
+4. watches stdin: ``TERM`` (SIGTERM, then SIGCONT so a stopped group gets it), ``KILL``,
+   ``STOP`` / ``CONT`` (Ctrl-Z of pslaunch) and ``END`` (SIGUSR1: a bundled node ends normally)
+   lines signal the group; at EOF the group gets SIGTERM and, after the grace period, SIGKILL;
 5. when the command ends, stops what is left of its group (TERM, grace, KILL) and exits with the
    command's exit code.
 """
@@ -39,9 +40,15 @@ else set -m; "$@" </dev/null 3<&- & fi
 p=$!
 printf '\037PSLAUNCH-PID %s\n' "$p" >&2
 ( while IFS= read -r c; do
-    case $c in TERM) kill -s TERM -- "-$p" 2>/dev/null;; KILL) kill -s KILL -- "-$p" 2>/dev/null;; esac
+    case $c in
+      TERM) kill -s TERM -- "-$p" 2>/dev/null; kill -s CONT -- "-$p" 2>/dev/null;;
+      KILL) kill -s KILL -- "-$p" 2>/dev/null;;
+      STOP) kill -s STOP -- "-$p" 2>/dev/null;;
+      CONT) kill -s CONT -- "-$p" 2>/dev/null;;
+      END) kill -s USR1 -- "-$p" 2>/dev/null;;
+    esac
   done
-  kill -s TERM -- "-$p" 2>/dev/null; t=0
+  kill -s TERM -- "-$p" 2>/dev/null; kill -s CONT -- "-$p" 2>/dev/null; t=0
   while [ "$t" -lt "$g" ] && kill -s 0 -- "-$p" 2>/dev/null; do sleep 1; t=$((t+1)); done
   kill -s KILL -- "-$p" 2>/dev/null ) <&3 &
 w=$!
@@ -49,7 +56,7 @@ exec 3<&-
 wait "$p" 2>/dev/null; r=$?
 kill "$w" 2>/dev/null
 if kill -s 0 -- "-$p" 2>/dev/null; then
-  kill -s TERM -- "-$p" 2>/dev/null; t=0
+  kill -s TERM -- "-$p" 2>/dev/null; kill -s CONT -- "-$p" 2>/dev/null; t=0
   while [ "$t" -lt "$g" ] && kill -s 0 -- "-$p" 2>/dev/null; do sleep 1; t=$((t+1)); done
   kill -s KILL -- "-$p" 2>/dev/null
 fi

@@ -9,10 +9,14 @@ The mpi backend starts one ``mpirun`` for the whole job; every rank runs this mo
 2. builds the environment: the contract variables of that entry, plus the ``--env`` values the
    launcher exported as ``PSLAUNCH_ENV_<i>`` (only those meant for this role, under their real
    names), without the launcher's own transport variables;
-3. starts the command in its own process group, passes SIGTERM / SIGINT on to that group, and
-   stops it when its own parent (mpirun's daemon) dies (``PR_SET_PDEATHSIG``);
+3. starts the command in its own process group, passes SIGTERM / SIGINT / SIGHUP (each with a
+   SIGCONT) and SIGUSR1 on to that group, stops it on SIGUSR2 and continues it on SIGCONT (what
+   pslaunch sends through mpirun for Ctrl-Z), and stops it when its own parent (mpirun's daemon)
+   dies (``PR_SET_PDEATHSIG``); with ``--no-forward`` (under Slurm, which signals every process of
+   a step itself) it passes on only a SIGCONT with the stopping signals;
 4. writes a marker line with the pid at start and the exit status at the end on stderr (the
-   launcher reads them from mpirun's tagged output) and exits with the command's exit code.
+   launcher reads them from mpirun's tagged output) and exits 0: pslaunch, not mpirun, decides
+   what a failure stops (an mpirun aborting by itself loses the other ranks' statuses).
 
 Only the standard library.
 """
@@ -76,12 +80,31 @@ def _die_with_parent() -> None:
         pass  # not Linux: mpirun's own signal forwarding still applies
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run this rank's process of the plan; returns its exit code (128+signal for a signal).
+def _options(args: list[str]) -> tuple[str | None, bool]:
+    """``(--rank-from NAME or None, whether to pass signals on)`` from the command line."""
+    rank_variable, passing = None, True
+    rest = list(args)
+    while rest:
+        word = rest.pop(0)
+        if word == "--rank-from" and rest:
+            rank_variable = rest.pop(0)
+        elif word == "--no-forward":
+            passing = False
+        else:
+            raise RuntimeError(f"unknown argument {word!r} (usage: [--rank-from NAME] [--no-forward])")
+    return rank_variable, passing
 
-    ``argv`` (default ``sys.argv[1:]``) may be ``--rank-from NAME``."""
-    args = sys.argv[1:] if argv is None else argv
-    rank_variable = args[1] if len(args) == 2 and args[0] == "--rank-from" else None
+
+def main(argv: list[str] | None = None) -> int:
+    """Run this rank's process of the plan; returns 0 once its status is reported (125: no process
+    for this rank). ``argv`` (default ``sys.argv[1:]``) may hold ``--rank-from NAME`` and
+    ``--no-forward`` (the launcher signals every process of the job itself, as Slurm does: pass no
+    signal on, only time the grace period and keep the process group from dying of them)."""
+    try:
+        rank_variable, passing = _options(sys.argv[1:] if argv is None else argv)
+    except RuntimeError as exc:
+        print(f"pslaunch mpi_rank: {exc}", file=sys.stderr)
+        return 125
     try:
         rank = rank_from_environ(os.environ, rank_variable)
         plan = json.loads(os.environ[PLAN_VARIABLE])
@@ -98,24 +121,42 @@ def main(argv: list[str] | None = None) -> int:
     env.update(entry["env"])
     for name, index in entry["user_env"]:
         env[name] = os.environ.get(f"{ENV_PREFIX}{index}", "")
+    # Held until the child exists (handlers, unlike ignored signals, do not pass to the child).
+    early: list[int] = []
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
+        signal.signal(sig, lambda signum, frame: early.append(signum))
     try:
         child = subprocess.Popen(entry["argv"], env=env, cwd=entry.get("cwd") or None, start_new_session=True)
     except OSError as exc:
         print(f"cannot start {entry['argv'][0]!r}: {exc.strerror or exc}", file=sys.stderr)
         print(f"{_MARKER}EXIT 127", file=sys.stderr, flush=True)
-        return 127
+        return 0  # the status is in the marker (see the end of main)
     print(f"{_MARKER}PID {child.pid}", file=sys.stderr, flush=True)
     stopping: list[int] = []
 
+    def to_group(*signals: int) -> None:
+        for sig in signals:
+            try:
+                os.killpg(child.pid, sig)
+            except ProcessLookupError:
+                return
+
     def forward(signum, frame):  # noqa: ARG001
         stopping.append(signum)
-        try:
-            os.killpg(child.pid, signum)
-        except ProcessLookupError:
-            pass
+        if passing or os.getppid() != parent:  # PR_SET_PDEATHSIG's signal reached this process alone
+            to_group(signum, signal.SIGCONT)  # a stopped group gets the signal only once continued
+        else:
+            to_group(signal.SIGCONT)  # the launcher signalled the group too; stopped, it gets it now
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
+    # What pslaunch sends through mpirun (which passes SIGUSR1, SIGUSR2 and SIGCONT to every rank):
+    # SIGUSR1 ends a bundled node normally, SIGUSR2 stops the group (Ctrl-Z), SIGCONT continues it.
+    passed = {signal.SIGUSR1: signal.SIGUSR1, signal.SIGUSR2: signal.SIGSTOP, signal.SIGCONT: signal.SIGCONT}
+    for sig, what in passed.items():
+        signal.signal(sig, lambda signum, frame, what=what: to_group(what) if passing else None)
+    for sig in early if passing else ():
+        to_group(passed[sig])
     grace = float(entry.get("grace", 5))
     killed_at = None
     while True:
@@ -133,14 +174,20 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(child.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    # mpirun passes later signals to every rank, this one too: they must not kill it on its way
+    # out (Python puts default handlers back while it shuts down), mpirun would call that a failure.
+    for sig in passed:
+        signal.signal(sig, signal.SIG_IGN)
     try:
         os.killpg(child.pid, signal.SIGKILL)  # leftovers of its group
     except ProcessLookupError:
         pass
-    code = 128 - rc if rc < 0 else rc
     status = f"SIGNAL {-rc}" if rc < 0 else f"EXIT {rc}"
     print(f"{_MARKER}{status}", file=sys.stderr, flush=True)
-    return code
+    # pslaunch has the real status from the marker. Exiting 0 keeps mpirun from aborting the job
+    # by itself: it would kill the other ranks before their own exit markers got through, and a
+    # signal pslaunch sends meanwhile can crash it (Open MPI 4.1). pslaunch decides and stops the rest.
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,50 +1,66 @@
 """Output of the job's processes: each line prefixed with who printed it.
 
-A ``LineSplitter`` per stream turns raw bytes into lines (partial lines are held until their end
-or EOF; ``\\r``-updated progress bars are shown at most once a second and their last state; bytes
-that are not UTF-8 are replaced, never fatal). The ``Printer`` writes ``[worker.0@host] text``
-lines, coloured per role on a terminal, plain otherwise, and keeps the last lines of every process
-for the root-cause report. ``--log-dir`` keeps the lines of each process in its own file.
+A ``LineSplitter`` per stream turns raw bytes into blocks of whole lines (partial lines are held
+until their end or EOF, up to ``MAX_LINE`` bytes; ``\\r``-updated progress bars are shown at most
+once a second and their last state; bytes that are not UTF-8 are replaced, never fatal). The
+``Printer`` writes ``[worker.0@host] text`` lines, coloured per role on a terminal, plain
+otherwise, and keeps the last lines of every process for the root-cause report. ``--log-dir``
+keeps the lines of each process in its own file.
 
-Thread-safety: ``Printer`` methods may be called from any thread (one lock); a ``LineSplitter``
-belongs to one reader thread.
+Throughput: a reader thread hands the printer a block of many lines at a time; the printer
+prefixes the whole block with a few string operations and queues it for one writer thread, the
+only one that writes pslaunch's stdout and stderr. No lock is held while writing, so a slow
+terminal holds up the queue (and, once it is full, the processes' pipes), never a reader
+thread's bookkeeping.
+
+Thread-safety: ``Printer`` methods may be called from any thread; a ``LineSplitter`` belongs to
+one reader thread.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import queue
 import sys
 import threading
 import time
 from typing import Callable, TextIO
 
-__all__ = ["LineSplitter", "Printer", "ROLE_COLOURS"]
+from .errors import ConfigError
+
+__all__ = ["LineSplitter", "Printer", "ROLE_COLOURS", "MAX_LINE"]
 
 #: ANSI colour per role on a terminal.
 ROLE_COLOURS = {"scheduler": "35", "server": "36", "worker": "32", "mpirun": "33"}
 
-_MAX_LINE = 64 * 1024
+#: Longest line shown whole (bytes); a longer one is shown in pieces of this size, each prefixed.
+MAX_LINE = 1024 * 1024
 _PROGRESS_INTERVAL = 1.0
+_QUEUE_BLOCKS = 256  # blocks queued for the writer before readers wait (backpressure)
 
 
 class LineSplitter:
-    """Split a byte stream into text lines; call ``feed`` with each chunk and ``close`` at EOF.
+    """Split a byte stream into text; call ``feed`` with each chunk and ``close`` at EOF.
 
-    ``emit(text)`` gets each complete line without its terminator. A line longer than 64 KiB is
-    emitted in pieces. A ``\\r`` (progress bar redraw) ends a "status" segment: the latest one is
-    emitted at most once per second, and the final state when the line ends.
+    ``emit(block)`` gets one or more complete lines joined by ``\\n``, without the final line
+    terminator. A line longer than ``MAX_LINE`` bytes is emitted in pieces of that size. A ``\\r``
+    (progress bar redraw) ends a "status" segment: the latest one is emitted at most once per
+    second, and the final state when the line ends.
     """
 
-    def __init__(self, emit: Callable[[str], None], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, emit: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
+                 max_line: int = MAX_LINE) -> None:
         self._emit = emit
         self._clock = clock
+        self._max = max_line
         self._buf = bytearray()
         self._last_progress = float("-inf")
         self._pending: bytes | None = None  # latest progress state not shown yet
         self._shown = False  # a progress state of the current line was shown
 
-    def _text(self, data: bytes) -> str:
+    @staticmethod
+    def _text(data: bytes) -> str:
         return data.decode("utf-8", errors="replace")
 
     @staticmethod
@@ -64,6 +80,26 @@ class LineSplitter:
 
     def feed(self, data: bytes) -> None:
         """Add ``data``; emit every line it completes."""
+        if b"\r" not in data and self._pending is None and not self._shown:
+            # The common case: plain lines. Decode and emit them as one block.
+            cut = data.rfind(b"\n")
+            if cut >= 0:
+                if self._buf:
+                    self._buf += data[:cut]
+                    block = bytes(self._buf)
+                    self._buf.clear()
+                else:
+                    block = data[:cut]
+                self._emit(self._text(block))
+                data = data[cut + 1 :]
+            self._buf += data
+        else:
+            self._feed_slowly(data)
+        while len(self._buf) > self._max:
+            self._emit(self._text(bytes(self._buf[: self._max])))
+            del self._buf[: self._max]
+
+    def _feed_slowly(self, data: bytes) -> None:
         self._buf += data
         while True:
             nl = self._buf.find(b"\n")
@@ -85,9 +121,6 @@ class LineSplitter:
                     self._shown = True
                 else:
                     self._pending = latest
-        while len(self._buf) > _MAX_LINE:
-            self._emit(self._text(bytes(self._buf[:_MAX_LINE])))
-            del self._buf[:_MAX_LINE]
 
     def close(self) -> None:
         """End of stream: emit a final partial line or progress state, if any."""
@@ -96,11 +129,22 @@ class LineSplitter:
             self._buf.clear()
 
 
+class _Log:
+    """One process's ``--log-dir`` file; both of its reader threads write it, under its own lock."""
+
+    def __init__(self, path: str) -> None:
+        self.lock = threading.Lock()
+        self.path = path
+        self.file = None
+        self.failed = False
+
+
 class Printer:
     """Writes prefixed lines of every process to pslaunch's stdout / stderr.
 
     ``colour`` None means "if the stream is a terminal" (and ``NO_COLOR`` is not set).
     ``quiet`` drops the processes' lines from the screen (log files and last lines still get them).
+    Raises ``ConfigError`` when ``log_dir`` cannot be created.
     """
 
     def __init__(
@@ -115,16 +159,23 @@ class Printer:
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         if colour is None:
-            colour = self.out.isatty() and "NO_COLOR" not in os.environ
+            colour = _isatty(self.out) and "NO_COLOR" not in os.environ
         self.colour = colour
         self.quiet = quiet
         self.log_dir = log_dir
-        self._lock = threading.Lock()
-        self._last: dict[str, collections.deque[str]] = {}
-        self._logs: dict[str, object] = {}
-        self._keep = keep_lines
         if log_dir:
-            os.makedirs(log_dir, exist_ok=True)
+            try:
+                os.makedirs(log_dir, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"--log-dir {log_dir}: cannot create it: {exc.strerror or exc}") from None
+        self._keep = keep_lines
+        self._last: dict[str, collections.deque[str]] = {}
+        self._logs: dict[str, _Log] = {}
+        self._prefixes: dict[tuple[str, str], str] = {}
+        self._table_lock = threading.Lock()  # only for adding entries to the dicts above
+        self._queue: queue.Queue = queue.Queue(_QUEUE_BLOCKS)
+        self._writer = threading.Thread(target=self._write_loop, name="pslaunch-output", daemon=True)
+        self._writer.start()
 
     def prefix(self, name: str, role: str) -> str:
         """``[name]``, coloured for ``role`` when colour is on."""
@@ -132,22 +183,27 @@ class Printer:
             return f"\x1b[{ROLE_COLOURS.get(role, '0')}m[{name}]\x1b[0m"
         return f"[{name}]"
 
-    def line(self, name: str, role: str, text: str, stream: str = "stdout") -> None:
-        """Print one line ``text`` of process ``name`` (``stream`` is ``stdout`` or ``stderr``).
+    def _entry(self, table: dict, key, make):
+        value = table.get(key)
+        if value is None:
+            with self._table_lock:
+                value = table.setdefault(key, make())
+        return value
 
-        The line also goes to the process's ``--log-dir`` file and to its last lines.
-        """
-        with self._lock:
-            self._last.setdefault(name, collections.deque(maxlen=self._keep)).append(text)
-            self._log(name, text)
-            if self.quiet:
-                return
-            target = self.err if stream == "stderr" else self.out
-            try:
-                target.write(f"{self.prefix(name, role)} {text}\n")
-                target.flush()
-            except (OSError, ValueError):
-                pass  # our own stdout went away (closed pipe); the job goes on, logs still get it
+    def lines(self, name: str, role: str, block: str, stream: str = "stdout") -> None:
+        """Print ``block``, one or more lines of process ``name`` joined by ``\\n`` (``stream`` is
+        ``stdout`` or ``stderr``). The lines also go to the process's ``--log-dir`` file and to its
+        last lines. Blocks while the output queue is full."""
+        last = self._entry(self._last, name, lambda: collections.deque(maxlen=self._keep))
+        last.extend(block.rsplit("\n", self._keep)[-self._keep :])
+        if self.log_dir:
+            self._log(name, block)
+        if self.quiet:
+            return
+        prefix = self._entry(self._prefixes, (name, role), lambda: self.prefix(name, role) + " ")
+        self._queue.put((stream, prefix + block.replace("\n", "\n" + prefix) + "\n"))
+
+    line = lines  # one line is a block of one
 
     def log_path(self, name: str) -> str | None:
         """The ``--log-dir`` file of process ``name`` (``worker.0@host.log``), None without a log dir."""
@@ -155,33 +211,97 @@ class Printer:
             return None
         return os.path.join(self.log_dir, name.replace("/", "_").replace(":", "_") + ".log")
 
-    def _log(self, name: str, text: str) -> None:
-        if not self.log_dir:
-            return
-        log = self._logs.get(name)
-        if log is None:
-            log = open(self.log_path(name), "a", encoding="utf-8", errors="replace")  # noqa: SIM115
-            self._logs[name] = log
-        log.write(text + "\n")  # type: ignore[attr-defined]
-        log.flush()  # type: ignore[attr-defined]
+    def _log(self, name: str, block: str) -> None:
+        log = self._entry(self._logs, name, lambda: _Log(self.log_path(name)))  # type: ignore[arg-type]
+        with log.lock:
+            if log.failed:
+                return
+            try:
+                if log.file is None:
+                    log.file = open(log.path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
+                log.file.write(block + "\n")
+                log.file.flush()
+            except OSError as exc:
+                log.failed = True
+                self.note(f"cannot write {log.path}: {exc.strerror or exc}; {name}'s lines go to the screen only")
 
     def last_lines(self, name: str) -> list[str]:
         """The last lines process ``name`` printed (both streams), oldest first."""
-        with self._lock:
-            return list(self._last.get(name, ()))
+        return list(self._last.get(name, ()))
 
     def note(self, text: str) -> None:
         """A line from pslaunch itself, on stderr (also when quiet, for warnings and errors)."""
-        with self._lock:
+        self.raw(f"pslaunch: {text}\n")
+
+    def raw(self, text: str, stream: str = "stderr") -> None:
+        """Write ``text`` as it is, in order with the lines queued before it."""
+        self._queue.put((stream, text))
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until everything queued so far is written (at most ``timeout`` seconds)."""
+        if not self._writer.is_alive():
+            return
+        done = threading.Event()
+        try:
+            self._queue.put(done, timeout=timeout)
+        except queue.Full:
+            return
+        done.wait(timeout)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            items = [item]
+            while len(items) < 64:  # write what is queued in one go, flush once
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            touched: set = set()
+            stop = False
+            for entry in items:
+                if entry is None:
+                    stop = True
+                elif isinstance(entry, threading.Event):
+                    self._flush_targets(touched)
+                    touched.clear()
+                    entry.set()
+                else:
+                    target = self.err if entry[0] == "stderr" else self.out
+                    try:
+                        target.write(entry[1])
+                        touched.add(target)
+                    except (OSError, ValueError):
+                        pass  # our own stdout went away (closed pipe); the job goes on, logs still get it
+            self._flush_targets(touched)
+            if stop:
+                return
+
+    @staticmethod
+    def _flush_targets(targets: set) -> None:
+        for target in targets:
             try:
-                self.err.write(f"pslaunch: {text}\n")
-                self.err.flush()
+                target.flush()
             except (OSError, ValueError):
                 pass
 
     def close(self) -> None:
-        """Close the log files."""
-        with self._lock:
-            for log in self._logs.values():
-                log.close()  # type: ignore[attr-defined]
-            self._logs.clear()
+        """Write what is queued, stop the writer and close the log files."""
+        if self._writer.is_alive():
+            try:
+                self._queue.put(None, timeout=10)
+            except queue.Full:
+                pass
+            self._writer.join(10)
+        for log in self._logs.values():
+            with log.lock:
+                if log.file is not None:
+                    log.file.close()
+                    log.file = None
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

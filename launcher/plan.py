@@ -24,7 +24,8 @@ from .config import EnvVar, LaunchConfig
 from .errors import PlacementError
 from .hostfile import LOCAL_HOST, Host
 
-__all__ = ["ProcessSpec", "Plan", "make_plan", "format_plan", "command_argv", "runtime_argv"]
+__all__ = ["ProcessSpec", "Plan", "make_plan", "format_plan", "command_argv", "runtime_argv", "script_of",
+           "PYTHON_WORDS"]
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,9 @@ class ProcessSpec:
     """One process of the job.
 
     ``on_launcher`` means it runs on the launching machine as a child of pslaunch (not over ssh).
-    ``env`` holds the contract variables (not secret); ``user_env`` the ``--env`` variables that
-    apply to this role, whose values are never printed. ``cwd`` None means "inherit".
+    ``env`` holds the contract variables and ``PYTHONUNBUFFERED`` (not secret); ``user_env`` the
+    ``--env`` variables that apply to this role, whose values are never printed. ``cwd`` None means
+    "inherit". ``script`` is the file COMMAND runs, when pslaunch can tell (checked before start).
     """
 
     role: str
@@ -46,6 +48,7 @@ class ProcessSpec:
     local_size: int = 1
     cwd: str | None = None
     on_launcher: bool = True
+    script: str | None = None
 
     @property
     def name(self) -> str:
@@ -83,11 +86,29 @@ class Plan:
         return list(seen.values())
 
 
+#: First words of COMMAND that mean "the job's Python" (``--python``, default the launching one).
+PYTHON_WORDS = ("python", "python3")
+
+
 def command_argv(command: tuple[str, ...], python: str) -> tuple[str, ...]:
-    """The user's COMMAND as argv; a first word ending in ``.py`` runs under ``python``."""
+    """The user's COMMAND as argv: a first word ending in ``.py`` runs under ``python``, and a first
+    word ``python`` or ``python3`` becomes ``python`` (so remote hosts run the same interpreter,
+    with its packages, instead of whatever their login shell finds first)."""
     if command[0].endswith(".py"):
         return (python, *command)
+    if command[0] in PYTHON_WORDS:
+        return (python, *command[1:])
     return tuple(command)
+
+
+def script_of(command: tuple[str, ...]) -> str | None:
+    """The script file COMMAND runs, when it is plain: ``train.py ...`` or ``python[3] train.py ...``
+    (not ``python -m pkg``, ``python -c ...`` or another program)."""
+    if command[0].endswith(".py"):
+        return command[0]
+    if command[0] in PYTHON_WORDS and len(command) > 1 and not command[1].startswith("-"):
+        return command[1]
+    return None
 
 
 def runtime_argv(role: str, python: str) -> tuple[str, ...]:
@@ -163,8 +184,10 @@ def make_plan(config: LaunchConfig) -> Plan:
         on_launcher = local_only or (host is LOCAL_HOST)
         if config.backend == "mpi":
             on_launcher = False
+        script = None
         if role == "worker" or config.user_command_for_all_roles:
             argv = user_argv
+            script = script_of(config.command)
         else:
             argv = runtime_argv(role, config.python)
         node_host = None
@@ -188,6 +211,8 @@ def make_plan(config: LaunchConfig) -> Plan:
             all_local=all_local,
             verbose=config.verbose if config.verbose > 1 else 0,
         )
+        # Python children write to pipes, which block-buffer print(): lines would arrive at exit.
+        env["PYTHONUNBUFFERED"] = config.python_unbuffered
         processes.append(
             ProcessSpec(
                 role=role,
@@ -200,6 +225,7 @@ def make_plan(config: LaunchConfig) -> Plan:
                 local_size=sizes[(role, host)],
                 cwd=_cwd(config, host, on_launcher, remote_cwd),
                 on_launcher=on_launcher,
+                script=script,
             )
         )
     return Plan(config.job_id, config.backend, root_uri, config.scheduler_port, tuple(processes))

@@ -77,6 +77,7 @@ def sync_all(connector, hosts: list[Host], src: str, dst: str, clients: dict, pr
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+        printer.flush()  # the progress display writes the terminal itself, after what is queued
         console = Console(file=printer.err)
         with Progress(TextColumn("rsync → {task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                       TimeElapsedColumn(), console=console, transient=False) as bar:

@@ -2,8 +2,14 @@
 
 What decides how a host is reached, strongest first: the hostfile line (``user@host:port``), the
 flags (``--ssh-user``, ``--ssh-port``, ``-i``), then ``~/.ssh/config`` (``HostName``, ``User``,
-``Port``, ``IdentityFile``, ``ProxyCommand``), then ssh's defaults. The ssh agent and the default
-keys are tried as OpenSSH would.
+``Port``, ``IdentityFile``, ``ProxyCommand``, ``ProxyJump``), then ssh's defaults. The ssh agent
+and the default keys are tried as OpenSSH would.
+
+``ProxyJump`` (bastion hosts, common in front of clusters) is followed with paramiko itself: each
+hop is reached like any host (its own ``~/.ssh/config`` entry, the same keys and host-key policy),
+and the next connection runs inside a ``direct-tcpip`` channel of the previous one, as
+``ssh -J`` does. (fabric's ``Connection(gateway=...)`` does the same over paramiko, but would be a
+second place deciding users, keys and host-key policy for the same connections.)
 
 Host keys (``--host-key-policy``): ``accept-new`` (default) trusts keys already in the known-hosts
 file, records unknown ones there, and refuses a key that changed; ``strict`` refuses unknown keys;
@@ -20,15 +26,15 @@ import shlex
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import paramiko
 
 from .config import LaunchConfig
 from .errors import PreflightError
-from .hostfile import Host
+from .hostfile import Host, parse_hostfile_text
 
-__all__ = ["Endpoint", "SshConnector", "describe_connect_error"]
+__all__ = ["Endpoint", "SshConnector", "JumpError", "describe_connect_error", "find_known_host"]
 
 _known_hosts_lock = threading.Lock()
 
@@ -43,11 +49,17 @@ class Endpoint:
     user: str
     key_files: tuple[str, ...]
     proxy_command: str | None
+    proxy_jump: str | None = None
 
     @property
     def label(self) -> str:
         """``user@host:port`` for messages."""
         return f"{self.user}@{self.host.label}:{self.port}"
+
+
+class JumpError(Exception):
+    """A ``ProxyJump`` bastion could not be reached or could not reach the next hop; the message says
+    which and why."""
 
 
 class _AcceptNew(paramiko.MissingHostKeyPolicy):
@@ -80,6 +92,18 @@ class SshConnector:
         self.ssh_config_path = path if os.path.exists(path) else None
         self._ssh_config = paramiko.SSHConfig.from_path(path) if self.ssh_config_path else paramiko.SSHConfig()
         self.known_hosts = os.path.expanduser(config.known_hosts or "~/.ssh/known_hosts")
+        self._jumps: list[paramiko.SSHClient] = []  # clients to bastion hosts, closed by close()
+
+    def _configure(self, client: paramiko.SSHClient) -> None:
+        """Known hosts and the missing-key policy of ``--host-key-policy``."""
+        policy = self.config.host_key_policy
+        if policy != "ignore":
+            client.load_system_host_keys()
+            if os.path.exists(self.known_hosts):
+                client.get_host_keys().load(self.known_hosts)
+        client.set_missing_host_key_policy(
+            _AcceptNew(self.known_hosts) if policy == "accept-new" else _Ignore() if policy == "ignore" else paramiko.RejectPolicy()
+        )
 
     def endpoint(self, host: Host) -> Endpoint:
         """Resolve how ``host`` is reached (see the module docstring for the precedence)."""
@@ -91,23 +115,25 @@ class SshConnector:
             keys = (self.config.identity,)
         elif "identityfile" in found:
             keys = tuple(os.path.expanduser(k) for k in found["identityfile"] if os.path.exists(os.path.expanduser(k)))
-        return Endpoint(host, found.get("hostname", host.name), port, user, keys, found.get("proxycommand"))
+        jump = found.get("proxyjump")
+        command = found.get("proxycommand")
+        return Endpoint(host, found.get("hostname", host.name), port, user, keys,
+                        None if command in (None, "none") else command, None if jump in (None, "none") else jump)
 
     def connect(self, host: Host, timeout: float | None = None) -> paramiko.SSHClient:
         """Open an authenticated client to ``host``. Raises paramiko / socket errors (see
-        ``describe_connect_error``). Blocks up to about ``timeout`` seconds (default --connect-timeout)."""
-        ep = self.endpoint(host)
-        timeout = self.config.connect_timeout if timeout is None else timeout
+        ``describe_connect_error``) and ``JumpError``. Blocks up to about ``timeout`` seconds per hop
+        (default --connect-timeout)."""
+        return self._open(self.endpoint(host), self.config.connect_timeout if timeout is None else timeout, 0)
+
+    def _open(self, ep: Endpoint, timeout: float, depth: int) -> paramiko.SSHClient:
         client = paramiko.SSHClient()
-        policy = self.config.host_key_policy
-        if policy != "ignore":
-            client.load_system_host_keys()
-            if os.path.exists(self.known_hosts):
-                client.get_host_keys().load(self.known_hosts)
-        client.set_missing_host_key_policy(
-            _AcceptNew(self.known_hosts) if policy == "accept-new" else _Ignore() if policy == "ignore" else paramiko.RejectPolicy()
-        )
-        sock = paramiko.ProxyCommand(ep.proxy_command) if ep.proxy_command else None
+        self._configure(client)
+        sock = None
+        if ep.proxy_command:
+            sock = paramiko.ProxyCommand(ep.proxy_command)
+        elif ep.proxy_jump:
+            sock = self._through_jumps(ep, timeout, depth)
         try:
             client.connect(
                 ep.hostname,
@@ -130,12 +156,42 @@ class SshConnector:
             transport.set_keepalive(5)
         return client
 
+    def _through_jumps(self, ep: Endpoint, timeout: float, depth: int) -> paramiko.Channel:
+        """A channel to ``ep`` from its last ``ProxyJump`` host, itself reached through the ones
+        before it (``a,b``: a first, then b), as ``ssh -J`` does."""
+        if depth > 8:
+            raise JumpError(f"ProxyJump of {ep.host.label} loops (more than 8 hops)")
+        *before, last = ep.proxy_jump.split(",")  # type: ignore[union-attr]
+        hop = self.endpoint(parse_hostfile_text(last, f"ProxyJump of {ep.host.label}")[0])
+        if before:
+            hop = replace(hop, proxy_command=None, proxy_jump=",".join(before))
+        try:
+            client = self._open(hop, timeout, depth + 1)
+        except JumpError:
+            raise
+        except Exception as exc:
+            raise JumpError(f"bastion {hop.label} (ProxyJump): {describe_connect_error(exc, hop, self.config)}") from exc
+        self._jumps.append(client)
+        try:
+            return client.get_transport().open_channel(  # type: ignore[union-attr]
+                "direct-tcpip", (ep.hostname, ep.port), ("127.0.0.1", 0), timeout=timeout)
+        except Exception as exc:
+            raise JumpError(f"bastion {hop.label} (ProxyJump) cannot reach {ep.hostname}:{ep.port}: {exc}") from exc
+
+    def close(self) -> None:
+        """Close the connections to bastion hosts (the clients ``connect`` returned are the caller's)."""
+        for client in self._jumps:
+            client.close()
+        self._jumps.clear()
+
     def check(self, host: Host) -> paramiko.SSHClient:
         """Connect to ``host`` and run ``true`` there; returns the open client. Raises ``PreflightError``
         with one line naming the host and what went wrong."""
         ep = self.endpoint(host)
         try:
             client = self.connect(host)
+        except JumpError as exc:
+            raise PreflightError(f"{ep.label}: {exc}") from exc
         except Exception as exc:  # every failure becomes one line naming the host
             raise PreflightError(f"{ep.label}: {describe_connect_error(exc, ep, self.config)}") from exc
         try:
@@ -231,8 +287,7 @@ def run_remote_output(client: paramiko.SSHClient, argv: list[str], timeout: floa
 def describe_connect_error(exc: BaseException, ep: Endpoint, config: LaunchConfig) -> str:
     """One sentence saying why connecting to ``ep`` failed, with a hint what to do."""
     if isinstance(exc, paramiko.BadHostKeyException):
-        return (f"host key CHANGED (got {exc.key.get_name()}, known hosts has another key); "
-                "if the host was reinstalled, remove its line from the known-hosts file")
+        return _changed_key_message(exc, ep, config)
     if isinstance(exc, paramiko.AuthenticationException):
         keys = ", ".join(ep.key_files) or "ssh agent and default keys"
         return f"authentication failed for user {ep.user!r} (tried {keys}); check -i/--identity, --ssh-user, ~/.ssh/config"
@@ -252,3 +307,39 @@ def describe_connect_error(exc: BaseException, ep: Endpoint, config: LaunchConfi
             return f"unknown host key and --host-key-policy strict; add it to {os.path.expanduser(config.known_hosts or '~/.ssh/known_hosts')}"
         return f"ssh error: {text}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _known_name(ep: Endpoint) -> str:
+    """How known_hosts names the host: ``host``, or ``[host]:port`` off port 22."""
+    return ep.hostname if ep.port == 22 else f"[{ep.hostname}]:{ep.port}"
+
+
+def find_known_host(path: str, name: str) -> int | None:
+    """The 1-based line of ``path`` (a known_hosts file) holding a key for ``name`` (also hashed)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for number, line in enumerate(lines, start=1):
+        fields = line.split()
+        if not fields or line.lstrip().startswith("#"):
+            continue
+        for entry in fields[0].split(","):
+            if entry == name or (entry.startswith("|1|") and paramiko.HostKeys.hash_host(name, entry) == entry):
+                return number
+    return None
+
+
+def _changed_key_message(exc: paramiko.BadHostKeyException, ep: Endpoint, config: LaunchConfig) -> str:
+    name = _known_name(ep)
+    got = f"{exc.key.get_name()} {exc.key.fingerprint}"
+    files = [os.path.expanduser(config.known_hosts or "~/.ssh/known_hosts"), os.path.expanduser("~/.ssh/known_hosts")]
+    for path in dict.fromkeys(files):
+        line = find_known_host(path, name)
+        if line is not None:
+            return (f"host key CHANGED: the host offers {got}, but {path} line {line} holds another key for "
+                    f"{name}. If the host was reinstalled, remove that line (ssh-keygen -R {shlex.quote(name)} "
+                    f"-f {shlex.quote(path)}) and run again; otherwise someone may be intercepting the connection")
+    return (f"host key CHANGED: the host offers {got}, but the known hosts hold another key for {name}; if the "
+            f"host was reinstalled, remove it (ssh-keygen -R {shlex.quote(name)}) and run again")

@@ -1,7 +1,8 @@
-"""The table printed when a job ends: one row per process (role, rank, host, pid, exit, duration)."""
+"""The table printed when a job ends: one row per process (role, rank, host, pid, exit, duration, note)."""
 
 from __future__ import annotations
 
+import io
 from typing import TYPE_CHECKING
 
 from rich import box
@@ -10,31 +11,28 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from .backends.base import ProcessHandle
-    from .output import Printer
 
-__all__ = ["print_summary"]
+__all__ = ["render_summary"]
+
+_RED = ("root cause", "failed")
 
 
-def print_summary(handles: "list[ProcessHandle]", stopped: set[int], failure, printer: "Printer") -> None:
-    """Print the summary table on pslaunch's stderr (plain text when it is not a terminal)."""
-    console = Console(file=printer.err, force_terminal=printer.colour, no_color=not printer.colour, width=120)
+def render_summary(handles: "list[ProcessHandle]", notes: dict[int, str], colour: bool) -> str:
+    """The summary table as text (coloured when ``colour``); ``notes`` maps handle ids to the last
+    column (``root cause``, ``failed``, ``ended: a peer failed``, ``stopped by pslaunch``, ...)."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=colour, no_color=not colour, width=120)
     job = handles[0].spec.env.get("PSLAUNCH_JOB_ID", "")
-    table = Table(title=f"pslaunch job {job}", title_justify="left", box=box.SIMPLE_HEAD if printer.colour else box.ASCII)
+    table = Table(title=f"pslaunch job {job}", title_justify="left", box=box.SIMPLE_HEAD if colour else box.ASCII)
     for col in ("role", "rank", "host", "pid", "exit", "duration", "note"):
         table.add_column(col, justify="right" if col in ("rank", "pid", "duration") else "left")
     for h in handles:
-        status = h.poll()
+        status = h.status
         exit_text = "running" if status is None else status.describe().replace("exit code ", "")
-        note = ""
-        if failure is not None and failure.handle is h:
-            note = "root cause"
-        elif id(h) in stopped:
-            note = "stopped by pslaunch"
-        elif status is not None and not status.ok:
-            note = "failed"
-        style = "red" if note in ("root cause", "failed") else None
+        note = notes.get(id(h), "")
         table.add_row(
             h.spec.role, str(h.spec.rank), h.spec.host.label, str(h.pid or "-"), exit_text,
-            f"{h.duration:.1f}s", note, style=style,
+            f"{h.duration:.1f}s", note, style="red" if note in _RED else None,
         )
     console.print(table)
+    return buffer.getvalue()

@@ -2,44 +2,44 @@
 
 Rules (docs/launcher.md, "Failures"):
 
-* the first process that fails is the root cause: every other process is stopped (SIGTERM, a
-  grace period, SIGKILL) and pslaunch exits with that process's exit code (128+signal for a
-  signal), after a line naming it (role, rank, host, pid, how it ended) and its last lines;
+* a process that fails on its own (non-zero exit other than 75, a signal, or the runtime's report
+  of its uncaught error) ends the job: every other process is stopped (SIGTERM and SIGCONT, a
+  grace period, SIGKILL) and the root cause is named (``launcher.verdict``);
+* a process that exits 75 ended because another one failed: pslaunch waits up to
+  ``CULPRIT_WAIT`` seconds for the process that failed on its own before it stops the rest, so
+  that the root cause is the culprit, not the first bystander to notice;
 * a scheduler or server that exits, even with 0, before every worker has finished fails the job
   (exit code 1 when it exited 0; after exit 0 the workers get ``shutdown_grace`` seconds to
   finish too, since the runtime may end a moment before the workers' interpreters do);
-* when every worker has exited 0, scheduler and servers get ``shutdown_grace`` seconds to exit by
-  themselves (the bundled runtime does), then they are stopped; the job succeeded;
-* ``--timeout`` bounds the whole job (exit 124); SIGINT / SIGTERM stop it (exit 130 / 143), a
-  second one skips the grace period.
+* when every worker has exited 0, each bundled scheduler and server (those that wrote the READY
+  marker) is asked to end (SIGUSR1) and exits 0 at once; others get ``shutdown_grace`` seconds to
+  exit by themselves and are then stopped; the job succeeded;
+* ``--timeout`` bounds the whole job (exit 124); SIGINT / SIGTERM / SIGHUP stop it (exit 128+n),
+  a second one skips the grace period; SIGTSTP (Ctrl-Z) stops every process and pslaunch, SIGCONT
+  continues them.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 
 from .backends.base import Backend, ProcessHandle
 from .config import LaunchConfig
 from .output import Printer
 from .plan import Plan
+from .verdict import Failure, culprit, kind_of, notes, who
 
-__all__ = ["Supervisor", "Failure", "EXIT_TIMEOUT"]
+__all__ = ["Supervisor", "Failure", "EXIT_TIMEOUT", "CULPRIT_WAIT"]
 
 #: pslaunch's exit code when ``--timeout`` ran out (as timeout(1)).
 EXIT_TIMEOUT = 124
+#: Seconds pslaunch waits, once a process ended because of a peer, for the one that failed itself.
+CULPRIT_WAIT = 5.0
 _TICK = 0.05
-
-
-@dataclass(frozen=True)
-class Failure:
-    """Why the job failed: a sentence for the root-cause line, the exit code, and the process."""
-
-    reason: str
-    exit_code: int
-    handle: ProcessHandle | None = None
+_STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _Interrupted(Exception):
@@ -48,10 +48,14 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
+#: What ``_watch`` returns when processes failed: the verdict comes once output is read.
+_PROCESS_FAILED = Failure("a process failed", 1)
+
+
 class Supervisor:
     """Runs one job. ``run`` blocks until the job is over and returns pslaunch's exit code.
 
-    Must be used from the main thread (it installs SIGINT / SIGTERM handlers while running).
+    Must be used from the main thread (it installs signal handlers while running).
     """
 
     def __init__(self, config: LaunchConfig, backend: Backend, printer: Printer) -> None:
@@ -63,9 +67,18 @@ class Supervisor:
         self._signals: list[int] = []
         self._raise_on_signal = True
         self._stopped: set[int] = set()
+        self._suspend_asked = False
+        self._resume_asked = False
+        self._paused = 0.0  # seconds the job spent stopped by Ctrl-Z (not counted by --timeout)
 
     # -- signals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame) -> None:  # noqa: ARG002
+        if signum == signal.SIGTSTP:
+            self._suspend_asked = True
+            return
+        if signum == signal.SIGCONT:
+            self._resume_asked = True
+            return
         self._signals.append(signum)
         if self._raise_on_signal:
             self._raise_on_signal = False
@@ -74,14 +87,15 @@ class Supervisor:
     def _install(self) -> dict[int, object]:
         old = {}
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (*_STOPPING, signal.SIGTSTP, signal.SIGCONT):
                 old[sig] = signal.signal(sig, self._on_signal)
         return old
 
     # -- the job -------------------------------------------------------------------------------
     def run(self, plan: Plan) -> int:
         """Prepare, launch and supervise ``plan``; returns the exit code. Raises ``LaunchError``
-        from the backend's preparation (pre-flight, rsync) and from starting processes."""
+        from the backend's preparation (pre-flight, rsync, the script check) and from starting
+        processes."""
         old = self._install()
         start = time.monotonic()
         try:
@@ -99,11 +113,13 @@ class Supervisor:
         finally:
             try:
                 for handle in self.handles:
-                    handle.close()
+                    handle.close()  # reader threads finish: every marker and last line is in
             finally:
                 self.backend.close()
                 for sig, handler in old.items():
                     signal.signal(sig, handler)  # type: ignore[arg-type]
+        if self.failure is _PROCESS_FAILED:
+            self.failure = culprit(self.handles, self._stopped) or Failure("a process failed", 1)
         self._report()
         return 0 if self.failure is None else self.failure.exit_code
 
@@ -111,7 +127,7 @@ class Supervisor:
         if self._signals:
             sig = self._signals[0]
             return Failure(f"pslaunch got {signal.Signals(sig).name}", 128 + sig)
-        if self.config.timeout is not None and time.monotonic() - start > self.config.timeout:
+        if self.config.timeout is not None and time.monotonic() - start - self._paused > self.config.timeout:
             return Failure(f"the job ran longer than --timeout {self.config.timeout:g} s", EXIT_TIMEOUT)
         return None
 
@@ -119,37 +135,53 @@ class Supervisor:
         workers = [h for h in self.handles if h.spec.role == "worker"]
         others = [h for h in self.handles if h.spec.role != "worker"]
         seen: set[int] = set()
-        shutdown_deadline: float | None = None
+        asked: set[int] = set()
+        end_deadline: float | None = None
+        blamed_at: float | None = None  # a process blamed a peer, or reported its own error
         # A scheduler or server that exits 0 while workers still run may just be quicker than the
         # workers' interpreter teardown (the runtime ends once every worker said goodbye): the
         # workers get the shutdown grace period to end too before this counts as a failure.
         early: tuple[ProcessHandle, float] | None = None
         while True:
+            self._job_control()
             failure = self._check_signal_or_timeout(start)
             if failure:
                 return failure
+            now = time.monotonic()
             for handle in self.handles:
                 status = handle.poll()
+                if handle.failed_at is not None and blamed_at is None:
+                    blamed_at = handle.failed_at
                 if status is None or id(handle) in seen:
                     continue
                 seen.add(id(handle))
-                if not status.ok:
+                kind = kind_of(handle, self._stopped)
+                if kind == "own":
                     if early is not None and handle.spec.role == "worker":
                         return self._early_failure(early[0], f"; then {handle.spec.name} failed: {status.describe()}")
-                    return Failure(f"{self._who(handle)} failed first: {status.describe()}", status.exit_code, handle)
-                if handle.spec.role != "worker" and shutdown_deadline is None and early is None:
-                    early = (handle, time.monotonic() + self.config.shutdown_grace)
-            if shutdown_deadline is None and all(h.status is not None for h in workers):
-                shutdown_deadline = time.monotonic() + self.config.shutdown_grace
+                    return _PROCESS_FAILED
+                if kind in ("peer", "stopped"):
+                    blamed_at = blamed_at or now
+                elif handle.spec.role != "worker" and end_deadline is None and early is None:
+                    early = (handle, now + self.config.shutdown_grace)
+            if blamed_at is not None:
+                if now - blamed_at > CULPRIT_WAIT or all(h.status is not None for h in self.handles):
+                    return _PROCESS_FAILED
+            elif end_deadline is None and all(h.status is not None for h in workers):
+                end_deadline = now + self.config.shutdown_grace
                 if self.config.verbose:
-                    self.printer.note("every worker exited 0; waiting for scheduler and servers to finish")
-            elif early is not None and time.monotonic() > early[1]:
+                    self.printer.note("every worker exited 0; asking scheduler and servers to end")
+            elif early is not None and now > early[1]:
                 return self._early_failure(early[0], "")
-            if shutdown_deadline is not None:
+            if end_deadline is not None and blamed_at is None:
                 running = [h for h in others if h.status is None]
                 if not running:
                     return None
-                if time.monotonic() > shutdown_deadline:
+                for handle in running:
+                    if handle.ready and id(handle) not in asked:
+                        asked.add(id(handle))
+                        handle.request_end()
+                if now > end_deadline:
                     if self.config.verbose:
                         self.printer.note(
                             "stopping " + ", ".join(h.spec.name for h in running)
@@ -161,10 +193,35 @@ class Supervisor:
     def _early_failure(self, handle: ProcessHandle, then: str) -> Failure:
         running = [h.spec.name for h in self.handles if h.spec.role == "worker" and h.status is None]
         still = f" ({', '.join(running)} still running)" if running else ""
-        return Failure(f"{self._who(handle)} exited with code 0 before the workers finished{still}{then}", 1, handle)
+        return Failure(f"{who(handle)} exited with code 0 before the workers finished{still}{then}", 1, handle)
+
+    def _job_control(self) -> None:
+        """Ctrl-Z: stop every process, then pslaunch itself; SIGCONT: continue them."""
+        if self._suspend_asked:
+            self._suspend_asked = False
+            running = [h for h in self.handles if h.poll() is None]
+            for handle in running:
+                handle.suspend()
+            self.printer.note(f"stopped {len(running)} process(es) of the job (SIGTSTP); `fg` or SIGCONT continues it")
+            self.printer.flush()
+            paused_at = time.monotonic()
+            previous = signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+            try:
+                # SIGTSTP lets the shell's job control see a stopped job; without a terminal
+                # (an orphaned process group) the kernel would ignore it, so SIGSTOP there.
+                os.kill(os.getpid(), signal.SIGTSTP if _in_foreground() else signal.SIGSTOP)
+            finally:
+                signal.signal(signal.SIGTSTP, previous)
+            self._paused += time.monotonic() - paused_at
+        if self._resume_asked:
+            self._resume_asked = False
+            for handle in self.handles:
+                if handle.poll() is None:
+                    handle.resume()
+            self.printer.note("job continued")
 
     def _teardown(self) -> None:
-        """TERM everything still running, wait the grace period, KILL what is left."""
+        """TERM (and CONT) everything still running, wait the grace period, KILL what is left."""
         running = [h for h in self.handles if h.poll() is None]
         for handle in self.handles:  # exited leaders may leave group members behind
             if handle.status is None:
@@ -182,31 +239,39 @@ class Supervisor:
             time.sleep(_TICK)
             running = [h for h in running if h.poll() is None]
         for handle in running:
-            self.printer.note(f"{self._who(handle)} did not end after SIGKILL")
+            self.printer.note(f"{who(handle)} did not end after SIGKILL")
 
     # -- reporting -----------------------------------------------------------------------------
-    @staticmethod
-    def _who(handle: ProcessHandle) -> str:
-        spec = handle.spec
-        pid = f", pid {handle.pid}" if handle.pid else ""
-        return f"{spec.name} ({spec.role} rank {spec.rank} on {spec.host.label}{pid})"
-
     def _report(self) -> None:
         if not self.config.quiet and self.handles:
-            from .summary import print_summary
+            from .summary import render_summary
 
-            print_summary(self.handles, self._stopped, self.failure, self.printer)
-        if self.failure is None:
-            return
-        self.printer.note(f"root cause: {self.failure.reason}")
-        if self.failure.handle is not None:
-            lines = self.printer.last_lines(self.failure.handle.spec.name)
-            if lines:
-                self.printer.note(f"last lines of {self.failure.handle.spec.name}:")
-                for text in lines:
-                    self.printer.note(f"  | {text}")
-            else:
-                self.printer.note(f"{self.failure.handle.spec.name} printed nothing")
-        self.printer.note(f"exit code {self.failure.exit_code}")
+            self.printer.raw(render_summary(self.handles, notes(self.handles, self._stopped, self.failure),
+                                            self.printer.colour))
+        if self.failure is not None:
+            self.printer.note(f"root cause: {self.failure.reason}")
+            if self.failure.handle is not None:
+                name = self.failure.handle.spec.name
+                lines = self.printer.last_lines(name)
+                if lines:
+                    self.printer.note(f"last lines of {name}:")
+                    for text in lines:
+                        self.printer.note(f"  | {text}")
+                else:
+                    self.printer.note(f"{name} printed nothing")
+            self.printer.note(f"exit code {self.failure.exit_code}")
+        self.printer.flush()
 
 
+def _in_foreground() -> bool:
+    """Whether pslaunch is the foreground job of a terminal (where job control stops it)."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -3,10 +3,10 @@
 pslaunch starts it (``python -m launcher.watchdog GRACE``) in its own session with a pipe on its
 stdin and writes ``add PGID`` / ``del PGID`` lines. When the pipe reaches EOF — pslaunch exited,
 also by SIGKILL, which no signal handler can catch — the watchdog sends SIGTERM to every group
-still registered, waits up to GRACE seconds, sends SIGKILL to the rest, then runs each command
-registered with a ``run ["argv", ...]`` line (a JSON list: a batch scheduler's ``scancel JOB`` /
-``qdel JOB``, for a job that would otherwise outlive pslaunch) and exits. ``clear`` forgets the
-commands: pslaunch has cleaned up itself.
+still registered (and SIGCONT, for groups that are stopped), waits up to GRACE seconds, sends
+SIGKILL to the rest, then runs each command registered with a ``run ["argv", ...]`` line (a JSON
+list: a batch scheduler's ``scancel JOB`` / ``qdel JOB``, for a job that would otherwise outlive
+pslaunch) and exits. ``clear`` forgets the commands: pslaunch has cleaned up itself.
 
 Only the standard library: it must start fast and must not import the rest of the launcher.
 """
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = {g for g in groups if _alive(g)}
     if groups:
         _signal_all(groups, signal.SIGTERM)
+        _signal_all(groups, signal.SIGCONT)  # a stopped group gets the SIGTERM only once continued
         deadline = time.monotonic() + grace
         while groups and time.monotonic() < deadline:
             time.sleep(0.05)

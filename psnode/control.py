@@ -87,6 +87,7 @@ class SchedulerLink:
         self.shutdown_requested = False
         self.malformed = 0
         self._last_heard = time.monotonic()
+        self._last_tick = 0.0  # when tick last ran: a long gap means this process was stopped
         self._next_heartbeat = 0.0
         self._waiters: dict[int, concurrent.futures.Future] = {}  # req_id -> barrier / finish future
         self._waiters_lock = threading.Lock()
@@ -143,7 +144,7 @@ class SchedulerLink:
             endpoint = endpoint_of(peer, self.transport, self.me.fingerprint, self.env.same_host)
             self.transport.connect(peer.uid.encode(), endpoint)
             logger.info("%s %d connected to %s at %s", self.me.role, self.members.rank, peer.describe(), endpoint)
-        self._last_heard = time.monotonic()
+        self._last_heard = self._last_tick = time.monotonic()
 
     # ---- liveness --------------------------------------------------------------------------
     def tick(self, now: float) -> float:
@@ -154,6 +155,10 @@ class SchedulerLink:
         interval = self.env.heartbeat_interval
         if interval <= 0 or self.failure.error is not None:
             return float("inf")
+        stalled = now - self._last_tick
+        self._last_tick = now
+        if stalled > self.env.heartbeat_timeout / 2:
+            self._last_heard += stalled  # this process was stopped (Ctrl-Z): not the scheduler's silence
         silent = now - self._last_heard
         if silent > self.env.heartbeat_timeout:
             env = self.env

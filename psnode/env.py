@@ -3,11 +3,15 @@
 ``read_env()`` returns a frozen ``NodeEnv``; a missing or malformed variable raises ``EnvError``
 naming the variable and the value it had. Nothing else in psnode looks at ``os.environ`` for
 contract names.
+
+The contract also has a way back to pslaunch (docs/env.md, "Under pslaunch"): the exit code of a
+node that ended because of another node, and the marker lines a supervised node writes on stderr.
 """
 
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import re
 import socket
@@ -18,9 +22,17 @@ from typing import Mapping
 
 from .errors import EnvError
 
-__all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host"]
+__all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host", "EXIT_PEER_FAILED", "MARKER_READY", "MARKER_FAILED"]
 
 ROLES = ("scheduler", "server", "worker")
+
+#: Exit code of a node that ended because another node failed or because the job was torn down
+#: (sysexits' EX_TEMPFAIL: this node did nothing wrong). pslaunch ranks it after real failures.
+EXIT_PEER_FAILED = 75
+#: Written on stderr under pslaunch by a bundled node once SIGUSR1 ends it normally.
+MARKER_READY = "\x1fPSLAUNCH-READY"
+#: Written on stderr under pslaunch by a worker right after its own uncaught error's traceback.
+MARKER_FAILED = "\x1fPSLAUNCH-FAILED"
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,7 @@ class NodeEnv:
     same_host: str = "shm"
     io_sched: str = "batch"
     transport: str = "zmq"
+    supervised: bool = False
 
     @property
     def root_address(self) -> str:
@@ -124,6 +137,14 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     local_text = _get(env, "DMLC_LOCAL") or "0"
     if local_text not in ("0", "1"):
         raise EnvError(f"environment variable DMLC_LOCAL={local_text!r} must be 0 or 1")
+    supervised_text = _get(env, "PSLAUNCH_SUPERVISED") or "0"
+    if supervised_text not in ("0", "1"):
+        raise EnvError(f"environment variable PSLAUNCH_SUPERVISED={supervised_text!r} must be 0 or 1")
+    supervised = supervised_text == "1"
+    # Under pslaunch the launcher is the authority on liveness: it ends the job when a process dies,
+    # so a slow start (a long data load before kvcore.create) must not time registration out.
+    register_timeout = math.inf if supervised else _float(
+        "PSLAUNCH_REGISTER_TIMEOUT", _get(env, "PSLAUNCH_REGISTER_TIMEOUT") or "60", 0.001)
     verbose = _int("PS_VERBOSE", _get(env, "PS_VERBOSE") or "0", 0, 2)
     interval = _float("PS_HEARTBEAT_INTERVAL", _get(env, "PS_HEARTBEAT_INTERVAL") or "1")
     timeout = _float("PS_HEARTBEAT_TIMEOUT", _get(env, "PS_HEARTBEAT_TIMEOUT") or "10")
@@ -163,12 +184,13 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         job_id=_get(env, "PSLAUNCH_JOB_ID") or f"job-{uuid.uuid4().hex[:8]}",
         local_rank=_int("PSLAUNCH_LOCAL_RANK", _get(env, "PSLAUNCH_LOCAL_RANK") or "0", 0),
         local_size=_int("PSLAUNCH_LOCAL_SIZE", _get(env, "PSLAUNCH_LOCAL_SIZE") or "1", 1),
-        register_timeout=_float("PSLAUNCH_REGISTER_TIMEOUT", _get(env, "PSLAUNCH_REGISTER_TIMEOUT") or "60", 0.001),
+        register_timeout=register_timeout,
         bigarray_bound=_int("PSLAUNCH_BIGARRAY_BOUND", _get(env, "PSLAUNCH_BIGARRAY_BOUND") or "1000000", 1),
         server_device=device,
         same_host=same_host,
         io_sched=io_sched,
         transport=transport,
+        supervised=supervised,
     )
 
 

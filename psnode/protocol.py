@@ -66,6 +66,8 @@ __all__ = [
     "peek_req_id",
     "IN_SHARED_MEMORY",
     "MAX_DATA_FRAMES",
+    "pack_codec_params",
+    "unpack_codec_params",
 ]
 
 HEADER = struct.Struct("<2sBBHHQq")
@@ -106,6 +108,8 @@ class Cmd(enum.IntEnum):
     SET_UPDATER_ACK = 29
     PUSH_PULL = 30  # compact: req_id = the pull's, arg = the push's; ONE_PART record; the value
     VALUE = 31  # compact: req_id = the pull's, arg = the part's index in it; the value
+    SET_CODEC = 32  # JSON {"codec": id, "params": {...}}: a codec's parameters (a threshold), before its pushes
+    SET_CODEC_ACK = 33
 
 
 class Group(enum.IntEnum):
@@ -249,6 +253,40 @@ def peek_req_id(header: bytes) -> int:
 def pack_value(req_id: int, index: int, value: bytes) -> bytes:
     """A ``VALUE`` frame: the reply to pull ``req_id`` for its part ``index``."""
     return HEADER.pack(MAGIC, VERSION, Cmd.VALUE, 0, 0, req_id, index) + value
+
+
+def pack_codec_params(codec: int, params: dict[str, Any]) -> bytes:
+    """A ``SET_CODEC`` body: codec ``codec`` takes ``params`` (names to JSON numbers, strings, booleans).
+
+    A float travels as JSON writes it (the shortest text that reads back as the same double), so a
+    float32 threshold arrives with every bit: MXNet sends it as a 6-decimal string instead.
+    """
+    return pack_json({"codec": int(codec), "params": params})
+
+
+_PARAM_TYPES = (int, float, str, bool)
+
+
+def unpack_codec_params(frame: Any) -> tuple[int, dict[str, Any]]:
+    """``(codec id, params)`` of a ``SET_CODEC`` body, checked for shape and JSON types only (the
+    codec checks the values).
+
+    Raises:
+        ProtocolError: not JSON, or not ``{"codec": 0..65535, "params": {name: number|string|bool}}``
+            (the message says what was found).
+    """
+    body = unpack_json(frame)
+    if not isinstance(body, dict) or set(body) != {"codec", "params"}:
+        raise ProtocolError(f"SET_CODEC body must be {{'codec': id, 'params': {{...}}}}, got {str(body)[:200]}")
+    codec, params = body["codec"], body["params"]
+    if isinstance(codec, bool) or not isinstance(codec, int) or not 0 <= codec < 1 << 16:
+        raise ProtocolError(f"SET_CODEC names codec {codec!r}, not an id 0..65535")
+    if not isinstance(params, dict) or len(params) > 16:
+        raise ProtocolError(f"SET_CODEC parameters must be an object of at most 16 names, got {str(params)[:200]}")
+    for name, value in params.items():
+        if len(name) > 64 or not isinstance(value, _PARAM_TYPES) or (isinstance(value, str) and len(value) > 256):
+            raise ProtocolError(f"SET_CODEC parameter {name[:64]!r} = {str(value)[:80]!r} is not a short number, string or boolean")
+    return codec, params
 
 
 def pack_entries(rows: list[tuple[int, int, int, int, int, int, int]]) -> bytes:

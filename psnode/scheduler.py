@@ -151,6 +151,7 @@ class Scheduler:
         self.roster = Roster(env.num_workers, env.num_servers)
         self.barriers = Barriers()
         self.malformed = 0
+        self._last_check = 0.0  # when _check_alive last ran
 
     # ---- registration -------------------------------------------------------------------
     def register(self) -> None:
@@ -220,6 +221,7 @@ class Scheduler:
         """
         env = self.env
         tick = 0.5 if env.heartbeat_interval <= 0 else min(0.5, env.heartbeat_interval / 2)
+        self._last_check = time.monotonic()
         while not self.roster.all_workers_finished():
             if self.transport.poll(tick):
                 for _ in range(256):
@@ -300,6 +302,13 @@ class Scheduler:
 
     def _check_alive(self) -> None:
         now = time.monotonic()
+        stalled = now - self._last_check
+        self._last_check = now
+        if stalled > self.env.heartbeat_timeout / 2:
+            # This process did not run (the job was stopped with Ctrl-Z, or the machine froze):
+            # the others could not be heard meanwhile, so that time is not their silence.
+            for member in self.roster.members.values():
+                member.last_seen += stalled
         for member in self.roster.members.values():
             if member.finished:
                 continue

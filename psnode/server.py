@@ -30,7 +30,7 @@ from .membership import PeerInfo
 from .node import Connection
 from .protocol import (
     FLAG_PULL, FLAG_SYNC, IN_SHARED_MEMORY, PUSH_PULL, Cmd, Group, pack_entries, pack_header, unpack_entries, unpack_header,
-    unpack_json, unpack_push_pull,
+    unpack_codec_params, unpack_json, unpack_push_pull,
 )
 from .server_groups import Groups
 from .server_replies import Replies
@@ -41,7 +41,7 @@ from .transport import Transport
 __all__ = ["ServerNode"]
 
 _REPLY_TO = {Cmd.PULL: Cmd.PULL_REPLY, Cmd.PUSH: Cmd.PUSH_ACK, Cmd.INIT: Cmd.INIT_ACK, Cmd.ROWS: Cmd.ROWS_REPLY,
-             Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK}
+             Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC: Cmd.SET_CODEC_ACK}
 
 
 class ServerNode:
@@ -147,6 +147,9 @@ class ServerNode:
             elif cmd == Cmd.SET_UPDATER:
                 self._set_updater(frames)
                 self.replies.reply(peer, reply, req_id, arg)
+            elif cmd == Cmd.SET_CODEC:
+                self._set_codec(frames)
+                self.replies.reply(peer, reply, req_id, arg)
         except RequestRefused as exc:
             self.replies.refuse(peer, reply, req_id, str(exc))
 
@@ -161,20 +164,23 @@ class ServerNode:
         """The values a push of ``shard`` carries (``data``: its ``nbytes`` encoded bytes).
 
         Raises:
-            RequestRefused: the bytes do not encode the shard's size (the push still counts as
-                received), or an unknown codec.
+            RequestRefused: the bytes do not encode the shard's size, an unknown codec, or one that
+                cannot decode it (no parameters yet, another dtype); the push still counts as received.
         """
         if codec == RAW:  # the common case, without the table
             if nbytes != shard.nbytes:
                 raise self.store.wrong_size(shard, worker, nbytes)
             return np.frombuffer(data, dtype=shard.dtype, count=shard.size)
-        decoder = self.codecs.get(codec)
-        expected = decoder.encoded_nbytes(shard.size, shard.dtype)
-        if nbytes != expected:
-            shard.round.count_refused(worker)
-            raise RequestRefused(f"key {shard.user_key!r}: a {decoder.name} push of {nbytes} bytes, but the "
-                                 f"{shard.size} values held here take {expected} bytes in {decoder.name}")
-        return decoder.decode(data, shard.dtype, shard.size)
+        try:
+            decoder = self.codecs.get(codec)
+            expected = decoder.encoded_nbytes(shard.size, shard.dtype)
+            if nbytes != expected:
+                raise RequestRefused(f"key {shard.user_key!r}: a {decoder.name} push of {nbytes} bytes, but the "
+                                     f"{shard.size} values held here take {expected} bytes in {decoder.name}")
+            return decoder.decode(data, shard.dtype, shard.size)
+        except RequestRefused:
+            shard.round.count_refused(worker)  # its worker counted it: later pulls must not wait for it
+            raise
 
     def _push_pull(self, peer: PeerInfo, buf: memoryview) -> None:
         """A ``PUSH_PULL`` frame: the push of one small part, then the pull of it (the small round
@@ -269,6 +275,17 @@ class ServerNode:
             ) from exc
         self.store.set_updater(updater)
         logger.info("server %d installed updater %s", self.rank, type(updater).__name__)
+
+    def _set_codec(self, frames: list) -> None:
+        """Configure a codec (a threshold) before the pushes that use it; a bad body is refused, naming it."""
+        if len(frames) != 2:
+            raise RequestRefused(f"SET_CODEC of {len(frames)} frames, expected 2 (header, JSON body)")
+        try:
+            codec, params = unpack_codec_params(frames[1])
+        except ProtocolError as exc:  # answered, not dropped: the worker waits for this reply
+            raise RequestRefused(f"server {self.rank}: {exc}") from None
+        self.codecs.configure(codec, params)
+        logger.info("server %d configured codec %s with %s", self.rank, self.codecs.get(codec).name, params)
 
     def _rows(self, peer: PeerInfo, req_id: int, frames: list) -> None:
         data_frames = frames[2:]

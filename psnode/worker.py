@@ -29,7 +29,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import pickle
-import sys
+import time
 from typing import Any, Hashable, Sequence
 
 import numpy as np
@@ -40,9 +40,10 @@ from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError
 from .membership import PeerInfo
 from .node import Connection
-from .protocol import ENTRY_STRUCT, FLAG_SYNC, Cmd, Group, pack_entries, pack_header, pack_json
+from .protocol import ENTRY_STRUCT, FLAG_SYNC, Cmd, Group, pack_codec_params, pack_entries, pack_header, pack_json
 from .transport import Transport
 from .worker_outbox import Outbox
+from .worker_process import watch
 from .worker_receiver import Receiver
 from .worker_requests import RequestTable
 
@@ -89,16 +90,9 @@ class WorkerNode:
         return self
 
     def watch_process(self) -> "WorkerNode":
-        """Make this process's end the worker's: ``close`` at exit, and an uncaught exception
-        ``abort``s the job naming it (the process's one worker node calls this once)."""
-        atexit.register(self.close)
-        previous = sys.excepthook
-
-        def report_crash(kind: type, value: BaseException, tb: Any) -> None:
-            self.abort(f"{kind.__name__}: {value}")
-            previous(kind, value, tb)
-
-        sys.excepthook = report_crash
+        """Make this process's end the worker's (``worker_process.watch``): close at exit, and an
+        uncaught exception aborts the job naming it."""
+        watch(self)
         return self
 
     def abort(self, reason: str) -> None:
@@ -222,6 +216,40 @@ class WorkerNode:
         req = self.requests.track(future, self.num_servers, None, "set_updater")
         for server in range(self.num_servers):
             self.outbox.enqueue(server, [pack_header(Cmd.SET_UPDATER, req, 1), blob], 0, req)
+        self.outbox.pump()
+        return future
+
+    def wait_pushes(self, timeout: float | None = None) -> None:
+        """Block until every push this worker issued so far was answered by its server (receiving
+        on this thread meanwhile); a refused push counts as answered.
+
+        Raises:
+            NodeTimeoutError: a push still unanswered after ``timeout`` seconds (default: a minute,
+                or the heartbeat timeout when longer); PSNodeError: the worker failed or was closed.
+        """
+        self._check()
+        self.outbox.release_held()
+        self.outbox.pump()
+        limit = timeout if timeout is not None else max(60.0, self.env.heartbeat_timeout)
+        deadline = time.monotonic() + limit
+        pushes = [r.future for r in list(self.requests.pending.values()) if r.what == "push"]
+        for future in pushes:
+            if not self.receiver.wait_for(future, max(0.0, deadline - time.monotonic())):
+                raise NodeTimeoutError(f"worker {self.rank}: pushes still unanswered after {limit:g} s")
+        self.conn.failure.check()
+
+    def set_codec(self, codec: int, params: dict[str, Any], future: Any = None) -> Any:
+        """Send codec ``codec``'s parameters (``{"threshold": t}``) to every server; the future is
+        done when all took them, or fails with the first refusal (which names the bad value).
+
+        Pushes in that codec sent after the future is done are decoded with these parameters; the
+        caller makes sure no worker's push in it is still on the way when they change.
+        """
+        future = future or concurrent.futures.Future()
+        body = pack_codec_params(codec, params)
+        req = self.requests.track(future, self.num_servers, None, "set_codec")
+        for server in range(self.num_servers):
+            self.outbox.enqueue(server, [pack_header(Cmd.SET_CODEC, req, 1), body], 0, req)
         self.outbox.pump()
         return future
 

@@ -196,7 +196,7 @@ class RequestTable:
                 else:
                     target[:] = buffers[frame][offset:offset + nbytes]
             request.remaining -= len(entries)
-        elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK):
+        elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC_ACK):
             request.remaining -= arg
         else:
             raise ProtocolError(f"a worker does not accept {Cmd(cmd).name}")

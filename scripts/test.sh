@@ -3,7 +3,9 @@
 #   system packages: openssh-server + client (ssh backend tests), rsync (code sync), Open MPI (mpi backend),
 #                    Slurm (slurmctld, slurmd, slurm-client) and SGE (gridengine-master, -exec, -client) for
 #                    the batch backends' tests, which start their own one-machine clusters in temporary
-#                    directories (nothing in /etc is configured or changed for them)
+#                    directories (nothing in /etc is configured or changed for them),
+#                    tmux (a real terminal for the Ctrl-Z test)
+#                    iproute2 (ip and tc: the rate-limited link between network namespaces of a benchmark)
 #   Python: a virtual environment in .venv with pslaunch installed editable, plus the test extra and
 #           the torch extra (torch==2.13.0, the CPU build, for the PyTorch training example)
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -k kvstore`).
@@ -16,6 +18,8 @@ command -v ssh >/dev/null 2>&1 || missing+=(openssh-client)
 command -v rsync >/dev/null 2>&1 || missing+=(rsync)
 command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
 command -v ps >/dev/null 2>&1 || missing+=(procps)
+command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+command -v tc >/dev/null 2>&1 || missing+=(iproute2)
 [ -x /usr/sbin/slurmctld ] || missing+=(slurmctld)
 [ -x /usr/sbin/slurmd ] || missing+=(slurmd)
 command -v srun >/dev/null 2>&1 || missing+=(slurm-client)

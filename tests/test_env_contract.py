@@ -29,6 +29,15 @@ def test_runtime_reads_what_the_launcher_writes(role):
     assert (read.node_host, read.interface, read.local, read.verbose) == ("127.0.0.5", "lo", True, 2)
     # a worker's runtime rank is the launcher's rank, so output labels and kv.rank agree
     assert read.worker_id == (1 if role == "worker" else None)
+    # the launcher watches liveness: no registration timeout
+    assert read.supervised and read.register_timeout == float("inf")
+
+
+def test_launcher_and_runtime_agree_on_the_way_back():
+    assert envcontract.EXIT_PEER_FAILED == node_env.EXIT_PEER_FAILED
+    assert envcontract.MARKER_READY == node_env.MARKER_READY
+    assert envcontract.MARKER_FAILED == node_env.MARKER_FAILED
+    assert f"| `{envcontract.EXIT_PEER_FAILED}` |" in DOC
 
 
 def test_minimal_launcher_env_is_complete_for_the_runtime():

@@ -1,12 +1,15 @@
 """The backend interface: how a planned process is started, watched and stopped somewhere.
 
 A ``Backend`` gets the resolved config and the ``Printer``; ``prepare`` runs its checks (ssh
-pre-flight, rsync) or asks a batch scheduler for the job's hosts (and then returns the plan made
-for them), and ``launch`` starts every process of a plan, returning one ``ProcessHandle`` per
-``ProcessSpec``. Before planning, the class's ``configure`` checks the options only that backend
-takes and fills in what it knows (the nodes of a Slurm allocation). The supervisor only talks to handles: ``poll`` for an
-``ExitStatus``, ``terminate`` (SIGTERM to the process's group), ``kill`` (SIGKILL), ``close``.
-Output is read by the backend's own threads and goes to the printer line by line.
+pre-flight, rsync, the script's presence) or asks a batch scheduler for the job's hosts (and then
+returns the plan made for them), and ``launch`` starts every process of a plan, returning one
+``ProcessHandle`` per ``ProcessSpec``. Before planning, the class's ``configure`` checks the
+options only that backend takes and fills in what it knows (the nodes of a Slurm allocation). The
+supervisor only talks to handles: ``poll`` for an ``ExitStatus``, ``terminate`` (SIGTERM and
+SIGCONT to the process's group), ``kill`` (SIGKILL), ``suspend`` / ``resume`` (Ctrl-Z),
+``request_end`` (SIGUSR1 to a bundled node), ``close``. Output is read by the backend's own threads
+and goes to the printer in blocks of lines; marker lines (``MARKER``...) from wrappers and the
+runtime go to the handle instead.
 """
 
 from __future__ import annotations
@@ -19,13 +22,11 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from ..config import LaunchConfig
+from ..envcontract import MARKER
 from ..output import LineSplitter, Printer
 from ..plan import Plan, ProcessSpec
 
-__all__ = ["Backend", "ProcessHandle", "ExitStatus", "pump", "drain", "route_line", "MARKER"]
-
-#: Start of a control line that remote guards and ``launcher.mpi_rank`` write on stderr.
-MARKER = "\x1fPSLAUNCH-"
+__all__ = ["Backend", "ProcessHandle", "ExitStatus", "pump", "drain", "route_block", "MARKER"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,12 @@ def _signame(num: int) -> str:
 
 
 class ProcessHandle(ABC):
-    """A started process of the job. Methods never block longer than a network round trip."""
+    """A started process of the job. Methods never block longer than a network round trip.
+
+    Besides its exit status a handle learns from marker lines (``on_marker``): ``ready`` (a
+    bundled node that ends normally on ``request_end``) and ``failed_at`` (the process reported its
+    own uncaught error, the time pslaunch read that).
+    """
 
     def __init__(self, spec: ProcessSpec) -> None:
         self.spec = spec
@@ -78,6 +84,8 @@ class ProcessHandle(ABC):
         self.started = time.monotonic()
         self.ended: float | None = None
         self.status: ExitStatus | None = None
+        self.ready = False
+        self.failed_at: float | None = None
 
     def poll(self) -> ExitStatus | None:
         """The exit status once the process ended, else None. Non-blocking."""
@@ -85,19 +93,40 @@ class ProcessHandle(ABC):
             status = self._poll()
             if status is not None:
                 self.status = status
-                self.ended = time.monotonic()
+                self.ended = self.ended or time.monotonic()
         return self.status
+
+    def on_marker(self, text: str) -> None:
+        """A control line the process (or its wrapper) wrote; ``text`` is what follows ``MARKER``."""
+        verb = text.strip().partition(" ")[0]
+        if verb == "READY":
+            self.ready = True
+        elif verb == "FAILED" and self.failed_at is None:
+            self.failed_at = time.monotonic()
 
     @abstractmethod
     def _poll(self) -> ExitStatus | None: ...
 
     @abstractmethod
     def terminate(self) -> None:
-        """Ask the process and everything in its process group to stop (SIGTERM). Non-blocking."""
+        """Ask the process and everything in its process group to stop: SIGTERM, then SIGCONT so
+        that a stopped process gets it at once. Non-blocking."""
 
     @abstractmethod
     def kill(self) -> None:
         """Kill the process and its process group (SIGKILL). Non-blocking."""
+
+    @abstractmethod
+    def suspend(self) -> None:
+        """Stop the process group (SIGSTOP), for Ctrl-Z of pslaunch. Non-blocking."""
+
+    @abstractmethod
+    def resume(self) -> None:
+        """Continue a suspended process group (SIGCONT). Non-blocking."""
+
+    @abstractmethod
+    def request_end(self) -> None:
+        """Ask a ``ready`` bundled node to end normally (SIGUSR1): the job is over. Non-blocking."""
 
     def close(self, timeout: float = 2.0) -> None:
         """Release pipes, channels and reader threads (waiting up to ``timeout`` for late output)."""
@@ -165,42 +194,40 @@ def drain(read: Callable[[], bytes], feed: Callable[[bytes], None]) -> None:
         feed(data)
 
 
-def route_line(handle: ProcessHandle, stream: str, printer: Printer, text: str,
-               on_marker: Callable[[str], None] | None = None) -> None:
-    """Print one line of ``handle``'s output; a line holding ``MARKER`` is a control line: the
-    text after the marker goes to ``on_marker`` and the text before it (a partial line) is printed."""
+def route_block(handle: ProcessHandle, stream: str, printer: Printer, block: str) -> None:
+    """Print a block of ``handle``'s lines; marker lines go to ``handle.on_marker`` instead (the text
+    before a marker on its line, a partial line of output, is printed)."""
     spec = handle.spec
-    if MARKER in text:
+    if MARKER not in block:
+        printer.lines(spec.name, spec.role, block, stream)
+        return
+    plain: list[str] = []
+    for text in block.split("\n"):
+        if MARKER not in text:
+            plain.append(text)
+            continue
         before, _, control = text.partition(MARKER)
         if before:
-            printer.line(spec.name, spec.role, before, stream)
-        if on_marker is not None:
-            on_marker(control)
-        return
-    printer.line(spec.name, spec.role, text, stream)
+            plain.append(before)
+        if plain:
+            printer.lines(spec.name, spec.role, "\n".join(plain), stream)
+            plain = []
+        handle.on_marker(control)
+    if plain:
+        printer.lines(spec.name, spec.role, "\n".join(plain), stream)
 
 
-def pump(
-    read: Callable[[], bytes],
-    handle: ProcessHandle,
-    stream: str,
-    printer: Printer,
-    on_marker: Callable[[str], None] | None = None,
-) -> threading.Thread:
-    """Start a daemon thread that reads ``read()`` until it returns b"" and prints the lines.
-
-    Lines holding ``MARKER`` are control lines: the text after the marker goes to
-    ``on_marker`` and the text before it (a partial line of output) is printed.
-    """
-    spec = handle.spec
+def pump(read: Callable[[], bytes], handle: ProcessHandle, stream: str, printer: Printer) -> threading.Thread:
+    """Start a daemon thread that reads ``read()`` until it returns b"" and prints the lines
+    (``route_block``)."""
 
     def run() -> None:
-        splitter = LineSplitter(lambda text: route_line(handle, stream, printer, text, on_marker))
+        splitter = LineSplitter(lambda block: route_block(handle, stream, printer, block))
         try:
             drain(read, splitter.feed)
         finally:
             splitter.close()
 
-    thread = threading.Thread(target=run, name=f"pslaunch-{stream}-{spec.name}", daemon=True)
+    thread = threading.Thread(target=run, name=f"pslaunch-{stream}-{handle.spec.name}", daemon=True)
     thread.start()
     return thread

@@ -3,16 +3,16 @@
 A batch scheduler, not a hostfile, decides where a job runs, and often only once it starts the
 job. So these backends plan on a placeholder host until the scheduler has granted the job
 (``with_hosts`` then gives the config to plan with: its hosts, the scheduler on the first), start
-every process through ``launcher.mpi_rank`` (``ShimHandle``: pid and exit status arrive as marker
-lines) under one launcher process (``BatchBackend``), and run the scheduler's client tools (``run_tool``) with an environment that holds none of
-the ``--env`` values (``tool_environ``): those reach the job's processes only, never the scheduler.
+every process through ``launcher.mpi_rank`` (``launcher.backends.shim``: pid and exit status arrive
+as marker lines, requests go to the whole job) under one launcher process (``BatchBackend``), and
+run the scheduler's client tools (``run_tool``) with an environment that holds none of the ``--env``
+values (``tool_environ``): those reach the job's processes only, never the scheduler.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import signal
 import subprocess
 import threading
 import time
@@ -23,10 +23,11 @@ from ..config import LaunchConfig
 from ..errors import ConfigError, SpawnError
 from ..hostfile import Host
 from ..plan import ProcessSpec
-from .base import Backend, ExitStatus, ProcessHandle
+from .base import Backend
 from .local import LocalHandle, LocalSpawner, child_environ
+from .shim import ShimJob
 
-__all__ = ["BatchBackend", "ShimHandle", "with_hosts", "split_args", "refuse_host_flags", "run_tool",
+__all__ = ["BatchBackend", "with_hosts", "split_args", "refuse_host_flags", "run_tool",
            "tool_environ", "read_lines", "require_tools", "private_dir", "TOOL_TIMEOUT", "GONE_WAIT"]
 
 #: Seconds a scheduler client command (scontrol, qconf, scancel, ...) may take.
@@ -37,11 +38,12 @@ GONE_WAIT = 15.0
 
 class BatchBackend(Backend):
     """Base of the slurm and sge backends: one launcher process (``srun``, ``qsub -sync y``) is a
-    child of pslaunch while the job runs; every process of the job is a ``ShimHandle``.
+    child of pslaunch while the job runs (``shim.launcher``); every process of the job is a
+    ``ShimHandle`` of ``shim``.
 
-    Subclasses set ``launcher`` when they start it, call ``output_done.set()`` once its output
-    (or the job's files) is read to the end, and implement ``_deliver``. ``launcher_ended`` and
-    ``signal_job`` may be called from any thread.
+    Subclasses set ``shim.launcher`` when they start it, call ``shim.output_done.set()`` once its
+    output (or the job's files) is read to the end, and implement ``_deliver`` (called from any
+    thread, once per request: ``ShimJob``).
     """
 
     #: How handles name the launcher process in their details (``srun``, ``the SGE job``).
@@ -51,10 +53,7 @@ class BatchBackend(Backend):
         super().__init__(config, printer)
         self.spawner = LocalSpawner(config.stop_grace)
         self.env = tool_environ(config)
-        self.launcher: LocalHandle | None = None
-        self.output_done = threading.Event()
-        self.last_line = ""  # the launcher's or the job's own last line: why it ended, if it did early
-        self._sent: set[int] = set()
+        self.shim = ShimJob(self.launcher_name, self._deliver)
         self._lock = threading.Lock()
 
     def start_tool(self, argv: list[str], env: dict[str, str]) -> LocalHandle:
@@ -63,25 +62,8 @@ class BatchBackend(Backend):
         spec = ProcessSpec(argv[0], 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
         return self.spawner.spawn(spec, self.printer, argv=argv, env=env, readers=False)
 
-    def launcher_ended(self) -> tuple[int, str] | None:
-        """``(exit code, last line)`` once the launcher process ended and its output is read."""
-        if self.launcher is None or self.launcher.popen.poll() is None or not self.output_done.is_set():
-            return None
-        status = self.launcher.poll()
-        assert status is not None
-        return status.exit_code, self.last_line
-
-    def signal_job(self, sig: int) -> None:
-        """Send ``sig`` (SIGTERM or SIGKILL) to every process of the job, each signal at most once,
-        and only while the launcher process runs."""
-        with self._lock:
-            if sig in self._sent or self.launcher is None or self.launcher.popen.poll() is not None:
-                return
-            self._sent.add(sig)
-        self._deliver(sig)
-
-    def _deliver(self, sig: int) -> None:
-        """Send ``sig`` to the job through the scheduler."""
+    def _deliver(self, verb: str) -> None:
+        """Send ``verb`` (one of ``shim.VERBS``) to every process of the job through the scheduler."""
         raise NotImplementedError
 
     def cancel_and_wait(self, listed: Callable[[], bool], cancel: list[str], what: str) -> None:
@@ -103,42 +85,6 @@ class BatchBackend(Backend):
                 self.printer.note(f"{what} is still listed {GONE_WAIT:g} s after {shlex.join(cancel)}")
                 return
             time.sleep(0.2)
-
-
-class ShimHandle(ProcessHandle):
-    """One process of a batch job, started by ``launcher.mpi_rank``: its pid and exit status come
-    from the shim's marker lines; stopping it stops the whole job (``BatchBackend.signal_job``)."""
-
-    def __init__(self, spec: ProcessSpec, job: BatchBackend) -> None:
-        super().__init__(spec)
-        self._job = job
-        self._marked: ExitStatus | None = None
-
-    def on_marker(self, text: str) -> None:
-        """``PID n``, ``EXIT n`` or ``SIGNAL n`` from ``launcher.mpi_rank``."""
-        verb, _, arg = text.strip().partition(" ")
-        if not arg.isdigit():
-            return
-        if verb == "PID":
-            self.pid = int(arg)
-        elif verb in ("EXIT", "SIGNAL"):
-            self._marked = ExitStatus(code=int(arg)) if verb == "EXIT" else ExitStatus(signal=int(arg))
-
-    def _poll(self) -> ExitStatus | None:
-        if self._marked is not None:
-            return self._marked
-        ended = self._job.launcher_ended()
-        if ended is None:
-            return None
-        code, last = ended
-        detail = f"no exit status from this process; {self._job.launcher_name} ended with {code}"
-        return ExitStatus(code=code or 255, detail=f"{detail}: {last}" if last else detail)
-
-    def terminate(self) -> None:
-        self._job.signal_job(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self._job.signal_job(signal.SIGKILL)
 
 
 def with_hosts(config: LaunchConfig, hosts: Sequence[Host]) -> LaunchConfig:

@@ -8,23 +8,38 @@ the ssh backend (scheduler on the launching host) and the mpi backend (``mpirun`
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
-from typing import Callable, Sequence
+from typing import Sequence
 
 from .. import envcontract as ec
 from ..errors import SpawnError
 from ..plan import Plan, ProcessSpec
+from ..scriptcheck import check_scripts_here
 from .base import Backend, ExitStatus, ProcessHandle, pump
 
-__all__ = ["LocalBackend", "LocalSpawner", "LocalHandle", "child_environ"]
+__all__ = ["LocalBackend", "LocalSpawner", "LocalHandle", "child_environ", "widen_pipe", "READ_SIZE"]
 
 # Inherited values of these would contradict the plan (a stale DMLC_WORKER_ID, say).
 _CONTRACT_NAMES = set(ec.WRITTEN) | {ec.DMLC_WORKER_ID}
+
+#: Bytes a reader takes from a child's pipe at once.
+READ_SIZE = 1 << 20
+_F_SETPIPE_SZ = 1031  # Linux fcntl
+
+
+def widen_pipe(fd: int, size: int = READ_SIZE) -> None:
+    """Give a child's output pipe ``size`` bytes of buffer (Linux; 64 KiB otherwise): a chatty
+    process then writes while the reader is busy, and each read takes more at once."""
+    try:
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
+    except OSError:
+        pass  # over /proc/sys/fs/pipe-max-size for this user: the default still works
 
 
 def child_environ(env: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
@@ -47,17 +62,30 @@ class LocalHandle(ProcessHandle):
         rc = self.popen.poll()
         return None if rc is None else ExitStatus.from_returncode(rc)
 
-    def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.popen.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    def _signal(self, *signals: int) -> None:
+        for sig in signals:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                return
 
     def terminate(self) -> None:
-        self._signal(signal.SIGTERM)
+        self._signal(signal.SIGTERM, signal.SIGCONT)
 
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
+
+    def suspend(self) -> None:
+        if self.popen.poll() is None:
+            self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.popen.poll() is None:
+            self._signal(signal.SIGCONT)
+
+    def request_end(self) -> None:
+        if self.popen.poll() is None:
+            self._signal(signal.SIGUSR1)
 
     def close(self, timeout: float = 2.0) -> None:
         for thread in self._threads:
@@ -102,7 +130,6 @@ class LocalSpawner:
         printer,
         argv: Sequence[str] | None = None,
         env: dict[str, str] | None = None,
-        on_marker: Callable[[ProcessHandle, str], None] | None = None,
         handle_cls: type[LocalHandle] = LocalHandle,
         readers: bool = True,
     ) -> LocalHandle:
@@ -125,13 +152,15 @@ class LocalSpawner:
             raise SpawnError(f"cannot start {spec.name}: {argv[0]!r}: {exc.strerror or exc}") from exc
         self._watch(popen.pid)
         handle = handle_cls(spec, popen, [])
+        assert popen.stdout is not None and popen.stderr is not None
+        for pipe in (popen.stdout, popen.stderr):
+            widen_pipe(pipe.fileno())
         if not readers:
             return handle
-        marker = None if on_marker is None else (lambda text: on_marker(handle, text))
-        assert popen.stdout is not None and popen.stderr is not None
+        out, err = popen.stdout.fileno(), popen.stderr.fileno()
         handle._threads = [
-            pump(lambda: os.read(popen.stdout.fileno(), 65536), handle, "stdout", printer, marker),
-            pump(lambda: os.read(popen.stderr.fileno(), 65536), handle, "stderr", printer, marker),
+            pump(lambda: os.read(out, READ_SIZE), handle, "stdout", printer),
+            pump(lambda: os.read(err, READ_SIZE), handle, "stderr", printer),
         ]
         return handle
 
@@ -174,6 +203,10 @@ class LocalBackend(Backend):
     def __init__(self, config, printer) -> None:
         super().__init__(config, printer)
         self.spawner = LocalSpawner(config.stop_grace)
+
+    def prepare(self, plan: Plan) -> None:
+        """Refuse a COMMAND whose script is not there (``ConfigError``) before anything starts."""
+        check_scripts_here(list(plan.processes), self.config.cwd)
 
     def launch(self, plan: Plan) -> list[ProcessHandle]:
         handles: list[ProcessHandle] = []

@@ -7,8 +7,13 @@ finds its process of the plan by rank. The plan travels in the ``PSLAUNCH_MPI_PL
 command line, never values.
 
 mpirun runs with ``--tag-output``; ``TagDemux`` splits its output back into each rank's stdout and
-stderr, and reads the pid / exit status markers ``mpi_rank`` writes. Stopping a rank means stopping
-mpirun (SIGTERM, which it forwards; SIGKILL of its group); ``mpi_rank`` also dies with its parent.
+stderr (untagged lines are mpirun's own, shown as ``[mpirun]``), and reads the pid / exit status
+markers ``mpi_rank`` writes (``ShimHandle``). ``mpi_rank`` exits 0 once its marker is out, so mpirun
+never aborts the job by itself; pslaunch decides. Signals reach the ranks only through mpirun, and
+each is sent once for the whole job (``ShimJob``): stopping means one SIGTERM to mpirun (SIGKILL of
+its group after the grace); Ctrl-Z is SIGUSR2 / SIGCONT and the end request SIGUSR1, which mpirun
+passes to every rank's ``mpi_rank`` and that to its process group. ``mpi_rank`` also dies with its
+parent.
 """
 
 from __future__ import annotations
@@ -24,57 +29,23 @@ from ..hostfile import Host
 from ..mpi_rank import payload
 from ..output import LineSplitter
 from ..plan import Plan, ProcessSpec
-from .base import MARKER, Backend, ExitStatus, ProcessHandle
-from .local import LocalHandle, LocalSpawner, _launcher_root
+from ..scriptcheck import check_scripts_here, check_scripts_remote
+from .base import Backend, ProcessHandle, route_block
+from .local import READ_SIZE, LocalHandle, LocalSpawner, _launcher_root
+from .shim import ShimHandle, ShimJob
 
-__all__ = ["MpiBackend", "MpiRankHandle", "TagDemux", "mpirun_argv"]
+__all__ = ["MpiBackend", "TagDemux", "mpirun_argv"]
 
 _TAG = re.compile(rb"\[(\d+),(\d+)\]<(stdout|stderr)>:")
+_FORWARDING = re.compile(r"^mpirun: Forwarding signal \d+ to job$")
 _MAX_HELD = 48
-
-
-class MpiRankHandle(ProcessHandle):
-    """One rank of the mpirun job. Its exit status comes from ``mpi_rank``'s marker line."""
-
-    def __init__(self, spec: ProcessSpec, backend: "MpiBackend") -> None:
-        super().__init__(spec)
-        self._backend = backend
-        self._marked: ExitStatus | None = None
-
-    def on_marker(self, text: str) -> None:
-        """``PID n``, ``EXIT n`` or ``SIGNAL n`` from ``launcher.mpi_rank``."""
-        verb, _, arg = text.strip().partition(" ")
-        if not arg.lstrip("-").isdigit():
-            return
-        if verb == "PID":
-            self.pid = int(arg)
-        elif verb == "EXIT":
-            self._marked = ExitStatus(code=int(arg))
-        elif verb == "SIGNAL":
-            self._marked = ExitStatus(signal=int(arg))
-
-    def _poll(self) -> ExitStatus | None:
-        if self._marked is not None:
-            return self._marked
-        mpirun = self._backend.mpirun
-        if mpirun is not None and mpirun.popen.poll() is not None and self._backend.output_done.is_set():
-            rc = mpirun.popen.returncode
-            return ExitStatus(code=255 if rc == 0 else ExitStatus.from_returncode(rc).exit_code,
-                              detail=f"no exit status from this rank; mpirun ended with {rc}")
-        return None
-
-    def terminate(self) -> None:
-        self._backend.signal_mpirun(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self._backend.signal_mpirun(signal.SIGKILL)
 
 
 class TagDemux:
     """Splits mpirun's ``--tag-output`` stream into per-rank lines. One per mpirun stream.
 
-    Chunks start with ``[job,rank]<stdout|stderr>:``; text up to the next tag belongs to that rank
-    and stream (partial lines included). Untagged text is mpirun's own.
+    Chunks start with ``[job,rank]<stdout|stderr>:``; text up to the end of its line (or the next
+    tag) belongs to that rank and stream. Untagged lines are mpirun's own.
     """
 
     def __init__(self, route) -> None:
@@ -82,13 +53,24 @@ class TagDemux:
         self._buf = b""
         self._current: tuple[int | None, str | None] = (None, None)
 
+    def _send(self, data: bytes) -> None:
+        # A rank's text runs to the end of its line; what follows untagged is mpirun's own.
+        nl = data.find(b"\n")
+        if nl < 0 or self._current == (None, None):
+            self._route(*self._current, data)
+            return
+        self._route(*self._current, data[: nl + 1])
+        self._current = (None, None)
+        if nl + 1 < len(data):
+            self._route(None, None, data[nl + 1 :])
+
     def feed(self, data: bytes) -> None:
         """Add a chunk of mpirun's output."""
         self._buf += data
         pos = 0
         for match in _TAG.finditer(self._buf):
             if match.start() > pos:
-                self._route(*self._current, self._buf[pos : match.start()])
+                self._send(self._buf[pos : match.start()])
             self._current = (int(match.group(2)), match.group(3).decode())
             pos = match.end()
         rest = self._buf[pos:]
@@ -100,12 +82,12 @@ class TagDemux:
         else:
             self._buf = b""
         if rest:
-            self._route(*self._current, rest)
+            self._send(rest)
 
     def close(self) -> None:
         """End of stream: route what is held back."""
         if self._buf:
-            self._route(*self._current, self._buf)
+            self._send(self._buf)
             self._buf = b""
 
 
@@ -144,15 +126,15 @@ class MpiBackend(Backend):
     def __init__(self, config, printer) -> None:
         super().__init__(config, printer)
         self.spawner = LocalSpawner(config.stop_grace)
-        self.mpirun = None
-        self.output_done = threading.Event()
-        self._lock = threading.Lock()
+        self.shim = ShimJob("mpirun", self._deliver)
 
     def prepare(self, plan: Plan) -> None:
         """Check mpirun is there; with a hostfile, run the ssh pre-flight check (one clear line per
         failing host instead of mpirun's own errors) and ``--sync-dst-dir``."""
         if shutil.which("mpirun") is None:
             raise SpawnError("--launcher mpi: no `mpirun` on PATH (install Open MPI, e.g. apt install openmpi-bin)")
+        local = [spec for spec in plan.processes if spec.host.name == "localhost"]
+        check_scripts_here(local, self.config.cwd)
         remote = [h for h in plan.remote_hosts if h.name != "localhost"]
         if not remote:
             return
@@ -160,27 +142,35 @@ class MpiBackend(Backend):
         from ..sshconn import SshConnector
 
         connector = SshConnector(self.config)
-        clients = connector.preflight(remote)
+        clients: dict = {}
         try:
+            clients = connector.preflight(remote)
             if self.config.sync_dst_dir:
                 sync_all(connector, remote, self.config.sync_src_dir, self.config.sync_dst_dir, clients,
                          self.printer, self.config)
+            check_scripts_remote([spec for spec in plan.processes if spec.host.name != "localhost"], clients,
+                                 self.config.connect_timeout)
         finally:
             for client in clients.values():
                 client.close()
+            connector.close()
 
-    def signal_mpirun(self, sig: int) -> None:
-        """Send ``sig`` to mpirun (SIGKILL goes to its whole process group)."""
-        with self._lock:
-            if self.mpirun is None:
-                return
-            if sig == signal.SIGKILL:
-                self.mpirun.kill()
-            elif self.mpirun.popen.poll() is None:
-                try:
-                    self.mpirun.popen.send_signal(sig)
-                except ProcessLookupError:
-                    pass
+    def _deliver(self, verb: str) -> None:
+        """One signal to mpirun, which passes it to every rank's ``mpi_rank`` (SIGKILL goes to
+        mpirun's whole process group). Ranks never make mpirun abort by itself (``mpi_rank`` exits
+        0), and a second SIGTERM while it stops its job could crash it (Open MPI 4.1): ``ShimJob``
+        sends each request once."""
+        mpirun = self.shim.launcher
+        assert mpirun is not None
+        if verb == "KILL":
+            mpirun.kill()
+            return
+        # mpi_rank turns SIGUSR2 into SIGSTOP of its process group (mpirun would not pass SIGSTOP)
+        sig = {"TERM": signal.SIGTERM, "STOP": signal.SIGUSR2, "CONT": signal.SIGCONT, "END": signal.SIGUSR1}[verb]
+        try:
+            mpirun.popen.send_signal(sig)
+        except ProcessLookupError:
+            pass
 
     def launch(self, plan: Plan) -> list[ProcessHandle]:
         ordered, _ = _layout(plan)
@@ -189,16 +179,18 @@ class MpiBackend(Backend):
         env["PYTHONPATH"] = _launcher_root()
         ssh_args = _ssh_args(self.config) if self.config.hosts else None
         argv = mpirun_argv(plan, self.config.python, exported, ssh_args, bool(self.config.hosts), os.geteuid() == 0)
-        handles = [MpiRankHandle(spec, self) for spec in ordered]
+        handles = [ShimHandle(spec, self.shim) for spec in ordered]
+        self.shim.handles = handles
         mpirun_spec = ProcessSpec("mpirun", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
-        self.mpirun = self.spawner.spawn(mpirun_spec, self.printer, argv=argv, env=env, handle_cls=MpirunHandle, readers=False)
-        self.mpirun.attach(self, handles)
+        mpirun = self.spawner.spawn(mpirun_spec, self.printer, argv=argv, env=env, handle_cls=MpirunHandle, readers=False)
+        self.shim.launcher = mpirun
+        mpirun.attach(self, handles)
         by_spec = {id(h.spec): h for h in handles}
         return [by_spec[id(spec)] for spec in plan.processes]
 
     def close(self) -> None:
-        if self.mpirun is not None:
-            self.mpirun.close()
+        if self.shim.launcher is not None:
+            self.shim.launcher.close()
         self.spawner.close()
 
 
@@ -221,7 +213,7 @@ def _ssh_args(config) -> list[str]:
 class MpirunHandle(LocalHandle):
     """mpirun itself: its output is read by ``TagDemux`` threads instead of plain readers."""
 
-    def attach(self, backend: MpiBackend, ranks: list[MpiRankHandle]) -> None:
+    def attach(self, backend: MpiBackend, ranks: list[ShimHandle]) -> None:
         """Start the threads that split mpirun's output into the ranks' lines."""
         done: list[str] = []
         for stream, pipe in (("stdout", self.popen.stdout), ("stderr", self.popen.stderr)):
@@ -231,27 +223,27 @@ class MpirunHandle(LocalHandle):
             self._threads.append(thread)
 
 
-def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBackend, done: list) -> None:
+def _read_tagged(pipe, stream: str, ranks: list[ShimHandle], backend: MpiBackend, done: list) -> None:
     printer = backend.printer
+    verbose = backend.config.verbose
     splitters: dict[tuple[int | None, str], LineSplitter] = {}
 
     def splitter_for(rank: int | None, sub: str) -> LineSplitter:
         key = (rank, sub)
         if key not in splitters:
             if rank is None or rank >= len(ranks):
-                def emit(text, sub=sub):
-                    printer.line("mpirun", "mpirun", text, sub)
+                def emit(block: str, sub: str = sub) -> None:
+                    if not verbose:  # mpirun reports each signal pslaunch sent through it
+                        block = "\n".join(t for t in block.split("\n") if not _FORWARDING.match(t))
+                        if not block:
+                            return
+                    said = [t.strip() for t in block.split("\n") if t.strip()]
+                    if said:  # why mpirun ended, if it did before the ranks reported
+                        backend.shim.last_line = said[-1]
+                    printer.lines("mpirun", "mpirun", block, sub)
             else:
-                handle = ranks[rank]
-
-                def emit(text, handle=handle, sub=sub):
-                    if MARKER in text:
-                        before, _, control = text.partition(MARKER)
-                        if before:
-                            printer.line(handle.spec.name, handle.spec.role, before, sub)
-                        handle.on_marker(control)
-                    else:
-                        printer.line(handle.spec.name, handle.spec.role, text, sub)
+                def emit(block: str, handle: ShimHandle = ranks[rank], sub: str = sub) -> None:
+                    route_block(handle, sub, printer, block)
             splitters[key] = LineSplitter(emit)
         return splitters[key]
 
@@ -259,7 +251,7 @@ def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBack
     try:
         while True:
             try:
-                data = os.read(pipe.fileno(), 65536)
+                data = os.read(pipe.fileno(), READ_SIZE)
             except (OSError, ValueError):
                 break
             if not data:
@@ -271,4 +263,4 @@ def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBack
             s.close()
         done.append(stream)
         if len(done) == 2:
-            backend.output_done.set()
+            backend.shim.output_done.set()

@@ -19,11 +19,15 @@ command line; ``salloc``, ``squeue``, ``scancel`` and ``scontrol`` get none of t
 its process and reads ``mpi_rank``'s pid and exit-status markers. srun's own per-task exit lines
 are shown with ``-v`` only (pslaunch reports failures itself).
 
-**Stopping.** ``scancel --signal=TERM J.S`` reaches every task's ``mpi_rank``, which passes it to its
-process group and kills it after the grace period (srun's own reaction to SIGTERM is to kill the
-step at once); ``--signal=KILL`` follows. At the end pslaunch cancels its step if it still runs and
-the allocation if it made it, and waits until ``squeue`` no longer lists them. When pslaunch dies,
-the watchdog stops srun (which ends its step) and runs ``scancel`` on the allocation it made.
+**Signals.** Slurm signals every process of a step (each task's process tree with
+proctrack/linuxproc, the step's cgroup with proctrack/cgroup), so ``mpi_rank`` runs with
+``--no-forward``: it passes nothing on, it only times the grace period. Stopping is ``scancel
+--signal=TERM J.S`` (srun's own reaction to SIGTERM would kill the step at once), ``mpi_rank``
+SIGKILLs its process group after the grace period, ``--signal=KILL`` follows; Ctrl-Z is
+``--signal=STOP`` and ``fg`` ``--signal=CONT``; the end of the bundled nodes is ``--signal=USR1``.
+At the end pslaunch cancels its step if it still runs and the allocation if it made it, and waits
+until ``squeue`` no longer lists them. When pslaunch dies, the watchdog stops srun (which ends its
+step) and runs ``scancel`` on the allocation it made.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import queue
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -43,10 +46,9 @@ from ..hostfile import Host
 from ..mpi_rank import payload
 from ..output import LineSplitter
 from ..plan import Plan, make_plan
-from .base import ProcessHandle, drain, route_line
+from .base import ProcessHandle, drain, route_block
 from .batch import (
     BatchBackend,
-    ShimHandle,
     private_dir,
     read_lines,
     refuse_host_flags,
@@ -56,7 +58,8 @@ from .batch import (
     tool_environ,
     with_hosts,
 )
-from .local import LocalHandle, _launcher_root, child_environ
+from .local import READ_SIZE, LocalHandle, _launcher_root, child_environ
+from .shim import ShimHandle
 
 __all__ = ["SlurmBackend", "salloc_argv", "srun_argv", "parse_job_nodes", "PENDING_HOST"]
 
@@ -92,7 +95,8 @@ def srun_argv(job: str, plan: Plan, name: str, python: str, user_args: list[str]
     nodes = {spec.host.name for spec in plan.processes}
     return ["srun", "--jobid", job, "-J", name, *user_args, "-n", str(len(plan.processes)), "-N", str(len(nodes)),
             "--distribution=arbitrary", "--overcommit", "--label", "--kill-on-bad-exit=0", "--export=ALL",
-            "--mpi=none", "--cpu-bind=none", python, "-m", "launcher.mpi_rank", "--rank-from", "SLURM_PROCID"]
+            "--mpi=none", "--cpu-bind=none", python, "-m", "launcher.mpi_rank", "--rank-from", "SLURM_PROCID",
+            "--no-forward"]
 
 
 def _count_ids(text: str) -> int:
@@ -238,41 +242,65 @@ class SlurmBackend(BatchBackend):
         env.update({"PYTHONPATH": _launcher_root(), "SLURM_HOSTFILE": hostfile})
         step_args = [] if self.own_job else split_args(self.config, "slurm_args")
         argv = srun_argv(self.job, plan, f"pslaunch-{self.config.job_id}", self.config.python, step_args)
-        handles = [ShimHandle(spec, self) for spec in plan.processes]
-        self.launcher = self.start_tool(argv, child_environ(env))
+        handles = [ShimHandle(spec, self.shim) for spec in plan.processes]
+        self.shim.handles = handles
+        srun = self.shim.launcher = self.start_tool(argv, child_environ(env))
         done: list[str] = []
-        for stream, pipe in (("stdout", self.launcher.popen.stdout), ("stderr", self.launcher.popen.stderr)):
+        for stream, pipe in (("stdout", srun.popen.stdout), ("stderr", srun.popen.stderr)):
             thread = threading.Thread(target=self._read_labelled, args=(pipe, stream, handles, done),
                                       name=f"pslaunch-srun-{stream}", daemon=True)
             thread.start()
-            self.launcher._threads.append(thread)
-        return handles
+            srun._threads.append(thread)
+        return list(handles)
 
     def _read_labelled(self, pipe, stream: str, handles: list[ShimHandle], done: list[str]) -> None:
-        def emit(text: str) -> None:
-            found = _LABEL.match(text)
-            task = int(found.group(1)) if found else -1
-            if found and _SLURMSTEPD.match(found.group(2)):
-                text = found.group(2)  # Slurm's words on the task's stream, not the process's
-            elif found and task < len(handles):
-                route_line(handles[task], stream, self.printer, found.group(2), handles[task].on_marker)
-                return
-            if self._sent and _STOPPED.match(text) and not self.config.verbose:
-                return  # pslaunch stopped the step itself: the summary says so
-            if text.strip():
-                self.last_line = text.strip()
-            if self.config.verbose or not _ROUTINE.match(text):
-                self.printer.line("srun", "srun", text, stream)
+        def srun_lines(lines: list[str]) -> None:
+            shown = []
+            for text in lines:
+                if self.shim.stopping and _STOPPED.match(text) and not self.config.verbose:
+                    continue  # pslaunch stopped the step itself: the summary says so
+                if text.strip():
+                    self.shim.last_line = text.strip()
+                if self.config.verbose or not _ROUTINE.match(text):
+                    shown.append(text)
+            if shown:
+                self.printer.lines("srun", "srun", "\n".join(shown), stream)
+
+        def emit(block: str) -> None:
+            # consecutive lines of one task (or of srun) go on together, as one block
+            owner: ShimHandle | None = None
+            run: list[str] = []
+            for text in block.split("\n"):
+                found = _LABEL.match(text)
+                task = int(found.group(1)) if found else -1
+                target = None
+                if found and _SLURMSTEPD.match(found.group(2)):
+                    text = found.group(2)  # Slurm's words on the task's stream, not the process's
+                elif found and task < len(handles):
+                    target, text = handles[task], found.group(2)
+                if run and target is not owner:
+                    flush(owner, run)
+                    run = []
+                owner = target
+                run.append(text)
+            if run:
+                flush(owner, run)
+
+        def flush(owner: ShimHandle | None, lines: list[str]) -> None:
+            if owner is None:
+                srun_lines(lines)
+            else:
+                route_block(owner, stream, self.printer, "\n".join(lines))
 
         splitter = LineSplitter(emit)
         try:
-            drain(lambda: os.read(pipe.fileno(), 65536), splitter.feed)
+            drain(lambda: os.read(pipe.fileno(), READ_SIZE), splitter.feed)
         finally:
             splitter.close()
             with self._lock:
                 done.append(stream)
                 if len(done) == 2:
-                    self.output_done.set()
+                    self.shim.output_done.set()
 
     # -- signals ---------------------------------------------------------------------------------
     def _step_id(self) -> str | None:
@@ -286,24 +314,31 @@ class SlurmBackend(BatchBackend):
                     self._step = step
         return self._step
 
-    def _deliver(self, sig: int) -> None:
-        assert self.launcher is not None
+    def _deliver(self, verb: str) -> None:
+        """``scancel --signal`` on the step: Slurm signals every process of the step (the process
+        tree of each task with proctrack/linuxproc, the step's cgroup with proctrack/cgroup), so
+        ``mpi_rank`` passes nothing on (``--no-forward``) and Ctrl-Z is SIGSTOP itself."""
+        srun = self.shim.launcher
+        assert srun is not None
         step = self._step_id()
-        if step is not None:
-            run_tool(["scancel", f"--signal={signal.Signals(sig).name.removeprefix('SIG')}", step], self.env)
-        elif sig == signal.SIGKILL:
-            self.launcher.kill()
-        else:
-            self.launcher.terminate()  # not listed yet: srun itself ends its step (at once)
+        if step is None:  # not listed yet: srun itself ends its step (at once); nothing else to reach
+            if verb == "KILL":
+                srun.kill()
+            elif verb == "TERM":
+                srun.terminate()
+            return
+        sig = {"TERM": "TERM", "KILL": "KILL", "STOP": "STOP", "CONT": "CONT", "END": "USR1"}[verb]
+        run_tool(["scancel", f"--signal={sig}", step], self.env)
 
     # -- the end -------------------------------------------------------------------------------
     def close(self) -> None:
         """Cancel what pslaunch started in Slurm and wait until squeue no longer lists it."""
         try:
-            if self.launcher is not None and self.launcher.popen.poll() is None:
-                self.signal_job(signal.SIGKILL)
+            srun = self.shim.launcher
+            if srun is not None and srun.popen.poll() is None:
+                self.shim.kill()
                 try:
-                    self.launcher.popen.wait(5)
+                    srun.popen.wait(5)
                 except subprocess.TimeoutExpired:
                     pass  # the spawner kills it below
             target = self.job if self.own_job else self._step
@@ -315,8 +350,8 @@ class SlurmBackend(BatchBackend):
         finally:
             if self._allocator is not None:
                 self._allocator.close(0.5)
-            if self.launcher is not None:
-                self.launcher.close(2.0)
+            if self.shim.launcher is not None:
+                self.shim.launcher.close(2.0)
             self.spawner.close()
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)

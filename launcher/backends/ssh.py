@@ -18,6 +18,7 @@ from ..guard import env_payload, remote_command
 from ..hostfile import Host
 from ..plan import Plan, ProcessSpec
 from ..rsync import sync_all
+from ..scriptcheck import check_scripts_here, check_scripts_remote
 from ..sshconn import SshConnector
 from .base import Backend, ExitStatus, ProcessHandle, pump
 from .local import LocalSpawner
@@ -38,20 +39,27 @@ class SshHandle(ProcessHandle):
         self._lock = threading.Lock()
 
     def on_marker(self, text: str) -> None:
-        """Control lines from the guard: ``PID n``."""
+        """Control lines: ``PID n`` from the guard, the runtime's (``ProcessHandle.on_marker``)."""
         verb, _, arg = text.strip().partition(" ")
         if verb == "PID" and arg.isdigit():
             self.pid = int(arg)
+        else:
+            super().on_marker(text)
 
     def _poll(self) -> ExitStatus | None:
-        if self.channel.exit_status_ready():
-            return ExitStatus(code=self.channel.recv_exit_status())
         transport = self.channel.get_transport()
-        if self.channel.closed or transport is None or not transport.is_active():
-            if self.channel.exit_status_ready():
-                return ExitStatus(code=self.channel.recv_exit_status())
-            return ExitStatus(code=255, detail="ssh connection lost")
-        return None
+        alive = transport is not None and transport.is_active()
+        if self.channel.exit_status_ready():
+            code = self.channel.recv_exit_status()
+            if code >= 0:
+                return ExitStatus(code=code)
+            # -1: the channel closed without an exit status
+            if alive:
+                return ExitStatus(code=255, detail=f"no exit status from {self.spec.host.label}: "
+                                                   "the remote guard was killed by a signal")
+        elif not self.channel.closed and alive:
+            return None
+        return ExitStatus(code=255, detail=f"ssh connection to {self.spec.host.label} lost")
 
     def _send(self, data: bytes) -> None:
         with self._lock:
@@ -66,6 +74,15 @@ class SshHandle(ProcessHandle):
 
     def kill(self) -> None:
         self._send(b"KILL\n")
+
+    def suspend(self) -> None:
+        self._send(b"STOP\n")
+
+    def resume(self) -> None:
+        self._send(b"CONT\n")
+
+    def request_end(self) -> None:
+        self._send(b"END\n")
 
     def close(self, timeout: float = 2.0) -> None:
         for thread in self._threads:
@@ -85,14 +102,17 @@ class SshBackend(Backend):
         self._clients: dict[Host, list[list]] = {}  # host -> [[client, channels opened], ...]
 
     def prepare(self, plan: Plan) -> None:
+        check_scripts_here([s for s in plan.processes if s.on_launcher], self.config.cwd)
         hosts = plan.remote_hosts
         if self.config.verbose:
             self.printer.note(f"ssh pre-flight check of {len(hosts)} host(s)")
         for host, client in self.connector.preflight(hosts).items():
             self._clients[host] = [[client, 0]]
+        clients = {h: c[0][0] for h, c in self._clients.items()}
         if self.config.sync_dst_dir:
-            sync_all(self.connector, hosts, self.config.sync_src_dir, self.config.sync_dst_dir,
-                     {h: c[0][0] for h, c in self._clients.items()}, self.printer, self.config)
+            sync_all(self.connector, hosts, self.config.sync_src_dir, self.config.sync_dst_dir, clients,
+                     self.printer, self.config)
+        check_scripts_remote([s for s in plan.processes if not s.on_launcher], clients, self.config.connect_timeout)
 
     def _client_for(self, host: Host) -> paramiko.SSHClient:
         pool = self._clients.setdefault(host, [])
@@ -114,8 +134,8 @@ class SshBackend(Backend):
             raise SpawnError(f"cannot start {spec.name} over ssh: {type(exc).__name__}: {exc}") from exc
         handle = SshHandle(spec, channel)
         handle._threads = [
-            pump(lambda: channel.recv(65536), handle, "stdout", self.printer, handle.on_marker),
-            pump(lambda: channel.recv_stderr(65536), handle, "stderr", self.printer, handle.on_marker),
+            pump(lambda: channel.recv(1 << 20), handle, "stdout", self.printer),
+            pump(lambda: channel.recv_stderr(1 << 20), handle, "stderr", self.printer),
         ]
         return handle
 
@@ -141,3 +161,4 @@ class SshBackend(Backend):
             for client, _ in pool:
                 client.close()
         self._clients.clear()
+        self.connector.close()

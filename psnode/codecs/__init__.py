@@ -12,6 +12,9 @@ first push that uses it.
 
 Codecs:
     0 ``raw``: the value's own bytes (numpy's in-memory layout); decoding is a zero-copy view.
+    1 ``2bit``: MXNet's 2bit gradient compression of float32 values (``psnode.compression``), 16 per
+      32-bit word; its threshold comes with ``configure``.
+    2 ``1bit``: the 1bit compression, 32 values per word (decodes to +-1; takes a threshold too).
 """
 
 from __future__ import annotations
@@ -22,14 +25,18 @@ import numpy as np
 
 from ..errors import RequestRefused
 from .base import Codec
+from .onebit import OneBitCodec
 from .raw import RawCodec
+from .twobit import TwoBitCodec
 
-__all__ = ["Codec", "RAW", "CodecTable", "codec_names", "register_codec"]
+__all__ = ["Codec", "RAW", "CodecTable", "codec_id", "codec_names", "register_codec"]
 
 RAW = RawCodec.id
 
 _TABLE: dict[int, type[Codec]] = {
     RawCodec.id: RawCodec,
+    TwoBitCodec.id: TwoBitCodec,
+    OneBitCodec.id: OneBitCodec,
 }
 
 
@@ -45,6 +52,18 @@ def register_codec(cls: type[Codec]) -> None:
     if taken is not None and taken is not cls:
         raise ValueError(f"codec id {cls.id} is taken by {taken.name!r}")
     _TABLE[cls.id] = cls
+
+
+def codec_id(name: str) -> int:
+    """The id of the codec called ``name`` (``"2bit"`` -> 1).
+
+    Raises:
+        ValueError: no codec has that name (the message lists the known ones).
+    """
+    for cid, cls in _TABLE.items():
+        if cls.name == name:
+            return cid
+    raise ValueError(f"no codec is called {name!r}; the codecs are {codec_names()}")
 
 
 def codec_names() -> str:

@@ -102,7 +102,8 @@ def check_threshold(kind: str, threshold: Any) -> np.float32:
     """
     values_per_word(kind)
     try:
-        value = np.float32(threshold)
+        with np.errstate(over="ignore"):  # past float32's range: inf, refused below naming the value
+            value = np.float32(threshold)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"the {kind} compression threshold must be a number, got {threshold!r}") from exc
     if not math.isfinite(value):

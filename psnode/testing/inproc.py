@@ -62,7 +62,7 @@ class InProcJob:
         """The contract of one node of this job, as its process would read it."""
         return read_env(contract_env(role=role, root_uri="127.0.0.1", root_port=1, num_workers=self.num_workers,
                                      num_servers=self.num_servers, job_id="inproc", rank=rank, local_rank=rank,
-                                     local_size=1, node_host="127.0.0.1", fixed_rank=False, settings=self.settings))
+                                     local_size=1, node_host="127.0.0.1", fixed_rank=False, supervised=False, settings=self.settings))
 
     def transport(self, identity: bytes = b"") -> InProcTransport:
         """A new transport on this job's hub (for a node a test builds itself)."""

@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from launcher.envcontract import SETTINGS, contract_env
 
@@ -44,8 +44,10 @@ def free_port() -> int:
 
 
 def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, str] | None = None,
-            role: str = "worker", rank: int = 0, test_settings: bool = True) -> dict[str, str]:
-    """The environment of one process of a job on 127.0.0.1, plus ``extra``.
+            role: str = "worker", rank: int = 0, test_settings: bool = True, root_uri: str = "127.0.0.1",
+            node_host: str | None = None) -> dict[str, str]:
+    """The environment of one process of a job on 127.0.0.1 (or the scheduler's ``root_uri``, this
+    process's address ``node_host``, default the same), plus ``extra``.
 
     The contract is written by ``launcher.envcontract.contract_env``, its one writer: ``DMLC_LOCAL``,
     ``PS_VERBOSE`` and the names of its ``SETTINGS`` in ``extra`` go through it; other variables of
@@ -56,11 +58,12 @@ def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, s
     extra = dict(extra or {})
     settings = {**(_TEST_SETTINGS if test_settings else {}), **{k: v for k, v in extra.items() if k in SETTINGS}}
     env = {k: v for k, v in os.environ.items() if not k.startswith(_CONTRACT_PREFIXES)}
-    env.update(contract_env(role=role, root_uri="127.0.0.1", root_port=port, num_workers=num_workers,
+    env.update(contract_env(role=role, root_uri=root_uri, root_port=port, num_workers=num_workers,
                             num_servers=num_servers, job_id=f"test-{port}", rank=rank, local_rank=rank,
-                            local_size=num_workers if role == "worker" else num_servers, node_host="127.0.0.1",
+                            local_size=num_workers if role == "worker" else num_servers,
+                            node_host=node_host or root_uri,
                             all_local=extra.pop("DMLC_LOCAL", "0") == "1", verbose=int(extra.pop("PS_VERBOSE", "0")),
-                            fixed_rank=False, settings=settings))
+                            fixed_rank=False, supervised=False, settings=settings))
     env.update(PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p), PYTHONUNBUFFERED="1")
     env.update({k: v for k, v in extra.items() if k not in SETTINGS})
     return env
@@ -157,6 +160,8 @@ class LocalJob:
         log_dir: keep each process's output in ``<log_dir>/<role><index>.log`` (default: temporary files).
         test_settings: short heartbeats and registration (``job_env``); False keeps the runtime's
             defaults (the benchmarks).
+        root_uri: the scheduler's address (default 127.0.0.1); ``start(..., node_host=)`` gives a
+            process another address of its own (a benchmark with nodes in network namespaces).
     """
 
     def __init__(
@@ -174,8 +179,10 @@ class LocalJob:
         python: str = sys.executable,
         log_dir: Path | None = None,
         test_settings: bool = True,
+        root_uri: str = "127.0.0.1",
     ) -> None:
         self.port = free_port()
+        self.root_uri = root_uri
         self.num_workers = num_workers
         self.num_servers = num_servers
         self.procs: list[_Proc] = []
@@ -206,12 +213,15 @@ class LocalJob:
             raise
         return self
 
-    def start(self, role: str, index: int, argv: Sequence[str], extra: Mapping[str, str] | None = None) -> subprocess.Popen:
+    def start(self, role: str, index: int, argv: Sequence[str], extra: Mapping[str, str] | None = None,
+              node_host: str | None = None) -> subprocess.Popen:
         """Start one more process of the job (``DMLC_ROLE=role`` unless ``extra`` says otherwise;
-        ``DMLC_ROLE=""`` starts it without the variable)."""
+        ``DMLC_ROLE=""`` starts it without the variable); ``node_host``: its own address when it is
+        not the scheduler's."""
         contract_role = role if role in ("scheduler", "server", "worker") else "worker"
         env = job_env(self.num_workers, self.num_servers, self.port, {**self._extra, **(extra or {})},
-                      role=contract_role, rank=index, test_settings=self._test_settings)
+                      role=contract_role, rank=index, test_settings=self._test_settings, root_uri=self.root_uri,
+                      node_host=node_host)
         env["DMLC_ROLE"] = (extra or {}).get("DMLC_ROLE", role)
         if env["DMLC_ROLE"] == "":
             del env["DMLC_ROLE"]

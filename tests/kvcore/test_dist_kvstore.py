@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from psnode.env import EXIT_PEER_FAILED
 from psnode.protocol import Cmd, pack_header
 from psnode.testing import LocalJob
 
@@ -82,7 +83,35 @@ def test_a_worker_that_crashes_makes_every_other_node_fail_naming_it():
         assert "DIED worker 1" in r.output and "RuntimeError: boom in worker 1" in r.output, r
     for r in results:
         if r.role in ("scheduler", "server"):
-            assert r.returncode == 1 and "worker 1 on 127.0.0.1" in r.output, r
+            assert r.returncode == EXIT_PEER_FAILED and "ended because a peer failed: worker 1 on 127.0.0.1" in r.output, r
+
+
+def test_a_worker_that_does_not_catch_a_peer_failure_exits_75_with_one_line_naming_the_peer():
+    ranks = [{"DMLC_WORKER_ID": str(i)} for i in range(3)]
+    with LocalJob(3, 1, worker=script("uncaught_peer_failure.py"), worker_env=ranks) as job:
+        results = job.wait(60)
+    workers = {r.index: r for r in results if r.role == "worker"}
+    failing = workers.pop(1)
+    assert failing.returncode == 1 and "RuntimeError: boom in worker 1" in failing.output, failing
+    for r in workers.values():
+        assert r.returncode == EXIT_PEER_FAILED, r
+        assert re.search(r"^psnode worker \d \(pid \d+\): ended because a peer failed: worker 1 on 127\.0\.0\.1:\d+ "
+                         r"failed: RuntimeError: boom in worker 1$", r.output, re.M), r
+        assert "Traceback" not in r.output and f"ATEXIT {r.index}" in r.output, r
+
+
+def test_bundled_nodes_end_0_on_sigusr1_and_75_on_sigterm_naming_the_signal():
+    import signal
+
+    with LocalJob(1, 1, start_servers=1) as job:
+        time.sleep(1.0)  # both nodes are waiting for the worker to register
+        job.of("server").send_signal(signal.SIGTERM)
+        job.of("scheduler").send_signal(signal.SIGUSR1)
+        results = {r.role: r for r in job.wait(20)}
+    assert results["scheduler"].returncode == 0 and results["scheduler"].output == "", results["scheduler"]
+    server = results["server"]
+    assert server.returncode == EXIT_PEER_FAILED, server
+    assert re.search(r"^psnode server \(pid \d+\): stopped by SIGTERM: the job is being torn down$", server.output, re.M), server
 
 
 def test_killing_a_server_makes_every_worker_fail_within_the_heartbeat_timeout():
@@ -100,7 +129,7 @@ def test_killing_a_server_makes_every_worker_fail_within_the_heartbeat_timeout()
             assert match.group(1) == "server" and "no heartbeat" in match.group(4) and "127.0.0.1" in match.group(4), r
             assert float(match.group(3)) < 1.5 + 2.0, r  # liveness bound, generous for a loaded 2-core box
         elif r.role == "scheduler":
-            assert r.returncode == 1 and "server" in r.output and "died" in r.output, r
+            assert r.returncode == EXIT_PEER_FAILED and "server" in r.output and "died" in r.output, r
 
 
 def test_a_missing_worker_makes_registration_time_out_naming_what_is_missing():
@@ -216,7 +245,7 @@ def test_killing_the_scheduler_makes_every_node_fail_naming_it():
         if r.role == "worker":
             assert r.returncode == 3 and re.search(r"^DIED scheduler 0 .*the scheduler at 127\.0\.0\.1:\d+ died", r.output, re.M), r
         elif r.role == "server":
-            assert r.returncode == 1 and "the scheduler at 127.0.0.1" in r.output, r
+            assert r.returncode == EXIT_PEER_FAILED and "the scheduler at 127.0.0.1" in r.output, r
 
 
 def test_two_workers_asking_for_the_same_worker_id_are_refused_naming_both():

@@ -7,36 +7,16 @@ the tests need no MXNet: kvcore must pull the very same float32 bits.
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import kvcore
 from kvcore.compression import parse_threshold
 from kvcore.errors import CompressionError, DTypeMismatchError, KVStoreError
-from psnode.testing import LocalJob
+
+from dist_scripts.gradients import digest, make_grad
 
 F32 = np.float32
-
-
-def make_grad(n: int, seed: int, scale_bits: int = 2) -> np.ndarray:
-    """Deterministic float32 gradients in about [-1.5, 1.5), the same bits under any numpy version."""
-    i = np.arange(n, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        x = i * np.uint64(6364136223846793005) + np.uint64(1442695040888963407 + 7919 * seed)
-        x ^= x >> np.uint64(29)
-        x = x * np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(32)
-    mantissa = (x >> np.uint64(41)).astype(np.int64) - (1 << 22)
-    g = mantissa.astype(F32) * F32(2.0**-22)
-    shift = ((x >> np.uint64(8)) & np.uint64((1 << scale_bits) - 1)).astype(np.int64)
-    return (g * np.exp2(-shift.astype(F32)).astype(F32) * F32(1.5)).astype(F32)
-
-
-def digest(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array, F32).tobytes()).hexdigest()[:16]
 
 
 def pulled(kv, key, n):
@@ -294,14 +274,3 @@ def test_trainer_checks_compression_params_before_any_step():
         kvcore.Trainer([np.zeros(2, F32)], "sgd", kvstore="device", compression_params={"type": "3bit"})
     with pytest.raises(CompressionError, match=r"not supported for this type of kvstore \('local'\)"):
         kvcore.Trainer([np.zeros(2, F32)], "sgd", compression_params={"type": "2bit"})
-
-
-# ---- dist stores -----------------------------------------------------------------------------------
-
-
-def test_dist_sync_checks_and_keeps_the_parameters_and_refuses_compressed_pushes_for_now():
-    script = Path(__file__).parent / "dist_scripts" / "compression_params.py"
-    with LocalJob(2, 1, worker=[str(script)]) as job:
-        results = job.wait(60)
-    assert all(r.returncode == 0 for r in results), "\n".join(map(str, results))
-    assert sorted(r.output.count("OK ") for r in results if r.role == "worker") == [1, 1]

@@ -14,26 +14,36 @@ testing = pytest.importorskip("psnode.testing", reason="needs the distributed ru
 SCRIPT = Path(__file__).parent / "training_scripts" / "trainer_rounds.py"
 
 
-def _expected_weights(num_workers, steps=3, lr=0.5, momentum=0.5, batch=4):
-    """SGD with momentum from rank 0's start (1.0) on the gradient summed over workers and 2 replicas."""
+def _expected_weights(num_workers, steps=3, lr=0.5, momentum=0.5, batch=4, threshold=None):
+    """SGD with momentum from rank 0's start (1.0) on the gradient summed over 2 replicas and the
+    workers; with a 2bit ``threshold``, each worker's sum is quantized with its residual first."""
     w, mom, trajectory = 1.0, 0.0, []
+    residuals = [0.0] * num_workers
     for s in range(steps):
-        summed = sum(r + 1 for r in range(num_workers)) * (1 + 2) * (s + 1)
+        local = [(r + 1) * (1 + 2) * (s + 1) for r in range(num_workers)]
+        if threshold is not None:  # every value is exact in float32 here (small multiples of powers of 2)
+            for r in range(num_workers):
+                residuals[r] += local[r]
+                sent = threshold if residuals[r] >= threshold else -threshold if residuals[r] <= -threshold else 0
+                residuals[r] -= sent
+                local[r] = sent
+        summed = sum(local)
         mom = momentum * mom - lr * summed / batch
         w += mom
         trajectory.append(w)
     return trajectory
 
 
-@pytest.mark.parametrize("mode", ["store", "worker"])
+@pytest.mark.parametrize("mode, threshold", [("store", None), ("worker", None), ("store", 2.0)])
 @pytest.mark.timeout(120)
-def test_trainer_on_dist_sync_takes_rank_0_weights_and_steps_exactly_on_every_worker(mode):
+def test_trainer_on_dist_sync_takes_rank_0_weights_and_steps_exactly_on_every_worker(mode, threshold):
     workers = 2
-    with testing.LocalJob(workers, 2, worker=[str(SCRIPT), mode], env={"PSLAUNCH_BIGARRAY_BOUND": "100000"}) as job:
+    args = [str(SCRIPT), mode] + ([str(threshold)] if threshold is not None else [])
+    with testing.LocalJob(workers, 2, worker=args, env={"PSLAUNCH_BIGARRAY_BOUND": "100000"}) as job:
         results = job.wait(90)
     outputs = {r.index: r.output for r in results if r.role == "worker"}
     assert all(r.returncode == 0 for r in results), "\n".join(str(r) for r in results)
-    expected = _expected_weights(workers)
+    expected = _expected_weights(workers, threshold=threshold)
     for index, out in outputs.items():
         rank = int(re.search(r"^OK (\d+)", out, re.M).group(1))
         synced = json.loads(re.search(rf"^SYNCED {rank} (.*)$", out, re.M).group(1))

@@ -62,15 +62,20 @@ class Sshd:
                 "--ssh-config", str(self.dir / "no_ssh_config")]
 
 
-def start_sshd(d: Path):
-    """Generator: start a real OpenSSH server on 127.0.0.1-3 with keys in ``d``, yield it, stop it."""
+def start_sshd(d: Path, hosts: tuple[str, ...] = LOOPBACK_HOSTS, log_level: str = "ERROR",
+               authorized_key: str | None = None):
+    """Generator: start a real OpenSSH server on ``hosts`` with keys in ``d``, yield it, stop it.
+
+    ``authorized_key`` (a public key line) logs in instead of the server's own ``id_user`` key;
+    ``log_level`` is sshd's (its log is ``d / "sshd.log"``).
+    """
     if not os.path.exists("/usr/sbin/sshd"):
         pytest.fail("/usr/sbin/sshd is missing: run scripts/test.sh (it installs openssh-server)")
     for name in ("host_key", "id_user"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True, timeout=30)
-    (d / "authorized_keys").write_text((d / "id_user.pub").read_text())
-    port = _free_port_on_all(LOOPBACK_HOSTS)
-    listen = "\n".join(f"ListenAddress {h}" for h in LOOPBACK_HOSTS)
+    (d / "authorized_keys").write_text(authorized_key or (d / "id_user.pub").read_text())
+    port = _free_port_on_all(hosts)
+    listen = "\n".join(f"ListenAddress {h}" for h in hosts)
     (d / "sshd_config").write_text(f"""Port {port}
 {listen}
 HostKey {d / 'host_key'}
@@ -85,7 +90,7 @@ KbdInteractiveAuthentication no
 MaxSessions 30
 MaxStartups 100
 Subsystem sftp internal-sftp
-LogLevel ERROR
+LogLevel {log_level}
 """)
     os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
     (d / "no_ssh_config").write_text("")
@@ -93,7 +98,7 @@ LogLevel ERROR
                             stdout=subprocess.DEVNULL, stderr=open(d / "sshd.log", "wb"), start_new_session=True)
     try:
         deadline = time.monotonic() + 15
-        pending = list(LOOPBACK_HOSTS)
+        pending = list(hosts)
         while pending:
             if proc.poll() is not None:
                 pytest.fail(f"sshd exited with {proc.returncode}: {(d / 'sshd.log').read_text()}")
@@ -115,6 +120,28 @@ LogLevel ERROR
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def ancestors(pid: int) -> list[int]:
+    """The parent, grandparent, ... of ``pid`` up to init, from /proc."""
+    chain = []
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                pid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except OSError:
+            break
+        chain.append(pid)
+    return chain
+
+
+def cmdline(pid: int) -> str:
+    """The command line of ``pid`` (empty once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
 
 
 def processes_with(text: str) -> list[str]:

@@ -281,7 +281,7 @@ def test_scheduler_command_lines_hold_names_and_paths_never_values():
                                                              "pslaunch-j1"]
     srun = srun_argv("12", plan, "pslaunch-j1", "/py", [])
     assert srun[:4] == ["srun", "--jobid", "12", "-J"] and "--distribution=arbitrary" in srun and "--label" in srun
-    assert srun[-5:] == ["/py", "-m", "launcher.mpi_rank", "--rank-from", "SLURM_PROCID"]
+    assert srun[-6:] == ["/py", "-m", "launcher.mpi_rank", "--rank-from", "SLURM_PROCID", "--no-forward"]
     qsub = qsub_argv("pslaunch-j1", "smp", 4, "/d", "/py", "/repo", ["-q", "all.q"])
     assert qsub[qsub.index("-pe"):qsub.index("-pe") + 3] == ["-pe", "smp", "4"]
     assert qsub[-11:] == ["-v", "PYTHONPATH=/repo", "-q", "all.q", "-b", "y", "/py", "-m", "launcher.backends.sge.job",

@@ -112,7 +112,8 @@ def test_log_dir_keeps_one_file_per_process(tmp_path):
     assert (logs / "worker.1@localhost.log").read_text() == "worker 1 started\n"
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, None)])
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129),
+                                         (signal.SIGKILL, None)])
 def test_signal_to_pslaunch_leaves_no_process_even_one_that_ignores_sigterm(tmp_path, marker, sig, code):
     out = tmp_path / "out"
     with reaped(start_pslaunch(_job(out, "--stop-grace", "1", "--env-worker", "SLEEP_worker:forever",
@@ -120,9 +121,11 @@ def test_signal_to_pslaunch_leaves_no_process_even_one_that_ignores_sigterm(tmp_
         wait_for_records(out, 4, proc, timeout=20)
         assert len(processes_with(marker)) >= 4
         os.kill(proc.pid, sig)
-        proc.communicate(timeout=20)
+        _, stderr = proc.communicate(timeout=20)
         if code is not None:
             assert proc.returncode == code
+            assert f"root cause: pslaunch got {signal.Signals(sig).name}" in stderr.decode()
+            assert "stopped by pslaunch" in stderr.decode()  # the summary table came out
         assert wait_gone(marker, 10) == []
 
 
@@ -156,3 +159,61 @@ def test_output_lines_are_prefixed_whole_with_bad_bytes_replaced_and_progress_co
     progress = worker[2:-1]
     assert set(progress) <= {"[worker.0@localhost] progress 10%", "[worker.0@localhost] progress 50%",
                              "[worker.0@localhost] progress 100%"}
+
+
+def test_python_print_reaches_the_screen_while_the_worker_runs(tmp_path, marker):
+    script = tmp_path / "chat.py"
+    script.write_text("import time\nprint('first line, no flush')\ntime.sleep(60)\n")
+    with reaped(start_pslaunch(["-n", "1", "-s", "1", "--launcher", "local", "python", str(script), marker]),
+                marker) as proc:
+        # block-buffered, the line would only come at exit, 60 s later
+        line = _read_line_within(proc, "[worker.0@localhost] first line, no flush", 30)
+        assert line
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=20)
+    assert wait_gone(marker, 10) == []
+
+
+def _read_line_within(proc, wanted: str, timeout: float) -> str:
+    import selectors
+
+    deadline = time.monotonic() + timeout
+    buffered = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(0.2):
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                buffered += chunk
+                for line in buffered.decode(errors="replace").splitlines():
+                    if line == wanted:
+                        return line
+    raise AssertionError(f"{wanted!r} did not arrive within {timeout} s; got {buffered!r}")
+
+
+def test_a_line_of_300_kib_stays_one_prefixed_line(tmp_path):
+    script = tmp_path / "long.py"
+    script.write_text("import sys\nsys.stdout.write('a' * 300 * 1024 + 'END\\n')\nprint('after')\n")
+    res = run_pslaunch(["-n", "1", "-s", "1", "--launcher", "local", "python", str(script)])
+    assert res.returncode == 0, res.stderr
+    lines = [line for line in res.stdout.splitlines() if line.startswith("[worker.0@localhost]")]
+    assert lines == ["[worker.0@localhost] " + "a" * 300 * 1024 + "END", "[worker.0@localhost] after"]
+
+
+def test_a_log_dir_that_cannot_be_created_is_one_line_and_exit_2(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    res = run_pslaunch(["-n", "1", "--launcher", "local", "--log-dir", str(blocker / "logs"), "python", "-c", "pass"])
+    assert res.returncode == 2
+    assert res.stderr == f"pslaunch: error: --log-dir {blocker / 'logs'}: cannot create it: Not a directory\n"
+
+
+def test_a_missing_script_is_exit_2_before_any_process_starts(tmp_path):
+    res = run_pslaunch(["-n", "2", "-s", "1", "--launcher", "local", "python", "no_such_train.py", "--epochs", "3"],
+                       cwd=str(tmp_path))
+    assert res.returncode == 2
+    assert res.stderr == (f"pslaunch: error: COMMAND's script is missing: 'no_such_train.py' is not a file in {tmp_path} "
+                          "(the script of worker.0@localhost); nothing was started\n")
+    assert res.stdout == ""

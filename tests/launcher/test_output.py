@@ -69,3 +69,35 @@ def test_progress_state_hidden_by_the_throttle_is_shown_when_the_line_ends():
 
 def test_crlf_split_across_reads_gives_one_line_and_blank_lines_stay():
     assert _split([b"text\r", b"\n", b"\n", b"end\r\n"]) == ["text", "", "end"]
+
+
+def test_plain_lines_come_as_blocks_and_a_line_over_the_bound_comes_in_pieces_of_the_bound():
+    blocks = []
+    s = LineSplitter(blocks.append, max_line=10)
+    s.feed(b"one\ntwo\nthr")
+    s.feed(b"ee\n" + b"x" * 25)
+    s.feed(b"y\n")
+    s.close()
+    assert blocks == ["one\ntwo", "three", "x" * 10, "x" * 10, "xxxxxy"]
+
+
+def test_printer_prefixes_every_line_of_a_block_and_keeps_its_last_lines():
+    out = io.StringIO()
+    p = Printer(out=out, err=io.StringIO(), colour=False, keep_lines=2)
+    p.lines("w.0@h", "worker", "a\nb\nc")
+    p.flush()
+    assert out.getvalue() == "[w.0@h] a\n[w.0@h] b\n[w.0@h] c\n"
+    assert p.last_lines("w.0@h") == ["b", "c"]
+    p.close()
+
+
+def test_untagged_text_after_a_ranks_line_is_mpiruns_own():
+    got = []
+    demux = TagDemux(lambda rank, stream, data: got.append((rank, data)))
+    demux.feed(b"[1,1]<stderr>:Traceback\nPrimary job terminated normally\n[1,1]<stderr>:part")
+    demux.feed(b"ial\nmpirun noticed\n")
+    demux.close()
+    joined: dict = {}
+    for rank, data in got:
+        joined[rank] = joined.get(rank, b"") + data
+    assert joined == {1: b"Traceback\npartial\n", None: b"Primary job terminated normally\nmpirun noticed\n"}

@@ -30,6 +30,24 @@ def test_local_plan_runs_bundled_runtime_for_scheduler_and_servers_and_py_comman
     assert all(p.on_launcher and p.cwd is None for p in plan.processes)
 
 
+@pytest.mark.parametrize(("command", "argv", "script"), [
+    (("python", "train.py", "-x"), ("/py", "train.py", "-x"), "train.py"),
+    (("python3", "sub/t.py"), ("/py", "sub/t.py"), "sub/t.py"),
+    (("train.py",), ("/py", "train.py"), "train.py"),
+    (("python", "-m", "pkg.train"), ("/py", "-m", "pkg.train"), None),
+    (("python3.11", "train.py"), ("python3.11", "train.py"), None),
+    (("./run.sh", "train.py"), ("./run.sh", "train.py"), None),
+])
+def test_python_and_python3_run_the_jobs_interpreter_and_the_script_is_known(command, argv, script):
+    worker = make_plan(_config(command=command)).by_role("worker")[0]
+    assert (worker.argv, worker.script) == (argv, script)
+
+
+def test_pythonunbuffered_is_the_users_value_when_set():
+    plan = make_plan(_config(python_unbuffered="0"))
+    assert {p.env["PYTHONUNBUFFERED"] for p in plan.processes} == {"0"}
+
+
 def test_command_for_all_roles_runs_the_user_command_everywhere():
     plan = make_plan(_config(command=("mytool", "a"), user_command_for_all_roles=True))
     assert {p.argv for p in plan.processes} == {("mytool", "a")}
@@ -46,7 +64,8 @@ def test_contract_variables_of_every_process():
         assert p.env[ec.PSLAUNCH_JOB_ID] == "j1"
         assert p.env[ec.PSLAUNCH_RANK] == str(p.rank)
         assert set(ec.REQUIRED) <= set(p.env)
-        assert set(p.env) <= set(ec.WRITTEN)
+        assert set(p.env) - {"PYTHONUNBUFFERED"} <= set(ec.WRITTEN)
+        assert p.env[ec.PSLAUNCH_SUPERVISED] == "1" and p.env["PYTHONUNBUFFERED"] == "1"
     workers = plan.by_role("worker")
     assert [(w.env[ec.PSLAUNCH_LOCAL_RANK], w.env[ec.PSLAUNCH_LOCAL_SIZE]) for w in workers] == [
         ("0", "3"), ("1", "3"), ("2", "3")]

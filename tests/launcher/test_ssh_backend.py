@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from launcher_testkit import (helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_for_records,
-                              wait_gone)
+from launcher_testkit import (ancestors, cmdline, helper, processes_with, reaped, run_pslaunch, start_pslaunch,
+                              start_sshd, wait_for_records, wait_gone)
 
 MULTI = "two\nlines with 'quotes' \"dq\" $HOME `cmd` \\ end\n"
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "new\nline", "ü"]
@@ -225,4 +225,76 @@ def test_changed_host_key_is_refused_with_a_clear_line(sshd, tmp_path):
     flags[flags.index("--known-hosts") + 1] = str(known)
     res = run_pslaunch(["-n", "1", "-H", hosts, *flags, "true"])
     assert res.returncode == 3
-    assert f"{sshd.user}@127.0.0.2:{sshd.port}: host key CHANGED" in res.stderr
+    assert f"{sshd.user}@127.0.0.2:{sshd.port}: host key CHANGED: the host offers ssh-ed25519 SHA256:" in res.stderr
+    assert (f"but {known} line 1 holds another key for [127.0.0.2]:{sshd.port}. If the host was reinstalled, remove "
+            f"that line (ssh-keygen -R '[127.0.0.2]:{sshd.port}' -f {known}) and run again") in res.stderr
+
+
+def test_a_host_lost_mid_job_is_named_ssh_connection_lost_and_pslaunch_exits_255(sshd, tmp_path, marker):
+    hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2", "127.0.0.3"])
+    out = tmp_path / "out"
+    with reaped(start_pslaunch(_job(sshd, hosts, out, "--env-worker", "SLEEP_worker:forever", s=1) + [marker]),
+                marker) as proc:
+        wait_for_records(out, 4, proc)
+        worker = _records(out)["worker.1"]["pid"]  # the only process on 127.0.0.3
+        # the host "dies": the sshd processes that serve its connection go away at once
+        sessions = [pid for pid in ancestors(worker)
+                    if cmdline(pid).startswith("sshd:") and "[listener]" not in cmdline(pid)]
+        assert sessions, [cmdline(pid) for pid in ancestors(worker)]
+        for pid in sessions:
+            os.kill(pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 255, stderr.decode()
+    assert ("root cause: worker.1@127.0.0.3 (worker rank 1 on 127.0.0.3, pid "
+            in stderr.decode()), stderr.decode()
+    assert "failed first: exit code 255 (ssh connection to 127.0.0.3 lost)" in stderr.decode()
+    assert wait_gone(marker, 15) == []
+
+
+def test_python_as_first_word_runs_the_launching_interpreter_on_remote_hosts(sshd, tmp_path):
+    hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2"])
+    out = tmp_path / "out"
+    # `python` alone would be whatever the remote login shell finds first on its PATH
+    res = run_pslaunch(["-n", "1", "-s", "1", "-H", hosts, *sshd.ssh_flags(), "--command-for-all-roles",
+                        "--shutdown-grace", "0.3", "--env-server", "SLEEP_server:forever", "--env-server",
+                        "SLEEP_scheduler:forever", "python", helper("role.py"), str(out)])
+    assert res.returncode == 0, res.stderr
+    assert {r["executable"] for r in _records(out).values()} == {sys.executable}
+
+
+def test_a_missing_script_on_a_remote_host_is_exit_2_before_anything_starts(sshd, tmp_path):
+    hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2"])
+    res = run_pslaunch(["-n", "1", "-H", hosts, *sshd.ssh_flags(), "python", "no_such_train.py", "--lr", "1"],
+                       cwd=str(tmp_path))
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == (f"pslaunch: error: COMMAND's script is missing: 'no_such_train.py' is not a file in {tmp_path} "
+                          "on 127.0.0.2 (the script of worker.0@127.0.0.2); nothing was started\n")
+
+
+def test_proxyjump_from_ssh_config_reaches_hosts_through_a_bastion(sshd, tmp_path):
+    bastion_dir = tmp_path / "bastion"
+    bastion_dir.mkdir()
+    bastions = start_sshd(bastion_dir, hosts=("127.0.0.1",), log_level="DEBUG1",
+                          authorized_key=open(sshd.key + ".pub").read())
+    bastion = next(bastions)
+    try:
+        config = tmp_path / "ssh_config"
+        config.write_text(f"Host node-a\n  HostName 127.0.0.3\n  Port {sshd.port}\n  ProxyJump gate\n"
+                          f"Host gate\n  HostName 127.0.0.1\n  Port {bastion.port}\n"
+                          f"Host node-b\n  HostName 127.0.0.2\n  Port {sshd.port}\n  ProxyJump 127.0.0.1:1\n")
+        out = tmp_path / "out"
+        common = ["-i", sshd.key, "--known-hosts", sshd.known_hosts, "--ssh-config", str(config)]
+        res = run_pslaunch(["-n", "1", "-s", "1", "-H", sshd.hostfile(tmp_path / "hosts", ["node-a"]), *common,
+                            "--command-for-all-roles", "--shutdown-grace", "0.3", "--env-server", "SLEEP_server:forever",
+                            "--env-server", "SLEEP_scheduler:forever", sys.executable, helper("role.py"), str(out)])
+        assert res.returncode == 0, res.stderr
+        assert "[worker.0@node-a] worker 0 started" in res.stdout
+        assert sorted(_records(out)) == ["scheduler.0", "server.0", "worker.0"]
+        # the bastion's sshd opened the connection to the host for us
+        assert f"target 127.0.0.3 port {sshd.port}" in (bastion_dir / "sshd.log").read_text()
+        bad = run_pslaunch(["-n", "1", "-H", sshd.hostfile(tmp_path / "hosts2", ["node-b"]), *common, "true"])
+        assert bad.returncode == 3, bad.stderr
+        assert (f"{sshd.user}@node-b:{sshd.port}: bastion {sshd.user}@127.0.0.1:1 (ProxyJump): connection refused on port 1"
+                in bad.stderr), bad.stderr
+    finally:
+        bastions.close()

@@ -49,6 +49,7 @@ def test_a_missing_required_variable_is_named(name):
         ("PSLAUNCH_SERVER_DEVICE", "tpu", "PSLAUNCH_SERVER_DEVICE='tpu' must be cpu, gpu or gpu:N"),
         ("PSLAUNCH_SAME_HOST", "carrier", "PSLAUNCH_SAME_HOST='carrier' must be shm, ipc or tcp"),
         ("PSLAUNCH_IO_SCHED", "fifo", "PSLAUNCH_IO_SCHED='fifo' must be batch or normal"),
+        ("PSLAUNCH_SUPERVISED", "yes", "PSLAUNCH_SUPERVISED='yes' must be 0 or 1"),
     ],
 )
 def test_a_malformed_variable_is_named_with_its_value(name, value, message):
@@ -63,6 +64,13 @@ def test_optional_variables_are_read():
     assert (env.role, env.worker_id, env.local, env.verbose) == ("server", 1, True, 2)
     assert (env.heartbeat_interval, env.heartbeat_timeout, env.server_device) == (0.0, 3.0, "gpu:1")
     assert (env.job_id, env.register_timeout, env.bigarray_bound) == ("j1", 5.0, 10)
+
+
+def test_under_pslaunch_registration_has_no_time_limit_even_one_set_explicitly():
+    supervised = read_env({**BASE, "PSLAUNCH_SUPERVISED": "1", "PSLAUNCH_REGISTER_TIMEOUT": "5"})
+    assert supervised.supervised and supervised.register_timeout == float("inf")
+    alone = read_env({**BASE, "PSLAUNCH_SUPERVISED": "0", "PSLAUNCH_REGISTER_TIMEOUT": "5"})
+    assert not alone.supervised and alone.register_timeout == 5.0
 
 
 def test_the_advertised_host_resolves_names_and_interfaces():

@@ -50,7 +50,7 @@ class SchedulerThread:
         settings = {"PS_HEARTBEAT_INTERVAL": "0", "PSLAUNCH_REGISTER_TIMEOUT": "5", **settings}
         env = read_env(contract_env(role="scheduler", root_uri="127.0.0.1", root_port=ROOT_PORT, num_workers=workers,
                                     num_servers=servers, job_id="t", rank=0, local_rank=0, local_size=1,
-                                    settings=settings))
+                                    supervised=False, settings=settings))
         self.scheduler = Scheduler(env, transport=InProcTransport(SCHEDULER, hub=self.hub))
         self.result = None
         self.thread = threading.Thread(target=self._run, daemon=True)

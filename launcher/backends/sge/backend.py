@@ -20,10 +20,12 @@ scheduler on the first host) and writes the plan; one agent per host starts that
 through ``launcher.mpi_rank`` (``job``). Their stdout and stderr go to files in ``DIR``; pslaunch
 polls them and prints them line by line, reading ``mpi_rank``'s pid and exit-status markers.
 
-**Stopping.** SIGTERM: pslaunch creates ``DIR/stop``; the agents pass SIGTERM to every process,
-which ``mpi_rank`` turns into SIGKILL after the grace period. SIGKILL: ``qdel``. At the end
-pslaunch deletes the job if it still runs and waits until ``qstat`` no longer lists it; when
-pslaunch dies the watchdog runs ``qdel``.
+**Signals.** pslaunch appends a request (``TERM``, ``STOP``, ``CONT``, ``END``) to ``DIR/control``;
+every agent passes it to its ``mpi_rank`` processes as SIGTERM, SIGUSR2, SIGCONT or SIGUSR1, which
+they turn into SIGTERM (then SIGKILL after the grace period), SIGSTOP, SIGCONT and SIGUSR1 of their
+process groups: stopping, Ctrl-Z and ``fg``, and the end of the bundled nodes. KILL is ``qdel``. At
+the end pslaunch deletes the job if it still runs and waits until ``qstat`` no longer lists it;
+when pslaunch dies the watchdog runs ``qdel``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import threading
 import time
 
@@ -41,11 +42,10 @@ from ...hostfile import Host
 from ...mpi_rank import payload
 from ...output import LineSplitter
 from ...plan import Plan, make_plan
-from ..base import ProcessHandle, route_line
+from ..base import ProcessHandle, route_block
 from ..batch import (
     GONE_WAIT,
     BatchBackend,
-    ShimHandle,
     private_dir,
     read_lines,
     refuse_host_flags,
@@ -55,7 +55,8 @@ from ..batch import (
     with_hosts,
 )
 from ..local import _launcher_root
-from .job import HOSTS_FILE, PLAN_FILE, STOP_FILE
+from ..shim import ShimHandle
+from .job import CONTROL_FILE, HOSTS_FILE, PLAN_FILE
 
 __all__ = ["SgeBackend", "qsub_argv", "parse_pe", "PENDING_HOST", "DEFAULT_PE"]
 
@@ -148,7 +149,7 @@ class SgeBackend(BatchBackend):
         argv = qsub_argv(self.job, pe, slots, self.jobdir, self.config.python, _launcher_root(),
                          split_args(self.config, "sge_args"))
         self.spawner.on_death(["qdel", self.job])
-        self.launcher = self.start_tool(argv, self.env)
+        qsub = self.shim.launcher = self.start_tool(argv, self.env)
         self.submitted = True
 
         def said(line: str) -> None:
@@ -156,17 +157,17 @@ class SgeBackend(BatchBackend):
                 self.number = line.strip()
             elif line.strip():
                 self._said.append(line.strip())
-                self.last_line = line.strip()
+                self.shim.last_line = line.strip()
 
-        self.launcher._threads = [read_lines(self.launcher.popen.stdout, said),
-                                  read_lines(self.launcher.popen.stderr, said)]
+        qsub._threads = [read_lines(qsub.popen.stdout, said), read_lines(qsub.popen.stderr, said)]
         hosts = self._wait_for_hosts(argv)
         plan = make_plan(with_hosts(self.config, hosts))
         self._hand_over(plan)
         return plan
 
     def _wait_for_hosts(self, argv: list[str]) -> list[Host]:
-        assert self.launcher is not None and self.jobdir is not None
+        qsub = self.shim.launcher
+        assert qsub is not None and self.jobdir is not None
         path = os.path.join(self.jobdir, HOSTS_FILE)
         start = time.monotonic()
         noted = False
@@ -175,16 +176,16 @@ class SgeBackend(BatchBackend):
                 with open(path, encoding="utf-8") as fh:
                     granted = json.load(fh)["hosts"]
                 return [Host(name, slots=slots) for name, slots in granted]
-            if self.launcher.popen.poll() is not None:
-                for thread in self.launcher._threads:
+            if qsub.popen.poll() is not None:
+                for thread in qsub._threads:
                     thread.join(5)
                 if self.number is None:
                     self.submitted = False
                     raise PlacementError(f"SGE refused the job ({shlex.join(argv)}): "
-                                         + ("; ".join(self._said) or f"qsub exited with {self.launcher.popen.returncode}"))
+                                         + ("; ".join(self._said) or f"qsub exited with {qsub.popen.returncode}"))
                 tail = "; ".join(_tail(os.path.join(self.jobdir, "job.err")) or self._said)
                 raise SpawnError(f"SGE job {self.job} ended before it started the processes "
-                                 f"(qsub exited with {self.launcher.popen.returncode})" + (f": {tail}" if tail else ""))
+                                 f"(qsub exited with {qsub.popen.returncode})" + (f": {tail}" if tail else ""))
             now = time.monotonic()
             if not noted and now - start > _PENDING_NOTE_AFTER:
                 noted = True
@@ -207,24 +208,26 @@ class SgeBackend(BatchBackend):
 
     # -- running -------------------------------------------------------------------------------
     def launch(self, plan: Plan) -> list[ProcessHandle]:
-        self.handles = [ShimHandle(spec, self) for spec in plan.processes]
+        self.handles = [ShimHandle(spec, self.shim) for spec in plan.processes]
+        self.shim.handles = self.handles
         self._tail = threading.Thread(target=self._follow, name="pslaunch-sge-output", daemon=True)
         self._tail.start()
         return list(self.handles)
 
     def _follow(self) -> None:
         """Print what the job's files gain, until the job has ended and they are read to the end."""
-        assert self.jobdir is not None and self.launcher is not None
+        qsub = self.shim.launcher
+        assert self.jobdir is not None and qsub is not None
         readers = []
         for index, handle in enumerate(self.handles):
             for stream in ("out", "err"):
-                emit = (lambda text, h=handle, s=f"std{stream}": route_line(h, s, self.printer, text, h.on_marker))
+                emit = (lambda block, h=handle, s=f"std{stream}": route_block(h, s, self.printer, block))
                 readers.append(_FileTail(os.path.join(self.jobdir, f"{index}.{stream}"), emit))
         for stream in ("out", "err"):
             readers.append(_FileTail(os.path.join(self.jobdir, f"job.{stream}"), self._job_line(f"std{stream}")))
         try:
             while True:
-                ended = self.launcher.popen.poll() is not None
+                ended = qsub.popen.poll() is not None
                 for reader in readers:
                     reader.read()
                 if ended:
@@ -233,33 +236,40 @@ class SgeBackend(BatchBackend):
         finally:
             for reader in readers:
                 reader.close()
-            self.output_done.set()
+            self.shim.output_done.set()
 
     def _job_line(self, stream: str):
-        def emit(text: str) -> None:
-            if text.strip():
-                self.last_line = text.strip()
-            self.printer.line("sge", "sge", text, stream)
+        def emit(block: str) -> None:
+            said = [text.strip() for text in block.split("\n") if text.strip()]
+            if said:
+                self.shim.last_line = said[-1]
+            self.printer.lines("sge", "sge", block, stream)
         return emit
 
     # -- signals ---------------------------------------------------------------------------------
-    def _deliver(self, sig: int) -> None:
-        if sig == signal.SIGKILL:
+    def _deliver(self, verb: str) -> None:
+        """KILL is ``qdel``; any other request is a line in ``DIR/control``, which the job's agents
+        read and pass to each ``mpi_rank`` as a signal (``job``)."""
+        if verb == "KILL":
             run_tool(["qdel", self.job], self.env)
         elif self.jobdir is not None:
-            with open(os.path.join(self.jobdir, STOP_FILE), "w", encoding="utf-8") as fh:
-                fh.write("TERM\n")
+            fd = os.open(os.path.join(self.jobdir, CONTROL_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, f"{verb}\n".encode())
+            finally:
+                os.close(fd)
 
     # -- the end -------------------------------------------------------------------------------
     def close(self) -> None:
         """Delete the job if it still runs, wait until qstat no longer lists it, remove DIR."""
         try:
-            if self.launcher is not None and self.launcher.popen.poll() is None:
+            qsub = self.shim.launcher
+            if qsub is not None and qsub.popen.poll() is None:
                 # Every process ended: the job ends by itself in a moment. Otherwise delete it now.
                 if not (self.handles and all(h.status is not None for h in self.handles)):
-                    self.signal_job(signal.SIGKILL)
+                    self.shim.kill()
                 deadline = time.monotonic() + GONE_WAIT
-                while self.launcher.popen.poll() is None and time.monotonic() < deadline:
+                while qsub.popen.poll() is None and time.monotonic() < deadline:
                     time.sleep(_POLL)
             if self.submitted:
                 self.cancel_and_wait(lambda: run_tool(["qstat", "-j", self.job], self.env).returncode == 0,
@@ -267,8 +277,8 @@ class SgeBackend(BatchBackend):
         finally:
             if self._tail is not None:
                 self._tail.join(5)
-            if self.launcher is not None:
-                self.launcher.close(2.0)
+            if self.shim.launcher is not None:
+                self.shim.launcher.close(2.0)
             self.spawner.close()
             if self.jobdir is not None:
                 shutil.rmtree(self.jobdir, ignore_errors=True)

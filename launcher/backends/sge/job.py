@@ -12,9 +12,10 @@
 ``python -m launcher.backends.sge.job agent DIR HOST`` starts the processes the plan puts on HOST,
 each as ``python -m launcher.mpi_rank`` (which finds its process by index, sets its environment
 and reports its pid and exit status as marker lines), with stdout and stderr in ``DIR/<i>.out`` /
-``DIR/<i>.err``, where pslaunch reads them. When ``DIR/stop`` appears it passes SIGTERM to them
-(``mpi_rank`` passes it on to its process group and kills it after the grace period); when
-``qdel`` kills the agent, each ``mpi_rank`` stops its process group the same way.
+``DIR/<i>.err``, where pslaunch reads them. It passes each request pslaunch appends to
+``DIR/control`` to them as a signal (``SIGNALS``: TERM, then SIGKILL after the grace period; Ctrl-Z
+and ``fg``; the end of the bundled nodes), which ``mpi_rank`` passes on to its process group; when
+``qdel`` kills the agent, each ``mpi_rank`` stops its process group as on TERM.
 
 One agent per host, not one ``qrsh -inherit`` per process: SGE allows a host only as many
 ``qrsh -inherit`` tasks as it granted slots there, while the plan may put more processes on a host
@@ -31,11 +32,14 @@ import subprocess
 import sys
 import time
 
-__all__ = ["main", "HOSTS_FILE", "PLAN_FILE", "STOP_FILE", "RANK_VARIABLE", "read_pe_hostfile"]
+__all__ = ["main", "HOSTS_FILE", "PLAN_FILE", "CONTROL_FILE", "SIGNALS", "RANK_VARIABLE", "read_pe_hostfile"]
 
 HOSTS_FILE = "hosts.json"
 PLAN_FILE = "plan.json"
-STOP_FILE = "stop"
+#: pslaunch's requests to the agents, one per line, in order (``SIGNALS``' keys).
+CONTROL_FILE = "control"
+#: The signal an agent sends each ``mpi_rank`` for a request (see ``launcher.mpi_rank``).
+SIGNALS = {"TERM": signal.SIGTERM, "STOP": signal.SIGUSR2, "CONT": signal.SIGCONT, "END": signal.SIGUSR1}
 #: The variable that tells ``mpi_rank`` its index in the plan.
 RANK_VARIABLE = "PSLAUNCH_SGE_INDEX"
 #: Seconds the master waits for pslaunch's plan before it gives up.
@@ -115,17 +119,36 @@ def agent(jobdir: str, host: str) -> int:
         finally:
             os.close(out)
             os.close(err)
-    stop_path = os.path.join(jobdir, STOP_FILE)
-    stopped = False
+    control = _Requests(os.path.join(jobdir, CONTROL_FILE))
     while any(child.poll() is None for child in children):
-        if not stopped and os.path.exists(stop_path):
-            stopped = True
+        for verb in control.new():
             for child in children:
-                if child.poll() is None:
-                    child.send_signal(signal.SIGTERM)
+                if child.poll() is None and verb in SIGNALS:
+                    child.send_signal(SIGNALS[verb])
         time.sleep(_TICK)
     codes = [128 - child.returncode if child.returncode < 0 else child.returncode for child in children]
     return next((code for code in codes if code != 0), 0)
+
+
+class _Requests:
+    """The lines pslaunch appends to a file; ``new`` returns those added since the last call."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._offset = 0
+        self._partial = b""
+
+    def new(self) -> list[str]:
+        try:
+            with open(self._path, "rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()  # a line not ended yet
+        return [line.decode("ascii", "replace").strip() for line in lines]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,8 @@ variables and the variables named in $CHECK_VARS. Then, by environment:
   IGNORE_TERM_<role>=1     ignore SIGTERM (only SIGKILL stops it)
   PS_DUMP_<role>_<rank>=1  also write `ps -eww -o args` (every command line on the machine) to
                            OUTDIR/<role>.<rank>.ps while the job runs
+  STOP_SELF_<role>_<rank>=1  stop itself (SIGSTOP) once started: only a SIGCONT lets it go on
+The record also holds its pid and sys.executable.
 """
 
 import json
@@ -29,6 +31,8 @@ record = {
     "cwd": os.getcwd(),
     "env": {k: v for k, v in os.environ.items() if k.startswith(("DMLC_", "PSLAUNCH_", "PS_"))},
     "checked": {n: os.environ.get(n) for n in names},
+    "pid": os.getpid(),
+    "executable": sys.executable,
 }
 os.makedirs(out, exist_ok=True)
 with open(os.path.join(out, f"{role}.{rank}.json"), "w") as fh:
@@ -38,6 +42,8 @@ if os.environ.get(f"PS_DUMP_{role}_{rank}"):
     with open(os.path.join(out, f"{role}.{rank}.ps"), "w") as fh:
         fh.write(listing)
 print(f"{role} {rank} started", flush=True)
+if os.environ.get(f"STOP_SELF_{role}_{rank}"):
+    os.kill(os.getpid(), signal.SIGSTOP)
 sleep = os.environ.get(f"SLEEP_{role}_{rank}", os.environ.get(f"SLEEP_{role}"))
 if sleep == "forever":
     while True:

@@ -1,0 +1,133 @@
+"""Job control: Ctrl-Z stops the whole job and fg continues it; stopped processes still stop at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launcher_testkit import REPO, helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_for_records, wait_gone
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0].decode()
+    except OSError:
+        return "gone"
+
+
+def _wait_states(pids: list[int], wanted: set[str], timeout: float = 20) -> dict[int, str]:
+    """Wait until every pid is in one of the ``wanted`` states; returns the states seen last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {pid: _state(pid) for pid in pids}
+        if all(s in wanted for s in states.values()) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.05)
+
+
+def _backend_options(backend: str, request, tmp_path) -> list[str]:
+    if backend == "ssh":
+        sshd = request.getfixturevalue("sshd")
+        hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2", "127.0.0.3"])
+        return ["-H", hosts, *sshd.ssh_flags()]
+    return ["--launcher", backend]
+
+
+def _role_job(out, *extra) -> list[str]:
+    return ["-n", "2", "-s", "1", "--command-for-all-roles", "--shutdown-grace", "0.3",
+            "--env-server", "SLEEP_scheduler:forever", "--env-server", "SLEEP_server:forever", *extra,
+            sys.executable, helper("role.py"), str(out)]
+
+
+@pytest.mark.parametrize("backend", ["local", "ssh", "mpi"])
+def test_a_stopped_process_gets_sigcont_with_sigterm_so_teardown_does_not_wait_out_the_grace(
+        backend, request, tmp_path, marker):
+    # With a 300 s grace, only SIGCONT lets the stopped worker take its SIGTERM within the time limit.
+    res = run_pslaunch(_role_job(tmp_path / "out", *_backend_options(backend, request, tmp_path), "--stop-grace", "300",
+                                 "--env-worker", "STOP_SELF_worker_0:1", "--env-worker", "SLEEP_worker_1:1",
+                                 "--env-worker", "EXIT_worker_1:9") + [marker], timeout=60)
+    assert res.returncode == 9, res.stderr
+    assert "root cause: worker.1@" in res.stderr
+    row = next(line for line in res.stderr.splitlines() if line.startswith("| worker    |    0 |"))
+    assert "stopped by pslaunch" in row and "SIGKILL" not in row, res.stderr
+    # mpirun continues its ranks before it signals them: the worker may finish its own run first
+    assert "SIGTERM" in row or (backend == "mpi" and "| 0 " in row), res.stderr
+    assert wait_gone(marker, 10) == []
+
+
+@pytest.mark.parametrize("backend", ["local", "ssh", "mpi"])
+def test_sigtstp_stops_every_process_of_the_job_and_sigcont_continues_them(backend, request, tmp_path, marker):
+    out = tmp_path / "out"
+    job = _role_job(out, *_backend_options(backend, request, tmp_path), "--env-worker", "SLEEP_worker:3") + [marker]
+    with reaped(start_pslaunch(job), marker) as proc:
+        wait_for_records(out, 4, proc)
+        pids = [json.loads(p.read_text())["pid"] for p in out.glob("*.json")]
+        os.kill(proc.pid, signal.SIGTSTP)
+        stopped = _wait_states(pids + [proc.pid], {"T", "t"})
+        assert set(stopped.values()) <= {"T", "t"}, stopped
+        time.sleep(4)  # longer than the workers' sleep: stopped, they cannot finish it
+        still = _wait_states(pids + [proc.pid], {"T", "t"}, timeout=0)
+        assert set(still.values()) <= {"T", "t"}, still
+        os.kill(proc.pid, signal.SIGCONT)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr.decode()
+        assert b"stopped 4 process(es) of the job (SIGTSTP)" in stderr and b"job continued" in stderr
+    assert wait_gone(marker, 10) == []
+
+
+def test_ctrl_z_in_a_terminal_stops_a_runtime_job_longer_than_its_heartbeat_timeout_and_fg_continues_it(
+        tmp_path, marker):
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is missing: run scripts/test.sh (it installs tmux)")
+    socket_name = f"pslaunch-{marker}"
+    tmux = ["tmux", "-L", socket_name]
+    script = tmp_path / "job.sh"
+    # Heartbeats every 0.2 s, death after 1 s of silence: a 3 s stop would kill a job that counted it.
+    script.write_text(
+        f"cd {REPO}\nexport PYTHONPATH={REPO} STEPS=60 STEP_SLEEP=0.05\n"
+        f"{sys.executable} -m launcher.cli -n 2 -s 1 --command-for-all-roles --env PS_HEARTBEAT_INTERVAL:0.2 "
+        f"--env PS_HEARTBEAT_TIMEOUT:1 {sys.executable} {helper('steps_worker.py')} {marker}\necho EXIT=$?\n")
+    pane = ""
+
+    def capture() -> str:
+        return subprocess.run([*tmux, "capture-pane", "-p", "-S", "-200", "-t", "job"], capture_output=True, text=True,
+                              timeout=10).stdout
+
+    def wait_for(text: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            screen = capture()
+            if text in screen:
+                return screen
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} did not appear on the terminal:\n{capture()}")
+
+    subprocess.run([*tmux, "new-session", "-d", "-s", "job", "-x", "220", "-y", "50", "bash --norc --noprofile"],
+                   check=True, timeout=10)
+    try:
+        subprocess.run([*tmux, "send-keys", "-t", "job", f"bash {script}", "Enter"], check=True, timeout=10)
+        wait_for("[worker.0@localhost] step 10")
+        subprocess.run([*tmux, "send-keys", "-t", "job", "C-z"], check=True, timeout=10)
+        pane = wait_for("Stopped")
+        job = [int(line.split(":")[0]) for line in processes_with(marker) if "steps_worker.py" in line]
+        assert len(job) >= 5, processes_with(marker)  # pslaunch, the scheduler, the server, two workers
+        states = _wait_states(job, {"T", "t"})
+        assert set(states.values()) <= {"T", "t"}, states
+        time.sleep(3)
+        subprocess.run([*tmux, "send-keys", "-t", "job", "fg", "Enter"], check=True, timeout=10)
+        pane = wait_for("EXIT=", timeout=90)
+        assert "EXIT=0" in pane and "[worker.0@localhost] done 2" in pane, pane
+        assert "pslaunch: job continued" in pane, pane
+    finally:
+        subprocess.run([*tmux, "kill-server"], timeout=10)
+        for line in processes_with(marker):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+    assert wait_gone(marker, 10) == [], pane
