@@ -3,10 +3,11 @@ time on it next to the same job run locally, in one run.
 
     python benchmarks/batch_overhead.py [--repeats 5] [--json out.json]
 
-Starts the one-machine Slurm and SGE clusters of the launcher tests (tests/launcher/launcher_testkit.py:
-needs what scripts/test.sh installs, and root) in temporary directories, several times for the cold
-start, then runs two jobs with ``pslaunch -n 2 -s 1`` under ``--launcher local``, ``slurm`` and
-``sge`` in turn, ``--repeats`` rounds interleaved so that a busy machine slows every launcher alike:
+Starts the one-machine Slurm and SGE clusters of the launcher tests
+(tests/launcher/launcher_testkit/clusters.py: needs what scripts/test.sh installs, and root) in
+temporary directories, several times for the cold start, then runs two jobs with ``pslaunch -n 2
+-s 1`` under ``--launcher local``, ``slurm`` and ``sge`` in turn, ``--repeats`` rounds interleaved
+so that a busy machine slows every launcher alike:
 
 * ``empty``: every role runs ``true`` (``--command-for-all-roles``): pure start-up and tear-down;
 * ``train``: ``examples/train_mlp.py --epochs 4`` with the bundled scheduler and server.

@@ -1,0 +1,28 @@
+"""The launcher tests' kit: pslaunch runs and process checks (``processes``), the test sshd
+(``sshd``) and one-machine Slurm and SGE clusters (``clusters``).
+
+A package with its own name (not ``conftest``) so that ``from launcher_testkit import ...`` cannot
+pick up another directory's conftest.
+"""
+
+from .clusters import Cluster, start_sge, start_slurm
+from .processes import (
+    HELPERS,
+    PSLAUNCH,
+    REPO,
+    Result,
+    ancestors,
+    cmdline,
+    helper,
+    processes_with,
+    reaped,
+    run_pslaunch,
+    start_pslaunch,
+    wait_for_records,
+    wait_gone,
+)
+from .sshd import LOOPBACK_HOSTS, Sshd, start_sshd
+
+__all__ = ["HELPERS", "PSLAUNCH", "REPO", "Result", "ancestors", "cmdline", "helper", "processes_with", "reaped",
+           "run_pslaunch", "start_pslaunch", "wait_for_records", "wait_gone", "LOOPBACK_HOSTS", "Sshd", "start_sshd",
+           "Cluster", "start_sge", "start_slurm"]
