@@ -125,8 +125,8 @@ def test_a_failing_worker_gives_its_exit_code_and_name_and_leaves_nothing(cluste
     assert wait_gone(marker, 15) == []
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
-def test_ctrl_c_or_sigkill_of_pslaunch_leaves_nothing_queued_or_running(cluster, tmp_path, marker, how):
+@pytest.mark.parametrize("how", ["SIGINT", "SIGHUP", "SIGKILL"])
+def test_ctrl_c_sighup_or_sigkill_of_pslaunch_leaves_nothing_queued_or_running(cluster, tmp_path, marker, how):
     out = tmp_path / "out"
     args = _job(cluster, out, "--env-server", "SLEEP_scheduler:forever", "--env-server", "SLEEP_server:forever",
                 "--env-worker", "SLEEP_worker:forever") + [marker]
@@ -135,12 +135,34 @@ def test_ctrl_c_or_sigkill_of_pslaunch_leaves_nothing_queued_or_running(cluster,
         assert cluster.jobs()
         os.kill(proc.pid, getattr(signal, how))
         _, stderr = proc.communicate(timeout=60)
-        if how == "SIGINT":
-            assert proc.returncode == 130, stderr.decode()
-            assert "pslaunch got SIGINT" in stderr.decode()
+        if how != "SIGKILL":
+            assert proc.returncode == 128 + getattr(signal, how), stderr.decode()
+            assert f"root cause: pslaunch got {how}" in stderr.decode()
+            assert "stopped by pslaunch" in stderr.decode()  # the summary table came out
         assert cluster.wait_no_jobs(30) == []
         assert wait_gone(marker, 15) == []
     assert list(tmp_path.glob(".pslaunch-*")) == []  # also the file with the --env values
+
+
+def test_secrets_reach_the_job_through_the_environment_only_the_key_pslaunch_makes_included(cluster, tmp_path, marker):
+    from launcher import envcontract
+
+    out, token = tmp_path / "out", f"token-{marker}"
+    # What the key made by pslaunch goes through once it makes one (the trust boundary); a value
+    # forwarded with --env goes the same way today.
+    names = ["API_TOKEN"] + (["PSLAUNCH_JOB_KEY"] if hasattr(envcontract, "PSLAUNCH_JOB_KEY") else [])
+    res = run_pslaunch(["-n", "1", "-s", "1", "--launcher", cluster.kind, "--timeout", "90", "--env", "API_TOKEN",
+                        "python", helper("secret_witness.py"), str(out), str(cluster.dir), *names],
+                       env=_env(cluster, API_TOKEN=token), cwd=str(tmp_path), timeout=120)
+    assert res.returncode == 0, res.stderr
+    report = json.loads((out / "witness.json").read_text())
+    assert report["job"] and all(report["looked_at_own_job"].values()), report
+    for name in names:
+        assert report[name]["present"] and report[name]["seen_in"] == [], (name, report)
+    assert token not in res.stdout + res.stderr
+    assert not re.search(r"\b[0-9a-f]{64}\b", res.stdout + res.stderr)  # nor a key pslaunch made
+    assert cluster.wait_no_jobs() == []
+    assert list(tmp_path.glob(".pslaunch-*")) == []
 
 
 def test_a_job_the_scheduler_cannot_place_fails_at_once_with_a_clear_error(cluster, tmp_path):
