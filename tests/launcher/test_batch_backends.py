@@ -54,29 +54,7 @@ def _records(out: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
 
 
-def _files_holding(root: Path, text: str) -> list[str]:
-    hits = []
-    for path in root.rglob("*"):
-        try:
-            if path.is_file() and not path.is_symlink() and text.encode() in path.read_bytes():
-                hits.append(str(path))
-        except OSError:
-            continue
-    return hits
-
-
-def _listed(cluster: Cluster) -> str:
-    """What the scheduler shows about every job it lists, in its most complete form."""
-    if cluster.kind == "slurm":
-        shown = [cluster.tool("squeue", "-o", "%all").stdout, cluster.tool("squeue", "-s", "-o", "%all").stdout]
-        shown += [cluster.tool("scontrol", "show", "job", "-dd", job).stdout for job in cluster.jobs() if "." not in job]
-    else:
-        shown = [cluster.tool("qstat", "-u", "*", "-r").stdout]
-        shown += [cluster.tool("qstat", "-j", job).stdout for job in cluster.jobs()]
-    return "\n".join(shown)
-
-
-def test_every_role_runs_with_its_env_exact_arguments_and_the_job_key_only_in_its_processes(cluster, tmp_path, marker):
+def test_every_role_runs_with_its_env_exact_arguments_and_a_forwarded_secret(cluster, tmp_path, marker):
     out, release = tmp_path / "out", tmp_path / "release"
     env = _env(cluster, PSLAUNCH_JOB_KEY=SECRET, CHECK_VARS="PSLAUNCH_JOB_KEY,ONLY_W,PSLAUNCH_MPI_PLAN")
     args = _job(cluster, out, "--env", "PSLAUNCH_JOB_KEY", "--env", "CHECK_VARS", "--env-worker", "ONLY_W:w v",
@@ -84,11 +62,7 @@ def test_every_role_runs_with_its_env_exact_arguments_and_the_job_key_only_in_it
                                                          ("scheduler", "server", "worker")), n=2, s=2) + TRICKY + [marker]
     with reaped(start_pslaunch(args, cwd=str(tmp_path), env=env), marker) as proc:
         wait_for_records(out, 5, proc, timeout=60)
-        jobs = cluster.jobs()
-        shown = _listed(cluster)
-        assert jobs and any(job in shown for job in jobs), shown  # the job is there while it is looked at
-        assert SECRET not in shown
-        assert _files_holding(cluster.dir, SECRET) == []  # no spool, state or log file holds it
+        # what the scheduler shows and stores: test_secrets_reach_the_job_through_the_environment_only...
         if cluster.kind == "sge":  # the hand-over file is the only place it is written, 0600 in a 0700 dir
             (jobdir,) = tmp_path.glob(".pslaunch-sge-*")
             assert (jobdir.stat().st_mode & 0o777, (jobdir / "plan.json").stat().st_mode & 0o777) == (0o700, 0o600)
