@@ -36,6 +36,11 @@ PSLAUNCH_PATH_ENV = {
     # the TCP path with ZeroMQ's I/O threads under the normal scheduling policy (the default is
     # SCHED_BATCH, see PSLAUNCH_IO_SCHED in docs/env.md): shows what that choice is worth
     "tcp_normal": {"PSLAUNCH_SAME_HOST": "tcp", "PSLAUNCH_IO_SCHED": "normal"},
+    # every job has a key (as under pslaunch), so its connections are authenticated; these run without
+    # one (what authentication costs) or encrypted with CurveZMQ (what --encrypt costs)
+    "tcp_noauth": {"PSLAUNCH_SAME_HOST": "tcp"},
+    "fast_noauth": {"PSLAUNCH_SAME_HOST": "shm", "DMLC_LOCAL": "1"},
+    "tcp_curve": {"PSLAUNCH_SAME_HOST": "tcp", "PSLAUNCH_ENCRYPT": "curve"},
 }
 
 # ps-lite binds ipc:// endpoints instead of tcp:// when DMLC_LOCAL is set.
@@ -58,6 +63,7 @@ class KVSystem:
     worker: list[str]  # after ``python``: the worker script (the plan's JSON follows it)
     env: dict[str, str] = field(default_factory=dict)
     check_values: bool = False  # whether pulled values must equal the number of workers
+    keyed: bool = True  # the job has a key (its connections are authenticated), as every pslaunch job
 
 
 def kv_systems(mxnet_python: str | None, profile_dir: Path | None = None) -> dict[str, KVSystem]:
@@ -75,7 +81,7 @@ def kv_systems(mxnet_python: str | None, profile_dir: Path | None = None) -> dic
         systems[f"pslaunch_{path}"] = KVSystem(
             name=f"pslaunch_{path}", python=py,
             scheduler=[py, "-m", "psnode", "scheduler"], server=server,
-            worker=[str(HERE / "ps_worker.py")], env=env, check_values=True,
+            worker=[str(HERE / "ps_worker.py")], env=env, check_values=True, keyed=not path.endswith("_noauth"),
         )
     if mxnet_python:
         for path, extra in MXNET_PATH_ENV.items():
@@ -104,7 +110,8 @@ def run_kv_job(system: KVSystem, plan: kv_suite.Plan, num_workers: int, log_dir:
             ran past ``timeout_s``.
     """
     with LocalJob(num_workers, 1, worker=[*system.worker, plan.to_json()], env=system.env, scheduler=system.scheduler,
-                  server=system.server, python=system.python, log_dir=log_dir, test_settings=False) as job:
+                  server=system.server, python=system.python, log_dir=log_dir, test_settings=False,
+                  job_key=system.keyed or None) as job:
         job.wait_ok(["worker"], timeout_s)
         results = [_read_result(job, "worker", i) for i in range(num_workers)]
         # the scheduler and server end by themselves once the workers are done

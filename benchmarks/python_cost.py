@@ -64,10 +64,10 @@ class _StandIn(Transport):
         self.kinds: collections.Counter = collections.Counter()  # messages by command
         self.replies = 0
 
-    def bind(self, port: int = 0, local_name: str | None = None) -> int:
+    def bind(self, port: int = 0, local_name: str | None = None, host: str | None = None) -> int:
         return 1000
 
-    def connect(self, peer: bytes, endpoint: str) -> None:
+    def connect(self, peer: bytes, endpoint: str, watch: bool = False) -> None:
         pass
 
     def poll(self, timeout: float) -> bool:

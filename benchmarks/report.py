@@ -30,6 +30,9 @@ RATIO_PAIRS = [
     ("pslaunch_fast", "zmq_ipc"),
     ("pslaunch_ipc", "zmq_ipc"),
     ("pslaunch_tcp", "pslaunch_tcp_normal"),
+    ("pslaunch_tcp", "pslaunch_tcp_noauth"),
+    ("pslaunch_fast", "pslaunch_fast_noauth"),
+    ("pslaunch_tcp_curve", "pslaunch_tcp"),
 ]
 
 # issue 3's targets: (name, measure, ours, baseline, op, threshold)

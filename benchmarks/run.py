@@ -35,8 +35,10 @@ from .kv_suite import Plan
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DEFAULT_MXNET_PYTHON = "/tmp/mxvenv/bin/python"
-ALL_SYSTEMS = ["pslaunch_tcp", "pslaunch_fast", "pslaunch_ipc", "pslaunch_tcp_normal", "mxnet_tcp", "mxnet_ipc", "zmq_tcp", "zmq_ipc"]
-DEFAULT_SYSTEMS = [s for s in ALL_SYSTEMS if s != "pslaunch_tcp_normal"]  # that one only on request
+ALL_SYSTEMS = ["pslaunch_tcp", "pslaunch_fast", "pslaunch_ipc", "pslaunch_tcp_normal", "pslaunch_tcp_noauth",
+               "pslaunch_fast_noauth", "pslaunch_tcp_curve", "mxnet_tcp", "mxnet_ipc", "zmq_tcp", "zmq_ipc"]
+ON_REQUEST = ("pslaunch_tcp_normal", "pslaunch_tcp_noauth", "pslaunch_fast_noauth", "pslaunch_tcp_curve")
+DEFAULT_SYSTEMS = [s for s in ALL_SYSTEMS if s not in ON_REQUEST]  # those only with --systems
 NUM_WORKERS = 2
 
 

@@ -77,6 +77,7 @@ __all__ = [
     "ModelUpdater",
 ]
 
-from ._role import run_role_if_asked as _run_role_if_asked  # noqa: E402
+from ._role import run_role_if_asked as _run_role_if_asked, take_job_key as _take_job_key  # noqa: E402
 
+_take_job_key()  # PSLAUNCH_JOB_KEY leaves the environment before user code runs (docs/env.md)
 _run_role_if_asked()  # DMLC_ROLE=scheduler|server: run that node and exit (MXNet's rule)

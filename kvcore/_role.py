@@ -15,7 +15,18 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["run_role_if_asked"]
+__all__ = ["run_role_if_asked", "take_job_key"]
+
+
+def take_job_key() -> None:
+    """Take the job key out of this process's environment (``psnode.security.take_job_key``); a
+    malformed key is reported when the node starts (``kvcore.create``), not at import."""
+    from psnode import security
+
+    try:
+        security.take_job_key()
+    except security.EnvError:
+        pass
 
 
 def run_role_if_asked() -> None:

@@ -56,7 +56,7 @@ from psnode.worker import WorkerNode
 
 from . import arrays
 from .dist_errors import runtime_errors, translate
-from .errors import DistributedError, KVTimeoutError, OptimizerError
+from .errors import DistributedError, DistTimeoutError, KVTimeoutError, NodeDiedError, OptimizerError, ServerError
 from .handles import Handle, LazyHandle
 from .optim.base import Optimizer, Updater
 from .sharding import KeyLayout, layout
@@ -261,6 +261,7 @@ class DistKVStore(KVStoreBase):
             # compressed pushes are split on whole words (as MXNet splits them); init itself is not compressed
             word = values_per_word(self._compression.params.type) if self._compression and dtype == np.float32 else 1
             layouts.append(layout(key, tuple(value.shape), dtype, self.num_servers, env.bigarray_bound, word))
+        refusal = None
         if self.rank == 0:
             parts = []
             for lay, (key, value) in zip(layouts, pairs):
@@ -268,8 +269,14 @@ class DistKVStore(KVStoreBase):
                 for part in lay.parts:
                     data = flat[part.start:part.stop] if lay.split else flat.reshape(lay.shape)
                     parts.append((part.server, part.id, key, data, lay.row_size or 1))
-            self._wait(self._worker.init(parts, self._sync))
-        self.barrier()
+            try:
+                self._wait(self._worker.init(parts, self._sync))
+            except DistributedError as exc:  # every rank must learn it: they would believe the keys exist
+                refusal = {"kind": type(exc).__name__, "message": str(exc)}
+        with runtime_errors():
+            notes = self._worker.barrier(Group.WORKERS, note=refusal)
+        for note in notes:
+            raise _error_of(note)
         for lay in layouts:
             self._layouts[lay.key] = lay
             if not lay.split:
@@ -433,6 +440,14 @@ class DistKVStore(KVStoreBase):
         with runtime_errors():
             self._worker.wait_for(future)
             future.result()
+
+
+def _error_of(note: Any) -> DistributedError:
+    """The error rank 0 met, from its barrier note (a class of kvcore's distributed errors, by name)."""
+    kinds = {cls.__name__: cls for cls in (DistributedError, ServerError, DistTimeoutError, NodeDiedError)}
+    if not isinstance(note, dict):
+        return DistributedError(f"worker 0 could not initialise the keys: {note!r}")
+    return kinds.get(str(note.get("kind")), DistributedError)(str(note.get("message")))
 
 
 def create(name: str) -> DistKVStore:

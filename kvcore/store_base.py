@@ -17,6 +17,8 @@ import numpy as np
 
 from . import arrays
 from .compression import GradientCompression, check_store_type, parse_params
+from psnode.server_store import VALUE_DTYPES
+
 from .errors import (
     DTypeMismatchError,
     DuplicateKeyError,
@@ -105,6 +107,10 @@ class KVStoreBase(abc.ABC):
             first = values[0]
             if isinstance(first, RowSparseArray):
                 first = first.todense()
+            dtype = np.dtype(first.dtype)
+            if dtype not in VALUE_DTYPES:
+                known = ", ".join(sorted(str(d) for d in VALUE_DTYPES))
+                raise DTypeMismatchError(f"key {k!r}: dtype {dtype} is not one a KVStore holds; use one of {known}")
             pairs.append((k, first))
         self._init_keys(pairs)
         for k, first in pairs:

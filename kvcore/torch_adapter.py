@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .trainer import Parameter
+from .parameter import Parameter
 
 __all__ = ["tensor_as_array", "torch_parameters"]
 

@@ -24,62 +24,11 @@ import numpy as np
 from . import arrays
 from .errors import DTypeMismatchError, ShapeMismatchError
 from .optim.base import Optimizer, Updater, create as create_optimizer
+from .parameter import Parameter, as_list as _as_list
 from .registry import create as create_store
 from .store_base import KVStoreBase
 
 __all__ = ["Parameter", "Trainer"]
-
-GradSource = Any
-"""An array, a list of arrays (one per replica), a callable returning either, or None."""
-
-
-class Parameter:
-    """One trainable parameter: its replicas (one array per device) and where its gradients are.
-
-    Args:
-        name: the parameter's name; the Trainer uses it as the parameter's key in the store.
-        data: an array, or a list of arrays of one shape and dtype, one per device. The Trainer
-            writes new weights into these arrays in place.
-        grad: the gradients: an array, a list (one per replica), a callable returning either (read
-            at every step, for frameworks that replace their gradient arrays), or None when the
-            gradients are passed to ``Trainer.step`` instead.
-
-    Raises:
-        ValueError: no replicas, or replicas of different shapes or dtypes (naming them).
-    """
-
-    def __init__(self, name: str, data: Any, grad: GradSource = None) -> None:
-        self.name = str(name)
-        self._data = _as_list(data)
-        if not self._data:
-            raise ValueError(f"parameter {self.name!r} has no data arrays")
-        first = self._data[0]
-        for i, replica in enumerate(self._data[1:], start=1):
-            if tuple(replica.shape) != tuple(first.shape) or replica.dtype != first.dtype:
-                raise ValueError(
-                    f"parameter {self.name!r}: replica {i} has shape {tuple(replica.shape)} and dtype "
-                    f"{replica.dtype}, but replica 0 has shape {tuple(first.shape)} and dtype {first.dtype}"
-                )
-        self._grad = grad
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The parameter's shape."""
-        return tuple(self._data[0].shape)
-
-    def list_data(self) -> list[Any]:
-        """The replicas, one array per device."""
-        return list(self._data)
-
-    def list_grad(self) -> list[Any] | None:
-        """The gradients, one array per replica, or None when this parameter carries none."""
-        grad = self._grad() if callable(self._grad) else self._grad
-        return None if grad is None else _as_list(grad)
-
-    def __repr__(self) -> str:
-        devices = ", ".join(str(arrays.device_of(d)) for d in self._data)
-        return f"Parameter({self.name!r}, shape={self.shape}, devices=[{devices}])"
-
 
 class Trainer:
     """Applies an optimizer to a set of parameters, synchronising their gradients through a KVStore.
@@ -370,10 +319,6 @@ class Trainer:
             f"Trainer({len(self._params)} params, {self._optimizer!r}, kvstore={self._kv.type!r}, "
             f"update_on_kvstore={self._update_on_kvstore})"
         )
-
-
-def _as_list(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _is_torch(value: Any) -> bool:

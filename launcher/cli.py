@@ -14,6 +14,7 @@ import uuid
 import click
 
 from .config import DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option, resolve
+from .envcontract import new_job_key
 from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
 
@@ -88,6 +89,9 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
               help="Seconds a scheduler or server that is not the bundled runtime gets to exit after every "
                    "worker exited 0 (bundled ones are asked to end at once).")
 @click.option("--job-id", default=None, help="Job id (PSLAUNCH_JOB_ID) [default: random].")
+@click.option("--encrypt", is_flag=True,
+              help="Encrypt every connection of the job (CurveZMQ, keys from the job's key); slower, for networks "
+                   "others can read.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (hosts, argv, environment names) and exit.")
 @click.option("-v", "--verbose", count=True, help="More about what pslaunch does; -vv also sets PS_VERBOSE.")
 @click.option("-q", "--quiet", is_flag=True, help="Only the root cause of a failure; no output lines, no table.")
@@ -181,6 +185,8 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         stop_grace=options["stop_grace"],
         shutdown_grace=options["shutdown_grace"],
         job_id=options["job_id"] or uuid.uuid4().hex[:12],
+        job_key=new_job_key(),
+        encrypt=options["encrypt"],
         verbose=options["verbose"],
         quiet=options["quiet"],
         dry_run=options["dry_run"],

@@ -106,6 +106,8 @@ class LaunchConfig:
     stop_grace: float = DEFAULT_STOP_GRACE
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
     job_id: str = "job"
+    job_key: str = field(default="", repr=False)  # the job's secret (PSLAUNCH_JOB_KEY); never printed
+    encrypt: bool = False
     verbose: int = 0
     quiet: bool = False
     dry_run: bool = False

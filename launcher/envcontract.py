@@ -35,6 +35,11 @@ __all__ = [
     "PSLAUNCH_SERVER_DEVICE",
     "PSLAUNCH_BIGARRAY_BOUND",
     "PSLAUNCH_TRANSPORT",
+    "PSLAUNCH_ENCRYPT",
+    "PSLAUNCH_BIND_ALL",
+    "PSLAUNCH_JOB_KEY",
+    "PSLAUNCH_JOB_KEY_FILE",
+    "new_job_key",
     "SETTINGS",
     "PSLAUNCH_SUPERVISED",
     "EXIT_PEER_FAILED",
@@ -69,6 +74,11 @@ PSLAUNCH_IO_SCHED = "PSLAUNCH_IO_SCHED"
 PSLAUNCH_SERVER_DEVICE = "PSLAUNCH_SERVER_DEVICE"
 PSLAUNCH_BIGARRAY_BOUND = "PSLAUNCH_BIGARRAY_BOUND"
 PSLAUNCH_TRANSPORT = "PSLAUNCH_TRANSPORT"
+PSLAUNCH_ENCRYPT = "PSLAUNCH_ENCRYPT"
+PSLAUNCH_BIND_ALL = "PSLAUNCH_BIND_ALL"
+#: The job's secret: passed like a secret ``--env`` value (never in a plan's printed environment).
+PSLAUNCH_JOB_KEY = "PSLAUNCH_JOB_KEY"
+PSLAUNCH_JOB_KEY_FILE = "PSLAUNCH_JOB_KEY_FILE"
 
 #: The runtime's optional settings (docs/env.md, "Optional"): ``contract_env(settings=...)`` writes them.
 SETTINGS = (
@@ -80,6 +90,8 @@ SETTINGS = (
     PSLAUNCH_SERVER_DEVICE,
     PSLAUNCH_BIGARRAY_BOUND,
     PSLAUNCH_TRANSPORT,
+    PSLAUNCH_ENCRYPT,
+    PSLAUNCH_BIND_ALL,
 )
 PSLAUNCH_SUPERVISED = "PSLAUNCH_SUPERVISED"
 
@@ -110,7 +122,15 @@ WRITTEN = REQUIRED + (
     PSLAUNCH_RANK,
     PSLAUNCH_SUPERVISED,
     DMLC_WORKER_ID,
+    PSLAUNCH_JOB_KEY,
 ) + SETTINGS
+
+
+def new_job_key() -> str:
+    """A fresh job key: 32 random bytes from the operating system, as 64 hex digits."""
+    import secrets
+
+    return secrets.token_hex(32)
 
 
 def contract_env(

@@ -175,6 +175,9 @@ def make_plan(config: LaunchConfig) -> Plan:
     seen: dict[tuple[str, Host], int] = {}
 
     user_argv = command_argv(config.command, config.python)
+    # the job's key travels as a secret, like --env values: never in the printed plan or a command line
+    given = any(v.name == ec.PSLAUNCH_JOB_KEY for v in config.env)
+    secrets = () if given or not config.job_key else (EnvVar(ec.PSLAUNCH_JOB_KEY, config.job_key, "all"),)
     all_local = local_only or all(h.is_loopback for h in config.hosts)
     remote_cwd = config.sync_dst_dir or config.cwd
     processes = []
@@ -210,6 +213,7 @@ def make_plan(config: LaunchConfig) -> Plan:
             interface=config.interface,
             all_local=all_local,
             verbose=config.verbose if config.verbose > 1 else 0,
+            settings={ec.PSLAUNCH_ENCRYPT: "curve"} if config.encrypt else None,
         )
         # Python children write to pipes, which block-buffer print(): lines would arrive at exit.
         env["PYTHONUNBUFFERED"] = config.python_unbuffered
@@ -220,7 +224,7 @@ def make_plan(config: LaunchConfig) -> Plan:
                 host=host,
                 argv=argv,
                 env=env,
-                user_env=tuple(v for v in config.env if v.applies_to(role)),
+                user_env=tuple(v for v in config.env if v.applies_to(role)) + secrets,
                 local_rank=local_rank,
                 local_size=sizes[(role, host)],
                 cwd=_cwd(config, host, on_launcher, remote_cwd),

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import os
 import threading
 import time
 from typing import Any, Callable
 
 from .env import NodeEnv
-from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError, ClosedError
+from .errors import ClosedError, PeerDiedError, ProtocolError, PSNodeError, RefusedError, RegistrationTimeoutError
 from .log import logger
 from .membership import SCHEDULER, Membership, PeerInfo, endpoint_of
 from .protocol import FLAG_ERROR, Cmd, pack_header, pack_json, unpack_header, unpack_json
@@ -106,8 +105,8 @@ class SchedulerLink:
             TransportError: the scheduler's address cannot be connected to.
         """
         env, me = self.env, self.me
-        self.transport.connect(SCHEDULER, f"tcp://{env.root_uri}:{env.root_port}")
-        info = {**me.as_record(), "worker_id": env.worker_id if me.role == "worker" else None, "pid": os.getpid()}
+        self.transport.connect(SCHEDULER, f"tcp://{env.root_uri}:{env.root_port}", watch=True)
+        info = {**me.as_record(), "worker_id": env.worker_id if me.role == "worker" else None, "job_id": env.job_id}
         del info["rank"]
         self.send(Cmd.REGISTER, body=info)
         logger.info("%s registering with the scheduler at %s", me.uid, env.root_address)
@@ -123,6 +122,11 @@ class SchedulerLink:
                     "is the scheduler running and reachable (DMLC_PS_ROOT_URI / DMLC_PS_ROOT_PORT)?"
                 )
             if not self.transport.poll(min(remaining, 0.5)):
+                why = self.transport.refused(SCHEDULER)
+                if why is not None:
+                    raise RefusedError(
+                        f"the scheduler at {env.root_address} {why}: this {me.role} is of job {env.job_id!r}; "
+                        "is another job using that port, or are the processes' PSLAUNCH_JOB_KEY different?")
                 continue
             sender, frames = self.transport.recv()
             if sender != SCHEDULER:
@@ -132,7 +136,9 @@ class SchedulerLink:
             try:
                 cmd, _, _, _ = unpack_header(frames[0])
                 if cmd == Cmd.REGISTER_FAILED:
-                    raise RegistrationTimeoutError(str(unpack_json(frames[1])["error"]))
+                    body = unpack_json(frames[1])
+                    kind = RegistrationTimeoutError if body.get("kind") == "timeout" else RefusedError
+                    raise kind(str(body["error"]))
                 if cmd == Cmd.ADDRBOOK:
                     self._connect(unpack_json(frames[1]))
                     return early
@@ -188,8 +194,11 @@ class SchedulerLink:
         except ClosedError:
             pass
 
-    def ask(self, cmd: int, arg: int = 0) -> concurrent.futures.Future:
-        """Send ``cmd`` (a barrier or finish) and return the future the scheduler's answer completes."""
+    def ask(self, cmd: int, arg: int = 0, body: Any = None) -> concurrent.futures.Future:
+        """Send ``cmd`` (a barrier or finish) and return the future the scheduler's answer completes.
+
+        A barrier's future holds the notes its members left (``Connection.ask_barrier``).
+        """
         future: concurrent.futures.Future = concurrent.futures.Future()
         req_id = next(self._req_ids)
         with self._waiters_lock:
@@ -197,7 +206,7 @@ class SchedulerLink:
                 future.set_exception(self.failure.error)
                 return future
             self._waiters[req_id] = future
-        self.send(cmd, req_id, arg)
+        self.send(cmd, req_id, arg, body)
         return future
 
     def handle(self, cmd: int, flags: int, req_id: int, frames: list) -> None:
@@ -226,7 +235,8 @@ class SchedulerLink:
                 if flags & FLAG_ERROR:
                     waiter.set_exception(PSNodeError(str(unpack_json(frames[1])["error"])))
                 else:
-                    waiter.set_result(None)
+                    notes = unpack_json(frames[1]).get("notes", []) if len(frames) > 1 else []
+                    waiter.set_result(notes if isinstance(notes, list) else [])
 
     def note_malformed(self, sender: bytes, exc: BaseException) -> None:
         """Count and log a message this node could not use."""

@@ -17,9 +17,10 @@ import re
 import socket
 import struct
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
+from . import security
 from .errors import EnvError
 
 __all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host", "EXIT_PEER_FAILED", "MARKER_READY", "MARKER_FAILED"]
@@ -61,6 +62,9 @@ class NodeEnv:
     io_sched: str = "batch"
     transport: str = "zmq"
     supervised: bool = False
+    job_key: bytes | None = field(default=None, repr=False)
+    encrypt: bool = False
+    bind_all: bool = False
 
     @property
     def root_address(self) -> str:
@@ -74,6 +78,22 @@ class NodeEnv:
         if self.interface:
             return interface_address(self.interface)
         return route_address(self.root_uri, self.root_port)
+
+    def security(self) -> security.Security:
+        """How this node's connections are secured: ``curve``, ``auth`` with a job key, else ``none``."""
+        if self.job_key is None:
+            return security.Security("none", self.job_id)
+        return security.Security("curve" if self.encrypt else "auth", self.job_id, self.job_key)
+
+    @property
+    def max_message(self) -> int:
+        """The largest frame a node accepts (``ZMQ_MAXMSGSIZE``): what the job's keys need.
+
+        A key below ``PSLAUNCH_BIGARRAY_BOUND`` elements travels whole (8 bytes an element at most);
+        bigger keys travel in parts of at most 4 MiB; small values share frames of at most
+        ``PACK_LIMIT``. A peer that announces a bigger frame is disconnected before it is buffered.
+        """
+        return max(16 << 20, 8 * self.bigarray_bound + (1 << 20))
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:
@@ -164,6 +184,16 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     transport = _get(env, "PSLAUNCH_TRANSPORT") or "zmq"
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", transport):
         raise EnvError(f"environment variable PSLAUNCH_TRANSPORT={transport!r} is not a transport name")
+    encrypt_text = (_get(env, "PSLAUNCH_ENCRYPT") or "none").lower()
+    if encrypt_text not in ("none", "curve"):
+        raise EnvError(f"environment variable PSLAUNCH_ENCRYPT={encrypt_text!r} must be none or curve")
+    bind_all_text = _get(env, "PSLAUNCH_BIND_ALL") or "0"
+    if bind_all_text not in ("0", "1"):
+        raise EnvError(f"environment variable PSLAUNCH_BIND_ALL={bind_all_text!r} must be 0 or 1")
+    key = security.read_job_key(env) if (security.JOB_KEY in env or security.JOB_KEY_FILE in env) else security.taken_key()
+    if encrypt_text == "curve" and key is None:
+        raise EnvError("PSLAUNCH_ENCRYPT=curve needs a job key (PSLAUNCH_JOB_KEY or PSLAUNCH_JOB_KEY_FILE): "
+                       "the encryption keys are derived from it")
     node_host = _get(env, "DMLC_NODE_HOST")
     interface = _get(env, "DMLC_INTERFACE")
     if interface is not None and not interface.replace("-", "").replace(".", "").replace("_", "").isalnum():
@@ -191,6 +221,9 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         io_sched=io_sched,
         transport=transport,
         supervised=supervised,
+        job_key=key,
+        encrypt=encrypt_text == "curve",
+        bind_all=bind_all_text == "1",
     )
 
 

@@ -8,7 +8,8 @@ The tree::
     ├── PeerError                  broken by a peer
     │   ├── PeerDiedError          a node stopped (no heartbeat, or it left); names role, rank and host
     │   ├── RemoteError            a server could not carry out a request (its message is included)
-    │   └── ProtocolError          a peer sent something this node cannot understand
+    │   ├── ProtocolError          a peer sent something this node cannot understand
+    │   └── RefusedError           the scheduler refused this node: another job's port, another key
     ├── RequestRefused             a server refuses one request (raised on the server; the worker that
     │                              asked gets its message back as a RemoteError)
     ├── NodeTimeoutError           a wait ran past its limit (also TimeoutError)
@@ -31,6 +32,7 @@ __all__ = [
     "PeerDiedError",
     "RemoteError",
     "ProtocolError",
+    "RefusedError",
     "RequestRefused",
     "NodeTimeoutError",
     "RegistrationTimeoutError",
@@ -71,6 +73,11 @@ class RemoteError(PeerError):
 
 class ProtocolError(PeerError):
     """A message did not follow the wire format."""
+
+
+class RefusedError(PeerError):
+    """The scheduler refused this node's connection or registration (the message says why: the port
+    belongs to another job, the job keys differ, the job is full)."""
 
 
 class RequestRefused(PSNodeError):

@@ -111,13 +111,13 @@ class InProcTransport(Transport):
     def same_host_endpoint(local_name: str) -> str:
         return f"inproc://{local_name}"
 
-    def bind(self, port: int = 0, local_name: str | None = None) -> int:
+    def bind(self, port: int = 0, local_name: str | None = None, host: str | None = None) -> int:
         self._check_open()
         port = self.hub.bind(self, port, local_name)
         self._bound = True
         return port
 
-    def connect(self, peer: bytes, endpoint: str) -> None:
+    def connect(self, peer: bytes, endpoint: str, watch: bool = False) -> None:
         self._check_open()
         self._peers.setdefault(peer, (endpoint, self.identity))
 

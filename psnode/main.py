@@ -27,6 +27,7 @@ from typing import Iterator
 
 from .env import EXIT_PEER_FAILED, MARKER_READY, NodeEnv, read_env
 from .errors import EnvError, PeerDiedError, PSNodeError
+from .security import take_job_key
 
 __all__ = ["run_node", "claimed_role", "claim_process", "main"]
 
@@ -101,9 +102,10 @@ def run_node(role: str) -> int:
     if role not in ("scheduler", "server"):
         print(f"psnode: the role must be scheduler or server, got {role!r}", file=sys.stderr)
         return 2
-    environ = dict(os.environ)
-    environ["DMLC_ROLE"] = role
     try:
+        take_job_key()  # out of the environment before anything else runs; the node keeps it
+        environ = dict(os.environ)
+        environ["DMLC_ROLE"] = role
         env = read_env(environ, default_role=None)
     except EnvError as exc:
         print(f"psnode {role}: error: {exc}", file=sys.stderr, flush=True)
@@ -123,6 +125,9 @@ def run_node(role: str) -> int:
     except PeerDiedError as exc:
         print(f"psnode {role} (pid {os.getpid()}): ended because a peer failed: {exc}", file=sys.stderr, flush=True)
         return EXIT_PEER_FAILED
+    except EnvError as exc:  # e.g. no job key on a network address: a configuration to fix, not a failure
+        print(f"psnode {role} (pid {os.getpid()}): error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except PSNodeError as exc:
         print(f"psnode {role} (pid {os.getpid()}): error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -36,6 +36,7 @@ class PeerInfo:
     fingerprint: str
     local_name: str
     shm_probe: int = 0  # wire reference of the node's shared-memory probe (0: none)
+    pid: int = 0  # its process id (a shared-memory reference from it must name this process)
 
     def describe(self) -> str:
         """``server 1 on 10.0.0.2:4567``: how errors name a node."""
@@ -56,7 +57,8 @@ class PeerInfo:
             raise ProtocolError(f"an address book entry is a {type(item).__name__}, not an object")
         try:
             return cls(str(item["role"]), int(item["rank"]), str(item["host"]), int(item["port"]), str(item["uid"]),
-                       str(item["fingerprint"]), str(item["local_name"]), int(item.get("shm_probe") or 0))
+                       str(item["fingerprint"]), str(item["local_name"]), int(item.get("shm_probe") or 0),
+                       int(item.get("pid") or 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"a malformed address book entry: {type(exc).__name__}: {exc}") from exc
 

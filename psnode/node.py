@@ -22,11 +22,12 @@ from typing import Any, Callable, Protocol
 from . import shm
 from .control import CONTROL_CMDS, FailureLatch, SchedulerLink
 from .env import NodeEnv
-from .errors import NodeTimeoutError, ProtocolError, PSNodeError
+from .errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
 from .log import logger, setup_logging
 from .membership import SCHEDULER, Membership, PeerInfo, host_fingerprint
 from .protocol import GROUP_ROLES, Cmd, Group, parse_group, unpack_header
-from .transport import Transport, create_transport
+from .security import secure_or_loopback
+from .transport import Transport, node_transport
 
 __all__ = ["Connection", "Deferred", "DataHandler", "is_done"]
 
@@ -77,16 +78,17 @@ class Connection:
                  on_worker_finished: Callable[[int, str], None] | None = None) -> None:
         setup_logging(env.verbose)
         self.env = env
-        self.transport = transport or create_transport(env.transport, b"", io_sched=env.io_sched)
+        host = env.advertised_host()
+        secure_or_loopback(env, {"DMLC_NODE_HOST / the advertised address": host})
+        self.transport = transport or node_transport(env, b"")
         job = re.sub(r"[^A-Za-z0-9_.-]", "_", env.job_id)[:40]
         local_name = f"{job}-{role}-{os.getpid()}-{os.urandom(3).hex()}"
-        port = self.transport.bind(0, local_name)
-        self.probe = shm.probe() if env.same_host == "shm" else None
-        host = env.advertised_host()
+        port = self.transport.bind(0, local_name, None if env.bind_all else host)
+        self.probe = shm.probe(env.job_id) if env.same_host == "shm" else None
         uid = f"{role}@{host}:{port}"
         self.transport.identity = uid.encode()
         self.me = PeerInfo(role, -1, host, port, uid, host_fingerprint(), local_name,
-                           self.probe.ref if self.probe is not None else 0)
+                           self.probe.ref if self.probe is not None else 0, os.getpid())
         self.members = Membership(role)
         self.failure = FailureLatch()
         self.link = SchedulerLink(env, self.transport, self.me, self.members, self.failure, on_worker_finished)
@@ -182,12 +184,15 @@ class Connection:
             return
         try:
             self._handle(peer, cmd, flags, req_id, arg, frames)
-        except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
+        except ClosedError:
+            raise
+        except Exception as exc:  # a message from the network must never end the node: count it, go on
             link.note_malformed(sender, exc)
 
-    def ask_barrier(self, group: "Group | int | str") -> tuple[concurrent.futures.Future, str]:
+    def ask_barrier(self, group: "Group | int | str", note: Any = None) -> tuple[concurrent.futures.Future, str]:
         """Enter a barrier of ``group`` (workers, servers or all): the future its end completes, and
-        what to call it in a timeout message.
+        what to call it in a timeout message. ``note`` (a small JSON value) reaches every member: the
+        future's result is the list of the members' notes that are not None.
 
         Liveness-checked: a node of the job that dies meanwhile fails the future naming that node.
 
@@ -199,7 +204,8 @@ class Connection:
         if self.me.role not in GROUP_ROLES[group]:
             raise PSNodeError(f"{self.describe()} is not in the barrier group {group.name.lower()}")
         self.failure.check()
-        return self.link.ask(Cmd.BARRIER, int(group)), f"end of the {group.name.lower()} barrier"
+        body = None if note is None else {"note": note}
+        return self.link.ask(Cmd.BARRIER, int(group), body), f"end of the {group.name.lower()} barrier"
 
     def wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:
         """Receive on this thread until ``future`` is done (single-threaded nodes), then raise its error.

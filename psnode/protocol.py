@@ -66,6 +66,7 @@ __all__ = [
     "peek_req_id",
     "IN_SHARED_MEMORY",
     "MAX_DATA_FRAMES",
+    "PACK_LIMIT",
     "pack_codec_params",
     "unpack_codec_params",
 ]
@@ -159,6 +160,10 @@ IN_SHARED_MEMORY = 0xFFFF
 """An entry's ``frame`` when the part lies in shared memory (``psnode.shm``): ``offset`` names the region."""
 
 MAX_DATA_FRAMES = IN_SHARED_MEMORY - 1  # frame numbers a message can use
+
+PACK_LIMIT = 4 << 20
+"""The most bytes of small values one data frame carries (a push's, or a pull reply's): more travel in
+further messages, so every frame stays far below a node's frame limit (``NodeEnv.max_message``)."""
 
 
 def pack_header(cmd: int, req_id: int = 0, arg: int = 0, flags: int = 0) -> bytes:

@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .env import NodeEnv
+from .env import NodeEnv, resolve_host
 from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError
 from .log import logger, setup_logging
 from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
-from .transport import Transport, create_transport
+from .security import secure_or_loopback
+from .transport import Transport, node_transport
 
 __all__ = ["Scheduler", "Roster", "Barriers"]
 
@@ -44,8 +45,10 @@ class Member:
 class Roster:
     """The registered nodes and their ranks (see ``Scheduler``)."""
 
-    def __init__(self, num_workers: int, num_servers: int) -> None:
+    def __init__(self, num_workers: int, num_servers: int, job_id: str = "", port: int = 0) -> None:
         self.expected = {"server": num_servers, "worker": num_workers}
+        self.job_id = job_id
+        self.port = port
         self.members: dict[bytes, Member] = {}
 
     def count(self, role: str) -> int:
@@ -77,6 +80,10 @@ class Roster:
         worker_id = info.get("worker_id")
         if worker_id is not None and not isinstance(worker_id, int):
             raise ProtocolError(f"registration with worker_id {worker_id!r}, not an integer")
+        job = info.get("job_id")
+        if self.job_id and job is not None and job != self.job_id:
+            return (f"a {peer.role} of job {job!r} at {peer.host}:{peer.port} tried to join; port {self.port} belongs "
+                    f"to job {self.job_id!r}")
         expected = self.expected[peer.role]
         if self.count(peer.role) >= expected:
             return (f"a {peer.role} at {peer.host}:{peer.port} registered, but the job already has all {expected} "
@@ -112,7 +119,7 @@ class Roster:
         for member in workers + servers:
             p = member.peer
             member.peer = PeerInfo(p.role, ranks[id(member)], p.host, p.port, p.uid, p.fingerprint, p.local_name,
-                                   p.shm_probe)
+                                   p.shm_probe, p.pid)
 
     def of_roles(self, roles: tuple[str, ...]) -> list[bytes]:
         """The identities of the members with one of ``roles``."""
@@ -123,19 +130,27 @@ class Roster:
         return all(m.finished for m in self.members.values() if m.peer.role == "worker")
 
 
+_NOTE_LIMIT = 4096  # bytes of JSON a member's barrier note may take
+
+
 class Barriers:
-    """The open barriers: who arrived in which group, answered once every member did."""
+    """The open barriers: who arrived in which group (with the note each left), answered once every
+    member did."""
 
     def __init__(self) -> None:
         self.waiting: dict[int, list[tuple[bytes, int]]] = {}
+        self.notes: dict[int, list] = {}
 
-    def arrive(self, group: int, sender: bytes, req_id: int, members: list[bytes]) -> list[tuple[bytes, int]] | None:
-        """Count ``sender``; every waiter ``(uid, req_id)`` when the group is complete, else None."""
+    def arrive(self, group: int, sender: bytes, req_id: int, members: list[bytes], note: Any = None
+               ) -> tuple[list[tuple[bytes, int]], list] | None:
+        """Count ``sender``; ``(every waiter (uid, req_id), the notes)`` when the group is complete, else None."""
         waiting = self.waiting.setdefault(group, [])
         waiting.append((sender, req_id))
+        if note is not None:
+            self.notes.setdefault(group, []).append(note)
         if len({u for u, _ in waiting}) >= len(members):
             del self.waiting[group]
-            return waiting
+            return waiting, self.notes.pop(group, [])
         return None
 
 
@@ -145,10 +160,11 @@ class Scheduler:
     def __init__(self, env: NodeEnv, transport: Transport | None = None) -> None:
         setup_logging(env.verbose)
         self.env = env
-        self.transport = transport or create_transport(env.transport, SCHEDULER)
-        self.transport.bind(env.root_port)
+        secure_or_loopback(env, {})
+        self.transport = transport or node_transport(env, SCHEDULER)
+        self.transport.bind(env.root_port, None, None if env.bind_all else resolve_host(env.root_uri, "DMLC_PS_ROOT_URI"))
         self.fingerprint = host_fingerprint()
-        self.roster = Roster(env.num_workers, env.num_servers)
+        self.roster = Roster(env.num_workers, env.num_servers, env.job_id, env.root_port)
         self.barriers = Barriers()
         self.malformed = 0
         self._last_check = 0.0  # when _check_alive last ran
@@ -168,7 +184,7 @@ class Scheduler:
             if remaining <= 0:
                 message = (f"registration timed out after {env.register_timeout:g} s (PSLAUNCH_REGISTER_TIMEOUT): "
                            f"{roster.missing(f'with the scheduler at {env.root_address}')}")
-                self._refuse_all(message)
+                self._refuse_all(message, "timeout")
                 raise RegistrationTimeoutError(message)
             if not self.transport.poll(min(remaining, 0.5)):
                 continue
@@ -208,9 +224,9 @@ class Scheduler:
         except PSNodeError as exc:
             logger.info("scheduler could not tell %s: %s", uid, exc)
 
-    def _refuse_all(self, message: str) -> None:
+    def _refuse_all(self, message: str, kind: str = "refused") -> None:
         for uid, member in self.roster.members.items():
-            self._send_once(uid, member.peer, Cmd.REGISTER_FAILED, {"error": message})
+            self._send_once(uid, member.peer, Cmd.REGISTER_FAILED, {"error": message, "kind": kind})
 
     # ---- serving -------------------------------------------------------------------------
     def serve(self) -> None:
@@ -247,7 +263,7 @@ class Scheduler:
         if cmd == Cmd.HEARTBEAT:
             self.transport.send(sender, [pack_header(Cmd.HEARTBEAT_ACK, req_id)])
         elif cmd == Cmd.BARRIER:
-            self._barrier(sender, member, req_id, arg)
+            self._barrier(sender, member, req_id, arg, frames)
         elif cmd == Cmd.FINISH:
             self._finished(sender, member, req_id)
         elif cmd == Cmd.NODE_DIED:
@@ -269,22 +285,34 @@ class Scheduler:
         logger.info("scheduler: %s finished", member.peer.describe())
         self._fail_blocked_barriers()
 
-    def _barrier(self, sender: bytes, member: Member, req_id: int, group: int) -> None:
+    def _barrier(self, sender: bytes, member: Member, req_id: int, group: int, frames: list) -> None:
         """Count ``sender`` in ``group``'s barrier; answer everyone once every member arrived."""
         error = None
-        if group not in GROUP_ROLES:
+        note = None
+        if len(frames) > 1:
+            if len(frames[1].buffer) > _NOTE_LIMIT:
+                error = f"a barrier note of {len(frames[1].buffer)} bytes; notes take at most {_NOTE_LIMIT}"
+            else:
+                try:
+                    body = unpack_json(frames[1])
+                    note = body.get("note") if isinstance(body, dict) else None
+                except ProtocolError as exc:
+                    error = f"a malformed barrier note: {exc}"
+        if error is None and group not in GROUP_ROLES:
             error = f"unknown barrier group {group}; the groups are " + ", ".join(f"{g.name.lower()} ({int(g)})" for g in Group)
-        elif member.peer.role not in GROUP_ROLES[Group(group)]:
+        elif error is None and member.peer.role not in GROUP_ROLES[Group(group)]:
             error = f"{member.peer.describe()} is not in the barrier group {Group(group).name.lower()}"
         if error is not None:
             self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id, flags=FLAG_ERROR), pack_json({"error": error})])
             return
-        done = self.barriers.arrive(group, sender, req_id, self.roster.of_roles(GROUP_ROLES[Group(group)]))
+        done = self.barriers.arrive(group, sender, req_id, self.roster.of_roles(GROUP_ROLES[Group(group)]), note)
         if done is None:
             self._fail_blocked_barriers()
             return
-        for uid, rid in done:
-            self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid)])
+        waiters, notes = done
+        body = [pack_json({"notes": notes})] if notes else []
+        for uid, rid in waiters:
+            self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid), *body])
 
     def _fail_blocked_barriers(self) -> None:
         """A barrier that waits for a finished node can never complete: say so instead of hanging."""
@@ -299,6 +327,7 @@ class Scheduler:
             for uid, rid in waiting:
                 self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid, flags=FLAG_ERROR), pack_json({"error": message})])
             del self.barriers.waiting[group]
+            self.barriers.notes.pop(group, None)
 
     def _check_alive(self) -> None:
         now = time.monotonic()

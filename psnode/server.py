@@ -24,7 +24,7 @@ import numpy as np
 from . import shm
 from .codecs import RAW, CodecTable
 from .env import NodeEnv
-from .errors import ProtocolError, RequestRefused
+from .errors import ClosedError, ProtocolError, RequestRefused
 from .log import logger
 from .membership import PeerInfo
 from .node import Connection
@@ -34,7 +34,7 @@ from .protocol import (
 )
 from .server_groups import Groups
 from .server_replies import Replies
-from .server_store import ServerStore, Shard
+from .server_store import ServerStore, Shard, init_value
 from .shard_memory import shard_memory
 from .transport import Transport
 
@@ -51,7 +51,7 @@ class ServerNode:
         memory = shard_memory(env.server_device)
         self.store = ServerStore(env.num_workers, memory)
         self.codecs = CodecTable()
-        self.attached = shm.Attachments()
+        self.attached = shm.Attachments(shm.job_tag(env.job_id))
         self.conn = Connection(env, "server", self._handle, transport, on_worker_finished=self._worker_finished)
         self.replies = Replies(self.conn.transport, self.conn.members, memory, self.attached)
         self.conn.serve_with(after_batch=self.replies.after_batch, deferred=self.replies)
@@ -97,8 +97,28 @@ class ServerNode:
 
     # ---- requests ------------------------------------------------------------------------
     def _handle(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
+        """Serve one message of a member; whatever goes wrong becomes an error reply to its request.
+
+        The message comes from the network: a malformed one must neither kill this server nor leave
+        the worker that sent it waiting (the error names what was wrong), and it is counted too.
+        """
         if peer.role != "worker":
             raise ProtocolError(f"{Cmd(cmd).name} from {peer.describe()}")
+        try:
+            self._serve(peer, cmd, flags, req_id, arg, frames)
+        except ClosedError:
+            raise
+        except Exception as exc:
+            name = Cmd(cmd).name
+            why = f"a malformed {name} from {peer.describe()}: {type(exc).__name__}: {exc}"
+            if cmd == Cmd.PUSH_PULL:  # both of its requests are answered
+                self.replies.refuse(peer, Cmd.PUSH_ACK, arg, why)
+                self.replies.refuse(peer, Cmd.PULL_REPLY, req_id, why)
+            elif cmd in _REPLY_TO:
+                self.replies.refuse(peer, _REPLY_TO[cmd], req_id, why)
+            raise ProtocolError(why) from exc
+
+    def _serve(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
         if cmd == Cmd.PUSH_PULL:
             if len(frames) != 1:
                 raise ProtocolError(f"PUSH_PULL of {len(frames)} frames")
@@ -117,16 +137,19 @@ class ServerNode:
             pull_cmd, pull_flags, pull_req, pull_arg = unpack_header(pull[0])
             if pull_cmd != Cmd.PULL or pull_flags:
                 raise ProtocolError(f"{Cmd(pull_cmd).name} attached to a push where a pull belongs")
-        self._request(peer, cmd, reply, flags, req_id, arg, frames, pull is None)
+        malformed = self._request(peer, cmd, reply, flags, req_id, arg, frames, pull is None)
         if pull is not None:  # after the push, so the pull's count of this worker's pushes includes it
-            self._request(peer, Cmd.PULL, Cmd.PULL_REPLY, 0, pull_req, pull_arg, pull)
+            malformed = self._request(peer, Cmd.PULL, Cmd.PULL_REPLY, 0, pull_req, pull_arg, pull) or malformed
+        if malformed is not None:
+            raise malformed
 
     def _request(self, peer: PeerInfo, cmd: int, reply: int, flags: int, req_id: int, arg: int, frames: list,
-                 ack: bool = True) -> None:
+                 ack: bool = True) -> ProtocolError | None:
         """Run one request (a push, pull, row pull, init or updater); refusals go back as error replies.
 
         ``ack=False``: a push that carried a pull is acknowledged by that pull's reply (the worker
-        completes both on it), so it gets no acknowledgement of its own.
+        completes both on it), so it gets no acknowledgement of its own. A malformed request is
+        answered with an error too, and returned (the caller counts it once the message is done).
         """
         try:
             if cmd == Cmd.PUSH:
@@ -138,20 +161,27 @@ class ServerNode:
                     for args in deferred:
                         self._rows(*args)
             elif cmd == Cmd.PULL:
-                self._pull(peer.rank, req_id, frames)
+                self._pull(peer, req_id, frames)
             elif cmd == Cmd.ROWS:
                 self._rows(peer, req_id, frames)
             elif cmd == Cmd.INIT:
                 self._init(frames, bool(flags & FLAG_SYNC))
                 self.replies.reply(peer, reply, req_id, arg)
             elif cmd == Cmd.SET_UPDATER:
-                self._set_updater(frames)
+                self._set_updater(peer, frames)
                 self.replies.reply(peer, reply, req_id, arg)
             elif cmd == Cmd.SET_CODEC:
                 self._set_codec(frames)
                 self.replies.reply(peer, reply, req_id, arg)
         except RequestRefused as exc:
             self.replies.refuse(peer, reply, req_id, str(exc))
+        except ClosedError:
+            raise
+        except Exception as exc:  # from the network: answered, counted, never fatal
+            why = f"a malformed {Cmd(cmd).name} from {peer.describe()}: {type(exc).__name__}: {exc}"
+            self.replies.refuse(peer, reply, req_id, why)
+            return ProtocolError(why)
+        return None
 
     def _shard(self, key_id: int) -> Shard:
         """The shard of ``key_id``, taken off the group fast path first if it is on it."""
@@ -218,7 +248,7 @@ class ServerNode:
             try:
                 shard = self._shard(key)
                 if frame == IN_SHARED_MEMORY:  # in the worker's shared memory: read it there, keep no reference
-                    data = self._decode(shard, rank, codec, self._shared(offset, nbytes), nbytes)
+                    data = self._decode(shard, rank, codec, self._shared(peer, offset, nbytes), nbytes)
                     store.push(shard, rank, data, answer, borrowed=codec == RAW)
                     continue
                 data = self._decode(shard, rank, codec, buffers[frame][offset:offset + nbytes], nbytes)
@@ -228,8 +258,8 @@ class ServerNode:
         if refused is not None:
             raise refused
 
-    def _pull(self, rank: int, req_id: int, frames: list) -> None:
-        replies = self.replies
+    def _pull(self, peer: PeerInfo, req_id: int, frames: list) -> None:
+        replies, rank = self.replies, peer.rank
         replies.pull_arrived(rank, req_id)
         meta = frames[1].buffer
         if self.groups.by_keys and self.groups.try_pull(rank, req_id, meta):
@@ -238,34 +268,38 @@ class ServerNode:
         try:
             for key, index, frame, _, offset, nbytes, seq in unpack_entries(meta):
                 if frame == IN_SHARED_MEMORY:  # the reply goes into the worker's shared memory
+                    self._shared(peer, offset, nbytes)  # checked and mapped now, so the reply cannot fail
                     replies.in_shared_memory(rank, req_id, index, offset, nbytes)
                 pull(shard(key), rank, req_id, index, seq, answer)
         except RequestRefused:
             replies.forget_regions(rank, req_id)
             raise
 
-    def _shared(self, ref: int, nbytes: int) -> np.ndarray:
-        """A view of a worker's shared-memory region."""
+    def _shared(self, peer: PeerInfo, ref: int, nbytes: int) -> np.ndarray:
+        """A view of ``peer``'s shared-memory region ``ref`` (only ever one of its own, of this job).
+
+        Raises:
+            RequestRefused: the reference is not such a region, or cannot be mapped (the message says which).
+        """
         try:
-            return self.attached.view(ref, nbytes)
+            return self.attached.view(ref, nbytes, peer.pid)
         except (OSError, ValueError) as exc:
             pid, fd = shm.decode(ref)
-            raise RequestRefused(f"server {self.rank} cannot map shared memory fd {fd} of process {pid}: {exc}") from exc
+            raise RequestRefused(f"server {self.rank} cannot use shared memory fd {fd} of process {pid} from "
+                                 f"{peer.describe()}: {exc}") from exc
 
     def _init(self, frames: list, sync: bool) -> None:
         specs = unpack_json(frames[1])
         data_frames = frames[2:]
-        for spec in specs:
-            frame = data_frames[int(spec["frame"])]
-            dtype = np.dtype(spec["dtype"])
-            shape = tuple(int(n) for n in spec["shape"])
-            count = int(np.prod(shape, dtype=np.int64))
-            if int(spec["offset"]) + count * dtype.itemsize > len(frame.buffer):
-                raise ProtocolError(f"init of key {spec['user_key']!r} reaches past its data frame")
-            value = np.frombuffer(frame.buffer, dtype=dtype, count=count, offset=int(spec["offset"])).reshape(shape)
-            self.store.init(int(spec["key"]), spec["user_key"], value, sync, int(spec.get("row_size", 1)))
+        if not isinstance(specs, list):
+            raise ProtocolError(f"INIT's specs are a {type(specs).__name__}, not a list")
+        values = [init_value(spec, data_frames) for spec in specs]  # every spec checked before any is stored
+        for key, user_key, value, row_size in values:
+            self.store.init(key, user_key, value, sync, row_size)
 
-    def _set_updater(self, frames: list) -> None:
+    def _set_updater(self, peer: PeerInfo, frames: list) -> None:
+        if peer.rank != 0:  # unpickling runs the sender's code: only the job's first worker ships it
+            raise RequestRefused(f"{peer.describe()} may not set the updater; worker 0 ships it for the job")
         try:
             updater = pickle.loads(frames[1].bytes)
         except Exception as exc:  # unpickling runs the sender's code: any error is possible

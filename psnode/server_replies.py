@@ -112,7 +112,9 @@ class Replies:
         for index, shard in parts:
             region = self._regions.pop((worker, req_id, index), None) if self._regions else None
             if region is not None and region[1] == shard.nbytes:
-                np.copyto(self.attached.view(region[0], region[1]), host(shard.stored).view(np.uint8))
+                # mapped and checked when the pull arrived (ServerNode._pull): here only looked up
+                view = self.attached.view(region[0], region[1], self.members.workers[worker].pid)
+                np.copyto(view, host(shard.stored).view(np.uint8))
                 entries.append((shard.key_id, index, IN_SHARED_MEMORY, 0, 0, shard.nbytes, 0))
             elif shard.nbytes >= OWN_FRAME:
                 big.append(shard)

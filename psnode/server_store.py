@@ -19,11 +19,60 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
-from .errors import RequestRefused
+from .errors import ProtocolError, RequestRefused
 from .rounds import Round, run_updater
 from .shard_memory import HostMemory
 
-__all__ = ["Shard", "ServerStore", "Answer"]
+__all__ = ["Shard", "ServerStore", "Answer", "init_value", "VALUE_DTYPES"]
+
+VALUE_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "uint8", "int8", "int32", "int64"))
+"""The dtypes a key may have: MXNet's KVStore's (anything else is refused at init)."""
+
+_MAX_DIMS = 32
+
+
+def init_value(spec: Any, data_frames: list) -> tuple[int, Hashable, np.ndarray, int]:
+    """``(key id, user key, value, row size)`` of one INIT spec (a JSON object from the network),
+    every field checked.
+
+    Raises:
+        ProtocolError: a field missing, of the wrong type or out of range (the message names it).
+    """
+    if not isinstance(spec, dict):
+        raise ProtocolError(f"an INIT spec is a {type(spec).__name__}, not an object")
+    key, user_key, shape = spec.get("key"), spec.get("user_key"), spec.get("shape")
+    frame, offset, row_size = spec.get("frame"), spec.get("offset", 0), spec.get("row_size", 1)
+    if not _is_int(key) or not 0 <= key < 1 << 64:
+        raise ProtocolError(f"INIT key id {key!r} is not a 64-bit unsigned integer")
+    if not (isinstance(user_key, str) or _is_int(user_key)):
+        raise ProtocolError(f"INIT of key id {key:#x}: the key {user_key!r} is neither int nor str")
+    where = f"INIT of key {user_key!r}"
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_int(n) and n >= 0 for n in shape):
+        raise ProtocolError(f"{where}: shape {shape!r} is not a list of at most {_MAX_DIMS} sizes")
+    try:
+        dtype = np.dtype(spec.get("dtype"))
+    except TypeError:
+        raise ProtocolError(f"{where}: dtype {spec.get('dtype')!r} is not a dtype") from None
+    if dtype not in VALUE_DTYPES:
+        known = ", ".join(sorted(str(d) for d in VALUE_DTYPES))
+        raise RequestRefused(f"{where}: dtype {dtype} is not one a key may have ({known})")
+    if not _is_int(frame) or not 0 <= frame < len(data_frames):
+        raise ProtocolError(f"{where}: data frame {frame!r} is not one of the message's {len(data_frames)}")
+    if not _is_int(offset) or offset < 0 or not _is_int(row_size) or row_size < 1:
+        raise ProtocolError(f"{where}: offset {offset!r} or row size {row_size!r} is out of range")
+    count = 1
+    for n in shape:
+        count *= n
+    buffer = data_frames[frame].buffer
+    if offset + count * dtype.itemsize > len(buffer):
+        raise ProtocolError(f"{where}: {count} values of {dtype} reach past its data frame of {len(buffer)} bytes")
+    value = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+    return key, user_key, value, row_size
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 Answer = Callable[[int, int, int, "Shard"], None]
 """``answer(worker, req_id, index, shard)``: reply to part ``index`` of pull ``req_id`` with the shard's value."""

@@ -12,25 +12,43 @@ out of the kernel that a socket needs.
 
 On the wire a part in shared memory has ``frame == SHM_FRAME`` (``protocol.IN_SHARED_MEMORY``) and
 ``offset == pid << 32 | fd``.
+
+A reference comes from the network, so a server never trusts it: it maps only a region of the
+process the reference's sender registered as (the pid in the address book), and only when the
+descriptor it opened is this job's memfd (its name carries a tag of the job id: ``job_tag``), a
+regular file with no name on disk, at least as big as the part. Anything else is refused with an
+error naming what was wrong; no path or descriptor a peer names is opened otherwise.
 """
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
+import stat
 
 import numpy as np
 
 from .protocol import IN_SHARED_MEMORY
 
-__all__ = ["SHM_FRAME", "SHM_MIN", "Region", "Attachments", "WorkerRegions", "probe", "can_attach", "encode", "decode"]
+__all__ = ["SHM_FRAME", "SHM_MIN", "Region", "Attachments", "WorkerRegions", "RefusedRegion", "probe", "can_attach",
+           "encode", "decode", "job_tag"]
 
 SHM_FRAME = IN_SHARED_MEMORY
 SHM_MIN = 1 << 20  # parts smaller than this go in the message: a region would not pay for itself
 
 
+class RefusedRegion(ValueError):
+    """A shared-memory reference that names something other than a region of this job's sender."""
+
+
+def job_tag(job_id: str) -> str:
+    """The memfd name of the job's regions: ``pslaunch-`` and 12 hex digits of the job id's hash."""
+    return "pslaunch-" + hashlib.sha256(job_id.encode()).hexdigest()[:12]
+
+
 class Region:
-    """A shared-memory buffer this process owns (closed with it)."""
+    """A shared-memory buffer this process owns (closed with it), named with its job's tag."""
 
     def __init__(self, nbytes: int, name: str = "pslaunch") -> None:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
@@ -56,25 +74,53 @@ def decode(ref: int) -> tuple[int, int]:
     return ref >> 32, ref & 0xFFFFFFFF
 
 
-class Attachments:
-    """Regions of other processes this process has mapped, by wire reference."""
+def _open_region(ref: int, pid: int, tag: str, nbytes: int) -> int:
+    """Open the region ``ref`` of process ``pid`` after checking it is one of this job's regions.
 
-    def __init__(self) -> None:
+    Raises:
+        RefusedRegion: the reference names another process, or not a memfd of this job, or one too
+            small; OSError: it cannot be opened (the process is gone).
+    """
+    owner, fd = decode(ref)
+    if owner != pid or pid <= 0:
+        raise RefusedRegion(f"a shared-memory reference to process {owner}, but its sender is process {pid}")
+    handle = os.open(f"/proc/{owner}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        # what this process has opened, not what the path named a moment ago: no race with a reused fd
+        target = os.readlink(f"/proc/self/fd/{handle}")
+        info = os.fstat(handle)
+        if target != f"/memfd:{tag} (deleted)" or not stat.S_ISREG(info.st_mode) or info.st_nlink != 0:
+            raise RefusedRegion(f"fd {fd} of process {owner} is {target!r}, not a shared-memory region of this job")
+        if info.st_size < nbytes:
+            raise RefusedRegion(f"the region fd {fd} of process {owner} has {info.st_size} bytes, not {nbytes}")
+    except BaseException:
+        os.close(handle)
+        raise
+    return handle
+
+
+class Attachments:
+    """Regions of other processes of the job this process has mapped, by wire reference.
+
+    ``tag`` is the job's memfd name (``job_tag``): nothing else is ever mapped.
+    """
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
 
-    def view(self, ref: int, nbytes: int) -> np.ndarray:
-        """A writable uint8 view of the first ``nbytes`` of region ``ref``.
+    def view(self, ref: int, nbytes: int, pid: int) -> np.ndarray:
+        """A writable uint8 view of the first ``nbytes`` of region ``ref`` of process ``pid``.
 
         Raises:
-            OSError: the region cannot be mapped (another host, or the owner is gone).
+            RefusedRegion: the reference is not a region of this job's process ``pid``.
+            OSError: the region cannot be mapped (the owner is gone).
         """
         entry = self._maps.get(ref)
         if entry is None or len(entry[1]) < nbytes:
-            pid, fd = decode(ref)
-            handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+            handle = _open_region(ref, pid, self.tag, nbytes)
             try:
-                size = os.fstat(handle).st_size
-                mapped = mmap.mmap(handle, size)
+                mapped = mmap.mmap(handle, os.fstat(handle).st_size)
             finally:
                 os.close(handle)
             entry = (mapped, np.frombuffer(mapped, dtype=np.uint8))
@@ -82,18 +128,17 @@ class Attachments:
         return entry[1][:nbytes]
 
 
-def probe() -> Region:
+def probe(job_id: str) -> Region:
     """A tiny region peers map once to learn whether this host lets them (``can_attach``)."""
-    region = Region(8, "pslaunch-probe")
+    region = Region(8, job_tag(job_id))
     region.array[:] = 0x5A
     return region
 
 
-def can_attach(ref: int) -> bool:
-    """True when this process can map the region ``ref`` (and reads the probe's pattern)."""
+def can_attach(ref: int, pid: int, tag: str) -> bool:
+    """True when this process can map the probe region ``ref`` of ``pid`` (and reads its pattern)."""
     try:
-        pid, fd = decode(ref)
-        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        handle = _open_region(ref, pid, tag, 8)
         try:
             mapped = mmap.mmap(handle, 8)
         finally:
@@ -112,20 +157,22 @@ class WorkerRegions:
     part travels in the message this time.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, job_id: str) -> None:
+        self.tag = job_tag(job_id)
         self._regions: dict[tuple[int, int, int], Region] = {}
         self.servers: set[int] = set()  # servers on this host that map this worker's shared memory
 
     def find_servers(self, servers: list, fingerprint: str) -> None:
         """Note which of ``servers`` (PeerInfo) share this host and can map our regions (their probe)."""
-        self.servers = {p.rank for p in servers if p.fingerprint == fingerprint and p.shm_probe and can_attach(p.shm_probe)}
+        self.servers = {p.rank for p in servers
+                        if p.fingerprint == fingerprint and p.shm_probe and can_attach(p.shm_probe, p.pid, self.tag)}
 
     def region(self, slot: tuple[int, int, int], nbytes: int) -> Region | None:
         """The region of ``slot`` when it is free (None: use a message this time)."""
         region = self._regions.get(slot)
         if region is None or region.nbytes != nbytes:
             try:
-                region = Region(nbytes)
+                region = Region(nbytes, self.tag)
             except OSError:
                 return None
             self._regions[slot] = region

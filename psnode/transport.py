@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 
 from .errors import PSNodeError, WouldBlock
 
-__all__ = ["Transport", "Frame", "register_transport", "create_transport", "transport_names", "WouldBlock"]
+__all__ = ["Transport", "Frame", "register_transport", "create_transport", "node_transport", "transport_names",
+           "WouldBlock"]
 
 
 class Frame:
@@ -43,17 +44,20 @@ class Frame:
 class Transport(abc.ABC):
     """Frames between peers. ``identity`` names this node to the peers it sends to.
 
-    A transport is built as ``factory(identity, io_sched=...)``: ``io_sched`` is the node's
-    ``PSLAUNCH_IO_SCHED`` (``batch`` or ``normal``), how background I/O threads, if it has any,
-    are scheduled; a transport without such threads ignores it.
+    A transport is built as ``factory(identity, io_sched=..., security=..., max_message=...)``:
+    ``io_sched`` is the node's ``PSLAUNCH_IO_SCHED`` (``batch`` or ``normal``), how background I/O
+    threads, if it has any, are scheduled; ``security`` a ``psnode.security.Security`` (who may
+    connect: only holders of the job key); ``max_message`` the largest frame to accept. A transport
+    without I/O threads, or whose peers are all in one process, ignores what does not apply.
     """
 
     def __init__(self, identity: bytes) -> None:
         self.identity = identity
 
     @abc.abstractmethod
-    def bind(self, port: int = 0, local_name: str | None = None) -> int:
-        """Start receiving on TCP ``port`` (0: a free one) of every interface; return the port.
+    def bind(self, port: int = 0, local_name: str | None = None, host: str | None = None) -> int:
+        """Start receiving on TCP ``port`` (0: a free one) of address ``host`` (None: every
+        interface); return the port.
 
         ``local_name`` also opens a same-host endpoint (``same_host_endpoint(local_name)``).
 
@@ -62,8 +66,15 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def connect(self, peer: bytes, endpoint: str) -> None:
-        """Open a connection to ``peer`` at ``endpoint`` (``tcp://host:port`` or a same-host endpoint)."""
+    def connect(self, peer: bytes, endpoint: str, watch: bool = False) -> None:
+        """Open a connection to ``peer`` at ``endpoint`` (``tcp://host:port`` or a same-host endpoint).
+
+        ``watch``: keep what the peer answers to this node's security handshake (``refused``).
+        """
+
+    def refused(self, peer: bytes) -> str | None:
+        """Why ``peer`` (connected with ``watch=True``) refused this node's handshake, or None."""
+        return None
 
     @abc.abstractmethod
     def send(self, peer: bytes, frames: Sequence[Any], track: bool = False, block: bool = True) -> Any:
@@ -136,3 +147,10 @@ def create_transport(name: str, identity: bytes, **kwargs: Any) -> Transport:
         factory = getattr(importlib.import_module(module), attr)
         _TRANSPORTS[name] = factory
     return factory(identity, **kwargs)
+
+
+def node_transport(env: Any, identity: bytes) -> Transport:
+    """The transport a node of ``env`` (a ``NodeEnv``) uses: the one ``PSLAUNCH_TRANSPORT`` names,
+    secured by the job key and bounded by the job's largest message."""
+    return create_transport(env.transport, identity, io_sched=env.io_sched, security=env.security(),
+                            max_message=env.max_message)

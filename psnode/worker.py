@@ -40,7 +40,9 @@ from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError
 from .membership import PeerInfo
 from .node import Connection
-from .protocol import ENTRY_STRUCT, FLAG_SYNC, Cmd, Group, pack_codec_params, pack_entries, pack_header, pack_json
+from .protocol import (
+    ENTRY_STRUCT, FLAG_SYNC, PACK_LIMIT, Cmd, Group, pack_codec_params, pack_entries, pack_header, pack_json,
+)
 from .transport import Transport
 from .worker_outbox import Outbox
 from .worker_process import watch
@@ -68,7 +70,7 @@ class WorkerNode:
         self.requests = RequestTable(self._check, self.conn.failure)
         self.outbox = Outbox(self.conn.transport, self.conn.members, self.requests.complete)
         self.receiver = Receiver(self.conn, self.outbox)
-        self.regions = shm.WorkerRegions()
+        self.regions = shm.WorkerRegions(env.job_id)
         self.closed = False
         # ``wait_for(future, timeout)``: block until done, receiving on this thread (``Receiver.wait_for``)
         self.wait_for = self.receiver.wait_for
@@ -177,17 +179,20 @@ class WorkerNode:
             raise NodeTimeoutError(f"worker {self.rank}: no {what} within {limit:g} s")
         future.result()
 
-    def barrier(self, group: "Group | int | str" = Group.WORKERS, timeout: float | None = None) -> None:
+    def barrier(self, group: "Group | int | str" = Group.WORKERS, timeout: float | None = None,
+                note: Any = None) -> list:
         """Block until every node of ``group`` (workers or all) reached a barrier; no time limit unless
-        ``timeout`` is given (see ``Connection.ask_barrier``).
+        ``timeout`` is given (see ``Connection.ask_barrier``). Returns the notes members left (a
+        small JSON value each, ``note``), in no set order.
 
         Raises:
             ValueError: an unknown group; PSNodeError: not in ``group``, or the barrier can never
             complete (a member already finished); PeerDiedError: a node died; NodeTimeoutError: ``timeout``.
         """
         self._check()
-        future, what = self.conn.ask_barrier(group)
+        future, what = self.conn.ask_barrier(group, note)
         self._wait(future, timeout, what)
+        return future.result() or []
 
     # ---- the API: init and updater -------------------------------------------------------------
     def init(self, parts: Sequence[tuple[int, int, Hashable, np.ndarray, int]], sync: bool, future: Any = None) -> Any:
@@ -196,7 +201,7 @@ class WorkerNode:
         by_server: dict[int, list] = {}
         for part in parts:
             by_server.setdefault(part[0], []).append(part)
-        req = self.requests.track(future, len(by_server), None, "init")
+        req = self.requests.track(future, len(by_server), None, "init", frozenset(by_server))
         for server, items in by_server.items():
             specs, frames = [], []
             for i, (_, key_id, user_key, value, row_size) in enumerate(items):
@@ -213,7 +218,7 @@ class WorkerNode:
         """Ship a picklable updater to every server; the future is done when all installed it."""
         future = future or concurrent.futures.Future()
         blob = pickle.dumps(updater, protocol=pickle.HIGHEST_PROTOCOL)
-        req = self.requests.track(future, self.num_servers, None, "set_updater")
+        req = self.requests.track(future, self.num_servers, None, "set_updater", frozenset(range(self.num_servers)))
         for server in range(self.num_servers):
             self.outbox.enqueue(server, [pack_header(Cmd.SET_UPDATER, req, 1), blob], 0, req)
         self.outbox.pump()
@@ -247,7 +252,7 @@ class WorkerNode:
         """
         future = future or concurrent.futures.Future()
         body = pack_codec_params(codec, params)
-        req = self.requests.track(future, self.num_servers, None, "set_codec")
+        req = self.requests.track(future, self.num_servers, None, "set_codec", frozenset(range(self.num_servers)))
         for server in range(self.num_servers):
             self.outbox.enqueue(server, [pack_header(Cmd.SET_CODEC, req, 1), body], 0, req)
         self.outbox.pump()
@@ -268,14 +273,18 @@ class WorkerNode:
             return self._push_small(*parts[0], priority, future, codec)
         by_server = _by_server(parts)
         requests, outbox = self.requests, self.outbox
-        req = requests.track(future, len(parts), None, "push")
+        req = requests.track(future, len(parts), None, "push", frozenset(by_server))
         for server, items in by_server.items():
             entries = []
             small = []
             offset = 0
+            packed = 0  # messages of packed small values sent for this server so far
             for i, (_, key_id, value) in enumerate(items):
                 seq = requests.next_push(key_id, server)
                 nbytes = value.nbytes
+                if small and offset + nbytes > PACK_LIMIT:  # the receiver's frame limit: start another message
+                    outbox.enqueue(server, _packed_push(req, entries, small), priority, req)
+                    entries, small, offset, packed = [], [], 0, packed + 1
                 region = (self.regions.region((key_id, server, 0), nbytes)
                           if nbytes >= shm.SHM_MIN and server in self.regions.servers else None)
                 if region is not None:  # same host: one copy into shared memory, the server reads it there
@@ -294,10 +303,8 @@ class WorkerNode:
                     offset += nbytes
             if not entries:
                 continue
-            # small values are copied here (the caller may change its arrays as soon as push returns)
-            payload: Any = small[0].tobytes() if len(small) == 1 else b"".join([v.tobytes() for v in small])
-            message = [pack_header(Cmd.PUSH, req, len(entries)), pack_entries(entries), payload]
-            if len(by_server) == 1 and outbox.hold(server, message, priority, req):
+            message = _packed_push(req, entries, small)
+            if len(by_server) == 1 and not packed and outbox.hold(server, message, priority, req):
                 return future
             outbox.enqueue(server, message, priority, req)
         outbox.pump()
@@ -314,7 +321,7 @@ class WorkerNode:
                     codec: int = RAW) -> Any:
         """``push`` of one small part: the same message, built without the general bookkeeping."""
         requests = self.requests
-        req = requests.track(future, 1, None, "push")
+        req = requests.track(future, 1, None, "push", server)
         seq = requests.next_push(key_id, server)
         message = [pack_header(Cmd.PUSH, req, 1), ENTRY_STRUCT.pack(key_id, 0, 0, codec, 0, value.nbytes, seq),
                    value.tobytes()]
@@ -334,8 +341,8 @@ class WorkerNode:
         if len(parts) == 1 and (parts[0][2].nbytes < shm.SHM_MIN or parts[0][0] not in regions.servers):
             return self._pull_one(*parts[0], priority, future)
         requests, outbox = self.requests, self.outbox
-        targets = [memoryview(out).cast("B") for _, _, out in parts]  # C-contiguous outs, as bytes
-        req = requests.track(future, len(parts), targets, "pull")
+        targets = [_writable_bytes(out) for _, _, out in parts]  # C-contiguous outs, as bytes
+        req = requests.track(future, len(parts), targets, "pull", tuple(part[0] for part in parts))
         request = requests.pending.get(req)
         by_server = _by_server(parts, indexed=True)
         held = outbox.take_held(next(iter(by_server)), priority) if len(by_server) == 1 else None
@@ -357,13 +364,15 @@ class WorkerNode:
                             request.regions = {}
                         request.regions[index] = region
                         entries[j] = (key_id, index, shm.SHM_FRAME, RAW, region.ref, out.nbytes, entries[j][6])
-            message = [pack_header(Cmd.PULL, req, len(items)), pack_entries(entries)]
-            if held is not None:  # the held push carries this pull; the server acknowledges it with the reply
-                if request is not None:
-                    request.carried = held[4]
-                outbox.join(held, message, req)
-                continue
-            outbox.enqueue(server, message, priority, req)
+            for chunk in _reply_sized(entries):  # each reply fits the frame limit
+                message = [pack_header(Cmd.PULL, req, len(chunk)), pack_entries(chunk)]
+                if held is not None:  # the held push carries this pull; the server acknowledges it with the reply
+                    if request is not None:
+                        request.carried = held[4]
+                    outbox.join(held, message, req)
+                    held = None
+                    continue
+                outbox.enqueue(server, message, priority, req)
         outbox.pump()
         return future
 
@@ -390,7 +399,7 @@ class WorkerNode:
     def _pull_one(self, server: int, key_id: int, out: np.ndarray, priority: int, future: Any) -> Any:
         """``pull`` of one part answered in a message: the same request, built without the general bookkeeping."""
         requests, outbox = self.requests, self.outbox
-        req = requests.track(future, 1, [memoryview(out).cast("B")], "pull")
+        req = requests.track(future, 1, [_writable_bytes(out)], "pull", server)
         seq = requests.pushes(key_id, server)
         held = outbox.take_held(server, priority) if outbox.held.item is not None else None
         if held is not None:  # the held push carries this pull; the server acknowledges it with the reply
@@ -408,8 +417,8 @@ class WorkerNode:
         """Pull the rows ``rows`` (int64, local to the part) of ``(server, key id, rows, out)`` parts into ``out``."""
         future = future or concurrent.futures.Future()
         requests = self.requests
-        targets = [memoryview(out).cast("B") for _, _, _, out in parts]
-        req = requests.track(future, len(parts), targets, "row_sparse_pull")
+        targets = [_writable_bytes(out) for _, _, _, out in parts]
+        req = requests.track(future, len(parts), targets, "row_sparse_pull", tuple(part[0] for part in parts))
         for server, items in _by_server(parts, indexed=True).items():
             entries = []
             chunks, offset = [], 0
@@ -429,6 +438,32 @@ class WorkerNode:
         self.requests.take_reply(peer, cmd, flags, req_id, arg, frames)
         if self.outbox.queue:  # a reply may mean a connection has room again
             self.outbox.pump()
+
+
+def _writable_bytes(out: np.ndarray) -> memoryview:
+    """``out``'s bytes as a writable flat memoryview (a C-contiguous out; an empty one is fine too)."""
+    return memoryview(out).cast("B") if out.size else memoryview(bytearray(0))
+
+
+def _packed_push(req: int, entries: list, small: list) -> list:
+    """A push message of small values packed into one data frame (copied here: the caller may change
+    its arrays as soon as push returns)."""
+    payload: Any = small[0].tobytes() if len(small) == 1 else b"".join([v.tobytes() for v in small])
+    return [pack_header(Cmd.PUSH, req, len(entries)), pack_entries(entries), payload]
+
+
+def _reply_sized(entries: list) -> list[list]:
+    """``entries`` of one pull cut into runs whose values fit one reply frame (``PACK_LIMIT``)."""
+    chunks, chunk, size = [], [], 0
+    for entry in entries:
+        nbytes = entry[5] if entry[2] != shm.SHM_FRAME else 0  # values in shared memory take no frame
+        if chunk and size + nbytes > PACK_LIMIT:
+            chunks.append(chunk)
+            chunk, size = [], 0
+        chunk.append(entry)
+        size += nbytes
+    chunks.append(chunk)
+    return chunks
 
 
 def _pull_message(req: int, key_id: int, index: int, nbytes: int, seq: int) -> list:

@@ -36,13 +36,16 @@ __all__ = ["Request", "RequestTable"]
 class Request:
     """One request in flight."""
 
-    __slots__ = ("future", "remaining", "targets", "what", "regions", "carried")
+    __slots__ = ("future", "remaining", "targets", "what", "regions", "carried", "servers")
 
-    def __init__(self, future: concurrent.futures.Future, remaining: int, targets: list | None, what: str) -> None:
+    def __init__(self, future: concurrent.futures.Future, remaining: int, targets: list | None, what: str,
+                 servers: Any = -1) -> None:
         self.future = future
         self.remaining = remaining
         self.targets = targets  # pull: index -> writable byte view of the out
         self.what = what
+        # who may answer: a server rank (one server), a tuple of the server of each part, or a set
+        self.servers = servers
         self.regions: dict[int, shm.Region] | None = None  # pull: index -> shared-memory region of the reply
         self.carried: int | None = None  # pull: the push that carried it, done by this pull's reply
 
@@ -64,8 +67,11 @@ class RequestTable:
         self._idle_waiters = 0  # threads in wait_idle (only they need a notify when the table empties)
 
     # ---- starting and ending requests ----------------------------------------------------------
-    def track(self, future: Any, remaining: int, targets: list | None, what: str) -> int:
-        """Start a request of ``remaining`` parts; return its id.
+    def track(self, future: Any, remaining: int, targets: list | None, what: str, servers: Any = -1) -> int:
+        """Start a request of ``remaining`` parts sent to ``servers``; return its id.
+
+        ``servers``: the rank of the one server it went to, a tuple of each part's server, or a set
+        of ranks; only those servers' replies are taken (``take_reply``).
 
         Raises:
             PSNodeError: the worker failed or was closed (see ``check``).
@@ -75,7 +81,7 @@ class RequestTable:
         if remaining == 0:
             future.set_result(None)
             return req
-        self.pending[req] = Request(future, remaining, targets, what)
+        self.pending[req] = Request(future, remaining, targets, what, servers)
         if self._failure.error is not None:  # failed between the check and now: do not leave it hanging
             self.complete(req, self._failure.error)
         return req
@@ -141,14 +147,16 @@ class RequestTable:
                 with the reason; the message is counted as malformed).
         """
         if cmd == Cmd.PUSH_ACK and not flags & FLAG_ERROR:
-            self.take_acks(frames[1])
+            self.take_acks(peer, frames[1])
             return
         if flags & FLAG_ACKS:  # push acknowledgements riding along with a reply
-            self.take_acks(frames[-1])
+            self.take_acks(peer, frames[-1])
             frames = frames[:-1]
         request = self.pending.get(req_id)
         if request is None:
             raise ProtocolError(f"{Cmd(cmd).name} for unknown request {req_id}")
+        if not _sent_to(request, peer):
+            raise ProtocolError(f"{Cmd(cmd).name} from {peer.describe()} for request {req_id}, which was not sent there")
         if request.carried is not None:  # any reply to the pull means the server took the push before it
             self.complete(request.carried)
             request.carried = None
@@ -157,24 +165,27 @@ class RequestTable:
             self.complete(req_id, RemoteError(f"{request.what} failed on {peer.describe()}: {message}"))
             return
         try:
-            self._take_values(request, cmd, arg, frames)
+            self._take_values(request, cmd, arg, frames, peer.rank)
         except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
             self.complete(req_id, ProtocolError(f"{request.what}: malformed reply from {peer.describe()}: {exc}"))
             raise  # and the message is counted as malformed
         if request.remaining <= 0:
             self.complete(req_id)
 
-    def take_acks(self, frame: Any) -> None:
-        """Count acknowledged push parts: ``(req_id, parts)`` u64 pairs."""
+    def take_acks(self, peer: PeerInfo, frame: Any) -> None:
+        """Count acknowledged push parts: ``(req_id, parts)`` u64 pairs (only of pushes sent to ``peer``)."""
         pending = self.pending
-        for rid, count in np.frombuffer(frame.buffer, dtype=np.uint64).reshape(-1, 2).tolist():
+        buffer = frame.buffer
+        if len(buffer) % 16:
+            raise ProtocolError(f"push acknowledgements of {len(buffer)} bytes, not a multiple of 16")
+        for rid, count in np.frombuffer(buffer, dtype=np.uint64).reshape(-1, 2).tolist():
             request = pending.get(rid)
-            if request is not None:
+            if request is not None and _sent_to(request, peer):
                 request.remaining -= count
                 if request.remaining <= 0:
                     self.complete(rid)
 
-    def _take_values(self, request: Request, cmd: int, arg: int, frames: list) -> None:
+    def _take_values(self, request: Request, cmd: int, arg: int, frames: list, peer_rank: int) -> None:
         """Write a reply's values into the request's outs and count the parts it answered."""
         if cmd == Cmd.VALUE:  # one part, in the header frame (protocol's compact form)
             _write_value(request, arg, frames[0].buffer)
@@ -187,7 +198,10 @@ class RequestTable:
             buffers = [f.buffer for f in frames[2:]]
             entries = unpack_entries(frames[1], [len(b) for b in buffers])
             targets = request.targets
+            servers = request.servers
             for _, index, frame, _, offset, nbytes, _ in entries:
+                if type(servers) is tuple and servers[index] != peer_rank:
+                    raise ProtocolError(f"a reply for part {index}, which server {peer_rank} was not asked for")
                 target = targets[index]
                 if nbytes != target.nbytes:
                     raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
@@ -200,6 +214,16 @@ class RequestTable:
             request.remaining -= arg
         else:
             raise ProtocolError(f"a worker does not accept {Cmd(cmd).name}")
+
+
+def _sent_to(request: Request, peer: PeerInfo) -> bool:
+    """True when ``peer`` is a server ``request`` went to (a reply from any other node is forged)."""
+    servers = request.servers
+    if peer.role != "server":
+        return False
+    if type(servers) is int:
+        return servers == peer.rank or servers < 0
+    return peer.rank in servers
 
 
 def _write_value(request: Request, index: int, frame: memoryview) -> None:

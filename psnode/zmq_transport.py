@@ -17,6 +17,13 @@ node then drops it as malformed).
 
 ``poll`` waits on the ROUTER and on an eventfd that ``wake`` writes, so another thread can end a
 poll at once (the node hands its receiving role over that way, with no polling interval).
+
+Security (``psnode.security``): with a job key every socket speaks PLAIN (``auth``) or CURVE
+(``curve``) with credentials derived from the key, and a ZAP handler in this transport's context
+admits only connections that prove the key; ZeroMQ closes the others before it buffers a frame of
+them. Whatever the mode, the ROUTER refuses frames larger than ``max_message`` (the peer is
+disconnected as soon as it announces one) and keeps at most ``_RECV_HWM`` messages per peer; it
+listens on the address it is given, not on every interface.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any, Sequence
 import zmq
 
 from .errors import ClosedError, TransportError
+from .security import ZAP_DOMAIN, Security, ZapHandler
 from .transport import Frame, Transport, WouldBlock
 
 __all__ = ["ZmqTransport"]
@@ -37,6 +45,13 @@ _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 _SEND_HWM = 1000  # messages queued per peer before a non-blocking send reports WouldBlock
+_RECV_HWM = 1000  # messages a ROUTER keeps per peer before it stops reading that peer's connection
+_NO_SECURITY = Security("none", "")
+_HANDSHAKE_EVENTS = {
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "refused this node's credentials (another job's port, or another key)",
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "failed the security handshake (one side has a job key, the other not?)",
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "failed the security handshake",
+}
 _SOCKET_BUFFER = 4 << 20  # kernel buffer per connection: fewer wake-ups per big message (capped by the kernel)
 _JOINED = b"\x00PJ"  # starts a joined message; a message's first frame is a protocol header (b"PS...")
 _JOIN_MAX = 16384  # frames totalling more than this are sent one by one
@@ -104,11 +119,16 @@ def _batch_io_threads(context: zmq.Context) -> None:
 class ZmqTransport(Transport):
     """Frames over ZeroMQ ROUTER/DEALER sockets; see the module docstring."""
 
-    def __init__(self, identity: bytes, io_threads: int = 1, io_sched: str = "normal") -> None:
+    def __init__(self, identity: bytes, io_threads: int = 1, io_sched: str = "normal", security: Security | None = None,
+                 max_message: int = -1) -> None:
         super().__init__(identity)
         self._context = zmq.Context(io_threads=io_threads)
         if io_sched == "batch":
             _batch_io_threads(self._context)
+        self.security = security or _NO_SECURITY
+        self._max_message = max_message
+        self._zap = ZapHandler(self._context, self.security) if self.security.mode != "none" else None
+        self._monitors: dict[bytes, zmq.Socket] = {}  # watched peers' handshake events
         self._router: zmq.Socket | None = None
         self._dealers: dict[bytes, tuple[zmq.Socket, threading.Lock]] = {}
         self._connect_lock = threading.Lock()
@@ -121,29 +141,60 @@ class ZmqTransport(Transport):
     def same_host_endpoint(local_name: str) -> str:
         return f"ipc://@pslaunch-{local_name}"
 
-    def bind(self, port: int = 0, local_name: str | None = None) -> int:
+    @property
+    def refused_connections(self) -> int:
+        """Connections the ZAP handler turned away so far."""
+        return self._zap.refused if self._zap is not None else 0
+
+    def bind(self, port: int = 0, local_name: str | None = None, host: str | None = None) -> int:
         self._check_open()
         router = self._context.socket(zmq.ROUTER)
         router.linger = 0
-        router.rcvhwm = 0
+        router.rcvhwm = _RECV_HWM
+        router.maxmsgsize = self._max_message
         if _SOCKET_BUFFER:
             router.rcvbuf = _SOCKET_BUFFER
+        self._secure_server(router)
+        address = host or "*"
         try:
             if port:
-                router.bind(f"tcp://*:{port}")
+                router.bind(f"tcp://{address}:{port}")
             else:
-                port = router.bind_to_random_port("tcp://*")
+                port = router.bind_to_random_port(f"tcp://{address}")
             if local_name:
                 router.bind(self.same_host_endpoint(local_name))
         except zmq.ZMQError as exc:
             router.close(0)
             where = f"TCP port {port}" if port else "a free TCP port"
-            raise TransportError(f"cannot bind {where} (with local name {local_name!r}): {exc}") from exc
+            raise TransportError(f"cannot bind {where} of {address} (with local name {local_name!r}): {exc}") from exc
         self._router = router
         self._poll_items = [(router, _POLLIN), (self._wake_fd, _POLLIN)]
         return port
 
-    def connect(self, peer: bytes, endpoint: str) -> None:
+    def _secure_server(self, router: zmq.Socket) -> None:
+        mode = self.security.mode
+        if mode == "none":
+            return
+        router.zap_domain = ZAP_DOMAIN.encode()
+        if mode == "auth":
+            router.plain_server = True
+        else:
+            router.curve_secretkey = self.security.server_keys()[1]
+            router.curve_server = True
+
+    def _secure_client(self, sock: zmq.Socket) -> None:
+        sec = self.security
+        if sec.mode == "auth":
+            username = sec.username(self.identity)
+            sock.plain_username = username
+            sock.plain_password = sec.password(username)
+        elif sec.mode == "curve":
+            public, secret = sec.client_keys()
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+            sock.curve_serverkey = sec.server_keys()[0]
+
+    def connect(self, peer: bytes, endpoint: str, watch: bool = False) -> None:
         self._check_open()
         with self._connect_lock:
             if peer in self._dealers:
@@ -154,6 +205,10 @@ class ZmqTransport(Transport):
             if _SOCKET_BUFFER:
                 sock.sndbuf = _SOCKET_BUFFER
             sock.identity = self.identity
+            self._secure_client(sock)
+            if watch:
+                self._monitors[peer] = sock.get_monitor_socket(
+                    sum(_HANDSHAKE_EVENTS) | int(zmq.EVENT_HANDSHAKE_SUCCEEDED))
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError as exc:
@@ -194,6 +249,40 @@ class ZmqTransport(Transport):
                 if self._closed or exc.errno == zmq.ETERM:
                     raise ClosedError("the transport was closed") from exc
                 raise TransportError(f"send to {peer.decode(errors='replace')} failed: {exc}") from exc
+
+    def refused(self, peer: bytes) -> str | None:
+        """Why ``peer`` (connected with ``watch=True``) refused this node's handshake, if it did; once
+        a handshake succeeded the peer is no longer watched."""
+        monitor = self._monitors.get(peer)
+        if monitor is None:
+            return None
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            except zmq.ZMQError:
+                return None
+            kind = int(event["event"])
+            if kind == int(zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                self._unwatch(peer)
+                return None
+            if kind in _HANDSHAKE_EVENTS:
+                return _HANDSHAKE_EVENTS[kind]
+
+    def _unwatch(self, peer: bytes) -> None:
+        monitor = self._monitors.pop(peer, None)
+        if monitor is None:
+            return
+        entry = self._dealers.get(peer)
+        if entry is not None:
+            try:
+                entry[0].disable_monitor()
+            except zmq.ZMQError:
+                pass
+        monitor.close(0)
 
     def poll(self, timeout: float) -> bool:
         router = self._require_router()
@@ -243,6 +332,8 @@ class ZmqTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        for peer in list(self._monitors):
+            self._unwatch(peer)
         with self._connect_lock:
             dealers = list(self._dealers.values())
             self._dealers.clear()
@@ -253,6 +344,8 @@ class ZmqTransport(Transport):
             self._router.close(0)
             self._router = None
         self._poll_items = None
+        if self._zap is not None:
+            self._zap.close()
         self._context.term()
         with self._wake_lock:
             os.close(self._wake_fd)

@@ -13,6 +13,7 @@ when the test failed. ``free_port()`` and ``job_env()`` help tests that start pr
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from launcher.envcontract import SETTINGS, contract_env
+from launcher.envcontract import PSLAUNCH_JOB_KEY, SETTINGS, contract_env, new_job_key
 
 __all__ = ["LocalJob", "ProcessResult", "JobFailed", "free_port", "job_env", "reap"]
 
@@ -45,7 +46,7 @@ def free_port() -> int:
 
 def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, str] | None = None,
             role: str = "worker", rank: int = 0, test_settings: bool = True, root_uri: str = "127.0.0.1",
-            node_host: str | None = None) -> dict[str, str]:
+            node_host: str | None = None, job_key: str | None = None) -> dict[str, str]:
     """The environment of one process of a job on 127.0.0.1 (or the scheduler's ``root_uri``, this
     process's address ``node_host``, default the same), plus ``extra``.
 
@@ -53,7 +54,8 @@ def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, s
     ``PS_VERBOSE`` and the names of its ``SETTINGS`` in ``extra`` go through it; other variables of
     ``extra`` are added as they are (a test may write a malformed contract on purpose). With
     ``test_settings`` heartbeats and registration are short, for tests. Workers get no fixed
-    rank: the scheduler orders them, as for a job started by hand.
+    rank: the scheduler orders them, as for a job started by hand. ``job_key`` (64 hex digits) is
+    the job's ``PSLAUNCH_JOB_KEY``; None starts the job without one (loopback only, unauthenticated).
     """
     extra = dict(extra or {})
     settings = {**(_TEST_SETTINGS if test_settings else {}), **{k: v for k, v in extra.items() if k in SETTINGS}}
@@ -64,6 +66,8 @@ def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, s
                             node_host=node_host or root_uri,
                             all_local=extra.pop("DMLC_LOCAL", "0") == "1", verbose=int(extra.pop("PS_VERBOSE", "0")),
                             fixed_rank=False, supervised=False, settings=settings))
+    if job_key is not None:
+        env[PSLAUNCH_JOB_KEY] = job_key
     env.update(PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p), PYTHONUNBUFFERED="1")
     env.update({k: v for k, v in extra.items() if k not in SETTINGS})
     return env
@@ -160,6 +164,8 @@ class LocalJob:
         log_dir: keep each process's output in ``<log_dir>/<role><index>.log`` (default: temporary files).
         test_settings: short heartbeats and registration (``job_env``); False keeps the runtime's
             defaults (the benchmarks).
+        job_key: True (a fresh key, as pslaunch gives every job), a key of 64 hex digits, or None
+            (no key: an unauthenticated job on loopback).
         root_uri: the scheduler's address (default 127.0.0.1); ``start(..., node_host=)`` gives a
             process another address of its own (a benchmark with nodes in network namespaces).
     """
@@ -179,6 +185,7 @@ class LocalJob:
         python: str = sys.executable,
         log_dir: Path | None = None,
         test_settings: bool = True,
+        job_key: str | None | bool = True,
         root_uri: str = "127.0.0.1",
     ) -> None:
         self.port = free_port()
@@ -189,6 +196,7 @@ class LocalJob:
         self._extra = dict(env or {})
         self._log_dir = log_dir
         self._test_settings = test_settings
+        self.job_key = new_job_key() if job_key is True else job_key or None
         self._plan = (worker, worker_env, start_scheduler,
                       num_servers if start_servers is None else start_servers,
                       num_workers if start_workers is None else start_workers,
@@ -221,7 +229,7 @@ class LocalJob:
         contract_role = role if role in ("scheduler", "server", "worker") else "worker"
         env = job_env(self.num_workers, self.num_servers, self.port, {**self._extra, **(extra or {})},
                       role=contract_role, rank=index, test_settings=self._test_settings, root_uri=self.root_uri,
-                      node_host=node_host)
+                      node_host=node_host, job_key=self.job_key)
         env["DMLC_ROLE"] = (extra or {}).get("DMLC_ROLE", role)
         if env["DMLC_ROLE"] == "":
             del env["DMLC_ROLE"]
@@ -243,6 +251,24 @@ class LocalJob:
             if proc.role == role and proc.index == index:
                 return proc.output()
         raise KeyError(f"no {role} {index} was started")
+
+    def wait_for_line(self, role: str, index: int | None, pattern: str, timeout: float = 30) -> "re.Match":
+        """Wait until process ``role``/``index`` (any of the role when None) prints a line matching ``pattern``.
+
+        Raises:
+            AssertionError: the process exited first, or ``timeout`` seconds passed (with its output).
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for result in self.results():
+                if result.role == role and index in (None, result.index):
+                    match = re.search(pattern, result.output, re.M)
+                    if match:
+                        return match
+                    if result.returncode is not None:
+                        raise AssertionError(f"{role} {index} exited before printing {pattern!r}:\n{result}")
+            time.sleep(0.05)
+        raise AssertionError(f"{role} {index} did not print {pattern!r} within {timeout} s")
 
     def wait(self, timeout: float) -> list[ProcessResult]:
         """Wait for every process to exit; on timeout kill them all and raise with their output.

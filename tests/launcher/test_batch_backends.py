@@ -124,12 +124,8 @@ def test_ctrl_c_sighup_or_sigkill_of_pslaunch_leaves_nothing_queued_or_running(c
 
 
 def test_secrets_reach_the_job_through_the_environment_only_the_key_pslaunch_makes_included(cluster, tmp_path, marker):
-    from launcher import envcontract
-
     out, token = tmp_path / "out", f"token-{marker}"
-    # What the key made by pslaunch goes through once it makes one (the trust boundary); a value
-    # forwarded with --env goes the same way today.
-    names = ["API_TOKEN"] + (["PSLAUNCH_JOB_KEY"] if hasattr(envcontract, "PSLAUNCH_JOB_KEY") else [])
+    names = ["API_TOKEN", "PSLAUNCH_JOB_KEY"]  # forwarded with --env; made by pslaunch for the job
     res = run_pslaunch(["-n", "1", "-s", "1", "--launcher", cluster.kind, "--timeout", "90", "--env", "API_TOKEN",
                         "python", helper("secret_witness.py"), str(out), str(cluster.dir), *names],
                        env=_env(cluster, API_TOKEN=token), cwd=str(tmp_path), timeout=120)
@@ -138,8 +134,9 @@ def test_secrets_reach_the_job_through_the_environment_only_the_key_pslaunch_mak
     assert report["job"] and all(report["looked_at_own_job"].values()), report
     for name in names:
         assert report[name]["present"] and report[name]["seen_in"] == [], (name, report)
+    assert report["PSLAUNCH_JOB_KEY"]["length"] == 64, report
     assert token not in res.stdout + res.stderr
-    assert not re.search(r"\b[0-9a-f]{64}\b", res.stdout + res.stderr)  # nor a key pslaunch made
+    assert not re.search(r"\b[0-9a-f]{64}\b", res.stdout + res.stderr)  # nor the key
     assert cluster.wait_no_jobs() == []
     assert list(tmp_path.glob(".pslaunch-*")) == []
 
