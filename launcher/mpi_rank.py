@@ -11,7 +11,8 @@ The mpi backend starts one ``mpirun`` for the whole job; every rank runs this mo
    names), without the launcher's own transport variables;
 3. starts the command in its own process group, passes SIGTERM / SIGINT / SIGHUP (each with a
    SIGCONT) and SIGUSR1 on to that group, stops it on SIGUSR2 and continues it on SIGCONT (what
-   pslaunch sends through mpirun for Ctrl-Z), and stops it when its own parent (mpirun's daemon)
+   pslaunch sends through mpirun for Ctrl-Z), takes SIGALRM for SIGTERM (pslaunch's stop, which
+   mpirun passes on instead of aborting the job), and stops it when its own parent (mpirun's daemon)
    dies (``PR_SET_PDEATHSIG``); with ``--no-forward`` (under Slurm, which signals every process of
    a step itself) it passes on only a SIGCONT with the stopping signals;
 4. writes a marker line with the pid at start and the exit status at the end on stderr (the
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         env[name] = os.environ.get(f"{ENV_PREFIX}{index}", "")
     # Held until the child exists (handlers, unlike ignored signals, do not pass to the child).
     early: list[int] = []
-    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT, signal.SIGALRM):
         signal.signal(sig, lambda signum, frame: early.append(signum))
     try:
         child = subprocess.Popen(entry["argv"], env=env, cwd=entry.get("cwd") or None, start_new_session=True)
@@ -150,13 +151,19 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
-    # What pslaunch sends through mpirun (which passes SIGUSR1, SIGUSR2 and SIGCONT to every rank):
-    # SIGUSR1 ends a bundled node normally, SIGUSR2 stops the group (Ctrl-Z), SIGCONT continues it.
+    # What pslaunch sends through mpirun (which passes SIGUSR1, SIGUSR2, SIGCONT and SIGALRM to every
+    # rank): SIGUSR1 ends a bundled node normally, SIGUSR2 stops the group (Ctrl-Z), SIGCONT continues
+    # it, SIGALRM stops the job as SIGTERM does. A SIGTERM to mpirun would make it abort the job, and
+    # an aborting mpirun kills the ranks after 1 s and drops their output: the exit statuses too.
     passed = {signal.SIGUSR1: signal.SIGUSR1, signal.SIGUSR2: signal.SIGSTOP, signal.SIGCONT: signal.SIGCONT}
     for sig, what in passed.items():
         signal.signal(sig, lambda signum, frame, what=what: to_group(what) if passing else None)
+    signal.signal(signal.SIGALRM, lambda signum, frame: forward(signal.SIGTERM, frame) if passing else None)
     for sig in early if passing else ():
-        to_group(passed[sig])
+        if sig == signal.SIGALRM:
+            forward(signal.SIGTERM, None)
+        else:
+            to_group(passed[sig])
     grace = float(entry.get("grace", 5))
     killed_at = None
     while True:
@@ -176,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 pass
     # mpirun passes later signals to every rank, this one too: they must not kill it on its way
     # out (Python puts default handlers back while it shuts down), mpirun would call that a failure.
-    for sig in passed:
+    for sig in (*passed, signal.SIGALRM):
         signal.signal(sig, signal.SIG_IGN)
     try:
         os.killpg(child.pid, signal.SIGKILL)  # leftovers of its group

@@ -10,10 +10,11 @@ mpirun runs with ``--tag-output``; ``TagDemux`` splits its output back into each
 stderr (untagged lines are mpirun's own, shown as ``[mpirun]``), and reads the pid / exit status
 markers ``mpi_rank`` writes (``ShimHandle``). ``mpi_rank`` exits 0 once its marker is out, so mpirun
 never aborts the job by itself; pslaunch decides. Signals reach the ranks only through mpirun, and
-each is sent once for the whole job (``ShimJob``): stopping means one SIGTERM to mpirun (SIGKILL of
-its group after the grace); Ctrl-Z is SIGUSR2 / SIGCONT and the end request SIGUSR1, which mpirun
-passes to every rank's ``mpi_rank`` and that to its process group. ``mpi_rank`` also dies with its
-parent.
+each is sent once for the whole job (``ShimJob``), and only signals mpirun passes to every rank's
+``mpi_rank`` and that to its process group: stopping is SIGALRM, which ``mpi_rank`` turns into
+SIGTERM (mpirun's own SIGTERM aborts the job, killing the ranks a second later with their exit
+statuses unsaid; SIGKILL of mpirun's group after the grace), Ctrl-Z is SIGUSR2 / SIGCONT and the
+end request SIGUSR1. ``mpi_rank`` also dies with its parent.
 """
 
 from __future__ import annotations
@@ -165,8 +166,10 @@ class MpiBackend(Backend):
         if verb == "KILL":
             mpirun.kill()
             return
-        # mpi_rank turns SIGUSR2 into SIGSTOP of its process group (mpirun would not pass SIGSTOP)
-        sig = {"TERM": signal.SIGTERM, "STOP": signal.SIGUSR2, "CONT": signal.SIGCONT, "END": signal.SIGUSR1}[verb]
+        # Only signals mpirun passes on: mpi_rank turns SIGUSR2 into SIGSTOP of its process group and
+        # SIGALRM into SIGTERM. On a SIGTERM of its own mpirun aborts the job: it SIGKILLs every
+        # mpi_rank 1 s later and drops their output, exit statuses included.
+        sig = {"TERM": signal.SIGALRM, "STOP": signal.SIGUSR2, "CONT": signal.SIGCONT, "END": signal.SIGUSR1}[verb]
         try:
             mpirun.popen.send_signal(sig)
         except ProcessLookupError:

@@ -57,6 +57,20 @@ def test_a_stopped_process_gets_sigcont_with_sigterm_so_teardown_does_not_wait_o
     assert wait_gone(marker, 10) == []
 
 
+@pytest.mark.parametrize("backend", ["local", "mpi", "slurm", "sge"])
+def test_a_process_ending_slowly_after_sigterm_is_reported_with_its_own_exit_status(backend, request, tmp_path, marker):
+    # mpirun, told to stop with a SIGTERM of its own, killed the ranks 1 s later and lost their statuses
+    launch = backend_launch(backend, request, tmp_path)
+    res = launch.run(_role_job(tmp_path / "out", *launch.args, "--stop-grace", "30", "--env-server", "TERM_DELAY_server:2",
+                               "--env-worker", "SLEEP_worker_0:forever", "--env-worker", "SLEEP_worker_1:1",
+                               "--env-worker", "EXIT_worker_1:9") + [marker], timeout=60)
+    assert res.returncode == 9, res.stderr
+    row = next(line for line in res.stderr.splitlines() if line.startswith("| server    |    0 |"))
+    assert "| 75 " in row and "stopped by pslaunch" in row, res.stderr
+    assert "no exit status" not in res.stderr, res.stderr
+    assert wait_gone(marker, 10) == []
+
+
 @pytest.mark.parametrize("backend", ["local", "ssh", "mpi", "slurm", "sge"])
 def test_sigtstp_stops_every_process_of_the_job_and_sigcont_continues_them(backend, request, tmp_path, marker):
     out = tmp_path / "out"
