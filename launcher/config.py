@@ -119,6 +119,13 @@ class LaunchConfig:
     verbose: int = 0
     quiet: bool = False
     dry_run: bool = False
+    #: Options only one backend reads (``--slurm-args``, ...): ``(name, value)`` pairs, checked by
+    #: that backend (``Backend.options`` lists the names it takes).
+    backend_options: tuple[tuple[str, str], ...] = ()
+
+    def option(self, name: str) -> str | None:
+        """The value of backend option ``name``, None when it was not given."""
+        return dict(self.backend_options).get(name)
 
     def __post_init__(self) -> None:
         if not self.command:
