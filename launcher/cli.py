@@ -13,11 +13,11 @@ import uuid
 
 import click
 
-from .config import (DEFAULT_LINK_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option,
-                     resolve)
+from .config import DEFAULT_LINK_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option
 from .envcontract import new_job_key
 from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
+from .network import resolve
 
 __all__ = ["cli", "main", "build_config", "BACKEND_OPTIONS"]
 
