@@ -187,6 +187,11 @@ class Supervisor:
                 if kind == "own":
                     if early is not None and handle.spec.role == "worker":
                         return self._early_failure(early[0], f"; then {handle.spec.name} failed: {status.describe()}")
+                    if any(h.in_doubt() for h in self.handles):
+                        # A host went quiet: this end may be its news (mpirun kills every rank once it
+                        # loses a host's daemon). The host's verdict, soon, names the first to fail.
+                        blamed_at = blamed_at or now
+                        continue
                     return _PROCESS_FAILED
                 if kind in ("peer", "stopped"):
                     blamed_at = blamed_at or now

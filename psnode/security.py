@@ -207,8 +207,10 @@ def check_unkeyed(addresses: Mapping[str, str]) -> None:
         )
     if not _warned.is_set():
         _warned.set()
-        logger.warning("psnode: no job key (%s): the job is unauthenticated; any local user can connect to it", JOB_KEY)
-        if not logger.handlers and not logging.getLogger().handlers:
+        if logger.handlers or logging.getLogger().handlers:
+            logger.warning("psnode: no job key (%s): the job is unauthenticated; any local user can connect to it",
+                           JOB_KEY)
+        else:  # said once, plainly (without a handler the logging module would print the bare message too)
             import sys
 
             print(f"psnode: warning: no job key ({JOB_KEY}): this job is unauthenticated; any local user can "

@@ -60,15 +60,15 @@ class MpiRankHandle(ShimHandle):
         self._backend = backend
 
     def _poll(self) -> ExitStatus | None:
-        status = super()._poll()
-        if status is not None:
-            return status
+        if self._marked is not None:
+            return self._marked
         watch = self._backend.watch
+        # before mpirun's end: mpirun aborts once it loses a host's daemon, yet the host is the news
         if self._backend.pinging and watch.lost(self.spec.host):
             self.unreachable = True
             self.ended = watch.last_heard(self.spec.host)
             return ExitStatus(code=255, detail=f"no answer for {watch.timeout:g} s", lost=True)
-        return None
+        return super()._poll()
 
     def in_doubt(self) -> bool:
         # once the job is being stopped mpirun passes no pings: silence then says nothing
