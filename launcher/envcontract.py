@@ -37,6 +37,9 @@ __all__ = [
     "PSLAUNCH_TRANSPORT",
     "PSLAUNCH_ENCRYPT",
     "PSLAUNCH_BIND_ALL",
+    "PSLAUNCH_STATS",
+    "PSLAUNCH_TIMELINE",
+    "TIMELINE_TO_LAUNCHER",
     "PSLAUNCH_JOB_KEY",
     "PSLAUNCH_JOB_KEY_FILE",
     "new_job_key",
@@ -46,6 +49,8 @@ __all__ = [
     "MARKER",
     "MARKER_READY",
     "MARKER_FAILED",
+    "MARKER_STATS",
+    "MARKER_TRACE",
     "ROLES",
     "REQUIRED",
     "WRITTEN",
@@ -76,6 +81,10 @@ PSLAUNCH_BIGARRAY_BOUND = "PSLAUNCH_BIGARRAY_BOUND"
 PSLAUNCH_TRANSPORT = "PSLAUNCH_TRANSPORT"
 PSLAUNCH_ENCRYPT = "PSLAUNCH_ENCRYPT"
 PSLAUNCH_BIND_ALL = "PSLAUNCH_BIND_ALL"
+PSLAUNCH_STATS = "PSLAUNCH_STATS"
+PSLAUNCH_TIMELINE = "PSLAUNCH_TIMELINE"
+#: ``PSLAUNCH_TIMELINE`` value that sends timeline events to pslaunch (``MARKER_TRACE`` lines).
+TIMELINE_TO_LAUNCHER = "-"
 #: The job's secret: passed like a secret ``--env`` value (never in a plan's printed environment).
 PSLAUNCH_JOB_KEY = "PSLAUNCH_JOB_KEY"
 PSLAUNCH_JOB_KEY_FILE = "PSLAUNCH_JOB_KEY_FILE"
@@ -92,6 +101,8 @@ SETTINGS = (
     PSLAUNCH_TRANSPORT,
     PSLAUNCH_ENCRYPT,
     PSLAUNCH_BIND_ALL,
+    PSLAUNCH_STATS,
+    PSLAUNCH_TIMELINE,
 )
 PSLAUNCH_SUPERVISED = "PSLAUNCH_SUPERVISED"
 
@@ -103,6 +114,10 @@ MARKER = "\x1fPSLAUNCH-"
 MARKER_READY = MARKER + "READY"
 #: A worker printed the traceback of its own uncaught error.
 MARKER_FAILED = MARKER + "FAILED"
+#: The scheduler's periodic line of the job's counters (``PSLAUNCH_STATS``): a JSON object follows.
+MARKER_STATS = MARKER + "STATS"
+#: Timeline events of a node (``PSLAUNCH_TIMELINE=-``): a JSON array of trace events follows.
+MARKER_TRACE = MARKER + "TRACE"
 
 #: The three roles, in the order the launcher starts them.
 ROLES = ("scheduler", "server", "worker")

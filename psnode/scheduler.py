@@ -9,7 +9,10 @@ scheduler fails. When every worker has finished, the servers are told to shut do
 scheduler ends.
 
 Parts: the ``Roster`` (who registered, their ranks and liveness), the ``Barriers`` (who waits in
-which group) and the ``Scheduler`` façade that reads messages and drives both. Peers are described
+which group) and the ``Scheduler`` façade that reads messages and drives both. Under pslaunch with
+``PSLAUNCH_STATS`` it keeps each node's latest heartbeat report (checked as untrusted input) and
+writes the job's counters on its stderr for pslaunch (``psnode.stats.StatsLine``); with
+``PSLAUNCH_TIMELINE`` it answers the nodes' clock probes and records registration and barriers. Peers are described
 and reached with ``membership.PeerInfo`` and ``endpoint_of``, as every node does. Single-threaded.
 """
 
@@ -25,6 +28,8 @@ from .log import logger, setup_logging
 from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
 from .security import secure_or_loopback
+from .stats import REPORT_LIMIT, StatsLine, check_report
+from .timeline import open_timeline
 from .transport import Transport, node_transport
 
 __all__ = ["Scheduler", "Roster", "Barriers"]
@@ -40,6 +45,7 @@ class Member:
     peer: PeerInfo
     last_seen: float = field(default_factory=time.monotonic)
     finished: bool = False
+    report: dict | None = None  # the counters of its latest heartbeat (PSLAUNCH_STATS), checked
 
 
 class Roster:
@@ -168,6 +174,13 @@ class Scheduler:
         self.barriers = Barriers()
         self.malformed = 0
         self._last_check = 0.0  # when _check_alive last ran
+        self.phase = "registering"
+        self.stats = StatsLine(env.stats_interval) if env.stats_interval > 0 else None
+        self.timeline = open_timeline(env, "scheduler")
+        if self.timeline is not None:
+            self.timeline.name_process(0, env.root_uri)
+        self._boot = self.fingerprint.split(":")[0]
+        self._barrier_start: dict[int, int] = {}  # group -> when its first member arrived (timeline)
 
     # ---- registration -------------------------------------------------------------------
     def register(self) -> None:
@@ -179,7 +192,9 @@ class Scheduler:
         """
         env, roster = self.env, self.roster
         deadline = time.monotonic() + env.register_timeout
+        start = time.monotonic_ns()
         while not roster.complete():
+            self._tell_launcher()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 message = (f"registration timed out after {env.register_timeout:g} s (PSLAUNCH_REGISTER_TIMEOUT): "
@@ -215,6 +230,9 @@ class Scheduler:
         for uid, member in roster.members.items():
             member.last_seen = time.monotonic()
             self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), pack_json({"rank": member.peer.rank, "nodes": nodes})])
+        self.phase = "running"
+        if self.timeline is not None:
+            self.timeline.add("registration", None, start, time.monotonic_ns())
         logger.info("scheduler: %d servers and %d workers registered", env.num_servers, env.num_workers)
 
     def _send_once(self, uid: bytes, peer: PeerInfo, cmd: int, body: dict) -> None:
@@ -239,6 +257,7 @@ class Scheduler:
         tick = 0.5 if env.heartbeat_interval <= 0 else min(0.5, env.heartbeat_interval / 2)
         self._last_check = time.monotonic()
         while not self.roster.all_workers_finished():
+            self._tell_launcher()
             if self.transport.poll(tick):
                 for _ in range(256):
                     sender, frames = self.transport.recv()
@@ -261,10 +280,11 @@ class Scheduler:
             return
         member.last_seen = time.monotonic()
         if cmd == Cmd.HEARTBEAT:
-            self.transport.send(sender, [pack_header(Cmd.HEARTBEAT_ACK, req_id)])
+            self._heartbeat(sender, member, req_id, frames)
         elif cmd == Cmd.BARRIER:
             self._barrier(sender, member, req_id, arg, frames)
         elif cmd == Cmd.FINISH:
+            self._read_body(member, frames)  # the worker's last counters
             self._finished(sender, member, req_id)
         elif cmd == Cmd.NODE_DIED:
             try:
@@ -275,6 +295,57 @@ class Scheduler:
             self._announce_death(member, f"{member.peer.describe()} failed: {reason}")
         elif cmd != Cmd.REGISTER:  # a repeated registration is harmless
             self.malformed += 1
+
+    def _heartbeat(self, sender: bytes, member: Member, req_id: int, frames: list) -> None:
+        """Answer a heartbeat; keep the counters it carries, answer a clock probe."""
+        ack = [pack_header(Cmd.HEARTBEAT_ACK, req_id)]
+        body = self._read_body(member, frames)
+        clock = body.get("clock")
+        if clock is not None:
+            ack.append(pack_json({"clock": clock, "now": time.monotonic_ns(), "boot": self._boot}))
+        self.transport.send(sender, ack)
+
+    def _read_body(self, member: Member, frames: list) -> dict:
+        """The body of a heartbeat (or a worker's finish, a server's shutdown acknowledgement), every
+        field checked: ``s``, the node's counters, is kept on ``member``; ``clock``, a probe, is
+        returned. A malformed body is counted and dropped (the message still counts as heard: its
+        sender is an authenticated member)."""
+        if len(frames) < 2:
+            return {}
+        try:
+            size = len(frames[1].buffer) if hasattr(frames[1], "buffer") else len(frames[1])
+            if size > REPORT_LIMIT:
+                raise ProtocolError(f"a body of {size} bytes; it may take {REPORT_LIMIT}")
+            body = unpack_json(frames[1])
+            if not isinstance(body, dict) or not set(body) <= {"s", "clock"}:
+                raise ProtocolError(f"a body {str(body)[:80]!r}, not an object of s and clock")
+            if "s" in body:
+                member.report = check_report(member.peer.role, body["s"])
+            clock = body.get("clock")
+            if clock is not None and type(clock) is not int:
+                raise ProtocolError(f"a clock probe of {str(clock)[:40]!r}, not an integer")
+            return body
+        except ProtocolError as exc:
+            self.malformed += 1
+            logger.info("scheduler dropped a malformed message body from %s: %s", member.peer.describe(), exc)
+            return {}
+
+    def _tell_launcher(self, at_once: bool = False) -> None:
+        """Write the stats line for pslaunch when one is due (``PSLAUNCH_STATS``), or at once."""
+        stats = self.stats
+        if stats is None:
+            return
+        now = time.monotonic()
+        if not (at_once or stats.due(now)):
+            return
+        nodes = []
+        for member in self.roster.members.values():
+            peer = member.peer
+            state = "finished" if member.finished else self.phase if self.phase == "registering" else "running"
+            nodes.append({"role": peer.role, "rank": peer.rank, "host": peer.host, "pid": peer.pid,
+                          "state": "registered" if state == "registering" else state,
+                          "age": round(max(0.0, now - member.last_seen), 3), "s": member.report or {}})
+        stats.emit(now, self.phase, nodes, (self.env.heartbeat_interval, self.env.heartbeat_timeout))
 
     def _finished(self, sender: bytes, member: Member, req_id: int) -> None:
         member.finished = True
@@ -305,11 +376,15 @@ class Scheduler:
         if error is not None:
             self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id, flags=FLAG_ERROR), pack_json({"error": error})])
             return
+        if self.timeline is not None:
+            self._barrier_start.setdefault(group, time.monotonic_ns())
         done = self.barriers.arrive(group, sender, req_id, self.roster.of_roles(GROUP_ROLES[Group(group)]), note)
         if done is None:
             self._fail_blocked_barriers()
             return
         waiters, notes = done
+        if self.timeline is not None:
+            self.timeline.add("barrier", Group(group).name.lower(), self._barrier_start.pop(group), time.monotonic_ns())
         body = [pack_json({"notes": notes})] if notes else []
         for uid, rid in waiters:
             self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid), *body])
@@ -373,9 +448,14 @@ class Scheduler:
             try:
                 if unpack_header(frames[0])[0] == Cmd.SHUTDOWN_ACK and sender in servers:
                     acked.add(sender)
+                    self._read_body(self.roster.members[sender], frames)  # the server's last counters
             except (ProtocolError, IndexError):
                 self.malformed += 1
         logger.info("scheduler: every worker finished; %d of %d servers confirmed shutdown", len(acked), len(servers))
+        self.phase = "ending"
+        self._tell_launcher(at_once=True)
+        if self.timeline is not None:  # every node wrote its events before it acknowledged
+            self.timeline.close(end_array=acked == servers)
 
     def run(self) -> int:
         """Register, serve, shut down; return the exit code (0: every worker finished).
@@ -396,5 +476,7 @@ class Scheduler:
         return 0
 
     def close(self, linger: float = 0.0) -> None:
-        """Close the sockets."""
+        """Close the sockets and the timeline."""
         self.transport.close(linger)
+        if self.timeline is not None:
+            self.timeline.close()

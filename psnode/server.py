@@ -36,6 +36,7 @@ from .server_groups import Groups
 from .server_replies import Replies
 from .server_store import ServerStore, Shard, init_value
 from .shard_memory import shard_memory
+from .stats import server_report
 from .transport import Transport
 
 __all__ = ["ServerNode"]
@@ -57,6 +58,13 @@ class ServerNode:
         self.conn.serve_with(after_batch=self.replies.after_batch, deferred=self.replies)
         self.groups = Groups(self.store, self.replies)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
+        self.timeline = self.conn.timeline
+        if self.timeline is not None:  # PSLAUNCH_TIMELINE: each push's merge and each round's update, per key
+            self.store.push = self.timeline.wrap(self.store.push, "merge", _shard_key)
+            self.store._apply = self.timeline.wrap(self.store._apply, "update", _shard_key)
+            self.groups.timeline = self.timeline
+        if env.stats_interval > 0:
+            self.conn.link.report = lambda: server_report(self)
 
     @property
     def rank(self) -> int:
@@ -92,8 +100,10 @@ class ServerNode:
         self.conn.wait(future, timeout, what)
 
     def close(self) -> None:
-        """Close the sockets, giving queued replies a moment to leave."""
+        """Close the sockets, giving queued replies a moment to leave; write the timeline's last events."""
         self.conn.transport.close(linger=0.5)
+        if self.timeline is not None:
+            self.timeline.close()
 
     # ---- requests ------------------------------------------------------------------------
     def _handle(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
@@ -358,3 +368,8 @@ class ServerNode:
         workers = self.conn.members.workers
         for (worker, req_id), message in failed.items():
             self.replies.refuse(workers[worker], Cmd.PULL_REPLY, req_id, message)
+
+
+def _shard_key(args: tuple) -> Any:
+    """The user key of the shard a ``ServerStore.push`` / ``_apply`` call is about (its first argument)."""
+    return args[0].user_key

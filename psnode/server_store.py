@@ -10,7 +10,8 @@ Values sent to workers are never changed under ZeroMQ's feet: when a reply may s
 stored array, the next update writes a fresh copy instead (copy on write).
 
 Everything here runs on the server's one thread; nothing is locked. Refusals raise
-``RequestRefused``, whose message goes back to the worker that asked.
+``RequestRefused``, whose message goes back to the worker that asked. The store also counts what
+heartbeats report (``held_bytes``, ``pushed_bytes``, ``updates``: plain integers).
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ class ServerStore:
         self.shards: dict[int, Shard] = {}
         self.updater: Any = None
         self.finished: dict[int, str] = {}  # workers that left the job: rank -> description
+        self.held_bytes = 0  # bytes of the stored values
+        self.pushed_bytes = 0  # bytes of the pushes taken (decoded)
+        self.updates = 0  # rounds applied, one per key part (a group's round counts each of its keys)
 
     # ---- init / updater ------------------------------------------------------------------
     def init(self, key_id: int, user_key: Hashable, value: np.ndarray, sync: bool, row_size: int) -> None:
@@ -130,6 +134,7 @@ class ServerStore:
         round_ = Round(self.num_workers, quorum, memory, memory.empty_like(stored))
         shard = Shard(key_id, user_key, tuple(value.shape), stored, round_, sync, row_size)
         self.shards[key_id] = shard
+        self.held_bytes += shard.nbytes
         init_key = getattr(self.updater, "init_key", None)
         if init_key is not None:
             with memory.context():
@@ -177,6 +182,7 @@ class ServerStore:
                 f"dist_async needs an optimizer on the servers, but key {shard.user_key!r} was pushed before "
                 "set_optimizer(); call kv.set_optimizer(...) before the first push"
             )
+        self.pushed_bytes += shard.nbytes
         round_ = shard.round
         if round_.push(worker, data, borrowed):
             round_.close(self._apply, shard)
@@ -193,6 +199,7 @@ class ServerStore:
         return RequestRefused(f"key {shard.user_key!r}: a push of {nbytes} bytes, but this server holds {shard.nbytes}")
 
     def _apply(self, shard: Shard, full: Round) -> None:
+        self.updates += 1
         busy = bool(shard.trackers) and any(not t.done for t in shard.trackers)
         shard.trackers = []
         memory = self.memory
