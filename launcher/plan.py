@@ -25,7 +25,7 @@ from .errors import PlacementError
 from .hostfile import LOCAL_HOST, Host
 
 __all__ = ["ProcessSpec", "Plan", "make_plan", "format_plan", "command_argv", "runtime_argv", "script_of",
-           "PYTHON_WORDS"]
+           "PYTHON_WORDS", "STATS_INTERVAL"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,9 @@ class Plan:
                 seen.setdefault((p.host.user, p.host.name, p.host.port), p.host)
         return list(seen.values())
 
+
+#: Seconds between the scheduler's stats lines when pslaunch shows or serves the job's counters.
+STATS_INTERVAL = 0.5
 
 #: First words of COMMAND that mean "the job's Python" (``--python``, default the launching one).
 PYTHON_WORDS = ("python", "python3")
@@ -180,6 +183,13 @@ def make_plan(config: LaunchConfig) -> Plan:
     secrets = () if given or not config.job_key else (EnvVar(ec.PSLAUNCH_JOB_KEY, config.job_key, "all"),)
     all_local = local_only or all(h.is_loopback for h in config.hosts)
     remote_cwd = config.sync_dst_dir or config.cwd
+    settings = {}
+    if config.encrypt:
+        settings[ec.PSLAUNCH_ENCRYPT] = "curve"
+    if config.wants_stats:
+        settings[ec.PSLAUNCH_STATS] = f"{STATS_INTERVAL:g}"
+    if config.timeline:
+        settings[ec.PSLAUNCH_TIMELINE] = ec.TIMELINE_TO_LAUNCHER
     processes = []
     for role, rank, host in placed:
         local_rank = seen.get((role, host), 0)
@@ -213,7 +223,7 @@ def make_plan(config: LaunchConfig) -> Plan:
             interface=config.interface,
             all_local=all_local,
             verbose=config.verbose if config.verbose > 1 else 0,
-            settings={ec.PSLAUNCH_ENCRYPT: "curve"} if config.encrypt else None,
+            settings=settings,
         )
         # Python children write to pipes, which block-buffer print(): lines would arrive at exit.
         env["PYTHONUNBUFFERED"] = config.python_unbuffered

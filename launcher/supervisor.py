@@ -58,10 +58,11 @@ class Supervisor:
     Must be used from the main thread (it installs signal handlers while running).
     """
 
-    def __init__(self, config: LaunchConfig, backend: Backend, printer: Printer) -> None:
+    def __init__(self, config: LaunchConfig, backend: Backend, printer: Printer, observer=None) -> None:
         self.config = config
         self.backend = backend
         self.printer = printer
+        self.observer = observer  # launcher.observe.JobObserver: the dashboard, metrics, timeline, summary
         self.handles: list[ProcessHandle] = []
         self.failure: Failure | None = None
         self._signals: list[int] = []
@@ -102,6 +103,8 @@ class Supervisor:
             try:
                 self.backend.prepare(plan)
                 self.handles = self.backend.launch(plan)
+                if self.observer is not None:
+                    self.observer.attach(self.handles)
                 self._raise_on_signal = False
                 if self._signals:
                     raise _Interrupted(self._signals[0])
@@ -204,6 +207,8 @@ class Supervisor:
                 handle.suspend()
             self.printer.note(f"stopped {len(running)} process(es) of the job (SIGTSTP); `fg` or SIGCONT continues it")
             self.printer.flush()
+            if self.observer is not None:
+                self.observer.pause()
             paused_at = time.monotonic()
             previous = signal.signal(signal.SIGTSTP, signal.SIG_DFL)
             try:
@@ -218,6 +223,8 @@ class Supervisor:
             for handle in self.handles:
                 if handle.poll() is None:
                     handle.resume()
+            if self.observer is not None:
+                self.observer.resume()
             self.printer.note("job continued")
 
     def _teardown(self) -> None:
@@ -243,6 +250,10 @@ class Supervisor:
 
     # -- reporting -----------------------------------------------------------------------------
     def _report(self) -> None:
+        if self.observer is not None:
+            by_id = notes(self.handles, self._stopped, self.failure)
+            self.observer.finish({h.spec.name: by_id.get(id(h), "") for h in self.handles}, self.failure,
+                                 0 if self.failure is None else self.failure.exit_code)
         if not self.config.quiet and self.handles:
             from .summary import render_summary
 
