@@ -197,6 +197,8 @@ class JobStats:
         key = (spec.role, spec.rank)
         node = self._nodes.get(key)
         if node is None:
+            if status is None and self.phase in ("running", "ending"):
+                row.state = "running"  # every node registered, but this process did not report: not the runtime's
             return row
         if status is None:
             row.state = node["state"]

@@ -107,10 +107,12 @@ class JobObserver:
 
     def title(self, rows: list[Row]) -> str:
         """The line above the dashboard's table: the job, its size, and the straggler."""
+        from .dashboard import clock
+
         workers = sum(1 for r in rows if r.role == "worker")
         servers = sum(1 for r in rows if r.role == "server")
         text = (f"pslaunch job {self.plan.job_id}: {servers} server(s), {workers} worker(s), "
-                f"{_clock(time.monotonic() - self.started)}")
+                f"{clock(time.monotonic() - self.started)}")
         lagging = next((r for r in rows if r.straggler), None)
         if lagging is not None and lagging.wait_share is not None:
             others = [r.wait_share for r in rows if r.role == "worker" and r is not lagging and r.wait_share is not None]
@@ -188,11 +190,6 @@ class JobObserver:
         if self.trace is not None:
             self.trace.close()
             self.trace = None
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 60}:{seconds % 60:02d}" if seconds < 3600 else f"{seconds // 3600}h{seconds // 60 % 60:02d}"
 
 
 def summary_document(job_id: str, rows: list[Row], notes: dict[int, str], failure: "Failure | None", exit_code: int,

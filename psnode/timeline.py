@@ -53,7 +53,7 @@ LINE_LIMIT = 3800
 #: How a timeline file starts (the scheduler's ``]`` ends it).
 FILE_HEADER = '[{"name":"process_name","ph":"M","pid":0,"tid":0,"args":{"name":"pslaunch timeline"}}\n'
 _CLOCK_PROBES = 5
-_LABEL_CACHE = 20000
+_PREFIX_CACHE = 20000
 _KEY_TEXT = 60
 
 
@@ -177,7 +177,7 @@ class Timeline:
         self._sink = sink
         self._lock = threading.Lock()
         self._tids: dict[int, int] = {}
-        self._labels: dict[tuple[str, Hashable], str] = {}
+        self._prefixes: dict[tuple[str, Hashable, int], str] = {}  # an event's JSON up to "ts"
         self._pending_meta: list[str] = []
         self._best_rtt: int | None = None
         self.closed = False
@@ -197,20 +197,31 @@ class Timeline:
             self.flush()
 
     def wrap(self, fn: Callable, name: str, key_of: Callable[[tuple], Any] | None = None) -> Callable:
-        """``fn``, recording an event ``name`` for every call (``key_of(args)`` names its key)."""
+        """``fn``, recording an event ``name`` for every call: of the key ``key_of(args)`` names,
+        or of none when ``key_of`` is None."""
         events = self.events
         now = time.monotonic_ns
         ident = threading.get_ident
         flush = self.flush
 
-        def traced(*args: Any, **kwargs: Any) -> Any:
-            start = now()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                events.append((name, key_of(args) if key_of is not None else None, start, now(), ident()))
-                if len(events) >= FLUSH_EVERY:
-                    flush()
+        if key_of is None:
+            def traced(*args: Any, **kwargs: Any) -> Any:
+                start = now()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    events.append((name, None, start, now(), ident()))
+                    if len(events) >= FLUSH_EVERY:
+                        flush()
+        else:
+            def traced(*args: Any, **kwargs: Any) -> Any:
+                start = now()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    events.append((name, key_of(args), start, now(), ident()))
+                    if len(events) >= FLUSH_EVERY:
+                        flush()
 
         traced.__wrapped__ = fn  # type: ignore[attr-defined]
         traced.__doc__ = fn.__doc__
@@ -261,26 +272,32 @@ class Timeline:
     def _format(self) -> list[str]:
         events = self.events
         out, self._pending_meta = self._pending_meta, []
-        pid, offset, role = self.pid, self.offset_ns, self.role
-        tids, labels = self._tids, self._labels
-        if len(labels) > _LABEL_CACHE:
-            labels.clear()
+        offset = self.offset_ns
+        prefixes = self._prefixes
+        if len(prefixes) > _PREFIX_CACHE:
+            prefixes.clear()
         for _ in range(len(events)):
             name, key, start, end, ident = events.popleft()
-            tid = tids.get(ident)
-            if tid is None:
-                tid = tids[ident] = len(tids) + 1
-                out.append(f'{{"name":"thread_name","ph":"M","pid":{pid},"tid":{tid},'
-                           f'"args":{{"name":{json.dumps(_thread_name(ident))}}}}}')
             try:
-                label = labels[(name, key)]
+                prefix = prefixes[(name, key, ident)]
             except (KeyError, TypeError):  # TypeError: an unhashable key (a list of keys)
-                label = json.dumps(_label(name, key))
-                if key is None or type(key) in (int, str):
-                    labels[(name, key)] = label
-            out.append(f'{{"name":{label},"cat":"{role}","ph":"X","ts":{(start + offset) / 1000:.3f},'
-                       f'"dur":{(end - start) / 1000:.3f},"pid":{pid},"tid":{tid}}}')
+                prefix = self._prefix(name, key, ident, out)
+            out.append(f'{prefix}{(start + offset) / 1000:.3f},"dur":{(end - start) / 1000:.3f}}}')
         return out
+
+    def _prefix(self, name: str, key: Any, ident: int, out: list[str]) -> str:
+        """The start of an event's JSON up to its timestamp (cached per name, key and thread); a new
+        thread's name goes to ``out`` first."""
+        tid = self._tids.get(ident)
+        if tid is None:
+            tid = self._tids[ident] = len(self._tids) + 1
+            out.append(f'{{"name":"thread_name","ph":"M","pid":{self.pid},"tid":{tid},'
+                       f'"args":{{"name":{json.dumps(_thread_name(ident))}}}}}')
+        prefix = (f'{{"name":{json.dumps(_label(name, key))},"cat":"{self.role}","ph":"X","pid":{self.pid},'
+                  f'"tid":{tid},"ts":')
+        if key is None or type(key) in (int, str):
+            self._prefixes[(name, key, ident)] = prefix
+        return prefix
 
     def close(self, end_array: bool = False) -> None:
         """Write what is queued and close the sink (``end_array``: end the file's JSON array, which

@@ -94,13 +94,15 @@ def test_in_dist_async_the_straggler_is_the_worker_with_the_fewest_rounds_and_no
 
 def test_a_heartbeat_older_than_two_and_a_half_intervals_is_late_and_an_exited_process_shows_its_exit():
     stats, handles = JobStats(), job_handles()
+    assert {r.state for r in stats.rows(handles)} == {"starting"}  # no stats line yet
     stats.take_line(handles[0], stats_line(1.0, {0: {}, 1: {}, 2: {}}, age=3.0), handles)
     handles[4].status = ExitStatus(code=3)
     rows = {r.name: r for r in stats.rows(handles)}
     assert rows["worker.0@localhost"].late and rows["worker.0@localhost"].heartbeat_age >= 3.0
     gone = rows["worker.2@localhost"]
     assert gone.exited and gone.state == "exit 3" and not gone.late and gone.exit_code == 3
-    assert rows["server.0@localhost"].state == "starting"  # no record of it yet
+    # every node registered (the job runs), yet this one sent no record: it runs, not as the runtime
+    assert rows["server.0@localhost"].state == "running" and rows["server.0@localhost"].heartbeat_age is None
 
 
 def test_malformed_stats_lines_are_counted_and_dropped_keeping_the_last_good_one():
