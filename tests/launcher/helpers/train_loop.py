@@ -29,13 +29,14 @@ stop = np.zeros(1, np.float32)
 rounds = 0
 end = time.monotonic() + seconds
 least = int(os.environ.get("ROUNDS", "3"))
+every = int(os.environ.get("PRINT_EVERY", "0"))
 while not stop[0]:
     kv.push("w", np.ones(16384, np.float32))
     kv.pull("w", out=out)
     kv.push(small, [np.ones(4, np.float32) for _ in small])
     kv.pull(small, out=outs)
     rounds += 1
-    if rounds % int(os.environ.get("PRINT_EVERY", "0") or rounds + 1) == 0:
+    if every and rounds % every == 0:
         print(f"round {rounds}: w[0] = {out[0]:g}", flush=True)
     over = rank == 0 and rounds >= least and time.monotonic() >= end
     kv.pushpull("stop", np.full(1, float(over), np.float32), out=stop)
