@@ -9,8 +9,9 @@ the last heartbeat. The straggler's row is highlighted and says so, and so is a 
 above it. The printer hands it the lines (``write``) instead of writing them; a drawing thread, at
 most ``REDRAWS_PER_SECOND`` times a second, erases the table, writes the lines that came since,
 and draws the table again below them, in one write: a chatty job costs one redraw per tick, not one
-per line, and its lines are written as they are (their colours intact). A table taller than the
-terminal is cut, so the cursor can always climb back to its top.
+per line, and its lines are written as they are (their colours intact). A flood of lines is written
+as it comes, the table erased until the next tick, so the table never slows the output. A table
+taller than the terminal is cut, so the cursor can always climb back to its top.
 
 Thread-safety: every method may be called from any thread; one lock orders the writes.
 """
@@ -28,7 +29,7 @@ __all__ = ["Dashboard", "render_table", "clock", "REDRAWS_PER_SECOND"]
 
 #: The most the table is redrawn per second.
 REDRAWS_PER_SECOND = 4
-_PENDING_LIMIT = 1 << 20  # bytes of lines held for the next redraw before the printer waits
+_PENDING_LIMIT = 256 << 10  # bytes of lines held for the next redraw before they are written at once
 
 
 def _bytes(value: float | None) -> str:
@@ -141,7 +142,7 @@ class Dashboard:
     def __init__(self, out: TextIO, draw: Callable[[int, int], str]) -> None:
         self.out = out
         self._draw = draw
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._pending: list[str] = []
         self._pending_size = 0
         self._height = 0  # lines of the table on the screen now
@@ -157,13 +158,13 @@ class Dashboard:
         self._thread.start()
 
     def write(self, stream: str, text: str) -> None:  # noqa: ARG002 - both streams go to the one terminal
-        """Print ``text`` above the table at the next redraw; waits while too much is held."""
+        """Print ``text`` above the table at the next redraw. A flood of lines (more than
+        ``_PENDING_LIMIT`` bytes held) is written at once, the table erased until the next redraw:
+        the table costs the output no throughput."""
         with self._lock:
-            while self._drawing and self._pending_size > _PENDING_LIMIT:
-                self._lock.wait(1.0)
             self._pending.append(text)
             self._pending_size += len(text)
-            if not self._drawing:
+            if not self._drawing or self._pending_size > _PENDING_LIMIT:
                 self._redraw(table=False)
 
     def flush(self) -> None:
@@ -190,7 +191,6 @@ class Dashboard:
             self._stopped = True
             self._drawing = False
             self._redraw(table=False)
-            self._lock.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2.0)
 
@@ -228,7 +228,6 @@ class Dashboard:
                 text = f"(the dashboard cannot be drawn: {type(exc).__name__}: {exc})\n"
             parts.append(text)
             self._height = text.count("\n")
-        self._lock.notify_all()
         if not parts:
             return
         try:

@@ -145,6 +145,18 @@ def test_the_dashboard_writes_the_lines_above_a_table_it_erases_and_draws_again_
                                    "\r\x1b[2F\x1b[J")  # erased at the end
 
 
+def test_a_flood_of_lines_is_written_at_once_and_the_table_comes_back_at_the_next_redraw():
+    terminal = io.StringIO()
+    board = Dashboard(terminal, lambda width, lines: "TABLE\n")
+    board.resume()
+    flood = "[worker.0@h] " + "x" * (300 << 10) + "\n"
+    board.write("stdout", flood)  # more than the dashboard holds for a redraw: out at once, table erased
+    assert terminal.getvalue() == "TABLE\n\r\x1b[1F\x1b[J" + flood
+    board.flush()
+    assert terminal.getvalue().endswith(flood + "TABLE\n")
+    board.stop()
+
+
 def test_prometheus_text_has_help_type_and_a_labelled_sample_per_process_and_metric():
     stats, handles = JobStats(), job_handles()
     sync_job(stats, handles)
