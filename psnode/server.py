@@ -60,8 +60,7 @@ class ServerNode:
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
         self.timeline = self.conn.timeline
         if self.timeline is not None:  # PSLAUNCH_TIMELINE: each push's merge and each round's update, per key
-            self.store.push = self.timeline.wrap(self.store.push, "merge", _shard_key)
-            self.store._apply = self.timeline.wrap(self.store._apply, "update", _shard_key)
+            self.store.trace(self.timeline)
             self.groups.timeline = self.timeline
         if env.stats_interval > 0:
             self.conn.link.report = lambda: server_report(self)
@@ -368,8 +367,3 @@ class ServerNode:
         workers = self.conn.members.workers
         for (worker, req_id), message in failed.items():
             self.replies.refuse(workers[worker], Cmd.PULL_REPLY, req_id, message)
-
-
-def _shard_key(args: tuple) -> Any:
-    """The user key of the shard a ``ServerStore.push`` / ``_apply`` call is about (its first argument)."""
-    return args[0].user_key

@@ -16,6 +16,7 @@ heartbeats report (``held_bytes``, ``pushed_bytes``, ``updates``: plain integers
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Hashable
 
 import numpy as np
@@ -118,6 +119,29 @@ class ServerStore:
         self.held_bytes = 0  # bytes of the stored values
         self.pushed_bytes = 0  # bytes of the pushes taken (decoded)
         self.updates = 0  # rounds applied, one per key part (a group's round counts each of its keys)
+        self.timeline: Any = None  # PSLAUNCH_TIMELINE (set with ``trace``)
+
+    def trace(self, timeline: Any) -> None:
+        """Record each push's merge and each round's update as timeline events (``psnode.timeline``):
+        the traced methods replace ``push`` and ``_apply`` on this store only, so a store without a
+        timeline runs the plain ones."""
+        self.timeline = timeline
+        self.push = self._traced_push  # type: ignore[method-assign]
+        self._apply = self._traced_apply  # type: ignore[method-assign]
+
+    def _traced_push(self, shard: "Shard", worker: int, data: Any, answer: "Answer", borrowed: bool = False) -> None:
+        start = time.monotonic_ns()
+        try:
+            ServerStore.push(self, shard, worker, data, answer, borrowed)
+        finally:
+            self.timeline.add("merge", shard.user_key, start, time.monotonic_ns())
+
+    def _traced_apply(self, shard: "Shard", full: Round) -> None:
+        start = time.monotonic_ns()
+        try:
+            ServerStore._apply(self, shard, full)
+        finally:
+            self.timeline.add("update", shard.user_key, start, time.monotonic_ns())
 
     # ---- init / updater ------------------------------------------------------------------
     def init(self, key_id: int, user_key: Hashable, value: np.ndarray, sync: bool, row_size: int) -> None:

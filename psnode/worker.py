@@ -76,9 +76,7 @@ class WorkerNode:
         # ``wait_for(future, timeout)``: block until done, receiving on this thread (``Receiver.wait_for``)
         self.wait_for = self.receiver.wait_for
         self.conn.failure.on_failure(self.requests.fail_all)
-        self.timeline = self.conn.timeline  # PSLAUNCH_TIMELINE; kvcore names its calls in it too
-        if self.timeline is not None:
-            self.wait_for = self.timeline.wrap(self.receiver.wait_for, "wait")
+        self.timeline = self.receiver.timeline = self.conn.timeline  # PSLAUNCH_TIMELINE; kvcore names its calls too
         if env.stats_interval > 0:
             self.conn.link.report = lambda: worker_report(self)
 
@@ -188,7 +186,7 @@ class WorkerNode:
 
     # ---- waiting -------------------------------------------------------------------------------
     def _wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:
-        if not self.wait_for(future, limit):
+        if not self.receiver.wait_for(future, limit):
             raise NodeTimeoutError(f"worker {self.rank}: no {what} within {limit:g} s")
         future.result()
 
@@ -252,7 +250,7 @@ class WorkerNode:
         deadline = time.monotonic() + limit
         pushes = [r.future for r in list(self.requests.pending.values()) if r.what == "push"]
         for future in pushes:
-            if not self.wait_for(future, max(0.0, deadline - time.monotonic())):
+            if not self.receiver.wait_for(future, max(0.0, deadline - time.monotonic())):
                 raise NodeTimeoutError(f"worker {self.rank}: pushes still unanswered after {limit:g} s")
         self.conn.failure.check()
 

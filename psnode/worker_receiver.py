@@ -9,7 +9,7 @@ a loop of waits keeps it without a hand-over each time; when it wakes it sends t
 held back for a pull that did not come (``worker_outbox.HeldPush``).
 
 ``waited`` counts the seconds callers spent blocked in ``wait_for`` (``waiting_since`` says since when
-one is blocked now), for the heartbeats' report.
+one is blocked now), for the heartbeats' report; with a ``timeline`` each blocked wait is an event.
 
 State (``_lock`` is held by whichever thread receives): ``_owner`` is that thread, ``_caller`` a
 caller that takes or holds the role, ``_released`` when a caller last gave it up.
@@ -49,6 +49,7 @@ class Receiver:
         self.thread: threading.Thread | None = None
         self.waited = 0.0  # seconds callers spent blocked in wait_for, ended waits (heartbeats report it)
         self.waiting_since = 0.0  # when the wait in progress began (0: none), so a stuck wait shows too
+        self.timeline: Any = None  # PSLAUNCH_TIMELINE: each blocked wait is an event
 
     def start(self, name: str) -> None:
         """Start the network thread."""
@@ -116,7 +117,8 @@ class Receiver:
             self.outbox.pump()
         if is_done(future):
             return True
-        started = self.waiting_since = time.monotonic()
+        started_ns = time.monotonic_ns()
+        started = self.waiting_since = started_ns / 1e9
         deadline = None if timeout is None else started + timeout
         me = threading.get_ident()
         failure = self.conn.failure
@@ -149,7 +151,10 @@ class Receiver:
             return True
         finally:
             self.waiting_since = 0.0
-            self.waited += time.monotonic() - started  # two threads waiting at once may lose a share
+            ended_ns = time.monotonic_ns()
+            self.waited += (ended_ns - started_ns) / 1e9  # two threads waiting at once may lose a share
+            if self.timeline is not None:
+                self.timeline.add("wait", None, started_ns, ended_ns)
 
     def _take(self, me: int) -> bool:
         """Take the receiving role (from the network thread); False when another caller has it."""
