@@ -8,14 +8,19 @@ import time
 
 
 def default_kvstore(environ=os.environ) -> str:
-    """``dist_sync`` when a launcher set up a job (a scheduler address is given), else ``local``."""
-    return "dist_sync" if environ.get("DMLC_PS_ROOT_URI") else "local"
+    """``dist_sync`` when a launcher set up a job (a scheduler address is given), ``allreduce`` when
+    that job has no servers (``pslaunch -s 0``), else ``local``."""
+    if not environ.get("DMLC_PS_ROOT_URI"):
+        return "local"
+    return "allreduce" if environ.get("DMLC_NUM_SERVER", "").strip() == "0" else "dist_sync"
 
 
 def training_parser(description: str) -> argparse.ArgumentParser:
     """A parser with the flags every training example takes; an example adds its own after."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--kvstore", default=None, help="store type (default: dist_sync under a launcher, else local)")
+    parser.add_argument("--kvstore", default=None,
+                        help="store type (default: dist_sync under a launcher, allreduce when it started no "
+                             "servers, else local)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch over all workers and devices")
     parser.add_argument("--lr", type=float, default=0.1)

@@ -1,7 +1,9 @@
 """kvcore: what training code imports.
 
 ``kvcore.create(name)`` returns a KVStore with MXNet's semantics (``local``, ``device``; the
-distributed stores register themselves under ``dist_*``). ``kvcore.optim`` holds the optimizers,
+distributed stores ``dist_*`` keep values on servers, ``allreduce`` sums among the workers of a job
+without servers). ``kvcore.collectives`` holds the workers' collectives (allreduce, allgather,
+broadcast, barrier, broadcast_parameters), imported on first use. ``kvcore.optim`` holds the optimizers,
 ``kvcore.arrays`` the numpy/CuPy array backend and device helpers, ``kvcore.compression`` MXNet's
 2bit/1bit gradient compression (``kv.set_gradient_compression``). ``kvcore.shared_model`` holds the
 mshadow-ps style asynchronous shared model (``create_shared_model``).
@@ -27,6 +29,7 @@ from .errors import (
     UninitializedKeyError,
     UnknownStoreError,
     ValueCountError,
+    WorkerMismatchError,
 )
 from .handles import Handle, wait_all
 from .registry import create, register_store, store_names
@@ -54,6 +57,7 @@ __all__ = [
     "RowSparseArray",
     "KVStoreError",
     "UnknownStoreError",
+    "WorkerMismatchError",
     "KeyTypeError",
     "DuplicateKeyError",
     "UninitializedKeyError",
@@ -76,6 +80,17 @@ __all__ = [
     "create_shared_model",
     "ModelUpdater",
 ]
+
+
+
+def __getattr__(name: str):
+    # ``kvcore.collectives`` joins a job when used: import it (and the runtime) only when asked for
+    if name == "collectives":
+        import importlib
+
+        return importlib.import_module(".collectives", __name__)
+    raise AttributeError(f"module 'kvcore' has no attribute {name!r}")
+
 
 from ._role import run_role_if_asked as _run_role_if_asked, take_job_key as _take_job_key  # noqa: E402
 

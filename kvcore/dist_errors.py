@@ -14,13 +14,14 @@ from typing import Callable, Iterator
 
 from psnode import errors as ps
 
-from .errors import DistributedError, DistTimeoutError, NodeDiedError, ServerError
+from .errors import DistributedError, DistTimeoutError, NodeDiedError, ServerError, WorkerMismatchError
 
 __all__ = ["translate", "runtime_errors"]
 
 _TABLE: tuple[tuple[type[BaseException], Callable[[BaseException], BaseException]], ...] = (
     (ps.PeerDiedError, lambda e: NodeDiedError(str(e), e.role, e.rank, e.host)),
     (ps.RemoteError, lambda e: ServerError(str(e))),
+    (ps.MismatchError, lambda e: WorkerMismatchError(str(e))),
     (ps.NodeTimeoutError, lambda e: DistTimeoutError(str(e))),
     (ps.PSNodeError, lambda e: DistributedError(str(e))),
 )

@@ -50,6 +50,7 @@ from psnode import errors as ps_errors
 from psnode.codecs import codec_id
 from psnode.compression import values_per_word
 from psnode.env import read_env
+from psnode.futures import chain
 from psnode.node import is_done
 from psnode.protocol import Group
 from psnode.worker import WorkerNode
@@ -62,7 +63,7 @@ from .optim.base import Optimizer, Updater
 from .sharding import KeyLayout, layout
 from .store_base import KVStoreBase
 
-__all__ = ["DistKVStore", "create", "worker_node"]
+__all__ = ["DistKVStore", "NodeHandle", "create", "worker_node"]
 
 _node: WorkerNode | None = None
 _node_lock = threading.Lock()
@@ -91,7 +92,7 @@ def worker_node() -> WorkerNode:
         return _node
 
 
-class _NodeHandle(LazyHandle):
+class NodeHandle(LazyHandle):
     """A ``Handle`` the worker node completes: its error becomes kvcore's as it is set
     (``dist_errors.translate``), and ``wait`` receives the reply on the waiting thread
     (``WorkerNode.wait_for``).
@@ -125,6 +126,13 @@ class DistKVStore(KVStoreBase):
 
     def __init__(self, store_type: str) -> None:
         super().__init__(store_type)
+        with runtime_errors():  # before registering: the job's other workers need not wait for this one
+            servers = _node.num_servers if _node is not None else read_env(default_role="worker").num_servers
+        if servers == 0:
+            raise DistributedError(
+                f"kvcore.create({store_type!r}) keeps the values on servers, but this job has none "
+                "(DMLC_NUM_SERVER=0, as pslaunch -s 0 starts it); use kvcore.create('allreduce'), whose "
+                "workers sum among themselves, or start the job with servers (pslaunch -s N)")
         self._worker = worker_node()
         self._sync = store_type != "dist_async"
         self._merge_on_device = store_type == "dist_device_sync"
@@ -155,6 +163,11 @@ class DistKVStore(KVStoreBase):
     def num_servers(self) -> int:
         """Number of servers in the job."""
         return self._worker.num_servers
+
+    @property
+    def local_rank(self) -> int:
+        """This worker's index among the workers on its host (``PSLAUNCH_LOCAL_RANK``)."""
+        return self._worker.env.local_rank
 
     def barrier(self) -> None:
         """Block until every worker reached the barrier.
@@ -229,7 +242,7 @@ class DistKVStore(KVStoreBase):
         if type(value) is np.ndarray and (self._sync or self._has_updater) and self._compression is None:
             target = self._whole_target(key, value)
             if target is not None:
-                handle = _NodeHandle("push", self._worker)
+                handle = NodeHandle("push", self._worker)
                 self._call(self._worker.push_part, target[0], target[1], value, priority, handle)
                 return handle
         return super().push(key, value, priority)
@@ -239,7 +252,7 @@ class DistKVStore(KVStoreBase):
         if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable:
             target = self._whole_target(key, out)
             if target is not None:
-                handle = _NodeHandle("pull", self._worker)
+                handle = NodeHandle("pull", self._worker)
                 self._call(self._worker.pull_part, target[0], target[1], out, priority, handle)
                 if wait:
                     handle.wait()
@@ -315,7 +328,7 @@ class DistKVStore(KVStoreBase):
                 flat = self._merge(key, values).reshape(-1)
             for part in lay.parts:
                 parts.append((part.server, part.id, flat[part.start:part.stop]))
-        handle = _NodeHandle("push", self._worker)
+        handle = NodeHandle("push", self._worker)
         self._call(self._worker.push, parts, priority, not fresh, handle)
         return handle
 
@@ -332,7 +345,7 @@ class DistKVStore(KVStoreBase):
                 for index, part in enumerate(self._layouts[key].parts):
                     packed = compression.quantize((key, index), flat[part.start:part.stop])
                     parts.append((part.server, part.id, packed))
-        handle = _NodeHandle("push", self._worker)
+        handle = NodeHandle("push", self._worker)
         # the packed arrays are new: handed over, not copied
         self._call(self._worker.push, parts, priority, False, handle, codec)
         return handle
@@ -376,27 +389,17 @@ class DistKVStore(KVStoreBase):
                 copies.append((flat, outs))
             for part in lay.parts:
                 parts.append((part.server, part.id, flat[part.start:part.stop]))
-        handle = _NodeHandle("pull", self._worker)
+        handle = NodeHandle("pull", self._worker)
         if not copies:
             self._call(self._worker.pull, parts, priority, handle)
             return handle
+        def deliver() -> None:
+            for flat, outs in copies:
+                for out in outs:
+                    arrays.copy_into(out, flat.reshape(out.shape))
+
         inner: concurrent.futures.Future = concurrent.futures.Future()
-
-        def deliver(done: concurrent.futures.Future) -> None:
-            error = done.exception()
-            if error is None:
-                try:
-                    for flat, outs in copies:
-                        for out in outs:
-                            arrays.copy_into(out, flat.reshape(out.shape))
-                except Exception as exc:  # a GPU copy failed: give it to the waiter
-                    error = exc
-            if error is None:
-                handle.set_result(None)
-            else:
-                handle.set_exception(error)
-
-        inner.add_done_callback(deliver)
+        chain(inner, handle, deliver)  # a GPU copy that fails goes to the waiter
         self._call(self._worker.pull, parts, priority, inner)
         return handle
 

@@ -17,6 +17,7 @@ The tree::
     └── DistributedError           the distributed runtime failed (the psnode error is its __cause__)
         ├── NodeDiedError          a node of the job died or left: .role, .rank, .host name it
         ├── ServerError            a server refused or failed a request (e.g. the updater raised)
+        ├── WorkerMismatchError    workers passed one collective different shapes or dtypes (also a ValueError)
         └── DistTimeoutError       a wait on the runtime timed out (also a KVTimeoutError)
 
 Every message names the key and the values involved. The runtime's own errors (``psnode.errors``)
@@ -41,6 +42,7 @@ __all__ = [
     "DistributedError",
     "NodeDiedError",
     "ServerError",
+    "WorkerMismatchError",
     "DistTimeoutError",
 ]
 
@@ -112,6 +114,11 @@ class NodeDiedError(DistributedError):
 
 class ServerError(DistributedError):
     """A server refused or failed a request; the message is the server's."""
+
+
+class WorkerMismatchError(DistributedError, ValueError):
+    """Workers passed one collective (an allreduce store's key, a ``kvcore.collectives`` call) values
+    of different shapes or dtypes; every worker raises it, and the message names both."""
 
 
 class DistTimeoutError(DistributedError, KVTimeoutError):

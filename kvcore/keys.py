@@ -10,6 +10,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, Hashable, Sequence
 
+import numpy as np
+
 from . import arrays
 from .errors import KeyTypeError, ValueCountError
 
@@ -55,6 +57,8 @@ class KeyKind:
 
 
 def _as_list(value: Any, what: str, key: Any) -> list[Any]:
+    if type(value) is np.ndarray:  # the common case first: key lists can be long
+        return [value]
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueCountError(f"an empty list of {what}s was given for key {key!r}")

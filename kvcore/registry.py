@@ -1,4 +1,5 @@
-"""Stores by name: ``create('local')``. Distributed stores register here from their own module."""
+"""Stores by name: ``create('local')``. Distributed stores (``dist_*``, ``allreduce``) are named here and
+imported from their own module on first use."""
 
 from __future__ import annotations
 
@@ -57,3 +58,4 @@ register_store("local", _local_factory)
 register_store("device", _local_factory)
 for _name in ("dist_sync", "dist_async", "dist_device_sync"):
     register_store(_name, "kvcore.dist_store:create")
+register_store("allreduce", "kvcore.allreduce_store:create")

@@ -86,6 +86,18 @@ class KVStoreBase(abc.ABC):
         """Number of workers sharing the store (1 for a local store)."""
         return 1
 
+    @property
+    def local_rank(self) -> int:
+        """This worker's index among the workers on its host (0 for a local store)."""
+        return 0
+
+    @property
+    def collectives(self) -> Any:
+        """The workers' collectives (``kvcore.collectives.Collectives``) when the store sums among
+        the workers themselves (``allreduce``), else None: the Trainer then sums gradients in place
+        through them, without the store's copies."""
+        return None
+
     # ---- public API -------------------------------------------------------------------------
     def init(self, key: Any, value: Any) -> None:
         """Initialise one key or a list of keys with their values.

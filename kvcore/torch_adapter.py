@@ -1,4 +1,5 @@
-"""PyTorch parameters as kvcore ``Parameter``s: numpy views of CPU tensors, without copies.
+"""PyTorch parameters as kvcore ``Parameter``s: numpy views of CPU tensors, without copies; and
+gradient hooks that tell the Trainer when backprop produced a gradient (``watch_gradients``).
 
 ``torch`` is imported only when this module's functions run (the ``torch`` extra), so kvcore stays
 light without it. A CPU tensor's ``.detach().numpy()`` shares the tensor's memory, so the Trainer's
@@ -14,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .trainer import Parameter
+from .parameters import Parameter
 
-__all__ = ["tensor_as_array", "torch_parameters"]
+__all__ = ["tensor_as_array", "torch_parameters", "watch_gradients"]
 
 
 def _torch():
@@ -70,8 +71,23 @@ def torch_parameters(params: Any) -> list[Parameter]:
         if not getattr(tensor, "requires_grad", True):
             continue
         data = tensor_as_array(tensor, f"parameter {name!r}")
-        result.append(Parameter(name, data, grad=_grad_getter(name, tensor)))
+        param = Parameter(name, data, grad=_grad_getter(name, tensor))
+        param.source = tensor
+        result.append(param)
     return result
+
+
+def watch_gradients(tensors: list[Any], ready: Any) -> list[Any]:
+    """Call ``ready(i)`` each time backprop has accumulated ``tensors[i]``'s gradient (PyTorch's
+    post-accumulate-grad hook, on the thread that runs backward); None entries are skipped.
+
+    Returns the hooks' handles (``handle.remove()`` stops one).
+    """
+    handles = []
+    for i, tensor in enumerate(tensors):
+        if tensor is not None:
+            handles.append(tensor.register_post_accumulate_grad_hook(lambda _t, i=i: ready(i)))
+    return handles
 
 
 def _grad_getter(name: str, tensor: Any):

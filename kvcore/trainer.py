@@ -6,8 +6,13 @@ KVStore, and does what MXNet's gluon ``Trainer`` does each step:
 * ``update_on_kvstore=True`` (the default for ``dist_*`` stores): the gradients of every device
   (and, in a distributed store, every worker) are pushed, the store sums them and runs the optimizer
   once, and the new weights are pulled into every replica.
-* ``update_on_kvstore=False`` (the default for ``local`` and ``device``): the gradients are pushed,
-  their sum is pulled back into the gradient arrays (an all-reduce), and the optimizer runs here.
+* ``update_on_kvstore=False`` (the default for ``local``, ``device`` and ``allreduce``): the
+  gradients are pushed, their sum is pulled back into the gradient arrays (an all-reduce), and the
+  optimizer runs here; with a store whose workers sum among themselves the gradients are summed in
+  place through its collectives instead (``KVStoreBase.collectives``).
+
+With PyTorch parameters each group of gradients leaves as soon as backprop produced it
+(``trainer_handoff``). Parameters and the forms they are given in are ``kvcore.parameters``'.
 
 Gradients are sums over samples; the optimizer's ``rescale_grad`` is set to ``scale / batch_size``
 so that a step applies their mean. The Trainer is written against ``KVStoreBase``'s public API only,
@@ -24,62 +29,12 @@ import numpy as np
 from . import arrays
 from .errors import DTypeMismatchError, ShapeMismatchError
 from .optim.base import Optimizer, Updater, create as create_optimizer
+from .parameters import Parameter, as_list, from_framework, normalise_params
 from .registry import create as create_store
 from .store_base import KVStoreBase
+from .trainer_handoff import HandOff
 
-__all__ = ["Parameter", "Trainer"]
-
-GradSource = Any
-"""An array, a list of arrays (one per replica), a callable returning either, or None."""
-
-
-class Parameter:
-    """One trainable parameter: its replicas (one array per device) and where its gradients are.
-
-    Args:
-        name: the parameter's name; the Trainer uses it as the parameter's key in the store.
-        data: an array, or a list of arrays of one shape and dtype, one per device. The Trainer
-            writes new weights into these arrays in place.
-        grad: the gradients: an array, a list (one per replica), a callable returning either (read
-            at every step, for frameworks that replace their gradient arrays), or None when the
-            gradients are passed to ``Trainer.step`` instead.
-
-    Raises:
-        ValueError: no replicas, or replicas of different shapes or dtypes (naming them).
-    """
-
-    def __init__(self, name: str, data: Any, grad: GradSource = None) -> None:
-        self.name = str(name)
-        self._data = _as_list(data)
-        if not self._data:
-            raise ValueError(f"parameter {self.name!r} has no data arrays")
-        first = self._data[0]
-        for i, replica in enumerate(self._data[1:], start=1):
-            if tuple(replica.shape) != tuple(first.shape) or replica.dtype != first.dtype:
-                raise ValueError(
-                    f"parameter {self.name!r}: replica {i} has shape {tuple(replica.shape)} and dtype "
-                    f"{replica.dtype}, but replica 0 has shape {tuple(first.shape)} and dtype {first.dtype}"
-                )
-        self._grad = grad
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The parameter's shape."""
-        return tuple(self._data[0].shape)
-
-    def list_data(self) -> list[Any]:
-        """The replicas, one array per device."""
-        return list(self._data)
-
-    def list_grad(self) -> list[Any] | None:
-        """The gradients, one array per replica, or None when this parameter carries none."""
-        grad = self._grad() if callable(self._grad) else self._grad
-        return None if grad is None else _as_list(grad)
-
-    def __repr__(self) -> str:
-        devices = ", ".join(str(arrays.device_of(d)) for d in self._data)
-        return f"Parameter({self.name!r}, shape={self.shape}, devices=[{devices}])"
-
+__all__ = ["Parameter", "Trainer"]  # Parameter lives in kvcore.parameters
 
 class Trainer:
     """Applies an optimizer to a set of parameters, synchronising their gradients through a KVStore.
@@ -102,6 +57,10 @@ class Trainer:
             store does (a distributed store fails on its own when a peer dies).
         coalesce_bytes: parameters smaller than this travel together, up to this many bytes per
             call (see below).
+        overlap: with PyTorch parameters, send each group's gradients as soon as backprop has
+            produced all of them (from the second step on), as DDP's buckets do, so that sending
+            overlaps the rest of the backward pass; ``step`` then sends what is left and waits.
+            One backward pass per step: for gradient accumulation over several, pass False.
 
     Keys in the store are the parameter names. Parameter ``i`` is pushed and pulled with priority
     ``-i``, as in MXNet: the first layers' weights, needed first by the next forward pass, go first.
@@ -110,6 +69,11 @@ class Trainer:
     messages per step instead of one per tensor. ``coalesce_bytes=0`` sends every parameter alone.
     The store's keys are initialised by ``sync_params`` or the first ``step`` (in a distributed
     store rank 0's values win and every worker pulls them).
+
+    With a store whose workers sum among themselves (``allreduce``) and the optimizer run here
+    (``update_on_kvstore=False``, its default there), gradients are summed in place through the
+    store's collectives (``kvcore.collectives``): no copy into the store and back, and
+    ``sync_params`` broadcasts worker 0's weights.
 
     Not thread-safe.
     """
@@ -125,8 +89,9 @@ class Trainer:
         scale: float = 1.0,
         timeout: float | None = None,
         coalesce_bytes: int = 1 << 20,
+        overlap: bool = True,
     ) -> None:
-        self._params = _normalise_params(params)
+        self._params = normalise_params(params)
         self._groups = _plan_groups(self._params, int(coalesce_bytes))
         self._index = {p.name: i for i, p in enumerate(self._params)}
         if isinstance(optimizer, str):
@@ -151,6 +116,10 @@ class Trainer:
         self._timeout = timeout
         self._params_synced = False
         self._store_rescale: float | None = None  # rescale_grad the store's optimizer was shipped with
+        self._coll = None if self._update_on_kvstore else kvstore.collectives
+        self._coalesce = int(coalesce_bytes)
+        self._group_of = {i: g for g, (indices, _) in enumerate(self._groups) for i in indices}
+        self._hand_off = HandOff(self) if overlap else None
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -187,6 +156,10 @@ class Trainer:
         """
         if self._params_synced:
             return
+        if self._coll is not None:
+            self._coll.broadcast_parameters(self._params, root=0)
+            self._params_synced = True
+            return
         names = [p.name for p in self._params]
         self._kv.init(names, [p.list_data()[0] for p in self._params])
         self._wait_all(self._pull_groups([p.list_data() for p in self._params]))
@@ -213,13 +186,15 @@ class Trainer:
                 checked before anything is pushed, so the weights stay as they were.
             KVStoreError: from the store.
         """
+        sent = self._hand_off.take(grads is not None) if self._hand_off is not None else {}
         grad_lists = self._gather_grads(grads)
         self._prepare(batch_size)
-        self._push_groups(grad_lists)
+        handles = self._send_groups(grad_lists, sent)
+        if self._hand_off is not None:
+            self._hand_off.arm()
         if self._update_on_kvstore:
-            self._wait_all(self._pull_groups([p.list_data() for p in self._params]))
+            self._wait_all(handles)  # the new weights are in every replica
             return
-        handles = self._pull_groups(grad_lists)
         for (indices, _), handle in zip(self._groups, handles):
             handle.wait(self._timeout)  # update these layers while later layers' sums still arrive
             for i in indices:
@@ -234,9 +209,9 @@ class Trainer:
         self._require_local_update("allreduce_grads")
         if not self._params_synced:
             self.sync_params()
+        sent = self._hand_off.take(grads is not None) if self._hand_off is not None else {}
         grad_lists = self._gather_grads(grads)
-        self._push_groups(grad_lists)
-        self._wait_all(self._pull_groups(grad_lists))
+        self._wait_all(self._send_groups(grad_lists, sent))
         return grad_lists
 
     def update(self, batch_size: int, grads: Any = None) -> None:
@@ -271,11 +246,56 @@ class Trainer:
                 "(drop the last partial batch) or use update_on_kvstore=False"
             )
 
-    def _push_groups(self, value_lists: list[list[Any]]) -> None:
-        """Push each parameter's list of values (one per replica), group by group."""
-        for indices, priority in self._groups:
-            self._kv.push([self._params[i].name for i in indices], [value_lists[i] for i in indices],
-                          priority=priority)
+    def _send_groups(self, grad_lists: list[list[Any]], sent: dict[int, Any]) -> list[Any]:
+        """Send every group's gradients that the hand-off has not sent yet; one handle per group,
+        done once its result is in place (see ``_send_group``)."""
+        return [sent[g] if g in sent else self._send_group(g, grad_lists) for g in range(len(self._groups))]
+
+    def _group_grads(self, g: int) -> list[list[Any]] | None:
+        """Group ``g``'s gradients as arrays (a list per parameter; others empty), or None when one
+        has none."""
+        grads: list[list[Any]] = [[]] * len(self._params)
+        for i in self._groups[g][0]:
+            p = self._params[i]
+            grads[i] = [from_framework(a, p.name) for a in p.list_grad() or []]
+            if not grads[i]:
+                return None
+        return grads
+
+    def _send_group(self, g: int, grad_lists: list[list[Any]]) -> Any:
+        """Send group ``g``'s gradients; the handle of its result: the gradients summed in place
+        over every device and worker through the collectives, or pushed to the store and pulled
+        back (the new weights when the store runs the optimizer, else the summed gradients).
+
+        The pull leaves right after the push, so the result comes back while backprop goes on
+        (from the hand-off): a parameter's value is not read again in a backward pass once its
+        gradient is complete, and ``step`` waits for every result before it returns.
+        """
+        indices, priority = self._groups[g]
+        if self._coll is None:
+            names = [self._params[i].name for i in indices]
+            self._kv.push(names, [grad_lists[i] for i in indices], priority=priority)
+            outs = [self._params[i].list_data() if self._update_on_kvstore else grad_lists[i] for i in indices]
+            return self._kv.pull(names, out=outs, priority=priority, wait=False)
+        firsts = []
+        for i in indices:  # this worker's replicas are summed into the first one
+            first = grad_lists[i][0]
+            for other in grad_lists[i][1:]:
+                with arrays.device_context(arrays.device_of(first)):
+                    first += other if arrays.device_of(other) == arrays.device_of(first) else \
+                        arrays.to_device(other, arrays.device_of(first))
+            firsts.append(first)
+        futures = self._coll.allreduce_arrays(firsts, firsts, ("trainer", g), max(1, self._coalesce))
+        copies = [(grad_lists[i][0], grad_lists[i][1:]) for i in indices if len(grad_lists[i]) > 1]
+
+        def to_replicas() -> None:
+            for first, others in copies:
+                for other in others:
+                    arrays.copy_into(other, first)
+
+        from .collectives import _joined
+
+        return _joined(futures, self._coll._worker, "allreduce", None, then=to_replicas if copies else None)
 
     def _pull_groups(self, out_lists: list[list[Any]]) -> list[Any]:
         """Start pulling each parameter's stored value into its outs; return one handle per group."""
@@ -319,14 +339,14 @@ class Trainer:
                     f"the gradients do not match the parameters: missing {missing or 'none'}, "
                     f"unknown {extra or 'none'}"
                 )
-            lists = [_as_list(grads[p.name]) for p in self._params]
+            lists = [as_list(grads[p.name]) for p in self._params]
         elif isinstance(grads, Sequence):
             if len(grads) != len(self._params):
                 raise ValueError(f"{len(grads)} gradients were given for {len(self._params)} parameters")
-            lists = [_as_list(g) for g in grads]
+            lists = [as_list(g) for g in grads]
         else:
             raise TypeError(f"grads must be a mapping, a sequence or None, got {type(grads).__name__}")
-        lists = [[_from_framework(a, p.name) for a in g] for p, g in zip(self._params, lists)]
+        lists = [[from_framework(a, p.name) for a in g] for p, g in zip(self._params, lists)]
         # Checked before anything is pushed, so that a bad gradient leaves every weight as it was.
         for p, g in zip(self._params, lists):
             if len(g) != len(p.list_data()):
@@ -372,23 +392,6 @@ class Trainer:
         )
 
 
-def _as_list(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _is_torch(value: Any) -> bool:
-    return type(value).__module__.split(".", 1)[0] == "torch"
-
-
-def _from_framework(value: Any, name: str) -> Any:
-    """A framework tensor as an array (PyTorch CPU tensors become numpy views); arrays unchanged."""
-    if _is_torch(value):
-        from .torch_adapter import tensor_as_array
-
-        return tensor_as_array(value, f"the gradient of {name!r}")
-    return value
-
-
 def _plan_groups(params: list[Parameter], limit: int) -> list[tuple[list[int], int]]:
     """Consecutive parameters under ``limit`` bytes, packed up to ``limit`` bytes: ``(indices, priority)``.
 
@@ -410,43 +413,3 @@ def _plan_groups(params: list[Parameter], limit: int) -> list[tuple[list[int], i
     if current:
         groups.append((current, -current[0]))
     return groups
-
-
-def _normalise_params(params: Any) -> list[Parameter]:
-    """Accepted parameter forms -> a list of Parameters with unique names."""
-    if hasattr(params, "named_parameters") or _is_torch(params):
-        from .torch_adapter import torch_parameters
-
-        result = torch_parameters(params)
-    elif isinstance(params, Mapping):
-        result = [_as_parameter(name, value) for name, value in params.items()]
-    else:
-        items = list(params)
-        if items and (_is_torch(items[0]) or (isinstance(items[0], tuple) and len(items[0]) == 2
-                                              and isinstance(items[0][0], str) and _is_torch(items[0][1]))):
-            from .torch_adapter import torch_parameters
-
-            result = torch_parameters(items)
-        else:
-            result = [v if isinstance(v, Parameter) else _as_parameter(str(i), v) for i, v in enumerate(items)]
-    if not result:
-        raise ValueError("the Trainer was given no parameters")
-    seen: set[str] = set()
-    for p in result:
-        if p.name in seen:
-            raise ValueError(f"two parameters are named {p.name!r}; names are the store's keys and must be unique")
-        seen.add(p.name)
-    return result
-
-
-def _as_parameter(name: str, value: Any) -> Parameter:
-    if isinstance(value, Parameter):
-        if value.name != str(name):
-            raise ValueError(f"parameter {value.name!r} was given under the name {name!r}")
-        return value
-    for replica in _as_list(value):
-        if not arrays.is_array(replica):
-            raise TypeError(
-                f"parameter {name!r} must be a numpy or CuPy array (or a list of them), got {type(replica).__name__}"
-            )
-    return Parameter(name, value)

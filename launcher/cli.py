@@ -26,6 +26,7 @@ _EPILOG = """\b
 Examples:
   pslaunch -n 2 -s 1 python train.py --lr "0.1 x"     everything on this machine
   pslaunch -n 4 -s 2 -H hosts train.py                 over ssh, see hosts.example
+  pslaunch -n 4 -s 0 train.py                          allreduce: scheduler and workers, no servers
   pslaunch -n 2 --launcher mpi python train.py         one mpirun for every role
   pslaunch -n 2 --dry-run -H hosts train.py            print the plan, start nothing
 \b
@@ -41,7 +42,9 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
     epilog=_EPILOG,
 )
 @click.option("-n", "--num-workers", type=int, required=True, help="Number of worker processes.")
-@click.option("-s", "--num-servers", type=int, default=None, help="Number of servers [default: = workers].")
+@click.option("-s", "--num-servers", type=int, default=None,
+              help="Number of servers [default: = workers]; 0: none, the workers sum among themselves "
+                   "(kvcore.create('allreduce')).")
 @click.option("-H", "--hostfile", type=click.Path(dir_okay=False), default=None,
               help="Hosts to run on: `[user@]host[:sshport] [slots=N]` per line.")
 @click.option("--launcher", "backend", default=None, metavar="NAME",
@@ -98,7 +101,8 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
 @click.option("-q", "--quiet", is_flag=True, help="Only the root cause of a failure; no output lines, no table.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def cli(**options) -> None:
-    """Start a parameter-server job: a scheduler, servers and workers running COMMAND.
+    """Start a parameter-server job: a scheduler, servers and workers running COMMAND (with -s 0 no
+    servers: an allreduce job).
 
     Everything after the options is COMMAND and its arguments, passed on unchanged.
     """

@@ -141,8 +141,9 @@ class LaunchConfig:
             raise ConfigError("no COMMAND given: write it after the options, e.g. `pslaunch -n 2 python train.py`")
         if self.num_workers < 1:
             raise ConfigError(f"-n/--num-workers must be >= 1, got {self.num_workers}")
-        if self.num_servers < 1:
-            raise ConfigError(f"-s/--num-servers must be >= 1, got {self.num_servers}")
+        if self.num_servers < 0:
+            raise ConfigError(f"-s/--num-servers must be >= 0 (0: no servers, the workers sum among themselves "
+                              f"with kvcore.create('allreduce')), got {self.num_servers}")
         if self.scheduler_port is not None and not 1 <= self.scheduler_port <= 65535:
             raise ConfigError(f"--scheduler-port must be in 1..65535, got {self.scheduler_port}")
         if self.timeout is not None and self.timeout <= 0:

@@ -9,7 +9,8 @@ Placement (also in docs/launcher.md):
 * **workers** are spread over the hosts in hostfile order, one at a time, skipping hosts whose
   ``slots`` are used up; more workers than the slots of a hostfile where every host has
   ``slots=`` is an error. A host without ``slots=`` takes any number.
-* **servers** go round-robin over the hosts, independent of slots.
+* **servers** go round-robin over the hosts, independent of slots; with ``-s 0`` there are none
+  (allreduce mode: the scheduler and the workers only).
 * **the scheduler** runs on the launching host, or on ``--scheduler-host``.
 * ``local`` backend: everything on this machine, ``DMLC_PS_ROOT_URI=127.0.0.1``.
 """
@@ -250,10 +251,14 @@ def format_plan(plan: Plan) -> str:
 
     Contract variables are shown with their values; ``--env`` variables by name only.
     """
+    servers = len(plan.by_role("server"))
     lines = [
         f"job {plan.job_id}: backend {plan.backend}, scheduler at {plan.root_uri}:{plan.root_port}, "
-        f"{len(plan.by_role('server'))} server(s), {len(plan.by_role('worker'))} worker(s)"
+        f"{servers} server(s), {len(plan.by_role('worker'))} worker(s)"
     ]
+    if not servers:
+        lines.append("allreduce mode: no servers; the scheduler does registration, heartbeats and barriers, "
+                     "the workers sum among themselves (kvcore.create('allreduce'))")
     for p in plan.processes:
         where = "this machine" if p.on_launcher else "ssh" if plan.backend == "ssh" else plan.backend
         lines.append(f"{p.name}  (local rank {p.local_rank}/{p.local_size}, via {where})")

@@ -23,7 +23,8 @@ def render_summary(handles: "list[ProcessHandle]", notes: dict[int, str], colour
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=colour, no_color=not colour, width=120)
     job = handles[0].spec.env.get("PSLAUNCH_JOB_ID", "")
-    table = Table(title=f"pslaunch job {job}", title_justify="left", box=box.SIMPLE_HEAD if colour else box.ASCII)
+    mode = " (allreduce: no servers)" if handles[0].spec.env.get("DMLC_NUM_SERVER") == "0" else ""
+    table = Table(title=f"pslaunch job {job}{mode}", title_justify="left", box=box.SIMPLE_HEAD if colour else box.ASCII)
     for col in ("role", "rank", "host", "pid", "exit", "duration", "note"):
         table.add_column(col, justify="right" if col in ("rank", "pid", "duration") else "left")
     for h in handles:

@@ -32,7 +32,7 @@ __all__ = ["FailureLatch", "SchedulerLink", "CONTROL_CMDS"]
 
 CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN,
-     Cmd.NODE_DIED, Cmd.WORKER_FINISHED}
+     Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE}
 )
 """What only the scheduler sends to a node."""
 
@@ -238,10 +238,9 @@ class SchedulerLink:
             pass
 
     def ask(self, cmd: int, arg: int = 0, body: Any = None) -> concurrent.futures.Future:
-        """Send ``cmd`` (a barrier or finish) and return the future the scheduler's answer completes.
-
-        A barrier's future holds the notes its members left (``Connection.ask_barrier``).
-        """
+        """Send ``cmd`` (a barrier, finish or rendezvous request) and return the future the
+        scheduler's answer completes: a barrier's holds the notes its members left
+        (``Connection.ask_barrier``), a rendezvous value's the value."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         req_id = next(self._req_ids)
         with self._waiters_lock:
@@ -273,12 +272,20 @@ class SchedulerLink:
             if self.timeline is not None:
                 self.timeline.close()  # written out before the scheduler, which ends a timeline file, hears back
             self.send(Cmd.SHUTDOWN_ACK, req_id, body=None if self.report is None else {"s": self.report()})
-        elif cmd in (Cmd.BARRIER_DONE, Cmd.FINISH_ACK):
+        elif cmd in (Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.RDV_VALUE):
             with self._waiters_lock:
                 waiter = self._waiters.pop(req_id, None)
             if waiter is not None and not waiter.done():
                 if flags & FLAG_ERROR:
                     waiter.set_exception(PSNodeError(str(unpack_json(frames[1])["error"])))
+                elif cmd == Cmd.RDV_VALUE:
+                    body = unpack_json(frames[1]) if len(frames) > 1 else None
+                    value = body.get("value") if isinstance(body, dict) else None
+                    if isinstance(value, str):
+                        waiter.set_result(value)
+                    else:  # the asker must not wait on: fail it, naming what came
+                        waiter.set_exception(ProtocolError(
+                            f"the scheduler answered a rendezvous request with a {type(value).__name__}, not a string"))
                 else:
                     notes = unpack_json(frames[1]).get("notes", []) if len(frames) > 1 else []
                     waiter.set_result(notes if isinstance(notes, list) else [])

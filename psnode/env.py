@@ -160,7 +160,8 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     root_uri = _required(env, "DMLC_PS_ROOT_URI", "127.0.0.1")
     root_port = _int("DMLC_PS_ROOT_PORT", _required(env, "DMLC_PS_ROOT_PORT", "9091"), 1, 65535)
     num_workers = _int("DMLC_NUM_WORKER", _required(env, "DMLC_NUM_WORKER", "2"), 1)
-    num_servers = _int("DMLC_NUM_SERVER", _required(env, "DMLC_NUM_SERVER", "1"), 1)
+    # 0 servers: an allreduce job (workers and the scheduler only, kvcore.create('allreduce'))
+    num_servers = _int("DMLC_NUM_SERVER", _required(env, "DMLC_NUM_SERVER", "1"), 0)
     worker_id = None
     if _get(env, "DMLC_WORKER_ID") is not None:
         worker_id = _int("DMLC_WORKER_ID", _get(env, "DMLC_WORKER_ID"), 0, num_workers - 1)

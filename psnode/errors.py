@@ -10,6 +10,7 @@ The tree::
     │   ├── RemoteError            a server could not carry out a request (its message is included)
     │   ├── ProtocolError          a peer sent something this node cannot understand
     │   └── RefusedError           the scheduler refused this node: another job's port, another key
+    │   └── MismatchError          workers passed one collective different shapes or dtypes (names both)
     ├── RequestRefused             a server refuses one request (raised on the server; the worker that
     │                              asked gets its message back as a RemoteError)
     ├── NodeTimeoutError           a wait ran past its limit (also TimeoutError)
@@ -33,6 +34,7 @@ __all__ = [
     "RemoteError",
     "ProtocolError",
     "RefusedError",
+    "MismatchError",
     "RequestRefused",
     "NodeTimeoutError",
     "RegistrationTimeoutError",
@@ -78,6 +80,11 @@ class ProtocolError(PeerError):
 class RefusedError(PeerError):
     """The scheduler refused this node's connection or registration (the message says why: the port
     belongs to another job, the job keys differ, the job is full)."""
+class MismatchError(PeerError):
+    """Workers passed one collective (same key and version) values of different shapes or dtypes.
+
+    Every worker of the collective raises it, with a message that names the key and both values.
+    """
 
 
 class RequestRefused(PSNodeError):

@@ -1,7 +1,9 @@
-"""In-process all-reduce across this process's GPUs with NCCL (through CuPy's binding).
+"""All-reduce with NCCL (through CuPy's binding): across this process's GPUs, or across processes.
 
 ``NcclGroup(gpus)`` holds one communicator per GPU; ``allreduce_sum(buffers)`` leaves the sum of
-one buffer per GPU in every one of them. NCCL forbids two threads from running operations on one
+one buffer per GPU in every one of them. ``NcclGroup.joined(gpu, unique_id, nranks, rank)`` holds
+this process's one communicator of a group of ``nranks`` processes (the workers of an allreduce
+job, ``psnode.collectives.nccl``), which agreed on ``unique_id`` beforehand. NCCL forbids two threads from running operations on one
 communicator at once, and every GPU of a group must see the group's collectives in the same order:
 two threads interleaving their launches can leave each GPU waiting in a different collective, a
 deadlock of the kernels that no timeout ends. So a group runs one collective at a time, under its
@@ -56,7 +58,7 @@ class NcclGroup:
             message names the GPUs and NCCL's error).
     """
 
-    def __init__(self, device_indices: list[int]) -> None:
+    def __init__(self, device_indices: list[int], _join: tuple[Any, int, int] | None = None) -> None:
         nccl = devices.nccl_module()
         if nccl is None:
             raise RuntimeError(
@@ -67,7 +69,12 @@ class NcclGroup:
         self._nccl = nccl
         self.device_indices = [int(i) for i in device_indices]
         try:
-            self._comms = nccl.NcclCommunicator.initAll(self.device_indices)
+            if _join is None:
+                self._comms = nccl.NcclCommunicator.initAll(self.device_indices)
+            else:  # blocks until every process of the group joined
+                unique_id, nranks, rank = _join
+                with cp.cuda.Device(self.device_indices[0]):
+                    self._comms = [nccl.NcclCommunicator(nranks, unique_id, rank)]
         except Exception as exc:
             raise RuntimeError(
                 f"NCCL could not create communicators for GPUs {self.device_indices}: {type(exc).__name__}: {exc}"
@@ -79,6 +86,26 @@ class NcclGroup:
         self._lock = threading.Lock()
         self.allreduces = 0
         """How many all-reduces the group ran (callers report whether NCCL was used)."""
+
+    @classmethod
+    def joined(cls, device_index: int, unique_id: Any, nranks: int, rank: int) -> "NcclGroup":
+        """This process's communicator on GPU ``device_index`` of a group of ``nranks`` processes that
+        agreed on ``unique_id`` (``nccl.get_unique_id()`` of one of them); blocks until all joined.
+
+        Raises:
+            RuntimeError: as the constructor.
+        """
+        return cls([device_index], (unique_id, nranks, rank))
+
+    def abort(self) -> None:
+        """Abort the communicators: a collective that waits for a process that will never join ends
+        (NCCL's ``ncclCommAbort``); the group is closed."""
+        for comm in self._comms:
+            try:
+                comm.abort()
+            except Exception:  # already gone
+                pass
+        self._comms = []
 
     def allreduce_sum(self, buffers: list[Any]) -> None:
         """Sum ``buffers`` (one per GPU, in the group's GPU order) in place on every GPU.

@@ -111,6 +111,10 @@ class Cmd(enum.IntEnum):
     VALUE = 31  # compact: req_id = the pull's, arg = the part's index in it; the value
     SET_CODEC = 32  # JSON {"codec": id, "params": {...}}: a codec's parameters (a threshold), before its pushes
     SET_CODEC_ACK = 33
+    COLL = 40  # between workers: req_id = the collective's key id, arg = its version; psnode.collectives.wire
+    RDV_SET = 41  # to the scheduler: {"key", "value"}, a rendezvous value (e.g. NCCL's unique id)
+    RDV_GET = 42  # to the scheduler: {"key"}; answered by RDV_VALUE once the key is set
+    RDV_VALUE = 43  # from the scheduler: {"value"} (or FLAG_ERROR and {"error"})
 
 
 class Group(enum.IntEnum):

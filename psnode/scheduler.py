@@ -27,8 +27,9 @@ from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeo
 from .log import logger, setup_logging
 from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
+from .rendezvous import Rendezvous
 from .security import secure_or_loopback
-from .stats import REPORT_LIMIT, StatsLine, check_report
+from .stats import StatsLine, check_body
 from .timeline import open_timeline
 from .transport import Transport, node_transport
 
@@ -172,6 +173,7 @@ class Scheduler:
         self.fingerprint = host_fingerprint()
         self.roster = Roster(env.num_workers, env.num_servers, env.job_id, env.root_port)
         self.barriers = Barriers()
+        self.rendezvous = Rendezvous()
         self.malformed = 0
         self._last_check = 0.0  # when _check_alive last ran
         self.phase = "registering"
@@ -286,6 +288,8 @@ class Scheduler:
         elif cmd == Cmd.FINISH:
             self._read_body(member, frames)  # the worker's last counters
             self._finished(sender, member, req_id)
+        elif cmd in (Cmd.RDV_SET, Cmd.RDV_GET):
+            self._rendezvous(sender, cmd, req_id, frames)
         elif cmd == Cmd.NODE_DIED:
             try:
                 body = unpack_json(frames[1]) if len(frames) > 1 else {}
@@ -299,36 +303,26 @@ class Scheduler:
     def _heartbeat(self, sender: bytes, member: Member, req_id: int, frames: list) -> None:
         """Answer a heartbeat; keep the counters it carries, answer a clock probe."""
         ack = [pack_header(Cmd.HEARTBEAT_ACK, req_id)]
-        body = self._read_body(member, frames)
-        clock = body.get("clock")
+        clock = self._read_body(member, frames)
         if clock is not None:
             ack.append(pack_json({"clock": clock, "now": time.monotonic_ns(), "boot": self._boot}))
         self.transport.send(sender, ack)
 
-    def _read_body(self, member: Member, frames: list) -> dict:
-        """The body of a heartbeat (or a worker's finish, a server's shutdown acknowledgement), every
-        field checked: ``s``, the node's counters, is kept on ``member``; ``clock``, a probe, is
-        returned. A malformed body is counted and dropped (the message still counts as heard: its
-        sender is an authenticated member)."""
+    def _read_body(self, member: Member, frames: list) -> int | None:
+        """Keep the counters of a message's body on ``member`` and return its clock probe
+        (``stats.check_body``). A malformed body is counted and dropped (the message still counts as
+        heard: its sender is an authenticated member)."""
         if len(frames) < 2:
-            return {}
+            return None
         try:
-            size = len(frames[1].buffer) if hasattr(frames[1], "buffer") else len(frames[1])
-            if size > REPORT_LIMIT:
-                raise ProtocolError(f"a body of {size} bytes; it may take {REPORT_LIMIT}")
-            body = unpack_json(frames[1])
-            if not isinstance(body, dict) or not set(body) <= {"s", "clock"}:
-                raise ProtocolError(f"a body {str(body)[:80]!r}, not an object of s and clock")
-            if "s" in body:
-                member.report = check_report(member.peer.role, body["s"])
-            clock = body.get("clock")
-            if clock is not None and type(clock) is not int:
-                raise ProtocolError(f"a clock probe of {str(clock)[:40]!r}, not an integer")
-            return body
+            report, clock = check_body(member.peer.role, frames[1])
         except ProtocolError as exc:
             self.malformed += 1
             logger.info("scheduler dropped a malformed message body from %s: %s", member.peer.describe(), exc)
-            return {}
+            return None
+        if report is not None:
+            member.report = report
+        return clock
 
     def _tell_launcher(self, at_once: bool = False) -> None:
         """Write the stats line for pslaunch when one is due (``PSLAUNCH_STATS``), or at once."""
@@ -347,12 +341,33 @@ class Scheduler:
                           "age": round(max(0.0, now - member.last_seen), 3), "s": member.report or {}})
         stats.emit(now, self.phase, nodes, (self.env.heartbeat_interval, self.env.heartbeat_timeout))
 
+    def _rendezvous(self, sender: bytes, cmd: int, req_id: int, frames: list) -> None:
+        """Set a rendezvous value (answering who waited for it) or answer / park a request for one."""
+        try:
+            body = unpack_json(frames[1]) if len(frames) > 1 else None
+            if cmd == Cmd.RDV_SET:
+                value, answer = self.rendezvous.set(body)
+                answer.append((sender, req_id))
+            else:
+                value = self.rendezvous.get(sender, req_id, body)
+                if value is None:
+                    return
+                answer = [(sender, req_id)]
+        except ProtocolError as exc:
+            self.malformed += 1
+            self.transport.send(sender, [pack_header(Cmd.RDV_VALUE, req_id, flags=FLAG_ERROR), pack_json({"error": str(exc)})])
+            return
+        for uid, rid in answer:
+            self.transport.send(uid, [pack_header(Cmd.RDV_VALUE, rid), pack_json({"value": value})])
+
     def _finished(self, sender: bytes, member: Member, req_id: int) -> None:
         member.finished = True
         self.transport.send(sender, [pack_header(Cmd.FINISH_ACK, req_id)])
         note = pack_json({"rank": member.peer.rank, "node": member.peer.describe()})
-        for uid in self.roster.of_roles(("server",)):  # rounds that still wait for this worker can never close
-            self.transport.send(uid, [pack_header(Cmd.WORKER_FINISHED), note])
+        # servers: rounds that still wait for this worker can never close; workers: nor can collectives
+        for uid in self.roster.of_roles(("server", "worker")):
+            if uid != sender and not self.roster.members[uid].finished:
+                self.transport.send(uid, [pack_header(Cmd.WORKER_FINISHED), note])
         logger.info("scheduler: %s finished", member.peer.describe())
         self._fail_blocked_barriers()
 

@@ -4,7 +4,9 @@ With ``PSLAUNCH_STATS`` set (pslaunch sets it for its dashboard, ``--metrics-por
 ``--summary-json``), every server and worker puts a small JSON object of counters in its heartbeat
 (``report``). The counters themselves are plain attributes of the parts that do the work, bumped by
 an integer add on the hot path: a worker's ``RequestTable`` (bytes pushed and pulled, rounds), its
-``Receiver`` (seconds callers waited for replies) and ``Outbox`` (messages queued); a server's
+``Receiver`` (seconds callers waited for replies) and ``Outbox`` (messages queued), and in
+allreduce mode its collectives ``Engine`` (the bytes of the values it summed count as pushed and
+pulled, collectives of its most used key as rounds); a server's
 ``ServerStore`` (keys, bytes held and received, updates) and ``Replies`` (pulls waiting for a round).
 
 The scheduler treats every report as untrusted input (``check_report``: a bounded size, known
@@ -29,8 +31,9 @@ from typing import Any, Callable
 
 from .env import MARKER_STATS
 from .errors import ProtocolError
+from .protocol import unpack_json
 
-__all__ = ["WORKER_FIELDS", "SERVER_FIELDS", "REPORT_LIMIT", "check_report", "process_usage", "worker_report",
+__all__ = ["WORKER_FIELDS", "SERVER_FIELDS", "REPORT_LIMIT", "check_report", "check_body", "process_usage", "worker_report",
            "server_report", "StatsLine"]
 
 #: Fields every report has: node uptime (s), process CPU time (s), resident memory (bytes), and
@@ -75,7 +78,9 @@ def worker_report(worker: Any) -> dict[str, float]:
     report = _common(worker.env.launch_rank)
     since = receiver.waiting_since
     waited = receiver.waited + (max(0.0, report["t"] - since) if since else 0.0)  # a wait still going on counts
-    report.update(push_b=requests.pushed_bytes, pull_b=requests.pulled_bytes, rounds=requests.rounds,
+    summed, coll_rounds = worker.collectives.summed_bytes, worker.collectives.rounds  # allreduce mode
+    report.update(push_b=requests.pushed_bytes + summed, pull_b=requests.pulled_bytes + summed,
+                  rounds=max(requests.rounds, coll_rounds),
                   wait_s=round(waited, 4), queued=len(worker.outbox.queue))
     return report
 
@@ -110,6 +115,28 @@ def check_report(role: str, body: Any) -> dict[str, float]:
             raise ProtocolError(f"a {role}'s stats report with {name}={repr(value)[:40]}, not a number in 0..2**62")
         out[name] = value
     return out
+
+
+def check_body(role: str, frame: Any) -> tuple[dict[str, float] | None, int | None]:
+    """The counters (``s``) and clock probe (``clock``) of the JSON body a ``role`` node sent with a
+    heartbeat (or a worker's finish, a server's shutdown acknowledgement), every field checked;
+    None for a field the body does not have.
+
+    Raises:
+        ProtocolError: a body over ``REPORT_LIMIT`` bytes, not an object of those two fields, a
+            report ``check_report`` refuses, or a probe that is not an integer (the message names it).
+    """
+    size = len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
+    if size > REPORT_LIMIT:
+        raise ProtocolError(f"a body of {size} bytes; it may take {REPORT_LIMIT}")
+    body = unpack_json(frame)
+    if not isinstance(body, dict) or not set(body) <= {"s", "clock"}:
+        raise ProtocolError(f"a body {str(body)[:80]!r}, not an object of s and clock")
+    report = check_report(role, body["s"]) if "s" in body else None
+    clock = body.get("clock")
+    if clock is not None and type(clock) is not int:
+        raise ProtocolError(f"a clock probe of {str(clock)[:40]!r}, not an integer")
+    return report, clock
 
 
 class StatsLine:

@@ -14,7 +14,8 @@ shared memory.
 - ``worker_requests.RequestTable``: requests in flight, push counts, replies written into outs;
 - ``worker_outbox.Outbox``: the priority send queue and the push held for the next pull;
 - ``worker_receiver.Receiver``: the network thread, and which thread receives;
-- ``shm.WorkerRegions``: the shared-memory regions of big parts.
+- ``shm.WorkerRegions``: the shared-memory regions of big parts;
+- ``collectives.Engine``: collectives with the other workers (allreduce without servers).
 
 Sends are queued by priority (higher first, then in call order) and leave as soon as the connection
 takes them. Correctness does not depend on the order: a pull tells the server how many pushes of the
@@ -36,6 +37,7 @@ import numpy as np
 
 from . import shm
 from .codecs import RAW
+from .collectives import Engine
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError
 from .membership import PeerInfo
@@ -53,6 +55,7 @@ from .worker_requests import RequestTable
 __all__ = ["WorkerNode"]
 
 OWN_FRAME = 65536  # values at least this big travel in a frame (and a message) of their own
+_COLL = int(Cmd.COLL)
 
 
 def _flat_bytes(value: np.ndarray) -> np.ndarray:
@@ -67,7 +70,9 @@ class WorkerNode:
 
     def __init__(self, env: NodeEnv, transport: Transport | None = None) -> None:
         self.env = env
-        self.conn = Connection(env, "worker", self._on_reply, transport)
+        self.conn = Connection(env, "worker", self._on_reply, transport,
+                               on_worker_finished=lambda rank, node: self.collectives.peer_left(rank, node))
+        self.collectives = Engine(self.conn)  # before registration: a peer's first message may come at once
         self.requests = RequestTable(self._check, self.conn.failure)
         self.outbox = Outbox(self.conn.transport, self.conn.members, self.requests.complete)
         self.receiver = Receiver(self.conn, self.outbox)
@@ -76,6 +81,7 @@ class WorkerNode:
         # ``wait_for(future, timeout)``: block until done, receiving on this thread (``Receiver.wait_for``)
         self.wait_for = self.receiver.wait_for
         self.conn.failure.on_failure(self.requests.fail_all)
+        self.conn.failure.on_failure(self.collectives.fail_all)
         self.timeline = self.receiver.timeline = self.conn.timeline  # PSLAUNCH_TIMELINE; kvcore names its calls too
         if env.stats_interval > 0:
             self.conn.link.report = lambda: worker_report(self)
@@ -108,6 +114,7 @@ class WorkerNode:
         self.conn.link.send(Cmd.NODE_DIED, body={"message": reason})
         self.closed = True
         self.receiver.stop()
+        self.collectives.close()
         self.requests.fail_all(ClosedError(f"worker {self.rank} aborted: {reason}"))
         self.conn.transport.close(linger=1.0)
         if self.timeline is not None:
@@ -135,6 +142,7 @@ class WorkerNode:
         try:
             if failure.error is None and self.rank >= 0:  # registered: the scheduler expects a finish
                 self.requests.wait_idle(limit, lambda: failure.error is not None, f"worker {self.rank}")
+                self.collectives.wait_idle(limit)
                 if self.timeline is not None:
                     self.timeline.close()  # written out before the scheduler, which ends a timeline file, hears of the finish
                 report = self.conn.link.report
@@ -144,6 +152,7 @@ class WorkerNode:
             error = exc
         finally:
             self.receiver.stop()
+            self.collectives.close()
             self.requests.fail_all(ClosedError("the worker was closed"))
             self.conn.transport.close(linger=0.5 if error is None else 0.0)
             if self.timeline is not None:
@@ -446,6 +455,9 @@ class WorkerNode:
 
     # ---- replies (the receiving thread) --------------------------------------------------------------
     def _on_reply(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
+        if cmd == _COLL:  # another worker's collective: req_id and arg are its tag
+            self.collectives.on_message(peer, req_id, arg, frames)
+            return
         self.requests.take_reply(peer, cmd, flags, req_id, arg, frames)
         if self.outbox.queue:  # a reply may mean a connection has room again
             self.outbox.pump()

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "level1": "Level-1 aggregation (every GPU)",
     "level1_one_gpu": "Level-1 round on one GPU",
     "server_shards": "server shards on the GPU vs the host",
+    "allreduce": "NCCL allreduce between workers (no servers)",
     "overlap": "overlap_mlp.py on the GPU",
 }
 
@@ -138,6 +139,13 @@ def _markdown(report: dict) -> str:
         elif name == "server_shards" and rows:
             lines += ["| MiB | host GB/s | gpu GB/s | gpu/host |", "| --- | --- | --- | --- |"]
             lines += [f"| {r['mib']:g} | {r['host_gbps']:.2f} | {r['gpu_gbps']:.2f} | {r['gpu_over_host']:.2f} |" for r in rows]
+        elif name == "allreduce" and rows:
+            lines += [f"GPUs {bench.get('gpus')}; NCCL usable: {bench.get('nccl')}" + (f"; {bench['note']}" if bench.get("note") else ""),
+                      "", "| MiB | copy GB/s | bus GB/s | bus/copy |", "| --- | --- | --- | --- |"]
+            for r in rows:
+                bus = f"{r['busbw_bytes_per_s'] / 1e9:.1f}" if r.get("busbw_bytes_per_s") else "-"
+                ratio = f"{r['busbw_over_copy']:.2f}" if r.get("busbw_over_copy") else "-"
+                lines.append(f"| {r['mib']:g} | {r['copy_bytes_per_s'] / 1e9:.1f} | {bus} | {ratio} |")
         elif name == "overlap" and bench.get("results"):
             lines += ["| schedule | best ms/epoch | median ms/epoch | test accuracy |", "| --- | --- | --- | --- |"]
             for schedule, r in bench["results"].items():

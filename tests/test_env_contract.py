@@ -43,6 +43,14 @@ def test_launcher_and_runtime_agree_on_the_way_back():
     assert f"| `{envcontract.EXIT_PEER_FAILED}` |" in DOC
 
 
+def test_a_job_without_servers_is_read_as_such():
+    written = envcontract.contract_env(
+        role="scheduler", root_uri="127.0.0.1", root_port=1, num_workers=2, num_servers=0,
+        job_id="j", rank=0, local_rank=0, local_size=1,
+    )
+    assert node_env.read_env(written).num_servers == 0
+
+
 def test_minimal_launcher_env_is_complete_for_the_runtime():
     written = envcontract.contract_env(
         role="worker", root_uri="127.0.0.1", root_port=1, num_workers=1, num_servers=1,

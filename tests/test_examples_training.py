@@ -131,9 +131,9 @@ def _job_processes(job_id):
     return pids
 
 
-def _pslaunch(script, workers, *args, timeout=240):
+def _pslaunch(script, workers, *args, timeout=240, servers=2):
     job_id = f"training-e2e-{uuid.uuid4().hex[:8]}"
-    argv = [sys.executable, "-m", "launcher.cli", "--launcher", "local", "-n", str(workers), "-s", "2",
+    argv = [sys.executable, "-m", "launcher.cli", "--launcher", "local", "-n", str(workers), "-s", str(servers),
             "--job-id", job_id, "--timeout", str(timeout - 30),
             "--", sys.executable, str(EXAMPLES / script), "--epochs", str(EPOCHS), *args]
     try:
@@ -152,9 +152,10 @@ def _pslaunch(script, workers, *args, timeout=240):
 @needs_pslaunch
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_train_mlp_two_workers_matches_one_worker_through_pslaunch():
+@pytest.mark.parametrize("servers", [2, 0], ids=["two-servers", "allreduce-no-servers"])
+def test_train_mlp_two_workers_matches_one_worker_through_pslaunch(servers):
     one = _train("train_mlp.py", "--kvstore", "local")
-    curves = _pslaunch("train_mlp.py", 2)
+    curves = _pslaunch("train_mlp.py", 2, servers=servers)
     for worker, curve in curves.items():
         assert curve[-1] >= THRESHOLD, (worker, curve)
         assert abs(curve[-1] - one[-1]) <= 0.01, (worker, curve, one)
@@ -174,8 +175,11 @@ def test_train_mlp_two_workers_updating_on_the_workers_through_pslaunch():
 @needs_pslaunch
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_torch_train_two_workers_through_pslaunch():
+def test_torch_train_two_workers_through_pslaunch_with_and_without_servers():
     pytest.importorskip("torch", reason="the torch extra is not installed: pip install -e '.[torch]'")
-    curves = _pslaunch("torch_train.py", 2)
-    assert all(c[-1] >= THRESHOLD for c in curves.values()), curves
-    assert curves[0] == curves[1], curves
+    with_servers = _pslaunch("torch_train.py", 2)
+    without = _pslaunch("torch_train.py", 2, servers=0)  # the allreduce store: the same script, -s 0
+    for curves in (with_servers, without):
+        assert all(c[-1] >= THRESHOLD for c in curves.values()), curves
+        assert curves[0] == curves[1], curves
+    assert abs(with_servers[0][-1] - without[0][-1]) <= 0.01, (with_servers, without)

@@ -62,7 +62,7 @@ def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, s
     env = {k: v for k, v in os.environ.items() if not k.startswith(_CONTRACT_PREFIXES)}
     env.update(contract_env(role=role, root_uri=root_uri, root_port=port, num_workers=num_workers,
                             num_servers=num_servers, job_id=f"test-{port}", rank=rank, local_rank=rank,
-                            local_size=num_workers if role == "worker" else num_servers,
+                            local_size=max(1, num_workers if role == "worker" else num_servers),
                             node_host=node_host or root_uri,
                             all_local=extra.pop("DMLC_LOCAL", "0") == "1", verbose=int(extra.pop("PS_VERBOSE", "0")),
                             fixed_rank=False, supervised=False, settings=settings))

@@ -6,12 +6,14 @@ tests import ``launcher_testkit``.
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
 import pytest
 
 from kvcore import arrays
+from psnode.testing import LocalJob
 
 
 def run_device_threads(fn, devids, join_timeout: float = 30) -> None:
@@ -37,6 +39,18 @@ def run_device_threads(fn, devids, join_timeout: float = 30) -> None:
     assert not any(t.is_alive() for t in threads), "a device thread did not finish"
     if errors:
         raise errors[0]
+
+
+def run_job_ok(worker: list[str], workers: int, servers: int, env: dict | None = None, timeout: float = 60) -> list:
+    """Run a job of ``worker`` argv on 127.0.0.1 and check that every process exited 0 and every
+    worker printed ``OK <rank>`` (each rank once); the processes' results."""
+    with LocalJob(workers, servers, worker=worker, env=env) as job:
+        results = job.wait(timeout)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(str(r) for r in failed)
+    oks = sorted(int(m) for r in results if r.role == "worker" for m in re.findall(r"^OK (\d+)", r.output, re.M))
+    assert oks == list(range(workers)), "\n".join(str(r) for r in results)
+    return results
 
 
 # ---- GPU helpers: tests marked ``gpu`` skip cleanly without a GPU that runs kernels ----------------

@@ -15,7 +15,7 @@ from psnode.env import EXIT_PEER_FAILED
 from psnode.protocol import Cmd, pack_header
 from psnode.testing import LocalJob
 
-from kvcore_testkit import DEVICE_KINDS
+from kvcore_testkit import DEVICE_KINDS, run_job_ok
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 SMALL_BOUND = {"PSLAUNCH_BIGARRAY_BOUND": "100000"}  # 1200x1200 keys are split across the servers
@@ -26,13 +26,7 @@ def script(name: str, *args: str) -> list[str]:
 
 
 def run_ok(name: str, workers: int, servers: int, env: dict | None = None, args: tuple = (), timeout: float = 60):
-    with LocalJob(workers, servers, worker=script(name, *args), env={**SMALL_BOUND, **(env or {})}) as job:
-        results = job.wait(timeout)
-    failed = [r for r in results if r.returncode != 0]
-    assert not failed, "\n".join(str(r) for r in failed)
-    oks = sorted(int(m) for r in results if r.role == "worker" for m in re.findall(r"^OK (\d+)", r.output, re.M))
-    assert oks == list(range(workers)), "\n".join(str(r) for r in results)
-    return results
+    return run_job_ok(script(name, *args), workers, servers, {**SMALL_BOUND, **(env or {})}, timeout)
 
 
 def wait_for_line(job: LocalJob, role: str, index: int | None, pattern: str, timeout: float = 30) -> re.Match:

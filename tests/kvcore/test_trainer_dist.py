@@ -1,4 +1,4 @@
-"""The Trainer on a real dist_sync job (scheduler, servers and workers on 127.0.0.1): exact steps.
+"""The Trainer on real jobs (dist_sync with servers, allreduce without; processes on 127.0.0.1): exact steps.
 
 Skips until the runtime (psnode and its test kit) is present.
 """
@@ -12,6 +12,7 @@ import pytest
 testing = pytest.importorskip("psnode.testing", reason="needs the distributed runtime (psnode.testing)")
 
 SCRIPT = Path(__file__).parent / "training_scripts" / "trainer_rounds.py"
+OVERLAP = Path(__file__).parent / "training_scripts" / "torch_overlap.py"
 
 
 def _expected_weights(num_workers, steps=3, lr=0.5, momentum=0.5, batch=4, threshold=None):
@@ -34,12 +35,15 @@ def _expected_weights(num_workers, steps=3, lr=0.5, momentum=0.5, batch=4, thres
     return trajectory
 
 
-@pytest.mark.parametrize("mode, threshold", [("store", None), ("worker", None), ("store", 2.0)])
+@pytest.mark.parametrize("store, servers, mode, threshold", [
+    ("dist_sync", 2, "store", None), ("dist_sync", 2, "worker", None), ("dist_sync", 2, "store", 2.0),
+    ("allreduce", 0, "store", None), ("allreduce", 0, "worker", None),
+])
 @pytest.mark.timeout(120)
-def test_trainer_on_dist_sync_takes_rank_0_weights_and_steps_exactly_on_every_worker(mode, threshold):
+def test_trainer_takes_rank_0_weights_and_steps_exactly_on_every_worker(store, servers, mode, threshold):
     workers = 2
-    args = [str(SCRIPT), mode] + ([str(threshold)] if threshold is not None else [])
-    with testing.LocalJob(workers, 2, worker=args, env={"PSLAUNCH_BIGARRAY_BOUND": "100000"}) as job:
+    args = [str(SCRIPT), mode, store] + ([str(threshold)] if threshold is not None else [])
+    with testing.LocalJob(workers, servers, worker=args, env={"PSLAUNCH_BIGARRAY_BOUND": "100000"}) as job:
         results = job.wait(90)
     outputs = {r.index: r.output for r in results if r.role == "worker"}
     assert all(r.returncode == 0 for r in results), "\n".join(str(r) for r in results)
@@ -50,3 +54,14 @@ def test_trainer_on_dist_sync_takes_rank_0_weights_and_steps_exactly_on_every_wo
         assert synced == {"w": [1.0], "big": [1.0]}, out  # rank 0's start, in every replica
         steps = {int(s): json.loads(v) for s, v in re.findall(rf"^STEP {rank} (\d+) (.*)$", out, re.M)}
         assert [steps[s] for s in range(3)] == [{"w": [w], "big": [w]} for w in expected], out
+
+
+@pytest.mark.parametrize("store,servers", [("dist_sync", 2), ("allreduce", 0)])
+@pytest.mark.timeout(120)
+def test_gradients_sent_from_pytorch_hooks_give_the_steps_of_one_process_on_the_global_batch(store, servers):
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    with testing.LocalJob(2, servers, worker=[str(OVERLAP), store]) as job:
+        results = job.wait(100)
+    assert all(r.returncode == 0 for r in results), "\n".join(str(r) for r in results)
+    oks = sorted(int(m) for r in results for m in re.findall(r"^OK (\d+)", r.output, re.M))
+    assert oks == [0, 1], "\n".join(str(r) for r in results)

@@ -46,6 +46,14 @@ def test_python_and_python3_run_the_jobs_interpreter_and_the_script_is_known(com
 def test_pythonunbuffered_is_the_users_value_when_set():
     plan = make_plan(_config(python_unbuffered="0"))
     assert {p.env["PYTHONUNBUFFERED"] for p in plan.processes} == {"0"}
+def test_zero_servers_plans_the_scheduler_and_the_workers_and_dry_run_says_allreduce():
+    plan = make_plan(_config(num_workers=3, num_servers=0))
+    assert [p.role for p in plan.processes] == ["scheduler", "worker", "worker", "worker"]
+    assert all(p.env[ec.DMLC_NUM_SERVER] == "0" for p in plan.processes)
+    assert plan.by_role("scheduler")[0].env[ec.PSLAUNCH_LOCAL_SIZE] == "1"
+    text = format_plan(plan)
+    assert "0 server(s), 3 worker(s)" in text and "allreduce mode: no servers" in text
+    assert "allreduce mode" not in format_plan(make_plan(_config()))
 
 
 def test_command_for_all_roles_runs_the_user_command_everywhere():
@@ -140,7 +148,7 @@ def test_env_option_forms_and_errors_that_never_show_values():
 def test_config_rejects_bad_counts_naming_the_flag_and_value():
     with pytest.raises(ConfigError, match="-n/--num-workers must be >= 1, got 0"):
         _config(num_workers=0)
-    with pytest.raises(ConfigError, match="-s/--num-servers must be >= 1, got -1"):
+    with pytest.raises(ConfigError, match=r"-s/--num-servers must be >= 0 \(0: no servers.*got -1"):
         _config(num_servers=-1)
     with pytest.raises(ConfigError, match="no COMMAND given"):
         _config(command=())

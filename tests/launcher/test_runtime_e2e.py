@@ -41,6 +41,16 @@ def test_local_job_with_bundled_scheduler_and_servers_sums_every_workers_push(tm
     assert "stopped by pslaunch" not in res.stderr  # the runtime shuts down by itself
 
 
+def test_local_job_without_servers_sums_among_the_workers_and_the_summary_says_so(tmp_path):
+    res = _run_sum_job(tmp_path, "-s", "0", "--launcher", "local")
+    assert "server" not in "".join(line for line in res.stderr.splitlines() if line.startswith("|"))
+    assert "allreduce: no servers" in res.stderr and "stopped by pslaunch" not in res.stderr
+
+
+def test_mpi_job_without_servers(tmp_path):
+    _run_sum_job(tmp_path, "-s", "0", "--launcher", "mpi")
+
+
 def test_user_script_for_every_role_runs_mxnet_style(tmp_path):
     _run_sum_job(tmp_path, "-s", "1", "--launcher", "local", "--command-for-all-roles")
 

@@ -203,6 +203,19 @@ def test_workers_and_servers_count_what_they_push_pull_merge_and_update():
         assert check_report("server", report) == report and report["keys"] == 1 and report["waiting"] == 0
 
 
+def test_allreduce_workers_report_the_bytes_they_summed_as_pushed_and_pulled_and_their_collectives_as_rounds():
+    with InProcJob(num_workers=2, num_servers=0) as job:
+        steps = [("w", np.ones(16, np.float32))] * 3 + [("b", np.ones(4, np.float64))]  # 3 x 64 bytes, 1 x 32
+        for key, value in steps:
+            futures = [w.collectives.allreduce(key, value.copy()) for w in job.workers]
+            for worker, future in zip(job.workers, futures):
+                assert worker.wait_for(future, 10), f"worker {worker.rank}'s allreduce of {key!r} did not end in 10 s"
+        for worker in job.workers:
+            report = worker_report(worker)
+            assert check_report("worker", report) == report
+            assert (report["push_b"], report["pull_b"], report["rounds"]) == (3 * 64 + 32, 3 * 64 + 32, 3)
+
+
 def test_a_job_started_by_hand_appends_every_nodes_events_to_one_timeline_file_that_ends_as_json(tmp_path):
     path = tmp_path / "trace.json"
     with InProcJob(num_workers=2, num_servers=1, settings={"PSLAUNCH_TIMELINE": str(path)}) as job:

@@ -1,0 +1,109 @@
+"""Benchmark worker: one data-parallel training step of an MLP, through torch DDP or kvcore.Trainer.
+
+The model and data are those of the DDP baseline the project compares with: an MLP
+``IN -> H -> H -> H -> 10`` with ReLU (IN = 1024, H = 2048: about 10.5 M parameters, 42 MB of
+float32 gradients), a random batch of 32 samples per worker, cross-entropy, SGD. Each worker runs
+``--warmup`` untimed steps, then ``--steps`` timed ones (zero the gradients, forward, backward,
+step), and prints ``RESULT {"ms_per_step": median, "cpu_ms_per_step": ...}`` (the CPU this process
+spent per timed step, every thread).
+
+``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over gloo (torch's ``env://`` variables).
+``trainer``: ``kvcore.Trainer`` over ``kvcore.create(--store)`` in a job the runner starts
+(``allreduce`` without servers, or ``dist_sync`` with servers); gradients leave as backprop
+produces them (the Trainer's PyTorch hooks), as DDP's buckets do.
+
+After the timed steps every worker checks that its weights equal worker 0's (an allgather of a
+checksum for the Trainer, an all_reduce of one for DDP): data parallelism that drifts fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+
+def model_of(inp: int, hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(inp, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["ddp", "trainer"])
+    parser.add_argument("--store", default="allreduce")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inp", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=32, help="samples per worker")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.mode == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        import kvcore
+
+        kv = kvcore.create(args.store)
+        rank, world = kv.rank, kv.num_workers
+    torch.manual_seed(rank)  # different initial weights: the first step must make them equal
+    model = model_of(args.inp, args.hidden)
+    x = torch.randn(args.batch, args.inp)
+    y = torch.randint(0, 10, (args.batch,))
+    loss_fn = nn.CrossEntropyLoss()
+    if args.mode == "ddp":
+        net = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=False)
+            loss_fn(net(x), y).backward()
+            opt.step()
+    else:
+        trainer = kvcore.Trainer(model, kvcore.optim.SGD(learning_rate=0.01), kvstore=kv)
+
+        def step() -> None:
+            model.zero_grad(set_to_none=False)
+            loss_fn(model(x), y).backward()
+            trainer.step(world)  # the loss is a mean per worker: the step applies the mean over workers
+
+    times = []
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            before = resource.getrusage(resource.RUSAGE_SELF)
+        start = time.perf_counter()
+        step()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_ms = ((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)) / len(times) * 1e3
+    checksum = torch.tensor([float(sum(p.detach().double().sum() for p in model.parameters()))], dtype=torch.float64)
+    if args.mode == "ddp":
+        first = checksum.clone()
+        dist.broadcast(first, 0)
+        same = bool(first == checksum)
+        dist.destroy_process_group()
+    else:
+        rows = kvcore.collectives.allgather(checksum.numpy())  # also between the workers of a job with servers
+        same = bool((rows == rows[0]).all())
+    if not same:
+        print(f"worker {rank}: weights differ from worker 0's after {len(times)} steps", file=sys.stderr)
+        return 1
+    params = sum(p.numel() for p in model.parameters())
+    print("RESULT " + json.dumps({"rank": rank, "workers": world, "params": params,
+                                  "ms_per_step": statistics.median(times) * 1e3, "cpu_ms_per_step": cpu_ms}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

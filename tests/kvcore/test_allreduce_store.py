@@ -1,0 +1,79 @@
+"""The allreduce store and kvcore.collectives end to end: a job without servers, real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcore_testkit import run_job_ok
+from psnode.testing import LocalJob
+
+SCRIPTS = Path(__file__).parent / "allreduce_scripts"
+FAST_HEARTBEATS = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "2"}
+
+
+def run_ok(name: str, workers: int, env: dict | None = None, timeout: float = 90) -> list:
+    return run_job_ok([str(SCRIPTS / name)], workers, 0, env, timeout)
+
+
+@pytest.mark.parametrize("workers,same_host", [(2, "shm"), (3, "tcp"), (4, "shm")])
+def test_the_allreduce_store_has_kvstore_semantics_with_exact_sums(workers, same_host):
+    results = run_ok("store_sums.py", workers, {"PSLAUNCH_SAME_HOST": same_host})
+    assert [r.returncode for r in results if r.role == "scheduler"] == [0]  # no servers: it ends on its own
+
+
+def test_collectives_give_exact_results_for_every_call_form():
+    run_ok("collectives_calls.py", 3)
+
+
+def test_pushes_started_in_different_orders_by_the_workers_meet_by_key_and_version():
+    run_ok("reordered.py", 3, {"PSLAUNCH_SAME_HOST": "tcp"})
+
+
+def test_workers_that_init_different_shapes_all_raise_a_mismatch_naming_both_then_go_on():
+    results = run_ok("mismatch.py", 3)
+    lines = [m for r in results for m in re.findall(r"^MISMATCH \d: (.*)$", r.output, re.M)]
+    assert len(lines) == 3, "\n".join(map(str, results))
+    assert all("5 elements" in line or "(5,)" in line for line in lines), lines
+
+
+def test_a_dist_store_in_a_job_without_servers_points_to_the_allreduce_store(tmp_path):
+    script = tmp_path / "dist.py"
+    script.write_text("import kvcore\nkvcore.create('dist_sync')\n")
+    with LocalJob(1, 0, worker=[str(script)], start_scheduler=False) as job:  # it fails before it connects
+        result = [r for r in job.wait(60) if r.role == "worker"][0]
+    assert result.returncode == 1
+    assert "DMLC_NUM_SERVER=0" in result.output and "kvcore.create('allreduce')" in result.output, result.output
+
+
+def _wait_ready(job: LocalJob, workers: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all("READY" in job.output_of("worker", i) for i in range(workers)):
+            return
+        time.sleep(0.05)
+    raise AssertionError("\n".join(str(r) for r in job.results()))
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_dead_or_stopped_worker_makes_every_other_fail_naming_it_within_the_heartbeat_timeout(how):
+    with LocalJob(3, 0, worker=[str(SCRIPTS / "loop.py")], env=FAST_HEARTBEATS) as job:
+        _wait_ready(job, 3)
+        time.sleep(0.5)  # a few rounds run
+        victim = job.of("worker", 2)
+        os.kill(victim.pid, how)
+        struck = time.monotonic()
+        for i in (0, 1):
+            job.of("worker", i).wait(30)
+        took = time.monotonic() - struck
+        results = {r.index: r for r in job.results() if r.role == "worker"}
+    survivors = [results[0], results[1]]
+    assert all(r.returncode == 3 for r in survivors), "\n".join(map(str, survivors))
+    ranks = {int(m) for r in survivors for m in re.findall(r"^DIED rank=(\d+)", r.output, re.M)}
+    assert len(ranks) == 1 and ranks != {-1}, "\n".join(map(str, survivors))  # both name the same worker
+    assert took < 2 * 2 + 5, took  # the heartbeat timeout (2 s), twice at most, and start-up slack

@@ -1,0 +1,340 @@
+"""Collectives between workers on an in-process job: exact sums on every algorithm, order, failure.
+
+Every worker is a real ``WorkerNode`` (its ``collectives`` engine, the real scheduler) on the
+``inproc`` transport; shared memory is real too (memfd regions mapped through /proc). A topology
+with several hosts is described to the engines, which is how one process tests the hierarchical
+path.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from psnode_testkit import InProcJob
+
+from psnode.collectives import Topology, algorithm_names, choose, key_id_of
+from psnode.collectives import engine as engine_module
+from psnode.collectives import wire
+from psnode.collectives.base import DIRECT_MAX, SEGMENT
+from psnode.collectives.fusion import FusionBuffer, plan
+from psnode.collectives.local import SharedRegions
+from psnode.collectives.wire import Desc, Kind
+from psnode.errors import MismatchError, PeerDiedError, ProtocolError, PSNodeError
+from psnode.protocol import Cmd, pack_header
+
+HOSTS = {  # workers -> the hosts each algorithm is tested on
+    "direct": {2: (0, 1), 3: (0, 1, 2), 4: (0, 1, 2, 3)},
+    "ring": {2: (0, 1), 3: (0, 1, 2), 4: (0, 1, 2, 3)},
+    "shm": {2: (0, 0), 3: (0, 0, 0), 4: (0, 0, 0, 0)},
+    "hierarchical": {4: (0, 0, 1, 1), 6: (0, 0, 0, 1, 1, 1)},
+}
+
+
+def job_of(workers: int, hosts: tuple[int, ...] | None = None, **settings) -> InProcJob:
+    """An in-process job without servers; ``hosts`` describes where each worker runs (shared memory on)."""
+    job = InProcJob(num_workers=workers, num_servers=0, settings=settings or None,
+                    expect_failure="PS_HEARTBEAT_TIMEOUT" in settings)
+    job.hosts = hosts
+    return job
+
+
+class Started:
+    """An InProcJob whose engines were told the topology."""
+
+    def __init__(self, job: InProcJob) -> None:
+        self.job = job
+
+    def __enter__(self) -> list:
+        self.job.__enter__()
+        if self.job.hosts is not None:
+            for w in self.job.workers:
+                w.collectives._topology = Topology(w.rank, self.job.hosts, True)
+        return self.job.workers
+
+    def __exit__(self, *exc) -> None:
+        self.job.__exit__(*exc)
+
+
+def finish(workers, futures, timeout: float = 10):
+    """Wait for every worker's future (each on its own node); their results or errors."""
+    outcomes = []
+    for worker, future in zip(workers, futures):
+        try:
+            assert worker.wait_for(future, timeout), f"worker {worker.rank}'s collective did not end in {timeout} s"
+            outcomes.append(future.result())
+        except PSNodeError as exc:
+            outcomes.append(exc)
+    return outcomes
+
+
+def allreduce_all(workers, key, values, **kwargs):
+    futures = [w.collectives.allreduce(key, v, **kwargs) for w, v in zip(workers, values)]
+    return finish(workers, futures)
+
+
+CASES = [(name, n) for name, by_n in HOSTS.items() for n in by_n]
+
+
+@pytest.mark.parametrize("name,workers", CASES, ids=[f"{a}-{n}" for a, n in CASES])
+def test_every_algorithm_gives_exact_integer_sums_on_every_worker(name, workers):
+    sizes = [1, 7, 1000, 2 * SEGMENT // 8 + 3]  # one element, uneven slices, several segments per chunk
+    with Started(job_of(workers, HOSTS[name][workers])) as ws:
+        for size in sizes:
+            for dtype in (np.int64, np.int32):
+                values = [np.arange(size, dtype=dtype) * (w.rank + 1) - w.rank for w in ws]
+                assert allreduce_all(ws, ("case", size), values, algorithm_name=name) == [None] * workers
+                total = sum(range(1, workers + 1))
+                expected = np.arange(size, dtype=dtype) * total - sum(range(workers))
+                for value in values:
+                    assert np.array_equal(value, expected), (name, size, dtype, value[:4], expected[:4])
+
+
+@pytest.mark.parametrize("name", ["ring", "shm"])
+def test_float_sums_are_the_same_bits_on_every_worker(name):
+    hosts = (0, 0, 0) if name == "shm" else (0, 1, 2)
+    with Started(job_of(3, hosts)) as ws:
+        rng = np.random.default_rng(5)
+        values = [rng.standard_normal(50_001).astype(np.float32) for _ in ws]
+        expected = values[0].astype(np.float64) + values[1] + values[2]
+        allreduce_all(ws, "f", values, algorithm_name=name)
+        assert all(np.array_equal(values[0], v) for v in values[1:])
+        assert np.allclose(values[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_out_keeps_the_input_and_non_contiguous_values_are_summed_through_a_copy():
+    with Started(job_of(2)) as ws:
+        values = [np.arange(12, dtype=np.int64).reshape(3, 4) * (w.rank + 1) for w in ws]
+        outs = [np.zeros((3, 4), np.int64) for _ in ws]
+        finish(ws, [w.collectives.allreduce("out", v, out=o) for w, v, o in zip(ws, values, outs)])
+        assert all(np.array_equal(o, np.arange(12).reshape(3, 4) * 3) for o in outs)
+        assert np.array_equal(values[1], np.arange(12).reshape(3, 4) * 2)  # the input is untouched
+        columns = [np.arange(24, dtype=np.int64).reshape(4, 6)[:, ::2] * (w.rank + 1) for w in ws]
+        finish(ws, [w.collectives.allreduce("cols", c) for w, c in zip(ws, columns)])
+        assert all(np.array_equal(c, np.arange(24).reshape(4, 6)[:, ::2] * 3) for c in columns)
+
+
+def test_workers_that_start_collectives_in_different_orders_still_meet_by_key_and_version():
+    with Started(job_of(3, (0, 1, 2))) as ws:
+        big = 3 * DIRECT_MAX  # ring sized: several messages each
+        order = {0: ["a", "b", "c"], 1: ["c", "a", "b"], 2: ["b", "c", "a"]}
+        values = {(w.rank, k): np.full(big // 8 if k != "c" else 3, w.rank + 1, np.int64) for w in ws for k in "abc"}
+        futures = {(w.rank, k): w.collectives.allreduce(k, values[(w.rank, k)]) for w in ws for k in order[w.rank]}
+        for (rank, key), future in futures.items():
+            assert ws[rank].wait_for(future, 10)
+            future.result()
+            assert np.all(values[(rank, key)] == 6), (rank, key)
+
+
+def test_a_collective_started_late_finds_what_came_early_and_versions_of_one_key_stay_in_order():
+    with Started(job_of(2, (0, 1))) as ws:
+        early = [ws[0].collectives.allreduce("k", np.full(5, 10 * v, np.int64)) for v in range(3)]
+        time.sleep(0.2)  # worker 0's first one waits on worker 1; the next two wait for it (one key: in order)
+        assert sum(len(m) for m in ws[1].collectives.early.values()) == 1
+        late = [ws[1].collectives.allreduce("k", np.full(5, v, np.int64)) for v in range(3)]
+        for f0, f1 in zip(early, late):
+            finish(ws, [f0, f1])
+        assert not ws[1].collectives.early and ws[1].collectives.early_bytes == 0
+
+
+def test_workers_that_pass_different_shapes_all_raise_a_mismatch_naming_both():
+    with Started(job_of(3, (0, 1, 2))) as ws:
+        values = [np.zeros(4, np.float32), np.zeros(4, np.float32), np.zeros(5, np.float32)]
+        errors = allreduce_all(ws, "w", values)
+        assert all(isinstance(e, MismatchError) for e in errors), errors
+        for e in errors:  # each names the key and both values, as the worker that saw it could
+            text = str(e)
+            assert "key 'w'" in text and ("5 elements" in text or "(5,)" in text), text
+            assert "4 elements" in text or "(4,)" in text, text
+        # the job goes on: the next collective of the key works
+        assert allreduce_all(ws, "w", [np.ones(4, np.float32) for _ in ws]) == [None] * 3
+
+
+def test_workers_that_pass_different_dtypes_all_raise_a_mismatch_naming_both():
+    with Started(job_of(2, (0, 1))) as ws:
+        errors = allreduce_all(ws, "d", [np.zeros(3, np.float32), np.zeros(3, np.float64)])
+        assert all(isinstance(e, MismatchError) and "float64" in str(e) and "float32" in str(e) for e in errors), errors
+
+
+def test_a_dead_worker_fails_every_other_workers_collective_naming_it():
+    with Started(job_of(3, (0, 1, 2), PS_HEARTBEAT_INTERVAL="0.1", PS_HEARTBEAT_TIMEOUT="0.8")) as ws:
+        dead = ws[2]
+        dead.receiver.stop()
+        dead.conn.transport.close()  # as a killed process: no goodbye, no more heartbeats
+        dead.closed = True
+        started = time.monotonic()
+        errors = finish(ws[:2], [w.collectives.allreduce("x", np.ones(300_000, np.float32)) for w in ws[:2]])
+        assert all(isinstance(e, PeerDiedError) and e.rank == 2 and "worker 2" in str(e) for e in errors), errors
+        assert time.monotonic() - started < 8
+        with pytest.raises(PeerDiedError):  # and every later one, at once
+            ws[0].collectives.allreduce("y", np.ones(3, np.float32))
+
+
+def test_a_worker_that_finished_the_job_fails_the_collectives_waiting_for_it():
+    with Started(job_of(2, (0, 1))) as ws:
+        waiting = ws[0].collectives.allreduce("z", np.ones(3, np.float32))
+        ws[1].close(timeout=5)
+        assert ws[0].wait_for(waiting, 10)
+        error = waiting.exception()
+        assert isinstance(error, PeerDiedError) and "finished the job" in str(error) and error.rank == 1, error
+
+
+def _send_raw(sender, receiver_rank: int, frames: list) -> None:
+    sender.collectives.send(receiver_rank, frames, False)
+
+
+def test_a_malformed_message_for_a_running_collective_fails_it_on_both_workers_instead_of_waiting():
+    with Started(job_of(2, (0, 1))) as ws:
+        future = ws[1].collectives.allreduce("m", np.ones(4, np.float32))
+        key_id = key_id_of(("m"))
+        desc = Desc(np.float32, (4,))
+        frames = wire.pack(key_id, 0, Kind.DIRECT, desc, count=4) + [b"\x00" * 12]  # 3 elements' bytes for 4
+        _send_raw(ws[0], 1, frames)
+        assert ws[1].wait_for(future, 10)
+        error = future.exception()
+        assert isinstance(error, ProtocolError) and "worker 0" in str(error) and "data bytes" in str(error), error
+        # worker 0 was told: its own collective of that key and version fails at once too
+        mine = ws[0].collectives.allreduce("m", np.ones(4, np.float32))
+        assert ws[0].wait_for(mine, 10) and isinstance(mine.exception(), ProtocolError)
+
+
+@pytest.mark.parametrize("frames,why", [
+    (lambda k: [pack_header(Cmd.COLL, k, 0), b"short"], "record of 5 bytes"),
+    (lambda k: [pack_header(Cmd.COLL, k, 0), wire.RECORD.pack(99, 2, 0, 0, 0, 0, 4, 0, 4, 0), b"x" * 16], "unknown kind 99"),
+    (lambda k: [pack_header(Cmd.COLL, k, 0), wire.RECORD.pack(1, 42, 0, 0, 0, 0, 4, 0, 4, 0), b"x" * 16], "dtype code 42"),
+    (lambda k: [pack_header(Cmd.COLL, k, 0), wire.RECORD.pack(1, 2, 0, 0, 0, 0, 4, 3, 4, 0), b"x" * 16], "of a collective of 4"),
+])
+def test_malformed_messages_for_no_collective_are_counted_and_dropped_and_the_next_collective_works(frames, why):
+    with Started(job_of(2, (0, 1))) as ws:
+        _send_raw(ws[0], 1, frames(key_id_of("nothing")))
+        deadline = time.monotonic() + 5
+        while ws[1].collectives.malformed == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ws[1].collectives.malformed == 1 and why in ws[1].collectives.malformed_reason
+        assert allreduce_all(ws, "after", [np.ones(3, np.int32) for _ in ws]) == [None, None]
+
+
+def test_a_segment_sent_twice_fails_the_ring_instead_of_counting_twice():
+    with Started(job_of(2, (0, 1))) as ws:
+        n = 2 * DIRECT_MAX // 4  # two chunks of one segment each
+        future = ws[1].collectives.allreduce("dup", np.ones(n, np.int32), algorithm_name="ring")
+        desc = Desc(np.int32, (n,))
+        half = n // 2  # worker 1 first receives chunk 0 from its left neighbour, worker 0
+        segment = wire.pack(key_id_of("dup"), 0, Kind.RING_RS, desc, 0, 0, 0, half) + [np.ones(half, np.int32).tobytes()]
+        _send_raw(ws[0], 1, segment)
+        _send_raw(ws[0], 1, segment)
+        assert ws[1].wait_for(future, 10)
+        assert isinstance(future.exception(), ProtocolError) and "twice" in str(future.exception())
+
+
+def test_too_much_for_collectives_not_started_fails_the_worker_with_a_sentence(monkeypatch):
+    monkeypatch.setattr(engine_module, "EARLY_MESSAGES", 5)
+    job = job_of(2, (0, 1))
+    job.expect_failure = True  # worker 1 fails on purpose
+    with Started(job) as ws:
+        for v in range(8):
+            ws[0].collectives.allreduce(("flood", v), np.ones(2, np.float32))
+        deadline = time.monotonic() + 5
+        while ws[1].failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ws[1].failure is not None and "has not started" in str(ws[1].failure)
+        ws[0].receiver.stop()  # the job cannot end in order: leave without waiting for the scheduler
+        ws[0].conn.transport.close()
+        ws[0].closed = True
+
+
+def test_broadcast_copies_the_roots_value_and_allgather_stacks_every_workers():
+    with Started(job_of(3, (0, 1, 2))) as ws:
+        values = [np.full(300_001, w.rank, np.int64) for w in ws]
+        finish(ws, [w.collectives.broadcast("b", v, root=1) for w, v in zip(ws, values)])
+        assert all(np.all(v == 1) for v in values)
+        outs = [np.zeros((3, 2), np.int32) for _ in ws]
+        finish(ws, [w.collectives.allgather("g", np.array([w.rank, -w.rank], np.int32), o) for w, o in zip(ws, outs)])
+        assert all(o.tolist() == [[0, 0], [1, -1], [2, -2]] for o in outs)
+
+
+def test_a_broadcast_from_a_root_a_worker_does_not_expect_fails_it_on_every_worker_naming_both():
+    with Started(job_of(3, (0, 1, 2))) as ws:
+        roots = [0, 0, 1]  # worker 2 expects worker 1's value; worker 0 sends its own
+        errors = finish(ws, [w.collectives.broadcast("r", np.zeros(3), root=r) for w, r in zip(ws, roots)])
+        assert all(isinstance(e, ProtocolError) for e in errors), errors
+        assert all("worker 0 sent a broadcast" in str(e) and "expects from worker 1" in str(e) for e in errors), errors
+
+
+def test_a_peer_region_that_is_not_a_region_of_this_job_from_that_peer_is_refused(tmp_path):
+    import os
+
+    from psnode.membership import PeerInfo
+
+    def workers_with(pid):
+        return [PeerInfo("worker", r, "127.0.0.1", 1, f"w{r}", "f", "l", 0, pid) for r in range(2)]
+
+    regions = SharedRegions(workers_with(os.getpid()), "job")
+    plain = tmp_path / "file"
+    plain.write_bytes(b"x" * 64)
+    fd = os.open(plain, os.O_RDONLY)  # a descriptor of this process that is no region
+    try:
+        with pytest.raises(ProtocolError, match="not a shared-memory region of this job"):
+            regions.view(1, (os.getpid() << 32) | fd, 8)
+    finally:
+        os.close(fd)
+    with pytest.raises(ProtocolError, match="but its sender is process 1"):  # another process than the peer's
+        SharedRegions(workers_with(1), "job").view(1, (os.getpid() << 32) | 3, 8)
+    with pytest.raises(ProtocolError, match="cannot be mapped"):
+        regions.view(1, (os.getpid() << 32) | 999_999, 8)
+    import signal
+    import subprocess
+
+    dead = subprocess.Popen(["sleep", "30"])
+    try:
+        os.kill(dead.pid, signal.SIGKILL)
+        dead_ref = (dead.pid << 32) | 3
+        deadline = time.monotonic() + 5
+        while not open(f"/proc/{dead.pid}/stat").read().rsplit(")", 1)[-1].split()[0] == "Z":
+            assert time.monotonic() < deadline, "the killed process did not become a zombie"
+            time.sleep(0.01)
+        with pytest.raises(PeerDiedError, match=f"worker 1 \\(pid {dead.pid}\\) died"):  # killed, not reaped yet
+            SharedRegions(workers_with(dead.pid), "job").view(1, dead_ref, 8)
+    finally:
+        dead.wait()
+    mine = regions.take(16)
+    with pytest.raises(ProtocolError, match=f"bytes, not {mine.nbytes + 1}"):  # a size the region does not have
+        regions.view(1, mine.ref, mine.nbytes + 1)
+    assert regions.view(1, mine.ref, 8).nbytes == 8
+
+
+def test_choose_picks_direct_for_small_values_and_by_topology_for_big_ones():
+    assert choose(64, Topology(0, (0, 1), True)) == "direct"
+    big = 4 << 20
+    assert choose(big, Topology(0, (0, 0, 0), True)) == "shm"
+    assert choose(big, Topology(0, (0, 0, 1, 1), True)) == "hierarchical"
+    assert choose(big, Topology(0, (0, 1, 2), True)) == "ring"
+    assert choose(big, Topology(0, (0, 0, 1), True)) == "ring"  # hosts of unequal size
+    assert choose(big, Topology(0, (0, 0), False)) == "ring"  # shared memory off (PSLAUNCH_SAME_HOST)
+    assert set(algorithm_names()) >= {"direct", "ring", "shm", "hierarchical"}
+
+
+def test_fusion_groups_consecutive_values_of_one_dtype_up_to_the_limit():
+    nbytes = [4, 4, 4, 100, 4, 4]
+    dtypes = ["f4", "f4", "i4", "f4", "f4", "f4"]
+    assert plan(nbytes, dtypes, 50) == [[0, 1], [2], [3], [4, 5]]
+    assert plan(nbytes, dtypes, 0) == [[i] for i in range(6)]
+    fused = FusionBuffer(np.float32, [2, 3])
+    fused.pack([np.array([1, 2], np.float32), np.arange(3, dtype=np.float32).reshape(3, 1)])
+    outs = [np.zeros(2, np.float32), np.zeros((3, 1), np.float32)]
+    fused.unpack(outs)
+    assert outs[0].tolist() == [1, 2] and outs[1].ravel().tolist() == [0, 1, 2]
+
+
+def test_key_ids_are_stable_and_distinguish_types():
+    assert key_id_of("w") == key_id_of("w") and key_id_of("1") != key_id_of(1)
+    assert key_id_of(("kv", ("a", "b"))) != key_id_of(("kv", ("ab",)))
+    with pytest.raises(TypeError):
+        key_id_of(1.5)
+
+
+def test_unsupported_dtypes_are_refused_on_the_calling_thread_naming_them():
+    with Started(job_of(2, (0, 1))) as ws:
+        with pytest.raises(TypeError, match="complex128"):
+            ws[0].collectives.allreduce("c", np.zeros(2, np.complex128))
