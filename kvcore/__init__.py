@@ -6,13 +6,15 @@ without servers). ``kvcore.collectives`` holds the workers' collectives (allredu
 broadcast, barrier, broadcast_parameters), imported on first use. ``kvcore.optim`` holds the optimizers,
 ``kvcore.arrays`` the numpy/CuPy array backend and device helpers, ``kvcore.compression`` MXNet's
 2bit/1bit gradient compression (``kv.set_gradient_compression``). ``kvcore.shared_model`` holds the
-mshadow-ps style asynchronous shared model (``create_shared_model``).
+mshadow-ps style asynchronous shared model (``create_shared_model``), ``kvcore.elastic`` the
+checkpoints a training script resumes from (``State``).
 """
 
-from . import arrays, compression, optim
+from . import arrays, compression, elastic, optim
 from .arrays import Device, cpu, gpu, num_gpus
 from .dataparallel import SplitSampler, split_and_load
 from .errors import (
+    CheckpointError,
     CompressionError,
     DistributedError,
     DistTimeoutError,
@@ -42,6 +44,7 @@ from .shared_model import ModelUpdater, SharedModel, create_shared_model
 __all__ = [
     "arrays",
     "compression",
+    "elastic",
     "optim",
     "Device",
     "cpu",
@@ -66,6 +69,7 @@ __all__ = [
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
+    "CheckpointError",
     "CompressionError",
     "DistributedError",
     "NodeDiedError",

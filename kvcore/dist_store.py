@@ -26,6 +26,9 @@ Semantics (MXNet's dist KVStore):
   split across the servers, and the updater then sees flat 1-D shards of them. Optimizer states live
   on the servers.
 - ``priority``: higher goes first when sends queue up.
+- A worker pslaunch started again alone (``--restart-scope worker``, ``dist_async`` only) joins the
+  running job with its rank: its ``init``, ``set_optimizer`` and ``set_gradient_compression`` only
+  set it up locally (the servers hold the keys, the optimizer and its state), and it goes on pushing.
 - ``set_gradient_compression(params)`` (every worker calls it; rank 0 sends the threshold to every
   server, at full float32 precision; all return after a barrier): from then on each worker
   quantizes a key's value after its local reduce, with a residual per (key, part), and pushes the
@@ -57,11 +60,14 @@ from psnode.worker import WorkerNode
 
 from . import arrays
 from .dist_errors import runtime_errors, translate
-from .errors import DistributedError, DistTimeoutError, KVTimeoutError, NodeDiedError, OptimizerError, ServerError
+from .errors import (
+    DistributedError, DistTimeoutError, DTypeMismatchError, KVTimeoutError, NodeDiedError, OptimizerError, ServerError,
+    ShapeMismatchError,
+)
 from .handles import Handle, LazyHandle
 from .optim.base import Optimizer, Updater
 from .sharding import KeyLayout, layout
-from .store_base import KVStoreBase
+from .store_base import KeyMeta, KVStoreBase
 
 __all__ = ["DistKVStore", "NodeHandle", "create", "worker_node"]
 
@@ -134,6 +140,11 @@ class DistKVStore(KVStoreBase):
                 "(DMLC_NUM_SERVER=0, as pslaunch -s 0 starts it); use kvcore.create('allreduce'), whose "
                 "workers sum among themselves, or start the job with servers (pslaunch -s N)")
         self._worker = worker_node()
+        if self._worker.env.restart_scope == "worker" and store_type != "dist_async":
+            raise DistributedError(
+                f"{store_type} cannot run under --restart-scope worker (PSLAUNCH_RESTART_SCOPE=worker): a worker "
+                "started again alone cannot rejoin a synchronous round exactly (the servers cannot tell which of its "
+                "pushes the open rounds hold); use dist_async, or --restart-scope job")
         self._sync = store_type != "dist_async"
         self._merge_on_device = store_type == "dist_device_sync"
         self._merge_buffers: dict[Hashable, Any] = {}  # dist_device_sync: key -> its sum's buffer on the GPU
@@ -147,6 +158,7 @@ class DistKVStore(KVStoreBase):
             for name in ("push", "pull", "pushpull", "row_sparse_pull", "init"):
                 setattr(self, name, timeline.wrap(getattr(self, name), name, _first_argument))
             self.barrier = timeline.wrap(self.barrier, "barrier")
+        self._restored: dict[Hashable, KeyMeta] = {}  # keys of the checkpoint restored (kvcore.elastic)
 
     # ---- job facts --------------------------------------------------------------------------
     @property
@@ -206,9 +218,10 @@ class DistKVStore(KVStoreBase):
                 f"the updater {updater!r} cannot be pickled, so it cannot run on the servers: {exc}; "
                 "use a module-level class or function"
             ) from exc
-        if self.rank == 0:
-            self._wait(self._worker.set_updater(updater))
-        self.barrier()
+        if not self._worker.rejoined:  # a restarted worker: the servers hold the updater and its state
+            if self.rank == 0:
+                self._wait(self._worker.set_updater(updater))
+            self.barrier()
         self._updater = updater
         self._has_updater = True
 
@@ -230,6 +243,8 @@ class DistKVStore(KVStoreBase):
         """
         super().set_gradient_compression(compression_params)
         params = self._compression.params
+        if self._worker.rejoined:  # a restarted worker: the servers have the parameters
+            return
         self._call(self._worker.wait_pushes)
         self.barrier()  # no push encoded with the old parameters is still on its way to a server
         if self.rank == 0:
@@ -271,14 +286,27 @@ class DistKVStore(KVStoreBase):
         return target
 
     # ---- hooks ----------------------------------------------------------------------------
+    def _layout_for(self, key: Hashable, shape: tuple[int, ...], dtype: Any) -> KeyLayout:
+        """Where ``key`` lives on the servers (its layout once initialised, else the one it would get)."""
+        known = self._layouts.get(key)
+        if known is not None:
+            return known
+        dtype = np.dtype(dtype)
+        # compressed pushes are split on whole words (as MXNet splits them); init itself is not compressed
+        word = values_per_word(self._compression.params.type) if self._compression and dtype == np.float32 else 1
+        return layout(key, tuple(shape), dtype, self.num_servers, self._worker.env.bigarray_bound, word)
+
     def _init_keys(self, pairs: list[tuple[Hashable, Any]]) -> None:
-        env = self._worker.env
-        layouts = []
-        for key, value in pairs:
-            dtype = np.dtype(value.dtype)
-            # compressed pushes are split on whole words (as MXNet splits them); init itself is not compressed
-            word = values_per_word(self._compression.params.type) if self._compression and dtype == np.float32 else 1
-            layouts.append(layout(key, tuple(value.shape), dtype, self.num_servers, env.bigarray_bound, word))
+        for key, value in pairs:  # a restored key keeps the checkpoint's value: it must fit (every rank checks)
+            meta = self._restored.get(key)
+            if meta is not None and (tuple(value.shape) != meta.shape or np.dtype(value.dtype) != meta.dtype):
+                kind = ShapeMismatchError if tuple(value.shape) != meta.shape else DTypeMismatchError
+                raise kind(f"key {key!r} is initialised with shape {tuple(value.shape)} and dtype {np.dtype(value.dtype)}, "
+                           f"but the checkpoint restored holds shape {meta.shape} and dtype {meta.dtype} for it")
+        layouts = [self._layout_for(key, tuple(value.shape), value.dtype) for key, value in pairs]
+        if self._worker.rejoined:  # a restarted worker: the servers hold the keys, with the job's progress
+            self._take_layouts(layouts)
+            return
         refusal = None
         if self.rank == 0:
             parts = []
@@ -295,6 +323,9 @@ class DistKVStore(KVStoreBase):
             notes = self._worker.barrier(Group.WORKERS, note=refusal)
         for note in notes:
             raise _error_of(note)
+        self._take_layouts(layouts)
+
+    def _take_layouts(self, layouts: list[KeyLayout]) -> None:
         for lay in layouts:
             self._layouts[lay.key] = lay
             if not lay.split:

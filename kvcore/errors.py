@@ -18,6 +18,7 @@ The tree::
         ├── NodeDiedError          a node of the job died or left: .role, .rank, .host name it
         ├── ServerError            a server refused or failed a request (e.g. the updater raised)
         ├── WorkerMismatchError    workers passed one collective different shapes or dtypes (also a ValueError)
+        ├── CheckpointError        a checkpoint could not be committed or restored (kvcore.elastic)
         └── DistTimeoutError       a wait on the runtime timed out (also a KVTimeoutError)
 
 Every message names the key and the values involved. The runtime's own errors (``psnode.errors``)
@@ -43,6 +44,7 @@ __all__ = [
     "NodeDiedError",
     "ServerError",
     "WorkerMismatchError",
+    "CheckpointError",
     "DistTimeoutError",
 ]
 
@@ -119,6 +121,9 @@ class ServerError(DistributedError):
 class WorkerMismatchError(DistributedError, ValueError):
     """Workers passed one collective (an allreduce store's key, a ``kvcore.collectives`` call) values
     of different shapes or dtypes; every worker raises it, and the message names both."""
+class CheckpointError(DistributedError):
+    """``kvcore.elastic.State.commit`` or ``restore`` failed; the message says which checkpoint and why
+    (every worker raises the same one)."""
 
 
 class DistTimeoutError(DistributedError, KVTimeoutError):

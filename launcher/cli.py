@@ -13,9 +13,8 @@ import uuid
 
 import click
 
-from .config import (
-    DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option, parse_metrics_option, resolve,
-)
+from .config import (DEFAULT_LINK_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option,
+                     parse_metrics_option, resolve)
 from .envcontract import new_job_key
 from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
@@ -30,10 +29,10 @@ Examples:
   pslaunch -n 2 --launcher mpi python train.py         one mpirun for every role
   pslaunch -n 2 --dry-run -H hosts train.py            print the plan, start nothing
 \b
-Exit codes: 0 success; the root-cause process's code (128+signal; 1 when it is 2-5); 2 bad input;
+Exit codes: 0 success; the (last) root-cause process's code (128+signal; 1 when it is 2-5); 2 bad input;
 3 a host failed the pre-flight check; 4 rsync failed; 5 a process could not be started; 75 a
 process ended because of another and none failed on its own; 124 --timeout; 129 / 130 / 143
-SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
+SIGHUP / SIGINT / SIGTERM; 255 a host was lost. Documentation: docs/launcher.md.
 """
 
 
@@ -58,7 +57,9 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
 @click.option("--env-worker", multiple=True, metavar="NAME[:VALUE]", help="Like --env, for workers.")
 @click.option("--scheduler-host", default=None, help="Run the scheduler on this host [default: here].")
 @click.option("--scheduler-port", type=int, default=None, help="Scheduler port [default: a free one].")
-@click.option("--interface", default=None, help="Network interface the nodes advertise (DMLC_INTERFACE).")
+@click.option("--interface", default=None, metavar="NAME[,NAME...]|NETWORK",
+              help="The interface whose address each node advertises, resolved on each host: a name, names "
+                   "tried in order (ib0,eth0) or an IPv4 network (10.1.0.0/16) [default: toward the scheduler].")
 @click.option("--sync-dst-dir", default=None, metavar="DIR",
               help="rsync the current directory to DIR on every host first; processes start there.")
 @click.option("--ssh-port", type=int, default=None, help="ssh port for hosts whose line gives none.")
@@ -72,6 +73,9 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
               show_default=True, help="Unknown host keys: record them, refuse them, or neither.")
 @click.option("--connect-timeout", type=float, default=10.0, show_default=True,
               help="Seconds for each host's pre-flight ssh check.")
+@click.option("--link-timeout", type=float, default=DEFAULT_LINK_TIMEOUT, show_default=True,
+              help="Seconds without a word between pslaunch and a remote host after which the host is lost "
+                   "and its processes are stopped there (0: never).")
 @click.option("--python", default=sys.executable, show_default="this Python",
               help="Interpreter for a COMMAND starting with python, python3 or a .py file, and for the bundled runtime.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Keep one log file per process here.")
@@ -96,6 +100,16 @@ SIGHUP / SIGINT / SIGTERM. Documentation: docs/launcher.md.
 @click.option("--timeline", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Write a Chrome / Perfetto trace of the job to FILE (pushes, pulls, waits, merges, updates "
                    "per key; barriers; registration), clocks aligned across hosts.")
+@click.option("--max-restarts", type=int, default=0, show_default=True, metavar="N",
+              help="Restart the job after a failure, N times at most in all (the count is the job's, "
+                   "PSLAUNCH_RESTART_COUNT); needs --checkpoint-dir or --allow-restart-from-scratch.")
+@click.option("--checkpoint-dir", default=None, metavar="DIR",
+              help="Where the servers keep checkpoints (kvcore.elastic.State); every server host must reach it.")
+@click.option("--allow-restart-from-scratch", is_flag=True,
+              help="Allow --max-restarts without --checkpoint-dir: a restarted job begins from scratch.")
+@click.option("--restart-scope", type=click.Choice(["job", "worker"]), default="job", show_default=True,
+              help="What a restart starts again: every process, or only a failed worker (dist_async), "
+                   "while the others go on.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (hosts, argv, environment names) and exit.")
 @click.option("-v", "--verbose", count=True, help="More about what pslaunch does; -vv also sets PS_VERBOSE.")
 @click.option("-q", "--quiet", is_flag=True, help="Only the root cause of a failure; no output lines, no table.")
@@ -186,6 +200,7 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         known_hosts=options["known_hosts"],
         host_key_policy=options["host_key_policy"],
         connect_timeout=options["connect_timeout"],
+        link_timeout=options["link_timeout"],
         sync_dst_dir=options["sync_dst_dir"],
         sync_src_dir=os.getcwd(),
         cwd=os.getcwd(),
@@ -196,6 +211,10 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         job_id=options["job_id"] or uuid.uuid4().hex[:12],
         job_key=new_job_key(),
         encrypt=options["encrypt"],
+        max_restarts=options["max_restarts"],
+        checkpoint_dir=os.path.abspath(os.path.expanduser(options["checkpoint_dir"])) if options["checkpoint_dir"] else None,
+        allow_restart_from_scratch=options["allow_restart_from_scratch"],
+        restart_scope=options["restart_scope"],
         verbose=options["verbose"],
         quiet=options["quiet"],
         dry_run=options["dry_run"],

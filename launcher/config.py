@@ -11,6 +11,7 @@ import re
 import socket
 from dataclasses import dataclass, field, replace
 
+from .envcontract import RESTART_SCOPES
 from .errors import ConfigError
 from .hostfile import Host
 
@@ -20,10 +21,10 @@ __all__ = [
     "parse_env_option",
     "resolve",
     "free_port",
-    "interface_address",
     "DEFAULT_STOP_GRACE",
     "DEFAULT_SHUTDOWN_GRACE",
     "parse_metrics_option",
+    "DEFAULT_LINK_TIMEOUT",
 ]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -32,6 +33,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEFAULT_STOP_GRACE = 5.0
 #: Seconds a scheduler or server that is not the bundled runtime gets to exit once every worker exited 0.
 DEFAULT_SHUTDOWN_GRACE = 10.0
+#: Seconds of silence after which a remote host is lost and its guards stop their processes.
+DEFAULT_LINK_TIMEOUT = 15.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class LaunchConfig:
     known_hosts: str | None = None
     host_key_policy: str = "accept-new"
     connect_timeout: float = 10.0
+    link_timeout: float = DEFAULT_LINK_TIMEOUT
     sync_dst_dir: str | None = None
     sync_src_dir: str = "."
     cwd: str | None = None
@@ -121,6 +125,10 @@ class LaunchConfig:
     job_id: str = "job"
     job_key: str = field(default="", repr=False)  # the job's secret (PSLAUNCH_JOB_KEY); never printed
     encrypt: bool = False
+    max_restarts: int = 0
+    checkpoint_dir: str | None = None  # absolute
+    allow_restart_from_scratch: bool = False
+    restart_scope: str = "job"
     verbose: int = 0
     quiet: bool = False
     dry_run: bool = False
@@ -149,11 +157,26 @@ class LaunchConfig:
         if self.timeout is not None and self.timeout <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
         for flag, value in (("--stop-grace", self.stop_grace), ("--shutdown-grace", self.shutdown_grace),
-                            ("--connect-timeout", self.connect_timeout)):
+                            ("--connect-timeout", self.connect_timeout), ("--link-timeout", self.link_timeout)):
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.max_restarts and not self.checkpoint_dir and not self.allow_restart_from_scratch:
+            raise ConfigError(
+                f"--max-restarts {self.max_restarts} without --checkpoint-dir: every restart would begin the training "
+                "from scratch; give --checkpoint-dir DIR (a directory every server host reaches) so that the job "
+                "resumes from its last checkpoint, or --allow-restart-from-scratch")
+        if self.restart_scope not in RESTART_SCOPES:
+            raise ConfigError(f"--restart-scope must be {' or '.join(RESTART_SCOPES)}, got {self.restart_scope!r}")
+        if self.restart_scope == "worker" and not self.max_restarts:
+            raise ConfigError("--restart-scope worker restarts a failed worker alone, which needs --max-restarts N "
+                              "(N > 0)")
+        if self.restart_scope == "worker" and self.user_command_for_all_roles:
+            raise ConfigError("--restart-scope worker needs the bundled runtime, which lets a restarted worker rejoin; "
+                              "with --command-for-all-roles use --restart-scope job")
         if self.host_key_policy not in ("accept-new", "strict", "ignore"):
             raise ConfigError(f"--host-key-policy must be accept-new, strict or ignore, got {self.host_key_policy!r}")
 
@@ -166,56 +189,40 @@ def free_port(address: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _route_address(target: str, port: int) -> str | None:
-    """The local address the kernel would use to reach ``target`` (no packet is sent)."""
-    try:
-        infos = socket.getaddrinfo(target, port, type=socket.SOCK_DGRAM)
-    except OSError:
-        return None
-    for family, kind, proto, _, addr in infos:
-        try:
-            with socket.socket(family, kind, proto) as sock:
-                sock.connect(addr)
-                return sock.getsockname()[0]
-        except OSError:
-            continue
-    return None
-
-
-def interface_address(name: str) -> str:
-    """The IPv4 address of network interface ``name`` (Linux). Raises ``ConfigError`` naming the
-    interfaces that exist when it has none."""
-    import fcntl
-    import struct
-
-    siocgifaddr = 0x8915
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            packed = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
-        return socket.inet_ntoa(packed[20:24])
-    except OSError:
-        known = ", ".join(n for _, n in socket.if_nameindex())
-        raise ConfigError(f"--interface {name}: no such interface with an IPv4 address here (interfaces: {known})") from None
-
-
-def resolve(config: LaunchConfig) -> LaunchConfig:
+def resolve(config: LaunchConfig, real_names: list[tuple[str, str]] | None = None) -> LaunchConfig:
     """Fill in what needs a look at this machine; returns a new config.
 
-    * ``launch_address``: ``127.0.0.1`` for the local backend or when every host is a loopback
-      address; otherwise the address of ``--interface`` here, or else the address this machine
-      uses to reach the first remote host, so that every host can reach a scheduler started here.
+    * ``launch_address``: the address every node dials for the scheduler. ``127.0.0.1`` for the local
+      backend or when every host is this machine; the real name of ``--scheduler-host``; otherwise
+      the address other hosts reach this machine at (``launcher.network``: ``--interface`` here, or
+      the route toward the hosts' real names), never a loopback address.
+      ``real_names``: ``(label, name ssh connects to)`` per host (ssh config's ``HostName``); read
+      from the ssh config when None.
     * ``scheduler_port``: a free port here when the scheduler runs on this machine and none was
       given; 9091 (the DMLC tracker's default) when it runs on ``--scheduler-host``.
+
+    Raises ``ConfigError`` for a malformed ``--interface``, one that matches nothing here when every
+    process runs here, and when no address but a loopback one can be found for remote hosts.
     """
+    from .network import choose_scheduler_address, interface_addresses, parse_interface, resolve_interface
+
     address = config.launch_address
-    remote = [h for h in config.hosts if not h.is_loopback]
-    if config.interface:
-        interface_address(config.interface)  # fails early, naming the interfaces that exist
-    if config.backend != "local" and remote:
-        if config.interface:
-            address = interface_address(config.interface)
+    spec = parse_interface(config.interface) if config.interface else None
+    remote = False
+    if config.backend != "local" and config.hosts:
+        if real_names is None:
+            from .sshconn import real_names as read_names
+
+            real_names = read_names(config, extra=config.scheduler_host)
+        if config.scheduler_host:  # the name every node dials: what ssh reaches it by
+            address = dict(real_names).get(config.scheduler_host, config.scheduler_host)
         else:
-            address = _route_address(remote[0].name, remote[0].port or 22) or socket.gethostname()
+            address, remote = choose_scheduler_address(real_names, config.interface)
+    if spec is not None and not remote and not config.scheduler_host:
+        here = interface_addresses()
+        if resolve_interface(spec, here) is None:  # every process runs here: it must match here
+            known = ", ".join(f"{n} {a}" for n, a in here.items())
+            raise ConfigError(f"--interface {config.interface}: nothing here matches it (interfaces: {known})")
     port = config.scheduler_port
     if port is None:
         port = 9091 if config.scheduler_host else free_port("0.0.0.0" if address != "127.0.0.1" else "127.0.0.1")

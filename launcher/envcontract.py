@@ -40,9 +40,14 @@ __all__ = [
     "PSLAUNCH_STATS",
     "PSLAUNCH_TIMELINE",
     "TIMELINE_TO_LAUNCHER",
+    "PSLAUNCH_CHECKPOINT_DIR",
+    "PSLAUNCH_RESTART_SCOPE",
+    "PSLAUNCH_RESTART_COUNT",
+    "RESTART_SCOPES",
     "PSLAUNCH_JOB_KEY",
     "PSLAUNCH_JOB_KEY_FILE",
     "new_job_key",
+    "with_restart_count",
     "SETTINGS",
     "PSLAUNCH_SUPERVISED",
     "EXIT_PEER_FAILED",
@@ -85,6 +90,14 @@ PSLAUNCH_STATS = "PSLAUNCH_STATS"
 PSLAUNCH_TIMELINE = "PSLAUNCH_TIMELINE"
 #: ``PSLAUNCH_TIMELINE`` value that sends timeline events to pslaunch (``MARKER_TRACE`` lines).
 TIMELINE_TO_LAUNCHER = "-"
+#: Where servers write checkpoints (``kvcore.elastic.State.commit``); absolute.
+PSLAUNCH_CHECKPOINT_DIR = "PSLAUNCH_CHECKPOINT_DIR"
+#: ``job`` or ``worker``: what pslaunch restarts after a failure (``worker``: a failed worker alone).
+PSLAUNCH_RESTART_SCOPE = "PSLAUNCH_RESTART_SCOPE"
+#: How many times pslaunch restarted the job (or this worker) before this start: 0 on the first.
+PSLAUNCH_RESTART_COUNT = "PSLAUNCH_RESTART_COUNT"
+#: The values ``PSLAUNCH_RESTART_SCOPE`` takes.
+RESTART_SCOPES = ("job", "worker")
 #: The job's secret: passed like a secret ``--env`` value (never in a plan's printed environment).
 PSLAUNCH_JOB_KEY = "PSLAUNCH_JOB_KEY"
 PSLAUNCH_JOB_KEY_FILE = "PSLAUNCH_JOB_KEY_FILE"
@@ -103,6 +116,8 @@ SETTINGS = (
     PSLAUNCH_BIND_ALL,
     PSLAUNCH_STATS,
     PSLAUNCH_TIMELINE,
+    PSLAUNCH_CHECKPOINT_DIR,
+    PSLAUNCH_RESTART_SCOPE,
 )
 PSLAUNCH_SUPERVISED = "PSLAUNCH_SUPERVISED"
 
@@ -136,9 +151,17 @@ WRITTEN = REQUIRED + (
     PSLAUNCH_LOCAL_SIZE,
     PSLAUNCH_RANK,
     PSLAUNCH_SUPERVISED,
+    PSLAUNCH_RESTART_COUNT,
     DMLC_WORKER_ID,
     PSLAUNCH_JOB_KEY,
 ) + SETTINGS
+
+
+def with_restart_count(env: Mapping[str, str], count: int) -> dict[str, str]:
+    """A copy of one process's contract ``env`` for its start after ``count`` restarts of the job."""
+    out = dict(env)
+    out[PSLAUNCH_RESTART_COUNT] = str(count)
+    return out
 
 
 def new_job_key() -> str:
@@ -165,14 +188,16 @@ def contract_env(
     verbose: int = 0,
     fixed_rank: bool = True,
     supervised: bool = True,
+    restart_count: int = 0,
     settings: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Return the contract variables of one process as a new ``{name: value}`` dict of strings.
 
     ``fixed_rank``: a worker's runtime rank is ``rank`` (``DMLC_WORKER_ID``); False leaves it to the
     scheduler. ``supervised``: pslaunch watches the process (``PSLAUNCH_SUPERVISED``); False for a job
-    started as by hand (the test kit). ``settings``: values for names of ``SETTINGS`` (heartbeats,
-    same-host path ...).
+    started as by hand (the test kit). ``restart_count``: how many restarts came before this start
+    (``PSLAUNCH_RESTART_COUNT``). ``settings``: values for names of ``SETTINGS`` (heartbeats,
+    same-host path, checkpoint directory ...).
 
     Pure: reads nothing from the caller's own environment. Raises ``ValueError`` for a role outside
     ``ROLES`` or a setting outside ``SETTINGS`` (naming it).
@@ -192,6 +217,7 @@ def contract_env(
         PSLAUNCH_RANK: str(rank),
         PSLAUNCH_LOCAL_RANK: str(local_rank),
         PSLAUNCH_LOCAL_SIZE: str(local_size),
+        PSLAUNCH_RESTART_COUNT: str(restart_count),
     }
     if supervised:
         env[PSLAUNCH_SUPERVISED] = "1"

@@ -1,17 +1,22 @@
 """The remote guard: a small POSIX-sh wrapper that every process started over ssh runs in.
 
-Why: a remote process must not outlive the launcher. ssh gives the remote side one reliable
-signal — its stdin reaches EOF when the channel closes (pslaunch exited, was interrupted or was
-SIGKILLed, or the network went away). The guard
+Why: a remote process must not outlive the launcher, nor its link to it. ssh gives the remote side
+one signal when pslaunch goes away cleanly — its stdin reaches EOF when the channel closes
+(pslaunch exited, was interrupted or was SIGKILLed) — but none when the network between them
+breaks: then nothing arrives at all. So pslaunch writes ``PING`` on every guard's stdin every few
+seconds, and a guard that hears nothing for the link timeout stops its command. The guard
 
 1. reads the environment from stdin (a line count, then ``export NAME='value'`` lines), so no
    value ever appears on a command line or in a file;
 2. changes to the working directory;
 3. starts the command in its own session / process group (``setsid``; ``set -m`` where there is
    no setsid), with stdin from /dev/null, and reports its pid as a marker line on stderr;
-4. watches stdin: ``TERM`` (SIGTERM, then SIGCONT so a stopped group gets it), ``KILL``,
-   ``STOP`` / ``CONT`` (Ctrl-Z of pslaunch) and ``END`` (SIGUSR1: a bundled node ends normally)
-   lines signal the group; at EOF the group gets SIGTERM and, after the grace period, SIGKILL;
+4. watches stdin: ``PING`` (answered with a ``PONG`` marker line, pslaunch's sign that the link
+   and the host are alive), ``TERM`` (SIGTERM, then SIGCONT so a stopped group gets it), ``KILL``,
+   ``STOP`` / ``CONT`` (Ctrl-Z of pslaunch: no pings come while pslaunch is stopped, so ``STOP``
+   also holds the link timeout until the next line) and ``END`` (SIGUSR1: a bundled node ends
+   normally) lines signal the group; at EOF, or after the link timeout without a line, the group
+   gets SIGTERM and, after the grace period, SIGKILL;
 5. when the command ends, stops what is left of its group (TERM, grace, KILL) and exits with the
    command's exit code.
 """
@@ -21,16 +26,16 @@ from __future__ import annotations
 import shlex
 from typing import Mapping, Sequence
 
-__all__ = ["GUARD_SCRIPT", "remote_command", "env_payload"]
+__all__ = ["GUARD_SCRIPT", "remote_command", "env_payload", "PING", "PONG"]
 
 GUARD_SCRIPT = r"""
-g=$1; d=$2; strict=$3; shift 3
+g=$1; l=$2; d=$3; strict=$4; shift 4
 exec 3<&0
 IFS= read -r n || exit 125
 s=''; i=0
-while [ "$i" -lt "$n" ]; do IFS= read -r l || exit 125; s="$s$l
+while [ "$i" -lt "$n" ]; do IFS= read -r x || exit 125; s="$s$x
 "; i=$((i+1)); done
-eval "$s"; unset s l n i
+eval "$s"; unset s x n i
 if [ -n "$d" ] && ! cd "$d" 2>/dev/null; then
   if [ "$strict" = 1 ]; then echo "pslaunch guard: cannot cd to $d" >&2; exit 126; fi
   echo "pslaunch guard: no directory $d here, running in $HOME" >&2; cd || exit 126
@@ -39,8 +44,24 @@ if command -v setsid >/dev/null 2>&1; then setsid "$@" </dev/null 3<&- &
 else set -m; "$@" </dev/null 3<&- & fi
 p=$!
 printf '\037PSLAUNCH-PID %s\n' "$p" >&2
+stop() {
+  kill -s TERM -- "-$p" 2>/dev/null; kill -s CONT -- "-$p" 2>/dev/null; t=0
+  while [ "$t" -lt "$g" ] && kill -s 0 -- "-$p" 2>/dev/null; do sleep 1; t=$((t+1)); done
+  kill -s KILL -- "-$p" 2>/dev/null
+}
+k=
+if [ "$l" -gt 0 ]; then
+  ( trap 'a=-1; h=0' USR1; trap 'h=1' USR2; a=0; h=0
+    while [ "$a" -lt "$l" ]; do sleep 1; [ "$h" = 1 ] || a=$((a+1)); done
+    stop ) </dev/null 3<&- &
+  k=$!
+fi
 ( while IFS= read -r c; do
+    if [ -n "$k" ]; then
+      if [ "$c" = STOP ]; then kill -s USR2 "$k" 2>/dev/null; else kill -s USR1 "$k" 2>/dev/null; fi
+    fi
     case $c in
+      PING) printf '\037PSLAUNCH-PONG\n' >&2;;
       TERM) kill -s TERM -- "-$p" 2>/dev/null; kill -s CONT -- "-$p" 2>/dev/null;;
       KILL) kill -s KILL -- "-$p" 2>/dev/null;;
       STOP) kill -s STOP -- "-$p" 2>/dev/null;;
@@ -48,29 +69,30 @@ printf '\037PSLAUNCH-PID %s\n' "$p" >&2
       END) kill -s USR1 -- "-$p" 2>/dev/null;;
     esac
   done
-  kill -s TERM -- "-$p" 2>/dev/null; kill -s CONT -- "-$p" 2>/dev/null; t=0
-  while [ "$t" -lt "$g" ] && kill -s 0 -- "-$p" 2>/dev/null; do sleep 1; t=$((t+1)); done
-  kill -s KILL -- "-$p" 2>/dev/null ) <&3 &
+  stop ) <&3 &
 w=$!
 exec 3<&-
 wait "$p" 2>/dev/null; r=$?
-kill "$w" 2>/dev/null
-if kill -s 0 -- "-$p" 2>/dev/null; then
-  kill -s TERM -- "-$p" 2>/dev/null; kill -s CONT -- "-$p" 2>/dev/null; t=0
-  while [ "$t" -lt "$g" ] && kill -s 0 -- "-$p" 2>/dev/null; do sleep 1; t=$((t+1)); done
-  kill -s KILL -- "-$p" 2>/dev/null
-fi
+kill "$w" $k 2>/dev/null
+if kill -s 0 -- "-$p" 2>/dev/null; then stop; fi
 exit "$r"
 """.strip()
 
+#: What pslaunch writes to a guard to show the link is alive, and the marker the guard answers with.
+PING = b"PING\n"
+PONG = b"\x1fPSLAUNCH-PONG\n"
 
-def remote_command(argv: Sequence[str], cwd: str | None, strict_cwd: bool, grace: float) -> str:
+
+def remote_command(argv: Sequence[str], cwd: str | None, strict_cwd: bool, grace: float, link_timeout: float = 0) -> str:
     """The command line handed to the remote login shell: the guard around ``argv``.
 
-    Every piece is ``shlex.quote``-d: spaces, quotes, ``$`` and backslashes in ``argv`` reach the
-    process unchanged (the login shell must be POSIX-like: sh, bash, dash, zsh, ksh).
+    ``link_timeout``: seconds without a line from pslaunch after which the guard stops the command
+    (0: never; whole seconds, at least 1). Every piece is ``shlex.quote``-d: spaces, quotes, ``$``
+    and backslashes in ``argv`` reach the process unchanged (the login shell must be POSIX-like:
+    sh, bash, dash, zsh, ksh).
     """
-    pieces = ["sh", "-c", GUARD_SCRIPT, "pslaunch-guard", str(max(1, int(round(grace)))), cwd or "",
+    link = max(1, int(round(link_timeout))) if link_timeout > 0 else 0
+    pieces = ["sh", "-c", GUARD_SCRIPT, "pslaunch-guard", str(max(1, int(round(grace)))), str(link), cwd or "",
               "1" if strict_cwd else "0", *argv]
     return "exec " + shlex.join(pieces)
 

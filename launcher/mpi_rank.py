@@ -13,7 +13,13 @@ The mpi backend starts one ``mpirun`` for the whole job; every rank runs this mo
    dies (``PR_SET_PDEATHSIG``);
 4. writes a marker line with the pid at start and the exit status at the end on stderr (the
    launcher reads them from mpirun's tagged output) and exits 0: pslaunch, not mpirun, decides
-   what a failure stops (an mpirun aborting by itself loses the other ranks' statuses).
+   what a failure stops (an mpirun aborting by itself loses the other ranks' statuses);
+5. is the rank's link guard: pslaunch pings every rank with a SIGCONT through mpirun every few
+   seconds (mpirun's daemons carry it over the network to this host; a running process ignores
+   it: a SIGCONT continues the group only after a SIGUSR2 stopped it); each one is answered with a
+   ``PONG`` marker line, and when none came for the entry's ``link`` seconds (a partition:
+   mpirun's daemons notice nothing) the process group is stopped as on SIGTERM. A SIGUSR2
+   (Ctrl-Z) holds that clock until the next SIGCONT.
 
 Only the standard library.
 """
@@ -43,6 +49,46 @@ def rank_from_environ(environ) -> int:
         if value is not None and value.isdigit():
             return int(value)
     raise RuntimeError("no MPI rank in the environment (OMPI_COMM_WORLD_RANK / PMI_RANK / PMIX_RANK)")
+
+
+class _Link:
+    """pslaunch's pings (SIGCONT), answered on stderr; lost after ``timeout`` s without one (0: never).
+
+    A SIGCONT continues the process group (``resume``) only after a SIGUSR2 stopped it: a ping must
+    not continue a process that stopped itself."""
+
+    def __init__(self, timeout: float, resume) -> None:
+        self.timeout = timeout
+        self.resume = resume
+        self.heard = time.monotonic()
+        self.held = False
+
+    def on_cont(self, signum, frame) -> None:  # noqa: ARG002
+        if self.held:
+            self.resume()
+        self.heard = time.monotonic()
+        self.held = False
+        try:
+            os.write(2, f"{_MARKER}PONG\n".encode())
+        except OSError:
+            pass
+
+    def hold(self) -> None:
+        self.held = True
+
+    def lost(self) -> bool:
+        return self.timeout > 0 and not self.held and time.monotonic() - self.heard > self.timeout
+
+
+def _also(first, then):
+    """A signal handler that runs the handler ``first`` and then ``then()``."""
+
+    def handler(signum, frame):
+        if callable(first):
+            first(signum, frame)
+        then()
+
+    return handler
 
 
 def _die_with_parent() -> None:
@@ -104,6 +150,9 @@ def main() -> int:
         signal.signal(sig, lambda signum, frame, what=what: to_group(what))
     for sig in early:
         to_group(passed[sig])
+    link = _Link(float(entry.get("link", 0)), lambda: to_group(signal.SIGCONT))
+    signal.signal(signal.SIGCONT, link.on_cont)
+    signal.signal(signal.SIGUSR2, _also(signal.getsignal(signal.SIGUSR2), link.hold))
     grace = float(entry.get("grace", 5))
     killed_at = None
     while True:
@@ -112,8 +161,8 @@ def main() -> int:
             break
         except subprocess.TimeoutExpired:
             pass
-        if os.getppid() != parent and not stopping:
-            forward(signal.SIGTERM, None)  # parent gone without PDEATHSIG (not Linux)
+        if (os.getppid() != parent or link.lost()) and not stopping:
+            forward(signal.SIGTERM, None)  # parent gone without PDEATHSIG (not Linux), or pslaunch unheard of
         if stopping and killed_at is None:
             killed_at = time.monotonic() + grace
         if killed_at is not None and time.monotonic() > killed_at:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .config import LaunchConfig
 from .errors import ConfigError, LaunchError
@@ -26,6 +26,7 @@ from .plan import Plan
 
 if TYPE_CHECKING:
     from .backends.base import ProcessHandle
+    from .restarts import Attempt
     from .verdict import Failure
 
 __all__ = ["JobObserver", "summary_document"]
@@ -146,9 +147,11 @@ class JobObserver:
         if self.dashboard is not None:
             self.dashboard.resume()
 
-    def finish(self, notes: dict[int, str], failure: "Failure | None", exit_code: int) -> None:
+    def finish(self, notes: dict[int, str], failure: "Failure | None", exit_code: int,
+               attempts: "Sequence[Attempt]" = ()) -> None:
         """The job is over (every reader thread finished): take the dashboard off the screen, end the
-        timeline, write the summary JSON. Problems are printed as notes; none of them fails the job."""
+        timeline, write the summary JSON (with ``attempts``: each failure a restart followed, and the
+        end, ``launcher.restarts``). Problems are printed as notes; none of them fails the job."""
         if self.dashboard is not None:
             self.printer.flush()
             self.printer.divert(None)
@@ -160,7 +163,7 @@ class JobObserver:
                 self.printer.note(problem)
         if self.config.summary_json:
             document = summary_document(self.plan.job_id, self.rows(), notes, failure, exit_code,
-                                        time.monotonic() - self.started, self.printer)
+                                        time.monotonic() - self.started, self.printer, attempts)
             problem = _write_json(self.config.summary_json, document)
             if problem:
                 self.printer.note(problem)
@@ -193,9 +196,11 @@ class JobObserver:
 
 
 def summary_document(job_id: str, rows: list[Row], notes: dict[int, str], failure: "Failure | None", exit_code: int,
-                     duration: float, printer: Printer | None = None) -> dict[str, Any]:
+                     duration: float, printer: Printer | None = None,
+                     attempts: "Sequence[Attempt]" = ()) -> dict[str, Any]:
     """The ``--summary-json`` document: the job's outcome and one entry per process (its exit,
-    duration, bytes and counters, the summary table's note; the last lines of the root cause)."""
+    duration, bytes and counters, the summary table's note; the last lines of the root cause), and
+    with ``--max-restarts`` one entry per attempt (``launcher.restarts``)."""
     processes = []
     by_name = {}
     for row in rows:
@@ -226,7 +231,8 @@ def summary_document(job_id: str, rows: list[Row], notes: dict[int, str], failur
             root["process"] = name
             root["last_lines"] = printer.last_lines(name) if printer is not None else []
     return {"version": 1, "job_id": job_id, "exit_code": exit_code, "ok": failure is None,
-            "duration_s": round(duration, 3), "root_cause": root, "processes": processes}
+            "duration_s": round(duration, 3), "root_cause": root, "processes": processes,
+            "attempts": [{"reason": a.reason, "exit_code": a.exit_code, "action": a.action} for a in attempts]}
 
 
 def _write_json(path: str, document: dict) -> str | None:

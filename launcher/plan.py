@@ -18,7 +18,7 @@ Placement (also in docs/launcher.md):
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import envcontract as ec
 from .config import EnvVar, LaunchConfig
@@ -72,6 +72,12 @@ class Plan:
     root_uri: str
     root_port: int
     processes: tuple[ProcessSpec, ...] = field(default_factory=tuple)
+
+    def restarted(self, count: int, processes: "tuple[ProcessSpec, ...] | None" = None) -> "Plan":
+        """This plan (or the part of it in ``processes``) for its ``count``-th restart: the same
+        processes, each told how many restarts came before it (``PSLAUNCH_RESTART_COUNT``)."""
+        specs = self.processes if processes is None else processes
+        return replace(self, processes=tuple(replace(p, env=ec.with_restart_count(p.env, count)) for p in specs))
 
     def by_role(self, role: str) -> list[ProcessSpec]:
         """The processes of ``role`` in rank order."""
@@ -164,7 +170,7 @@ def make_plan(config: LaunchConfig) -> Plan:
             if h.name == config.scheduler_host:
                 sched_host = Host(h.name, h.user, h.port)
                 break
-        root_uri = config.scheduler_host
+        root_uri = config.launch_address  # its real name (ssh config's HostName), see config.resolve
     else:
         sched_host = LOCAL_HOST
         root_uri = "127.0.0.1" if local_only else config.launch_address
@@ -191,6 +197,10 @@ def make_plan(config: LaunchConfig) -> Plan:
         settings[ec.PSLAUNCH_STATS] = f"{STATS_INTERVAL:g}"
     if config.timeline:
         settings[ec.PSLAUNCH_TIMELINE] = ec.TIMELINE_TO_LAUNCHER
+    if config.checkpoint_dir:
+        settings[ec.PSLAUNCH_CHECKPOINT_DIR] = config.checkpoint_dir
+    if config.restart_scope != "job":
+        settings[ec.PSLAUNCH_RESTART_SCOPE] = config.restart_scope
     processes = []
     for role, rank, host in placed:
         local_rank = seen.get((role, host), 0)
@@ -204,12 +214,14 @@ def make_plan(config: LaunchConfig) -> Plan:
             script = script_of(config.command)
         else:
             argv = runtime_argv(role, config.python)
+        # Otherwise each node advertises its interface toward the scheduler (or --interface's),
+        # found on its own host: an address of the hostfile may be on another network.
         node_host = None
         if not config.interface:
             if on_launcher and host is LOCAL_HOST:
                 node_host = "127.0.0.1" if all_local else None
-            elif host.is_ip:
-                node_host = host.name
+            elif host.is_loopback and host.is_ip:
+                node_host = host.name  # 127.0.0.2, 127.0.0.3: distinct hosts on one machine
         env = ec.contract_env(
             role=role,
             root_uri=root_uri,

@@ -24,6 +24,7 @@ import getpass
 import os
 import shlex
 import socket
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -34,7 +35,7 @@ from .config import LaunchConfig
 from .errors import PreflightError
 from .hostfile import Host, parse_hostfile_text
 
-__all__ = ["Endpoint", "SshConnector", "JumpError", "describe_connect_error", "find_known_host"]
+__all__ = ["Endpoint", "SshConnector", "JumpError", "describe_connect_error", "find_known_host", "real_names"]
 
 _known_hosts_lock = threading.Lock()
 
@@ -230,7 +231,7 @@ class SshConnector:
         """An OpenSSH command line (without the destination) with the same options, for rsync's ``-e``."""
         ep = self.endpoint(host)
         argv = ["ssh", "-p", str(ep.port), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(self.config.connect_timeout)}"]
-        if self.ssh_config_path and self.config.ssh_config:
+        if self.ssh_config_path:  # the file read here ($HOME's), not the one of the passwd home directory
             argv += ["-F", self.ssh_config_path]
         for key in ep.key_files:
             argv += ["-i", key]
@@ -242,11 +243,56 @@ class SshConnector:
             argv += ["-o", f"UserKnownHostsFile={self.known_hosts}"]
         return argv
 
+    def openssh_config(self, hosts: list[Host], extra: dict[str, str]) -> str:
+        """An OpenSSH client config that reaches each of ``hosts`` by its name exactly as this
+        connector does (host name, port, user, keys, proxy, known-hosts file and policy), for a
+        program that runs ``ssh HOST`` itself (mpirun): with ``-F`` it reads this instead of the
+        passwd home directory's config, which differs from ``$HOME``'s under ``sudo -E`` or in
+        containers. ``extra``: options for every host. The ssh config read here follows, for the rest."""
+        strict = {"accept-new": "accept-new", "strict": "yes", "ignore": "no"}[self.config.host_key_policy]
+        known = "/dev/null" if self.config.host_key_policy == "ignore" else self.known_hosts
+        common = {"BatchMode": "yes", "StrictHostKeyChecking": strict, "UserKnownHostsFile": known, **extra}
+        keys = [os.path.expanduser(f"~/.ssh/{n}") for n in ("id_ed25519", "id_ecdsa", "id_rsa")]
+        lines = []
+        for host in dict.fromkeys(hosts):
+            ep = self.endpoint(host)
+            options = {"HostName": ep.hostname, "Port": str(ep.port), "User": ep.user, **common}
+            if ep.proxy_command:
+                options["ProxyCommand"] = ep.proxy_command
+            elif ep.proxy_jump:
+                options["ProxyJump"] = ep.proxy_jump
+            lines.append(f"Host {host.name}")
+            lines += [f"    {name} {value}" for name, value in options.items()]
+            lines += [f"    IdentityFile {key}" for key in (ep.key_files or [k for k in keys if os.path.exists(k)])]
+        if self.ssh_config_path:
+            lines += ["Match all", f"    Include {self.ssh_config_path}"]
+        return "\n".join(lines) + "\n"
+
+    def write_openssh_config(self, hosts: list[Host]) -> str:
+        """Write ``openssh_config`` for ``hosts`` to a file in a private temporary directory (the
+        caller removes it) and return its path. ssh keepalives end such an ssh within about
+        ``--link-timeout`` when its link is gone (a partition closes no connection by itself)."""
+        extra = {"ConnectTimeout": str(max(1, int(self.config.connect_timeout))), "LogLevel": "ERROR"}
+        if self.config.link_timeout > 0:
+            extra.update(ServerAliveInterval=str(max(1, round(self.config.link_timeout / 3))), ServerAliveCountMax="3")
+        path = os.path.join(tempfile.mkdtemp(prefix="pslaunch-ssh-"), "config")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as fh:
+            fh.write(self.openssh_config(hosts, extra))
+        return path
+
     def destination(self, host: Host) -> str:
         """``user@hostname`` as OpenSSH and rsync want it (IPv6 in brackets for rsync paths)."""
         ep = self.endpoint(host)
         name = f"[{ep.hostname}]" if ":" in ep.hostname else ep.hostname
         return f"{ep.user}@{name}"
+
+
+def real_names(config: LaunchConfig, extra: str | None = None) -> list[tuple[str, str]]:
+    """``(label, name ssh connects to)`` for each host of ``config`` (and ``extra``, a host name, last):
+    ssh config's ``HostName`` of an alias, else the name itself. Reads the ssh config; connects nowhere."""
+    connector = SshConnector(config)
+    hosts = list(config.hosts) + ([Host(extra)] if extra else [])
+    return [(host.name, connector.endpoint(host).hostname) for host in hosts]
 
 
 def run_remote(client: paramiko.SSHClient, command: str, timeout: float) -> int:

@@ -19,7 +19,8 @@ _RED = ("root cause", "failed")
 
 def render_summary(handles: "list[ProcessHandle]", notes: dict[int, str], colour: bool) -> str:
     """The summary table as text (coloured when ``colour``); ``notes`` maps handle ids to the last
-    column (``root cause``, ``failed``, ``ended: a peer failed``, ``stopped by pslaunch``, ...)."""
+    column (``root cause``, ``failed``, ``ended: a peer failed``, ``stopped by pslaunch``,
+    ``unreachable``, ...)."""
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=colour, no_color=not colour, width=120)
     job = handles[0].spec.env.get("PSLAUNCH_JOB_ID", "")
@@ -33,7 +34,7 @@ def render_summary(handles: "list[ProcessHandle]", notes: dict[int, str], colour
         note = notes.get(id(h), "")
         table.add_row(
             h.spec.role, str(h.spec.rank), h.spec.host.label, str(h.pid or "-"), exit_text,
-            f"{h.duration:.1f}s", note, style="red" if note in _RED else None,
+            f"{h.duration:.1f}s", note, style="red" if note.startswith(_RED) else None,
         )
     console.print(table)
     return buffer.getvalue()

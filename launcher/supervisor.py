@@ -7,13 +7,17 @@ Rules (docs/launcher.md, "Failures"):
   grace period, SIGKILL) and the root cause is named (``launcher.verdict``);
 * a process that exits 75 ended because another one failed: pslaunch waits up to
   ``CULPRIT_WAIT`` seconds for the process that failed on its own before it stops the rest, so
-  that the root cause is the culprit, not the first bystander to notice;
+  that the root cause is the culprit, not the first bystander to notice (and longer while a host
+  has gone quiet, until it is heard from again or lost: ``--link-timeout``);
 * a scheduler or server that exits, even with 0, before every worker has finished fails the job
   (exit code 1 when it exited 0; after exit 0 the workers get ``shutdown_grace`` seconds to
   finish too, since the runtime may end a moment before the workers' interpreters do);
 * when every worker has exited 0, each bundled scheduler and server (those that wrote the READY
   marker) is asked to end (SIGUSR1) and exits 0 at once; others get ``shutdown_grace`` seconds to
   exit by themselves and are then stopped; the job succeeded;
+* ``--max-restarts N``: after a failure of a process the job is started again (or, with
+  ``--restart-scope worker``, a failed worker alone) while restarts are left (``launcher.restarts``);
+  the summary lists each attempt, its root cause and what followed;
 * ``--timeout`` bounds the whole job (exit 124); SIGINT / SIGTERM / SIGHUP stop it (exit 128+n),
   a second one skips the grace period; SIGTSTP (Ctrl-Z) stops every process and pslaunch, SIGCONT
   continues them.
@@ -30,6 +34,7 @@ from .backends.base import Backend, ProcessHandle
 from .config import LaunchConfig
 from .output import Printer
 from .plan import Plan
+from .restarts import RestartLog
 from .verdict import Failure, culprit, kind_of, notes, who
 
 __all__ = ["Supervisor", "Failure", "EXIT_TIMEOUT", "CULPRIT_WAIT"]
@@ -71,6 +76,9 @@ class Supervisor:
         self._suspend_asked = False
         self._resume_asked = False
         self._paused = 0.0  # seconds the job spent stopped by Ctrl-Z (not counted by --timeout)
+        self.restarts = RestartLog(config.max_restarts, config.restart_scope)
+        self._plan: Plan | None = None
+        self._replaced: list[ProcessHandle] = []  # workers restarted alone (--restart-scope worker)
 
     # -- signals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame) -> None:  # noqa: ARG002
@@ -94,14 +102,38 @@ class Supervisor:
 
     # -- the job -------------------------------------------------------------------------------
     def run(self, plan: Plan) -> int:
-        """Prepare, launch and supervise ``plan``; returns the exit code. Raises ``LaunchError``
-        from the backend's preparation (pre-flight, rsync, the script check) and from starting
-        processes."""
+        """Prepare, launch and supervise ``plan``, restarting it while ``--max-restarts`` allows
+        (``launcher.restarts``); returns the exit code (the last root cause's). Raises
+        ``LaunchError`` from the backend's preparation (pre-flight, rsync, the script check) and
+        from starting processes."""
         old = self._install()
         start = time.monotonic()
+        self._plan = plan
+        try:
+            self._attempt(plan, start, prepare=True)
+            while self.restarts.can_restart(self.failure) and not self._signals:
+                assert self.failure is not None
+                count = self.restarts.restart(self.failure, "the job")
+                self._report(f"restarting the job (restart {count} of {self.restarts.max_restarts}, "
+                             f"PSLAUNCH_RESTART_COUNT={count})")
+                self.handles, self._replaced, self._stopped, self.failure = [], [], set(), None
+                self._attempt(plan.restarted(count), start)
+            if self.restarts.max_restarts:
+                self.restarts.finish(self.failure)
+        finally:
+            self.backend.close()
+            for sig, handler in old.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._report()
+        return 0 if self.failure is None else self.failure.exit_code
+
+    def _attempt(self, plan: Plan, start: float, prepare: bool = False) -> None:
+        """Launch ``plan`` (after the backend's preparation) and watch it to its end; ``failure``
+        then says why it failed (None: it succeeded)."""
         try:
             try:
-                self.backend.prepare(plan)
+                if prepare:
+                    self.backend.prepare(plan)
                 self.handles = self.backend.launch(plan)
                 if self.observer is not None:
                     self.observer.attach(self.handles)
@@ -114,17 +146,10 @@ class Supervisor:
                 self.failure = self._watch(start)
             self._teardown()
         finally:
-            try:
-                for handle in self.handles:
-                    handle.close()  # reader threads finish: every marker and last line is in
-            finally:
-                self.backend.close()
-                for sig, handler in old.items():
-                    signal.signal(sig, handler)  # type: ignore[arg-type]
+            for handle in self._replaced + self.handles:
+                handle.close()  # reader threads finish: every marker and last line is in
         if self.failure is _PROCESS_FAILED:
             self.failure = culprit(self.handles, self._stopped) or Failure("a process failed", 1)
-        self._report()
-        return 0 if self.failure is None else self.failure.exit_code
 
     def _check_signal_or_timeout(self, start: float) -> Failure | None:
         if self._signals:
@@ -135,8 +160,6 @@ class Supervisor:
         return None
 
     def _watch(self, start: float) -> Failure | None:
-        workers = [h for h in self.handles if h.spec.role == "worker"]
-        others = [h for h in self.handles if h.spec.role != "worker"]
         seen: set[int] = set()
         asked: set[int] = set()
         end_deadline: float | None = None
@@ -150,15 +173,20 @@ class Supervisor:
             failure = self._check_signal_or_timeout(start)
             if failure:
                 return failure
+            self._restart_failed_workers()
+            workers = [h for h in self.handles if h.spec.role == "worker"]
+            others = [h for h in self.handles if h.spec.role != "worker"]
             now = time.monotonic()
             for handle in self.handles:
                 status = handle.poll()
-                if handle.failed_at is not None and blamed_at is None:
+                if handle.failed_at is not None and blamed_at is None and not self._rejoins(handle):
                     blamed_at = handle.failed_at
                 if status is None or id(handle) in seen:
                     continue
                 seen.add(id(handle))
                 kind = kind_of(handle, self._stopped)
+                if kind == "own" and self._rejoins(handle):
+                    continue  # restarted alone at the next turn
                 if kind == "own":
                     if early is not None and handle.spec.role == "worker":
                         return self._early_failure(early[0], f"; then {handle.spec.name} failed: {status.describe()}")
@@ -168,7 +196,9 @@ class Supervisor:
                 elif handle.spec.role != "worker" and end_deadline is None and early is None:
                     early = (handle, now + self.config.shutdown_grace)
             if blamed_at is not None:
-                if now - blamed_at > CULPRIT_WAIT or all(h.status is not None for h in self.handles):
+                # A host pslaunch has stopped hearing from may be the culprit: wait for that verdict.
+                waited = now - blamed_at > CULPRIT_WAIT and not any(h.in_doubt() for h in self.handles)
+                if waited or all(h.status is not None for h in self.handles):
                     return _PROCESS_FAILED
             elif end_deadline is None and all(h.status is not None for h in workers):
                 end_deadline = now + self.config.shutdown_grace
@@ -192,6 +222,28 @@ class Supervisor:
                         )
                     return None
             time.sleep(_TICK)
+
+    def _rejoins(self, handle: ProcessHandle) -> bool:
+        """True when ``handle`` is a worker that is restarted alone if it fails (``--restart-scope
+        worker`` with a restart left)."""
+        return (handle.spec.role == "worker" and self.restarts.scope == "worker"
+                and self.restarts.used < self.restarts.max_restarts)
+
+    def _restart_failed_workers(self) -> None:
+        """``--restart-scope worker``: start a worker that failed on its own and has ended again,
+        alone, with its rank; the other processes go on (the runtime lets it rejoin)."""
+        for i, handle in enumerate(self.handles):
+            if not self._rejoins(handle) or handle.poll() is None or kind_of(handle, self._stopped) != "own":
+                continue
+            assert handle.status is not None and self._plan is not None
+            failure = Failure(f"{who(handle)} failed: {handle.status.describe()}", handle.status.exit_code, handle)
+            count = self.restarts.restart(failure, f"{handle.spec.name} alone")
+            self.printer.note(f"{failure.reason}; restarting it alone (restart {count} of {self.restarts.max_restarts}, "
+                              f"PSLAUNCH_RESTART_COUNT={count}); the other processes go on")
+            self._replaced.append(handle)
+            self.handles[i] = self.backend.launch(self._plan.restarted(count, (handle.spec,)))[0]
+            if self.observer is not None:
+                self.observer.attach(self.handles)
 
     def _early_failure(self, handle: ProcessHandle, then: str) -> Failure:
         running = [h.spec.name for h in self.handles if h.spec.role == "worker" and h.status is None]
@@ -246,19 +298,31 @@ class Supervisor:
             time.sleep(_TICK)
             running = [h for h in running if h.poll() is None]
         for handle in running:
-            self.printer.note(f"{who(handle)} did not end after SIGKILL")
+            if handle.in_doubt():  # its host went quiet: the signals may never have got there
+                handle.unreachable = True
+                self.printer.note(f"{who(handle)} is unreachable: no word from its host for a while "
+                                  f"(its guard stops it there after --link-timeout {self.config.link_timeout:g} s)")
+            else:
+                self.printer.note(f"{who(handle)} did not end after SIGKILL")
 
     # -- reporting -----------------------------------------------------------------------------
-    def _report(self) -> None:
-        if self.observer is not None:
+    def _report(self, then: str | None = None) -> None:
+        """The summary table, the root cause and its last lines; ``then``: the job goes on (a restart),
+        else the attempts (with restarts) and the exit code end it."""
+        if self.observer is not None and then is None:
             by_id = notes(self.handles, self._stopped, self.failure)
             self.observer.finish({h.spec.name: by_id.get(id(h), "") for h in self.handles}, self.failure,
-                                 0 if self.failure is None else self.failure.exit_code)
+                                 0 if self.failure is None else self.failure.exit_code, self.restarts.attempts)
         if not self.config.quiet and self.handles:
             from .summary import render_summary
 
-            self.printer.raw(render_summary(self.handles, notes(self.handles, self._stopped, self.failure),
-                                            self.printer.colour))
+            shown: list[ProcessHandle] = []
+            for handle in self.handles:  # a worker restarted alone: its earlier runs first
+                shown += [r for r in self._replaced if r.spec.name == handle.spec.name]
+                shown.append(handle)
+            table_notes = notes(shown, self._stopped, self.failure)
+            table_notes.update({id(r): "failed; restarted alone" for r in self._replaced})
+            self.printer.raw(render_summary(shown, table_notes, self.printer.colour))
         if self.failure is not None:
             self.printer.note(f"root cause: {self.failure.reason}")
             if self.failure.handle is not None:
@@ -270,7 +334,14 @@ class Supervisor:
                         self.printer.note(f"  | {text}")
                 else:
                     self.printer.note(f"{name} printed nothing")
-            self.printer.note(f"exit code {self.failure.exit_code}")
+        if then is not None:
+            self.printer.note(then)
+        else:
+            if self.restarts.used:
+                for line in self.restarts.render():
+                    self.printer.note(line)
+            if self.failure is not None:
+                self.printer.note(f"exit code {self.failure.exit_code}")
         self.printer.flush()
 
 

@@ -4,7 +4,8 @@ Every process that ended falls into one kind (``kind_of``):
 
 * ``own``: it failed on its own — a non-zero exit other than 75, a signal nobody sent it, or it
   reported its own uncaught error (the runtime's ``PSLAUNCH-FAILED`` marker, written right after
-  its traceback, also when it was stopped before it could exit);
+  its traceback, also when it was stopped before it could exit); or pslaunch lost its host
+  (``unreachable``: the host is then the root cause, at the time it was last heard from);
 * ``peer``: it exited with ``EXIT_PEER_FAILED`` (75): it ended because another process failed, or
   because the job was torn down;
 * ``stopped``: pslaunch stopped it (teardown);
@@ -85,6 +86,10 @@ def culprit(handles: "list[ProcessHandle]", stopped: set[int]) -> Failure | None
     if own:
         first = own[0]
         status = first.status
+        if first.unreachable and status is not None:
+            host = first.spec.host
+            names = ", ".join(h.spec.name for h in handles if h.unreachable and h.spec.host == host)
+            return Failure(f"host {host.label} lost ({status.detail}): pslaunch could not reach {names}", 255, first)
         was_stopped = id(first) in stopped
         if status is not None and not status.ok and not was_stopped:
             code, note = job_exit_code(status.exit_code)
@@ -111,7 +116,9 @@ def notes(handles: "list[ProcessHandle]", stopped: set[int], failure: Failure | 
     for h in handles:
         kind = kind_of(h, stopped)
         if failure is not None and failure.handle is h:
-            out[id(h)] = "root cause"
+            out[id(h)] = "root cause, unreachable" if h.unreachable else "root cause"
+        elif h.unreachable:
+            out[id(h)] = "unreachable"  # pslaunch could not stop it: its host's guard does
         elif kind == "own":
             out[id(h)] = "failed"
         elif kind == "peer":

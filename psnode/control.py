@@ -32,7 +32,7 @@ __all__ = ["FailureLatch", "SchedulerLink", "CONTROL_CMDS"]
 
 CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN,
-     Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE}
+     Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED}
 )
 """What only the scheduler sends to a node."""
 
@@ -75,17 +75,21 @@ class SchedulerLink:
     """This node's conversation with the scheduler (see the module docstring).
 
     ``me``: this node's own record (rank -1 until the address book says). ``on_worker_finished(rank,
-    description)`` is called when the scheduler says a worker left the job.
+    description)`` is called when the scheduler says a worker left the job, ``on_worker_rejoined(rank)``
+    when a restarted worker took its rank back (``PSLAUNCH_RESTART_SCOPE=worker``; the book is
+    updated and the new worker connected first).
     """
 
     def __init__(self, env: NodeEnv, transport: Transport, me: PeerInfo, members: Membership, failure: FailureLatch,
-                 on_worker_finished: Callable[[int, str], None] | None = None) -> None:
+                 on_worker_finished: Callable[[int, str], None] | None = None,
+                 on_worker_rejoined: Callable[[int], None] | None = None) -> None:
         self.env = env
         self.transport = transport
         self.me = me
         self.members = members
         self.failure = failure
         self.on_worker_finished = on_worker_finished
+        self.on_worker_rejoined = on_worker_rejoined
         self.shutdown_requested = False
         self.malformed = 0
         self._last_heard = time.monotonic()
@@ -222,6 +226,18 @@ class SchedulerLink:
                 self.timeline.flush()
         return self._next_heartbeat
 
+    def beat(self) -> None:
+        """Between chunks of long work on the receiving thread (a checkpoint's files): send a heartbeat
+        when one is due. Nothing is received meanwhile, so the time is not counted as the scheduler's
+        silence."""
+        now = time.monotonic()
+        self._last_heard += now - self._last_tick
+        self._last_tick = now
+        interval = self.env.heartbeat_interval
+        if interval > 0 and now >= self._next_heartbeat and self.failure.error is None:
+            self._next_heartbeat = now + interval
+            self.send(Cmd.HEARTBEAT)
+
     def heard(self) -> None:
         """The scheduler just sent something: it is alive."""
         self._last_heard = time.monotonic()
@@ -267,6 +283,16 @@ class SchedulerLink:
             info = unpack_json(frames[1])
             if self.on_worker_finished is not None:
                 self.on_worker_finished(int(info["rank"]), str(info["node"]))
+        elif cmd == Cmd.WORKER_REJOINED:
+            info = unpack_json(frames[1])
+            peer = PeerInfo.from_record(info["node"])
+            self.members.replace_worker(str(info["old"]), peer)
+            self.transport.connect(peer.uid.encode(), endpoint_of(peer, self.transport, self.me.fingerprint,
+                                                                 self.env.same_host))
+            logger.info("%s %d: worker %d rejoined at %s:%d", self.me.role, self.members.rank, peer.rank, peer.host,
+                        peer.port)
+            if self.on_worker_rejoined is not None:
+                self.on_worker_rejoined(peer.rank)
         elif cmd == Cmd.SHUTDOWN:
             self.shutdown_requested = True
             if self.timeline is not None:

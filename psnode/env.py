@@ -11,6 +11,7 @@ node that ended because of another node, and the marker lines a supervised node 
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import math
 import os
 import re
@@ -75,6 +76,9 @@ class NodeEnv:
     stats_interval: float = 0.0
     launch_rank: int | None = None
     timeline: str = ""
+    restart_count: int = 0
+    checkpoint_dir: str | None = None
+    restart_scope: str = "job"
 
     @property
     def root_address(self) -> str:
@@ -82,11 +86,17 @@ class NodeEnv:
         return f"{self.root_uri}:{self.root_port}"
 
     def advertised_host(self) -> str:
-        """The address this node tells its peers: DMLC_NODE_HOST, DMLC_INTERFACE's, or the route to the root."""
+        """The address this node tells its peers (and binds): DMLC_NODE_HOST, DMLC_INTERFACE's on this
+        host, or that of the interface toward the scheduler.
+
+        Raises:
+            EnvError: the name does not resolve, DMLC_INTERFACE matches nothing here, or no route
+                leads to the scheduler (each message names the value and what this host has).
+        """
         if self.node_host:
             return resolve_host(self.node_host, "DMLC_NODE_HOST")
         if self.interface:
-            return interface_address(self.interface)
+            return interface_spec_address(self.interface)
         return route_address(self.root_uri, self.root_port)
 
     def security(self) -> security.Security:
@@ -212,10 +222,19 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
                        "pslaunch (PSLAUNCH_SUPERVISED is not 1); give a file path instead")
     launch_rank_text = _get(env, "PSLAUNCH_RANK")
     launch_rank = None if launch_rank_text is None else _int("PSLAUNCH_RANK", launch_rank_text, 0)
+    restart_count = _int("PSLAUNCH_RESTART_COUNT", _get(env, "PSLAUNCH_RESTART_COUNT") or "0", 0)
+    restart_scope = (_get(env, "PSLAUNCH_RESTART_SCOPE") or "job").lower()
+    if restart_scope not in ("job", "worker"):
+        raise EnvError(f"environment variable PSLAUNCH_RESTART_SCOPE={restart_scope!r} must be job or worker")
+    checkpoint_dir = _get(env, "PSLAUNCH_CHECKPOINT_DIR")
+    if checkpoint_dir is not None:
+        if "\0" in checkpoint_dir:
+            raise EnvError("environment variable PSLAUNCH_CHECKPOINT_DIR holds a NUL byte")
+        checkpoint_dir = os.path.abspath(os.path.expanduser(checkpoint_dir))
     node_host = _get(env, "DMLC_NODE_HOST")
     interface = _get(env, "DMLC_INTERFACE")
-    if interface is not None and not interface.replace("-", "").replace(".", "").replace("_", "").isalnum():
-        raise EnvError(f"environment variable DMLC_INTERFACE={interface!r} is not an interface name")
+    if interface is not None:
+        _interface_spec(interface)
     return NodeEnv(
         role=role,
         root_uri=root_uri,
@@ -246,6 +265,9 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         stats_interval=stats_interval if supervised else 0.0,
         launch_rank=launch_rank,
         timeline=timeline,
+        restart_count=restart_count,
+        checkpoint_dir=checkpoint_dir,
+        restart_scope=restart_scope,
     )
 
 
@@ -261,27 +283,62 @@ def resolve_host(host: str, variable: str = "host") -> str:
         raise EnvError(f"{variable}={host!r} does not resolve to an address: {exc}") from exc
 
 
-def interface_address(name: str) -> str:
-    """The IPv4 address of network interface ``name`` (Linux).
+def _interface_spec(text: str) -> list[str] | ipaddress.IPv4Network:
+    """DMLC_INTERFACE's value: interface names tried in order (``ib0,eth0``) or an IPv4 network.
 
     Raises:
-        EnvError: no such interface, or it has no IPv4 address.
+        EnvError: neither (the message names the value).
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-    except OSError as exc:
-        known = ", ".join(n for _, n in socket.if_nameindex())
-        raise EnvError(
-            f"DMLC_INTERFACE={name!r} has no IPv4 address or does not exist (interfaces here: {known})"
-        ) from exc
-    finally:
-        sock.close()
-    return socket.inet_ntoa(packed[20:24])
+    if "/" in text:
+        try:
+            return ipaddress.IPv4Network(text, strict=False)
+        except ValueError:
+            raise EnvError(f"environment variable DMLC_INTERFACE={text!r} is not an IPv4 network (e.g. 10.1.0.0/16)") from None
+    names = [n.strip() for n in text.split(",")]
+    if not all(n and re.fullmatch(r"[A-Za-z0-9_.:-]{1,15}", n) for n in names):
+        raise EnvError(f"environment variable DMLC_INTERFACE={text!r} is not an interface name, a list of them "
+                       "(ib0,eth0) or an IPv4 network")
+    return names
+
+
+def interface_addresses() -> dict[str, str]:
+    """This host's interfaces that have an IPv4 address, ``{name: address}`` (Linux)."""
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR
+                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def interface_spec_address(text: str) -> str:
+    """The address DMLC_INTERFACE picks on this host: the first listed interface it has, or its
+    address inside the network.
+
+    Raises:
+        EnvError: the value is malformed, or nothing here matches it (naming what this host has).
+    """
+    spec = _interface_spec(text)
+    here = interface_addresses()
+    if isinstance(spec, ipaddress.IPv4Network):
+        found = next((a for a in here.values() if ipaddress.IPv4Address(a) in spec), None)
+    else:
+        found = next((here[n] for n in spec if n in here), None)
+    if found is None:
+        known = ", ".join(f"{n} {a}" for n, a in here.items())
+        raise EnvError(f"DMLC_INTERFACE={text!r} matches no interface of {socket.gethostname()} (here: {known})")
+    return found
 
 
 def route_address(root_uri: str, root_port: int) -> str:
-    """The local address the kernel would use to reach the scheduler (no packet is sent)."""
+    """The local address the kernel would use to reach the scheduler (no packet is sent).
+
+    Raises:
+        EnvError: the scheduler's name does not resolve, or no route leads there.
+    """
     root = resolve_host(root_uri, "DMLC_PS_ROOT_URI")
     if root.startswith("127."):
         return root
@@ -289,7 +346,8 @@ def route_address(root_uri: str, root_port: int) -> str:
     try:
         sock.connect((root, root_port))
         return sock.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
+    except OSError as exc:
+        raise EnvError(f"no route from {socket.gethostname()} to the scheduler at {root_uri}:{root_port} "
+                       f"(DMLC_PS_ROOT_URI): {exc.strerror or exc}") from exc
     finally:
         sock.close()

@@ -6,19 +6,22 @@ endpoint for a peer: the same-host endpoint for a peer on this host (same boot a
 namespace, unless ``PSLAUNCH_SAME_HOST=tcp``), TCP otherwise. The scheduler uses the same
 ``PeerInfo`` and ``endpoint_of`` to reach the nodes.
 
-Written once (at registration, on the thread that registers), read-only afterwards: no lock.
+Written at registration (on the thread that registers) and, when a restarted worker rejoins, by the
+receiving thread, which swaps in new dicts and lists whole: readers need no lock.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import ProtocolError
 from .transport import Transport
 
-__all__ = ["PeerInfo", "Membership", "host_fingerprint", "endpoint_of"]
+__all__ = ["PeerInfo", "Membership", "host_fingerprint", "endpoint_of", "unreachable"]
 
 SCHEDULER = b"scheduler"
 """The scheduler's identity on the wire."""
@@ -82,6 +85,28 @@ def endpoint_of(peer: PeerInfo, transport: Transport, fingerprint: str, same_hos
     return f"tcp://{peer.host}:{peer.port}"
 
 
+def unreachable(peers: list[PeerInfo], fingerprint: str, same_host: str, timeout: float) -> list[tuple[PeerInfo, str]]:
+    """The peers whose advertised TCP address does not accept a connection from here within
+    ``timeout`` seconds, each with why (``No route to host``, ``no answer within 5 s``). Peers
+    reached through the same-host path are not tried. Blocks up to about ``timeout``; the tries run
+    in parallel (a plain connect, closed at once: the node's socket drops it)."""
+
+    def one(peer: PeerInfo) -> tuple[PeerInfo, str] | None:
+        try:
+            socket.create_connection((peer.host, peer.port), timeout).close()
+        except socket.timeout:
+            return peer, f"no answer within {timeout:g} s"
+        except OSError as exc:
+            return peer, exc.strerror or str(exc)
+        return None
+
+    remote = [p for p in peers if not (same_host in ("ipc", "shm") and p.fingerprint == fingerprint)]
+    if not remote:
+        return []
+    with ThreadPoolExecutor(max_workers=min(64, len(remote))) as pool:
+        return [found for found in pool.map(one, remote) if found is not None]
+
+
 class Membership:
     """The address book one node received: its rank, its peers, workers and servers by rank."""
 
@@ -91,6 +116,7 @@ class Membership:
         self.peers: dict[bytes, PeerInfo] = {}
         self.workers: list[PeerInfo] = []
         self.servers: list[PeerInfo] = []
+        self.rejoined = False  # this worker took the rank of one that died (PSLAUNCH_RESTART_SCOPE=worker)
 
     def apply(self, book: Any) -> list[PeerInfo]:
         """Take the scheduler's address book; return the peers this node connects to (workers to
@@ -110,10 +136,27 @@ class Membership:
             peer = PeerInfo.from_record(item)
             peers[peer.uid.encode()] = peer
         self.rank = rank
+        self.rejoined = book.get("rejoined") is True
         self.peers = peers
         self.workers = sorted((p for p in peers.values() if p.role == "worker"), key=lambda p: p.rank)
         self.servers = sorted((p for p in peers.values() if p.role == "server"), key=lambda p: p.rank)
         return self.servers if self.role == "worker" else self.workers
+
+    def replace_worker(self, old_uid: str, peer: PeerInfo) -> None:
+        """A restarted worker ``peer`` took the rank of the worker whose identity was ``old_uid``.
+
+        Raises:
+            ProtocolError: ``peer`` is not a worker of a rank this book holds.
+        """
+        if peer.role != "worker" or not 0 <= peer.rank < len(self.workers):
+            raise ProtocolError(f"a rejoined {peer.role} of rank {peer.rank}, not one of the {len(self.workers)} workers")
+        peers = dict(self.peers)
+        peers.pop(old_uid.encode(), None)
+        peers[peer.uid.encode()] = peer
+        workers = list(self.workers)
+        workers[peer.rank] = peer
+        # whole new objects: a thread reading the book meanwhile sees the old one or the new one
+        self.peers, self.workers = peers, workers
 
     def get(self, sender: bytes) -> PeerInfo | None:
         """The peer whose identity is ``sender``, or None."""

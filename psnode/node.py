@@ -71,12 +71,14 @@ class Connection:
 
     ``handle`` receives the peers' data messages, ``after_batch`` is called after each batch of
     them, ``deferred`` is held-back work (optional); ``on_worker_finished(rank, description)``
-    hears that a worker left the job.
+    hears that a worker left the job, ``on_worker_rejoined(rank)`` that a restarted one took its
+    rank back.
     """
 
     def __init__(self, env: NodeEnv, role: str, handle: DataHandler, transport: Transport | None = None,
                  after_batch: Callable[[], None] | None = None, deferred: Deferred | None = None,
-                 on_worker_finished: Callable[[int, str], None] | None = None) -> None:
+                 on_worker_finished: Callable[[int, str], None] | None = None,
+                 on_worker_rejoined: Callable[[int], None] | None = None) -> None:
         setup_logging(env.verbose)
         self.env = env
         host = env.advertised_host()
@@ -92,7 +94,8 @@ class Connection:
                            self.probe.ref if self.probe is not None else 0, os.getpid())
         self.members = Membership(role)
         self.failure = FailureLatch()
-        self.link = SchedulerLink(env, self.transport, self.me, self.members, self.failure, on_worker_finished)
+        self.link = SchedulerLink(env, self.transport, self.me, self.members, self.failure, on_worker_finished,
+                                  on_worker_rejoined)
         # PSLAUNCH_TIMELINE: this node's events (psnode.timeline); None when off, and nothing is wrapped
         self.timeline = self.link.timeline = open_timeline(env, role)
         self._handle = handle

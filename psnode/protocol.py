@@ -14,7 +14,7 @@ Data commands (push, pull, rows) carry a meta frame: a packed array of ``ENTRY``
 key part, that says where its bytes lie in which data frame (64-bit offsets and lengths, so no
 32-bit size limit) and how they are encoded (``codec``: ``psnode.codecs``; ``raw`` is 0). Data frames are the arrays' raw bytes, sent and received without copies and
 read with ``numpy.frombuffer``. Control commands (register, address book, errors, init) carry one
-JSON frame. Nothing on the wire is pickled except the updater a worker ships with ``set_updater``
+JSON frame (a checkpoint request and its reply too). Nothing on the wire is pickled except the updater a worker ships with ``set_updater``
 (a control message, only ever unpickled by a server of the same job).
 
 The small round trip has two single-frame commands whose header frame carries the whole message
@@ -97,6 +97,7 @@ class Cmd(enum.IntEnum):
     SHUTDOWN_ACK = 11
     NODE_DIED = 12
     WORKER_FINISHED = 13
+    WORKER_REJOINED = 14  # scheduler -> servers, JSON {"old": uid, "node": record}: a restarted worker's new address
     INIT = 20
     INIT_ACK = 21
     PUSH = 22
@@ -115,6 +116,8 @@ class Cmd(enum.IntEnum):
     RDV_SET = 41  # to the scheduler: {"key", "value"}, a rendezvous value (e.g. NCCL's unique id)
     RDV_GET = 42  # to the scheduler: {"key"}; answered by RDV_VALUE once the key is set
     RDV_VALUE = 43  # from the scheduler: {"value"} (or FLAG_ERROR and {"error"})
+    CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server_checkpoint
+    CHECKPOINT_REPLY = 35  # JSON: the operation's result
 
 
 class Group(enum.IntEnum):

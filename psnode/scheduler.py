@@ -5,8 +5,9 @@ It listens on ``DMLC_PS_ROOT_PORT``. Every server and worker registers; once all
 the rest ordered by (host, port)) and every node gets the address book. Then it answers heartbeats
 and barriers, and watches: a node silent for ``PS_HEARTBEAT_TIMEOUT`` (or one that reports its own
 failure) is announced to every other node as dead, naming its role, rank and host, and the
-scheduler fails. When every worker has finished, the servers are told to shut down and the
-scheduler ends.
+scheduler fails (with ``PSLAUNCH_RESTART_SCOPE=worker`` a dead worker is not announced: its rank
+waits for the worker pslaunch starts again, which registers late and takes it back, ``_rejoin``).
+When every worker has finished, the servers are told to shut down and the scheduler ends.
 
 Parts: the ``Roster`` (who registered, their ranks and liveness), the ``Barriers`` (who waits in
 which group) and the ``Scheduler`` façade that reads messages and drives both. Under pslaunch with
@@ -25,7 +26,7 @@ from typing import Any
 from .env import NodeEnv, resolve_host
 from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError
 from .log import logger, setup_logging
-from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint
+from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint, unreachable
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
 from .rendezvous import Rendezvous
 from .security import secure_or_loopback
@@ -47,6 +48,7 @@ class Member:
     last_seen: float = field(default_factory=time.monotonic)
     finished: bool = False
     report: dict | None = None  # the counters of its latest heartbeat (PSLAUNCH_STATS), checked
+    away_since: float | None = None  # a worker that died under PSLAUNCH_RESTART_SCOPE=worker: since when
 
 
 class Roster:
@@ -97,6 +99,38 @@ class Roster:
                     f"{peer.role}s (DMLC_NUM_{'WORKER' if peer.role == 'worker' else 'SERVER'}={expected})")
         self.members[sender] = Member(info, peer)
         return None
+
+    def replace(self, sender: bytes, info: Any) -> tuple[Member, Member]:
+        """A worker started again (``PSLAUNCH_RESTART_SCOPE=worker``) takes the place of the member of
+        its rank (``worker_id``); returns ``(new member, old member)``.
+
+        Raises:
+            ProtocolError: the body is malformed, not a worker's, or its uid is not the sender.
+            PSNodeError: another job's node, no ``worker_id``, or its rank already finished.
+        """
+        peer = PeerInfo.from_record({**info, "rank": -1})
+        worker_id = info.get("worker_id")
+        if peer.role != "worker" or sender != peer.uid.encode():
+            raise ProtocolError(f"a late registration of role {peer.role!r} with uid {peer.uid!r} from {sender[:64]!r}")
+        job = info.get("job_id")
+        if self.job_id and job is not None and job != self.job_id:
+            raise PSNodeError(f"a worker of job {job!r} at {peer.host}:{peer.port} tried to join; port {self.port} "
+                              f"belongs to job {self.job_id!r}")
+        if not isinstance(worker_id, int) or not 0 <= worker_id < self.expected["worker"]:
+            raise PSNodeError(f"a worker at {peer.host}:{peer.port} registered after the job started without a "
+                              f"DMLC_WORKER_ID of 0..{self.expected['worker'] - 1} ({worker_id!r}); only a restarted "
+                              "worker may, taking its rank back")
+        old_uid, old = next((u, m) for u, m in self.members.items()
+                            if m.peer.role == "worker" and m.peer.rank == worker_id)
+        if old.finished:
+            raise PSNodeError(f"worker {worker_id} registered again at {peer.host}:{peer.port}, but worker "
+                              f"{worker_id} already finished the job")
+        del self.members[old_uid]
+        p = peer
+        new = Member(info, PeerInfo(p.role, worker_id, p.host, p.port, p.uid, p.fingerprint, p.local_name, p.shm_probe,
+                                    p.pid))
+        self.members[sender] = new
+        return new, old
 
     def assign_ranks(self) -> None:
         """Give every node its rank: workers by DMLC_WORKER_ID, the rest by (host, port).
@@ -168,6 +202,9 @@ class Scheduler:
         setup_logging(env.verbose)
         self.env = env
         secure_or_loopback(env, {})
+        # Nodes' advertised TCP addresses are tried before the address book goes out when the
+        # scheduler runs the TCP transport itself (an injected one may not use those addresses).
+        self._probe_tcp = transport is None and env.transport == "zmq"
         self.transport = transport or node_transport(env, SCHEDULER)
         self.transport.bind(env.root_port, None, None if env.bind_all else resolve_host(env.root_uri, "DMLC_PS_ROOT_URI"))
         self.fingerprint = host_fingerprint()
@@ -223,6 +260,7 @@ class Scheduler:
                 logger.info("scheduler dropped a malformed registration from %r: %s", sender[:64], exc)
         try:
             roster.assign_ranks()
+            self._check_reachable()
         except PSNodeError as exc:
             self._refuse_all(str(exc))
             raise
@@ -236,6 +274,26 @@ class Scheduler:
         if self.timeline is not None:
             self.timeline.add("registration", None, start, time.monotonic_ns())
         logger.info("scheduler: %d servers and %d workers registered", env.num_servers, env.num_workers)
+
+    def _check_reachable(self) -> None:
+        """Every node's advertised address must be reachable from here, or the address book would
+        never arrive there (and the node would look dead): say which address, and what to set.
+
+        Raises:
+            PSNodeError: naming each node that cannot be reached, its address and why.
+        """
+        if not self._probe_tcp:
+            return
+        peers = [m.peer for m in self.roster.members.values()]
+        found = unreachable(peers, self.fingerprint, self.env.same_host, min(5.0, max(1.0, self.env.heartbeat_timeout)))
+        if found:
+            (first, why), *others = sorted(found, key=lambda f: (f[0].role, f[0].rank))
+            also = ", ".join(f"{p.role} {p.rank} at {p.host}:{p.port} ({w})" for p, w in others[:5])
+            more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+            raise PSNodeError(
+                f"{first.role} {first.rank} advertised {first.host}:{first.port}, which the scheduler at "
+                f"{self.env.root_uri} cannot reach ({why})" + (f"; nor {also}{more}" if others else "")
+                + "; set --interface (DMLC_INTERFACE) to an interface on a network the scheduler is on")
 
     def _send_once(self, uid: bytes, peer: PeerInfo, cmd: int, body: dict) -> None:
         try:
@@ -274,6 +332,9 @@ class Scheduler:
         member = self.roster.members.get(sender)
         try:
             cmd, flags, req_id, arg = unpack_header(frames[0])
+            if member is None and cmd == Cmd.REGISTER and self.env.restart_scope == "worker":
+                self._rejoin(sender, frames)
+                return
             if member is None:
                 raise ProtocolError(f"{Cmd(cmd).name} from an unknown sender")
         except (ProtocolError, IndexError) as exc:
@@ -359,6 +420,37 @@ class Scheduler:
             return
         for uid, rid in answer:
             self.transport.send(uid, [pack_header(Cmd.RDV_VALUE, rid), pack_json({"value": value})])
+    def _rejoin(self, sender: bytes, frames: list) -> None:
+        """``PSLAUNCH_RESTART_SCOPE=worker``: a worker started again after it died takes its rank back.
+
+        It gets the address book (marked ``rejoined``, so its store skips the set-up collectives the
+        others passed long ago) and the servers learn its new address (``WORKER_REJOINED``), which
+        also resets what they counted of its pushes. Barriers its predecessor had entered forget it.
+
+        Raises:
+            ProtocolError: a malformed registration (counted and dropped by the caller).
+        """
+        info = unpack_json(frames[1]) if len(frames) > 1 else None
+        if not isinstance(info, dict):
+            raise ProtocolError("a late registration without an object body")
+        try:
+            new, old = self.roster.replace(sender, info)
+        except PSNodeError as exc:
+            self._send_once(sender, PeerInfo.from_record({**info, "rank": -1}), Cmd.REGISTER_FAILED, {"error": str(exc)})
+            logger.info("scheduler: %s", exc)
+            return
+        self.transport.connect(sender, endpoint_of(new.peer, self.transport, self.fingerprint, self.env.same_host))
+        nodes = [m.peer.as_record() for m in self.roster.members.values()]
+        self.transport.send(sender, [pack_header(Cmd.ADDRBOOK), pack_json({"rank": new.peer.rank, "nodes": nodes,
+                                                                            "rejoined": True})])
+        note = pack_json({"old": old.peer.uid, "node": new.peer.as_record()})
+        for uid in self.roster.of_roles(("server",)):
+            self.transport.send(uid, [pack_header(Cmd.WORKER_REJOINED), note])
+        old_uid = old.peer.uid.encode()
+        for group, waiting in list(self.barriers.waiting.items()):
+            self.barriers.waiting[group] = [w for w in waiting if w[0] != old_uid]
+        logger.info("scheduler: worker %d rejoined from %s:%d (pid %s)", new.peer.rank, new.peer.host, new.peer.port,
+                    info.get("pid"))
 
     def _finished(self, sender: bytes, member: Member, req_id: int) -> None:
         member.finished = True
@@ -428,8 +520,15 @@ class Scheduler:
             # the others could not be heard meanwhile, so that time is not their silence.
             for member in self.roster.members.values():
                 member.last_seen += stalled
-        for member in self.roster.members.values():
+                if member.away_since is not None:
+                    member.away_since += stalled
+        for member in list(self.roster.members.values()):
             if member.finished:
+                continue
+            if member.away_since is not None:
+                if now - member.away_since > self.env.heartbeat_timeout:  # it was not started again
+                    self._announce_death(member, f"{member.peer.describe()} died and did not come back within "
+                                                 f"{self.env.heartbeat_timeout:g} s (PS_HEARTBEAT_TIMEOUT)", final=True)
                 continue
             silent = now - member.last_seen
             if silent > self.env.heartbeat_timeout:
@@ -439,8 +538,15 @@ class Scheduler:
                     f"(PS_HEARTBEAT_TIMEOUT={self.env.heartbeat_timeout:g})",
                 )
 
-    def _announce_death(self, dead: Member, message: str) -> None:
+    def _announce_death(self, dead: Member, message: str, final: bool = False) -> None:
         peer = dead.peer
+        if peer.role == "worker" and self.env.restart_scope == "worker" and not final:
+            # pslaunch starts it again alone once it has ended; the others go on, and its rank waits
+            # for it one heartbeat timeout (a worker that hangs instead of ending is not restarted)
+            if dead.away_since is None:
+                dead.away_since = time.monotonic()
+                logger.warning("scheduler: %s; waiting for it to be restarted (PSLAUNCH_RESTART_SCOPE=worker)", message)
+            return
         body = {"message": message, "role": peer.role, "rank": peer.rank, "host": peer.host}
         for uid, member in self.roster.members.items():
             if member is not dead and not member.finished:

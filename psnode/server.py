@@ -30,8 +30,9 @@ from .membership import PeerInfo
 from .node import Connection
 from .protocol import (
     FLAG_PULL, FLAG_SYNC, IN_SHARED_MEMORY, PUSH_PULL, Cmd, Group, pack_entries, pack_header, unpack_entries, unpack_header,
-    unpack_codec_params, unpack_json, unpack_push_pull,
+    pack_json, unpack_codec_params, unpack_json, unpack_push_pull,
 )
+from .server_checkpoint import Checkpoints
 from .server_groups import Groups
 from .server_replies import Replies
 from .server_store import ServerStore, Shard, init_value
@@ -42,7 +43,8 @@ from .transport import Transport
 __all__ = ["ServerNode"]
 
 _REPLY_TO = {Cmd.PULL: Cmd.PULL_REPLY, Cmd.PUSH: Cmd.PUSH_ACK, Cmd.INIT: Cmd.INIT_ACK, Cmd.ROWS: Cmd.ROWS_REPLY,
-             Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC: Cmd.SET_CODEC_ACK}
+             Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC: Cmd.SET_CODEC_ACK,
+             Cmd.CHECKPOINT: Cmd.CHECKPOINT_REPLY}
 
 
 class ServerNode:
@@ -53,10 +55,13 @@ class ServerNode:
         self.store = ServerStore(env.num_workers, memory)
         self.codecs = CodecTable()
         self.attached = shm.Attachments(shm.job_tag(env.job_id))
-        self.conn = Connection(env, "server", self._handle, transport, on_worker_finished=self._worker_finished)
+        self.conn = Connection(env, "server", self._handle, transport, on_worker_finished=self._worker_finished,
+                               on_worker_rejoined=self._worker_rejoined)
         self.replies = Replies(self.conn.transport, self.conn.members, memory, self.attached)
         self.conn.serve_with(after_batch=self.replies.after_batch, deferred=self.replies)
         self.groups = Groups(self.store, self.replies)
+        self.checkpoints = Checkpoints(self.store, self.groups, env.checkpoint_dir, env.num_servers, env.job_id,
+                                       lambda: self.conn.rank, self.conn.link.beat)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
         self.timeline = self.conn.timeline
         if self.timeline is not None:  # PSLAUNCH_TIMELINE: each push's merge and each round's update, per key
@@ -99,8 +104,10 @@ class ServerNode:
         self.conn.wait(future, timeout, what)
 
     def close(self) -> None:
-        """Close the sockets, giving queued replies a moment to leave; write the timeline's last events."""
+        """Close the sockets, giving queued replies a moment to leave, and let a removal of old
+        checkpoints finish; write the timeline's last events."""
         self.conn.transport.close(linger=0.5)
+        self.checkpoints.close()
         if self.timeline is not None:
             self.timeline.close()
 
@@ -154,7 +161,8 @@ class ServerNode:
 
     def _request(self, peer: PeerInfo, cmd: int, reply: int, flags: int, req_id: int, arg: int, frames: list,
                  ack: bool = True) -> ProtocolError | None:
-        """Run one request (a push, pull, row pull, init or updater); refusals go back as error replies.
+        """Run one request (a push, pull, row pull, init, updater, codec or checkpoint); refusals go back
+        as error replies.
 
         ``ack=False``: a push that carried a pull is acknowledged by that pull's reply (the worker
         completes both on it), so it gets no acknowledgement of its own. A malformed request is
@@ -182,6 +190,15 @@ class ServerNode:
             elif cmd == Cmd.SET_CODEC:
                 self._set_codec(frames)
                 self.replies.reply(peer, reply, req_id, arg)
+            elif cmd == Cmd.CHECKPOINT:
+                if len(frames) != 2:
+                    raise RequestRefused(f"CHECKPOINT of {len(frames)} frames, expected 2 (header, JSON body)")
+                try:
+                    body = unpack_json(frames[1])
+                except ProtocolError as exc:
+                    raise RequestRefused(f"server {self.rank}: {exc}") from None
+                result = self.checkpoints.handle(peer.rank, body)
+                self.conn.transport.send(peer.uid.encode(), [pack_header(reply, req_id, arg), pack_json(result)])
         except RequestRefused as exc:
             self.replies.refuse(peer, reply, req_id, str(exc))
         except ClosedError:
@@ -351,6 +368,14 @@ class ServerNode:
         self.replies.send_to(peer.rank, [pack_header(Cmd.ROWS_REPLY, req_id), pack_entries(out_entries), payload])
 
     # ---- the job -----------------------------------------------------------------------------
+    def _worker_rejoined(self, rank: int) -> None:
+        """A restarted worker took rank ``rank`` back (``PSLAUNCH_RESTART_SCOPE=worker``, dist_async): it
+        counts its pushes from zero, and nothing owed to its predecessor is sent to it."""
+        self.store.worker_rejoined(rank)
+        for group in self.groups.by_keys.values():
+            group.round.received[rank] = 0
+        self.replies.forget_worker(rank)
+
     def _worker_finished(self, rank: int, node: str) -> None:
         """Fail the pulls that wait for a round this worker will never push to (instead of hanging)."""
         store = self.store

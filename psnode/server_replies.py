@@ -82,6 +82,15 @@ class Replies:
             for slot in [s for s in self._regions if s[:2] == (worker, req_id)]:
                 del self._regions[slot]
 
+    def forget_worker(self, worker: int) -> None:
+        """Worker ``worker`` was replaced by a restarted one: drop what was held for its predecessor."""
+        self._acks.pop(worker, None)
+        self._pulls_waiting.pop(worker, None)
+        for slot in [s for s in self._regions if s[0] == worker]:
+            del self._regions[slot]
+        for slot in [s for s in self.answers if s[0] == worker]:
+            del self.answers[slot]
+
     def ack(self, worker: int, req_id: int, parts: int) -> None:
         """Acknowledge ``parts`` parts of push ``req_id`` (sent with the worker's next reply, or soon)."""
         self._acks[worker].append((req_id, parts))

@@ -25,7 +25,7 @@ from .errors import ProtocolError, RequestRefused
 from .rounds import Round, run_updater
 from .shard_memory import HostMemory
 
-__all__ = ["Shard", "ServerStore", "Answer", "init_value", "VALUE_DTYPES"]
+__all__ = ["Shard", "ServerStore", "Answer", "init_value", "VALUE_DTYPES", "is_int", "is_shape", "dtype_of"]
 
 VALUE_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "uint8", "int8", "int32", "int64"))
 """The dtypes a key may have: MXNet's KVStore's (anything else is refused at init)."""
@@ -44,23 +44,22 @@ def init_value(spec: Any, data_frames: list) -> tuple[int, Hashable, np.ndarray,
         raise ProtocolError(f"an INIT spec is a {type(spec).__name__}, not an object")
     key, user_key, shape = spec.get("key"), spec.get("user_key"), spec.get("shape")
     frame, offset, row_size = spec.get("frame"), spec.get("offset", 0), spec.get("row_size", 1)
-    if not _is_int(key) or not 0 <= key < 1 << 64:
+    if not is_int(key) or not 0 <= key < 1 << 64:
         raise ProtocolError(f"INIT key id {key!r} is not a 64-bit unsigned integer")
-    if not (isinstance(user_key, str) or _is_int(user_key)):
+    if not (isinstance(user_key, str) or is_int(user_key)):
         raise ProtocolError(f"INIT of key id {key:#x}: the key {user_key!r} is neither int nor str")
     where = f"INIT of key {user_key!r}"
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_int(n) and n >= 0 for n in shape):
+    if not is_shape(shape):
         raise ProtocolError(f"{where}: shape {shape!r} is not a list of at most {_MAX_DIMS} sizes")
-    try:
-        dtype = np.dtype(spec.get("dtype"))
-    except TypeError:
-        raise ProtocolError(f"{where}: dtype {spec.get('dtype')!r} is not a dtype") from None
+    dtype = dtype_of(spec.get("dtype"))
+    if dtype is None:
+        raise ProtocolError(f"{where}: dtype {spec.get('dtype')!r} is not a dtype")
     if dtype not in VALUE_DTYPES:
         known = ", ".join(sorted(str(d) for d in VALUE_DTYPES))
         raise RequestRefused(f"{where}: dtype {dtype} is not one a key may have ({known})")
-    if not _is_int(frame) or not 0 <= frame < len(data_frames):
+    if not is_int(frame) or not 0 <= frame < len(data_frames):
         raise ProtocolError(f"{where}: data frame {frame!r} is not one of the message's {len(data_frames)}")
-    if not _is_int(offset) or offset < 0 or not _is_int(row_size) or row_size < 1:
+    if not is_int(offset) or offset < 0 or not is_int(row_size) or row_size < 1:
         raise ProtocolError(f"{where}: offset {offset!r} or row size {row_size!r} is out of range")
     count = 1
     for n in shape:
@@ -72,8 +71,22 @@ def init_value(spec: Any, data_frames: list) -> tuple[int, Hashable, np.ndarray,
     return key, user_key, value, row_size
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON's numbers come back as both)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_shape(value: Any) -> bool:
+    """True for a shape from the network or a file: a list of at most 32 sizes >= 0."""
+    return isinstance(value, list) and len(value) <= _MAX_DIMS and all(is_int(n) and n >= 0 for n in value)
+
+
+def dtype_of(value: Any) -> np.dtype | None:
+    """The dtype ``value`` names, or None when it names none."""
+    try:
+        return np.dtype(value)
+    except TypeError:
+        return None
 
 
 Answer = Callable[[int, int, int, "Shard"], None]
@@ -120,6 +133,12 @@ class ServerStore:
         self.pushed_bytes = 0  # bytes of the pushes taken (decoded)
         self.updates = 0  # rounds applied, one per key part (a group's round counts each of its keys)
         self.timeline: Any = None  # PSLAUNCH_TIMELINE (set with ``trace``)
+        # From a checkpoint (``server_checkpoint``): values of keys not initialised yet (key id ->
+        # (user key, flat value)), the key ids whose value came from one, and optimizer state no
+        # updater has taken yet.
+        self.pending: dict[int, tuple[Hashable, np.ndarray]] = {}
+        self.restored: set[int] = set()
+        self.restored_state: dict | None = None
 
     def trace(self, timeline: Any) -> None:
         """Record each push's merge and each round's update as timeline events (``psnode.timeline``):
@@ -152,6 +171,16 @@ class ServerStore:
         """
         if key_id in self.shards:
             raise RequestRefused(f"key {user_key!r} is already initialised on this server")
+        restored = self.pending.get(key_id)
+        if restored is not None:  # the checkpoint's value wins over the initial one
+            if restored[0] != user_key or restored[1].dtype != value.dtype or restored[1].size != value.size:
+                raise RequestRefused(
+                    f"key {user_key!r} is initialised with {value.size} values of {value.dtype} (shape "
+                    f"{tuple(value.shape)}), but the checkpoint restored {restored[1].size} values of "
+                    f"{restored[1].dtype} of key {restored[0]!r} for it")
+            value = restored[1].reshape(value.shape)
+            del self.pending[key_id]
+            self.restored.add(key_id)
         memory = self.memory
         stored = memory.place(value.reshape(-1))  # kept flat; the updater gets ``shape`` views
         quorum = self.num_workers if sync else 1
@@ -159,13 +188,36 @@ class ServerStore:
         shard = Shard(key_id, user_key, tuple(value.shape), stored, round_, sync, row_size)
         self.shards[key_id] = shard
         self.held_bytes += shard.nbytes
-        init_key = getattr(self.updater, "init_key", None)
-        if init_key is not None:
-            with memory.context():
-                init_key(user_key, shard.stored.reshape(shard.shape))
+        self._announce(shard)
+
+    def _announce(self, shard: Shard) -> None:
+        """Tell the updater of a key it holds now: ``init_key``, or ``restore_key`` for a restored one
+        (which must keep its value)."""
+        name = "restore_key" if shard.key_id in self.restored else "init_key"
+        announce = getattr(self.updater, name, None)
+        if announce is not None:
+            with self.memory.context():
+                announce(shard.user_key, shard.stored.reshape(shard.shape))
+
+    def take_restored_state(self, state: dict | None) -> None:
+        """Optimizer state from a checkpoint: loaded into the updater now if it can take it
+        (``load_state_dict``), else kept for the updater that arrives next."""
+        if state is None:
+            return
+        load = getattr(self.updater, "load_state_dict", None)
+        if load is None:
+            self.restored_state = state
+            return
+        self.restored_state = None
+        try:
+            with self.memory.context():
+                load(state)
+        except Exception as exc:  # the user's code
+            raise RequestRefused(f"the updater's load_state_dict() raised {type(exc).__name__}: {exc}") from exc
 
     def set_updater(self, updater: Any) -> None:
-        """Install ``updater(key, merged, stored)``; call its ``init_key`` for keys that already exist.
+        """Install ``updater(key, merged, stored)``; call its ``init_key`` (``restore_key``) for keys that
+        already exist, and give it the restored optimizer state it can take.
 
         Raises:
             RequestRefused: ``updater`` is not callable.
@@ -173,11 +225,17 @@ class ServerStore:
         if not callable(updater):
             raise RequestRefused(f"the updater must be callable, got {type(updater).__name__}")
         self.updater = updater
-        init_key = getattr(updater, "init_key", None)
-        if init_key is not None:
-            with self.memory.context():
-                for shard in self.shards.values():
-                    init_key(shard.user_key, shard.stored.reshape(shard.shape))
+        for shard in self.shards.values():
+            self._announce(shard)
+        self.take_restored_state(self.restored_state)
+
+    def worker_rejoined(self, rank: int) -> None:
+        """Worker ``rank`` was started again: it counts its pushes from zero. Its predecessor's pushes
+        were applied on arrival (dist_async, where every round is one push), so none is pending."""
+        self.finished.pop(rank, None)
+        for shard in self.shards.values():
+            shard.round.received[rank] = 0
+            shard.round.waiting = [w for w in shard.round.waiting if w[0] != rank]
 
     def shard(self, key_id: int) -> Shard:
         """The shard of ``key_id``.

@@ -182,6 +182,12 @@ class WorkerNode:
         return self.conn.members.servers
 
     @property
+    def rejoined(self) -> bool:
+        """True when this worker took the rank of one that died (``PSLAUNCH_RESTART_SCOPE=worker``): the
+        others passed the job's set-up long ago, so it joins no set-up collective (``kvcore``)."""
+        return self.conn.members.rejoined
+
+    @property
     def failure(self) -> BaseException | None:
         """Why the node failed, or None."""
         return self.conn.failure.error
@@ -243,6 +249,18 @@ class WorkerNode:
             self.outbox.enqueue(server, [pack_header(Cmd.SET_UPDATER, req, 1), blob], 0, req)
         self.outbox.pump()
         return future
+
+    def checkpoint(self, bodies: dict[int, Any], future: Any = None) -> tuple[Any, list]:
+        """Send checkpoint request ``bodies[server]`` (a JSON object, ``psnode.server_checkpoint``) to
+        each server; returns the future (done once every server answered, or failed with the first
+        refusal) and the list that gathers the ``(server, reply)`` pairs."""
+        future = future or concurrent.futures.Future()
+        replies: list = []
+        req = self.requests.track(future, len(bodies), replies, "checkpoint", frozenset(bodies))
+        for server, body in bodies.items():
+            self.outbox.enqueue(server, [pack_header(Cmd.CHECKPOINT, req, 1), pack_json(body)], 0, req)
+        self.outbox.pump()
+        return future, replies
 
     def wait_pushes(self, timeout: float | None = None) -> None:
         """Block until every push this worker issued so far was answered by its server (receiving

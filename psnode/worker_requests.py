@@ -225,6 +225,11 @@ class RequestTable:
             request.remaining -= len(entries)
         elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC_ACK):
             request.remaining -= arg
+        elif cmd == Cmd.CHECKPOINT_REPLY:  # a JSON result per server, gathered in the request's list
+            if len(frames) != 2 or request.targets is None or request.what != "checkpoint":
+                raise ProtocolError(f"a CHECKPOINT_REPLY of {len(frames)} frames for a {request.what}")
+            request.targets.append((peer_rank, unpack_json(frames[1])))
+            request.remaining -= 1
         else:
             raise ProtocolError(f"a worker does not accept {Cmd(cmd).name}")
 

@@ -20,9 +20,13 @@ def test_runtime_reads_what_the_launcher_writes(role):
     written = envcontract.contract_env(
         role=role, root_uri="127.0.0.2", root_port=9123, num_workers=3, num_servers=2,
         job_id="job-x", rank=1, local_rank=1, local_size=2, node_host="127.0.0.5",
-        interface="lo", all_local=True, verbose=2,
+        interface="lo", all_local=True, verbose=2, restart_count=2,
+        settings={envcontract.PSLAUNCH_CHECKPOINT_DIR: "/shared/ckpt", envcontract.PSLAUNCH_RESTART_SCOPE: "worker"},
     )
     read = node_env.read_env(written)
+    # restarts: how many came before, where checkpoints live, what a restart starts again
+    assert (read.restart_count, read.checkpoint_dir, read.restart_scope) == (2, "/shared/ckpt", "worker")
+    assert envcontract.RESTART_SCOPES == ("job", "worker")
     assert (read.role, read.root_uri, read.root_port) == (role, "127.0.0.2", 9123)
     assert (read.num_workers, read.num_servers) == (3, 2)
     assert (read.job_id, read.local_rank, read.local_size) == ("job-x", 1, 2)

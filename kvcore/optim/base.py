@@ -159,6 +159,69 @@ class Updater:
         self.optimizer.num_update = max(self.optimizer._key_updates.values(), default=0)
 
 
+    # ---- the servers' checkpoint protocol (psnode.server_checkpoint) ------------------------------
+    def state_dict(self) -> dict:
+        """Every key's state for a checkpoint: ``{"scalars": {...}, "keys": {key: {"scalars": {...},
+        "arrays": [array, ...]}}}``. A key's arrays are its state's arrays in order (element-wise, shaped
+        like its weight); its scalars say how they nest and how many updates the key had.
+
+        Raises:
+            TypeError: a state holds something other than arrays, numbers, tuples and lists.
+        """
+        counts = self.optimizer._key_updates
+        keys: dict[Hashable, dict] = {}
+        for key in list(self.states) + [k for k in counts if k not in self.states]:
+            arrays: list[Any] = []
+            form = _form_of(self.states.get(key), arrays, key) if key in self.states else "absent"
+            keys[key] = {"scalars": {"form": form, "updates": counts.get(key, 0)}, "arrays": arrays}
+        return {"scalars": {"num_update": self.optimizer.num_update}, "keys": keys}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what ``state_dict`` gave (its arrays already where the weights live)."""
+        for key, item in state.get("keys", {}).items():
+            scalars = item.get("scalars") or {}
+            arrays = list(item.get("arrays", []))
+            form = scalars.get("form", "absent")
+            if form != "absent":
+                self.states[key] = _from_form(form, arrays)
+            if scalars.get("updates"):
+                self.optimizer._key_updates[key] = int(scalars["updates"])
+        self.optimizer.num_update = max(self.optimizer._key_updates.values(), default=0)
+
+
+def _form_of(state: Any, arrays: list, key: Hashable) -> Any:
+    """How ``state`` nests, as JSON; its arrays are appended to ``arrays`` in order."""
+    if state is None:
+        return None
+    if isinstance(state, (tuple, list)):
+        return ["tuple" if isinstance(state, tuple) else "list", [_form_of(s, arrays, key) for s in state]]
+    if _is_array(state):
+        arrays.append(state)
+        return "array"
+    if isinstance(state, (bool, int, float, str)):
+        return ["value", state]
+    raise TypeError(f"the optimizer state of key {key!r} holds a {type(state).__name__}, which a checkpoint cannot "
+                    "hold (arrays, numbers, tuples and lists can be)")
+
+
+def _from_form(form: Any, arrays: list) -> Any:
+    """The state ``_form_of`` described, taking its arrays from the front of ``arrays``."""
+    if form is None:
+        return None
+    if form == "array":
+        return arrays.pop(0)
+    kind, inner = form
+    if kind == "value":
+        return inner
+    items = [_from_form(f, arrays) for f in inner]
+    return tuple(items) if kind == "tuple" else items
+
+
+def _is_array(value: Any) -> bool:
+    """True for a numpy or CuPy array."""
+    return isinstance(value, np.ndarray) or arrays.is_array(value)
+
+
 def get_updater(optimizer: Optimizer) -> Updater:
     """Return an ``Updater`` for ``optimizer`` (MXNet's ``mx.optimizer.get_updater``)."""
     return Updater(optimizer)

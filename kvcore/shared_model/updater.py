@@ -112,6 +112,24 @@ class ServerUpdater:
             self.model_updater.init_model(key, value)
         self._fresh.add(key)
 
+    def restore_key(self, key: Hashable, value: Any) -> None:
+        """The server restored ``key`` from a checkpoint: bind ``value`` as its weights, which
+        ``init_model`` must not change."""
+        self.model_updater._bind(key, value)
+        self._fresh.discard(key)
+
+    def state_dict(self) -> dict:
+        """The model updater's ``state_dict()`` when it has one (the servers' checkpoint protocol),
+        else nothing: the weights themselves are checkpointed by the servers."""
+        dump = getattr(self.model_updater, "state_dict", None)
+        return dump() if dump is not None else {"scalars": None, "keys": {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Hand a checkpoint's state to the model updater's ``load_state_dict``, when it has one."""
+        load = getattr(self.model_updater, "load_state_dict", None)
+        if load is not None:
+            load(state)
+
     def __call__(self, key: Hashable, merged: Any, stored: Any) -> None:
         updater = self.model_updater
         bound = updater._bound(key)

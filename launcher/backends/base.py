@@ -28,11 +28,13 @@ __all__ = ["Backend", "ProcessHandle", "ExitStatus", "pump", "route_block", "MAR
 
 @dataclass(frozen=True)
 class ExitStatus:
-    """How a process ended: an exit ``code``, or the ``signal`` that killed it."""
+    """How a process ended: an exit ``code``, or the ``signal`` that killed it; or, ``lost``, that
+    pslaunch lost its host (``detail`` says how) and cannot know (``code`` is then 255, as ssh's)."""
 
     code: int | None = None
     signal: int | None = None
     detail: str | None = None
+    lost: bool = False
 
     @classmethod
     def from_returncode(cls, returncode: int) -> "ExitStatus":
@@ -50,7 +52,10 @@ class ExitStatus:
         return self.signal is None and self.code == 0
 
     def describe(self) -> str:
-        """``exit code 3``, ``signal SIGKILL``, ``exit code 137 (128+SIGKILL)``, plus any detail."""
+        """``exit code 3``, ``signal SIGKILL``, ``exit code 137 (128+SIGKILL)``, plus any detail;
+        ``host lost (no answer for 15 s)``."""
+        if self.lost:
+            return f"host lost ({self.detail})"
         if self.signal is not None:
             text = f"signal {_signame(self.signal)}"
         elif self.code is not None and 128 < self.code < 128 + 65:
@@ -72,7 +77,8 @@ class ProcessHandle(ABC):
 
     Besides its exit status a handle learns from marker lines (``on_marker``): ``ready`` (a
     bundled node that ends normally on ``request_end``) and ``failed_at`` (the process reported its
-    own uncaught error, the time pslaunch read that).
+    own uncaught error, the time pslaunch read that). ``unreachable``: pslaunch lost the process's
+    host, so its status is ``lost`` and signals cannot reach it.
     """
 
     def __init__(self, spec: ProcessSpec) -> None:
@@ -83,6 +89,7 @@ class ProcessHandle(ABC):
         self.status: ExitStatus | None = None
         self.ready = False
         self.failed_at: float | None = None
+        self.unreachable = False
 
     def poll(self) -> ExitStatus | None:
         """The exit status once the process ended, else None. Non-blocking."""
@@ -100,6 +107,11 @@ class ProcessHandle(ABC):
             self.ready = True
         elif verb == "FAILED" and self.failed_at is None:
             self.failed_at = time.monotonic()
+
+    def in_doubt(self) -> bool:
+        """Whether the process is running on a host pslaunch has not heard from for a while (it may
+        be lost: the supervisor waits for that verdict before it names a root cause). Non-blocking."""
+        return False
 
     @abstractmethod
     def _poll(self) -> ExitStatus | None: ...

@@ -19,6 +19,7 @@ from typing import Sequence
 from .. import envcontract as ec
 from ..errors import SpawnError
 from ..plan import Plan, ProcessSpec
+from ..checkpointdir import check_checkpoint_dir
 from ..scriptcheck import check_scripts_here
 from .base import Backend, ExitStatus, ProcessHandle, pump
 
@@ -195,8 +196,10 @@ class LocalBackend(Backend):
         self.spawner = LocalSpawner(config.stop_grace)
 
     def prepare(self, plan: Plan) -> None:
-        """Refuse a COMMAND whose script is not there (``ConfigError``) before anything starts."""
+        """Refuse a COMMAND whose script is not there, or a ``--checkpoint-dir`` that cannot be
+        written (``ConfigError``), before anything starts."""
         check_scripts_here(list(plan.processes), self.config.cwd)
+        check_checkpoint_dir(plan, self.config.checkpoint_dir, {}, self.config.connect_timeout)
 
     def launch(self, plan: Plan) -> list[ProcessHandle]:
         handles: list[ProcessHandle] = []

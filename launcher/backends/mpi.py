@@ -13,6 +13,17 @@ job by itself; pslaunch decides. Signals reach the ranks only through mpirun, an
 for the whole job: stopping means one SIGTERM to mpirun (SIGKILL of its group after the grace);
 Ctrl-Z is SIGUSR2 / SIGCONT and the end request SIGUSR1, which mpirun passes to every rank's
 ``mpi_rank`` and that to its process group. ``mpi_rank`` also dies with its parent.
+
+Link liveness (``launcher.linkwatch``): mpirun's daemons notice no network partition, so pslaunch
+sends mpirun a SIGCONT every few seconds, which it passes to every rank; ``mpi_rank`` on a remote
+host answers each with a ``PONG`` marker and stops its process group once none came for
+``--link-timeout`` seconds; a host none of whose ranks was heard from for that long is lost.
+
+mpirun drops the output still on its way once it is told to stop, and with it the status markers
+of ranks that were ending by themselves. So when a rank failed (the job is ending because of it),
+the SIGTERM waits until every rank has reported, at most ``SETTLE`` seconds (and never more than
+half of ``--stop-grace``): the bystanders' own exit codes get through, and a rank that does not end
+by itself costs the job that bounded moment only.
 """
 
 from __future__ import annotations
@@ -25,8 +36,12 @@ import signal
 import threading
 import time
 
-from ..errors import SpawnError
+from ..checkpointdir import check_checkpoint_dir
+from ..envcontract import EXIT_PEER_FAILED
+from ..errors import ConfigError, SpawnError
 from ..hostfile import Host
+from ..linkwatch import LinkWatch, PongFilter
+from ..network import check_plan_reachable
 from ..mpi_rank import ENV_PREFIX, PLAN_VARIABLE
 from ..output import LineSplitter
 from ..plan import Plan, ProcessSpec
@@ -38,7 +53,10 @@ __all__ = ["MpiBackend", "MpiRankHandle", "TagDemux", "mpirun_argv"]
 
 _TAG = re.compile(rb"\[(\d+),(\d+)\]<(stdout|stderr)>:")
 _FORWARDING = re.compile(r"^mpirun: Forwarding signal \d+ to job$")
+_PINGED = f"mpirun: Forwarding signal {int(signal.SIGCONT)} to job"  # the link watch's, every few seconds
 _MAX_HELD = 48
+#: Seconds at most that stopping the job waits, after a rank failed, for every rank's status marker.
+SETTLE = 2.0
 
 
 class MpiRankHandle(ProcessHandle):
@@ -66,16 +84,37 @@ class MpiRankHandle(ProcessHandle):
             return
         self.ended = time.monotonic()  # the marker's arrival orders the ranks' ends
         self._marked = ExitStatus(code=int(arg)) if verb == "EXIT" else ExitStatus(signal=int(arg))
+        self._backend.rank_reported()
+
+    @property
+    def reported(self) -> bool:
+        """Whether this rank's exit status marker arrived."""
+        return self._marked is not None
+
+    def failed(self) -> bool:
+        """Whether this rank failed: it reported its own error, or a status other than 0 and 75."""
+        marked = self._marked
+        return self.failed_at is not None or (marked is not None and not marked.ok and marked.code != EXIT_PEER_FAILED)
 
     def _poll(self) -> ExitStatus | None:
         if self._marked is not None:
             return self._marked
+        watch = self._backend.watch
+        if self._backend.pinging and watch.lost(self.spec.host):
+            self.unreachable = True
+            self.ended = watch.last_heard(self.spec.host)
+            return ExitStatus(code=255, detail=f"no answer for {watch.timeout:g} s", lost=True)
         mpirun = self._backend.mpirun
         if mpirun is not None and mpirun.popen.poll() is not None and self._backend.output_done.is_set():
             rc = mpirun.popen.returncode
             return ExitStatus(code=255 if rc == 0 else ExitStatus.from_returncode(rc).exit_code,
                               detail=f"no exit status from this rank; mpirun ended with {rc}")
         return None
+
+    def in_doubt(self) -> bool:
+        # once the job is being stopped mpirun passes no pings: silence then says nothing
+        backend = self._backend
+        return self.status is None and backend.pinging and not backend.stopping and backend.watch.in_doubt(self.spec.host)
 
     def terminate(self) -> None:
         self._backend.stop_job()
@@ -163,7 +202,7 @@ def mpirun_argv(plan: Plan, python: str, exported: list[str], ssh_args: list[str
     if has_hostfile:
         argv += ["--host", ",".join(f"{'localhost' if h.name == 'localhost' else h.name}:{n}" for h, n in hosts)]
     if ssh_args:
-        argv += ["--mca", "plm_rsh_args", " ".join(ssh_args)]
+        argv += ["--mca", "plm_rsh_agent", "ssh", "--mca", "plm_rsh_args", " ".join(ssh_args)]
     for name in exported:
         argv += ["-x", name]
     argv += [python, "-m", "launcher.mpi_rank"]
@@ -176,6 +215,9 @@ class MpiBackend(Backend):
     name = "mpi"
 
     def __init__(self, config, printer) -> None:
+        if config.restart_scope == "worker":
+            raise ConfigError("--restart-scope worker cannot be used with --launcher mpi: one mpirun runs every rank, "
+                              "so a rank cannot be started again alone; use --restart-scope job")
         super().__init__(config, printer)
         self.spawner = LocalSpawner(config.stop_grace)
         self.mpirun = None
@@ -185,6 +227,10 @@ class MpiBackend(Backend):
         self._suspended = False
         self._ending = False
         self._ranks: list[MpiRankHandle] = []
+        self._reported = threading.Condition()
+        self.watch = LinkWatch(config.link_timeout)
+        self.pinging = False  # whether the link watch pings the ranks yet (once every rank started)
+        self._ssh_config: str | None = None  # the OpenSSH config mpirun's ssh reads (see prepare)
 
     def prepare(self, plan: Plan) -> None:
         """Check mpirun is there; with a hostfile, run the ssh pre-flight check (one clear line per
@@ -195,6 +241,7 @@ class MpiBackend(Backend):
         check_scripts_here(local, self.config.cwd)
         remote = [h for h in plan.remote_hosts if h.name != "localhost"]
         if not remote:
+            check_checkpoint_dir(plan, self.config.checkpoint_dir, {}, self.config.connect_timeout)
             return
         from ..rsync import sync_all
         from ..sshconn import SshConnector
@@ -208,6 +255,9 @@ class MpiBackend(Backend):
                          self.printer, self.config)
             check_scripts_remote([spec for spec in plan.processes if spec.host.name != "localhost"], clients,
                                  self.config.connect_timeout)
+            check_checkpoint_dir(plan, self.config.checkpoint_dir, clients, self.config.connect_timeout)
+            check_plan_reachable(plan, clients, self.config, self.printer)
+            self._ssh_config = connector.write_openssh_config(remote)
         finally:
             for client in clients.values():
                 client.close()
@@ -215,11 +265,41 @@ class MpiBackend(Backend):
 
     def stop_job(self) -> None:
         """SIGTERM to mpirun, once: it passes it to every rank (a second one while it stops its job
-        can crash it, Open MPI 4.1). Ranks never make mpirun abort by itself (``mpi_rank`` exits 0)."""
+        can crash it, Open MPI 4.1). Ranks never make mpirun abort by itself (``mpi_rank`` exits 0).
+
+        Non-blocking. After a rank failed, the SIGTERM is sent from a thread once every rank has
+        reported its status, or after ``SETTLE`` seconds (see the module docstring)."""
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True
+        settle = min(SETTLE, self.config.stop_grace / 2)
+        if self._suspended or settle <= 0 or not any(h.failed() for h in self._ranks):
+            self._stop_now()
+            return
+        threading.Thread(target=self._stop_when_reported, args=(time.monotonic() + settle,),
+                         name="pslaunch-mpirun-settle", daemon=True).start()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the job is being stopped."""
+        return self._stopping
+
+    def rank_reported(self) -> None:
+        """A rank's exit status arrived (called by the reader threads)."""
+        with self._reported:
+            self._reported.notify_all()
+
+    def _stop_when_reported(self, deadline: float) -> None:
+        with self._reported:
+            while not all(h.reported for h in self._ranks):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.output_done.is_set():
+                    break
+                self._reported.wait(min(left, 0.1))
+        self._stop_now()
+
+    def _stop_now(self) -> None:
         self.signal_mpirun(signal.SIGTERM)
         if self._suspended:
             self.suspend_job(False)  # ranks stopped with Ctrl-Z must run to end
@@ -242,6 +322,24 @@ class MpiBackend(Backend):
             self._ending = True
         self.signal_mpirun(signal.SIGUSR1)
 
+    def _ping(self, _: bytes) -> None:
+        """The link watch's ping: a SIGCONT through mpirun to every rank, once every rank started
+        (mpirun cannot pass a signal on while it still wires up its daemons: it aborts), and not
+        while the job is stopped (Ctrl-Z), which a SIGCONT would end; the lock orders it with a
+        stop request."""
+        if not all(h.pid for h in self._ranks):
+            return
+        if not self.pinging:  # the hosts' clocks start with the first ping
+            for host in {h.spec.host for h in self._ranks}:
+                self.watch.heard(host)
+            self.pinging = True
+        with self._lock:
+            if not self._suspended and self.mpirun is not None and self.mpirun.popen.poll() is None:
+                try:
+                    self.mpirun.popen.send_signal(signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
     def signal_mpirun(self, sig: int) -> None:
         """Send ``sig`` to mpirun (SIGKILL goes to its whole process group)."""
         with self._lock:
@@ -256,6 +354,10 @@ class MpiBackend(Backend):
                     pass
 
     def launch(self, plan: Plan) -> list[ProcessHandle]:
+        if self.mpirun is not None:  # a restart of the job: a new mpirun, and its requests not sent yet
+            self.mpirun.close()
+            self.output_done = threading.Event()
+            self._stopping = self._suspended = self._ending = False
         ordered, _ = _layout(plan)
         user_vars = {}
         for spec in ordered:
@@ -272,44 +374,47 @@ class MpiBackend(Backend):
                 "cwd": spec.cwd,
                 "grace": self.config.stop_grace,
                 "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+                # mpirun's own host needs no link guard: its ranks die with mpirun (PDEATHSIG)
+                "link": 0 if spec.host.name == "localhost" else self.config.link_timeout,
             })
         env = {PLAN_VARIABLE: json.dumps(entries), "PYTHONPATH": root}
         env.update({f"{ENV_PREFIX}{i}": value for (_, value, _), i in user_vars.items()})
         exported = [PLAN_VARIABLE, "PYTHONPATH", *(f"{ENV_PREFIX}{i}" for i in user_vars.values())]
-        ssh_args = _ssh_args(self.config) if self.config.hosts else None
+        ssh_args = ["-F", self._ssh_config] if self._ssh_config else None
         argv = mpirun_argv(plan, self.config.python, exported, ssh_args, bool(self.config.hosts), os.geteuid() == 0)
         handles = [MpiRankHandle(spec, self) for spec in ordered]
         self._ranks = handles
         mpirun_spec = ProcessSpec("mpirun", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
         self.mpirun = self.spawner.spawn(mpirun_spec, self.printer, argv=argv, env=env, handle_cls=MpirunHandle, readers=False)
         self.mpirun.attach(self, handles)
+        for host in {spec.host for spec in ordered if spec.host.name != "localhost"}:
+            self.watch.add(host, counting=False)  # counted from the first ping: mpirun starts its daemons
+        self.watch.add("mpirun", self._ping)
         by_spec = {id(h.spec): h for h in handles}
         return [by_spec[id(spec)] for spec in plan.processes]
 
     def close(self) -> None:
+        self.watch.close()
         if self.mpirun is not None:
             self.mpirun.close()
         self.spawner.close()
-
-
-def _ssh_args(config) -> list[str]:
-    """Options for the ssh mpirun uses to start its daemons: the job's port, key, user and host-key policy."""
-    args = ["-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]
-    if config.ssh_port:
-        args += ["-p", str(config.ssh_port)]
-    if config.identity:
-        args += ["-i", config.identity]
-    if config.ssh_user:
-        args += ["-l", config.ssh_user]
-    if config.ssh_config:
-        args += ["-F", os.path.expanduser(config.ssh_config)]
-    strict = {"accept-new": "accept-new", "strict": "yes", "ignore": "no"}[config.host_key_policy]
-    known = "/dev/null" if config.host_key_policy == "ignore" else os.path.expanduser(config.known_hosts or "~/.ssh/known_hosts")
-    return args + ["-o", f"StrictHostKeyChecking={strict}", "-o", f"UserKnownHostsFile={known}"]
+        if self._ssh_config:
+            shutil.rmtree(os.path.dirname(self._ssh_config), ignore_errors=True)
+            self._ssh_config = None
 
 
 class MpirunHandle(LocalHandle):
-    """mpirun itself: its output is read by ``TagDemux`` threads instead of plain readers."""
+    """mpirun itself: its output is read by ``TagDemux`` threads instead of plain readers. It puts
+    each daemon's ssh and each local rank in a process group of its own, in its session: killing it
+    kills that whole session."""
+
+    def kill(self) -> None:
+        super().kill()
+        for pid in _session_members(self.popen.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def attach(self, backend: MpiBackend, ranks: list[MpiRankHandle]) -> None:
         """Start the threads that split mpirun's output into the ranks' lines."""
@@ -319,6 +424,26 @@ class MpirunHandle(LocalHandle):
                                       name=f"pslaunch-mpirun-{stream}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+
+def _session_members(sid: int) -> list[int]:
+    """The processes of session ``sid`` (from /proc; empty elsewhere)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            found.append(int(entry))
+    return found
 
 
 def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBackend, done: list) -> None:
@@ -331,10 +456,10 @@ def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBack
         if key not in splitters:
             if rank is None or rank >= len(ranks):
                 def emit(block: str, sub: str = sub) -> None:
-                    if not verbose:  # mpirun reports each signal pslaunch sent through it
-                        block = "\n".join(t for t in block.split("\n") if not _FORWARDING.match(t))
-                        if not block:
-                            return
+                    # mpirun reports each signal pslaunch sent through it (shown with -v, but pings)
+                    block = "\n".join(t for t in block.split("\n") if t != _PINGED and (verbose or not _FORWARDING.match(t)))
+                    if not block:
+                        return
                     printer.lines("mpirun", "mpirun", block, sub)
             else:
                 def emit(block: str, handle: MpiRankHandle = ranks[rank], sub: str = sub) -> None:
@@ -342,7 +467,16 @@ def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBack
             splitters[key] = LineSplitter(emit)
         return splitters[key]
 
-    demux = TagDemux(lambda rank, sub, data: splitter_for(rank, sub or stream).feed(data))
+    pongs: dict[tuple[int, str], PongFilter] = {}
+
+    def feed(rank: int | None, sub: str, data: bytes) -> None:
+        if rank is not None and rank < len(ranks):  # word from the rank's host; its answers to pings go
+            backend.watch.heard(ranks[rank].spec.host)
+            data = pongs.setdefault((rank, sub), PongFilter()).feed(data)
+        if data:
+            splitter_for(rank, sub).feed(data)
+
+    demux = TagDemux(lambda rank, sub, data: feed(rank, sub or stream, data))
     try:
         while True:
             try:
@@ -354,6 +488,10 @@ def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBack
             demux.feed(data)
     finally:
         demux.close()
+        for (rank, sub), held in pongs.items():
+            rest = held.feed(b"")
+            if rest:
+                splitter_for(rank, sub).feed(rest)
         for s in splitters.values():
             s.close()
         done.append(stream)

@@ -3,7 +3,9 @@
 Before anything starts, every host is checked in parallel (``SshConnector.preflight``) and, with
 ``--sync-dst-dir``, the current directory is rsynced to each. Each remote process runs inside
 ``launcher.guard``: its environment arrives on the channel's stdin, and it dies with its group
-when the channel closes — also when pslaunch is SIGKILLed. Processes placed on the launching host
+when the channel closes — also when pslaunch is SIGKILLed — or when no ping from pslaunch came for
+``--link-timeout`` (a partition); a host pslaunch hears nothing from for that long is lost
+(``launcher.linkwatch``). Processes placed on the launching host
 (the scheduler, by default) are local children, as in the local backend.
 """
 
@@ -13,9 +15,12 @@ import threading
 
 import paramiko
 
+from ..checkpointdir import check_checkpoint_dir
 from ..errors import SpawnError
 from ..guard import env_payload, remote_command
 from ..hostfile import Host
+from ..linkwatch import LinkWatch, PongFilter
+from ..network import check_plan_reachable
 from ..plan import Plan, ProcessSpec
 from ..rsync import sync_all
 from ..scriptcheck import check_scripts_here, check_scripts_remote
@@ -30,11 +35,13 @@ _CHANNELS_PER_CONNECTION = 8
 
 
 class SshHandle(ProcessHandle):
-    """A process running under the remote guard on one paramiko channel."""
+    """A process running under the remote guard on one paramiko channel; ``watch`` says whether
+    its host is still heard from (``launcher.linkwatch``)."""
 
-    def __init__(self, spec: ProcessSpec, channel: paramiko.Channel) -> None:
+    def __init__(self, spec: ProcessSpec, channel: paramiko.Channel, watch: LinkWatch) -> None:
         super().__init__(spec)
         self.channel = channel
+        self.watch = watch
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
@@ -58,10 +65,22 @@ class SshHandle(ProcessHandle):
                 return ExitStatus(code=255, detail=f"no exit status from {self.spec.host.label}: "
                                                    "the remote guard was killed by a signal")
         elif not self.channel.closed and alive:
+            if self.watch.lost(self.spec.host):
+                return self._lost(f"no answer for {self.watch.timeout:g} s")
             return None
-        return ExitStatus(code=255, detail=f"ssh connection to {self.spec.host.label} lost")
+        return self._lost("its ssh connection dropped")
+
+    def _lost(self, how: str) -> ExitStatus:
+        self.unreachable = True
+        self.ended = self.watch.last_heard(self.spec.host)  # its last sign of life orders the failures
+        return ExitStatus(code=255, detail=how, lost=True)
+
+    def in_doubt(self) -> bool:
+        return self.status is None and self.watch.in_doubt(self.spec.host)
 
     def _send(self, data: bytes) -> None:
+        if self.unreachable:
+            return  # nothing gets there; the guard stops the process itself after the link timeout
         with self._lock:
             try:
                 if not self.channel.closed:
@@ -85,6 +104,8 @@ class SshHandle(ProcessHandle):
         self._send(b"END\n")
 
     def close(self, timeout: float = 2.0) -> None:
+        if self.unreachable:
+            self.channel.close()  # no more output can come; the readers end at once
         for thread in self._threads:
             thread.join(timeout)
         self.channel.close()
@@ -99,6 +120,7 @@ class SshBackend(Backend):
         super().__init__(config, printer)
         self.connector = SshConnector(config)
         self.spawner = LocalSpawner(config.stop_grace)
+        self.watch = LinkWatch(config.link_timeout)
         self._clients: dict[Host, list[list]] = {}  # host -> [[client, channels opened], ...]
 
     def prepare(self, plan: Plan) -> None:
@@ -113,6 +135,8 @@ class SshBackend(Backend):
             sync_all(self.connector, hosts, self.config.sync_src_dir, self.config.sync_dst_dir, clients,
                      self.printer, self.config)
         check_scripts_remote([s for s in plan.processes if not s.on_launcher], clients, self.config.connect_timeout)
+        check_checkpoint_dir(plan, self.config.checkpoint_dir, clients, self.config.connect_timeout)
+        check_plan_reachable(plan, clients, self.config, self.printer)
 
     def _client_for(self, host: Host) -> paramiko.SSHClient:
         pool = self._clients.setdefault(host, [])
@@ -128,16 +152,35 @@ class SshBackend(Backend):
         try:
             client = self._client_for(spec.host)
             channel = client.get_transport().open_session(timeout=self.config.connect_timeout)  # type: ignore[union-attr]
-            channel.exec_command(remote_command(spec.argv, spec.cwd, bool(self.config.sync_dst_dir), self.config.stop_grace))
+            channel.exec_command(remote_command(spec.argv, spec.cwd, bool(self.config.sync_dst_dir), self.config.stop_grace,
+                                                self.config.link_timeout))
             channel.sendall(env_payload(spec.full_env()))
         except Exception as exc:
             raise SpawnError(f"cannot start {spec.name} over ssh: {type(exc).__name__}: {exc}") from exc
-        handle = SshHandle(spec, channel)
+        handle = SshHandle(spec, channel, self.watch)
         handle._threads = [
-            pump(lambda: channel.recv(1 << 20), handle, "stdout", self.printer),
-            pump(lambda: channel.recv_stderr(1 << 20), handle, "stderr", self.printer),
+            pump(self._reader(spec.host, channel.recv), handle, "stdout", self.printer),
+            pump(self._reader(spec.host, channel.recv_stderr, PongFilter()), handle, "stderr", self.printer),
         ]
+        self.watch.add(spec.host, handle._send)
         return handle
+
+    def _reader(self, host: Host, recv, pongs: PongFilter | None = None):
+        """``recv`` for ``pump``: every chunk is word from ``host``; the guard's answers to pings are
+        taken out (b"" only at the end of the stream)."""
+
+        def read() -> bytes:
+            while True:
+                data = recv(1 << 20)
+                if data:
+                    self.watch.heard(host)
+                if pongs is None:
+                    return data
+                text = pongs.feed(data)
+                if text or not data:
+                    return text
+
+        return read
 
     def launch(self, plan: Plan) -> list[ProcessHandle]:
         handles: list[ProcessHandle] = []
@@ -156,6 +199,7 @@ class SshBackend(Backend):
         return handles
 
     def close(self) -> None:
+        self.watch.close()
         self.spawner.close()
         for pool in self._clients.values():
             for client, _ in pool:

@@ -1,5 +1,7 @@
 """Optimizers follow MXNet's update rules, keep state per key, and serialise it."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -124,3 +126,33 @@ def test_optimizers_pickle_for_shipping():
 
     opt = pickle.loads(pickle.dumps(optim.SGD(learning_rate=0.3, momentum=0.5)))
     assert opt.learning_rate == 0.3 and opt.momentum == 0.5
+
+
+@pytest.mark.parametrize("make", [lambda: optim.SGD(learning_rate=0.5), lambda: optim.SGD(learning_rate=0.5, momentum=0.9),
+                                  lambda: optim.Adam(learning_rate=0.1)])
+def test_updater_state_dict_restores_every_key_so_the_next_steps_match_bit_for_bit(make):
+    grads = [np.linspace(-1, 1, 6, dtype=np.float32) * (i + 1) for i in range(4)]
+    reference, copy = optim.Updater(make()), optim.Updater(make())
+    weights = {k: np.ones(6, np.float32) * (i + 1) for i, k in enumerate(("a", 7))}
+    for g in grads[:2]:
+        for key, w in weights.items():
+            reference(key, g.copy(), w)
+    state = reference.state_dict()
+    # what the servers write and read back: arrays copied, scalars through JSON
+    copy.load_state_dict({"scalars": state["scalars"], "keys": {
+        k: {"scalars": json.loads(json.dumps(v["scalars"])), "arrays": [a.copy() for a in v["arrays"]]}
+        for k, v in state["keys"].items()}})
+    assert copy.optimizer.num_update == reference.optimizer.num_update == 2
+    twins = {k: w.copy() for k, w in weights.items()}
+    for g in grads[2:]:
+        for key in weights:
+            reference(key, g.copy(), weights[key])
+            copy(key, g.copy(), twins[key])
+    assert all(weights[k].tobytes() == twins[k].tobytes() for k in weights)
+
+
+def test_updater_state_dict_names_the_key_of_a_state_it_cannot_hold():
+    updater = optim.Updater(optim.SGD())
+    updater.states["k"] = {"not": "supported"}
+    with pytest.raises(TypeError, match="the optimizer state of key 'k' holds a dict"):
+        updater.state_dict()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from launcher_testkit import Sshd, start_sshd
+from launcher_testkit import SimCluster, Sshd, start_cluster, start_sshd
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +25,9 @@ def marker() -> str:
     return f"pslaunch-test-{uuid.uuid4().hex[:10]}"
 
 
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> SimCluster:
+    """Three hosts in network namespaces with their own sshd (marked ``netns``); removed afterwards."""
+    yield from start_cluster(tmp_path_factory.mktemp("cluster"))

@@ -62,18 +62,21 @@ class Sshd:
 
 
 def start_sshd(d: Path, hosts: tuple[str, ...] = LOOPBACK_HOSTS, log_level: str = "ERROR",
-               authorized_key: str | None = None):
+               authorized_key: str | None = None, prefix: tuple[str, ...] = (), port: int | None = None,
+               reachable: tuple[str, ...] | None = None):
     """Generator: start a real OpenSSH server on ``hosts`` with keys in ``d``, yield it, stop it.
 
     ``authorized_key`` (a public key line) logs in instead of the server's own ``id_user`` key;
-    ``log_level`` is sshd's (its log is ``d / "sshd.log"``).
+    ``log_level`` is sshd's (its log is ``d / "sshd.log"``); ``prefix`` goes before sshd's argv (to
+    start it in a network namespace); ``port`` is a fixed port instead of a free one; ``reachable``
+    the addresses of ``hosts`` this process can reach to see it listen (default: all).
     """
     if not os.path.exists("/usr/sbin/sshd"):
         pytest.fail("/usr/sbin/sshd is missing: run scripts/test.sh (it installs openssh-server)")
     for name in ("host_key", "id_user"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True, timeout=30)
     (d / "authorized_keys").write_text(authorized_key or (d / "id_user.pub").read_text())
-    port = _free_port_on_all(hosts)
+    port = port or _free_port_on_all(hosts)
     listen = "\n".join(f"ListenAddress {h}" for h in hosts)
     (d / "sshd_config").write_text(f"""Port {port}
 {listen}
@@ -93,11 +96,11 @@ LogLevel {log_level}
 """)
     os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
     (d / "no_ssh_config").write_text("")
-    proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-f", str(d / "sshd_config"), "-e"],
+    proc = subprocess.Popen([*prefix, "/usr/sbin/sshd", "-D", "-f", str(d / "sshd_config"), "-e"],
                             stdout=subprocess.DEVNULL, stderr=open(d / "sshd.log", "wb"), start_new_session=True)
     try:
         deadline = time.monotonic() + 15
-        pending = list(hosts)
+        pending = list(hosts if reachable is None else reachable)
         while pending:
             if proc.poll() is not None:
                 pytest.fail(f"sshd exited with {proc.returncode}: {(d / 'sshd.log').read_text()}")
@@ -234,3 +237,67 @@ def run_pslaunch(args: list[str], timeout: float = 60, cwd: str | None = None, e
 def helper(name: str) -> str:
     """Path of a helper script in tests/launcher/helpers."""
     return str(HELPERS / name)
+
+
+@dataclass
+class SimCluster:
+    """Hosts ``node1``...``node3`` in network namespaces (``benchmarks.netns``), each with its own sshd
+    on port 22, reached by the aliases of an ssh config file (``HostName``, ``User``, ``IdentityFile``)."""
+
+    net: "object"  # benchmarks.netns.NetnsCluster
+    key: str
+    known_hosts: str
+    ssh_config: str
+    dir: Path
+
+    ALIASES = ("node1", "node2", "node3")
+
+    def host_of(self, alias: str) -> str:
+        """The namespace host (``h1``...) behind ``alias``."""
+        return self.net.hosts[self.ALIASES.index(alias)]
+
+    def hostfile(self, name: str, lines: list[str]) -> str:
+        """Write a hostfile with ``lines`` in the cluster's directory and return its path."""
+        path = self.dir / name
+        path.write_text("\n".join(lines) + "\n")
+        return str(path)
+
+    def ssh_flags(self) -> list[str]:
+        """pslaunch flags that reach the cluster (the ssh config holds the rest, as on a real one)."""
+        return ["--ssh-config", self.ssh_config, "--known-hosts", self.known_hosts]
+
+
+def start_cluster(d: Path):
+    """Generator: the simulated cluster (three namespaces, a compute-only second network, an sshd
+    in each), yielded once every sshd answers; everything is removed afterwards, also on failure."""
+    from contextlib import ExitStack
+
+    from benchmarks.netns import NetnsCluster, usable
+
+    why = usable()
+    if why is not None:
+        pytest.fail(f"the simulated cluster cannot be made here: {why}")
+    with ExitStack() as stack:
+        net = stack.enter_context(NetnsCluster(nics=("eth0", "ens5", "eth0"), compute=True))
+        key = None
+        for index, host in enumerate(net.hosts):
+            sub = d / host
+            sub.mkdir()
+            gen = start_sshd(sub, (net.address(host), net.address(host, "compute")), authorized_key=key,
+                             prefix=tuple(net.run_in(host, [], hostname=True)), port=22, reachable=(net.address(host),))
+            first = next(gen)
+            stack.callback(_finish, gen)
+            if key is None:
+                key = (sub / "id_user.pub").read_text()
+                identity = first.key
+        config = d / "ssh_config"
+        config.write_text("".join(
+            f"Host {alias}\n    HostName {net.address(host)}\n    User {getpass.getuser()}\n    IdentityFile {identity}\n"
+            for alias, host in zip(SimCluster.ALIASES, net.hosts)))
+        yield SimCluster(net, identity, str(d / "known_hosts"), str(config), d)
+
+
+def _finish(gen) -> None:
+    """Run a started ``start_sshd`` generator to its end (it stops its sshd)."""
+    for _ in gen:
+        pass

@@ -98,12 +98,16 @@ def test_too_many_workers_for_the_slots_is_an_error_naming_counts_and_hosts():
         make_plan(_config(backend="ssh", hosts=hosts, num_workers=4))
 
 
-def test_scheduler_host_places_the_scheduler_there_with_the_hostfile_user_and_port():
+def test_scheduler_host_places_the_scheduler_there_and_every_node_dials_its_real_name():
+    from launcher.config import resolve
+
     hosts = (Host("a", "u", 2200), Host("b"))
-    plan = make_plan(_config(backend="ssh", hosts=hosts, scheduler_host="a"))
+    config = resolve(_config(backend="ssh", hosts=hosts, scheduler_host="a"), real_names=[("a", "10.0.0.7"), ("b", "b")])
+    plan = make_plan(config)
     sched = plan.by_role("scheduler")[0]
     assert sched.host == Host("a", "u", 2200) and not sched.on_launcher
-    assert plan.root_uri == "a"
+    assert plan.root_uri == "10.0.0.7"  # ssh config's HostName of the alias a
+    assert {p.env[ec.DMLC_PS_ROOT_URI] for p in plan.processes} == {"10.0.0.7"}
 
 
 def test_loopback_hosts_get_root_uri_127_0_0_1_and_advertise_their_own_address():
@@ -112,6 +116,16 @@ def test_loopback_hosts_get_root_uri_127_0_0_1_and_advertise_their_own_address()
     assert plan.root_uri == "127.0.0.1"
     assert [w.env[ec.DMLC_NODE_HOST] for w in plan.by_role("worker")] == ["127.0.0.2", "127.0.0.3"]
     assert all(p.env[ec.DMLC_LOCAL] == "1" for p in plan.processes)
+
+
+def test_remote_nodes_advertise_their_interface_toward_the_scheduler_or_the_interface_given():
+    hosts = (Host("10.0.0.2"), Host("node3"))
+    plan = make_plan(_config(backend="ssh", hosts=hosts, launch_address="10.0.0.1"))
+    remote = [p for p in plan.processes if not p.on_launcher]
+    # a hostfile's address may be on another network than the one toward the scheduler
+    assert remote and not any(ec.DMLC_NODE_HOST in p.env or ec.DMLC_INTERFACE in p.env for p in remote)
+    plan = make_plan(_config(backend="ssh", hosts=hosts, launch_address="10.0.0.1", interface="ib0,eth0"))
+    assert {p.env[ec.DMLC_INTERFACE] for p in plan.processes} == {"ib0,eth0"}
 
 
 def test_remote_processes_start_in_the_sync_dir():
@@ -154,14 +168,19 @@ def test_config_rejects_bad_counts_naming_the_flag_and_value():
         _config(command=())
 
 
-def test_resolve_picks_a_free_local_port_and_the_interface_address_for_remote_hosts():
-    from launcher.config import interface_address, resolve
+def test_resolve_picks_a_free_local_port_and_never_a_loopback_address_for_a_remote_host():
+    from launcher.config import resolve
 
     local = resolve(_config(scheduler_port=None))
     assert 1 <= local.scheduler_port <= 65535 and local.launch_address == "127.0.0.1"
-    assert interface_address("lo") == "127.0.0.1"
-    remote = resolve(_config(backend="ssh", hosts=(Host("10.1.2.3"),), interface="lo"))
-    assert remote.launch_address == "127.0.0.1" and make_plan(remote).root_uri == "127.0.0.1"
-    with pytest.raises(ConfigError, match=r"--interface nope0: no such interface .*\(interfaces: .*lo"):
+    assert resolve(_config(backend="ssh", hosts=(Host("127.0.0.2"),)), real_names=[("127.0.0.2", "127.0.0.2")]
+                   ).launch_address == "127.0.0.1"
+    # lo is a loopback address: for a remote host the route toward it decides instead
+    remote = resolve(_config(backend="ssh", hosts=(Host("10.1.2.3"),), interface="lo"),
+                     real_names=[("10.1.2.3", "10.1.2.3")])
+    assert not remote.launch_address.startswith("127.") and make_plan(remote).root_uri == remote.launch_address
+    with pytest.raises(ConfigError, match=r"--interface nope0: nothing here matches it \(interfaces: .*lo 127.0.0.1"):
         resolve(_config(interface="nope0"))
+    with pytest.raises(ConfigError, match=r"--interface 'eth0;rm': 'eth0;rm' is not an interface name"):
+        resolve(_config(interface="eth0;rm"))
     assert resolve(_config(scheduler_host="h", scheduler_port=None)).scheduler_port == 9091

@@ -230,7 +230,7 @@ def test_changed_host_key_is_refused_with_a_clear_line(sshd, tmp_path):
             f"that line (ssh-keygen -R '[127.0.0.2]:{sshd.port}' -f {known}) and run again") in res.stderr
 
 
-def test_a_host_lost_mid_job_is_named_ssh_connection_lost_and_pslaunch_exits_255(sshd, tmp_path, marker):
+def test_a_host_whose_ssh_connection_drops_mid_job_is_the_root_cause_and_pslaunch_exits_255(sshd, tmp_path, marker):
     hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2", "127.0.0.3"])
     out = tmp_path / "out"
     with reaped(start_pslaunch(_job(sshd, hosts, out, "--env-worker", "SLEEP_worker:forever", s=1) + [marker]),
@@ -245,9 +245,9 @@ def test_a_host_lost_mid_job_is_named_ssh_connection_lost_and_pslaunch_exits_255
             os.kill(pid, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 255, stderr.decode()
-    assert ("root cause: worker.1@127.0.0.3 (worker rank 1 on 127.0.0.3, pid "
+    assert ("root cause: host 127.0.0.3 lost (its ssh connection dropped): pslaunch could not reach worker.1@127.0.0.3\n"
             in stderr.decode()), stderr.decode()
-    assert "failed first: exit code 255 (ssh connection to 127.0.0.3 lost)" in stderr.decode()
+    assert "| host lost (its ssh connection dropped) |" in stderr.decode()
     assert wait_gone(marker, 15) == []
 
 

@@ -82,6 +82,25 @@ def test_the_advertised_host_resolves_names_and_interfaces():
         read_env({**BASE, "DMLC_NODE_HOST": "no.such.host.invalid"}).advertised_host()
 
 
+@pytest.mark.parametrize("value", ["nosuchnic0,lo", "127.0.0.0/8", "127.0.0.1/32"])
+def test_dmlc_interface_is_a_list_of_names_tried_in_order_or_a_network_resolved_on_this_host(value):
+    assert read_env({**BASE, "DMLC_INTERFACE": value}).advertised_host() == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("value", "why"), [
+    ("eth0;reboot", "is not an interface name, a list of them"),
+    ("10.0.0.0/40", "is not an IPv4 network"),
+])
+def test_a_malformed_dmlc_interface_is_refused_naming_it(value, why):
+    with pytest.raises(EnvError, match=f"DMLC_INTERFACE={value!r} {why}"):
+        read_env({**BASE, "DMLC_INTERFACE": value})
+
+
+def test_a_dmlc_interface_that_matches_nothing_here_names_what_this_host_has():
+    with pytest.raises(EnvError, match=r"DMLC_INTERFACE='192.0.0.0/29' matches no interface of .* \(here: .*lo 127.0.0.1"):
+        read_env({**BASE, "DMLC_INTERFACE": "192.0.0.0/29"}).advertised_host()
+
+
 def test_every_variable_psnode_reads_is_documented_in_env_md():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "env.md").read_text()
     source = (Path(__file__).resolve().parents[2] / "psnode" / "env.py").read_text()

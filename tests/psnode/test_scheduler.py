@@ -200,3 +200,17 @@ def test_a_death_report_with_an_odd_body_still_ends_the_job_cleanly(body):
     worker.send(Cmd.NODE_DIED, body=body)
     assert "NODE_DIED" not in str(server.expect(Cmd.NODE_DIED)[2]["message"])
     assert isinstance(job.join(), PeerDiedError)
+
+
+def test_a_node_whose_advertised_address_does_not_answer_is_found_with_why_and_same_host_peers_are_not_tried():
+    import socket
+
+    from psnode.membership import PeerInfo, unreachable
+
+    with socket.create_server(("127.0.0.1", 0)) as listening, socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: connections to it are refused
+        up = PeerInfo("server", 0, "127.0.0.1", listening.getsockname()[1], "s0", "elsewhere", "s0")
+        down = PeerInfo("server", 1, "127.0.0.1", closed.getsockname()[1], "s1", "elsewhere", "s1")
+        beside = PeerInfo("worker", 0, "127.0.0.1", closed.getsockname()[1], "w0", "here", "w0")
+        assert unreachable([up, down, beside], "here", "shm", 5) == [(down, "Connection refused")]
+        assert unreachable([beside], "here", "tcp", 5) == [(beside, "Connection refused")]

@@ -1,0 +1,294 @@
+"""Resuming training where it stopped: ``State`` checkpoints the model the servers hold, and a few scalars.
+
+The servers hold the model (weights and optimizer state), so a training script needs three lines::
+
+    state = kvcore.elastic.State(kv, epoch=0, step=0)   # after kv.init / set_optimizer
+    state.restore()                                     # loads the newest checkpoint; a no-op on the first start
+    for ...:
+        ...
+        state.epoch, state.step = e, s
+        if s % K == 0:
+            state.commit()
+
+``commit()`` is a collective of the workers: each waits until the servers took its pushes, then
+worker 0 has every server write its shards (values, optimizer state, key/shape/dtype) to a
+temporary file renamed into place, and then server 0 write the manifest with the scalars (worker
+0's values); the checkpoint is complete once the manifest is renamed in. A commit that did not
+complete (a server died meanwhile) is ignored by ``restore``, which loads the newest complete
+checkpoint into the servers and its scalars into ``state``. A key restored keeps the checkpoint's
+value also when ``kv.init`` comes after ``restore`` (shape and dtype must match); a job with another
+number of servers gets the keys re-sharded. Checkpoints live in ``PSLAUNCH_CHECKPOINT_DIR``
+(``pslaunch --checkpoint-dir DIR``); without one, ``restore`` finds nothing and ``commit`` keeps
+nothing (with a warning). Details: docs/checkpoints.md.
+
+A worker pslaunch restarted alone (``--restart-scope worker``, ``dist_async``) restores only the
+scalars of the newest checkpoint: the servers, which never stopped, hold newer values.
+
+``State`` works with a ``dist_sync`` / ``dist_async`` / ``dist_device_sync`` KVStore and with a
+'dist' shared model (``create_shared_model('dist')``, after ``model.init(devices)``; call
+``restore()`` before ``init_key``, so that the keys start from the checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from typing import Any, Hashable
+
+import numpy as np
+
+from psnode.protocol import Group
+
+from .dist_errors import runtime_errors
+from .errors import CheckpointError, DTypeMismatchError, KVStoreError, ServerError, ShapeMismatchError
+from .store_base import KeyMeta
+
+__all__ = ["State"]
+
+_OWN = frozenset({"restore", "commit", "scalars", "checkpoint_id", "restart_count"})
+_NOTE_TEXT = 3000  # characters of an error message carried in a barrier note
+
+
+class State:
+    """The scalars a training script resumes from (``epoch``, ``step`` ...) and the model's checkpoints.
+
+    Args:
+        store: a distributed KVStore (``kvcore.create('dist_sync')`` ...) after its keys and optimizer
+            are set up, or a 'dist' ``SharedModel`` after ``init(devices)``.
+        **scalars: names and starting values (JSON values: numbers, strings, booleans, lists, dicts);
+            read and set them as attributes.
+
+    Thread-safety: ``commit`` and ``restore`` are collectives; call them from the one thread that
+    drives the store, between steps, on every worker.
+
+    Raises:
+        TypeError: ``store`` is neither; ValueError: a scalar's name is one of ``State``'s own.
+    """
+
+    def __init__(self, store: Any, **scalars: Any) -> None:
+        model, kv = _store_of(store)
+        for name in scalars:
+            if name in _OWN or name.startswith("_"):
+                raise ValueError(f"a scalar may not be called {name!r}: State uses that name itself")
+        self._model = model
+        self._kv = kv
+        self._names = tuple(scalars)
+        self._next: int | None = None  # worker 0: the id of the next commit
+        self._warned = False
+        self._manifest: dict = {}  # worker 0: the manifest it restored
+        self.checkpoint_id: int | None = None
+        """The id of the checkpoint restored or committed last (None before either)."""
+        for name, value in scalars.items():
+            setattr(self, name, value)
+
+    @property
+    def scalars(self) -> dict[str, Any]:
+        """The scalars' current values, by name."""
+        return {name: getattr(self, name) for name in self._names}
+
+    @property
+    def restart_count(self) -> int:
+        """How many times pslaunch restarted the job before this start (``PSLAUNCH_RESTART_COUNT``)."""
+        return self._kv._worker.env.restart_count
+
+    # ---- restore ----------------------------------------------------------------------------------
+    def restore(self) -> bool:
+        """Load the newest complete checkpoint into the servers and its scalars into this state.
+
+        Blocking and collective: every worker calls it (before its first push). Returns True when a
+        checkpoint was restored, False when there is none (the first start) or no checkpoint
+        directory.
+
+        Raises:
+            ShapeMismatchError, DTypeMismatchError: a key initialised here differs from the
+                checkpoint's (naming both shapes). CheckpointError: the checkpoint cannot be read or
+                loaded (the message names the file and why). Every worker raises the same error.
+        """
+        kv, worker = self._kv, self._kv._worker
+        if worker.env.checkpoint_dir is None:
+            return False
+        if worker.rejoined:  # restarted alone: the servers hold newer values; only the scalars come back
+            newest = self._ask(0, {"op": "scan"}).get("newest")
+            if newest is None:
+                return False
+            manifest = self._ask(0, {"op": "read", "id": newest})["manifest"]
+            for name, value in manifest["scalars"].items():
+                if name in self._names:
+                    setattr(self, name, value)
+            self.checkpoint_id = newest
+            return True
+        with runtime_errors():
+            worker.wait_pushes()
+        note = None
+        if kv.rank == 0:
+            note = self._guarded(self._restore_on_servers)
+        result = self._agree(note)
+        ckpt_id = result["id"]
+        if ckpt_id is None:
+            return False
+        manifest = self._manifest if kv.rank == 0 else self._ask(0, {"op": "read", "id": ckpt_id})["manifest"]
+        self._take(manifest)
+        return True
+
+    def _restore_on_servers(self) -> dict:
+        kv = self._kv
+        found = self._ask(0, {"op": "scan"})
+        newest, highest = found.get("newest"), found.get("highest")
+        self._next = (highest + 1) if isinstance(highest, int) else 1
+        if newest is None:
+            return {"id": None}
+        manifest = self._ask(0, {"op": "read", "id": newest})["manifest"]
+        parts: dict[int, list] = {s: [] for s in range(kv.num_servers)}
+        for entry in manifest["keys"]:
+            key, shape, dtype = entry["key"], tuple(entry["shape"]), np.dtype(entry["dtype"])
+            meta = kv._meta.get(key)
+            if meta is not None and (meta.shape != shape or meta.dtype != dtype):
+                kind = ShapeMismatchError if meta.shape != shape else DTypeMismatchError
+                raise kind(f"key {key!r} is initialised with shape {meta.shape} and dtype {meta.dtype}, but checkpoint "
+                           f"{newest} holds shape {shape} and dtype {dtype} for it")
+            for part in kv._layout_for(key, shape, dtype).parts:
+                parts[part.server].append([part.id, key, part.start, part.stop])
+        self._run({s: {"op": "restore", "id": newest, "parts": p} for s, p in parts.items()},
+                  f"restoring checkpoint {newest}")
+        self._manifest = manifest
+        return {"id": newest}
+
+    def _take(self, manifest: dict) -> None:
+        """This worker's side of a restore: the scalars, and the keys the servers now hold."""
+        for name, value in manifest["scalars"].items():
+            if name in self._names:
+                setattr(self, name, value)
+        for entry in manifest["keys"]:
+            self._kv._restored[entry["key"]] = KeyMeta(tuple(entry["shape"]), np.dtype(entry["dtype"]))
+        self.checkpoint_id = manifest["id"]
+
+    # ---- commit -------------------------------------------------------------------------------------
+    def commit(self) -> int | None:
+        """Checkpoint the model and the scalars (worker 0's values); return the checkpoint's id.
+
+        Blocking and collective: every worker calls it between steps, once it pushed what the step
+        pushes (in ``dist_sync`` every worker must have pushed every key equally often). Returns
+        None, with a warning the first time, when the job has no checkpoint directory.
+
+        Raises:
+            TypeError: a scalar is not a JSON value. CheckpointError: a server could not write its
+                file or the manifest (naming it and why); the checkpoint is then not complete and
+                ``restore`` ignores it. Every worker raises the same error.
+        """
+        kv, worker = self._kv, self._kv._worker
+        scalars = self.scalars
+        try:
+            if json.loads(json.dumps(scalars)) != scalars:
+                raise TypeError("it does not read back equal")
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"State's scalars must be JSON values (numbers, strings, booleans, lists, dicts): "
+                            f"{scalars!r}: {exc}") from None
+        if worker.env.checkpoint_dir is None:
+            if not self._warned:
+                self._warned = True
+                warnings.warn("State.commit(): the job has no checkpoint directory (pslaunch --checkpoint-dir DIR, "
+                              "PSLAUNCH_CHECKPOINT_DIR), so nothing is kept", RuntimeWarning, stacklevel=2)
+            return None
+        if self._model is not None:
+            self._model.barrier()  # the model's rounds in flight are answered
+        with runtime_errors():
+            worker.wait_pushes()
+            worker.barrier(Group.WORKERS)  # every worker's pushes are in
+        note = None
+        if kv.rank == 0:
+            note = self._guarded(lambda: self._commit_on_servers(scalars))
+        self.checkpoint_id = self._agree(note)["id"]
+        return self.checkpoint_id
+
+    def _commit_on_servers(self, scalars: dict) -> dict:
+        kv, env = self._kv, self._kv._worker.env
+        if self._next is None:
+            highest = self._ask(0, {"op": "scan"}).get("highest")
+            self._next = (highest + 1) if isinstance(highest, int) else 1
+        ckpt_id = self._next
+        replies = self._run({s: {"op": "save", "id": ckpt_id} for s in range(kv.num_servers)},
+                            f"writing checkpoint {ckpt_id}")
+        files = []
+        for server in range(kv.num_servers):
+            reply = replies.get(server)
+            if not isinstance(reply, dict) or not isinstance(reply.get("name"), str) or not isinstance(reply.get("bytes"), int):
+                raise CheckpointError(f"server {server} answered the write of checkpoint {ckpt_id} with {str(reply)[:200]}")
+            files.append({"server": server, "name": reply["name"], "bytes": reply["bytes"]})
+        manifest = {"format": 1, "id": ckpt_id, "num_servers": kv.num_servers, "store": kv.type,
+                    "job_id": env.job_id, "restart_count": env.restart_count, "created": time.time(),
+                    "bigarray_bound": env.bigarray_bound, "files": files, "keys": self._key_table(),
+                    "scalars": scalars}
+        self._run({0: {"op": "commit", "id": ckpt_id, "manifest": manifest}}, f"committing checkpoint {ckpt_id}")
+        self._next = ckpt_id + 1
+        return {"id": ckpt_id}
+
+    def _key_table(self) -> list[dict]:
+        """Every key the servers hold (initialised, or restored and not initialised yet) and where."""
+        kv = self._kv
+        metas: dict[Hashable, KeyMeta] = dict(kv._restored)
+        metas.update(kv._meta)
+        table = []
+        for key, meta in metas.items():
+            lay = kv._layout_for(key, meta.shape, meta.dtype)
+            table.append({"key": key, "shape": list(meta.shape), "dtype": meta.dtype.str, "row_size": lay.row_size,
+                          "parts": [[p.server, p.id, p.start, p.stop] for p in lay.parts]})
+        return table
+
+    # ---- plumbing ------------------------------------------------------------------------------------
+    def _ask(self, server: int, body: dict) -> dict:
+        return self._run({server: body}, f"checkpoint request {body['op']!r}")[server]
+
+    def _run(self, bodies: dict[int, dict], what: str) -> dict[int, Any]:
+        """Send checkpoint requests to servers and wait for every answer (no time limit: liveness
+        is checked, a dead server fails it); ``{server: reply}``.
+
+        Raises:
+            CheckpointError: a server refused (its message says why).
+        """
+        worker = self._kv._worker
+        future, replies = worker.checkpoint(bodies)
+        try:
+            with runtime_errors():
+                worker.wait_for(future)
+                future.result()
+        except ServerError as exc:  # a refusal: its message says why
+            raise CheckpointError(f"{what} failed: {exc}") from exc
+        return dict(replies)
+
+    def _guarded(self, run: Any) -> dict:
+        """Worker 0's part, its outcome as a barrier note (an error travels as its kind and message)."""
+        try:
+            return run()
+        except (KVStoreError, TypeError, ValueError) as exc:
+            return {"error": str(exc)[:_NOTE_TEXT], "kind": type(exc).__name__}
+
+    def _agree(self, note: dict | None) -> dict:
+        """Every worker learns worker 0's outcome (a barrier with its note) and raises its error alike."""
+        with runtime_errors():
+            notes = self._kv._worker.barrier(Group.WORKERS, note=note)
+        outcome = next((n for n in notes if isinstance(n, dict)), None)
+        if outcome is None:
+            raise CheckpointError("worker 0 left no outcome of the checkpoint operation in the barrier")
+        if "error" in outcome:
+            kinds = {cls.__name__: cls for cls in (ShapeMismatchError, DTypeMismatchError, CheckpointError, TypeError,
+                                                   ValueError)}
+            raise kinds.get(str(outcome.get("kind")), CheckpointError)(str(outcome["error"]))
+        return outcome
+
+
+def _store_of(store: Any) -> tuple[Any, Any]:
+    """``(shared model or None, distributed KVStore)`` behind ``store``."""
+    from .dist_store import DistKVStore
+    from .shared_model import SharedModel
+
+    if isinstance(store, DistKVStore):
+        return None, store
+    if isinstance(store, SharedModel):
+        bridge = getattr(store, "_bridge", None)
+        if store.kind != "dist" or bridge is None:
+            raise TypeError(f"State needs a 'dist' shared model after init(devices); this one is {store.kind!r}"
+                            f"{'' if bridge is not None else ' and has no distributed store yet'}")
+        return store, bridge._store
+    raise TypeError(f"State checkpoints a distributed store (kvcore.create('dist_sync'), 'dist_async', "
+                    f"'dist_device_sync') or a 'dist' shared model, got {type(store).__name__}")

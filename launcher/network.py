@@ -1,0 +1,211 @@
+"""Addresses on a real cluster: the scheduler's address, what ``--interface`` means, and whether every
+host can reach the scheduler before anything starts.
+
+* ``--interface`` is one interface name (``eth0``), a comma-separated list tried in order
+  (``ib0,eth0``), or an IPv4 network (``10.1.0.0/16``): the address of the first listed interface
+  a host has, or its address inside the network. Each node resolves it on its own host
+  (``DMLC_INTERFACE``, docs/env.md), so hosts whose interface names differ can share one job.
+* The scheduler's address (``DMLC_PS_ROOT_URI``) when it runs here: the source address of the
+  kernel's route toward each remote host in hostfile order, by the host's real name (ssh config's
+  ``HostName``), until one is not a loopback address; else ``--interface`` resolved on this machine
+  (hosts behind a bastion may have no route from here). Only the nodes' way to the scheduler uses
+  it: the scheduler reaches the nodes at the addresses they advertise. A loopback address is never
+  used when a host is remote: without a usable address the launch stops at once with an error
+  naming what was tried and this machine's addresses.
+* ``check_scheduler_reachable``: before the job starts, every remote host connects to the
+  scheduler's address and port (held open here meanwhile) over its pre-flight ssh connection, and
+  every host that cannot is named with the address and why.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable
+
+from .errors import ConfigError, PreflightError
+
+__all__ = ["parse_interface", "interface_addresses", "resolve_interface", "route_source", "choose_scheduler_address",
+           "check_scheduler_reachable", "check_plan_reachable", "REACH_CHECK"]
+
+_SIOCGIFADDR = 0x8915
+
+
+def parse_interface(text: str) -> list[str] | ipaddress.IPv4Network:
+    """``--interface``'s value: a list of interface names (one or more, comma-separated) or an IPv4
+    network. Raises ``ConfigError`` naming the value and what is wrong with it."""
+    text = text.strip()
+    if "/" in text:
+        try:
+            return ipaddress.IPv4Network(text, strict=False)
+        except ValueError as exc:
+            raise ConfigError(f"--interface {text!r}: not an IPv4 network ({exc}); give NAME, NAME,NAME... "
+                              "or a network such as 10.1.0.0/16") from None
+    names = [n.strip() for n in text.split(",")]
+    for name in names:
+        if not name or len(name) > 15 or not name.replace("-", "").replace(".", "").replace("_", "").replace(":", "").isalnum():
+            raise ConfigError(f"--interface {text!r}: {name!r} is not an interface name; give NAME, NAME,NAME... "
+                              "or a network such as 10.1.0.0/16")
+    return names
+
+
+def interface_addresses() -> dict[str, str]:
+    """This machine's interfaces that have an IPv4 address: ``{name: address}`` (Linux)."""
+    import fcntl
+    import struct
+
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def resolve_interface(spec: list[str] | ipaddress.IPv4Network, addresses: dict[str, str]) -> str | None:
+    """The address ``spec`` (see ``parse_interface``) picks among ``addresses``, or None."""
+    if isinstance(spec, ipaddress.IPv4Network):
+        return next((a for a in addresses.values() if ipaddress.IPv4Address(a) in spec), None)
+    return next((addresses[n] for n in spec if n in addresses), None)
+
+
+def route_source(address: str) -> str | None:
+    """The local address the kernel would use to reach ``address`` (no packet is sent), or None."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect((address, 9))
+            return sock.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _resolve(name: str) -> tuple[str | None, str]:
+    """The first IPv4 address of ``name`` (or IPv6 when it has none), and a failure reason."""
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return None, f"unknown name ({exc.strerror or exc})"
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
+    return (infos[0][4][0], "") if infos else (None, "no address")
+
+
+def _loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
+
+
+def choose_scheduler_address(hosts: Iterable[tuple[str, str]], interface: str | None,
+                             addresses: Callable[[], dict[str, str]] = interface_addresses) -> tuple[str, bool]:
+    """The address the scheduler has when it runs here, and whether any host is remote.
+
+    ``hosts``: ``(label, real name)`` of every host of the hostfile in order, the real name being
+    what ssh connects to (``HostName``). ``interface``: ``--interface``'s value. Raises
+    ``ConfigError`` when a host is remote and no address but a loopback one can be found, naming
+    what was tried and this machine's addresses.
+    """
+    tried: list[str] = []
+    remote = False
+    chosen: str | None = None
+    for label, name in hosts:
+        address, why = _resolve(name)
+        shown = label if name == label else f"{label} ({name})"
+        if address is None:
+            tried.append(f"{shown}: {why}")
+            remote = True  # a name this machine cannot resolve is not this machine
+            continue
+        if _loopback(address):
+            continue
+        remote = True
+        if chosen is None:
+            source = route_source(address)
+            if source is None:
+                tried.append(f"{shown} = {address}: no route from this machine")
+            elif _loopback(source):
+                tried.append(f"{shown} = {address}: reached through loopback {source}")
+            else:
+                chosen = source
+    if not remote:
+        return "127.0.0.1", False
+    if chosen is not None:
+        return chosen, True
+    here = addresses()
+    if interface:
+        picked = resolve_interface(parse_interface(interface), here)
+        if picked is not None and not _loopback(picked):
+            return picked, True
+        tried.append(f"--interface {interface}: " + ("a loopback address here" if picked else "no match here"))
+    listed = ", ".join(f"{n} {a}" for n, a in here.items() if not _loopback(a)) or "none"
+    raise ConfigError(
+        "cannot choose the scheduler's address: a host is remote, and a loopback address would send every node "
+        f"to its own machine. Tried: {'; '.join(tried) or 'nothing'}. This machine's addresses: {listed}. "
+        "Set --interface NAME or --interface NETWORK (e.g. 10.1.0.0/16), or --scheduler-host HOST")
+
+
+#: What each host runs to connect to the scheduler's address (argv: address, port, timeout).
+REACH_CHECK = (
+    "import socket,sys\n"
+    "try: socket.create_connection((sys.argv[1], int(sys.argv[2])), float(sys.argv[3])).close()\n"
+    "except socket.timeout: sys.stderr.write('no answer within ' + sys.argv[3] + ' s'); sys.exit(1)\n"
+    "except OSError as e: sys.stderr.write(e.strerror or str(e)); sys.exit(1)\n"
+)
+
+
+def check_scheduler_reachable(address: str, port: int, clients: dict, python: str, timeout: float,
+                              note: Callable[[str], None] | None = None) -> None:
+    """Check from every host in ``clients`` (``{Host: SSHClient}``) that ``address:port`` accepts a
+    TCP connection, while a socket here listens there in the scheduler's place.
+
+    A host without ``python`` is not checked (``note`` says so). Raises ``PreflightError`` with one
+    line per host that cannot connect, naming it, the address and why.
+    """
+    from .sshconn import run_remote_output
+
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((address, port))
+        except OSError as exc:
+            raise PreflightError(f"the scheduler cannot listen on {address}:{port} here: {exc.strerror or exc}") from exc
+        listener.listen(128)  # the kernel completes the connections; nothing needs to accept them
+
+        def one(item) -> str | None:
+            host, client = item
+            argv = [python, "-c", REACH_CHECK, address, str(port), f"{timeout:g}"]
+            code, err = run_remote_output(client, argv, timeout + 5)
+            if code in (126, 127):
+                if note is not None:
+                    note(f"{host.label}: cannot check that the scheduler at {address}:{port} is reachable: "
+                         f"no {python} there")
+                return None
+            return None if code == 0 else f"{host.label} cannot reach the scheduler at {address}:{port}: {err or f'exit {code}'}"
+
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(clients)))) as pool:
+            problems = [p for p in pool.map(one, clients.items()) if p]
+    if problems:
+        raise PreflightError(
+            f"{len(problems)} of {len(clients)} host(s) cannot reach the scheduler's address:\n  " + "\n  ".join(problems)
+            + "\n  (the address this machine uses toward the hosts; set --interface NAME or --interface NETWORK "
+            "to one every host reaches)")
+
+
+def check_plan_reachable(plan, clients: dict, config, printer) -> None:
+    """``check_scheduler_reachable`` for a plan whose scheduler runs on this machine at an address
+    that is not a loopback one (else nothing to check). Raises ``PreflightError``."""
+    scheduler = plan.by_role("scheduler")[0]
+    if scheduler.host.name != "localhost" or not clients or _loopback_name(plan.root_uri):
+        return
+    if config.verbose:
+        printer.note(f"checking that {len(clients)} host(s) reach the scheduler at {plan.root_uri}:{plan.root_port}")
+    check_scheduler_reachable(plan.root_uri, plan.root_port, clients, config.python, config.connect_timeout, printer.note)
+
+
+def _loopback_name(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return name == "localhost"

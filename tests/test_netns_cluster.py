@@ -1,0 +1,121 @@
+"""benchmarks.netns, the simulated cluster: its hosts reach each other over their networks, the
+launching host reaches only the management network, the range cannot leave the machine, and
+nothing of a cluster is left after its block ends, raises, or its process is killed. The
+capped-link benchmark runs on it (a quick run: it checks that it runs, not a figure).
+
+Marked ``netns``: needs root and iproute2 (scripts/test.sh installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from benchmarks.netns import BENCH_RANGE, NetnsCluster, process_alive, usable
+
+pytestmark = pytest.mark.netns
+REPO = Path(__file__).resolve().parent.parent
+REACH = "import socket,sys; s=socket.create_server((sys.argv[1],0)); print(s.getsockname()[1],flush=True); s.accept()"
+CONNECT = "import socket,sys; socket.create_connection((sys.argv[1],int(sys.argv[2])),3).close()"
+
+
+@pytest.fixture(autouse=True)
+def _namespaces_work():
+    why = usable()
+    if why is not None:
+        pytest.fail(f"the simulated cluster cannot be made here: {why}")
+
+
+def _ip(*args: str) -> str:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10).stdout
+
+
+def _reaches(cluster: NetnsCluster, source: str | None, target: str, network: str) -> bool:
+    address = cluster.address(target, network)
+    server = subprocess.Popen(cluster.run_in(target, [sys.executable, "-c", REACH, address]), stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        port = server.stdout.readline().strip()
+        argv = [sys.executable, "-c", CONNECT, address, port]
+        return subprocess.run(cluster.run_in(source, argv) if source else argv, capture_output=True,
+                              timeout=30).returncode == 0
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _leftovers(tag: str) -> list[str]:
+    """Namespaces and links of the cluster(s) tagged ``tag`` (``<pid><letter>``, or a pid: every one)."""
+    names = [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
+    links = [line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link", "show").splitlines()]
+    mine = re.compile(rf"^(pslnet-|pn){tag}{'' if tag[-1].isalpha() else '[a-z]'}-")
+    return [n for n in names + links if mine.match(n)]
+
+
+def test_hosts_reach_each_other_on_both_networks_the_launcher_only_the_management_one_and_nothing_is_left():
+    with pytest.raises(RuntimeError, match="inside"):
+        with NetnsCluster(nics=("eth0", "ens5"), compute=True) as cluster:
+            assert f"unreachable {BENCH_RANGE}" in _ip("route", "show")
+            inside = _ip("-n", cluster.namespace("h2"), "-4", "-o", "addr")
+            assert re.search(rf"^\d+: ens5\s+inet {re.escape(cluster.address('h2'))}/24 ", inside, re.M), inside
+            assert _reaches(cluster, "h1", "h2", "management") and _reaches(cluster, "h1", "h2", "compute")
+            assert _reaches(cluster, None, "h2", "management") and not _reaches(cluster, None, "h2", "compute")
+            cluster.join("compute")
+            assert _reaches(cluster, None, "h2", "compute")
+            cluster.leave("compute")
+            assert not _reaches(cluster, None, "h2", "compute")
+            cluster.cut("h2")
+            assert not _reaches(cluster, "h1", "h2", "management")
+            cluster.restore("h2")
+            assert _reaches(cluster, "h1", "h2", "management")
+            tag = cluster.tag
+            assert _leftovers(tag)
+            raise RuntimeError("inside")
+    assert _leftovers(tag) == []
+
+
+def test_a_killed_runs_namespaces_and_what_ran_in_them_are_swept_by_the_next_cluster(tmp_path):
+    script = textwrap.dedent(f"""
+        import subprocess, sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from benchmarks.netns import NetnsCluster
+        cluster = NetnsCluster(nics=("eth0",)).__enter__()
+        sleeper = subprocess.Popen(cluster.run_in("h1", ["sleep", "600"]))
+        print(cluster.namespace("h1"), sleeper.pid, flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        namespace, sleeper = proc.stdout.readline().split()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # no finally, no atexit: the namespace stays behind
+        proc.wait()
+    tag = str(proc.pid)
+    try:
+        assert namespace in _ip("netns", "list") and _leftovers(tag)
+        with NetnsCluster(nics=("eth0",)):
+            assert _leftovers(tag) == [] and not process_alive(int(sleeper))
+    finally:
+        for name in _leftovers(tag):  # should the sweep have failed
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+            subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=10)
+
+
+def test_the_capped_link_benchmark_runs_pslaunch_across_the_shaped_link(tmp_path):
+    out = tmp_path / "capped.json"
+    res = subprocess.run([sys.executable, "-m", "benchmarks.capped_link", "--quick", "--skip-mxnet", "--sizes", "1",
+                          "--rate", "200mbit", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(out.read_text())
+    row = report["rows"][0]
+    assert row["measure"] == f"pushpull_{1 << 20}" and row["pslaunch_tcp"]["bytes_per_s"] > 0
+    assert report["line_rate_bytes_per_s"] == 25e6 and report["tcp_stream"]["bytes_per_s"] > 0
+    assert "pushpull 1 MiB" in res.stdout and "raw TCP stream" in res.stdout
