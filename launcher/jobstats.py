@@ -14,6 +14,10 @@ The straggler is the worker that spends the most time per round not waiting for 
 others wait for is the one that itself waits least; in ``dist_async`` it is the one with the fewest
 rounds. It is named only when it stands out: 25% above the middle of the other workers.
 
+With ``--max-restarts`` the rows go on across restarts: a new scheduler (the job restarted) starts
+every row's reports afresh, and so does a node with a new pid (a worker restarted alone, which the
+scheduler lists as ``rejoining`` until it is back).
+
 Thread-safety: ``take_line`` runs on a reader thread, ``rows`` on any other; a lock guards the state.
 """
 
@@ -39,7 +43,7 @@ LINE_LIMIT = 1 << 20
 RATE_WINDOW = 5.0
 _STANDS_OUT = 1.25
 _NODE_ROLES = ("server", "worker")
-_STATES = ("registered", "running", "finished")
+_STATES = ("registered", "running", "rejoining", "finished")  # rejoining: a dead worker awaiting its restart
 _MAX = float(1 << 62)
 
 
@@ -101,6 +105,10 @@ class JobStats:
             return False
         now = time.monotonic()
         with self._lock:
+            if handle is not self._scheduler:  # a restarted job: its new scheduler counts from zero again
+                self._self.clear()
+                self._nodes.clear()
+                self._history.clear()
             self._scheduler = handle
             self.received_at = now
             self.phase = body["phase"]
@@ -112,6 +120,9 @@ class JobStats:
                 if key is None:
                     continue
                 node["received"] = now
+                previous = self._nodes.get(key)
+                if previous is not None and previous.get("pid") != node.get("pid"):
+                    self._history.pop(key, None)  # a worker restarted alone: a new process, new counters
                 self._nodes[key] = node
                 report = node["s"]
                 if "t" in report:
@@ -204,7 +215,7 @@ class JobStats:
             row.state = node["state"]
             row.heartbeat_age = node["age"] + (now - node["received"])
             interval = self.heartbeat[0]
-            row.late = node["state"] != "finished" and interval > 0 and row.heartbeat_age > max(2.5 * interval, interval + 1.0)
+            row.late = node["state"] == "running" and interval > 0 and row.heartbeat_age > max(2.5 * interval, interval + 1.0)
         row.counters = dict(node["s"])
         row.rss = int(row.counters["rss"]) if "rss" in row.counters else None
         history = self._history.get(key)

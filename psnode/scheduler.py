@@ -10,10 +10,9 @@ waits for the worker pslaunch starts again, which registers late and takes it ba
 When every worker has finished, the servers are told to shut down and the scheduler ends.
 
 Parts: the ``Roster`` (who registered, their ranks and liveness), the ``Barriers`` (who waits in
-which group) and the ``Scheduler`` façade that reads messages and drives both. Under pslaunch with
-``PSLAUNCH_STATS`` it keeps each node's latest heartbeat report (checked as untrusted input) and
-writes the job's counters on its stderr for pslaunch (``psnode.stats.StatsLine``); with
-``PSLAUNCH_TIMELINE`` it answers the nodes' clock probes and records registration and barriers. Peers are described
+which group), the ``JobReport`` (``scheduler_report``: the stats line for pslaunch, the timeline)
+and the ``Scheduler`` façade that reads messages and drives them; it keeps each node's latest
+heartbeat counters, checked as untrusted input (``stats.check_body``). Peers are described
 and reached with ``membership.PeerInfo`` and ``endpoint_of``, as every node does. Single-threaded.
 """
 
@@ -30,8 +29,8 @@ from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint, unre
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
 from .rendezvous import Rendezvous
 from .security import secure_or_loopback
-from .stats import StatsLine, check_body
-from .timeline import open_timeline
+from .scheduler_report import JobReport
+from .stats import check_body
 from .transport import Transport, node_transport
 
 __all__ = ["Scheduler", "Roster", "Barriers"]
@@ -213,13 +212,7 @@ class Scheduler:
         self.rendezvous = Rendezvous()
         self.malformed = 0
         self._last_check = 0.0  # when _check_alive last ran
-        self.phase = "registering"
-        self.stats = StatsLine(env.stats_interval) if env.stats_interval > 0 else None
-        self.timeline = open_timeline(env, "scheduler")
-        if self.timeline is not None:
-            self.timeline.name_process(0, env.root_uri)
-        self._boot = self.fingerprint.split(":")[0]
-        self._barrier_start: dict[int, int] = {}  # group -> when its first member arrived (timeline)
+        self.job_report = JobReport(env, self.fingerprint)  # PSLAUNCH_STATS, PSLAUNCH_TIMELINE
 
     # ---- registration -------------------------------------------------------------------
     def register(self) -> None:
@@ -231,9 +224,8 @@ class Scheduler:
         """
         env, roster = self.env, self.roster
         deadline = time.monotonic() + env.register_timeout
-        start = time.monotonic_ns()
         while not roster.complete():
-            self._tell_launcher()
+            self.job_report.tell(roster.members.values())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 message = (f"registration timed out after {env.register_timeout:g} s (PSLAUNCH_REGISTER_TIMEOUT): "
@@ -270,9 +262,7 @@ class Scheduler:
         for uid, member in roster.members.items():
             member.last_seen = time.monotonic()
             self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), pack_json({"rank": member.peer.rank, "nodes": nodes})])
-        self.phase = "running"
-        if self.timeline is not None:
-            self.timeline.add("registration", None, start, time.monotonic_ns())
+        self.job_report.registered()
         logger.info("scheduler: %d servers and %d workers registered", env.num_servers, env.num_workers)
 
     def _check_reachable(self) -> None:
@@ -317,7 +307,7 @@ class Scheduler:
         tick = 0.5 if env.heartbeat_interval <= 0 else min(0.5, env.heartbeat_interval / 2)
         self._last_check = time.monotonic()
         while not self.roster.all_workers_finished():
-            self._tell_launcher()
+            self.job_report.tell(self.roster.members.values())
             if self.transport.poll(tick):
                 for _ in range(256):
                     sender, frames = self.transport.recv()
@@ -366,7 +356,7 @@ class Scheduler:
         ack = [pack_header(Cmd.HEARTBEAT_ACK, req_id)]
         clock = self._read_body(member, frames)
         if clock is not None:
-            ack.append(pack_json({"clock": clock, "now": time.monotonic_ns(), "boot": self._boot}))
+            ack.append(self.job_report.clock(clock))
         self.transport.send(sender, ack)
 
     def _read_body(self, member: Member, frames: list) -> int | None:
@@ -384,23 +374,6 @@ class Scheduler:
         if report is not None:
             member.report = report
         return clock
-
-    def _tell_launcher(self, at_once: bool = False) -> None:
-        """Write the stats line for pslaunch when one is due (``PSLAUNCH_STATS``), or at once."""
-        stats = self.stats
-        if stats is None:
-            return
-        now = time.monotonic()
-        if not (at_once or stats.due(now)):
-            return
-        nodes = []
-        for member in self.roster.members.values():
-            peer = member.peer
-            state = "finished" if member.finished else self.phase if self.phase == "registering" else "running"
-            nodes.append({"role": peer.role, "rank": peer.rank, "host": peer.host, "pid": peer.pid,
-                          "state": "registered" if state == "registering" else state,
-                          "age": round(max(0.0, now - member.last_seen), 3), "s": member.report or {}})
-        stats.emit(now, self.phase, nodes, (self.env.heartbeat_interval, self.env.heartbeat_timeout))
 
     def _rendezvous(self, sender: bytes, cmd: int, req_id: int, frames: list) -> None:
         """Set a rendezvous value (answering who waited for it) or answer / park a request for one."""
@@ -483,15 +456,13 @@ class Scheduler:
         if error is not None:
             self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id, flags=FLAG_ERROR), pack_json({"error": error})])
             return
-        if self.timeline is not None:
-            self._barrier_start.setdefault(group, time.monotonic_ns())
+        self.job_report.barrier_arrived(group)
         done = self.barriers.arrive(group, sender, req_id, self.roster.of_roles(GROUP_ROLES[Group(group)]), note)
         if done is None:
             self._fail_blocked_barriers()
             return
         waiters, notes = done
-        if self.timeline is not None:
-            self.timeline.add("barrier", Group(group).name.lower(), self._barrier_start.pop(group), time.monotonic_ns())
+        self.job_report.barrier_done(group)
         body = [pack_json({"notes": notes})] if notes else []
         for uid, rid in waiters:
             self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid), *body])
@@ -573,10 +544,7 @@ class Scheduler:
             except (ProtocolError, IndexError):
                 self.malformed += 1
         logger.info("scheduler: every worker finished; %d of %d servers confirmed shutdown", len(acked), len(servers))
-        self.phase = "ending"
-        self._tell_launcher(at_once=True)
-        if self.timeline is not None:  # every node wrote its events before it acknowledged
-            self.timeline.close(end_array=acked == servers)
+        self.job_report.ended(self.roster.members.values(), in_order=acked == servers)  # each node wrote its events first
 
     def run(self) -> int:
         """Register, serve, shut down; return the exit code (0: every worker finished).
@@ -599,5 +567,4 @@ class Scheduler:
     def close(self, linger: float = 0.0) -> None:
         """Close the sockets and the timeline."""
         self.transport.close(linger)
-        if self.timeline is not None:
-            self.timeline.close()
+        self.job_report.close()

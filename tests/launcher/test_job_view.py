@@ -105,6 +105,24 @@ def test_a_heartbeat_older_than_two_and_a_half_intervals_is_late_and_an_exited_p
     assert rows["server.0@localhost"].state == "running" and rows["server.0@localhost"].heartbeat_age is None
 
 
+def test_after_a_restart_rates_start_afresh_and_a_worker_awaiting_its_restart_is_rejoining_not_late():
+    stats, handles = JobStats(), job_handles()
+    sync_job(stats, handles)
+    restarted = [Handle(h.spec.role, h.spec.rank, h.pid + 10) for h in handles]  # the job started again
+    for t in (5.0, 6.0):  # the hosts' clocks go on, the new processes' counters start from zero
+        workers = {r: {"rounds": 2 * (t - 5), "wait_s": 0.5 * (t - 5), "push_b": 1e6 * (t - 5)} for r in range(3)}
+        assert stats.take_line(restarted[0], stats_line(t, workers), restarted)
+    rows = {r.name: r for r in stats.rows(restarted)}
+    assert rows["worker.0@localhost"].rates["rounds"] == pytest.approx(2)
+    assert rows["worker.0@localhost"].rates["push_b"] == pytest.approx(1e6)
+    line = json.loads(stats_line(7.0, {0: {}, 1: {}, 2: {}}, age=30.0))
+    line["nodes"][1]["state"] = "rejoining"  # worker 1 died; pslaunch restarts it alone
+    assert stats.take_line(restarted[0], json.dumps(line), restarted)
+    rows = {r.name: r for r in stats.rows(restarted)}
+    assert rows["worker.1@localhost"].state == "rejoining" and not rows["worker.1@localhost"].late
+    assert rows["worker.0@localhost"].late  # 30 s without a heartbeat, running
+
+
 def test_malformed_stats_lines_are_counted_and_dropped_keeping_the_last_good_one():
     stats, handles = JobStats(), job_handles()
     assert stats.take_line(handles[0], stats_line(1.0, {0: {"rounds": 3}}), handles)

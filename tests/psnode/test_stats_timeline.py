@@ -11,9 +11,10 @@ from launcher.envcontract import contract_env
 from psnode.env import read_env
 from psnode.errors import ProtocolError
 from psnode.inproc_transport import InProcHub, InProcTransport
-from psnode.membership import SCHEDULER
+from psnode.membership import SCHEDULER, PeerInfo
 from psnode.protocol import Cmd, pack_header, pack_json, unpack_header, unpack_json
-from psnode.scheduler import Scheduler
+from psnode.scheduler import Member, Scheduler
+from psnode.scheduler_report import JobReport
 from psnode.stats import REPORT_LIMIT, check_report, server_report, worker_report
 from psnode.timeline import Timeline
 from psnode_testkit import InProcJob, init_keys
@@ -72,7 +73,7 @@ def supervised_scheduler():
         lines.append(json.loads(body))
         got_line.set()
 
-    scheduler.stats._write = keep
+    scheduler.job_report.stats._write = keep
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("code", scheduler.run()), daemon=True)
     thread.start()
@@ -137,6 +138,20 @@ def test_the_scheduler_writes_each_nodes_latest_counters_state_and_heartbeat_age
     worker.send(Cmd.FINISH, 7, body={"s": {"t": 11.0, "lr": 0, "push_b": 8192, "rounds": 4}})  # the last counters
     line = next_line(lambda l: node_in(l)["state"] == "finished")
     assert node_in(line)["s"]["rounds"] == 4 and node_in(line, host="127.0.0.2")["state"] == "running"
+
+
+def test_a_worker_that_died_and_waits_for_its_restart_is_listed_as_rejoining():
+    env = read_env(contract_env(role="scheduler", root_uri="127.0.0.1", root_port=ROOT_PORT, num_workers=2,
+                                num_servers=0, job_id="t", rank=0, local_rank=0, local_size=1,
+                                settings={"PSLAUNCH_STATS": "0.05", "PSLAUNCH_RESTART_SCOPE": "worker"}))
+    report, lines = JobReport(env, "boot:1"), []
+    report.stats._write = lines.append
+    peers = [PeerInfo("worker", r, "127.0.0.1", 5000 + r, f"w{r}", "f", f"w{r}", pid=10 + r) for r in range(2)]
+    members = [Member({}, peers[0]), Member({}, peers[1], away_since=1.0)]
+    report.registered()
+    report.tell(members, at_once=True)
+    nodes = json.loads(lines[-1].partition(" ")[2])["nodes"]
+    assert [(n["rank"], n["state"]) for n in nodes] == [(0, "running"), (1, "rejoining")]
 
 
 def test_a_malformed_heartbeat_body_is_counted_and_dropped_and_its_node_is_still_heard(supervised_scheduler):
