@@ -153,11 +153,7 @@ class DistKVStore(KVStoreBase):
         self._whole: dict[Hashable, tuple[int, int]] = {}  # key -> (server, key id) for unsplit keys
         self._has_updater = False
         self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
-        timeline = self._worker.timeline
-        if timeline is not None:  # PSLAUNCH_TIMELINE: each call of the API is an event named by its key
-            for name in ("push", "pull", "pushpull", "row_sparse_pull", "init"):
-                setattr(self, name, timeline.wrap(getattr(self, name), name, _first_argument))
-            self.barrier = timeline.wrap(self.barrier, "barrier")
+        self._trace_calls(self._worker.timeline)
         self._restored: dict[Hashable, KeyMeta] = {}  # keys of the checkpoint restored (kvcore.elastic)
 
     # ---- job facts --------------------------------------------------------------------------
@@ -479,11 +475,6 @@ class DistKVStore(KVStoreBase):
         with runtime_errors():
             self._worker.wait_for(future)
             future.result()
-
-
-def _first_argument(args: tuple) -> Any:
-    """The key (or keys) of a traced API call: its first argument."""
-    return args[0] if args else None
 
 
 def _error_of(note: Any) -> DistributedError:
