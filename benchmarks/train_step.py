@@ -1,6 +1,6 @@
 """The training step of a 10.5 M-parameter MLP: torch DDP on gloo against ``kvcore.Trainer``.
 
-    python -m benchmarks.train_step [--reps 3] [--quick]
+    python -m benchmarks.allreduce --skip-collectives [--reps 3] [--quick]
 
 Three systems, 2 workers each on 127.0.0.1 (``benchmarks/train_step_worker.py``: the model, data
 and step of the DDP baseline):
@@ -14,8 +14,8 @@ and step of the DDP baseline):
 In both Trainer systems each group of gradients leaves as soon as backprop produced it (PyTorch's
 gradient hooks). The figure is the median step time of worker 0; a ratio is the median of the
 per-repetition ratios against ``ddp`` (targets: at most 1.0x for the allreduce store, 0.8x for
-``dist_sync``). ``python -m benchmarks.allreduce`` runs these too, in the same run as the
-collectives.
+``dist_sync``). ``python -m benchmarks.allreduce`` runs them (the module that owns the command line),
+without ``--skip-collectives`` in the same run as the collectives.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import click
 
 from psnode.testing import JobFailed, LocalJob, free_port
 
@@ -92,19 +91,3 @@ def train_rows(reps: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "unit": "ms", "ratio": statistics.median(cpu) if cpu else None, "target": "(none; context)",
                      "met": "-"})
     return rows
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--reps", type=click.IntRange(1, 50), default=3, show_default=True)
-@click.option("--quick", is_flag=True, help="Few steps, one repetition.")
-@click.option("--job-timeout", type=float, default=300.0, show_default=True)
-def main(reps: int, quick: bool, job_timeout: float) -> None:
-    """The training step against DDP (see the module docstring)."""
-    from .allreduce import main as run_all
-
-    args = ["--skip-collectives", "--reps", str(1 if quick else reps), "--job-timeout", str(job_timeout)]
-    run_all.main(args=args + (["--quick"] if quick else []), standalone_mode=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -86,21 +86,30 @@ def from_framework(value: Any, name: str) -> Any:
     return value
 
 
+def _torch_parameters(params: Any) -> list[Parameter]:
+    """PyTorch parameters as Parameters whose data and gradient are numpy views of the tensors
+    (``kvcore.torch_adapter``, imported only now: torch is optional)."""
+    from .torch_adapter import torch_views
+
+    result = []
+    for name, data, grad, tensor in torch_views(params):
+        param = Parameter(name, data, grad=grad)
+        param.source = tensor
+        result.append(param)
+    return result
+
+
 def normalise_params(params: Any) -> list[Parameter]:
     """Accepted parameter forms -> a list of Parameters with unique names."""
     if hasattr(params, "named_parameters") or _is_torch(params):
-        from .torch_adapter import torch_parameters
-
-        result = torch_parameters(params)
+        result = _torch_parameters(params)
     elif isinstance(params, Mapping):
         result = [_as_parameter(name, value) for name, value in params.items()]
     else:
         items = list(params)
         if items and (_is_torch(items[0]) or (isinstance(items[0], tuple) and len(items[0]) == 2
                                               and isinstance(items[0][0], str) and _is_torch(items[0][1]))):
-            from .torch_adapter import torch_parameters
-
-            result = torch_parameters(items)
+            result = _torch_parameters(items)
         else:
             result = [v if isinstance(v, Parameter) else _as_parameter(str(i), v) for i, v in enumerate(items)]
     if not result:

@@ -11,13 +11,12 @@ need a copy, and the caller should say where that copy goes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from .parameters import Parameter
 
-__all__ = ["tensor_as_array", "torch_parameters", "watch_gradients"]
+__all__ = ["tensor_as_array", "torch_views", "watch_gradients"]
 
 
 def _torch():
@@ -47,12 +46,13 @@ def tensor_as_array(tensor: Any, what: str = "the tensor") -> np.ndarray:
     return tensor.detach().numpy()
 
 
-def torch_parameters(params: Any) -> list[Parameter]:
-    """Wrap PyTorch parameters as kvcore ``Parameter``s (only those with ``requires_grad``).
+def torch_views(params: Any) -> list[tuple[str, Any, Callable[[], Any], Any]]:
+    """PyTorch parameters (only those with ``requires_grad``) as ``(name, data, grad, tensor)``,
+    which ``kvcore.parameters`` makes ``Parameter``s of (this module knows torch, not them).
 
     ``params`` is a ``torch.nn.Module`` (named by ``named_parameters()``), an iterable of
     ``(name, tensor)`` pairs, a mapping ``name -> tensor``, or an iterable of tensors (named by
-    position). Each Parameter's data is a numpy view of the tensor, and its gradient a numpy view of
+    position). ``data`` is a numpy view of the tensor, and ``grad()`` a numpy view of
     ``tensor.grad`` read at every step (None until a backward pass has produced one).
     """
     _torch()
@@ -66,15 +66,8 @@ def torch_parameters(params: Any) -> list[Parameter]:
             named = [(str(name), tensor) for name, tensor in items]
         else:
             named = [(str(i), tensor) for i, tensor in enumerate(items)]
-    result = []
-    for name, tensor in named:
-        if not getattr(tensor, "requires_grad", True):
-            continue
-        data = tensor_as_array(tensor, f"parameter {name!r}")
-        param = Parameter(name, data, grad=_grad_getter(name, tensor))
-        param.source = tensor
-        result.append(param)
-    return result
+    return [(name, tensor_as_array(tensor, f"parameter {name!r}"), _grad_getter(name, tensor), tensor)
+            for name, tensor in named if getattr(tensor, "requires_grad", True)]
 
 
 def watch_gradients(tensors: list[Any], ready: Any) -> list[Any]:

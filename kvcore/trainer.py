@@ -118,8 +118,7 @@ class Trainer:
         self._store_rescale: float | None = None  # rescale_grad the store's optimizer was shipped with
         self._coll = None if self._update_on_kvstore else kvstore.collectives
         self._coalesce = int(coalesce_bytes)
-        self._group_of = {i: g for g, (indices, _) in enumerate(self._groups) for i in indices}
-        self._hand_off = HandOff(self) if overlap else None
+        self._hand_off = HandOff(self._params, self._groups, self._send_complete_group) if overlap else None
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -261,6 +260,12 @@ class Trainer:
             if not grads[i]:
                 return None
         return grads
+
+    def _send_complete_group(self, g: int) -> Any:
+        """Send group ``g`` from the hand-off, once backprop produced its gradients; its handle, or
+        None when one has none after all."""
+        grads = self._group_grads(g)
+        return None if grads is None else self._send_group(g, grads)
 
     def _send_group(self, g: int, grad_lists: list[list[Any]]) -> Any:
         """Send group ``g``'s gradients; the handle of its result: the gradients summed in place

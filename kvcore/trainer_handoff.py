@@ -4,7 +4,7 @@ DDP overlaps its allreduce with the backward pass: a bucket of gradients leaves 
 gradient in it exists. ``HandOff`` does the same for ``kvcore.Trainer``: each parameter's hook
 (``torch_adapter.watch_gradients``) marks its gradient ready, and once a group of the Trainer's
 (``Trainer._groups``, the same groups every step) is complete it is sent at once
-(``Trainer._send_group``: summed through the collectives, or pushed to the store); ``step`` sends
+(``send``, the Trainer's: summed through the collectives, or pushed to the store); ``step`` sends
 what is left and waits.
 
 Runs on the thread that runs backward (PyTorch's hooks); an error is kept and raised at ``step``,
@@ -13,10 +13,7 @@ never inside PyTorch's backward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
+from typing import Any, Callable, Sequence
 
 __all__ = ["HandOff"]
 
@@ -29,21 +26,27 @@ class HandOff:
     refused at the next ``step``: it may have been sent half-summed.
     """
 
-    def __init__(self, trainer: "Trainer") -> None:
-        self.trainer = trainer
+    def __init__(self, params: Sequence[Any], groups: Sequence[tuple[Sequence[int], int]],
+                 send: Callable[[int], Any]) -> None:
+        """``params``: the Trainer's Parameters; ``groups``: ``(parameter indices, priority)`` per
+        group; ``send(g)``: send group ``g``, returning its handle (None when a gradient is missing
+        after all: ``step`` then sends the group and names it)."""
+        self.params = params
+        self.groups = groups
+        self.group_of = {i: g for g, (indices, _) in enumerate(groups) for i in indices}
+        self.send = send
         self.armed = False
         self.watched = False
         self.sent: dict[int, Any] = {}
         self.seen: set[int] = set()
-        self.left = [len(indices) for indices, _ in trainer._groups]
+        self.left = [len(indices) for indices, _ in groups]
         self.error: BaseException | None = None
         self.twice: str | None = None
 
     def arm(self) -> None:
         """Start a step: hooks send groups from now on."""
-        trainer = self.trainer
         if not self.watched:
-            sources = [p.source for p in trainer._params]
+            sources = [p.source for p in self.params]
             if not any(s is not None for s in sources):
                 return
             from .torch_adapter import watch_gradients
@@ -52,26 +55,25 @@ class HandOff:
             self.watched = True
         self.sent = {}
         self.seen = set()
-        self.left = [len(indices) for indices, _ in trainer._groups]
+        self.left = [len(indices) for indices, _ in self.groups]
         self.armed = True
 
     def ready(self, i: int) -> None:
         """Parameter ``i``'s gradient is complete (a hook, on the thread that runs backward)."""
         if not self.armed:
             return
-        trainer = self.trainer
         if i in self.seen:
-            self.twice = trainer._params[i].name
+            self.twice = self.params[i].name
             return
         self.seen.add(i)
-        g = trainer._group_of[i]
+        g = self.group_of[i]
         self.left[g] -= 1
         if self.left[g] or self.error is not None:
             return
         try:
-            grads = trainer._group_grads(g)
-            if grads is not None:  # else a gradient is missing after all: step sends the group (and names it)
-                self.sent[g] = trainer._send_group(g, grads)
+            handle = self.send(g)
+            if handle is not None:  # else a gradient is missing after all: step sends the group (and names it)
+                self.sent[g] = handle
         except Exception as exc:  # raised at step(), not inside PyTorch's backward
             self.error = exc
 

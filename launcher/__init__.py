@@ -5,7 +5,8 @@ and the errors. ``launcher.cli`` holds the ``pslaunch`` command; ``launcher.envc
 names of docs/env.md. Importing this package loads neither paramiko nor rich nor click.
 """
 
-from .config import EnvVar, LaunchConfig, parse_env_option, resolve
+from .config import EnvVar, LaunchConfig, parse_env_option
+from .network import resolve
 from .errors import (
     ConfigError,
     HostfileError,

@@ -14,12 +14,16 @@ import uuid
 import click
 
 from .config import (DEFAULT_LINK_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option,
-                     parse_metrics_option, resolve)
+                     parse_metrics_option)
 from .envcontract import new_job_key
 from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
+from .network import resolve
 
-__all__ = ["cli", "main", "build_config"]
+__all__ = ["cli", "main", "build_config", "BACKEND_OPTIONS"]
+
+#: Flags that only one backend reads; that backend's ``options`` must name the ones it takes.
+BACKEND_OPTIONS = ("slurm_args", "sge_args", "sge_pe")
 
 _EPILOG = """\b
 Examples:
@@ -27,6 +31,8 @@ Examples:
   pslaunch -n 4 -s 2 -H hosts train.py                 over ssh, see hosts.example
   pslaunch -n 4 -s 0 train.py                          allreduce: scheduler and workers, no servers
   pslaunch -n 2 --launcher mpi python train.py         one mpirun for every role
+  pslaunch -n 8 -s 4 --launcher slurm train.py         one Slurm job step (salloc/sbatch or its own)
+  pslaunch -n 8 -s 4 --launcher sge train.py           one SGE parallel-environment job
   pslaunch -n 2 --dry-run -H hosts train.py            print the plan, start nothing
 \b
 Exit codes: 0 success; the (last) root-cause process's code (128+signal; 1 when it is 2-5); 2 bad input;
@@ -47,7 +53,7 @@ SIGHUP / SIGINT / SIGTERM; 255 a host was lost. Documentation: docs/launcher.md.
 @click.option("-H", "--hostfile", type=click.Path(dir_okay=False), default=None,
               help="Hosts to run on: `[user@]host[:sshport] [slots=N]` per line.")
 @click.option("--launcher", "backend", default=None, metavar="NAME",
-              help="Backend: local, ssh or mpi [default: ssh with a hostfile, local without].")
+              help="Backend: local, ssh, mpi, slurm or sge [default: ssh with a hostfile, local without].")
 @click.option("--command-for-all-roles", is_flag=True,
               help="Run COMMAND as scheduler and servers too (MXNet / ps-lite / BytePS programs) "
                    "instead of the bundled runtime `python -m psnode`.")
@@ -76,6 +82,13 @@ SIGHUP / SIGINT / SIGTERM; 255 a host was lost. Documentation: docs/launcher.md.
 @click.option("--link-timeout", type=float, default=DEFAULT_LINK_TIMEOUT, show_default=True,
               help="Seconds without a word between pslaunch and a remote host after which the host is lost "
                    "and its processes are stopped there (0: never).")
+@click.option("--slurm-args", default=None, metavar="ARGS",
+              help="Slurm options for the allocation pslaunch asks for, or for its job step inside an "
+                   "allocation: partition, account, time, ... (--launcher slurm).")
+@click.option("--sge-args", default=None, metavar="ARGS",
+              help="qsub options: queue, resources, project, ... (--launcher sge).")
+@click.option("--sge-pe", default=None, metavar="NAME",
+              help="SGE parallel environment the job asks slots of [default: smp] (--launcher sge).")
 @click.option("--python", default=sys.executable, show_default="this Python",
               help="Interpreter for a COMMAND starting with python, python3 or a .py file, and for the bundled runtime.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Keep one log file per process here.")
@@ -120,14 +133,18 @@ def cli(**options) -> None:
 
     Everything after the options is COMMAND and its arguments, passed on unchanged.
     """
-    config = resolve(build_config(options, dict(os.environ)))
+    from .backends import get_backend
     from .plan import format_plan, make_plan
 
+    environ = dict(os.environ)
+    config = resolve(build_config(options, environ))
+    config = get_backend(config.backend).configure(config, environ)
     plan = make_plan(config)
     if config.dry_run:
         click.echo(format_plan(plan))
+        for line in get_backend(config.backend).dry_run_notes(config):
+            click.echo(line)
         return
-    from .backends import get_backend
     from .observe import JobObserver
     from .output import Printer
     from .supervisor import Supervisor
@@ -160,7 +177,11 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
 
     hosts = tuple(parse_hostfile(options["hostfile"])) if options["hostfile"] else ()
     backend = options["backend"] or ("ssh" if hosts else "local")
-    get_backend(backend)  # an unknown name fails here, listing the known ones
+    backend_cls = get_backend(backend)  # an unknown name fails here, listing the known ones
+    backend_options = tuple((name, options[name]) for name in BACKEND_OPTIONS if options.get(name) is not None)
+    for name, _ in backend_options:
+        if name not in backend_cls.options:
+            raise ConfigError(f"--{name.replace('_', '-')} is not an option of --launcher {backend}")
     if backend == "ssh" and not hosts:
         raise ConfigError("--launcher ssh needs -H/--hostfile naming the hosts")
     if backend == "local" and options["scheduler_host"]:
@@ -223,6 +244,7 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         metrics_port=metrics_port,
         summary_json=options["summary_json"],
         timeline=options["timeline"],
+        backend_options=backend_options,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import socket
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .envcontract import RESTART_SCOPES
 from .errors import ConfigError
@@ -19,7 +19,6 @@ __all__ = [
     "EnvVar",
     "LaunchConfig",
     "parse_env_option",
-    "resolve",
     "free_port",
     "DEFAULT_STOP_GRACE",
     "DEFAULT_SHUTDOWN_GRACE",
@@ -143,6 +142,13 @@ class LaunchConfig:
         """Whether pslaunch needs the runtime's counters (``PSLAUNCH_STATS``): for the dashboard,
         the metrics endpoint or the summary JSON."""
         return self.dashboard or self.metrics_port is not None or self.summary_json is not None
+    #: Options only one backend reads (``--slurm-args``, ...): ``(name, value)`` pairs, checked by
+    #: that backend (``Backend.options`` lists the names it takes).
+    backend_options: tuple[tuple[str, str], ...] = ()
+
+    def option(self, name: str) -> str | None:
+        """The value of backend option ``name``, None when it was not given."""
+        return dict(self.backend_options).get(name)
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -187,43 +193,3 @@ def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((address, 0))
         return sock.getsockname()[1]
-
-
-def resolve(config: LaunchConfig, real_names: list[tuple[str, str]] | None = None) -> LaunchConfig:
-    """Fill in what needs a look at this machine; returns a new config.
-
-    * ``launch_address``: the address every node dials for the scheduler. ``127.0.0.1`` for the local
-      backend or when every host is this machine; the real name of ``--scheduler-host``; otherwise
-      the address other hosts reach this machine at (``launcher.network``: ``--interface`` here, or
-      the route toward the hosts' real names), never a loopback address.
-      ``real_names``: ``(label, name ssh connects to)`` per host (ssh config's ``HostName``); read
-      from the ssh config when None.
-    * ``scheduler_port``: a free port here when the scheduler runs on this machine and none was
-      given; 9091 (the DMLC tracker's default) when it runs on ``--scheduler-host``.
-
-    Raises ``ConfigError`` for a malformed ``--interface``, one that matches nothing here when every
-    process runs here, and when no address but a loopback one can be found for remote hosts.
-    """
-    from .network import choose_scheduler_address, interface_addresses, parse_interface, resolve_interface
-
-    address = config.launch_address
-    spec = parse_interface(config.interface) if config.interface else None
-    remote = False
-    if config.backend != "local" and config.hosts:
-        if real_names is None:
-            from .sshconn import real_names as read_names
-
-            real_names = read_names(config, extra=config.scheduler_host)
-        if config.scheduler_host:  # the name every node dials: what ssh reaches it by
-            address = dict(real_names).get(config.scheduler_host, config.scheduler_host)
-        else:
-            address, remote = choose_scheduler_address(real_names, config.interface)
-    if spec is not None and not remote and not config.scheduler_host:
-        here = interface_addresses()
-        if resolve_interface(spec, here) is None:  # every process runs here: it must match here
-            known = ", ".join(f"{n} {a}" for n, a in here.items())
-            raise ConfigError(f"--interface {config.interface}: nothing here matches it (interfaces: {known})")
-    port = config.scheduler_port
-    if port is None:
-        port = 9091 if config.scheduler_host else free_port("0.0.0.0" if address != "127.0.0.1" else "127.0.0.1")
-    return replace(config, launch_address=address, scheduler_port=port)

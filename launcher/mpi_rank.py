@@ -3,14 +3,18 @@
 The mpi backend starts one ``mpirun`` for the whole job; every rank runs this module, which
 
 1. reads its rank from ``OMPI_COMM_WORLD_RANK`` (Open MPI), ``PMI_RANK`` (MPICH / Hydra) or
-   ``PMIX_RANK``, and its entry from the plan in ``PSLAUNCH_MPI_PLAN`` (JSON, one entry per rank);
+   ``PMIX_RANK`` (or from the variable ``--rank-from NAME`` names: the slurm backend's
+   ``SLURM_PROCID``, the sge backend's host agent), and its entry from the plan in
+   ``PSLAUNCH_MPI_PLAN`` (JSON, one entry per rank; ``payload`` makes it);
 2. builds the environment: the contract variables of that entry, plus the ``--env`` values the
    launcher exported as ``PSLAUNCH_ENV_<i>`` (only those meant for this role, under their real
    names), without the launcher's own transport variables;
 3. starts the command in its own process group, passes SIGTERM / SIGINT / SIGHUP (each with a
    SIGCONT) and SIGUSR1 on to that group, stops it on SIGUSR2 and continues it on SIGCONT (what
-   pslaunch sends through mpirun for Ctrl-Z), and stops it when its own parent (mpirun's daemon)
-   dies (``PR_SET_PDEATHSIG``);
+   pslaunch sends through mpirun for Ctrl-Z), takes SIGALRM for SIGTERM (pslaunch's stop, which
+   mpirun passes on instead of aborting the job), and stops it when its own parent (mpirun's daemon)
+   dies (``PR_SET_PDEATHSIG``); with ``--no-forward`` (under Slurm, which signals every process of
+   a step itself) it passes on only a SIGCONT with the stopping signals;
 4. writes a marker line with the pid at start and the exit status at the end on stderr (the
    launcher reads them from mpirun's tagged output) and exits 0: pslaunch, not mpirun, decides
    what a failure stops (an mpirun aborting by itself loses the other ranks' statuses);
@@ -34,7 +38,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["main", "PLAN_VARIABLE", "ENV_PREFIX", "rank_from_environ"]
+__all__ = ["main", "payload", "PLAN_VARIABLE", "ENV_PREFIX", "rank_from_environ"]
 
 PLAN_VARIABLE = "PSLAUNCH_MPI_PLAN"
 ENV_PREFIX = "PSLAUNCH_ENV_"
@@ -42,13 +46,40 @@ _MARKER = "\x1fPSLAUNCH-"
 _PR_SET_PDEATHSIG = 1
 
 
-def rank_from_environ(environ) -> int:
-    """This process's MPI rank. Raises ``RuntimeError`` when no MPI launcher set one."""
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        value = environ.get(name)
+def payload(specs, grace: float, pythonpath: str, link=lambda spec: 0) -> dict[str, str]:
+    """The variables that carry the processes ``specs`` (``ProcessSpec``s, in rank order) to
+    their ranks: the plan in ``PSLAUNCH_MPI_PLAN`` and each distinct ``--env`` value once, as
+    ``PSLAUNCH_ENV_<i>``. Values travel only here, never on a command line. Holds secrets.
+    ``link(spec)``: the seconds without a ping after which that rank stops its process group as
+    lost (0: never; see ``_Link``)."""
+    values: dict[tuple[str, str, str], int] = {}
+    for spec in specs:
+        for var in spec.user_env:
+            values.setdefault((var.name, var.value, var.scope), len(values))
+    entries = [{
+        "name": spec.name,
+        "argv": list(spec.argv),
+        "env": spec.env,
+        "user_env": [(v.name, values[(v.name, v.value, v.scope)]) for v in spec.user_env],
+        "cwd": spec.cwd,
+        "grace": grace,
+        "PYTHONPATH": pythonpath,
+        "link": link(spec),
+    } for spec in specs]
+    env = {PLAN_VARIABLE: json.dumps(entries)}
+    env.update({f"{ENV_PREFIX}{i}": value for (_, value, _), i in values.items()})
+    return env
+
+
+def rank_from_environ(environ, name: str | None = None) -> int:
+    """This process's rank: from variable ``name`` if given, else from the MPI launcher's.
+    Raises ``RuntimeError`` when there is none."""
+    names = (name,) if name else ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+    for candidate in names:
+        value = environ.get(candidate)
         if value is not None and value.isdigit():
             return int(value)
-    raise RuntimeError("no MPI rank in the environment (OMPI_COMM_WORLD_RANK / PMI_RANK / PMIX_RANK)")
+    raise RuntimeError(f"no rank in the environment ({' / '.join(names)})")
 
 
 class _Link:
@@ -99,11 +130,33 @@ def _die_with_parent() -> None:
         pass  # not Linux: mpirun's own signal forwarding still applies
 
 
-def main() -> int:
+def _options(args: list[str]) -> tuple[str | None, bool]:
+    """``(--rank-from NAME or None, whether to pass signals on)`` from the command line."""
+    rank_variable, passing = None, True
+    rest = list(args)
+    while rest:
+        word = rest.pop(0)
+        if word == "--rank-from" and rest:
+            rank_variable = rest.pop(0)
+        elif word == "--no-forward":
+            passing = False
+        else:
+            raise RuntimeError(f"unknown argument {word!r} (usage: [--rank-from NAME] [--no-forward])")
+    return rank_variable, passing
+
+
+def main(argv: list[str] | None = None) -> int:
     """Run this rank's process of the plan; returns 0 once its status is reported (125: no process
-    for this rank)."""
+    for this rank). ``argv`` (default ``sys.argv[1:]``) may hold ``--rank-from NAME`` and
+    ``--no-forward`` (the launcher signals every process of the job itself, as Slurm does: pass no
+    signal on, only time the grace period and keep the process group from dying of them)."""
     try:
-        rank = rank_from_environ(os.environ)
+        rank_variable, passing = _options(sys.argv[1:] if argv is None else argv)
+    except RuntimeError as exc:
+        print(f"pslaunch mpi_rank: {exc}", file=sys.stderr)
+        return 125
+    try:
+        rank = rank_from_environ(os.environ, rank_variable)
         plan = json.loads(os.environ[PLAN_VARIABLE])
         entry = plan[rank]
     except (RuntimeError, KeyError, IndexError, ValueError) as exc:
@@ -111,7 +164,8 @@ def main() -> int:
         return 125
     _die_with_parent()
     parent = os.getppid()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k != PLAN_VARIABLE}
+    own = {PLAN_VARIABLE, rank_variable if (rank_variable or "").startswith("PSLAUNCH_") else None}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k not in own}
     if "PYTHONPATH" in entry:
         env["PYTHONPATH"] = entry["PYTHONPATH"]
     env.update(entry["env"])
@@ -119,7 +173,7 @@ def main() -> int:
         env[name] = os.environ.get(f"{ENV_PREFIX}{index}", "")
     # Held until the child exists (handlers, unlike ignored signals, do not pass to the child).
     early: list[int] = []
-    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT, signal.SIGALRM):
         signal.signal(sig, lambda signum, frame: early.append(signum))
     try:
         child = subprocess.Popen(entry["argv"], env=env, cwd=entry.get("cwd") or None, start_new_session=True)
@@ -139,17 +193,26 @@ def main() -> int:
 
     def forward(signum, frame):  # noqa: ARG001
         stopping.append(signum)
-        to_group(signum, signal.SIGCONT)  # a stopped group gets the signal only once continued
+        if passing or os.getppid() != parent:  # PR_SET_PDEATHSIG's signal reached this process alone
+            to_group(signum, signal.SIGCONT)  # a stopped group gets the signal only once continued
+        else:
+            to_group(signal.SIGCONT)  # the launcher signalled the group too; stopped, it gets it now
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
-    # What pslaunch sends through mpirun (which passes SIGUSR1, SIGUSR2 and SIGCONT to every rank):
-    # SIGUSR1 ends a bundled node normally, SIGUSR2 stops the group (Ctrl-Z), SIGCONT continues it.
+    # What pslaunch sends through mpirun (which passes SIGUSR1, SIGUSR2, SIGCONT and SIGALRM to every
+    # rank): SIGUSR1 ends a bundled node normally, SIGUSR2 stops the group (Ctrl-Z), SIGCONT continues
+    # it, SIGALRM stops the job as SIGTERM does. A SIGTERM to mpirun would make it abort the job, and
+    # an aborting mpirun kills the ranks after 1 s and drops their output: the exit statuses too.
     passed = {signal.SIGUSR1: signal.SIGUSR1, signal.SIGUSR2: signal.SIGSTOP, signal.SIGCONT: signal.SIGCONT}
     for sig, what in passed.items():
-        signal.signal(sig, lambda signum, frame, what=what: to_group(what))
-    for sig in early:
-        to_group(passed[sig])
+        signal.signal(sig, lambda signum, frame, what=what: to_group(what) if passing else None)
+    signal.signal(signal.SIGALRM, lambda signum, frame: forward(signal.SIGTERM, frame) if passing else None)
+    for sig in early if passing else ():
+        if sig == signal.SIGALRM:
+            forward(signal.SIGTERM, None)
+        else:
+            to_group(passed[sig])
     link = _Link(float(entry.get("link", 0)), lambda: to_group(signal.SIGCONT))
     signal.signal(signal.SIGCONT, link.on_cont)
     signal.signal(signal.SIGUSR2, _also(signal.getsignal(signal.SIGUSR2), link.hold))
@@ -172,7 +235,7 @@ def main() -> int:
                 pass
     # mpirun passes later signals to every rank, this one too: they must not kill it on its way
     # out (Python puts default handlers back while it shuts down), mpirun would call that a failure.
-    for sig in passed:
+    for sig in (*passed, signal.SIGALRM):
         signal.signal(sig, signal.SIG_IGN)
     try:
         os.killpg(child.pid, signal.SIGKILL)  # leftovers of its group

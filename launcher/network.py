@@ -22,12 +22,14 @@ from __future__ import annotations
 import ipaddress
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Callable, Iterable
 
+from .config import LaunchConfig, free_port
 from .errors import ConfigError, PreflightError
 
 __all__ = ["parse_interface", "interface_addresses", "resolve_interface", "route_source", "choose_scheduler_address",
-           "check_scheduler_reachable", "check_plan_reachable", "REACH_CHECK"]
+           "check_scheduler_reachable", "check_plan_reachable", "REACH_CHECK", "resolve"]
 
 _SIOCGIFADDR = 0x8915
 
@@ -209,3 +211,41 @@ def _loopback_name(name: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return name == "localhost"
+
+
+def resolve(config: LaunchConfig, real_names: list[tuple[str, str]] | None = None) -> LaunchConfig:
+    """Fill in what needs a look at this machine; returns a new config.
+
+    * ``launch_address``: the address every node dials for the scheduler. ``127.0.0.1`` for the local
+      backend or when every host is this machine; the real name of ``--scheduler-host``; otherwise
+      the address other hosts reach this machine at (``launcher.network``: ``--interface`` here, or
+      the route toward the hosts' real names), never a loopback address.
+      ``real_names``: ``(label, name ssh connects to)`` per host (ssh config's ``HostName``); read
+      from the ssh config when None.
+    * ``scheduler_port``: a free port here when the scheduler runs on this machine and none was
+      given; 9091 (the DMLC tracker's default) when it runs on ``--scheduler-host``.
+
+    Raises ``ConfigError`` for a malformed ``--interface``, one that matches nothing here when every
+    process runs here, and when no address but a loopback one can be found for remote hosts.
+    """
+    address = config.launch_address
+    spec = parse_interface(config.interface) if config.interface else None
+    remote = False
+    if config.backend != "local" and config.hosts:
+        if real_names is None:
+            from .sshconn import real_names as read_names  # paramiko: only for remote hosts
+
+            real_names = read_names(config, extra=config.scheduler_host)
+        if config.scheduler_host:  # the name every node dials: what ssh reaches it by
+            address = dict(real_names).get(config.scheduler_host, config.scheduler_host)
+        else:
+            address, remote = choose_scheduler_address(real_names, config.interface)
+    if spec is not None and not remote and not config.scheduler_host:
+        here = interface_addresses()
+        if resolve_interface(spec, here) is None:  # every process runs here: it must match here
+            known = ", ".join(f"{n} {a}" for n, a in here.items())
+            raise ConfigError(f"--interface {config.interface}: nothing here matches it (interfaces: {known})")
+    port = config.scheduler_port
+    if port is None:
+        port = 9091 if config.scheduler_host else free_port("0.0.0.0" if address != "127.0.0.1" else "127.0.0.1")
+    return replace(config, launch_address=address, scheduler_port=port)

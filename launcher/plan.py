@@ -156,7 +156,7 @@ def _cwd(config: LaunchConfig, host: Host, on_launcher: bool, remote_cwd: str | 
 
 
 def make_plan(config: LaunchConfig) -> Plan:
-    """Return the plan for a resolved ``config`` (see ``launcher.config.resolve``). Pure.
+    """Return the plan for a resolved ``config`` (see ``launcher.network.resolve``). Pure.
 
     Raises ``PlacementError`` when the workers do not fit the hostfile's slots.
     """
@@ -170,7 +170,7 @@ def make_plan(config: LaunchConfig) -> Plan:
             if h.name == config.scheduler_host:
                 sched_host = Host(h.name, h.user, h.port)
                 break
-        root_uri = config.launch_address  # its real name (ssh config's HostName), see config.resolve
+        root_uri = config.launch_address  # its real name (ssh config's HostName), see network.resolve
     else:
         sched_host = LOCAL_HOST
         root_uri = "127.0.0.1" if local_only else config.launch_address

@@ -117,7 +117,7 @@ class Supervisor:
                 self._report(f"restarting the job (restart {count} of {self.restarts.max_restarts}, "
                              f"PSLAUNCH_RESTART_COUNT={count})")
                 self.handles, self._replaced, self._stopped, self.failure = [], [], set(), None
-                self._attempt(plan.restarted(count), start)
+                self._attempt(self._plan.restarted(count), start)
             if self.restarts.max_restarts:
                 self.restarts.finish(self.failure)
         finally:
@@ -132,8 +132,8 @@ class Supervisor:
         then says why it failed (None: it succeeded)."""
         try:
             try:
-                if prepare:
-                    self.backend.prepare(plan)
+                if prepare:  # a batch scheduler's hosts are known now: the plan of every attempt has them
+                    plan = self._plan = self.backend.prepare(plan) or plan
                 self.handles = self.backend.launch(plan)
                 if self.observer is not None:
                     self.observer.attach(self.handles)

@@ -4,19 +4,26 @@ pslaunch starts it (``python -m launcher.watchdog GRACE``) in its own session wi
 stdin and writes ``add PGID`` / ``del PGID`` lines. When the pipe reaches EOF — pslaunch exited,
 also by SIGKILL, which no signal handler can catch — the watchdog sends SIGTERM to every group
 still registered (and SIGCONT, for groups that are stopped), waits up to GRACE seconds, sends
-SIGKILL to the rest and exits.
+SIGKILL to the rest, then runs each command registered with a ``run ["argv", ...]`` line (a JSON
+list: a batch scheduler's ``scancel JOB`` / ``qdel JOB``, for a job that would otherwise outlive
+pslaunch) and exits. ``clear`` forgets the commands: pslaunch has cleaned up itself.
 
 Only the standard library: it must start fast and must not import the rest of the launcher.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
 __all__ = ["main"]
+
+#: Seconds each cleanup command may take.
+_COMMAND_TIMEOUT = 30
 
 
 def _alive(pgid: int) -> bool:
@@ -46,12 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     groups: set[int] = set()
+    commands: list[list[str]] = []
     for raw in sys.stdin.buffer:
-        verb, _, arg = raw.decode("ascii", "replace").strip().partition(" ")
+        verb, _, arg = raw.decode("utf-8", "replace").strip().partition(" ")
         if verb == "add" and arg.isdigit():
             groups.add(int(arg))
         elif verb == "del" and arg.isdigit():
             groups.discard(int(arg))
+        elif verb == "run":
+            try:
+                commands.append([str(word) for word in json.loads(arg)])
+            except (ValueError, TypeError):
+                pass  # not from pslaunch: keep guarding the groups
+        elif verb == "clear":
+            commands.clear()
     groups = {g for g in groups if _alive(g)}
     if groups:
         _signal_all(groups, signal.SIGTERM)
@@ -61,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
             groups = {g for g in groups if _alive(g)}
         _signal_all(groups, signal.SIGKILL)
+    for argv in commands:
+        try:
+            subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=_COMMAND_TIMEOUT, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # nothing left to report to: pslaunch is gone
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Launcher backends, chosen by name: ``local``, ``ssh`` and ``mpi``.
+"""Launcher backends, chosen by name: ``local``, ``ssh``, ``mpi``, ``slurm`` and ``sge``.
 
 ``get_backend(name)`` imports the backend's module only when it is used (paramiko is only loaded
 for ``ssh``). ``register_backend`` adds one under a new name.
@@ -17,6 +17,8 @@ _REGISTRY: dict[str, str] = {
     "local": "launcher.backends.local:LocalBackend",
     "ssh": "launcher.backends.ssh:SshBackend",
     "mpi": "launcher.backends.mpi:MpiBackend",
+    "slurm": "launcher.backends.slurm:SlurmBackend",
+    "sge": "launcher.backends.sge.backend:SgeBackend",
 }
 
 

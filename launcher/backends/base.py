@@ -1,12 +1,15 @@
 """The backend interface: how a planned process is started, watched and stopped somewhere.
 
 A ``Backend`` gets the resolved config and the ``Printer``; ``prepare`` runs its checks (ssh
-pre-flight, rsync, the script's presence) and ``launch`` starts every process of a plan, returning
-one ``ProcessHandle`` per ``ProcessSpec``. The supervisor only talks to handles: ``poll`` for an
-``ExitStatus``, ``terminate`` (SIGTERM and SIGCONT to the process's group), ``kill`` (SIGKILL),
-``suspend`` / ``resume`` (Ctrl-Z), ``request_end`` (SIGUSR1 to a bundled node), ``close``.
-Output is read by the backend's own threads and goes to the printer in blocks of lines; marker
-lines (``MARKER``...) from wrappers and the runtime go to the handle instead.
+pre-flight, rsync, the script's presence) or asks a batch scheduler for the job's hosts (and then
+returns the plan made for them), and ``launch`` starts every process of a plan, returning one
+``ProcessHandle`` per ``ProcessSpec``. Before planning, the class's ``configure`` checks the
+options only that backend takes and fills in what it knows (the nodes of a Slurm allocation). The
+supervisor only talks to handles: ``poll`` for an ``ExitStatus``, ``terminate`` (SIGTERM and
+SIGCONT to the process's group), ``kill`` (SIGKILL), ``suspend`` / ``resume`` (Ctrl-Z),
+``request_end`` (SIGUSR1 to a bundled node), ``close``. Output is read by the backend's own threads
+and goes to the printer in blocks of lines; marker lines (``MARKER``...) from wrappers and the
+runtime go to the handle instead.
 """
 
 from __future__ import annotations
@@ -16,14 +19,14 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from ..config import LaunchConfig
 from ..envcontract import MARKER
 from ..output import LineSplitter, Printer
 from ..plan import Plan, ProcessSpec
 
-__all__ = ["Backend", "ProcessHandle", "ExitStatus", "pump", "route_block", "MARKER"]
+__all__ = ["Backend", "ProcessHandle", "ExitStatus", "pump", "drain", "route_block", "MARKER"]
 
 
 @dataclass(frozen=True)
@@ -151,16 +154,34 @@ class Backend(ABC):
 
     #: The name ``--launcher`` selects it by.
     name = "base"
+    #: Names of the ``LaunchConfig.backend_options`` this backend takes; any other one is refused.
+    options: tuple[str, ...] = ()
 
     def __init__(self, config: LaunchConfig, printer: Printer) -> None:
         self.config = config
         self.printer = printer
 
-    def prepare(self, plan: Plan) -> None:
-        """Check and set up everything before the first process starts (pre-flight, rsync).
+    @classmethod
+    def configure(cls, config: LaunchConfig, environ: Mapping[str, str]) -> LaunchConfig:
+        """Check this backend's options against ``config`` and return the config to plan with
+        (hosts, scheduler host) before planning. Runs for ``--dry-run`` too, so it starts nothing
+        that outlives it. Raises ``ConfigError``. The default returns ``config`` unchanged."""
+        return config
 
-        Raises ``PreflightError`` / ``SyncError``. The default does nothing.
+    @classmethod
+    def dry_run_notes(cls, config: LaunchConfig) -> list[str]:
+        """Lines ``--dry-run`` prints after the plan: what the backend will ask of others
+        (a batch scheduler's command line, say). The default has none."""
+        return []
+
+    def prepare(self, plan: Plan) -> Plan | None:
+        """Check and set up everything before the first process starts (pre-flight, rsync, a
+        batch scheduler's allocation). Returns the plan to launch instead of ``plan`` when the
+        hosts were only known now, else None.
+
+        Raises ``PreflightError`` / ``SyncError`` / ``PlacementError``. The default does nothing.
         """
+        return None
 
     @abstractmethod
     def launch(self, plan: Plan) -> list[ProcessHandle]:
@@ -171,6 +192,18 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release everything the backend holds (connections, the watchdog). Idempotent."""
+
+
+def drain(read: Callable[[], bytes], feed: Callable[[bytes], None]) -> None:
+    """Pass each chunk ``read()`` returns to ``feed`` until it returns b"" or fails (the stream closed)."""
+    while True:
+        try:
+            data = read()
+        except (OSError, EOFError, ValueError):
+            return
+        if not data:
+            return
+        feed(data)
 
 
 def route_block(handle: ProcessHandle, stream: str, printer: Printer, block: str) -> None:
@@ -206,14 +239,7 @@ def pump(read: Callable[[], bytes], handle: ProcessHandle, stream: str, printer:
     def run() -> None:
         splitter = LineSplitter(lambda block: route_block(handle, stream, printer, block))
         try:
-            while True:
-                try:
-                    data = read()
-                except (OSError, EOFError, ValueError):
-                    break
-                if not data:
-                    break
-                splitter.feed(data)
+            drain(read, splitter.feed)
         finally:
             splitter.close()
 

@@ -9,6 +9,7 @@ the ssh backend (scheduler on the launching host) and the mpi backend (``mpirun`
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -103,7 +104,7 @@ class LocalSpawner:
         self._watchdog: subprocess.Popen | None = None
         self._groups: list[int] = []
 
-    def _watch(self, pgid: int) -> None:
+    def _tell(self, line: str) -> None:
         if self._watchdog is None:
             self._watchdog = subprocess.Popen(
                 [sys.executable, "-m", "launcher.watchdog", str(self._grace)],
@@ -111,10 +112,18 @@ class LocalSpawner:
                 start_new_session=True,
                 env=child_environ({"PYTHONPATH": _launcher_root()}),
             )
-        self._groups.append(pgid)
         assert self._watchdog.stdin is not None
-        self._watchdog.stdin.write(f"add {pgid}\n".encode())
+        self._watchdog.stdin.write(f"{line}\n".encode())
         self._watchdog.stdin.flush()
+
+    def _watch(self, pgid: int) -> None:
+        self._groups.append(pgid)
+        self._tell(f"add {pgid}")
+
+    def on_death(self, argv: Sequence[str]) -> None:
+        """Have the watchdog run ``argv`` after stopping the groups if pslaunch dies before
+        ``close`` (a batch job's ``scancel``). ``close`` forgets it: the backend cleaned up itself."""
+        self._tell("run " + json.dumps(list(argv)))
 
     def spawn(
         self,
@@ -167,6 +176,7 @@ class LocalSpawner:
             try:
                 for pgid in self._groups:
                     self._watchdog.stdin.write(f"del {pgid}\n".encode())  # type: ignore[union-attr]
+                self._watchdog.stdin.write(b"clear\n")  # type: ignore[union-attr]
                 self._watchdog.stdin.close()  # type: ignore[union-attr]
             except OSError:
                 pass

@@ -8,128 +8,73 @@ command line, never values.
 
 mpirun runs with ``--tag-output``; ``TagDemux`` splits its output back into each rank's stdout and
 stderr (untagged lines are mpirun's own, shown as ``[mpirun]``), and reads the pid / exit status
-markers ``mpi_rank`` writes. ``mpi_rank`` exits 0 once its marker is out, so mpirun never aborts the
-job by itself; pslaunch decides. Signals reach the ranks only through mpirun, and each is sent once
-for the whole job: stopping means one SIGTERM to mpirun (SIGKILL of its group after the grace);
-Ctrl-Z is SIGUSR2 / SIGCONT and the end request SIGUSR1, which mpirun passes to every rank's
-``mpi_rank`` and that to its process group. ``mpi_rank`` also dies with its parent.
+markers ``mpi_rank`` writes (``ShimHandle``). ``mpi_rank`` exits 0 once its marker is out, so mpirun
+never aborts the job by itself; pslaunch decides. Signals reach the ranks only through mpirun, and
+each is sent once for the whole job (``ShimJob``), and only signals mpirun passes to every rank's
+``mpi_rank`` and that to its process group: stopping is SIGALRM, which ``mpi_rank`` turns into
+SIGTERM (mpirun's own SIGTERM aborts the job, killing the ranks a second later with their exit
+statuses unsaid; SIGKILL of mpirun's session after the grace), Ctrl-Z is SIGUSR2 / SIGCONT and the
+end request SIGUSR1. ``mpi_rank`` also dies with its parent.
 
 Link liveness (``launcher.linkwatch``): mpirun's daemons notice no network partition, so pslaunch
 sends mpirun a SIGCONT every few seconds, which it passes to every rank; ``mpi_rank`` on a remote
 host answers each with a ``PONG`` marker and stops its process group once none came for
 ``--link-timeout`` seconds; a host none of whose ranks was heard from for that long is lost.
-
-mpirun drops the output still on its way once it is told to stop, and with it the status markers
-of ranks that were ending by themselves. So when a rank failed (the job is ending because of it),
-the SIGTERM waits until every rank has reported, at most ``SETTLE`` seconds (and never more than
-half of ``--stop-grace``): the bystanders' own exit codes get through, and a rank that does not end
-by itself costs the job that bounded moment only.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import signal
 import threading
-import time
 
 from ..checkpointdir import check_checkpoint_dir
-from ..envcontract import EXIT_PEER_FAILED
 from ..errors import ConfigError, SpawnError
 from ..hostfile import Host
 from ..linkwatch import LinkWatch, PongFilter
+from ..mpi_rank import payload
 from ..network import check_plan_reachable
-from ..mpi_rank import ENV_PREFIX, PLAN_VARIABLE
 from ..output import LineSplitter
 from ..plan import Plan, ProcessSpec
 from ..scriptcheck import check_scripts_here, check_scripts_remote
 from .base import Backend, ExitStatus, ProcessHandle, route_block
 from .local import READ_SIZE, LocalHandle, LocalSpawner, _launcher_root
+from .shim import ShimHandle, ShimJob
 
-__all__ = ["MpiBackend", "MpiRankHandle", "TagDemux", "mpirun_argv"]
+__all__ = ["MpiBackend", "TagDemux", "mpirun_argv"]
 
 _TAG = re.compile(rb"\[(\d+),(\d+)\]<(stdout|stderr)>:")
 _FORWARDING = re.compile(r"^mpirun: Forwarding signal \d+ to job$")
 _PINGED = f"mpirun: Forwarding signal {int(signal.SIGCONT)} to job"  # the link watch's, every few seconds
 _MAX_HELD = 48
-#: Seconds at most that stopping the job waits, after a rank failed, for every rank's status marker.
-SETTLE = 2.0
 
 
-class MpiRankHandle(ProcessHandle):
-    """One rank of the mpirun job. Its exit status comes from ``mpi_rank``'s marker line.
-
-    Signals reach ranks only through mpirun, which passes them to every rank's ``mpi_rank``, so
-    each handle's request goes to the backend, which sends each at most once.
-    """
+class MpiRankHandle(ShimHandle):
+    """One rank of the mpirun job (``ShimHandle``), which the link watch may also find lost: its host
+    was silent for ``--link-timeout`` seconds."""
 
     def __init__(self, spec: ProcessSpec, backend: "MpiBackend") -> None:
-        super().__init__(spec)
+        super().__init__(spec, backend.shim)
         self._backend = backend
-        self._marked: ExitStatus | None = None
-
-    def on_marker(self, text: str) -> None:
-        """``PID n``, ``EXIT n`` or ``SIGNAL n`` from ``launcher.mpi_rank``; the runtime's markers."""
-        verb, _, arg = text.strip().partition(" ")
-        if verb not in ("PID", "EXIT", "SIGNAL"):
-            super().on_marker(text)
-            return
-        if not arg.lstrip("-").isdigit():
-            return
-        if verb == "PID":
-            self.pid = int(arg)
-            return
-        self.ended = time.monotonic()  # the marker's arrival orders the ranks' ends
-        self._marked = ExitStatus(code=int(arg)) if verb == "EXIT" else ExitStatus(signal=int(arg))
-        self._backend.rank_reported()
-
-    @property
-    def reported(self) -> bool:
-        """Whether this rank's exit status marker arrived."""
-        return self._marked is not None
-
-    def failed(self) -> bool:
-        """Whether this rank failed: it reported its own error, or a status other than 0 and 75."""
-        marked = self._marked
-        return self.failed_at is not None or (marked is not None and not marked.ok and marked.code != EXIT_PEER_FAILED)
 
     def _poll(self) -> ExitStatus | None:
-        if self._marked is not None:
-            return self._marked
+        status = super()._poll()
+        if status is not None:
+            return status
         watch = self._backend.watch
         if self._backend.pinging and watch.lost(self.spec.host):
             self.unreachable = True
             self.ended = watch.last_heard(self.spec.host)
             return ExitStatus(code=255, detail=f"no answer for {watch.timeout:g} s", lost=True)
-        mpirun = self._backend.mpirun
-        if mpirun is not None and mpirun.popen.poll() is not None and self._backend.output_done.is_set():
-            rc = mpirun.popen.returncode
-            return ExitStatus(code=255 if rc == 0 else ExitStatus.from_returncode(rc).exit_code,
-                              detail=f"no exit status from this rank; mpirun ended with {rc}")
         return None
 
     def in_doubt(self) -> bool:
         # once the job is being stopped mpirun passes no pings: silence then says nothing
         backend = self._backend
-        return self.status is None and backend.pinging and not backend.stopping and backend.watch.in_doubt(self.spec.host)
-
-    def terminate(self) -> None:
-        self._backend.stop_job()
-
-    def kill(self) -> None:
-        self._backend.signal_mpirun(signal.SIGKILL)
-
-    def suspend(self) -> None:
-        self._backend.suspend_job(True)
-
-    def resume(self) -> None:
-        self._backend.suspend_job(False)
-
-    def request_end(self) -> None:
-        self._backend.end_job()
+        return (self.status is None and backend.pinging and not backend.shim.stopping
+                and backend.watch.in_doubt(self.spec.host))
 
 
 class TagDemux:
@@ -220,14 +165,7 @@ class MpiBackend(Backend):
                               "so a rank cannot be started again alone; use --restart-scope job")
         super().__init__(config, printer)
         self.spawner = LocalSpawner(config.stop_grace)
-        self.mpirun = None
-        self.output_done = threading.Event()
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._suspended = False
-        self._ending = False
-        self._ranks: list[MpiRankHandle] = []
-        self._reported = threading.Condition()
+        self.shim = ShimJob("mpirun", self._deliver)
         self.watch = LinkWatch(config.link_timeout)
         self.pinging = False  # whether the link watch pings the ranks yet (once every rank started)
         self._ssh_config: str | None = None  # the OpenSSH config mpirun's ssh reads (see prepare)
@@ -263,140 +201,69 @@ class MpiBackend(Backend):
                 client.close()
             connector.close()
 
-    def stop_job(self) -> None:
-        """SIGTERM to mpirun, once: it passes it to every rank (a second one while it stops its job
-        can crash it, Open MPI 4.1). Ranks never make mpirun abort by itself (``mpi_rank`` exits 0).
-
-        Non-blocking. After a rank failed, the SIGTERM is sent from a thread once every rank has
-        reported its status, or after ``SETTLE`` seconds (see the module docstring)."""
-        with self._lock:
-            if self._stopping:
-                return
-            self._stopping = True
-        settle = min(SETTLE, self.config.stop_grace / 2)
-        if self._suspended or settle <= 0 or not any(h.failed() for h in self._ranks):
-            self._stop_now()
+    def _deliver(self, verb: str) -> None:
+        """One signal to mpirun, which passes it to every rank's ``mpi_rank`` (SIGKILL goes to
+        mpirun's whole process group). Ranks never make mpirun abort by itself (``mpi_rank`` exits
+        0), and a second SIGTERM while it stops its job could crash it (Open MPI 4.1): ``ShimJob``
+        sends each request once."""
+        mpirun = self.shim.launcher
+        assert mpirun is not None
+        if verb == "KILL":
+            mpirun.kill()
             return
-        threading.Thread(target=self._stop_when_reported, args=(time.monotonic() + settle,),
-                         name="pslaunch-mpirun-settle", daemon=True).start()
-
-    @property
-    def stopping(self) -> bool:
-        """Whether the job is being stopped."""
-        return self._stopping
-
-    def rank_reported(self) -> None:
-        """A rank's exit status arrived (called by the reader threads)."""
-        with self._reported:
-            self._reported.notify_all()
-
-    def _stop_when_reported(self, deadline: float) -> None:
-        with self._reported:
-            while not all(h.reported for h in self._ranks):
-                left = deadline - time.monotonic()
-                if left <= 0 or self.output_done.is_set():
-                    break
-                self._reported.wait(min(left, 0.1))
-        self._stop_now()
-
-    def _stop_now(self) -> None:
-        self.signal_mpirun(signal.SIGTERM)
-        if self._suspended:
-            self.suspend_job(False)  # ranks stopped with Ctrl-Z must run to end
-
-    def suspend_job(self, stop: bool) -> None:
-        """Stop (``stop``) or continue every rank: mpirun passes SIGUSR2 / SIGCONT to each
-        ``mpi_rank``, which stops / continues its process group. Each change is sent once."""
-        with self._lock:
-            if self._suspended == stop:
-                return
-            self._suspended = stop
-        self.signal_mpirun(signal.SIGUSR2 if stop else signal.SIGCONT)
-
-    def end_job(self) -> None:
-        """SIGUSR1 to every rank through mpirun, once every rank still running is ready for it (a
-        rank that is not would die of it): the bundled nodes end normally."""
-        with self._lock:
-            if self._ending or not all(h.ready for h in self._ranks if h.poll() is None):
-                return
-            self._ending = True
-        self.signal_mpirun(signal.SIGUSR1)
+        # Only signals mpirun passes on: mpi_rank turns SIGUSR2 into SIGSTOP of its process group and
+        # SIGALRM into SIGTERM. On a SIGTERM of its own mpirun aborts the job: it SIGKILLs every
+        # mpi_rank 1 s later and drops their output, exit statuses included.
+        sig = {"TERM": signal.SIGALRM, "STOP": signal.SIGUSR2, "CONT": signal.SIGCONT, "END": signal.SIGUSR1}[verb]
+        try:
+            mpirun.popen.send_signal(sig)
+        except ProcessLookupError:
+            pass
 
     def _ping(self, _: bytes) -> None:
         """The link watch's ping: a SIGCONT through mpirun to every rank, once every rank started
         (mpirun cannot pass a signal on while it still wires up its daemons: it aborts), and not
-        while the job is stopped (Ctrl-Z), which a SIGCONT would end; the lock orders it with a
-        stop request."""
-        if not all(h.pid for h in self._ranks):
+        while the job is stopped (Ctrl-Z), which a SIGCONT would end (``ShimJob.unless_suspended``
+        orders it with a stop request)."""
+        if not self.shim.handles or not all(h.pid for h in self.shim.handles):
             return
         if not self.pinging:  # the hosts' clocks start with the first ping
-            for host in {h.spec.host for h in self._ranks}:
+            for host in {h.spec.host for h in self.shim.handles}:
                 self.watch.heard(host)
             self.pinging = True
-        with self._lock:
-            if not self._suspended and self.mpirun is not None and self.mpirun.popen.poll() is None:
-                try:
-                    self.mpirun.popen.send_signal(signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-
-    def signal_mpirun(self, sig: int) -> None:
-        """Send ``sig`` to mpirun (SIGKILL goes to its whole process group)."""
-        with self._lock:
-            if self.mpirun is None:
-                return
-            if sig == signal.SIGKILL:
-                self.mpirun.kill()
-            elif self.mpirun.popen.poll() is None:
-                try:
-                    self.mpirun.popen.send_signal(sig)
-                except ProcessLookupError:
-                    pass
+        self.shim.unless_suspended(lambda launcher: launcher.popen.send_signal(signal.SIGCONT))
 
     def launch(self, plan: Plan) -> list[ProcessHandle]:
-        if self.mpirun is not None:  # a restart of the job: a new mpirun, and its requests not sent yet
-            self.mpirun.close()
-            self.output_done = threading.Event()
-            self._stopping = self._suspended = self._ending = False
+        restarted = self.shim.launcher is not None
+        if restarted:  # a restart of the job: a new mpirun, and none of its requests sent yet
+            self.shim.launcher.close()
+            self.shim = ShimJob("mpirun", self._deliver)
+            self.pinging = False
         ordered, _ = _layout(plan)
-        user_vars = {}
-        for spec in ordered:
-            for var in spec.user_env:
-                user_vars.setdefault((var.name, var.value, var.scope), len(user_vars))
-        entries = []
-        root = _launcher_root()
-        for spec in ordered:
-            entries.append({
-                "name": spec.name,
-                "argv": list(spec.argv),
-                "env": spec.env,
-                "user_env": [(v.name, user_vars[(v.name, v.value, v.scope)]) for v in spec.user_env],
-                "cwd": spec.cwd,
-                "grace": self.config.stop_grace,
-                "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-                # mpirun's own host needs no link guard: its ranks die with mpirun (PDEATHSIG)
-                "link": 0 if spec.host.name == "localhost" else self.config.link_timeout,
-            })
-        env = {PLAN_VARIABLE: json.dumps(entries), "PYTHONPATH": root}
-        env.update({f"{ENV_PREFIX}{i}": value for (_, value, _), i in user_vars.items()})
-        exported = [PLAN_VARIABLE, "PYTHONPATH", *(f"{ENV_PREFIX}{i}" for i in user_vars.values())]
+        # mpirun's own host needs no link guard: its ranks die with mpirun (PDEATHSIG)
+        env = payload(ordered, self.config.stop_grace, os.environ.get("PYTHONPATH", ""),
+                      lambda spec: 0 if spec.host.name == "localhost" else self.config.link_timeout)
+        exported = [*env, "PYTHONPATH"]
+        env["PYTHONPATH"] = _launcher_root()
         ssh_args = ["-F", self._ssh_config] if self._ssh_config else None
         argv = mpirun_argv(plan, self.config.python, exported, ssh_args, bool(self.config.hosts), os.geteuid() == 0)
         handles = [MpiRankHandle(spec, self) for spec in ordered]
-        self._ranks = handles
+        self.shim.handles = handles
         mpirun_spec = ProcessSpec("mpirun", 0, Host("localhost"), tuple(argv), {}, on_launcher=True)
-        self.mpirun = self.spawner.spawn(mpirun_spec, self.printer, argv=argv, env=env, handle_cls=MpirunHandle, readers=False)
-        self.mpirun.attach(self, handles)
+        mpirun = self.spawner.spawn(mpirun_spec, self.printer, argv=argv, env=env, handle_cls=MpirunHandle, readers=False)
+        self.shim.launcher = mpirun
+        mpirun.attach(self, handles)
         for host in {spec.host for spec in ordered if spec.host.name != "localhost"}:
             self.watch.add(host, counting=False)  # counted from the first ping: mpirun starts its daemons
-        self.watch.add("mpirun", self._ping)
+        if not restarted:
+            self.watch.add("mpirun", self._ping)
         by_spec = {id(h.spec): h for h in handles}
         return [by_spec[id(spec)] for spec in plan.processes]
 
     def close(self) -> None:
         self.watch.close()
-        if self.mpirun is not None:
-            self.mpirun.close()
+        if self.shim.launcher is not None:
+            self.shim.launcher.close()
         self.spawner.close()
         if self._ssh_config:
             shutil.rmtree(os.path.dirname(self._ssh_config), ignore_errors=True)
@@ -416,7 +283,7 @@ class MpirunHandle(LocalHandle):
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def attach(self, backend: MpiBackend, ranks: list[MpiRankHandle]) -> None:
+    def attach(self, backend: MpiBackend, ranks: list[ShimHandle]) -> None:
         """Start the threads that split mpirun's output into the ranks' lines."""
         done: list[str] = []
         for stream, pipe in (("stdout", self.popen.stdout), ("stderr", self.popen.stderr)):
@@ -446,7 +313,7 @@ def _session_members(sid: int) -> list[int]:
     return found
 
 
-def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBackend, done: list) -> None:
+def _read_tagged(pipe, stream: str, ranks: list[ShimHandle], backend: MpiBackend, done: list) -> None:
     printer = backend.printer
     verbose = backend.config.verbose
     splitters: dict[tuple[int | None, str], LineSplitter] = {}
@@ -460,9 +327,12 @@ def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBack
                     block = "\n".join(t for t in block.split("\n") if t != _PINGED and (verbose or not _FORWARDING.match(t)))
                     if not block:
                         return
+                    said = [t.strip() for t in block.split("\n") if t.strip()]
+                    if said:  # why mpirun ended, if it did before the ranks reported
+                        backend.shim.last_line = said[-1]
                     printer.lines("mpirun", "mpirun", block, sub)
             else:
-                def emit(block: str, handle: MpiRankHandle = ranks[rank], sub: str = sub) -> None:
+                def emit(block: str, handle: ShimHandle = ranks[rank], sub: str = sub) -> None:
                     route_block(handle, sub, printer, block)
             splitters[key] = LineSplitter(emit)
         return splitters[key]
@@ -496,4 +366,4 @@ def _read_tagged(pipe, stream: str, ranks: list[MpiRankHandle], backend: MpiBack
             s.close()
         done.append(stream)
         if len(done) == 2:
-            backend.output_done.set()
+            backend.shim.output_done.set()

@@ -23,15 +23,12 @@ import importlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from ..errors import ProtocolError, PSNodeError
 from .wire import Desc, Kind, Record, pack
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 __all__ = ["Op", "Tag", "Topology", "register_algorithm", "algorithm", "algorithm_names", "choose",
            "DIRECT_MAX", "SEGMENT", "TRACK_MIN", "slices"]
@@ -106,6 +103,22 @@ def choose(nbytes: int, topology: Topology) -> str:
     return "ring"
 
 
+class Runner(Protocol):
+    """What an op uses of the engine that runs it (``engine.Engine``): who this worker is among
+    how many, the topology and shared memory, and the engine's send, completion and abort."""
+
+    rank: int
+    size: int
+    topology: Topology
+    shared: Any
+
+    def send(self, rank: int, frames: list, track: bool) -> Any: ...
+
+    def complete(self, op: "Op") -> None: ...
+
+    def abort(self, op: "Op", error: PSNodeError, tell: bool = True) -> None: ...
+
+
 class Op(abc.ABC):
     """One collective on this worker (see the module docstring).
 
@@ -115,7 +128,7 @@ class Op(abc.ABC):
 
     kind = "collective"
 
-    def __init__(self, engine: "Engine", tag: Tag, desc: Desc, label: str) -> None:
+    def __init__(self, engine: Runner, tag: Tag, desc: Desc, label: str) -> None:
         self.engine = engine
         self.tag = tag
         self.desc = desc

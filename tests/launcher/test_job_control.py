@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from launcher_testkit import REPO, helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_for_records, wait_gone
+from launcher_testkit import REPO, backend_launch, helper, processes_with, reaped, wait_for_records, wait_gone
 
 
 def _state(pid: int) -> str:
@@ -33,42 +33,51 @@ def _wait_states(pids: list[int], wanted: set[str], timeout: float = 20) -> dict
         time.sleep(0.05)
 
 
-def _backend_options(backend: str, request, tmp_path) -> list[str]:
-    if backend == "ssh":
-        sshd = request.getfixturevalue("sshd")
-        hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2", "127.0.0.3"])
-        return ["-H", hosts, *sshd.ssh_flags()]
-    return ["--launcher", backend]
-
-
 def _role_job(out, *extra) -> list[str]:
     return ["-n", "2", "-s", "1", "--command-for-all-roles", "--shutdown-grace", "0.3",
             "--env-server", "SLEEP_scheduler:forever", "--env-server", "SLEEP_server:forever", *extra,
             sys.executable, helper("role.py"), str(out)]
 
 
-@pytest.mark.parametrize("backend", ["local", "ssh", "mpi"])
+@pytest.mark.parametrize("backend", ["local", "ssh", "mpi", "slurm", "sge"])
 def test_a_stopped_process_gets_sigcont_with_sigterm_so_teardown_does_not_wait_out_the_grace(
         backend, request, tmp_path, marker):
+    launch = backend_launch(backend, request, tmp_path)
     # With a 300 s grace, only SIGCONT lets the stopped worker take its SIGTERM within the time limit.
-    res = run_pslaunch(_role_job(tmp_path / "out", *_backend_options(backend, request, tmp_path), "--stop-grace", "300",
-                                 "--env-worker", "STOP_SELF_worker_0:1", "--env-worker", "SLEEP_worker_1:1",
-                                 "--env-worker", "EXIT_worker_1:9") + [marker], timeout=60)
+    res = launch.run(_role_job(tmp_path / "out", *launch.args, "--stop-grace", "300",
+                               "--env-worker", "STOP_SELF_worker_0:1", "--env-worker", "SLEEP_worker_1:1",
+                               "--env-worker", "EXIT_worker_1:9") + [marker], timeout=60)
     assert res.returncode == 9, res.stderr
     assert "root cause: worker.1@" in res.stderr
     row = next(line for line in res.stderr.splitlines() if line.startswith("| worker    |    0 |"))
     assert "stopped by pslaunch" in row and "SIGKILL" not in row, res.stderr
-    # mpirun continues its ranks before it signals them: the worker may finish its own run first
-    assert "SIGTERM" in row or (backend == "mpi" and "| 0 " in row), res.stderr
+    # mpirun (and Slurm's step, through mpi_rank) may continue a stopped process before its
+    # SIGTERM arrives: the worker may finish its own run first
+    assert "SIGTERM" in row or (backend in ("mpi", "slurm") and "| 0 " in row), res.stderr
     assert wait_gone(marker, 10) == []
 
 
-@pytest.mark.parametrize("backend", ["local", "ssh", "mpi"])
+@pytest.mark.parametrize("backend", ["local", "mpi", "slurm", "sge"])
+def test_a_process_ending_slowly_after_sigterm_is_reported_with_its_own_exit_status(backend, request, tmp_path, marker):
+    # mpirun, told to stop with a SIGTERM of its own, killed the ranks 1 s later and lost their statuses
+    launch = backend_launch(backend, request, tmp_path)
+    res = launch.run(_role_job(tmp_path / "out", *launch.args, "--stop-grace", "30", "--env-server", "TERM_DELAY_server:2",
+                               "--env-worker", "SLEEP_worker_0:forever", "--env-worker", "SLEEP_worker_1:1",
+                               "--env-worker", "EXIT_worker_1:9") + [marker], timeout=60)
+    assert res.returncode == 9, res.stderr
+    row = next(line for line in res.stderr.splitlines() if line.startswith("| server    |    0 |"))
+    assert "| 75 " in row and "stopped by pslaunch" in row, res.stderr
+    assert "no exit status" not in res.stderr, res.stderr
+    assert wait_gone(marker, 10) == []
+
+
+@pytest.mark.parametrize("backend", ["local", "ssh", "mpi", "slurm", "sge"])
 def test_sigtstp_stops_every_process_of_the_job_and_sigcont_continues_them(backend, request, tmp_path, marker):
     out = tmp_path / "out"
-    job = _role_job(out, *_backend_options(backend, request, tmp_path), "--env-worker", "SLEEP_worker:3") + [marker]
-    with reaped(start_pslaunch(job), marker) as proc:
-        wait_for_records(out, 4, proc)
+    launch = backend_launch(backend, request, tmp_path)
+    job = _role_job(out, *launch.args, "--env-worker", "SLEEP_worker:3") + [marker]
+    with reaped(launch.start(job), marker) as proc:
+        wait_for_records(out, 4, proc, timeout=60)
         pids = [json.loads(p.read_text())["pid"] for p in out.glob("*.json")]
         os.kill(proc.pid, signal.SIGTSTP)
         stopped = _wait_states(pids + [proc.pid], {"T", "t"})

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launcher_testkit import REPO, helper, run_pslaunch
+from launcher_testkit import backend_launch, helper, run_pslaunch
 
 _ROW = re.compile(r"^\| (scheduler|server|worker) +\| +(\d+) \| [^|]+\| +[-\d]+ \| ([^|]+?) +\| +[\d.]+s \| ([^|]*?) *\|$", re.M)
 
@@ -16,20 +16,13 @@ def _rows(stderr: str) -> dict[str, tuple[str, str]]:
     return {f"{m[1]}.{m[2]}": (m[3], m[4]) for m in _ROW.finditer(stderr)}
 
 
-def _backend_options(backend: str, sshd, tmp_path) -> list[str]:
-    if backend == "ssh":
-        hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2", "127.0.0.3"])
-        return ["-H", hosts, *sshd.ssh_flags(), "--env", f"PYTHONPATH:{REPO}"]
-    return ["--launcher", backend]
-
-
-@pytest.mark.parametrize("backend", ["local", "ssh", "mpi"])
+@pytest.mark.parametrize("backend", ["local", "ssh", "mpi", "slurm", "sge"])
 def test_when_every_worker_exits_0_without_the_runtime_the_bundled_nodes_end_normally_at_once(
         backend, request, tmp_path):
-    sshd = request.getfixturevalue("sshd") if backend == "ssh" else None
+    launch = backend_launch(backend, request, tmp_path)
     # A shutdown grace longer than the run's time limit: only the end request can finish in time.
-    res = run_pslaunch(["-n", "4", "-s", "2", *_backend_options(backend, sshd, tmp_path), "--shutdown-grace", "300",
-                        "python", "-c", "pass"], timeout=60)
+    res = launch.run(["-n", "4", "-s", "2", *launch.args, "--shutdown-grace", "300", "python", "-c", "pass"],
+                     timeout=60)
     assert res.returncode == 0, res.stderr
     rows = _rows(res.stderr)
     assert sorted(rows) == ["scheduler.0", "server.0", "server.1", "worker.0", "worker.1", "worker.2", "worker.3"]

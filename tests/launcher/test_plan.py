@@ -99,7 +99,7 @@ def test_too_many_workers_for_the_slots_is_an_error_naming_counts_and_hosts():
 
 
 def test_scheduler_host_places_the_scheduler_there_and_every_node_dials_its_real_name():
-    from launcher.config import resolve
+    from launcher.network import resolve
 
     hosts = (Host("a", "u", 2200), Host("b"))
     config = resolve(_config(backend="ssh", hosts=hosts, scheduler_host="a"), real_names=[("a", "10.0.0.7"), ("b", "b")])
@@ -169,7 +169,7 @@ def test_config_rejects_bad_counts_naming_the_flag_and_value():
 
 
 def test_resolve_picks_a_free_local_port_and_never_a_loopback_address_for_a_remote_host():
-    from launcher.config import resolve
+    from launcher.network import resolve
 
     local = resolve(_config(scheduler_port=None))
     assert 1 <= local.scheduler_port <= 65535 and local.launch_address == "127.0.0.1"

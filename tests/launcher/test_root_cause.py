@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from launcher_testkit import REPO, helper, run_pslaunch, wait_gone
+from launcher_testkit import BATCH_BACKENDS, Launch, backend_launch, helper, run_pslaunch, wait_gone
 
 RUNS = 20
 _TABLE_ROW = re.compile(r"^\| (scheduler|server|worker) +\| +(\d+) \| ([^|]+?) +\| +[-\d]+ \| ([^|]+?) +\| +[\d.]+s \| ([^|]*?) *\|$",
@@ -25,16 +25,16 @@ def _rows(stderr: str) -> dict[str, tuple[str, str]]:
     return {f"{m[1]}.{m[2]}": (m[4], m[5]) for m in _TABLE_ROW.finditer(stderr)}
 
 
-def _run_failing_jobs(options: list[str], marker: str, python: list[str]) -> None:
+def _run_failing_jobs(launch: Launch, marker: str, python: list[str], runs: int = RUNS) -> None:
     def one(i: int) -> tuple[int, int, object]:
         rank, step = i % 2, i % 5
-        res = run_pslaunch(["-n", "2", "-s", "1", *options, "--timeout", "60", "--env", f"RAISE_RANK:{rank}",
-                            "--env", f"RAISE_STEP:{step}", *python, helper("raise_at_step.py"), marker], timeout=90)
+        res = launch.run(["-n", "2", "-s", "1", *launch.args, "--timeout", "60", "--env", f"RAISE_RANK:{rank}",
+                          "--env", f"RAISE_STEP:{step}", *python, helper("raise_at_step.py"), marker], timeout=90)
         return rank, step, res
 
     # Two jobs at a time: a failing job spends much of its life waiting on sockets and handshakes.
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(one, range(RUNS)))
+        results = list(pool.map(one, range(runs)))
     for rank, step, res in results:
         culprit = f"worker.{rank}"
         failure = f"RuntimeError: worker {rank} fails at step {step}"
@@ -55,17 +55,16 @@ def _run_failing_jobs(options: list[str], marker: str, python: list[str]) -> Non
     assert wait_gone(marker, 10) == []
 
 
-def test_a_worker_raising_at_step_k_is_the_root_cause_with_its_traceback_every_run_local(marker):
-    _run_failing_jobs(["--launcher", "local"], marker, ["python"])
+@pytest.mark.parametrize("backend", ["local", "ssh", "mpi"])
+def test_a_worker_raising_at_step_k_is_the_root_cause_with_its_traceback_every_run(backend, request, tmp_path, marker):
+    _run_failing_jobs(backend_launch(backend, request, tmp_path), marker, ["python"])
 
 
-def test_a_worker_raising_at_step_k_is_the_root_cause_with_its_traceback_every_run_ssh(sshd, tmp_path, marker):
-    hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2", "127.0.0.3"])
-    _run_failing_jobs(["-H", hosts, *sshd.ssh_flags(), "--env", f"PYTHONPATH:{REPO}"], marker, ["python"])
-
-
-def test_a_worker_raising_at_step_k_is_the_root_cause_with_its_traceback_every_run_mpi(marker):
-    _run_failing_jobs(["--launcher", "mpi"], marker, ["python"])
+@pytest.mark.parametrize("backend", BATCH_BACKENDS)
+def test_a_worker_raising_at_step_k_is_the_root_cause_with_its_traceback_on_a_batch_scheduler(
+        backend, request, tmp_path, marker):
+    # Two runs (each worker failing once), not twenty: a job through the scheduler costs seconds more.
+    _run_failing_jobs(backend_launch(backend, request, tmp_path), marker, ["python"], runs=2)
 
 
 def test_the_failing_workers_traceback_is_the_first_thing_on_the_screen():

@@ -1,0 +1,134 @@
+"""pslaunch runs of the tests and what they leave: starting, reaping, looking at processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["HELPERS", "REPO", "PSLAUNCH", "Result", "ancestors", "cmdline", "processes_with", "wait_gone",
+           "start_pslaunch", "wait_for_records", "reaped", "run_pslaunch", "helper"]
+
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+REPO = Path(__file__).resolve().parents[3]
+PSLAUNCH = [sys.executable, "-m", "launcher.cli"]
+
+
+def ancestors(pid: int) -> list[int]:
+    """The parent, grandparent, ... of ``pid`` up to init, from /proc."""
+    chain = []
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                pid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except OSError:
+            break
+        chain.append(pid)
+    return chain
+
+
+def cmdline(pid: int) -> str:
+    """The command line of ``pid`` (empty once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def processes_with(text: str) -> list[str]:
+    """Command lines of live (non-zombie) processes whose argv contains ``text``, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode("utf-8", "replace")
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != b"Z":
+            found.append(f"{entry}: {cmd}")
+    return found
+
+
+def wait_gone(text: str, timeout: float = 10.0) -> list[str]:
+    """Wait until no process carries ``text``; returns what is left after ``timeout`` (empty = gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_with(text)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+@dataclass
+class Result:
+    """A finished pslaunch run."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def start_pslaunch(args: list[str], cwd: str | None = None, env: dict | None = None) -> subprocess.Popen:
+    """Start pslaunch with ``args`` in the background, in its own process group, its output piped.
+
+    ``env`` (default: this process's environment) gets the repository put first on PYTHONPATH.
+    The caller reaps it: see :func:`reaped`.
+    """
+    full_env = dict(os.environ if env is None else env)
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.Popen(PSLAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+                            env=full_env, start_new_session=True)
+
+
+def wait_for_records(out: Path, count: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Wait until ``count`` role.py records (``*.json``) stand in ``out``: the job's processes started.
+
+    Fails at once, with pslaunch's output, if pslaunch ends first, and after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob("*.json"))) < count:
+        if proc.poll() is not None:
+            raise AssertionError(f"pslaunch ended early: {proc.communicate()}")
+        assert time.monotonic() < deadline, "the job's processes did not start"
+        time.sleep(0.05)
+
+
+@contextmanager
+def reaped(proc: subprocess.Popen, marker: str):
+    """Yield ``proc``; afterwards, pass or fail, kill its process group if it still runs and
+    SIGKILL every process still carrying ``marker``, so that a failing test leaves nothing behind."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for line in processes_with(marker):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+def run_pslaunch(args: list[str], timeout: float = 60, cwd: str | None = None, env: dict | None = None) -> Result:
+    """Run pslaunch with ``args`` in a fresh process (its own group, killed on timeout)."""
+    proc = start_pslaunch(args, cwd=cwd, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"pslaunch {args} did not finish within {timeout} s:\n{out.decode()}\n{err.decode()}") from None
+    return Result(proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
+
+def helper(name: str) -> str:
+    """Path of a helper script in tests/launcher/helpers."""
+    return str(HELPERS / name)
