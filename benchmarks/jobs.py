@@ -26,6 +26,9 @@ __all__ = ["KVSystem", "kv_systems", "run_kv_job", "run_zmq_job", "ZMQ_TRANSPORT
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
+#: ``PSLAUNCH_TIMELINE`` value a system's env gives for "a timeline file in the job's log directory".
+TIMELINE_IN_LOG_DIR = "<log_dir>/timeline.json"
+
 # How pslaunch is told which path to take between co-located peers (docs/env.md): PSLAUNCH_SAME_HOST
 # is "shm" (the default: ipc for messages, shared memory for values of 1 MiB or more), "ipc" (Unix
 # socket only) or "tcp". DMLC_LOCAL=1 says every node is on one host.
@@ -41,6 +44,9 @@ PSLAUNCH_PATH_ENV = {
     "tcp_noauth": {"PSLAUNCH_SAME_HOST": "tcp"},
     "fast_noauth": {"PSLAUNCH_SAME_HOST": "shm", "DMLC_LOCAL": "1"},
     "tcp_curve": {"PSLAUNCH_SAME_HOST": "tcp", "PSLAUNCH_ENCRYPT": "curve"},
+    # the TCP path with every node writing a timeline (PSLAUNCH_TIMELINE, a file in the job's log
+    # directory): what a trace of the job costs
+    "tcp_timeline": {"PSLAUNCH_SAME_HOST": "tcp", "PSLAUNCH_TIMELINE": TIMELINE_IN_LOG_DIR},
 }
 
 # ps-lite binds ipc:// endpoints instead of tcp:// when DMLC_LOCAL is set.
@@ -109,7 +115,13 @@ def run_kv_job(system: KVSystem, plan: kv_suite.Plan, num_workers: int, log_dir:
         JobFailed: a node failed, a worker printed no result, a value check failed, or the job
             ran past ``timeout_s``.
     """
-    with LocalJob(num_workers, 1, worker=[*system.worker, plan.to_json()], env=system.env, scheduler=system.scheduler,
+    env = dict(system.env)
+    if env.get("PSLAUNCH_TIMELINE") == TIMELINE_IN_LOG_DIR:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        timeline = log_dir / "timeline.json"
+        timeline.unlink(missing_ok=True)  # every node appends to it: start from nothing
+        env["PSLAUNCH_TIMELINE"] = str(timeline)
+    with LocalJob(num_workers, 1, worker=[*system.worker, plan.to_json()], env=env, scheduler=system.scheduler,
                   server=system.server, python=system.python, log_dir=log_dir, test_settings=False,
                   job_key=system.keyed or None) as job:
         job.wait_ok(["worker"], timeout_s)

@@ -14,7 +14,8 @@ an in-process stand-in for the rest of the job as its transport (``psnode`` node
   of their push and pull, the second closes the round, and both replies are sent.
 
 Figures are the best of ``--reps`` batches of ``--rounds`` rounds (the least disturbed), in µs of
-one thread's time per round. They are hot-cache figures: in a real job every wake-up starts with
+one thread's time per round. ``--timeline`` runs both with a timeline (``PSLAUNCH_TIMELINE``, to a
+temporary file): its recording and, every 4096 events, its formatting and writing are in the figures. They are hot-cache figures: in a real job every wake-up starts with
 cold caches, and the same code then takes two to three times as long (docs/benchmarks.md, "Where
 the time goes"). The stand-in's own work is included (a struct pack per reply or message).
 """
@@ -39,10 +40,13 @@ from psnode.worker import WorkerNode
 _KEY = 3
 
 
+_SETTINGS = {"PS_HEARTBEAT_INTERVAL": "0", "PSLAUNCH_SAME_HOST": "tcp"}
+
+
 def _env(role: str, workers: int):
     return read_env(contract_env(role=role, root_uri="127.0.0.1", root_port=1, num_workers=workers, num_servers=1,
                                  job_id="cost", rank=0, local_rank=0, local_size=1, fixed_rank=False, supervised=False,
-                                 settings={"PS_HEARTBEAT_INTERVAL": "0", "PSLAUNCH_SAME_HOST": "tcp"}))
+                                 settings=_SETTINGS))
 
 
 def _peer(role: str, rank: int) -> dict:
@@ -101,6 +105,10 @@ class _StandIn(Transport):
                 self._reply(SCHEDULER, protocol.pack_header(protocol.Cmd.ADDRBOOK), protocol.pack_json({"rank": 0, "nodes": nodes}))
             elif cmd == protocol.Cmd.BARRIER:
                 self._reply(SCHEDULER, protocol.pack_header(protocol.Cmd.BARRIER_DONE, req))
+            elif cmd == protocol.Cmd.HEARTBEAT and len(frames) > 1:  # a timeline's clock probe
+                probe = protocol.unpack_json(frames[1]).get("clock")
+                self._reply(SCHEDULER, protocol.pack_header(protocol.Cmd.HEARTBEAT_ACK, req),
+                            protocol.pack_json({"clock": probe, "now": time.monotonic_ns(), "boot": ""}))
             return None
         self.replies += 1
         if cmd in (protocol.Cmd.PUSH_PULL, protocol.Cmd.PULL):
@@ -216,9 +224,15 @@ def server_cost(rounds: int, reps: int) -> float:
 @click.command(help=__doc__.split("\n\n")[0])
 @click.option("--rounds", type=click.IntRange(100), default=4000, show_default=True, help="Rounds per batch.")
 @click.option("--reps", type=click.IntRange(1), default=7, show_default=True, help="Batches; the best counts.")
-def main(rounds: int, reps: int) -> None:
-    worker = worker_cost(rounds, reps)
-    server = server_cost(rounds, reps)
+@click.option("--timeline", is_flag=True, help="With a timeline (PSLAUNCH_TIMELINE) on both sides.")
+def main(rounds: int, reps: int, timeline: bool) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if timeline:
+            _SETTINGS["PSLAUNCH_TIMELINE"] = f"{tmp}/timeline.json"
+        worker = worker_cost(rounds, reps)
+        server = server_cost(rounds, reps)
     click.echo(f"worker: {worker:.1f} µs of the calling thread per push + pull round (4-element key)")
     click.echo(f"server: {server:.1f} µs per round of 2 workers (2 PUSH_PULL frames in, 2 VALUE frames out)")
 

@@ -33,6 +33,7 @@ RATIO_PAIRS = [
     ("pslaunch_tcp", "pslaunch_tcp_noauth"),
     ("pslaunch_fast", "pslaunch_fast_noauth"),
     ("pslaunch_tcp_curve", "pslaunch_tcp"),
+    ("pslaunch_tcp_timeline", "pslaunch_tcp"),
 ]
 
 # issue 3's targets: (name, measure, ours, baseline, op, threshold)

@@ -36,8 +36,10 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DEFAULT_MXNET_PYTHON = "/tmp/mxvenv/bin/python"
 ALL_SYSTEMS = ["pslaunch_tcp", "pslaunch_fast", "pslaunch_ipc", "pslaunch_tcp_normal", "pslaunch_tcp_noauth",
-               "pslaunch_fast_noauth", "pslaunch_tcp_curve", "mxnet_tcp", "mxnet_ipc", "zmq_tcp", "zmq_ipc"]
-ON_REQUEST = ("pslaunch_tcp_normal", "pslaunch_tcp_noauth", "pslaunch_fast_noauth", "pslaunch_tcp_curve")
+               "pslaunch_fast_noauth", "pslaunch_tcp_curve", "pslaunch_tcp_timeline", "mxnet_tcp", "mxnet_ipc", "zmq_tcp",
+               "zmq_ipc"]
+ON_REQUEST = ("pslaunch_tcp_normal", "pslaunch_tcp_noauth", "pslaunch_fast_noauth", "pslaunch_tcp_curve",
+              "pslaunch_tcp_timeline")
 DEFAULT_SYSTEMS = [s for s in ALL_SYSTEMS if s not in ON_REQUEST]  # those only with --systems
 NUM_WORKERS = 2
 

@@ -54,6 +54,7 @@ class AllreduceKVStore(KVStoreBase):
         self._lock = threading.Lock()
         self.fusion_bytes = 1 << 20
         """Keys of one push smaller than this travel together (0: every key alone)."""
+        self._trace_calls(self._worker.timeline)  # PSLAUNCH_TIMELINE
 
     # ---- job facts ------------------------------------------------------------------------------
     @property

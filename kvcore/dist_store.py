@@ -153,6 +153,7 @@ class DistKVStore(KVStoreBase):
         self._whole: dict[Hashable, tuple[int, int]] = {}  # key -> (server, key id) for unsplit keys
         self._has_updater = False
         self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
+        self._trace_calls(self._worker.timeline)
         self._restored: dict[Hashable, KeyMeta] = {}  # keys of the checkpoint restored (kvcore.elastic)
 
     # ---- job facts --------------------------------------------------------------------------

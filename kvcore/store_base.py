@@ -35,6 +35,9 @@ from .sparse import RowSparseArray
 
 __all__ = ["KVStoreBase", "KeyMeta", "UpdaterFn"]
 
+#: The API calls a timeline records (``KVStoreBase._trace_calls``), each named by its key.
+TRACED_CALLS = ("push", "pull", "pushpull", "row_sparse_pull", "init")
+
 UpdaterFn = Callable[[Hashable, Any, Any], None]
 """``updater(key, merged, stored)``: mutates ``stored`` in place from the merged pushed value."""
 
@@ -69,6 +72,16 @@ class KVStoreBase(abc.ABC):
         self._meta: dict[Hashable, KeyMeta] = {}
         self._updater: UpdaterFn | None = None
         self._compression: GradientCompression | None = None
+
+    def _trace_calls(self, timeline: Any) -> None:
+        """With a timeline (``PSLAUNCH_TIMELINE``, ``psnode.timeline``) each call of ``TRACED_CALLS``
+        and ``barrier`` on this store is an event named by its key (its first argument); without
+        one (None) nothing is wrapped, so the calls cost what they did."""
+        if timeline is None:
+            return
+        for name in TRACED_CALLS:
+            setattr(self, name, timeline.wrap(getattr(self, name), name, _first_argument))
+        self.barrier = timeline.wrap(self.barrier, "barrier")  # type: ignore[method-assign]
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -357,3 +370,7 @@ def _write_rows(out: Any, rows: np.ndarray, data: Any) -> None:
                 data = arrays.to_device(data, home)
             out[index] = data
 
+
+def _first_argument(args: tuple) -> Any:
+    """The key (or keys) of a traced API call: its first argument."""
+    return args[0] if args else None

@@ -13,7 +13,8 @@ import uuid
 
 import click
 
-from .config import DEFAULT_LINK_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option
+from .config import (DEFAULT_LINK_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option,
+                     parse_metrics_option)
 from .envcontract import new_job_key
 from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
@@ -101,6 +102,17 @@ SIGHUP / SIGINT / SIGTERM; 255 a host was lost. Documentation: docs/launcher.md.
 @click.option("--encrypt", is_flag=True,
               help="Encrypt every connection of the job (CurveZMQ, keys from the job's key); slower, for networks "
                    "others can read.")
+@click.option("--dashboard/--no-dashboard", default=None,
+              help="A live table of every process (state, rates, heartbeats; the straggler marked) below the "
+                   "output [default: on when stdout and stderr are a terminal; never otherwise].")
+@click.option("--metrics-port", default=None, metavar="[ADDR:]PORT",
+              help="Serve the job's counters as Prometheus text at http://ADDR:PORT/metrics (ADDR 127.0.0.1 "
+                   "unless given) while the job runs.")
+@click.option("--summary-json", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Write the final table (each process's exit, duration, bytes, the root cause) to FILE as JSON.")
+@click.option("--timeline", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Write a Chrome / Perfetto trace of the job to FILE (pushes, pulls, waits, merges, updates "
+                   "per key; barriers; registration), clocks aligned across hosts.")
 @click.option("--max-restarts", type=int, default=0, show_default=True, metavar="N",
               help="Restart the job after a failure, N times at most in all (the count is the job's, "
                    "PSLAUNCH_RESTART_COUNT); needs --checkpoint-dir or --allow-restart-from-scratch.")
@@ -133,16 +145,25 @@ def cli(**options) -> None:
         for line in get_backend(config.backend).dry_run_notes(config):
             click.echo(line)
         return
+    from .observe import JobObserver
     from .output import Printer
     from .supervisor import Supervisor
 
     printer = Printer(quiet=config.quiet, log_dir=config.log_dir)
+    observer = None
     try:
+        observer = JobObserver.start(config, plan, printer)  # None when nothing is observed
         backend = get_backend(config.backend)(config, printer)
         if config.verbose:
             printer.note(f"job {plan.job_id}: {len(plan.processes)} processes via {config.backend}")
-        code = Supervisor(config, backend, printer).run(plan)
+        code = Supervisor(config, backend, printer, observer).run(plan)
+    except LaunchError as exc:
+        if observer is not None:
+            observer.launch_failed(exc)
+        raise
     finally:
+        if observer is not None:
+            observer.close()
         printer.close()
     sys.exit(code)
 
@@ -176,6 +197,9 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
     if options["identity"] and not os.path.isfile(os.path.expanduser(options["identity"])):
         raise ConfigError(f"-i/--identity: no such key file {options['identity']!r}")
     num_workers = options["num_workers"]
+    metrics_address, metrics_port = ("127.0.0.1", None)
+    if options["metrics_port"] is not None:
+        metrics_address, metrics_port = parse_metrics_option(options["metrics_port"])
     return LaunchConfig(
         command=tuple(options["command"]),
         num_workers=num_workers,
@@ -215,8 +239,28 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         verbose=options["verbose"],
         quiet=options["quiet"],
         dry_run=options["dry_run"],
+        dashboard=_dashboard_wanted(options["dashboard"], options["quiet"]),
+        metrics_address=metrics_address,
+        metrics_port=metrics_port,
+        summary_json=options["summary_json"],
+        timeline=options["timeline"],
         backend_options=backend_options,
     )
+
+
+def _dashboard_wanted(asked: bool | None, quiet: bool) -> bool:
+    """The dashboard is drawn only on a terminal (stdout and stderr both), never with --quiet; on a
+    terminal it is on unless --no-dashboard."""
+    if asked is False or quiet:
+        return False
+    return all(_isatty(stream) for stream in (sys.stdout, sys.stderr)) and os.environ.get("TERM") != "dumb"
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:

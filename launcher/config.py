@@ -22,6 +22,7 @@ __all__ = [
     "free_port",
     "DEFAULT_STOP_GRACE",
     "DEFAULT_SHUTDOWN_GRACE",
+    "parse_metrics_option",
     "DEFAULT_LINK_TIMEOUT",
 ]
 
@@ -76,6 +77,18 @@ def parse_env_option(text: str, scope: str, environ: dict[str, str]) -> EnvVar:
     return EnvVar(name, value, scope)
 
 
+def parse_metrics_option(text: str) -> tuple[str, int]:
+    """``--metrics-port [ADDR:]PORT`` as ``(address, port)``; the address defaults to 127.0.0.1.
+
+    Raises ``ConfigError`` naming the value when the port is not a number.
+    """
+    address, _, port = text.rpartition(":")
+    address = address.strip("[]") or "127.0.0.1"
+    if not port.isdigit():
+        raise ConfigError(f"--metrics-port {text!r}: expected PORT or ADDRESS:PORT, e.g. 9400 or 0.0.0.0:9400")
+    return address, int(port)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Everything a launch needs, as parsed from the command line. See ``pslaunch --help``."""
@@ -118,6 +131,17 @@ class LaunchConfig:
     verbose: int = 0
     quiet: bool = False
     dry_run: bool = False
+    dashboard: bool = False  # the live table (decided by the CLI: on a terminal unless --no-dashboard)
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int | None = None
+    summary_json: str | None = None
+    timeline: str | None = None
+
+    @property
+    def wants_stats(self) -> bool:
+        """Whether pslaunch needs the runtime's counters (``PSLAUNCH_STATS``): for the dashboard,
+        the metrics endpoint or the summary JSON."""
+        return self.dashboard or self.metrics_port is not None or self.summary_json is not None
     #: Options only one backend reads (``--slurm-args``, ...): ``(name, value)`` pairs, checked by
     #: that backend (``Backend.options`` lists the names it takes).
     backend_options: tuple[tuple[str, str], ...] = ()
@@ -142,6 +166,8 @@ class LaunchConfig:
                             ("--connect-timeout", self.connect_timeout), ("--link-timeout", self.link_timeout)):
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.max_restarts and not self.checkpoint_dir and not self.allow_restart_from_scratch:

@@ -37,6 +37,9 @@ __all__ = [
     "PSLAUNCH_TRANSPORT",
     "PSLAUNCH_ENCRYPT",
     "PSLAUNCH_BIND_ALL",
+    "PSLAUNCH_STATS",
+    "PSLAUNCH_TIMELINE",
+    "TIMELINE_TO_LAUNCHER",
     "PSLAUNCH_CHECKPOINT_DIR",
     "PSLAUNCH_RESTART_SCOPE",
     "PSLAUNCH_RESTART_COUNT",
@@ -51,6 +54,8 @@ __all__ = [
     "MARKER",
     "MARKER_READY",
     "MARKER_FAILED",
+    "MARKER_STATS",
+    "MARKER_TRACE",
     "ROLES",
     "REQUIRED",
     "WRITTEN",
@@ -81,6 +86,10 @@ PSLAUNCH_BIGARRAY_BOUND = "PSLAUNCH_BIGARRAY_BOUND"
 PSLAUNCH_TRANSPORT = "PSLAUNCH_TRANSPORT"
 PSLAUNCH_ENCRYPT = "PSLAUNCH_ENCRYPT"
 PSLAUNCH_BIND_ALL = "PSLAUNCH_BIND_ALL"
+PSLAUNCH_STATS = "PSLAUNCH_STATS"
+PSLAUNCH_TIMELINE = "PSLAUNCH_TIMELINE"
+#: ``PSLAUNCH_TIMELINE`` value that sends timeline events to pslaunch (``MARKER_TRACE`` lines).
+TIMELINE_TO_LAUNCHER = "-"
 #: Where servers write checkpoints (``kvcore.elastic.State.commit``); absolute.
 PSLAUNCH_CHECKPOINT_DIR = "PSLAUNCH_CHECKPOINT_DIR"
 #: ``job`` or ``worker``: what pslaunch restarts after a failure (``worker``: a failed worker alone).
@@ -105,6 +114,8 @@ SETTINGS = (
     PSLAUNCH_TRANSPORT,
     PSLAUNCH_ENCRYPT,
     PSLAUNCH_BIND_ALL,
+    PSLAUNCH_STATS,
+    PSLAUNCH_TIMELINE,
     PSLAUNCH_CHECKPOINT_DIR,
     PSLAUNCH_RESTART_SCOPE,
 )
@@ -118,6 +129,10 @@ MARKER = "\x1fPSLAUNCH-"
 MARKER_READY = MARKER + "READY"
 #: A worker printed the traceback of its own uncaught error.
 MARKER_FAILED = MARKER + "FAILED"
+#: The scheduler's periodic line of the job's counters (``PSLAUNCH_STATS``): a JSON object follows.
+MARKER_STATS = MARKER + "STATS"
+#: Timeline events of a node (``PSLAUNCH_TIMELINE=-``): a JSON array of trace events follows.
+MARKER_TRACE = MARKER + "TRACE"
 
 #: The three roles, in the order the launcher starts them.
 ROLES = ("scheduler", "server", "worker")

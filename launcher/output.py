@@ -13,6 +13,10 @@ only one that writes pslaunch's stdout and stderr. No lock is held while writing
 terminal holds up the queue (and, once it is full, the processes' pipes), never a reader
 thread's bookkeeping.
 
+With the dashboard on (``divert``) the writer thread hands the text to the dashboard instead,
+which prints it above its table. Marker lines the runtime writes for what pslaunch shows of a
+running job (stats, timeline events) go to ``observer`` (``launcher.observe``) when one is set.
+
 Thread-safety: ``Printer`` methods may be called from any thread; a ``LineSplitter`` belongs to
 one reader thread.
 """
@@ -174,6 +178,9 @@ class Printer:
         self._prefixes: dict[tuple[str, str], str] = {}
         self._table_lock = threading.Lock()  # only for adding entries to the dicts above
         self._queue: queue.Queue = queue.Queue(_QUEUE_BLOCKS)
+        self._diverted = None  # the dashboard, while it draws: it prints the text above its table
+        #: ``observer(handle, text)`` takes a marker line's text; True when it was the observer's
+        self.observer: Callable | None = None
         self._writer = threading.Thread(target=self._write_loop, name="pslaunch-output", daemon=True)
         self._writer.start()
 
@@ -237,6 +244,11 @@ class Printer:
         """Write ``text`` as it is, in order with the lines queued before it."""
         self._queue.put((stream, text))
 
+    def divert(self, target) -> None:
+        """From now on hand what would be written to ``target.write(stream, text)`` (the dashboard;
+        ``target.flush()`` on ``flush``); None writes to the streams again."""
+        self._diverted = target
+
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until everything queued so far is written (at most ``timeout`` seconds)."""
         if not self._writer.is_alive():
@@ -265,7 +277,12 @@ class Printer:
                 elif isinstance(entry, threading.Event):
                     self._flush_targets(touched)
                     touched.clear()
+                    diverted = self._diverted
+                    if diverted is not None:
+                        diverted.flush()
                     entry.set()
+                elif self._diverted is not None:
+                    self._diverted.write(entry[0], entry[1])
                 else:
                     target = self.err if entry[0] == "stderr" else self.out
                     try:

@@ -26,7 +26,7 @@ from .errors import PlacementError
 from .hostfile import LOCAL_HOST, Host
 
 __all__ = ["ProcessSpec", "Plan", "make_plan", "format_plan", "command_argv", "runtime_argv", "script_of",
-           "PYTHON_WORDS"]
+           "PYTHON_WORDS", "STATS_INTERVAL"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,9 @@ class Plan:
                 seen.setdefault((p.host.user, p.host.name, p.host.port), p.host)
         return list(seen.values())
 
+
+#: Seconds between the scheduler's stats lines when pslaunch shows or serves the job's counters.
+STATS_INTERVAL = 0.5
 
 #: First words of COMMAND that mean "the job's Python" (``--python``, default the launching one).
 PYTHON_WORDS = ("python", "python3")
@@ -190,6 +193,10 @@ def make_plan(config: LaunchConfig) -> Plan:
     settings = {}
     if config.encrypt:
         settings[ec.PSLAUNCH_ENCRYPT] = "curve"
+    if config.wants_stats:
+        settings[ec.PSLAUNCH_STATS] = f"{STATS_INTERVAL:g}"
+    if config.timeline:
+        settings[ec.PSLAUNCH_TIMELINE] = ec.TIMELINE_TO_LAUNCHER
     if config.checkpoint_dir:
         settings[ec.PSLAUNCH_CHECKPOINT_DIR] = config.checkpoint_dir
     if config.restart_scope != "job":

@@ -63,10 +63,11 @@ class Supervisor:
     Must be used from the main thread (it installs signal handlers while running).
     """
 
-    def __init__(self, config: LaunchConfig, backend: Backend, printer: Printer) -> None:
+    def __init__(self, config: LaunchConfig, backend: Backend, printer: Printer, observer=None) -> None:
         self.config = config
         self.backend = backend
         self.printer = printer
+        self.observer = observer  # launcher.observe.JobObserver: the dashboard, metrics, timeline, summary
         self.handles: list[ProcessHandle] = []
         self.failure: Failure | None = None
         self._signals: list[int] = []
@@ -134,6 +135,8 @@ class Supervisor:
                 if prepare:  # a batch scheduler's hosts are known now: the plan of every attempt has them
                     plan = self._plan = self.backend.prepare(plan) or plan
                 self.handles = self.backend.launch(plan)
+                if self.observer is not None:
+                    self.observer.attach(self.handles)
                 self._raise_on_signal = False
                 if self._signals:
                     raise _Interrupted(self._signals[0])
@@ -244,6 +247,8 @@ class Supervisor:
                               f"PSLAUNCH_RESTART_COUNT={count}); the other processes go on")
             self._replaced.append(handle)
             self.handles[i] = self.backend.launch(self._plan.restarted(count, (handle.spec,)))[0]
+            if self.observer is not None:
+                self.observer.attach(self.handles)
 
     def _early_failure(self, handle: ProcessHandle, then: str) -> Failure:
         running = [h.spec.name for h in self.handles if h.spec.role == "worker" and h.status is None]
@@ -259,6 +264,8 @@ class Supervisor:
                 handle.suspend()
             self.printer.note(f"stopped {len(running)} process(es) of the job (SIGTSTP); `fg` or SIGCONT continues it")
             self.printer.flush()
+            if self.observer is not None:
+                self.observer.pause()
             paused_at = time.monotonic()
             previous = signal.signal(signal.SIGTSTP, signal.SIG_DFL)
             try:
@@ -273,6 +280,8 @@ class Supervisor:
             for handle in self.handles:
                 if handle.poll() is None:
                     handle.resume()
+            if self.observer is not None:
+                self.observer.resume()
             self.printer.note("job continued")
 
     def _teardown(self) -> None:
@@ -305,6 +314,10 @@ class Supervisor:
     def _report(self, then: str | None = None) -> None:
         """The summary table, the root cause and its last lines; ``then``: the job goes on (a restart),
         else the attempts (with restarts) and the exit code end it."""
+        if self.observer is not None and then is None:
+            by_id = notes(self.handles, self._stopped, self.failure)
+            self.observer.finish({h.spec.name: by_id.get(id(h), "") for h in self.handles}, self.failure,
+                                 0 if self.failure is None else self.failure.exit_code, self.restarts.attempts)
         if not self.config.quiet and self.handles:
             from .summary import render_summary
 

@@ -3,7 +3,10 @@
 ``SchedulerLink`` is everything a server or worker says to the scheduler and hears from it:
 it registers (and waits for the address book), sends heartbeats and notices a silent scheduler,
 asks for barriers and for the end of the job, and handles what the scheduler announces (a node
-died, a worker finished, shut down). ``FailureLatch`` keeps the node's first failure and tells the
+died, a worker finished, shut down). With ``PSLAUNCH_STATS`` its heartbeats carry the node's
+counters (``report``, ``psnode.stats``); with a timeline it measures the offset to the scheduler's
+clock right after registration and writes the timeline out at every heartbeat
+(``psnode.timeline``). ``FailureLatch`` keeps the node's first failure and tells the
 parts that must react (pending requests fail, waiters wake) exactly once.
 
 Thread-safety: ``handle`` and ``tick`` run on whichever thread receives for the node; ``ask``,
@@ -95,6 +98,8 @@ class SchedulerLink:
         self._waiters: dict[int, concurrent.futures.Future] = {}  # req_id -> barrier / finish future
         self._waiters_lock = threading.Lock()
         self._req_ids = itertools.count(1 << 62)  # apart from the data requests' ids
+        self.report: Callable[[], dict] | None = None  # the counters heartbeats carry (PSLAUNCH_STATS)
+        self.timeline: Any = None  # this node's psnode.timeline.Timeline, if any
         failure.on_failure(self._fail_waiters)
 
     # ---- registration -------------------------------------------------------------------
@@ -145,6 +150,8 @@ class SchedulerLink:
                     raise kind(str(body["error"]))
                 if cmd == Cmd.ADDRBOOK:
                     self._connect(unpack_json(frames[1]))
+                    if self.timeline is not None:
+                        self._probe_clock(early)
                     return early
             except (ProtocolError, IndexError, KeyError, TypeError) as exc:
                 self.note_malformed(sender, exc)
@@ -155,6 +162,39 @@ class SchedulerLink:
             self.transport.connect(peer.uid.encode(), endpoint)
             logger.info("%s %d connected to %s at %s", self.me.role, self.members.rank, peer.describe(), endpoint)
         self._last_heard = self._last_tick = time.monotonic()
+
+    def _probe_clock(self, early: list[tuple[bytes, list]]) -> None:
+        """Measure the offset to the scheduler's clock for the timeline (a few heartbeats that ask
+        for its clock, at most a second each); other messages meanwhile go to ``early``."""
+        timeline = self.timeline
+        boot = self.me.fingerprint.split(":")[0]
+        for _ in range(timeline.CLOCK_PROBES):
+            sent = time.monotonic_ns()
+            self.send(Cmd.HEARTBEAT, body={"clock": sent})
+            deadline = time.monotonic() + 1.0
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.transport.poll(remaining):
+                    return  # no answer: the timeline says its clock is not aligned
+                sender, frames = self.transport.recv()
+                received = time.monotonic_ns()
+                try:
+                    cmd = unpack_header(frames[0])[0]
+                    body = unpack_json(frames[1]) if sender == SCHEDULER and cmd == Cmd.HEARTBEAT_ACK else None
+                except (ProtocolError, IndexError) as exc:
+                    self.note_malformed(sender, exc)
+                    continue
+                if body is None:
+                    if len(early) < _EARLY_LIMIT:
+                        early.append((sender, frames))
+                    continue
+                if not isinstance(body, dict) or body.get("clock") != sent or type(body.get("now")) is not int:
+                    continue  # an answer to an earlier probe
+                same_boot = body.get("boot") == boot
+                timeline.clock_sample(sent, body["now"], received, same_boot)
+                if same_boot:
+                    return
+                break
 
     # ---- liveness --------------------------------------------------------------------------
     def tick(self, now: float) -> float:
@@ -180,7 +220,10 @@ class SchedulerLink:
             return float("inf")
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + interval
-            self.send(Cmd.HEARTBEAT)
+            report = self.report
+            self.send(Cmd.HEARTBEAT, body=None if report is None else {"s": report()})
+            if self.timeline is not None:
+                self.timeline.flush()
         return self._next_heartbeat
 
     def beat(self) -> None:
@@ -252,7 +295,9 @@ class SchedulerLink:
                 self.on_worker_rejoined(peer.rank)
         elif cmd == Cmd.SHUTDOWN:
             self.shutdown_requested = True
-            self.send(Cmd.SHUTDOWN_ACK, req_id)
+            if self.timeline is not None:
+                self.timeline.close()  # written out before the scheduler, which ends a timeline file, hears back
+            self.send(Cmd.SHUTDOWN_ACK, req_id, body=None if self.report is None else {"s": self.report()})
         elif cmd in (Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.RDV_VALUE):
             with self._waiters_lock:
                 waiter = self._waiters.pop(req_id, None)

@@ -24,7 +24,8 @@ from typing import Mapping
 from . import security
 from .errors import EnvError
 
-__all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host", "EXIT_PEER_FAILED", "MARKER_READY", "MARKER_FAILED"]
+__all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host", "EXIT_PEER_FAILED", "MARKER_READY", "MARKER_FAILED",
+           "MARKER_STATS", "MARKER_TRACE", "TIMELINE_TO_LAUNCHER"]
 
 ROLES = ("scheduler", "server", "worker")
 
@@ -35,6 +36,12 @@ EXIT_PEER_FAILED = 75
 MARKER_READY = "\x1fPSLAUNCH-READY"
 #: Written on stderr under pslaunch by a worker right after its own uncaught error's traceback.
 MARKER_FAILED = "\x1fPSLAUNCH-FAILED"
+#: Written on stderr under pslaunch by the scheduler every ``PSLAUNCH_STATS`` seconds: the job's counters (JSON).
+MARKER_STATS = "\x1fPSLAUNCH-STATS"
+#: Written on stderr under pslaunch by every node with ``PSLAUNCH_TIMELINE=-``: timeline events (a JSON array).
+MARKER_TRACE = "\x1fPSLAUNCH-TRACE"
+#: ``PSLAUNCH_TIMELINE`` value meaning "send the events to pslaunch" (``MARKER_TRACE`` lines).
+TIMELINE_TO_LAUNCHER = "-"
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,9 @@ class NodeEnv:
     job_key: bytes | None = field(default=None, repr=False)
     encrypt: bool = False
     bind_all: bool = False
+    stats_interval: float = 0.0
+    launch_rank: int | None = None
+    timeline: str = ""
     restart_count: int = 0
     checkpoint_dir: str | None = None
     restart_scope: str = "job"
@@ -205,6 +215,13 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     if encrypt_text == "curve" and key is None:
         raise EnvError("PSLAUNCH_ENCRYPT=curve needs a job key (PSLAUNCH_JOB_KEY or PSLAUNCH_JOB_KEY_FILE): "
                        "the encryption keys are derived from it")
+    stats_interval = _float("PSLAUNCH_STATS", _get(env, "PSLAUNCH_STATS") or "0")
+    timeline = _get(env, "PSLAUNCH_TIMELINE") or ""
+    if timeline == TIMELINE_TO_LAUNCHER and not supervised:
+        raise EnvError("PSLAUNCH_TIMELINE=- sends timeline events to pslaunch, but this process does not run under "
+                       "pslaunch (PSLAUNCH_SUPERVISED is not 1); give a file path instead")
+    launch_rank_text = _get(env, "PSLAUNCH_RANK")
+    launch_rank = None if launch_rank_text is None else _int("PSLAUNCH_RANK", launch_rank_text, 0)
     restart_count = _int("PSLAUNCH_RESTART_COUNT", _get(env, "PSLAUNCH_RESTART_COUNT") or "0", 0)
     restart_scope = (_get(env, "PSLAUNCH_RESTART_SCOPE") or "job").lower()
     if restart_scope not in ("job", "worker"):
@@ -244,6 +261,10 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         job_key=key,
         encrypt=encrypt_text == "curve",
         bind_all=bind_all_text == "1",
+        # only pslaunch reads the scheduler's stats lines: by hand they would be noise on stderr
+        stats_interval=stats_interval if supervised else 0.0,
+        launch_rank=launch_rank,
+        timeline=timeline,
         restart_count=restart_count,
         checkpoint_dir=checkpoint_dir,
         restart_scope=restart_scope,

@@ -27,6 +27,7 @@ from .log import logger, setup_logging
 from .membership import SCHEDULER, Membership, PeerInfo, host_fingerprint
 from .protocol import GROUP_ROLES, Cmd, Group, parse_group, unpack_header
 from .security import secure_or_loopback
+from .timeline import open_timeline
 from .transport import Transport, node_transport
 
 __all__ = ["Connection", "Deferred", "DataHandler", "is_done"]
@@ -95,6 +96,8 @@ class Connection:
         self.failure = FailureLatch()
         self.link = SchedulerLink(env, self.transport, self.me, self.members, self.failure, on_worker_finished,
                                   on_worker_rejoined)
+        # PSLAUNCH_TIMELINE: this node's events (psnode.timeline); None when off, and nothing is wrapped
+        self.timeline = self.link.timeline = open_timeline(env, role)
         self._handle = handle
         self._after_batch = after_batch
         self._deferred = deferred
@@ -120,7 +123,13 @@ class Connection:
         Raises:
             RegistrationTimeoutError, TransportError: see ``SchedulerLink.register``.
         """
-        for sender, frames in self.link.register():
+        timeline = self.timeline
+        start = timeline.now() if timeline is not None else 0
+        early = self.link.register()
+        if timeline is not None:
+            timeline.add("register", None, start, timeline.now())
+            timeline.name_process(self.members.rank, self.me.host)
+        for sender, frames in early:
             self.dispatch(sender, frames)
 
     # ---- the loop ------------------------------------------------------------------------

@@ -10,7 +10,9 @@ waits for the worker pslaunch starts again, which registers late and takes it ba
 When every worker has finished, the servers are told to shut down and the scheduler ends.
 
 Parts: the ``Roster`` (who registered, their ranks and liveness), the ``Barriers`` (who waits in
-which group) and the ``Scheduler`` façade that reads messages and drives both. Peers are described
+which group), the ``JobReport`` (``scheduler_report``: the stats line for pslaunch, the timeline)
+and the ``Scheduler`` façade that reads messages and drives them; it keeps each node's latest
+heartbeat counters, checked as untrusted input (``stats.check_body``). Peers are described
 and reached with ``membership.PeerInfo`` and ``endpoint_of``, as every node does. Single-threaded.
 """
 
@@ -27,6 +29,8 @@ from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint, unre
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
 from .rendezvous import Rendezvous
 from .security import secure_or_loopback
+from .scheduler_report import JobReport
+from .stats import check_body
 from .transport import Transport, node_transport
 
 __all__ = ["Scheduler", "Roster", "Barriers"]
@@ -42,6 +46,7 @@ class Member:
     peer: PeerInfo
     last_seen: float = field(default_factory=time.monotonic)
     finished: bool = False
+    report: dict | None = None  # the counters of its latest heartbeat (PSLAUNCH_STATS), checked
     away_since: float | None = None  # a worker that died under PSLAUNCH_RESTART_SCOPE=worker: since when
 
 
@@ -207,6 +212,7 @@ class Scheduler:
         self.rendezvous = Rendezvous()
         self.malformed = 0
         self._last_check = 0.0  # when _check_alive last ran
+        self.job_report = JobReport(env, self.fingerprint)  # PSLAUNCH_STATS, PSLAUNCH_TIMELINE
 
     # ---- registration -------------------------------------------------------------------
     def register(self) -> None:
@@ -219,6 +225,7 @@ class Scheduler:
         env, roster = self.env, self.roster
         deadline = time.monotonic() + env.register_timeout
         while not roster.complete():
+            self.job_report.tell(roster.members.values())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 message = (f"registration timed out after {env.register_timeout:g} s (PSLAUNCH_REGISTER_TIMEOUT): "
@@ -255,6 +262,7 @@ class Scheduler:
         for uid, member in roster.members.items():
             member.last_seen = time.monotonic()
             self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), pack_json({"rank": member.peer.rank, "nodes": nodes})])
+        self.job_report.registered()
         logger.info("scheduler: %d servers and %d workers registered", env.num_servers, env.num_workers)
 
     def _check_reachable(self) -> None:
@@ -299,6 +307,7 @@ class Scheduler:
         tick = 0.5 if env.heartbeat_interval <= 0 else min(0.5, env.heartbeat_interval / 2)
         self._last_check = time.monotonic()
         while not self.roster.all_workers_finished():
+            self.job_report.tell(self.roster.members.values())
             if self.transport.poll(tick):
                 for _ in range(256):
                     sender, frames = self.transport.recv()
@@ -324,10 +333,11 @@ class Scheduler:
             return
         member.last_seen = time.monotonic()
         if cmd == Cmd.HEARTBEAT:
-            self.transport.send(sender, [pack_header(Cmd.HEARTBEAT_ACK, req_id)])
+            self._heartbeat(sender, member, req_id, frames)
         elif cmd == Cmd.BARRIER:
             self._barrier(sender, member, req_id, arg, frames)
         elif cmd == Cmd.FINISH:
+            self._read_body(member, frames)  # the worker's last counters
             self._finished(sender, member, req_id)
         elif cmd in (Cmd.RDV_SET, Cmd.RDV_GET):
             self._rendezvous(sender, cmd, req_id, frames)
@@ -340,6 +350,30 @@ class Scheduler:
             self._announce_death(member, f"{member.peer.describe()} failed: {reason}")
         elif cmd != Cmd.REGISTER:  # a repeated registration is harmless
             self.malformed += 1
+
+    def _heartbeat(self, sender: bytes, member: Member, req_id: int, frames: list) -> None:
+        """Answer a heartbeat; keep the counters it carries, answer a clock probe."""
+        ack = [pack_header(Cmd.HEARTBEAT_ACK, req_id)]
+        clock = self._read_body(member, frames)
+        if clock is not None:
+            ack.append(self.job_report.clock(clock))
+        self.transport.send(sender, ack)
+
+    def _read_body(self, member: Member, frames: list) -> int | None:
+        """Keep the counters of a message's body on ``member`` and return its clock probe
+        (``stats.check_body``). A malformed body is counted and dropped (the message still counts as
+        heard: its sender is an authenticated member)."""
+        if len(frames) < 2:
+            return None
+        try:
+            report, clock = check_body(member.peer.role, frames[1])
+        except ProtocolError as exc:
+            self.malformed += 1
+            logger.info("scheduler dropped a malformed message body from %s: %s", member.peer.describe(), exc)
+            return None
+        if report is not None:
+            member.report = report
+        return clock
 
     def _rendezvous(self, sender: bytes, cmd: int, req_id: int, frames: list) -> None:
         """Set a rendezvous value (answering who waited for it) or answer / park a request for one."""
@@ -422,11 +456,13 @@ class Scheduler:
         if error is not None:
             self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id, flags=FLAG_ERROR), pack_json({"error": error})])
             return
+        self.job_report.barrier_arrived(group)
         done = self.barriers.arrive(group, sender, req_id, self.roster.of_roles(GROUP_ROLES[Group(group)]), note)
         if done is None:
             self._fail_blocked_barriers()
             return
         waiters, notes = done
+        self.job_report.barrier_done(group)
         body = [pack_json({"notes": notes})] if notes else []
         for uid, rid in waiters:
             self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid), *body])
@@ -504,9 +540,11 @@ class Scheduler:
             try:
                 if unpack_header(frames[0])[0] == Cmd.SHUTDOWN_ACK and sender in servers:
                     acked.add(sender)
+                    self._read_body(self.roster.members[sender], frames)  # the server's last counters
             except (ProtocolError, IndexError):
                 self.malformed += 1
         logger.info("scheduler: every worker finished; %d of %d servers confirmed shutdown", len(acked), len(servers))
+        self.job_report.ended(self.roster.members.values(), in_order=acked == servers)  # each node wrote its events first
 
     def run(self) -> int:
         """Register, serve, shut down; return the exit code (0: every worker finished).
@@ -527,5 +565,6 @@ class Scheduler:
         return 0
 
     def close(self, linger: float = 0.0) -> None:
-        """Close the sockets."""
+        """Close the sockets and the timeline."""
         self.transport.close(linger)
+        self.job_report.close()

@@ -37,6 +37,7 @@ from .server_groups import Groups
 from .server_replies import Replies
 from .server_store import ServerStore, Shard, init_value
 from .shard_memory import shard_memory
+from .stats import server_report
 from .transport import Transport
 
 __all__ = ["ServerNode"]
@@ -62,6 +63,12 @@ class ServerNode:
         self.checkpoints = Checkpoints(self.store, self.groups, env.checkpoint_dir, env.num_servers, env.job_id,
                                        lambda: self.conn.rank, self.conn.link.beat)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
+        self.timeline = self.conn.timeline
+        if self.timeline is not None:  # PSLAUNCH_TIMELINE: each push's merge and each round's update, per key
+            self.store.trace(self.timeline)
+            self.groups.timeline = self.timeline
+        if env.stats_interval > 0:
+            self.conn.link.report = lambda: server_report(self)
 
     @property
     def rank(self) -> int:
@@ -98,9 +105,11 @@ class ServerNode:
 
     def close(self) -> None:
         """Close the sockets, giving queued replies a moment to leave, and let a removal of old
-        checkpoints finish."""
+        checkpoints finish; write the timeline's last events."""
         self.conn.transport.close(linger=0.5)
         self.checkpoints.close()
+        if self.timeline is not None:
+            self.timeline.close()
 
     # ---- requests ------------------------------------------------------------------------
     def _handle(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:

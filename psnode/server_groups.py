@@ -13,6 +13,7 @@ results.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -126,6 +127,7 @@ class Groups:
         self.store = store
         self.replies = replies
         self.by_keys: dict[bytes, Group] = {}
+        self.timeline: Any = None  # PSLAUNCH_TIMELINE: a group's merge and update are one event each
 
     def try_push(self, worker: int, meta: Any, data_frames: list) -> bool:
         """Handle a push through a group when its layout allows; False: use the per-key path."""
@@ -146,15 +148,29 @@ class Groups:
         round_ = group.round
         if np.any(entries["seq"] != round_.received[worker] + 1):
             return False  # pushes of these keys went another way before: per key is exact
+        self.store.pushed_bytes += group.total
+        start = time.monotonic_ns() if self.timeline is not None else 0
         if round_.push(worker, np.frombuffer(data_frames[0], dtype=group.dtype)):
-            round_.close(group.apply, self.store.updater)
+            round_.close(self._apply, group)
             if any(s.error for s in group.shards):
                 self._fall_back(group)  # each key's pullers hear of its own updater error
+                self._traced("merge", group, start)
                 return True
+        self._traced("merge", group, start)
         if round_.waiting:
             for waiter, (req_id, entries) in round_.release():
                 self._reply(group, waiter, req_id, entries)
         return True
+
+    def _apply(self, group: Group, full: Round) -> None:
+        start = time.monotonic_ns() if self.timeline is not None else 0
+        group.apply(self.store.updater, full)
+        self.store.updates += len(group.shards)
+        self._traced("update", group, start)
+
+    def _traced(self, name: str, group: Group, start: int) -> None:
+        if self.timeline is not None:
+            self.timeline.add(name, f"{len(group.shards)} keys", start, time.monotonic_ns())
 
     def try_pull(self, worker: int, req_id: int, meta: Any) -> bool:
         """Answer (or keep) a pull through a group when its layout allows; False: use the per-key path."""

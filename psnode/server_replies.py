@@ -68,6 +68,10 @@ class Replies:
         """A pull of ``worker`` is being served: acknowledgements may wait for its reply."""
         self._pulls_waiting[worker].add(req_id)
 
+    def pulls_waiting(self) -> int:
+        """Pulls being served that wait for a round to close (for the heartbeats' report)."""
+        return sum(len(reqs) for reqs in self._pulls_waiting.values())
+
     def in_shared_memory(self, worker: int, req_id: int, index: int, ref: int, nbytes: int) -> None:
         """Part ``index`` of pull ``req_id`` is to be answered in the worker's region ``ref``."""
         self._regions[(worker, req_id, index)] = (ref, nbytes)

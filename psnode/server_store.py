@@ -10,11 +10,13 @@ Values sent to workers are never changed under ZeroMQ's feet: when a reply may s
 stored array, the next update writes a fresh copy instead (copy on write).
 
 Everything here runs on the server's one thread; nothing is locked. Refusals raise
-``RequestRefused``, whose message goes back to the worker that asked.
+``RequestRefused``, whose message goes back to the worker that asked. The store also counts what
+heartbeats report (``held_bytes``, ``pushed_bytes``, ``updates``: plain integers).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Hashable
 
 import numpy as np
@@ -127,12 +129,38 @@ class ServerStore:
         self.shards: dict[int, Shard] = {}
         self.updater: Any = None
         self.finished: dict[int, str] = {}  # workers that left the job: rank -> description
+        self.held_bytes = 0  # bytes of the stored values
+        self.pushed_bytes = 0  # bytes of the pushes taken (decoded)
+        self.updates = 0  # rounds applied, one per key part (a group's round counts each of its keys)
+        self.timeline: Any = None  # PSLAUNCH_TIMELINE (set with ``trace``)
         # From a checkpoint (``server_checkpoint``): values of keys not initialised yet (key id ->
         # (user key, flat value)), the key ids whose value came from one, and optimizer state no
         # updater has taken yet.
         self.pending: dict[int, tuple[Hashable, np.ndarray]] = {}
         self.restored: set[int] = set()
         self.restored_state: dict | None = None
+
+    def trace(self, timeline: Any) -> None:
+        """Record each push's merge and each round's update as timeline events (``psnode.timeline``):
+        the traced methods replace ``push`` and ``_apply`` on this store only, so a store without a
+        timeline runs the plain ones."""
+        self.timeline = timeline
+        self.push = self._traced_push  # type: ignore[method-assign]
+        self._apply = self._traced_apply  # type: ignore[method-assign]
+
+    def _traced_push(self, shard: "Shard", worker: int, data: Any, answer: "Answer", borrowed: bool = False) -> None:
+        start = time.monotonic_ns()
+        try:
+            ServerStore.push(self, shard, worker, data, answer, borrowed)
+        finally:
+            self.timeline.add("merge", shard.user_key, start, time.monotonic_ns())
+
+    def _traced_apply(self, shard: "Shard", full: Round) -> None:
+        start = time.monotonic_ns()
+        try:
+            ServerStore._apply(self, shard, full)
+        finally:
+            self.timeline.add("update", shard.user_key, start, time.monotonic_ns())
 
     # ---- init / updater ------------------------------------------------------------------
     def init(self, key_id: int, user_key: Hashable, value: np.ndarray, sync: bool, row_size: int) -> None:
@@ -159,6 +187,7 @@ class ServerStore:
         round_ = Round(self.num_workers, quorum, memory, memory.empty_like(stored))
         shard = Shard(key_id, user_key, tuple(value.shape), stored, round_, sync, row_size)
         self.shards[key_id] = shard
+        self.held_bytes += shard.nbytes
         self._announce(shard)
 
     def _announce(self, shard: Shard) -> None:
@@ -235,6 +264,7 @@ class ServerStore:
                 f"dist_async needs an optimizer on the servers, but key {shard.user_key!r} was pushed before "
                 "set_optimizer(); call kv.set_optimizer(...) before the first push"
             )
+        self.pushed_bytes += shard.nbytes
         round_ = shard.round
         if round_.push(worker, data, borrowed):
             round_.close(self._apply, shard)
@@ -251,6 +281,7 @@ class ServerStore:
         return RequestRefused(f"key {shard.user_key!r}: a push of {nbytes} bytes, but this server holds {shard.nbytes}")
 
     def _apply(self, shard: Shard, full: Round) -> None:
+        self.updates += 1
         busy = bool(shard.trackers) and any(not t.done for t in shard.trackers)
         shard.trackers = []
         memory = self.memory

@@ -45,6 +45,7 @@ from .node import Connection
 from .protocol import (
     ENTRY_STRUCT, FLAG_SYNC, PACK_LIMIT, Cmd, Group, pack_codec_params, pack_entries, pack_header, pack_json,
 )
+from .stats import worker_report
 from .transport import Transport
 from .worker_outbox import Outbox
 from .worker_process import watch
@@ -81,6 +82,9 @@ class WorkerNode:
         self.wait_for = self.receiver.wait_for
         self.conn.failure.on_failure(self.requests.fail_all)
         self.conn.failure.on_failure(self.collectives.fail_all)
+        self.timeline = self.receiver.timeline = self.conn.timeline  # PSLAUNCH_TIMELINE; kvcore names its calls too
+        if env.stats_interval > 0:
+            self.conn.link.report = lambda: worker_report(self)
 
     # ---- life cycle ----------------------------------------------------------------------
     def start(self, network_thread: bool = True) -> "WorkerNode":
@@ -113,6 +117,8 @@ class WorkerNode:
         self.collectives.close()
         self.requests.fail_all(ClosedError(f"worker {self.rank} aborted: {reason}"))
         self.conn.transport.close(linger=1.0)
+        if self.timeline is not None:
+            self.timeline.close()
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for requests in flight, tell the scheduler this worker finished, and close (idempotent).
@@ -137,7 +143,10 @@ class WorkerNode:
             if failure.error is None and self.rank >= 0:  # registered: the scheduler expects a finish
                 self.requests.wait_idle(limit, lambda: failure.error is not None, f"worker {self.rank}")
                 self.collectives.wait_idle(limit)
-                finished = self.conn.link.ask(Cmd.FINISH)
+                if self.timeline is not None:
+                    self.timeline.close()  # written out before the scheduler, which ends a timeline file, hears of the finish
+                report = self.conn.link.report
+                finished = self.conn.link.ask(Cmd.FINISH, body=None if report is None else {"s": report()})
                 self._wait(finished, min(limit, max(5.0, env.heartbeat_timeout)), "the scheduler's answer to finish")
         except PSNodeError as exc:
             error = exc
@@ -146,6 +155,8 @@ class WorkerNode:
             self.collectives.close()
             self.requests.fail_all(ClosedError("the worker was closed"))
             self.conn.transport.close(linger=0.5 if error is None else 0.0)
+            if self.timeline is not None:
+                self.timeline.close()
         if error is not None and not isinstance(error, ClosedError) and failure.error is None:
             raise error
 
@@ -307,8 +318,8 @@ class WorkerNode:
             offset = 0
             packed = 0  # messages of packed small values sent for this server so far
             for i, (_, key_id, value) in enumerate(items):
-                seq = requests.next_push(key_id, server)
                 nbytes = value.nbytes
+                seq = requests.next_push(key_id, server, nbytes)
                 if small and offset + nbytes > PACK_LIMIT:  # the receiver's frame limit: start another message
                     outbox.enqueue(server, _packed_push(req, entries, small), priority, req)
                     entries, small, offset, packed = [], [], 0, packed + 1
@@ -349,7 +360,7 @@ class WorkerNode:
         """``push`` of one small part: the same message, built without the general bookkeeping."""
         requests = self.requests
         req = requests.track(future, 1, None, "push", server)
-        seq = requests.next_push(key_id, server)
+        seq = requests.next_push(key_id, server, value.nbytes)
         message = [pack_header(Cmd.PUSH, req, 1), ENTRY_STRUCT.pack(key_id, 0, 0, codec, 0, value.nbytes, seq),
                    value.tobytes()]
         if not self.outbox.hold(server, message, priority, req):

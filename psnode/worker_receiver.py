@@ -8,6 +8,9 @@ network thread does not take the role straight back: it parks for ``HANDBACK`` s
 a loop of waits keeps it without a hand-over each time; when it wakes it sends the push the outbox
 held back for a pull that did not come (``worker_outbox.HeldPush``).
 
+``waited`` counts the seconds callers spent blocked in ``wait_for`` (``waiting_since`` says since when
+one is blocked now), for the heartbeats' report; with a ``timeline`` each blocked wait is an event.
+
 State (``_lock`` is held by whichever thread receives): ``_owner`` is that thread, ``_caller`` a
 caller that takes or holds the role, ``_released`` when a caller last gave it up.
 """
@@ -44,6 +47,9 @@ class Receiver:
         self._caller_lock = threading.Lock()
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
+        self.waited = 0.0  # seconds callers spent blocked in wait_for, ended waits (heartbeats report it)
+        self.waiting_since = 0.0  # when the wait in progress began (0: none), so a stuck wait shows too
+        self.timeline: Any = None  # PSLAUNCH_TIMELINE: each blocked wait is an event
 
     def start(self, name: str) -> None:
         """Start the network thread."""
@@ -111,35 +117,44 @@ class Receiver:
             self.outbox.pump()
         if is_done(future):
             return True
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started_ns = time.monotonic_ns()
+        started = self.waiting_since = started_ns / 1e9
+        deadline = None if timeout is None else started + timeout
         me = threading.get_ident()
         failure = self.conn.failure
-        while not is_done(future):
-            if failure.error is not None:
-                raise failure.error
-            step = 0.1
-            if deadline is not None:
-                step = min(step, deadline - time.monotonic())
-                if step <= 0:
-                    return False
-            if self._owner == me:  # a callback on the receiving thread waits: keep receiving here
-                self.receive(step)
-                continue
-            if self._stop.is_set() or not self._take(me):
-                concurrent.futures.wait([future], step)  # whoever receives completes it
-                continue
-            try:
-                while failure.error is None:
-                    if deadline is not None:
-                        step = deadline - time.monotonic()
-                        if step <= 0:
+        try:
+            while not is_done(future):
+                if failure.error is not None:
+                    raise failure.error
+                step = 0.1
+                if deadline is not None:
+                    step = min(step, deadline - time.monotonic())
+                    if step <= 0:
+                        return False
+                if self._owner == me:  # a callback on the receiving thread waits: keep receiving here
+                    self.receive(step)
+                    continue
+                if self._stop.is_set() or not self._take(me):
+                    concurrent.futures.wait([future], step)  # whoever receives completes it
+                    continue
+                try:
+                    while failure.error is None:
+                        if deadline is not None:
+                            step = deadline - time.monotonic()
+                            if step <= 0:
+                                break
+                        self.receive(min(step, 0.1), future)
+                        if is_done(future):
                             break
-                    self.receive(min(step, 0.1), future)
-                    if is_done(future):
-                        break
-            finally:
-                self._release()
-        return True
+                finally:
+                    self._release()
+            return True
+        finally:
+            self.waiting_since = 0.0
+            ended_ns = time.monotonic_ns()
+            self.waited += (ended_ns - started_ns) / 1e9  # two threads waiting at once may lose a share
+            if self.timeline is not None:
+                self.timeline.add("wait", None, started_ns, ended_ns)
 
     def _take(self, me: int) -> bool:
         """Take the receiving role (from the network thread); False when another caller has it."""

@@ -7,7 +7,10 @@ the parts it answered and completes the future when none is left; push acknowled
 their own or riding along with a reply. The table also counts the pushes sent per (key part,
 server): a pull tells the server how many of them it must include.
 
-Bookkeeping is bounded: one entry per request in flight, one counter per key part.
+Bookkeeping is bounded: one entry per request in flight, one counter per key part. The table also
+keeps the worker's traffic counters (``pushed_bytes``, ``pulled_bytes``, ``rounds``: plain integers
+bumped where a push is counted and a pull's value is written), which heartbeats report
+(``psnode.stats``).
 
 Thread-safety: ``track`` and the counters are used by calling threads, ``take_reply`` by the thread
 that receives; entries are added and removed with single dictionary operations (atomic in CPython),
@@ -62,6 +65,12 @@ class RequestTable:
         self._failure = failure
         self.pending: dict[int, Request] = {}
         self.push_counts: dict[tuple[int, int], int] = {}  # (key id, server) -> pushes sent
+        # Counters for heartbeats: written by one thread each (pushes by the caller, pulls by the
+        # receiving thread), read by the heartbeat; a caller pushing from several threads at once
+        # may lose an increment, which a rate on a dashboard can afford.
+        self.pushed_bytes = 0
+        self.pulled_bytes = 0
+        self.rounds = 0  # pushes of this worker's most pushed key part: its training steps, as a rule
         self._ids = itertools.count(1)  # next() on a count is atomic: no lock needed
         self._idle = threading.Condition()
         self._idle_waiters = 0  # threads in wait_idle (only they need a notify when the table empties)
@@ -86,11 +95,14 @@ class RequestTable:
             self.complete(req, self._failure.error)
         return req
 
-    def next_push(self, key_id: int, server: int) -> int:
-        """Count one more push of part ``key_id`` to ``server``; return its number (from 1)."""
+    def next_push(self, key_id: int, server: int, nbytes: int) -> int:
+        """Count one more push of part ``key_id`` to ``server`` (``nbytes`` bytes); return its number (from 1)."""
         slot = (key_id, server)
         seq = self.push_counts.get(slot, 0) + 1
         self.push_counts[slot] = seq
+        self.pushed_bytes += nbytes
+        if seq > self.rounds:
+            self.rounds = seq
         return seq
 
     def pushes(self, key_id: int, server: int) -> int:
@@ -188,11 +200,11 @@ class RequestTable:
     def _take_values(self, request: Request, cmd: int, arg: int, frames: list, peer_rank: int) -> None:
         """Write a reply's values into the request's outs and count the parts it answered."""
         if cmd == Cmd.VALUE:  # one part, in the header frame (protocol's compact form)
-            _write_value(request, arg, frames[0].buffer)
+            self.pulled_bytes += _write_value(request, arg, frames[0].buffer)
             request.remaining -= 1
         elif cmd in (Cmd.PULL_REPLY, Cmd.ROWS_REPLY):
             if len(frames) == 3 and len(request.targets) == 1:  # one part in the message (most small pulls)
-                _write_one(request, frames[1].buffer, frames[2].buffer)
+                self.pulled_bytes += _write_one(request, frames[1].buffer, frames[2].buffer)
                 request.remaining -= 1
                 return
             buffers = [f.buffer for f in frames[2:]]
@@ -209,6 +221,7 @@ class RequestTable:
                     target[:] = request.regions[index].array
                 else:
                     target[:] = buffers[frame][offset:offset + nbytes]
+                self.pulled_bytes += nbytes
             request.remaining -= len(entries)
         elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC_ACK):
             request.remaining -= arg
@@ -231,8 +244,8 @@ def _sent_to(request: Request, peer: PeerInfo) -> bool:
     return peer.rank in servers
 
 
-def _write_value(request: Request, index: int, frame: memoryview) -> None:
-    """Write a ``VALUE`` reply into the out of part ``index``."""
+def _write_value(request: Request, index: int, frame: memoryview) -> int:
+    """Write a ``VALUE`` reply into the out of part ``index``; return the bytes written."""
     targets = request.targets
     if targets is None or not 0 <= index < len(targets):
         raise ProtocolError(f"VALUE for part {index} of a request with {len(targets or ())} parts")
@@ -240,10 +253,12 @@ def _write_value(request: Request, index: int, frame: memoryview) -> None:
     if len(frame) - HEADER.size != target.nbytes:
         raise ProtocolError(f"VALUE of {len(frame) - HEADER.size} bytes for an out of {target.nbytes} bytes")
     target[:] = frame[HEADER.size:]
+    return target.nbytes
 
 
-def _write_one(request: Request, meta: memoryview, data: memoryview) -> None:
-    """Write the one part of a reply into its out (the common case of ``_take_values``)."""
+def _write_one(request: Request, meta: memoryview, data: memoryview) -> int:
+    """Write the one part of a reply into its out (the common case of ``_take_values``); return the
+    bytes written."""
     if len(meta) != ENTRY_STRUCT.size:
         raise ProtocolError(f"reply meta frame of {len(meta)} bytes for one part")
     _, index, frame, _, offset, nbytes, _ = ENTRY_STRUCT.unpack_from(meta)
@@ -256,3 +271,4 @@ def _write_one(request: Request, meta: memoryview, data: memoryview) -> None:
         raise ProtocolError("a reply part lies outside the message's data frame")
     else:
         target[:] = data[offset:offset + nbytes]
+    return nbytes

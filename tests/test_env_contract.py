@@ -41,6 +41,9 @@ def test_launcher_and_runtime_agree_on_the_way_back():
     assert envcontract.EXIT_PEER_FAILED == node_env.EXIT_PEER_FAILED
     assert envcontract.MARKER_READY == node_env.MARKER_READY
     assert envcontract.MARKER_FAILED == node_env.MARKER_FAILED
+    assert envcontract.MARKER_STATS == node_env.MARKER_STATS
+    assert envcontract.MARKER_TRACE == node_env.MARKER_TRACE
+    assert envcontract.TIMELINE_TO_LAUNCHER == node_env.TIMELINE_TO_LAUNCHER
     assert f"| `{envcontract.EXIT_PEER_FAILED}` |" in DOC
 
 
@@ -68,3 +71,17 @@ def test_every_variable_either_side_uses_is_documented():
     read_names = set(re.findall(r'"((?:DMLC|PS|PSLAUNCH)_[A-Z_]+)"', runtime_source))
     assert read_names, "the runtime reader names no variable"
     assert read_names <= names, sorted(read_names - names)
+
+
+def test_runtime_reads_the_observability_settings_the_launcher_writes():
+    written = envcontract.contract_env(
+        role="worker", root_uri="127.0.0.1", root_port=1, num_workers=2, num_servers=1, job_id="j", rank=1,
+        local_rank=0, local_size=1,
+        settings={envcontract.PSLAUNCH_STATS: "0.5", envcontract.PSLAUNCH_TIMELINE: envcontract.TIMELINE_TO_LAUNCHER},
+    )
+    read = node_env.read_env(written)
+    assert (read.stats_interval, read.timeline, read.launch_rank) == (0.5, "-", 1)
+    # the scheduler's stats lines are for pslaunch only: a job started by hand asks for none
+    by_hand = node_env.read_env({**written, envcontract.PSLAUNCH_SUPERVISED: "0",
+                                 envcontract.PSLAUNCH_TIMELINE: "/tmp/trace.json"})
+    assert by_hand.stats_interval == 0 and by_hand.timeline == "/tmp/trace.json"

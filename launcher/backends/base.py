@@ -207,8 +207,9 @@ def drain(read: Callable[[], bytes], feed: Callable[[bytes], None]) -> None:
 
 
 def route_block(handle: ProcessHandle, stream: str, printer: Printer, block: str) -> None:
-    """Print a block of ``handle``'s lines; marker lines go to ``handle.on_marker`` instead (the text
-    before a marker on its line, a partial line of output, is printed)."""
+    """Print a block of ``handle``'s lines; marker lines go to ``handle.on_marker`` instead, or to the
+    printer's observer when they are its (the text before a marker on its line, a partial line of
+    output, is printed)."""
     spec = handle.spec
     if MARKER not in block:
         printer.lines(spec.name, spec.role, block, stream)
@@ -224,7 +225,9 @@ def route_block(handle: ProcessHandle, stream: str, printer: Printer, block: str
         if plain:
             printer.lines(spec.name, spec.role, "\n".join(plain), stream)
             plain = []
-        handle.on_marker(control)
+        observer = printer.observer
+        if observer is None or not observer(handle, control):
+            handle.on_marker(control)
     if plain:
         printer.lines(spec.name, spec.role, "\n".join(plain), stream)
 

@@ -73,6 +73,9 @@ class Engine:
         self.early_messages = 0
         self.told: OrderedDict[Tag, tuple[str, int]] = OrderedDict()
         self.versions: dict[int, int] = {}
+        # counted for the heartbeats' report (psnode.stats), under _lock where the version is taken:
+        self.summed_bytes = 0  # bytes of the values this worker's collectives took part with
+        self.rounds = 0  # collectives of its most used key
         self.last: dict[int, concurrent.futures.Future] = {}
         self.failure: BaseException | None = None
         self.malformed = 0
@@ -196,6 +199,9 @@ class Engine:
             version = self.versions.get(key_id, 0)
             self.versions[key_id] = version + 1
             op = make((key_id, version))
+            self.summed_bytes += op.desc.nbytes
+            if version >= self.rounds:
+                self.rounds = version + 1
             op.future = future if future is not None else concurrent.futures.Future()
             previous = self.last.get(key_id)
             self.last[key_id] = op.future  # one entry per key: the latest op's future

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -25,6 +26,17 @@ def run_ok(name: str, workers: int, env: dict | None = None, timeout: float = 90
 def test_the_allreduce_store_has_kvstore_semantics_with_exact_sums(workers, same_host):
     results = run_ok("store_sums.py", workers, {"PSLAUNCH_SAME_HOST": same_host})
     assert [r.returncode for r in results if r.role == "scheduler"] == [0]  # no servers: it ends on its own
+
+
+def test_with_a_timeline_each_workers_calls_of_the_allreduce_store_are_events_named_by_their_key(tmp_path):
+    trace = tmp_path / "trace.json"
+    run_ok("store_sums.py", 2, {"PSLAUNCH_TIMELINE": str(trace)})
+    events = json.loads(trace.read_text())  # the scheduler ended the array: the job ended in order
+    calls = {(e["pid"], e["name"]) for e in events if e.get("ph") == "X"}  # a call's event: "push w"
+    workers = {pid for pid, name in calls if name == "pushpull big"}
+    assert len(workers) == 2, sorted(calls)
+    for pid in workers:
+        assert {(pid, "init w"), (pid, "push w"), (pid, "pull w"), (pid, "pushpull small"), (pid, "wait")} <= calls
 
 
 def test_collectives_give_exact_results_for_every_call_form():

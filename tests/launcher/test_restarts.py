@@ -89,7 +89,8 @@ def test_a_checkpoint_torn_by_a_server_killed_during_the_commit_is_ignored_and_t
 
 
 def test_when_restarts_are_exhausted_the_job_exits_with_the_last_root_causes_code(tmp_path):
-    res = _train(tmp_path, "--max-restarts", "2", "--allow-restart-from-scratch",
+    summary = tmp_path / "summary.json"
+    res = _train(tmp_path, "--max-restarts", "2", "--allow-restart-from-scratch", "--summary-json", str(summary),
                  fault={"FAULT": "exit", "FAULT_ATTEMPT": "any", "FAULT_RANK": "1", "FAULT_STEP": "3"})
     assert res.returncode == 12, res.stderr  # the third attempt's worker exits 10 + 2
     attempts = re.findall(r"^pslaunch: attempt (\d): .* failed first: exit code (\d+) -> (.*)$", res.stderr, re.M)
@@ -98,6 +99,11 @@ def test_when_restarts_are_exhausted_the_job_exits_with_the_last_root_causes_cod
                         ("3", "12", "gave up: no restart left (--max-restarts 2)")], res.stderr
     assert res.stderr.rstrip().endswith("pslaunch: exit code 12")
     assert [_resumed(tmp_path, a) for a in range(3)] == [(0, "None")] * 3  # no checkpoint dir: from scratch
+    document = json.loads(summary.read_text())  # the attempts are in the summary JSON too, for CI
+    assert document["exit_code"] == 12 and document["root_cause"]["process"] == "worker.1@localhost"
+    assert [(a["exit_code"], a["action"]) for a in document["attempts"]] == [
+        (10, "restarted the job (restart 1 of 2)"), (11, "restarted the job (restart 2 of 2)"),
+        (12, "gave up: no restart left (--max-restarts 2)")]
 
 
 def test_restart_scope_worker_restarts_a_failed_async_worker_alone_while_the_others_never_stop(tmp_path):
