@@ -122,6 +122,17 @@ def _also(first, then):
     return handler
 
 
+def _say(text: str) -> None:
+    """A marker line on stderr in one ``write``: mpirun forwards what it reads as it comes, and its own
+    lines (``Forwarding signal 14 to job``, when pslaunch stops the job) could land inside a marker
+    written in two pieces (``print`` writes the text and the newline apart), which then reads as no
+    marker at all."""
+    try:
+        os.write(2, f"{_MARKER}{text}\n".encode())
+    except OSError:
+        pass
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -179,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         child = subprocess.Popen(entry["argv"], env=env, cwd=entry.get("cwd") or None, start_new_session=True)
     except OSError as exc:
         print(f"cannot start {entry['argv'][0]!r}: {exc.strerror or exc}", file=sys.stderr)
-        print(f"{_MARKER}EXIT 127", file=sys.stderr, flush=True)
+        _say("EXIT 127")
         return 0  # the status is in the marker (see the end of main)
-    print(f"{_MARKER}PID {child.pid}", file=sys.stderr, flush=True)
+    _say(f"PID {child.pid}")
     stopping: list[int] = []
 
     def to_group(*signals: int) -> None:
@@ -242,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     except ProcessLookupError:
         pass
     status = f"SIGNAL {-rc}" if rc < 0 else f"EXIT {rc}"
-    print(f"{_MARKER}{status}", file=sys.stderr, flush=True)
+    _say(status)
     # pslaunch has the real status from the marker. Exiting 0 keeps mpirun from aborting the job
     # by itself: it would kill the other ranks before their own exit markers got through, and a
     # signal pslaunch sends meanwhile can crash it (Open MPI 4.1). pslaunch decides and stops the rest.

@@ -115,7 +115,8 @@ def run_node(role: str) -> int:
     try:
         with claim_process(role):
             if previous and env.supervised:
-                print(MARKER_READY, file=sys.stderr, flush=True)
+                sys.stderr.write(MARKER_READY + "\n")  # one write: a marker cut in two is no marker
+                sys.stderr.flush()
             node = _build(role, env)
             _armed = True
             try:

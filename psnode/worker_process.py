@@ -67,7 +67,8 @@ def watch(node: Any) -> None:
         # the first error of the job on the screen and in pslaunch's report
         previous(kind, value, tb)
         if node.env.supervised:
-            print(MARKER_FAILED, file=sys.stderr, flush=True)
+            sys.stderr.write(MARKER_FAILED + "\n")  # one write: a marker cut in two is no marker
+            sys.stderr.flush()
             _wait_until_read(sys.stderr, 0.5)
         node.abort(f"{kind.__name__}: {value}")
 
