@@ -167,7 +167,10 @@ class MpiBackend(Backend):
         self.spawner = LocalSpawner(config.stop_grace)
         self.shim = ShimJob("mpirun", self._deliver)
         self.watch = LinkWatch(config.link_timeout)
-        self.pinging = False  # whether the link watch pings the ranks yet (once every rank started)
+        self.pinging = False  # whether the link watch pings the ranks yet (once every host's ranks spoke)
+        # hosts with a rank that wrote anything (a marker or output): mpirun's daemon there is up and
+        # wired, so a signal through mpirun no longer makes it abort
+        self.spoke: set[Host] = set()
         self._ssh_config: str | None = None  # the OpenSSH config mpirun's ssh reads (see prepare)
 
     def prepare(self, plan: Plan) -> None:
@@ -221,11 +224,13 @@ class MpiBackend(Backend):
             pass
 
     def _ping(self, _: bytes) -> None:
-        """The link watch's ping: a SIGCONT through mpirun to every rank, once every rank started
-        (mpirun cannot pass a signal on while it still wires up its daemons: it aborts), and not
+        """The link watch's ping: a SIGCONT through mpirun to every rank, once a rank on every host
+        spoke (mpirun cannot pass a signal on while it still wires up its daemons: it aborts; a rank's
+        pid marker may come later than its output, and the guards count from their start), and not
         while the job is stopped (Ctrl-Z), which a SIGCONT would end (``ShimJob.unless_suspended``
         orders it with a stop request)."""
-        if not self.shim.handles or not all(h.pid for h in self.shim.handles):
+        handles = self.shim.handles
+        if not handles or not {h.spec.host for h in handles} <= self.spoke:
             return
         if not self.pinging:  # the hosts' clocks start with the first ping
             for host in {h.spec.host for h in self.shim.handles}:
@@ -239,6 +244,7 @@ class MpiBackend(Backend):
             self.shim.launcher.close()
             self.shim = ShimJob("mpirun", self._deliver)
             self.pinging = False
+            self.spoke = set()
         ordered, _ = _layout(plan)
         # mpirun's own host needs no link guard: its ranks die with mpirun (PDEATHSIG)
         env = payload(ordered, self.config.stop_grace, os.environ.get("PYTHONPATH", ""),
@@ -341,6 +347,7 @@ def _read_tagged(pipe, stream: str, ranks: list[ShimHandle], backend: MpiBackend
 
     def feed(rank: int | None, sub: str, data: bytes) -> None:
         if rank is not None and rank < len(ranks):  # word from the rank's host; its answers to pings go
+            backend.spoke.add(ranks[rank].spec.host)
             backend.watch.heard(ranks[rank].spec.host)
             data = pongs.setdefault((rank, sub), PongFilter()).feed(data)
         if data:
