@@ -1,9 +1,11 @@
 """The worker of ``benchmarks.checkpoint``; run by the benchmark, not by hand.
 
 ``checkpoint_worker.py commit NBYTES REPS DIR``: initialises one float32 key of NBYTES (split into
-parts across the servers), then REPS times, in a rotating order: ``State.commit()`` of it, and
-``numpy.save`` of the same bytes into DIR (the checkpoint directory's disk), without and with an
-fsync (a commit syncs its files). Prints one ``RESULT {json}`` line of seconds per measure.
+parts across the servers), then REPS times, in a rotating order: ``State.commit()`` of it (the time
+until it returns, training's cost; the sync that follows in the background is waited for, untimed,
+before the next measure starts), ``State.commit(wait=True)`` (until the checkpoint is complete and
+on disk), and ``numpy.save`` of the same bytes into DIR (the checkpoint directory's disk), without
+and with an fsync. Prints one ``RESULT {json}`` line of seconds per measure.
 
 ``checkpoint_worker.py train OUTDIR``: a short dist_sync training run that commits every 5 steps;
 worker 1 raises at step 17 on the job's first start. Worker 1 writes the time of its failure to
@@ -29,10 +31,13 @@ def commit(nbytes: int, reps: int, directory: str) -> None:
     kv.init(0, value)
     state = kvcore.elastic.State(kv, rep=0)
     baseline = os.path.join(directory, "numpy-save-baseline.npy")
-    times: dict[str, list[float]] = {"commit": [], "numpy.save": [], "numpy.save+fsync": []}
+    times: dict[str, list[float]] = {"commit": [], "commit+wait": [], "numpy.save": [], "numpy.save+fsync": []}
 
     def run_commit() -> None:
         state.commit()
+
+    def run_commit_wait() -> None:
+        state.commit(wait=True)
 
     def run_save() -> None:
         np.save(baseline, value)
@@ -43,14 +48,18 @@ def commit(nbytes: int, reps: int, directory: str) -> None:
             fh.flush()
             os.fsync(fh.fileno())
 
-    runs = [("commit", run_commit), ("numpy.save", run_save), ("numpy.save+fsync", run_save_sync)]
+    runs = [("commit", run_commit), ("numpy.save", run_save), ("commit+wait", run_commit_wait),
+            ("numpy.save+fsync", run_save_sync)]
     for rep in range(reps):
         state.rep = rep
-        for name, run in runs[rep % 3:] + runs[:rep % 3]:  # rotated, so that load hits all alike
+        turn = rep % len(runs)
+        for name, run in runs[turn:] + runs[:turn]:  # rotated, so that load hits all alike
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-            if name != "commit":
+            if name.startswith("commit"):
+                state.wait()  # the background sync ends before the next measure starts
+            else:
                 os.remove(baseline)
     sys.stdout.write("RESULT " + json.dumps({"nbytes": nbytes, "seconds": times}) + "\n")
     sys.stdout.flush()

@@ -12,9 +12,11 @@ The servers hold the model (weights and optimizer state), so a training script n
 
 ``commit()`` is a collective of the workers: each waits until the servers took its pushes, then
 worker 0 has every server write its shards (values, optimizer state, key/shape/dtype) to a
-temporary file renamed into place, and then server 0 write the manifest with the scalars (worker
-0's values); the checkpoint is complete once the manifest is renamed in. A commit that did not
-complete (a server died meanwhile) is ignored by ``restore``, which loads the newest complete
+temporary file, and returns: training goes on while each server syncs its file to disk and renames
+it into place, and server 0 then writes the manifest with the scalars (worker 0's values); the
+checkpoint is complete once the manifest is renamed in (``commit(wait=True)`` returns only then;
+the job's end waits for it too). A commit that did not complete (a server died meanwhile) is
+ignored by ``restore``, which loads the newest complete
 checkpoint into the servers and its scalars into ``state``. A key restored keeps the checkpoint's
 value also when ``kv.init`` comes after ``restore`` (shape and dtype must match); a job with another
 number of servers gets the keys re-sharded. Checkpoints live in ``PSLAUNCH_CHECKPOINT_DIR``
@@ -46,7 +48,7 @@ from .store_base import KeyMeta
 
 __all__ = ["State"]
 
-_OWN = frozenset({"restore", "commit", "scalars", "checkpoint_id", "restart_count"})
+_OWN = frozenset({"restore", "commit", "wait", "scalars", "checkpoint_id", "restart_count"})
 _NOTE_TEXT = 3000  # characters of an error message carried in a barrier note
 
 
@@ -77,6 +79,7 @@ class State:
         self._next: int | None = None  # worker 0: the id of the next commit
         self._warned = False
         self._manifest: dict = {}  # worker 0: the manifest it restored
+        self._completing: tuple[int, Any] | None = None  # worker 0: (id, future) of a commit not known complete
         self.checkpoint_id: int | None = None
         """The id of the checkpoint restored or committed last (None before either)."""
         for name, value in scalars.items():
@@ -164,17 +167,22 @@ class State:
         self.checkpoint_id = manifest["id"]
 
     # ---- commit -------------------------------------------------------------------------------------
-    def commit(self) -> int | None:
+    def commit(self, wait: bool = False) -> int | None:
         """Checkpoint the model and the scalars (worker 0's values); return the checkpoint's id.
 
         Blocking and collective: every worker calls it between steps, once it pushed what the step
-        pushes (in ``dist_sync`` every worker must have pushed every key equally often). Returns
+        pushes (in ``dist_sync`` every worker must have pushed every key equally often). It returns
+        once every server wrote its file; the servers then sync their files to disk and server 0
+        completes the checkpoint (its manifest) while training goes on, so a failure in the
+        moment after a commit may restore the one before it. ``wait=True`` returns only once the
+        checkpoint is complete and on disk. Either way the job does not end before it is. Returns
         None, with a warning the first time, when the job has no checkpoint directory.
 
         Raises:
             TypeError: a scalar is not a JSON value. CheckpointError: a server could not write its
-                file or the manifest (naming it and why); the checkpoint is then not complete and
-                ``restore`` ignores it. Every worker raises the same error.
+                file, or the previous commit could not be completed (naming the file and why); the
+                checkpoint is then not complete and ``restore`` ignores it. Every worker raises the
+                same error.
         """
         kv, worker = self._kv, self._kv._worker
         scalars = self.scalars
@@ -197,12 +205,29 @@ class State:
             worker.barrier(Group.WORKERS)  # every worker's pushes are in
         note = None
         if kv.rank == 0:
-            note = self._guarded(lambda: self._commit_on_servers(scalars))
+            note = self._guarded(lambda: self._commit_on_servers(scalars, wait))
         self.checkpoint_id = self._agree(note)["id"]
         return self.checkpoint_id
 
-    def _commit_on_servers(self, scalars: dict) -> dict:
+    def wait(self) -> int | None:
+        """Block until the last commit is complete and on disk; its id (None: none was made).
+
+        Collective: every worker calls it (at the end of training, say, to learn whether the last
+        commit completed; the job's end waits for it anyway, but only this raises its error).
+
+        Raises:
+            CheckpointError: it could not be completed (naming the file and why), on every worker.
+        """
+        if self._kv._worker.env.checkpoint_dir is None:
+            return None
+        note = None
+        if self._kv.rank == 0:
+            note = self._guarded(lambda: self._complete() or {"id": self.checkpoint_id})
+        return self._agree(note)["id"]
+
+    def _commit_on_servers(self, scalars: dict, wait: bool) -> dict:
         kv, env = self._kv, self._kv._worker.env
+        self._complete()  # the previous commit's outcome first: an error of it is this call's
         if self._next is None:
             highest = self._ask(0, {"op": "scan"}).get("highest")
             self._next = (highest + 1) if isinstance(highest, int) else 1
@@ -219,9 +244,25 @@ class State:
                     "job_id": env.job_id, "restart_count": env.restart_count, "created": time.time(),
                     "bigarray_bound": env.bigarray_bound, "files": files, "keys": self._key_table(),
                     "scalars": scalars}
-        self._run({0: {"op": "commit", "id": ckpt_id, "manifest": manifest}}, f"committing checkpoint {ckpt_id}")
         self._next = ckpt_id + 1
+        # Server 0 answers once the checkpoint is complete; the worker's close waits for that answer.
+        future, _ = self._kv._worker.checkpoint({0: {"op": "commit", "id": ckpt_id, "manifest": manifest}})
+        self._completing = (ckpt_id, future)
+        if wait:
+            self._complete()
         return {"id": ckpt_id}
+
+    def _complete(self) -> None:
+        """Worker 0: wait until the last commit is complete.
+
+        Raises:
+            CheckpointError: it could not be completed (server 0's reason).
+        """
+        if self._completing is None:
+            return
+        ckpt_id, future = self._completing
+        self._completing = None
+        self._wait(future, f"completing checkpoint {ckpt_id}")
 
     def _key_table(self) -> list[dict]:
         """Every key the servers hold (initialised, or restored and not initialised yet) and where."""
@@ -246,15 +287,22 @@ class State:
         Raises:
             CheckpointError: a server refused (its message says why).
         """
-        worker = self._kv._worker
-        future, replies = worker.checkpoint(bodies)
+        future, replies = self._kv._worker.checkpoint(bodies)
+        self._wait(future, what)
+        return dict(replies)
+
+    def _wait(self, future: Any, what: str) -> None:
+        """Wait for a checkpoint request's answers (no time limit: liveness is checked).
+
+        Raises:
+            CheckpointError: a server refused (its message says why).
+        """
         try:
             with runtime_errors():
-                worker.wait_for(future)
+                self._kv._worker.wait_for(future)
                 future.result()
         except ServerError as exc:  # a refusal: its message says why
             raise CheckpointError(f"{what} failed: {exc}") from exc
-        return dict(replies)
 
     def _guarded(self, run: Any) -> dict:
         """Worker 0's part, its outcome as a barrier note (an error travels as its kind and message)."""

@@ -6,11 +6,15 @@ A job's checkpoint directory (``PSLAUNCH_CHECKPOINT_DIR``) holds one directory p
     ckpt-00000007/server-1-of-2.bin
     ckpt-00000007/MANIFEST.json          written last, by server 0: the checkpoint is complete
 
-Every file is written to a temporary name in the same directory, flushed to disk (``fsync``) and
-renamed into place, so a file under its final name is whole; the directory itself is synced after
-the manifest's rename, which makes every name in it durable at once. A checkpoint is *complete* once its
-manifest is renamed in; a checkpoint without one (a server died during the commit) is ignored by
-``scan`` and removed by a later ``collect``.
+A server writes its file under a temporary name, answers, and then, on a thread of its own, syncs
+it to disk (``fsync``) and renames it into place (``settle_server_file``): a file under its final name
+is whole and on disk. Server 0, asked to commit, waits on its own thread for every server's file
+under its final name (``finish_checkpoint``), syncs the directory (every rename in it becomes
+durable), and writes the manifest the same way (temporary file, fsync, rename, fsync of the
+directory). A checkpoint is *complete* once its manifest is renamed in; one without (a server died
+during the commit, a sync failed) is ignored by ``scan`` and removed by a later ``collect``. A server
+whose file cannot be synced leaves ``server-R-of-S.failed`` with the reason, so that server 0 stops
+waiting and says why.
 
 A server file is ``MAGIC``, the length of its index (u64, little endian), the index (JSON), zero
 padding to ``ALIGN`` bytes, then the arrays' raw bytes, each at an ``ALIGN``-aligned offset from
@@ -30,8 +34,10 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -41,7 +47,7 @@ from .server_store import VALUE_DTYPES, dtype_of, is_int, is_shape
 
 __all__ = [
     "MAGIC", "ALIGN", "MANIFEST", "FORMAT", "KEEP", "FILE_NAME", "dir_of", "file_name", "scan", "ServerFile",
-    "write_server_file", "read_index", "read_into", "write_manifest", "read_manifest", "check_manifest",
+    "write_server_file", "settle_server_file", "finish_checkpoint", "read_index", "read_into", "write_manifest", "read_manifest", "check_manifest",
     "collect", "check_user_key", "json_safe", "STATE_DTYPES",
 ]
 
@@ -56,6 +62,7 @@ _MAX_ID = 10**8 - 1
 _MAX_JSON = 512 << 20  # bytes of index or manifest read back at most
 _CHUNK = 64 << 20  # bytes per read or write call
 _HEADER = struct.Struct("<8sQ")
+_FAILED_TEXT = 2000  # characters of a failure marker read back at most
 
 STATE_DTYPES = VALUE_DTYPES
 """The dtypes a value or an optimizer state array may have in a checkpoint: a key's."""
@@ -131,14 +138,14 @@ class ServerFile:
 
 
 def write_server_file(directory: str, name: str, index: dict, body: ServerFile,
-                      beat: Callable[[], None] = lambda: None) -> int:
-    """Write ``index`` and ``body``'s arrays to ``directory/name`` (temporary file, fsync, rename);
-    return the file's size.
+                      beat: Callable[[], None] = lambda: None) -> tuple[int, str]:
+    """Write ``index`` and ``body``'s arrays to a temporary file in ``directory`` that becomes
+    ``name`` once ``settle_server_file`` synced it; return ``(the file's size, its temporary path)``.
 
     The writing runs on a thread of its own while the calling thread calls ``beat`` every half
     second: a loaded disk may take many seconds for a gigabyte (the kernel holds back a writer of
-    many dirty pages, and the fsync waits for all of them), and the server's heartbeats must go on.
-    The caller changes none of the arrays meanwhile.
+    many dirty pages), and the server's heartbeats must go on. The caller changes none of the
+    arrays meanwhile; once this returns, the bytes are the file's and the arrays may change.
 
     Raises:
         RequestRefused: the file cannot be written (the message names it and the OS error).
@@ -148,27 +155,119 @@ def write_server_file(directory: str, name: str, index: dict, body: ServerFile,
     head = _HEADER.pack(MAGIC, len(text)) + text
     head += b"\0" * (_aligned(len(head)) - len(head))
 
-    def write() -> int:
+    def write() -> tuple[int, str]:
         os.makedirs(directory, exist_ok=True)
-        # the directory is synced once, with the manifest's rename: that makes this name durable too
-        with _Atomic(path, sync_dir=False) as fh:
-            fh.write(head)
-            written = 0
-            for array in body.arrays:
-                data = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
-                for start in range(0, len(data), _CHUNK):
-                    fh.write(data[start:start + _CHUNK])
-                written += len(data)
-                pad = _aligned(written) - written
-                if pad:
-                    fh.write(b"\0" * pad)
-                    written += pad
-        return len(head) + written
+        tmp = _temporary(path)
+        try:
+            with open(tmp, "wb", buffering=0) as fh:
+                fh.write(head)
+                written = 0
+                for array in body.arrays:
+                    data = memoryview(array.reshape(-1)).cast("B") if array.size else memoryview(b"")
+                    for start in range(0, len(data), _CHUNK):
+                        fh.write(data[start:start + _CHUNK])
+                    written += len(data)
+                    pad = _aligned(written) - written
+                    if pad:
+                        fh.write(b"\0" * pad)
+                        written += pad
+        except BaseException:
+            _unlink(tmp)
+            raise
+        return len(head) + written, tmp
 
     try:
         return _beating(write, beat)
     except OSError as exc:
         raise RequestRefused(f"cannot write the checkpoint file {path}: {exc.strerror or exc}") from exc
+
+
+def settle_server_file(tmp: str, path: str) -> None:
+    """Sync the temporary file ``tmp`` to disk and rename it to ``path``: from then on the file is
+    whole under its final name. On failure ``tmp`` is removed and a failure marker left next to
+    ``path`` (``finish_checkpoint`` reads it); the error is raised too.
+
+    Raises:
+        RequestRefused: naming the file and the OS error.
+    """
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        _unlink(tmp)
+        why = f"cannot sync the checkpoint file {path} to disk: {exc.strerror or exc}"
+        try:
+            with open(_failure_marker(path), "w") as fh:
+                fh.write(why)
+        except OSError:
+            pass  # server 0 then waits until it gives up; this server's log says why
+        raise RequestRefused(why) from exc
+
+
+def finish_checkpoint(directory: str, manifest: dict, stopping: Callable[[], bool], patience: float) -> None:
+    """Complete the checkpoint in ``directory``: wait until every file ``manifest`` lists is there
+    under its final name with its size (synced by its server), sync the directory, and write the
+    manifest. Gives up after ``patience`` seconds or once ``stopping()``.
+
+    Raises:
+        RequestRefused: a server could not write or sync its file (its reason), a file has another
+            size than its server wrote, or the wait ran out (naming the files missing).
+    """
+    ckpt_id = manifest["id"]
+    deadline = time.monotonic() + patience
+    missing = list(manifest["files"])
+    pause = 0.001
+    while missing:
+        waiting = []
+        for item in missing:
+            path = os.path.join(directory, item["name"])
+            failed = _read_failure(path)
+            if failed is not None:
+                raise RequestRefused(f"checkpoint {ckpt_id} is not complete: server {item['server']}: {failed}")
+            try:
+                found = os.stat(path)
+            except FileNotFoundError:
+                waiting.append(item)
+                continue
+            except OSError as exc:
+                raise RequestRefused(f"checkpoint {ckpt_id} is not complete: {path}: {exc.strerror or exc}") from exc
+            if not stat.S_ISREG(found.st_mode):  # not a file its server renamed in (yet)
+                waiting.append(item)
+                continue
+            size = found.st_size
+            if size != item["bytes"]:
+                raise RequestRefused(f"checkpoint {ckpt_id} is not complete: {path} holds {size} bytes, "
+                                     f"server {item['server']} wrote {item['bytes']}")
+        missing = waiting
+        if missing:
+            if stopping() or time.monotonic() > deadline:
+                names = ", ".join(item["name"] for item in missing)
+                raise RequestRefused(f"checkpoint {ckpt_id} is not complete: {names} not synced to disk by "
+                                     f"{'the end of the server' if stopping() else f'{patience:g} s after the commit'}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+    try:
+        _fsync_dir(directory)  # the renames of every server's file, durable before the manifest names them
+    except OSError as exc:
+        raise RequestRefused(f"cannot sync the checkpoint directory {directory}: {exc.strerror or exc}") from exc
+    write_manifest(directory, manifest)
+
+
+def _failure_marker(path: str) -> str:
+    return os.path.splitext(path)[0] + ".failed"
+
+
+def _read_failure(path: str) -> str | None:
+    """The reason a server left next to ``path`` when it could not sync it, or None."""
+    try:
+        with open(_failure_marker(path), "rb") as fh:
+            return fh.read(_FAILED_TEXT).decode("utf-8", "replace")
+    except OSError:
+        return None
 
 
 def _beating(work: Callable[[], Any], beat: Callable[[], None]) -> Any:
@@ -389,7 +488,7 @@ class _Atomic:
     def __init__(self, path: str, sync_dir: bool = True) -> None:
         self.path = path
         self.sync_dir = sync_dir
-        self.tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+        self.tmp = _temporary(path)
         self.fh: Any = None
 
     def __enter__(self) -> Any:
@@ -406,11 +505,19 @@ class _Atomic:
                 if self.sync_dir:
                     _fsync_dir(os.path.dirname(self.path))
         finally:
-            if os.path.exists(self.tmp):
-                try:
-                    os.unlink(self.tmp)
-                except OSError:
-                    pass
+            _unlink(self.tmp)
+
+
+def _temporary(path: str) -> str:
+    """A temporary name next to ``path``, unique to this writer (a dot file: ``scan`` ignores it)."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _fsync_dir(directory: str) -> None:

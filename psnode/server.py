@@ -17,7 +17,7 @@ arrays) the server sees flat 1-D shards of the key, not the key's shape.
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -89,8 +89,10 @@ class ServerNode:
         if conn.rank < 0:
             conn.register()
         link, failure = conn.link, conn.failure
+        checkpoints = self.checkpoints
         while not link.shutdown_requested and failure.error is None:
-            conn.process(0.1)
+            conn.process(0.005 if checkpoints.busy else 0.1)  # a commit's answer waits on the background
+            checkpoints.poll()
         failure.check()
         return 0
 
@@ -104,10 +106,13 @@ class ServerNode:
         self.conn.wait(future, timeout, what)
 
     def close(self) -> None:
-        """Close the sockets, giving queued replies a moment to leave, and let a removal of old
-        checkpoints finish; write the timeline's last events."""
+        """Let the checkpoint work under way finish (a few seconds at most) and answer it, close the
+        sockets, giving queued replies a moment to leave; write the timeline's last events."""
+        try:
+            self.checkpoints.close()
+        except ClosedError:
+            pass  # the transport is gone already: nobody to answer
         self.conn.transport.close(linger=0.5)
-        self.checkpoints.close()
         if self.timeline is not None:
             self.timeline.close()
 
@@ -197,8 +202,7 @@ class ServerNode:
                     body = unpack_json(frames[1])
                 except ProtocolError as exc:
                     raise RequestRefused(f"server {self.rank}: {exc}") from None
-                result = self.checkpoints.handle(peer.rank, body)
-                self.conn.transport.send(peer.uid.encode(), [pack_header(reply, req_id, arg), pack_json(result)])
+                self.checkpoints.handle(peer.rank, body, self._answer_checkpoint(peer, reply, req_id, arg))
         except RequestRefused as exc:
             self.replies.refuse(peer, reply, req_id, str(exc))
         except ClosedError:
@@ -208,6 +212,15 @@ class ServerNode:
             self.replies.refuse(peer, reply, req_id, why)
             return ProtocolError(why)
         return None
+
+    def _answer_checkpoint(self, peer: PeerInfo, reply: int, req_id: int, arg: int) -> Callable[[bool, Any], None]:
+        """How checkpoint request ``req_id`` of ``peer`` is answered: now, or later from ``run``'s loop."""
+        def answer(ok: bool, value: Any) -> None:
+            if ok:
+                self.conn.transport.send(peer.uid.encode(), [pack_header(reply, req_id, arg), pack_json(value)])
+            else:
+                self.replies.refuse(peer, reply, req_id, str(value))
+        return answer
 
     def _shard(self, key_id: int) -> Shard:
         """The shard of ``key_id``, taken off the group fast path first if it is on it."""

@@ -1,9 +1,12 @@
 """A server's part in checkpoints: write its shards, write the manifest (server 0), restore, re-shard.
 
 Worker 0 drives a commit (``kvcore.elastic.State.commit``): once every worker's pushes were taken,
-it asks every server to ``save`` checkpoint ``id`` (each writes its file, ``psnode.checkpoint``),
-then server 0 to ``commit`` the manifest it built (the checkpoint is complete once that file is
-renamed in). ``restore`` loads a complete checkpoint: the request says which key parts this server
+it asks every server to ``save`` checkpoint ``id``: each writes its file and answers, then syncs it
+to disk and renames it into place on its background thread (``psnode.checkpoint``). Then it asks
+server 0 to ``commit`` the manifest it built: server 0 waits, on its background thread, for every
+server's file, and writes the manifest; the checkpoint is complete once that file is renamed in,
+and only then does server 0 answer (a worker that does not wait for the answer goes on training
+meanwhile). ``restore`` loads a complete checkpoint: the request says which key parts this server
 holds now, as ``[part id, user key, start, stop]`` of the key's flat elements, so a job with another
 number of servers re-shards (the worker computes the new layout; this server reads the ranges it
 needs from every old server's file). ``scan`` and ``read`` tell a worker which checkpoint is the
@@ -22,20 +25,22 @@ re-sharded with the values). An updater without them has its values checkpointed
 Restored keys are announced to an updater with ``restore_key(key, value)`` (when it has one) instead
 of ``init_key``, so it keeps the restored weights.
 
-Single-threaded (the server's loop), but for the removal of old checkpoints, which runs on a thread
-of its own (``_collect``); long reads and writes call ``beat`` between chunks so that the server's
-heartbeats go on.
+Single-threaded (the server's loop), but for what runs on the background thread (``BackgroundWork``,
+in order): syncing and renaming this server's files, completing a checkpoint (server 0), and
+removing old checkpoints. The loop calls ``poll()`` to answer the requests that waited for it and
+``busy`` says when to call it soon. Long reads and writes call ``beat`` between chunks so that the
+server's heartbeats go on.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any, Callable, Hashable
 
 import numpy as np
 
 from . import checkpoint as ck
+from .background import BackgroundWork
 from .errors import RequestRefused
 from .log import logger
 from .server_store import is_int
@@ -44,6 +49,10 @@ __all__ = ["Checkpoints"]
 
 _OPS = ("save", "commit", "scan", "read", "restore")
 _CHANGING = frozenset({"save", "commit", "restore"})
+_FILES_PATIENCE = 1800.0  # seconds server 0 waits for the other servers' files of a commit (a slow shared disk)
+
+Answer = Callable[[bool, Any], None]
+"""How a request is answered: ``answer(True, reply object)`` or ``answer(False, RequestRefused)``."""
 
 
 class Checkpoints:
@@ -63,10 +72,20 @@ class Checkpoints:
         self.job_id = job_id
         self._rank = rank
         self._beat = beat
-        self._collector: threading.Thread | None = None
+        self.background = BackgroundWork("psnode-checkpoint")
 
-    def handle(self, worker: int, body: Any) -> dict:
-        """Run one request of worker ``worker``; the reply's JSON object.
+    @property
+    def busy(self) -> bool:
+        """True while work of the background thread is under way: call ``poll`` soon."""
+        return self.background.busy
+
+    def poll(self) -> None:
+        """Answer the requests whose background work has finished (call it from the server's loop)."""
+        self.background.finished()
+
+    def handle(self, worker: int, body: Any, answer: Answer) -> None:
+        """Run one request of worker ``worker`` and ``answer`` it: now, or for ``commit`` once the
+        checkpoint is complete (from a later ``poll``).
 
         Raises:
             RequestRefused: a malformed request, one worker ``worker`` may not make, no checkpoint
@@ -81,16 +100,19 @@ class Checkpoints:
         if self.root is None:
             raise RequestRefused(f"server {self._rank()} has no checkpoint directory (PSLAUNCH_CHECKPOINT_DIR); "
                                  "start the job with pslaunch --checkpoint-dir DIR")
+        if op == "commit":
+            self.commit(body.get("id"), body.get("manifest"), answer)
+            return
         if op == "scan":
             newest, highest = ck.scan(self.root)
-            return {"newest": newest, "highest": highest}
-        if op == "read":
-            return {"manifest": ck.read_manifest(self.root, body.get("id"))}
-        if op == "save":
-            return self.save(body.get("id"))
-        if op == "commit":
-            return self.commit(body.get("id"), body.get("manifest"))
-        return self.restore(body.get("id"), body.get("parts"))
+            reply = {"newest": newest, "highest": highest}
+        elif op == "read":
+            reply = {"manifest": ck.read_manifest(self.root, body.get("id"))}
+        elif op == "save":
+            reply = self.save(body.get("id"))
+        else:
+            reply = self.restore(body.get("id"), body.get("parts"))
+        answer(True, reply)
 
     # ---- writing --------------------------------------------------------------------------------
     def save(self, ckpt_id: Any) -> dict:
@@ -130,8 +152,10 @@ class Checkpoints:
         index = {"format": ck.FORMAT, "id": ckpt_id, "server": self._rank(), "num_servers": self.num_servers,
                  "job_id": self.job_id, "shards": shards, "states": states, "updater": state["scalars"]}
         name = ck.file_name(self._rank(), self.num_servers)
-        size = ck.write_server_file(directory, name, index, body, self._beat)
-        logger.info("server %d wrote %s of checkpoint %d (%d bytes)", self._rank(), name, ckpt_id, size)
+        size, tmp = ck.write_server_file(directory, name, index, body, self._beat)
+        logger.info("server %d wrote %s of checkpoint %d (%d bytes); syncing it", self._rank(), name, ckpt_id, size)
+        self.background.submit(lambda: ck.settle_server_file(tmp, os.path.join(directory, name)),
+                               lambda ok, error: ok or logger.error("server %d: %s", self._rank(), error))
         return {"name": name, "bytes": size, "shards": len(shards)}
 
     def _updater_state(self) -> dict:
@@ -156,43 +180,39 @@ class Checkpoints:
                          "arrays": list(item.get("arrays", []))}
         return {"scalars": ck.json_safe(state.get("scalars"), "the updater's scalars"), "keys": keys}
 
-    def commit(self, ckpt_id: Any, manifest: Any) -> dict:
-        """Server 0: write the manifest of ``ckpt_id`` once every server's file is there; the
-        checkpoint is complete. Older checkpoints beyond the newest ``KEEP`` are removed."""
+    def commit(self, ckpt_id: Any, manifest: Any, answer: Answer) -> None:
+        """Server 0: complete checkpoint ``ckpt_id`` on the background thread (every server's file
+        synced and in place, then the manifest), and ``answer`` once it is complete or failed; then
+        remove the checkpoints older than the newest ``KEEP``."""
         directory = ck.dir_of(self.root, ckpt_id)
         if self._rank() != 0:
             raise RequestRefused(f"server {self._rank()} was asked to commit a manifest; server 0 writes it")
         ck.check_manifest(manifest, f"the manifest of checkpoint {ckpt_id}")
         if manifest["id"] != ckpt_id:
             raise RequestRefused(f"a manifest of checkpoint {manifest['id']} was sent to commit {ckpt_id}")
-        for item in manifest["files"]:
-            path = os.path.join(directory, item["name"])
-            try:
-                size = os.path.getsize(path)
-            except OSError as exc:
-                raise RequestRefused(f"checkpoint {ckpt_id} cannot be committed: {path}: {exc.strerror or exc}") from exc
-            if size != item["bytes"]:
-                raise RequestRefused(f"checkpoint {ckpt_id} cannot be committed: {path} holds {size} bytes, "
-                                     f"server {item['server']} wrote {item['bytes']}")
-        ck.write_manifest(directory, manifest)
-        logger.info("server 0 committed checkpoint %d", ckpt_id)
-        self._collect(ckpt_id)
-        return {"id": ckpt_id}
+        background = self.background
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Let a removal of old checkpoints finish (at most ``timeout`` seconds)."""
-        if self._collector is not None:
-            self._collector.join(timeout)
+        def complete() -> dict:
+            ck.finish_checkpoint(directory, manifest, background.stopping, _FILES_PATIENCE)
+            logger.info("server 0 committed checkpoint %d", ckpt_id)
+            return {"id": ckpt_id}
 
-    def _collect(self, newest: int) -> None:
-        """Remove older checkpoints on a thread of its own: freeing gigabytes takes a while, and the
-        commit is complete already. It touches only directories nobody writes any more; one runs at
-        a time, and one cut short (the process ended) is finished by the next."""
-        if self._collector is not None:
-            self._collector.join()
-        self._collector = threading.Thread(target=ck.collect, args=(self.root, newest), daemon=True,
-                                           name="psnode-checkpoint-collect")
-        self._collector.start()
+        def answered(ok: bool, value: Any) -> None:
+            if not ok:
+                logger.error("server 0: %s", value)
+                if not isinstance(value, RequestRefused):
+                    value = RequestRefused(f"checkpoint {ckpt_id} is not complete: {type(value).__name__}: {value}")
+            answer(ok, value)
+
+        background.submit(complete, answered)
+        # Old checkpoints go after the commit, on the same thread: freeing gigabytes takes a while, and
+        # it touches only directories nobody writes any more (one cut short is finished by the next).
+        background.submit(lambda: ck.collect(self.root, ckpt_id))
+
+    def close(self, timeout: float = 3.0) -> None:
+        """Let the background work (syncs, a commit's completion, removals) finish for at most
+        ``timeout`` seconds, and answer what finished."""
+        self.background.close(timeout)
 
     # ---- restoring ------------------------------------------------------------------------------
     def restore(self, ckpt_id: Any, parts: Any) -> dict:

@@ -135,6 +135,10 @@ class RequestTable:
     def wait_idle(self, limit: float, failed: Callable[[], bool], who: str) -> None:
         """Block until no request is pending (or ``failed()``).
 
+        A checkpoint request is waited for without a limit: its server answers once the checkpoint
+        is on disk, which takes as long as the disk takes, and a server that dies fails the worker
+        (``failed()``) within the heartbeat timeout. ``limit`` bounds the wait for any other.
+
         Raises:
             NodeTimeoutError: requests still pending after ``limit`` seconds (names how many).
         """
@@ -145,7 +149,10 @@ class RequestTable:
                 while self.pending and not failed():
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise NodeTimeoutError(f"{who}: {len(self.pending)} requests still unanswered after {limit:g} s")
+                        if all(r.what == "checkpoint" for r in list(self.pending.values())):
+                            remaining = 0.1
+                        else:
+                            raise NodeTimeoutError(f"{who}: {len(self.pending)} requests still unanswered after {limit:g} s")
                     self._idle.wait(min(remaining, 0.1))
             finally:
                 self._idle_waiters -= 1

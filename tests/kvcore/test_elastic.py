@@ -52,6 +52,18 @@ def test_a_restore_onto_any_number_of_servers_before_or_after_init_resumes_bit_f
     assert weights(tmp_path / f"{phase}-{servers}.npz") == weights(saved / "saved.npz")
 
 
+def test_a_commit_completed_in_the_background_that_fails_raises_from_wait_on_every_worker(tmp_path):
+    workers = run("elastic_state.py", tmp_path, "sync-fails", 2, tmp_path / "ckpt")
+    for r in workers:
+        assert re.search(r"^FAILED completing checkpoint 2 failed: .*checkpoint 2 is not complete: server 1: cannot sync "
+                         r"the checkpoint file \S+/ckpt-00000002/server-1-of-2\.bin to disk: (Is a directory|Directory "
+                         r"not empty)$", r.output, re.M), r
+    listing = {p.name: sorted(q.name for q in p.iterdir()) for p in (tmp_path / "ckpt").iterdir()}
+    # the torn checkpoint 2 was removed after commit 3; the two newest complete ones stay
+    assert listing == {f"ckpt-0000000{i}": ["MANIFEST.json", "server-0-of-2.bin", "server-1-of-2.bin"]
+                       for i in (1, 3)}, listing
+
+
 def test_init_of_a_restored_key_with_another_shape_fails_on_every_worker_naming_both(saved, tmp_path):
     workers = run("elastic_state.py", tmp_path, "mismatch", 2, saved / "ckpt")
     for r in workers:

@@ -3,9 +3,11 @@ and every malformed request refused naming what was wrong. In-process, on the in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -55,6 +57,14 @@ def refused(worker, bodies: dict) -> str:
     return str(caught.value)
 
 
+def idle(node, timeout: float = 10.0) -> None:
+    """Wait until ``node``'s checkpoint work on its background thread is done and answered."""
+    deadline = time.monotonic() + timeout
+    while node.checkpoints.busy:
+        assert time.monotonic() < deadline, "the background work of the checkpoint did not end"
+        time.sleep(0.01)
+
+
 def step(job, key: int, server: int, values) -> None:
     """One dist_sync round of ``key``: worker i pushes ``values[i]``, then both pull."""
     out = np.zeros_like(values[0])
@@ -90,15 +100,22 @@ def commit(job, ckpt_id: int) -> None:
     ask(w0, {0: {"op": "commit", "id": ckpt_id, "manifest": manifest(ckpt_id, files, KEYS)}})
 
 
-@pytest.fixture
-def job(tmp_path):
-    settings = {"PSLAUNCH_CHECKPOINT_DIR": str(tmp_path)}
-    with InProcJob(num_workers=2, num_servers=2, settings=settings, network_threads=False) as job:
+@contextlib.contextmanager
+def checkpointing_job(root, network_threads: bool = False):
+    """2 workers, 2 servers, keys 7 (server 0) and 8 (server 1), the momentum updater; checkpoints in ``root``."""
+    settings = {"PSLAUNCH_CHECKPOINT_DIR": str(root)}
+    with InProcJob(num_workers=2, num_servers=2, settings=settings, network_threads=network_threads) as job:
         init_keys(job, {7: (0, np.zeros(4, np.float32)), 8: (1, np.zeros(6, np.float32))})
         ask_updater = job.workers[0].set_updater(MomentumUpdater())
         assert job.workers[0].wait_for(ask_updater, 10)
         ask_updater.result()
-        job.root = tmp_path
+        job.root = root
+        yield job
+
+
+@pytest.fixture
+def job(tmp_path):
+    with checkpointing_job(tmp_path) as job:
         yield job
 
 
@@ -150,6 +167,74 @@ def test_a_key_initialised_after_the_restore_keeps_the_checkpoints_value_and_mus
         future.result()
 
 
+def gate(node) -> threading.Event:
+    """Hold ``node``'s background thread until the event is set: its syncs wait behind it."""
+    opened = threading.Event()
+    node.checkpoints.background.submit(lambda: opened.wait(20))
+    return opened
+
+
+def test_a_commit_is_answered_only_once_every_servers_file_is_synced_and_the_manifest_is_in(job):
+    w0 = job.workers[0]
+    commit(job, 1)
+    held = gate(server(job, 1))  # server 1 writes its file but cannot sync and rename it yet
+    files = ask(w0, {s: {"op": "save", "id": 2} for s in range(2)})
+    directory = job.root / "ckpt-00000002"
+    future, _ = w0.checkpoint({0: {"op": "commit", "id": 2, "manifest": manifest(2, files, KEYS)}})
+    time.sleep(0.3)
+    assert not future.done(), "the commit was answered before server 1's file was synced"
+    assert not (directory / "server-1-of-2.bin").exists()  # only its temporary file
+    assert [p.name.split(".tmp-")[0] for p in directory.glob(".server-1-of-2.bin.tmp-*")] == [".server-1-of-2.bin"]
+    assert not (directory / ck.MANIFEST).exists()
+    assert ask(w0, {1: {"op": "scan"}})[1]["newest"] == 1  # a restore now would take checkpoint 1
+    held.set()
+    assert w0.wait_for(future, 10), "no answer to the commit once the files were synced"
+    future.result()
+    assert sorted(p.name for p in directory.iterdir()) == [ck.MANIFEST, "server-0-of-2.bin", "server-1-of-2.bin"]
+    assert ask(w0, {1: {"op": "scan"}})[1]["newest"] == 2
+
+
+def test_a_file_that_cannot_be_synced_fails_the_commit_naming_the_server_and_why(job):
+    w0 = job.workers[0]
+    commit(job, 1)
+    held = gate(server(job, 1))
+    files = ask(w0, {s: {"op": "save", "id": 2} for s in range(2)})
+    directory = job.root / "ckpt-00000002"
+    (directory / "server-1-of-2.bin").mkdir()  # its final name taken by a directory: the rename fails
+    (directory / "server-1-of-2.bin" / "x").write_text("x")
+    future, _ = w0.checkpoint({0: {"op": "commit", "id": 2, "manifest": manifest(2, files, KEYS)}})
+    held.set()
+    assert w0.wait_for(future, 10), "no answer to a commit whose file could not be synced"
+    with pytest.raises(RemoteError) as caught:
+        future.result()
+    assert re.search(r"checkpoint 2 is not complete: server 1: cannot sync the checkpoint file \S+"
+                     r"ckpt-00000002/server-1-of-2\.bin to disk: (Is a directory|Directory not empty)", str(caught.value))
+    assert not (directory / ck.MANIFEST).exists() and not list(directory.glob(".server-1*"))
+    assert ask(w0, {1: {"op": "scan"}})[1]["newest"] == 1
+    commit(job, 3)  # the next commit goes on
+
+
+def test_a_workers_close_waits_for_the_answer_to_a_commit_past_its_time_limit(tmp_path):
+    with checkpointing_job(tmp_path, network_threads=True) as job:  # receiving threads, as in a worker process
+        _close_while_a_commit_completes(job)
+
+
+def _close_while_a_commit_completes(job) -> None:
+    w0 = job.workers[0]
+    held = gate(server(job, 1))
+    files = ask(w0, {s: {"op": "save", "id": 1} for s in range(2)})
+    future, _ = w0.checkpoint({0: {"op": "commit", "id": 1, "manifest": manifest(1, files, KEYS)}})
+    threading.Timer(1.0, held.set).start()
+    closing = threading.Thread(target=job.workers[1].close)
+    closing.start()
+    start = time.monotonic()
+    w0.close(timeout=0.2)  # a limit for other requests; the commit's answer is waited for while server 0 lives
+    assert time.monotonic() - start > 0.7 and future.done()
+    future.result()
+    closing.join(10)
+    assert (job.root / "ckpt-00000001" / ck.MANIFEST).exists()
+
+
 def test_a_checkpoint_without_its_manifest_is_ignored_and_removed_by_a_later_commit(job):
     w0 = job.workers[0]
     commit(job, 1)
@@ -158,7 +243,7 @@ def test_a_checkpoint_without_its_manifest_is_ignored_and_removed_by_a_later_com
     assert "cannot read the checkpoint manifest" in refused(w0, {0: {"op": "restore", "id": 2, "parts": []}})
     commit(job, 3)
     commit(job, 4)
-    server(job, 0).checkpoints._collector.join(10)  # old ones are removed on a thread, after the commit
+    idle(server(job, 0))  # old ones are removed on the background thread, after the commit
     assert sorted(os.listdir(job.root)) == ["ckpt-00000003", "ckpt-00000004"]
 
 

@@ -9,6 +9,10 @@ order of summing gives the same bits).
   scalars, do step 4; worker 0 writes OUTDIR/<phase>-<servers>.npz.
 - ``mismatch``: restore, then init key 0 with another shape: prints ``MISMATCH <message>``.
 - ``no-dir``: (no checkpoint directory) commit returns None with a warning, restore finds nothing.
+- ``sync-fails``: commit 1 (waited for); worker 0 takes the final name of server 1's file of
+  checkpoint 2 (a directory there), so that server cannot rename its synced file into place; commit
+  2 returns its id, and ``wait()`` raises on every worker: prints ``FAILED <message>``. Commit 3
+  then completes (``wait=True``).
 """
 
 import os
@@ -53,6 +57,29 @@ if phase == "no-dir":
         warnings.simplefilter("always")
         assert state.commit() is None
     print("WARNED", caught[0].message, flush=True)
+    print("OK", rank, flush=True)
+    sys.exit(0)
+
+if phase == "sync-fails":
+    init()
+    state = kvcore.elastic.State(kv, step=0)
+    state.step = 1
+    assert state.commit(wait=True) == 1
+    if rank == 0:
+        os.makedirs(os.path.join(os.environ["PSLAUNCH_CHECKPOINT_DIR"], "ckpt-00000002", "server-1-of-2.bin", "taken"))
+    kv.barrier()
+    step(0)
+    state.step = 2
+    assert state.commit() == 2  # returns once the files are written; completing it fails later
+    try:
+        state.wait()
+    except kvcore.CheckpointError as exc:
+        print("FAILED", exc, flush=True)
+    else:
+        sys.exit("wait() returned for a checkpoint whose file could not be renamed into place")
+    step(1)
+    state.step = 3
+    assert state.commit(wait=True) == 3 and state.wait() == 3
     print("OK", rank, flush=True)
     sys.exit(0)
 

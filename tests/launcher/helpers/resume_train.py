@@ -8,6 +8,8 @@ after the last step are written by worker 0 to OUTDIR/final.npz, the step it res
 OUTDIR/resumed.<attempt>.<rank>, and what the checkpoint directory held then to
 OUTDIR/listing.<attempt>.json.
 
+COMMIT_WAIT=1: every commit waits until the checkpoint is complete (``commit(wait=True)``).
+
 Faults, each on attempt $FAULT_ATTEMPT only (PSLAUNCH_RESTART_COUNT; "any": every attempt), at step
 $FAULT_STEP, by worker $FAULT_RANK:
   FAULT=raise        the worker raises (exit 1 with a traceback)
@@ -29,6 +31,7 @@ import kvcore
 out = sys.argv[1]
 steps = int(os.environ.get("STEPS", "60"))
 every = int(os.environ.get("COMMIT_EVERY", "5"))
+wait = os.environ.get("COMMIT_WAIT") == "1"
 attempt = int(os.environ.get("PSLAUNCH_RESTART_COUNT", "0"))
 fault = os.environ.get("FAULT", "")
 fault_attempt = os.environ.get("FAULT_ATTEMPT", "0")
@@ -82,7 +85,7 @@ for step in range(state.step, steps):
     state.step = step + 1
     state.note = f"after step {step}"
     if state.step % every == 0:
-        state.commit()
+        state.commit(wait=wait)
 kv.barrier()
 if kv.rank == 0:
     for k in keys:
