@@ -24,7 +24,7 @@ import numpy as np
 from . import shm
 from .codecs import RAW, CodecTable
 from .env import NodeEnv
-from .errors import ClosedError, ProtocolError, RequestRefused
+from .errors import ClosedError, ProtocolError, RequestRefused, TransportError
 from .log import logger
 from .membership import PeerInfo
 from .node import Connection
@@ -216,10 +216,14 @@ class ServerNode:
     def _answer_checkpoint(self, peer: PeerInfo, reply: int, req_id: int, arg: int) -> Callable[[bool, Any], None]:
         """How checkpoint request ``req_id`` of ``peer`` is answered: now, or later from ``run``'s loop."""
         def answer(ok: bool, value: Any) -> None:
-            if ok:
-                self.conn.transport.send(peer.uid.encode(), [pack_header(reply, req_id, arg), pack_json(value)])
-            else:
-                self.replies.refuse(peer, reply, req_id, str(value))
+            try:
+                if ok:
+                    self.conn.transport.send(peer.uid.encode(), [pack_header(reply, req_id, arg), pack_json(value)])
+                else:
+                    self.replies.refuse(peer, reply, req_id, str(value))
+            except TransportError as exc:  # answered late: the worker may be gone, which is no failure of this server
+                logger.info("server %d: the answer to %s's checkpoint request was not sent: %s", self.rank,
+                            peer.describe(), exc)
         return answer
 
     def _shard(self, key_id: int) -> Shard:
