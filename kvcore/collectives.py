@@ -47,6 +47,8 @@ from .dist_errors import runtime_errors, translate
 from .dist_store import NodeHandle, worker_node
 from .handles import Handle
 
+_PLANS_KEPT = 64  # fusion plans remembered (layouts that come back every step); the oldest go when more come
+
 __all__ = ["Collectives", "group", "allreduce", "allgather", "broadcast", "barrier", "broadcast_parameters",
            "rank", "num_workers", "local_rank"]
 
@@ -60,6 +62,7 @@ class Collectives:
         self._worker = worker
         self._engine = worker.collectives
         self._fused: dict[tuple, FusionBuffer] = {}
+        self._plans: dict[tuple, list[list[int]]] = {}  # (sizes, dtypes, limit) -> the fused groups
 
     # ---- facts -----------------------------------------------------------------------------------
     @property
@@ -130,7 +133,12 @@ class Collectives:
         and the number of groups, so the groups of one call run at once, and calls with the same
         key and layout are matched by call order.
         """
-        groups = plan([int(v.nbytes) for v in values], [v.dtype for v in values], fusion_bytes)
+        layout = (tuple([v.nbytes for v in values]), tuple([v.dtype for v in values]), fusion_bytes)
+        groups = self._plans.get(layout)
+        if groups is None:  # the same keys or parameters come back every step: plan them once
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            groups = self._plans[layout] = plan(layout[0], layout[1], fusion_bytes)
         futures = []
         engine = self._engine
         for g, members in enumerate(groups):

@@ -100,5 +100,8 @@ def group(key: Any, values: Any, what: str, kinds: KeyKind) -> list[tuple[Hashab
             raise ValueCountError(
                 f"{len(keys)} keys {list(keys)!r} were given with {len(values)} {what}s"
             )
-        return [(kinds.check(k), _as_list(v, what, k)) for k, v in zip(keys, values)]
+        check, kind, ndarray = kinds.check, kinds.kind, np.ndarray
+        # a key of the store's kind with one host array is taken as it is (key lists can be long)
+        return [(k if type(k) is kind else check(k), [v] if type(v) is ndarray else _as_list(v, what, k))
+                for k, v in zip(keys, values)]
     return [(kinds.check(key), _as_list(values, what, key))]

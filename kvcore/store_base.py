@@ -153,13 +153,19 @@ class KVStoreBase(abc.ABC):
             UninitializedKeyError, ShapeMismatchError, DTypeMismatchError: naming key and values
                 (DTypeMismatchError also for a key that is not float32 while compression is on).
         """
-        groups = group(key, value, "value", self._kinds)
-        groups = [(k, [self._dense_value(k, v) for v in vs]) for k, vs in groups]
-        for k, values in groups:
-            meta = self._require(k, "push")
-            for v in values:
-                self._check_value(k, meta, v)
-            if self._compression is not None and meta.dtype != np.float32:
+        groups = []
+        metas, ndarray, compressed = self._meta, np.ndarray, self._compression is not None
+        for k, values in group(key, value, "value", self._kinds):
+            meta = metas.get(k) or self._require(k, "push")
+            # a host array of the key's shape and dtype passes at once (key lists can be long)
+            if len(values) != 1 or type(values[0]) is not ndarray:
+                values = [self._dense_value(k, v) for v in values]
+                for v in values:
+                    self._check_value(k, meta, v)
+            elif values[0].shape != meta.shape or values[0].dtype != meta.dtype:
+                self._check_value(k, meta, values[0])
+            groups.append((k, values))
+            if compressed and meta.dtype != np.float32:
                 raise DTypeMismatchError(
                     f"gradient compression is only supported for float32 values, but key {k!r} holds "
                     f"{meta.dtype}; push float32 gradients or create a store without compression"
@@ -181,10 +187,12 @@ class KVStoreBase(abc.ABC):
         if out is None:
             raise ValueCountError(f"pull of key {key!r} needs out=: the array(s) to write the value into")
         groups = group(key, out, "out", self._kinds)
+        metas, ndarray = self._meta, np.ndarray
         for k, outs in groups:
-            meta = self._require(k, "pull")
+            meta = metas.get(k) or self._require(k, "pull")
             for o in outs:
-                self._check_out(k, meta, o)
+                if type(o) is not ndarray or o.shape != meta.shape or o.dtype != meta.dtype:
+                    self._check_out(k, meta, o)
         handle = self._pull_groups(groups, priority)
         if wait:
             handle.wait()

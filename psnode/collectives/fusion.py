@@ -56,6 +56,7 @@ class FusionBuffer:
         self.sizes = tuple(int(n) for n in sizes)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)]).tolist()
         self.buffer = np.empty(self.offsets[-1], self.dtype)
+        self._parts = [self.buffer[a:b] for a, b in zip(self.offsets, self.offsets[1:])]  # flat views, made once
 
     def fits(self, dtype: Any, sizes: Sequence[int]) -> bool:
         """True when this buffer has exactly that layout (so it may be reused)."""
@@ -68,18 +69,24 @@ class FusionBuffer:
     def pack(self, values: Sequence[Any]) -> np.ndarray:
         """Copy ``values`` (arrays of the layout's sizes, any shape; device arrays are downloaded) in;
         the buffer."""
-        flat = [v.reshape(-1) if type(v) is np.ndarray else np.ravel(devices.asnumpy(v)) for v in values]
+        ndarray = np.ndarray
+        if all(type(v) is ndarray for v in values):
+            np.concatenate(values, axis=None, out=self.buffer)  # axis=None: each one flattened on the way
+            return self.buffer
+        flat = [v.reshape(-1) if type(v) is ndarray else np.ravel(devices.asnumpy(v)) for v in values]
         np.concatenate(flat, out=self.buffer)
         return self.buffer
 
     def unpack(self, outs: Sequence[Any]) -> None:
         """Copy the buffer's parts out into ``outs`` (arrays of the layout's sizes; device arrays too)."""
-        copyto, buffer, offsets = np.copyto, self.buffer, self.offsets
-        for out, start, stop in zip(outs, offsets, offsets[1:]):
-            part = buffer[start:stop]
+        copyto, ndarray = np.copyto, np.ndarray
+        for out, part in zip(outs, self._parts):
+            if type(out) is ndarray and out.shape == part.shape:
+                copyto(out, part)
+                continue
             if part.shape != out.shape:
                 part = part.reshape(out.shape)
-            if type(out) is np.ndarray:
+            if type(out) is ndarray:
                 copyto(out, part)
             else:
                 devices.copy_into(out, part)
