@@ -78,6 +78,7 @@ class NodeEnv:
     timeline: str = ""
     restart_count: int = 0
     checkpoint_dir: str | None = None
+    malloc_tuning: bool = True
     restart_scope: str = "job"
 
     @property
@@ -208,6 +209,9 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     encrypt_text = (_get(env, "PSLAUNCH_ENCRYPT") or "none").lower()
     if encrypt_text not in ("none", "curve"):
         raise EnvError(f"environment variable PSLAUNCH_ENCRYPT={encrypt_text!r} must be none or curve")
+    malloc_text = (_get(env, "PSLAUNCH_MALLOC_TUNING") or "on").lower()
+    if malloc_text not in ("on", "off"):
+        raise EnvError(f"environment variable PSLAUNCH_MALLOC_TUNING={malloc_text!r} must be on or off")
     bind_all_text = _get(env, "PSLAUNCH_BIND_ALL") or "0"
     if bind_all_text not in ("0", "1"):
         raise EnvError(f"environment variable PSLAUNCH_BIND_ALL={bind_all_text!r} must be 0 or 1")
@@ -268,6 +272,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         restart_count=restart_count,
         checkpoint_dir=checkpoint_dir,
         restart_scope=restart_scope,
+        malloc_tuning=malloc_text == "on",
     )
 
 

@@ -19,7 +19,7 @@ import re
 import time
 from typing import Any, Callable, Protocol
 
-from . import shm
+from . import heap, shm
 from .control import CONTROL_CMDS, FailureLatch, SchedulerLink
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
@@ -81,6 +81,9 @@ class Connection:
                  on_worker_rejoined: Callable[[int], None] | None = None) -> None:
         setup_logging(env.verbose)
         self.env = env
+        if role != "scheduler" and env.malloc_tuning and (env.same_host != "shm" or not env.local):
+            # big messages (gradients, ring segments) may come through ZeroMQ: no page faults per message
+            heap.keep_message_memory()
         host = env.advertised_host()
         secure_or_loopback(env, {"DMLC_NODE_HOST / the advertised address": host})
         self.transport = transport or node_transport(env, b"")

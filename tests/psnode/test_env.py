@@ -18,6 +18,7 @@ def test_a_complete_environment_gives_the_documented_defaults():
     assert (env.bigarray_bound, env.server_device, env.verbose, env.local) == (1_000_000, "cpu", 0, False)
     assert (env.same_host, env.io_sched) == ("shm", "batch")
     assert read_env({**BASE, "PSLAUNCH_IO_SCHED": "Normal"}).io_sched == "normal"
+    assert read_env(BASE).malloc_tuning and not read_env({**BASE, "PSLAUNCH_MALLOC_TUNING": "Off"}).malloc_tuning
 
 
 def test_an_unset_role_means_worker_unless_the_caller_requires_one():
@@ -49,6 +50,7 @@ def test_a_missing_required_variable_is_named(name):
         ("PSLAUNCH_SERVER_DEVICE", "tpu", "PSLAUNCH_SERVER_DEVICE='tpu' must be cpu, gpu or gpu:N"),
         ("PSLAUNCH_SAME_HOST", "carrier", "PSLAUNCH_SAME_HOST='carrier' must be shm, ipc or tcp"),
         ("PSLAUNCH_IO_SCHED", "fifo", "PSLAUNCH_IO_SCHED='fifo' must be batch or normal"),
+        ("PSLAUNCH_MALLOC_TUNING", "no", "PSLAUNCH_MALLOC_TUNING='no' must be on or off"),
         ("PSLAUNCH_SUPERVISED", "yes", "PSLAUNCH_SUPERVISED='yes' must be 0 or 1"),
     ],
 )
