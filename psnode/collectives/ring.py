@@ -1,7 +1,7 @@
 """The ring allreduce: a reduce-scatter, then an allgather, with pipelined segments.
 
-The value is cut into one chunk per worker of the ring, each chunk into segments of
-``base.SEGMENT`` bytes. In the reduce-scatter, worker ``i`` sends chunk ``i`` to its right
+The value is cut into one chunk per worker of the ring, each chunk into segments of a quarter of
+it, 1 to 4 MiB (``base.ring_segment``). In the reduce-scatter, worker ``i`` sends chunk ``i`` to its right
 neighbour; each worker adds what arrives from its left into its own copy of that chunk and passes
 it on, so after ``n - 1`` steps worker ``i`` holds chunk ``i + 1`` summed over the ring. The
 allgather passes the summed chunks around once more. Each segment travels on its own: a worker
@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ProtocolError
-from .base import SEGMENT, Op, Tag, slices
+from .base import Op, Tag, ring_segment, slices
 from .wire import Desc, Kind, Record
 
 __all__ = ["RingState", "RingAllreduce"]
@@ -46,7 +46,7 @@ class RingState:
         self.pos = pos
         self.left = ring[pos - 1]
         self.right = ring[(pos + 1) % n]
-        step = max(1, SEGMENT // buf.dtype.itemsize)
+        step = ring_segment(-(-len(buf) // n), buf.dtype.itemsize)  # the biggest chunk's: the same on every worker
         self.segments = [[(a + s, min(a + s + step, b)) for s in range(0, b - a, step)] for a, b in slices(len(buf), n)]
         self.to_reduce = sum(len(self.segments[(pos - 1 - k) % n]) for k in range(n - 1))
         self.to_gather = sum(len(self.segments[(pos - k) % n]) for k in range(n - 1))

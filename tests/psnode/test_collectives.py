@@ -17,7 +17,7 @@ from psnode_testkit import InProcJob
 from psnode.collectives import Topology, algorithm_names, choose, key_id_of
 from psnode.collectives import engine as engine_module
 from psnode.collectives import wire
-from psnode.collectives.base import DIRECT_MAX, SEGMENT
+from psnode.collectives.base import DIRECT_MAX, SEGMENT, SEGMENT_MAX, ring_segment
 from psnode.collectives.fusion import FusionBuffer, plan
 from psnode.collectives.local import SharedRegions
 from psnode.collectives.wire import Desc, Kind
@@ -89,6 +89,22 @@ def test_every_algorithm_gives_exact_integer_sums_on_every_worker(name, workers)
                 expected = np.arange(size, dtype=dtype) * total - sum(range(workers))
                 for value in values:
                     assert np.array_equal(value, expected), (name, size, dtype, value[:4], expected[:4])
+
+
+def test_a_rings_segments_are_a_quarter_of_its_chunk_between_the_bounds():
+    assert ring_segment(1000, 4) == SEGMENT // 4  # small chunks: SEGMENT bytes
+    assert ring_segment(3 << 20, 4) == (3 << 20) // 4  # a 12 MiB chunk of float32: four 3 MiB segments
+    assert ring_segment(100 << 20, 8) == SEGMENT_MAX // 8  # big chunks: SEGMENT_MAX bytes
+    assert ring_segment(1, 8) >= 1
+
+
+def test_a_big_ring_cuts_its_chunks_into_bigger_segments_and_sums_exactly():
+    size = 6 * (1 << 20) + 5  # int32, 2 workers: chunks of about 12 MiB, cut into segments of about 3 MiB
+    with Started(job_of(2, HOSTS["ring"][2])) as ws:
+        values = [np.arange(size, dtype=np.int32) * (w.rank + 1) - w.rank for w in ws]
+        allreduce_all(ws, "big", values, algorithm_name="ring")
+        expected = np.arange(size, dtype=np.int32) * 3 - 1
+        assert all(np.array_equal(v, expected) for v in values)
 
 
 @pytest.mark.parametrize("name", ["ring", "shm"])
