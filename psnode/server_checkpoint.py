@@ -2,7 +2,7 @@
 
 Worker 0 drives a commit (``kvcore.elastic.State.commit``): once every worker's pushes were taken,
 it asks every server to ``save`` checkpoint ``id``: each writes its file and answers, then syncs it
-to disk and renames it into place on its background thread (``psnode.checkpoint``). Then it asks
+to disk and renames it into place on its background thread (``psnode.checkpoint_file``). Then it asks
 server 0 to ``commit`` the manifest it built: server 0 waits, on its background thread, for every
 server's file, and writes the manifest; the checkpoint is complete once that file is renamed in,
 and only then does server 0 answer (a worker that does not wait for the answer goes on training
@@ -40,6 +40,7 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from . import checkpoint as ck
+from . import checkpoint_file as cf
 from .background import BackgroundWork
 from .errors import RequestRefused
 from .log import logger
@@ -128,7 +129,7 @@ class Checkpoints:
                     f"key {shard.user_key!r} has pushes of workers {sorted(round_.pushed)} in a round that is still "
                     f"open on server {self._rank()}: commit between steps, once every worker pushed every key the "
                     "same number of times")
-        body = ck.ServerFile()
+        body = cf.ServerFile()
         shards = []
         for shard in store.shards.values():
             host = np.ascontiguousarray(memory.host(shard.stored)).reshape(-1)
@@ -140,21 +141,21 @@ class Checkpoints:
         state = self._updater_state()
         states = []
         for key, item in state["keys"].items():
-            ck.check_user_key(key, lambda what: RequestRefused(f"the updater's state_dict(): {what}"))
+            cf.check_user_key(key, lambda what: RequestRefused(f"the updater's state_dict(): {what}"))
             arrays = []
             for array in item["arrays"]:
                 host = np.ascontiguousarray(memory.host(array))
-                if host.dtype not in ck.STATE_DTYPES:
+                if host.dtype not in cf.STATE_DTYPES:
                     raise RequestRefused(f"the updater's state of key {key!r} holds an array of dtype {host.dtype}, "
                                          "which a checkpoint cannot hold")
                 arrays.append({"shape": list(host.shape), "dtype": host.dtype.str, "offset": body.add(host)})
             states.append({"user_key": key, "scalars": item["scalars"], "arrays": arrays})
-        index = {"format": ck.FORMAT, "id": ckpt_id, "server": self._rank(), "num_servers": self.num_servers,
+        index = {"format": cf.FORMAT, "id": ckpt_id, "server": self._rank(), "num_servers": self.num_servers,
                  "job_id": self.job_id, "shards": shards, "states": states, "updater": state["scalars"]}
         name = ck.file_name(self._rank(), self.num_servers)
-        size, tmp = ck.write_server_file(directory, name, index, body, self._beat)
+        size, tmp = cf.write_server_file(directory, name, index, body, self._beat)
         logger.info("server %d wrote %s of checkpoint %d (%d bytes); syncing it", self._rank(), name, ckpt_id, size)
-        self.background.submit(lambda: ck.settle_server_file(tmp, os.path.join(directory, name)),
+        self.background.submit(lambda: cf.settle_server_file(tmp, os.path.join(directory, name)),
                                lambda ok, error: ok or logger.error("server %d: %s", self._rank(), error))
         return {"name": name, "bytes": size, "shards": len(shards)}
 
@@ -266,7 +267,7 @@ class Checkpoints:
             if not isinstance(part, list) or len(part) != 4:
                 raise RequestRefused(f"a restore part {str(part)[:100]} is not [part id, key, start, stop]")
             part_id, user_key, start, stop = part
-            ck.check_user_key(user_key, lambda what: RequestRefused(f"a restore part: {what}"))
+            cf.check_user_key(user_key, lambda what: RequestRefused(f"a restore part: {what}"))
             entry = keys.get((type(user_key), user_key))
             if entry is None:
                 raise RequestRefused(f"key {user_key!r} is not in checkpoint {ckpt_id}")
@@ -368,7 +369,7 @@ class _Files:
         if server not in self._index:
             item = self.manifest["files"][server]
             path = os.path.join(self.directory, item["name"])
-            index, data, size = ck.read_index(path)
+            index, data, size = cf.read_index(path)
             if size != item["bytes"]:
                 raise RequestRefused(f"{path} holds {size} bytes, but the manifest says {item['bytes']}")
             index["_shards"] = {e["key_id"]: e for e in index["shards"]}
@@ -392,7 +393,7 @@ class _Files:
         if entry["_dtype"] != np.dtype(dtype) or entry["_size"] != size:
             raise RequestRefused(f"{path}: part {part_id:#x} of key {user_key!r} holds {entry['_size']} values of "
                                  f"{entry['_dtype']}, the manifest says {size} of {np.dtype(dtype)}")
-        ck.read_into(path, data, entry, start, out)
+        cf.read_into(path, data, entry, start, out)
         beat()
 
     def state(self, server: int, user_key: Hashable) -> dict | None:
@@ -405,7 +406,7 @@ class _Files:
         """A whole state array of ``server``'s file, in its shape."""
         path, _, data = self._open(server)
         out = np.empty(entry["_size"], entry["_dtype"])
-        ck.read_into(path, data, entry, 0, out)
+        cf.read_into(path, data, entry, 0, out)
         beat()
         return out.reshape(entry["shape"])
 
@@ -413,7 +414,7 @@ class _Files:
                         beat: Callable[[], None]) -> None:
         """Elements ``start : start + out.size`` of ``server``'s state array ``i`` of ``user_key``."""
         path, _, data = self._open(server)
-        ck.read_into(path, data, self.state(server, user_key)["arrays"][i], start, out)
+        cf.read_into(path, data, self.state(server, user_key)["arrays"][i], start, out)
         beat()
 
     def updater_scalars(self, rank: int) -> Any:

@@ -14,6 +14,7 @@ import pytest
 from psnode_testkit import InProcJob, init_keys
 
 from psnode import checkpoint as ck
+from psnode import checkpoint_file as cf
 from psnode.errors import PeerDiedError, PSNodeError, RemoteError
 from psnode.scheduler import Roster
 
@@ -382,10 +383,10 @@ def test_a_long_write_keeps_the_servers_heartbeats_going_and_hands_back_its_erro
         if len(beats) == 2:
             released.set()
 
-    assert ck._beating(lambda: released.wait(10) and "written", beat) == "written"
+    assert cf._beating(lambda: released.wait(10) and "written", beat) == "written"
     assert beats == [threading.current_thread().name] * 2  # beats come from the caller, the server's thread
     with pytest.raises(OSError, match="disk full"):
-        ck._beating(lambda: (_ for _ in ()).throw(OSError("disk full")), beat)
+        cf._beating(lambda: (_ for _ in ()).throw(OSError("disk full")), beat)
 
 
 def test_a_worker_that_stops_without_ending_fails_the_job_one_heartbeat_timeout_after_it_went_silent():
