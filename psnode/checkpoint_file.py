@@ -124,11 +124,14 @@ def settle_server_file(tmp: str, path: str) -> None:
     except OSError as exc:
         remove_quietly(tmp)
         why = f"cannot sync the checkpoint file {path} to disk: {exc.strerror or exc}"
-        try:
-            with open(failure_marker(path), "w") as fh:
+        marker = failure_marker(path)
+        draft = temporary_name(marker)
+        try:  # renamed in whole: server 0, polling, must never read a marker half written
+            with open(draft, "w") as fh:
                 fh.write(why)
+            os.replace(draft, marker)
         except OSError:
-            pass  # server 0 then waits until it gives up; this server's log says why
+            remove_quietly(draft)  # server 0 then waits until it gives up; this server's log says why
         raise RequestRefused(why) from exc
 
 
