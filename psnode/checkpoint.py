@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .checkpoint_file import FORMAT, MAX_JSON, check_user_key, checked_dtype, failure_of, remove_quietly, temporary_name
+from .checkpoint_file import FORMAT, MAX_JSON, AtomicFile, check_user_key, checked_dtype, failure_of, fsync_dir
 from .errors import RequestRefused
 from .server_store import is_int
 
@@ -145,7 +145,7 @@ def finish_checkpoint(directory: str, manifest: dict, stopping: Callable[[], boo
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
     try:
-        _fsync_dir(directory)  # the renames of every server's file, durable before the manifest names them
+        fsync_dir(directory)  # the renames of every server's file, durable before the manifest names them
     except OSError as exc:
         raise RequestRefused(f"cannot sync the checkpoint directory {directory}: {exc.strerror or exc}") from exc
     write_manifest(directory, manifest)
@@ -161,7 +161,7 @@ def write_manifest(directory: str, manifest: dict) -> None:
     """
     path = os.path.join(directory, MANIFEST)
     try:
-        with _Atomic(path) as fh:
+        with AtomicFile(path) as fh:
             fh.write(json.dumps(manifest, separators=(",", ":")).encode())
     except OSError as exc:
         raise RequestRefused(f"cannot write the checkpoint manifest {path}: {exc.strerror or exc}") from exc
@@ -237,40 +237,6 @@ def check_manifest(manifest: Any, where: str) -> None:
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
-class _Atomic:
-    """A file written under a temporary name, fsynced and renamed to ``path`` on success (removed on failure)."""
-
-    def __init__(self, path: str, sync_dir: bool = True) -> None:
-        self.path = path
-        self.sync_dir = sync_dir
-        self.tmp = temporary_name(path)
-        self.fh: Any = None
-
-    def __enter__(self) -> Any:
-        self.fh = open(self.tmp, "wb", buffering=0)
-        return self.fh
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        try:
-            if kind is None:
-                os.fsync(self.fh.fileno())
-            self.fh.close()
-            if kind is None:
-                os.replace(self.tmp, self.path)
-                if self.sync_dir:
-                    _fsync_dir(os.path.dirname(self.path))
-        finally:
-            remove_quietly(self.tmp)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def json_safe(value: Any, what: str) -> Any:
     """``value`` if JSON can carry it unchanged (round trip), else ``RequestRefused`` naming ``what``."""
     try:

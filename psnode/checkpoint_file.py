@@ -29,7 +29,7 @@ from .server_store import VALUE_DTYPES, dtype_of, is_int, is_shape
 
 __all__ = ["MAGIC", "ALIGN", "FORMAT", "MAX_JSON", "STATE_DTYPES", "ServerFile", "write_server_file",
            "settle_server_file", "failure_of", "read_index", "read_into", "check_user_key", "checked_dtype",
-           "temporary_name", "remove_quietly"]
+           "AtomicFile", "fsync_dir"]
 
 MAGIC = b"PSCKPT\x00\x01"
 ALIGN = 64
@@ -81,7 +81,7 @@ def write_server_file(directory: str, name: str, index: dict, body: ServerFile,
 
     def write() -> tuple[int, str]:
         os.makedirs(directory, exist_ok=True)
-        tmp = temporary_name(path)
+        tmp = _temporary_name(path)
         try:
             with open(tmp, "wb", buffering=0) as fh:
                 fh.write(head)
@@ -96,7 +96,7 @@ def write_server_file(directory: str, name: str, index: dict, body: ServerFile,
                         fh.write(b"\0" * pad)
                         written += pad
         except BaseException:
-            remove_quietly(tmp)
+            _remove_quietly(tmp)
             raise
         return len(head) + written, tmp
 
@@ -122,16 +122,13 @@ def settle_server_file(tmp: str, path: str) -> None:
             os.close(fd)
         os.replace(tmp, path)
     except OSError as exc:
-        remove_quietly(tmp)
+        _remove_quietly(tmp)
         why = f"cannot sync the checkpoint file {path} to disk: {exc.strerror or exc}"
-        marker = failure_marker(path)
-        draft = temporary_name(marker)
         try:  # renamed in whole: server 0, polling, must never read a marker half written
-            with open(draft, "w") as fh:
-                fh.write(why)
-            os.replace(draft, marker)
+            with AtomicFile(failure_marker(path), durable=False) as fh:
+                fh.write(why.encode())
         except OSError:
-            remove_quietly(draft)  # server 0 then waits until it gives up; this server's log says why
+            pass  # server 0 then waits until it gives up; this server's log says why
         raise RequestRefused(why) from exc
 
 
@@ -275,12 +272,49 @@ def check_user_key(key: Any, bad: Callable[[str], Exception]) -> None:
         raise bad(f"key {str(key)[:100]!r} is neither a 64-bit int nor a str")
 
 
-def temporary_name(path: str) -> str:
+class AtomicFile:
+    """A file written under a temporary name and renamed to ``path`` on success (removed on
+    failure), so that nobody ever reads it half written. ``durable``: the file is synced to disk
+    before the rename, and its directory after it."""
+
+    def __init__(self, path: str, durable: bool = True) -> None:
+        self.path = path
+        self.durable = durable
+        self.tmp = _temporary_name(path)
+        self.fh: Any = None
+
+    def __enter__(self) -> Any:
+        self.fh = open(self.tmp, "wb", buffering=0)
+        return self.fh
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        try:
+            if kind is None and self.durable:
+                os.fsync(self.fh.fileno())
+            self.fh.close()
+            if kind is None:
+                os.replace(self.tmp, self.path)
+                if self.durable:
+                    fsync_dir(os.path.dirname(self.path))
+        finally:
+            _remove_quietly(self.tmp)
+
+
+def fsync_dir(directory: str) -> None:
+    """Sync ``directory``'s entries (the renames in it) to disk."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temporary_name(path: str) -> str:
     """A temporary name next to ``path``, unique to this writer (a dot file: ``scan`` ignores it)."""
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
 
 
-def remove_quietly(path: str) -> None:
+def _remove_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:

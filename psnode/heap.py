@@ -11,9 +11,9 @@ kernel zeroes each one: on the TCP ring that was about 8 % of a worker's CPU (``
 
 A server or worker calls it (``psnode.node.Connection``) where big messages may come through
 ZeroMQ: a job over several hosts, or ``PSLAUNCH_SAME_HOST`` ``ipc`` / ``tcp``. Not in a job on one
-host with the shared-memory path, where big values never travel as messages: there the tuning only
-changed how the training script's own allocations behave (a training step measured 8 % slower
-with it, docs/benchmarks.md).
+host with the shared-memory path, where big values never travel as messages: there the tuning would
+only change how the training script's own allocations behave (the training step measured with it
+was within the run-to-run spread, perhaps a few per cent slower, docs/benchmarks.md).
 
 ``keep_message_memory()`` sets glibc's mmap threshold to its maximum (32 MiB on 64-bit: blocks
 up to that size come from the heaps) and the trim threshold to ``TRIM_BYTES``: a process keeps up to

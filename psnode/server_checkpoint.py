@@ -155,8 +155,11 @@ class Checkpoints:
         name = ck.file_name(self._rank(), self.num_servers)
         size, tmp = cf.write_server_file(directory, name, index, body, self._beat)
         logger.info("server %d wrote %s of checkpoint %d (%d bytes); syncing it", self._rank(), name, ckpt_id, size)
-        self.background.submit(lambda: cf.settle_server_file(tmp, os.path.join(directory, name)),
-                               lambda ok, error: ok or logger.error("server %d: %s", self._rank(), error))
+        def settled(ok: bool, error: Any) -> None:  # a failure reaches the workers through server 0's commit
+            if not ok:
+                logger.error("server %d: %s", self._rank(), error)
+
+        self.background.submit(lambda: cf.settle_server_file(tmp, os.path.join(directory, name)), settled)
         return {"name": name, "bytes": size, "shards": len(shards)}
 
     def _updater_state(self) -> dict:

@@ -64,26 +64,20 @@ class FusionBuffer:
 
     def part(self, i: int) -> np.ndarray:
         """The flat view of value ``i`` in the buffer."""
-        return self.buffer[self.offsets[i]:self.offsets[i + 1]]
+        return self._parts[i]
 
     def pack(self, values: Sequence[Any]) -> np.ndarray:
         """Copy ``values`` (arrays of the layout's sizes, any shape; device arrays are downloaded) in;
         the buffer."""
         ndarray = np.ndarray
-        if all(type(v) is ndarray for v in values):
-            np.concatenate(values, axis=None, out=self.buffer)  # axis=None: each one flattened on the way
-            return self.buffer
-        flat = [v.reshape(-1) if type(v) is ndarray else np.ravel(devices.asnumpy(v)) for v in values]
-        np.concatenate(flat, out=self.buffer)
+        hosts = [v if type(v) is ndarray else devices.asnumpy(v) for v in values]
+        np.concatenate(hosts, axis=None, out=self.buffer)  # axis=None: each one flattened on the way
         return self.buffer
 
     def unpack(self, outs: Sequence[Any]) -> None:
         """Copy the buffer's parts out into ``outs`` (arrays of the layout's sizes; device arrays too)."""
         copyto, ndarray = np.copyto, np.ndarray
         for out, part in zip(outs, self._parts):
-            if type(out) is ndarray and out.shape == part.shape:
-                copyto(out, part)
-                continue
             if part.shape != out.shape:
                 part = part.reshape(out.shape)
             if type(out) is ndarray:
