@@ -41,8 +41,11 @@ record = {
     "executable": sys.executable,
 }
 os.makedirs(out, exist_ok=True)
-with open(os.path.join(out, f"{role}.{rank}.json"), "w") as fh:
+# Written under another name and renamed: a reader polling for *.json never sees a half-written record.
+final = os.path.join(out, f"{role}.{rank}.json")
+with open(final + ".part", "w") as fh:
     json.dump(record, fh)
+os.replace(final + ".part", final)
 if os.environ.get(f"PS_DUMP_{role}_{rank}"):
     listing = subprocess.run(["ps", "-eww", "-o", "args"], capture_output=True, text=True, timeout=10).stdout
     with open(os.path.join(out, f"{role}.{rank}.ps"), "w") as fh:
