@@ -28,11 +28,10 @@ class SGD(Optimizer):
 
     def update(self, key: Hashable, weight: Any, grad: Any, state: Any) -> None:
         self._count_update(key)
-        lr = weight.dtype.type(self._current_lr())
-        grad = self._prepare_grad(weight, grad)
+        step = self._scaled_grad(weight, grad, self._current_lr())  # lr * grad, in place on grad
         if state is None:
-            weight -= lr * grad
+            weight -= step
             return
         state *= weight.dtype.type(self.momentum)
-        state -= lr * grad
+        state -= step
         weight += state

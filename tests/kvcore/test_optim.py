@@ -53,6 +53,34 @@ def test_sgd_clips_rescaled_gradient():
     assert np.allclose(w, [-0.5, 0.2, 0.5])
 
 
+@pytest.mark.parametrize("rescale", [1.0, 0.5, 0.25, 1 / 3, 0.1])
+@pytest.mark.parametrize("extra", [{}, {"wd": 0.01}, {"clip_gradient": 0.05}, {"momentum": 0.9}])
+def test_sgd_in_place_gives_the_bits_of_the_rule_written_with_temporaries(rescale, extra):
+    # The update scales the gradient in place (no temporary the size of the gradient) and folds
+    # the rescale into the learning rate when that rounds nothing: every bit must stay as before.
+    rng = np.random.default_rng(7)
+    w0 = rng.standard_normal(4096).astype(np.float32)
+    grads = [rng.standard_normal(4096).astype(np.float32) for _ in range(3)]
+    lr, f32 = 0.0123, np.float32
+    w, mom = w0.copy(), np.zeros_like(w0)
+    for g in grads:
+        g = g * f32(rescale)
+        if "clip_gradient" in extra:
+            g = np.clip(g, -extra["clip_gradient"], extra["clip_gradient"])
+        if "wd" in extra:
+            g = g + w * f32(extra["wd"])
+        if "momentum" in extra:
+            mom = mom * f32(0.9) - f32(lr) * g
+            w = w + mom
+        else:
+            w = w - f32(lr) * g
+    weight = w0.copy()
+    updater = optim.Updater(optim.SGD(learning_rate=lr, rescale_grad=rescale, **extra))
+    for g in grads:
+        updater(0, g.copy(), weight)
+    assert weight.tobytes() == w.tobytes()
+
+
 def test_adam_first_step_moves_each_weight_by_learning_rate():
     w = np.zeros(3, np.float32)
     step(optim.Adam(learning_rate=0.01), w, np.array([2.0, -3.0, 0.5], np.float32))
