@@ -99,6 +99,28 @@ class SharedRegions:
                 "let processes map each other's memory, set PSLAUNCH_SAME_HOST=ipc") from exc
 
 
+SUM_BLOCK = 256 << 10  # bytes summed at a time: the block stays in the core's cache (L2) between passes
+
+
+def sum_slice(mine: np.ndarray, others: list[np.ndarray], publish: np.ndarray | None) -> None:
+    """``mine += sum(others)`` in list order, then copy it into ``publish`` when given.
+
+    Block by block: each block of ``mine`` is read from memory once, summed with every other
+    array's block while it stays in cache, and copied from cache. With whole-array passes each
+    addition read and wrote all of ``mine`` again: for 4 workers the slice's memory traffic falls
+    from 11 slice-sized passes to 6. The order of the additions per element is unchanged, so the
+    bits are those of the plain passes.
+    """
+    step = max(1, SUM_BLOCK // max(1, mine.itemsize))
+    for lo in range(0, len(mine), step):
+        hi = lo + step
+        block = mine[lo:hi]
+        for other in others:
+            np.add(block, other[lo:hi], out=block)
+        if publish is not None:
+            publish[lo:hi] = block
+
+
 def _process_gone(pid: int) -> bool:
     """True when process ``pid`` no longer runs (gone, or a zombie not reaped yet: its descriptors are)."""
     try:
@@ -174,16 +196,18 @@ class LocalPhase:
         self.stage = "middle"
         a, b = self.slices[self.j]
         mine = self.buf[a:b]
-        for rank in self.peers:  # this worker alone sums slice j: every worker reads the same bits
-            np.add(mine, self.theirs[rank][a:b], out=mine)
+        # this worker alone sums slice j: every worker reads the same bits
         if self.middle is None:
-            self._after_middle()
+            sum_slice(mine, [self.theirs[rank][a:b] for rank in self.peers], self.mine[a:b])
+            self._after_middle(published=True)
         else:
+            sum_slice(mine, [self.theirs[rank][a:b] for rank in self.peers], None)
             self.middle(mine, a, self._after_middle)
 
-    def _after_middle(self) -> None:
+    def _after_middle(self, published: bool = False) -> None:
         a, b = self.slices[self.j]
-        self.mine[a:b] = self.buf[a:b]
+        if not published:
+            self.mine[a:b] = self.buf[a:b]
         for rank in self.peers:
             self.op.send(rank, Kind.SHM_DONE)
         self.stage = "done"

@@ -19,7 +19,7 @@ from psnode.collectives import engine as engine_module
 from psnode.collectives import wire
 from psnode.collectives.base import DIRECT_MAX, SEGMENT, SEGMENT_MAX, ring_segment
 from psnode.collectives.fusion import FusionBuffer, plan
-from psnode.collectives.local import SharedRegions
+from psnode.collectives.local import SUM_BLOCK, SharedRegions, sum_slice
 from psnode.collectives.wire import Desc, Kind
 from psnode.errors import MismatchError, PeerDiedError, ProtocolError, PSNodeError
 from psnode.protocol import Cmd, pack_header
@@ -105,6 +105,21 @@ def test_a_big_ring_cuts_its_chunks_into_bigger_segments_and_sums_exactly():
         allreduce_all(ws, "big", values, algorithm_name="ring")
         expected = np.arange(size, dtype=np.int32) * 3 - 1
         assert all(np.array_equal(v, expected) for v in values)
+
+
+@pytest.mark.parametrize("others", [1, 3])
+def test_the_same_host_sum_by_blocks_gives_the_bits_of_whole_array_passes(others):
+    # the block loop must not change the order of additions per element, miss a tail, or publish stale blocks
+    rng = np.random.default_rng(others)
+    size = 3 * (SUM_BLOCK // 4) + 17  # float32: three whole blocks and a tail
+    mine = rng.standard_normal(size).astype(np.float32)
+    theirs = [rng.standard_normal(size).astype(np.float32) * 1e3 for _ in range(others)]
+    expected = mine.copy()
+    for other in theirs:
+        np.add(expected, other, out=expected)
+    publish = np.zeros(size, np.float32)
+    sum_slice(mine, theirs, publish)
+    assert mine.tobytes() == expected.tobytes() and publish.tobytes() == expected.tobytes()
 
 
 @pytest.mark.parametrize("name", ["ring", "shm"])
