@@ -8,7 +8,9 @@ own (``psnode.testing.LocalJob``):
 - ``gloo``: torch 2.13's gloo ``all_reduce`` (``benchmarks/gloo_worker.py``), the baseline;
 - ``pslaunch_tcp``: ``kvcore.collectives.allreduce`` in a job without servers, every worker over
   TCP (``PSLAUNCH_SAME_HOST=tcp``: the pipelined ring for big values);
-- ``pslaunch_shm``: the same over the same-host path (shared memory for big values, the default);
+- ``pslaunch_shm``: the same over the same-host path (shared memory for big values, the default),
+  with the caller's array in private memory and, in the same job, made by
+  ``collectives.shared_empty`` (the rows marked "shared array": summed where it lies);
 
 each with 2 and 4 workers: bus bandwidth of 4 MiB and 64 MiB float32 allreduces, the 4-element
 allreduce's latency, and (pslaunch) 1000 one-float keys pushed and pulled through the
@@ -93,6 +95,8 @@ def run_job(system: str, ranks: int, plan: dict, log_dir: Path, timeout: float) 
                            "WORLD_SIZE": str(ranks), **single})
             job.wait_ok(["gloo"], timeout)
             return _merge([_result(job, "gloo", i) for i in range(ranks)])
+    if system == "pslaunch_shm":
+        argv_plan = json.dumps({**plan, "shared": True})
     with LocalJob(ranks, 0, worker=[str(HERE / "allreduce_worker.py"), argv_plan], env={**PATH_ENV[system], **single},
                   log_dir=log_dir, test_settings=False) as job:
         job.wait_ok(["worker"], timeout)
@@ -101,9 +105,11 @@ def run_job(system: str, ranks: int, plan: dict, log_dir: Path, timeout: float) 
     return _merge(results)
 
 
-def _ratio(reps: list[dict], ours: str, base: str, measure: str) -> float | None:
-    ratios = [r[ours][measure] / r[base][measure] for r in reps
-              if r.get(ours) and r.get(base) and measure in r[ours] and measure in r[base] and r[base][measure]]
+def _ratio(reps: list[dict], ours: str, base: str, measure: str, base_measure: str | None = None) -> float | None:
+    """The median over repetitions of ``ours``'s ``measure`` over ``base``'s ``base_measure`` (the same by default)."""
+    theirs = base_measure or measure
+    ratios = [r[ours][measure] / r[base][theirs] for r in reps
+              if r.get(ours) and r.get(base) and measure in r[ours] and theirs in r[base] and r[base][theirs]]
     return statistics.median(ratios) if ratios else None
 
 
@@ -124,12 +130,21 @@ def collective_rows(reps_by_ranks: dict[int, list[dict]], sizes: list[int]) -> l
                              "ours": _median(reps, system, measure), "base": _median(reps, "gloo", measure),
                              "unit": "B/s", "ratio": _ratio(reps, system, "gloo", measure), "target": f">= {target:g}x gloo",
                              "met": _met(_ratio(reps, system, "gloo", measure), target, higher=True)})
+            shared = _ratio(reps, "pslaunch_shm", "gloo", "shared_" + measure, base_measure=measure)
+            if shared is not None:
+                rows.append({"measure": f"bus bandwidth {nbytes / (1 << 20):g} MiB, {ranks} workers, same host, shared array",
+                             "ours": _median(reps, "pslaunch_shm", "shared_" + measure),
+                             "base": _median(reps, "gloo", measure), "unit": "B/s", "ratio": shared,
+                             "target": ">= 2x gloo", "met": _met(shared, 2.0, higher=True)})
         for nbytes in sizes:  # what each worker's process spent, every thread: steadier than wall time here
-            for system in ("pslaunch_tcp", "pslaunch_shm"):
-                ratio = _ratio(reps, system, "gloo", f"cpu_{nbytes}")
-                rows.append({"measure": f"CPU per {nbytes / (1 << 20):g} MiB allreduce and worker, {ranks} workers, "
-                                        f"{'TCP' if system.endswith('tcp') else 'same host'}",
-                             "ours": _median(reps, system, f"cpu_{nbytes}"), "base": _median(reps, "gloo", f"cpu_{nbytes}"),
+            for system, prefix, where in (("pslaunch_tcp", "", "TCP"), ("pslaunch_shm", "", "same host"),
+                                          ("pslaunch_shm", "shared_", "same host, shared array")):
+                ratio = _ratio(reps, system, "gloo", f"{prefix}cpu_{nbytes}", base_measure=f"cpu_{nbytes}")
+                if ratio is None and prefix:
+                    continue
+                rows.append({"measure": f"CPU per {nbytes / (1 << 20):g} MiB allreduce and worker, {ranks} workers, {where}",
+                             "ours": _median(reps, system, f"{prefix}cpu_{nbytes}"),
+                             "base": _median(reps, "gloo", f"cpu_{nbytes}"),
                              "unit": "ms", "ratio": ratio, "target": "(none; context)", "met": "-"})
         for system in ("pslaunch_tcp", "pslaunch_shm"):
             ratio = _ratio(reps, system, "gloo", "latency_4")

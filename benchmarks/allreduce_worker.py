@@ -5,6 +5,8 @@ sizes in bytes, rounds). Measures, after warm-up rounds and a barrier:
 
 - ``busbw_<bytes>``: in-place allreduce of a float32 array of that size, median seconds per call,
   and the bus bandwidth ``bytes / t * 2 (n - 1) / n`` (NCCL's and gloo's convention);
+- ``shared_busbw_<bytes>`` (with ``"shared": true`` in the plan): the same for an array made by
+  ``collectives.shared_empty``, which the same-host path sums where it lies;
 - ``latency_4``: the same for a 4-element array, in microseconds;
 - ``keys1000_fused`` / ``keys1000_unfused``: the allreduce store's ``push(keys, values)`` then
   ``pull(keys, out=outs)`` of 1000 one-float keys, with small keys fused (the default) and with
@@ -32,18 +34,21 @@ def main() -> int:
     n = collectives.num_workers()
     rank = collectives.rank()
     measures = {}
+    kinds = [("", np.ones)] + ([("shared_", lambda count, dtype: collectives.shared_empty(count, dtype))]
+                               if plan.get("shared") else [])
     for nbytes, rounds in zip(plan["sizes"], plan["rounds"]):
-        value = np.ones(nbytes // 4, np.float32)
+        for prefix, make in kinds:
+            value = make(nbytes // 4, np.float32)
 
-        def one() -> None:
-            value[:] = 1.0
-            collectives.allreduce(value, key="bw")
+            def one() -> None:
+                value[:] = 1.0
+                collectives.allreduce(value, key="bw")
 
-        times, cpu = timed(one, rounds, plan["warmup"], collectives.barrier)
-        if not np.all(value == n):
-            print(f"worker {rank}: allreduce of {nbytes} bytes gave {value[:4]}, expected {n}", file=sys.stderr)
-            return 1
-        measures.update(bandwidth_measures(nbytes, n, times, cpu))
+            times, cpu = timed(one, rounds, plan["warmup"], collectives.barrier)
+            if not np.all(value == n):
+                print(f"worker {rank}: allreduce of {nbytes} bytes gave {value[:4]}, expected {n}", file=sys.stderr)
+                return 1
+            measures.update({prefix + k: v for k, v in bandwidth_measures(nbytes, n, times, cpu).items()})
     small = np.ones(4, np.float32)
 
     def tiny() -> None:

@@ -25,6 +25,13 @@ a time on each worker, in call order.
 **Arrays.** numpy or CuPy (summed with NCCL between GPUs, through the host without it);
 C-contiguous writable arrays are summed in place without copies, others through a copy.
 
+**Shared arrays.** ``C.shared_empty(shape, dtype)`` gives a numpy array that lives in shared
+memory. Between the workers of one host an allreduce of such an array is summed where it lies:
+the other workers read it and write nothing into it, so the copies into and out of the job's own
+regions are gone (for 2 workers about 60 % of the memory traffic is left). Anywhere else it is an
+ordinary array. Allocate it once and reuse it: its memory stays with the process until it ends.
+An allreduce of a shared array completes once the other workers of its host have read it.
+
 **Errors** (``kvcore.errors``): a worker that died or was stopped makes every other worker's
 collective fail with ``NodeDiedError`` naming it, within the heartbeat timeout; workers that pass
 one collective different shapes or dtypes all raise ``WorkerMismatchError`` naming both.
@@ -50,7 +57,7 @@ from .handles import Handle
 _PLANS_KEPT = 64  # fusion plans remembered (layouts that come back every step); the oldest go when more come
 
 __all__ = ["Collectives", "group", "allreduce", "allgather", "broadcast", "barrier", "broadcast_parameters",
-           "rank", "num_workers", "local_rank"]
+           "rank", "num_workers", "local_rank", "shared_empty"]
 
 
 
@@ -81,6 +88,20 @@ class Collectives:
         return self._worker.env.local_rank
 
     # ---- the collectives ---------------------------------------------------------------------------
+    def shared_empty(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
+        """A new array of ``shape`` and ``dtype`` (uninitialised) in shared memory: see the module docstring.
+
+        Raises:
+            TypeError: ``dtype`` is not a dtype; ValueError: a negative dimension.
+        """
+        dtype = np.dtype(dtype)
+        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shared_empty of shape {shape}: a negative dimension")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        region = self._engine.shared.shared_array(nbytes)
+        return region.array[:nbytes].view(dtype).reshape(shape)
+
     def allreduce(self, value: Any, out: Any = None, key: Any = None, average: bool = False, wait: bool = True,
                   fusion_bytes: int = DEFAULT_LIMIT) -> Any:
         """Sum ``value`` (an array, or a list of arrays) over every worker.
@@ -347,3 +368,8 @@ def num_workers() -> int:
 def local_rank() -> int:
     """This worker's index among the workers on its host."""
     return group().local_rank
+
+
+def shared_empty(shape: Any, dtype: Any = np.float32) -> np.ndarray:
+    """``group().shared_empty(...)``: see ``Collectives.shared_empty``."""
+    return group().shared_empty(shape, dtype)

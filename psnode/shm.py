@@ -109,23 +109,27 @@ class Attachments:
         self.tag = tag
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
 
-    def view(self, ref: int, nbytes: int, pid: int) -> np.ndarray:
-        """A writable uint8 view of the first ``nbytes`` of region ``ref`` of process ``pid``.
+    def view(self, ref: int, nbytes: int, pid: int, offset: int = 0) -> np.ndarray:
+        """A writable uint8 view of ``nbytes`` of region ``ref`` of process ``pid``, from byte ``offset``.
 
         Raises:
-            RefusedRegion: the reference is not a region of this job's process ``pid``.
+            RefusedRegion: the reference is not a region of this job's process ``pid``, or the
+                region ends before ``offset + nbytes``.
             OSError: the region cannot be mapped (the owner is gone).
         """
+        end = offset + nbytes
+        if offset < 0:
+            raise RefusedRegion(f"a view at byte {offset} of a shared-memory region")
         entry = self._maps.get(ref)
-        if entry is None or len(entry[1]) < nbytes:
-            handle = _open_region(ref, pid, self.tag, nbytes)
+        if entry is None or len(entry[1]) < end:
+            handle = _open_region(ref, pid, self.tag, end)
             try:
                 mapped = mmap.mmap(handle, os.fstat(handle).st_size)
             finally:
                 os.close(handle)
             entry = (mapped, np.frombuffer(mapped, dtype=np.uint8))
             self._maps[ref] = entry
-        return entry[1][:nbytes]
+        return entry[1][offset:end]
 
 
 def probe(job_id: str) -> Region:

@@ -36,5 +36,8 @@ def test_a_quick_run_reports_every_collective_row_with_measured_figures(tmp_path
     report = json.loads(out.read_text())
     assert report["failures"] == []
     measures = [row["measure"] for row in report["rows"]]
-    assert len(measures) == 8, measures  # bandwidth, CPU, latency and the 1000 keys, each over TCP and one host
+    # bandwidth and CPU over TCP, on one host and on one host with a shared array; latency and the 1000 keys
+    # over TCP and on one host
+    assert len(measures) == 10, measures
+    assert sum("shared array" in m for m in measures) == 2, measures
     assert all(row["ratio"] is not None and row["ours"] > 0 and row["base"] > 0 for row in report["rows"]), report["rows"]

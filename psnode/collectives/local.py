@@ -6,7 +6,9 @@ value is cut into one slice per worker. A worker copies the slices the others su
 and says ``SHM_READY``; once every worker did, worker ``j`` sums slice ``j`` of every region into
 its own value (the ranks split the work by slices), copies that slice into its region and says
 ``SHM_DONE``; once every worker did, it copies the other slices of the sum out of their regions
-and says ``SHM_FREE``. No byte crosses a socket: the messages are a few dozen bytes each. Every
+and says ``SHM_FREE``. A caller's array made in shared memory (``SharedRegions.shared_array``) is
+named where it lies, with its byte offset: nothing is copied into or out of a region of the op, and
+the op completes only once every peer said ``SHM_FREE``, since the peers read the caller's array. No byte crosses a socket: the messages are a few dozen bytes each. Every
 slice is summed by one worker: every worker gets the same bits.
 
 **Hierarchical** (``HierarchicalAllreduce``), when several hosts run as many workers each: the
@@ -51,6 +53,31 @@ class SharedRegions:
         self._free: list[shm.Region] = []
         self._maps = shm.Attachments(self.tag)
         self._lock = threading.Lock()
+        self._arrays: list[tuple[int, int, shm.Region]] = []  # (first address, end, region) of shared arrays
+
+    def shared_array(self, nbytes: int) -> shm.Region:
+        """A new region for an array the caller keeps (``Collectives.shared_empty``).
+
+        Kept for the process's life, as ``give`` says of the op regions: the caller allocates its
+        arrays once and reuses them.
+        """
+        region = shm.Region(nbytes, self.tag)
+        start = region.array.ctypes.data
+        with self._lock:
+            self._arrays.append((start, start + nbytes, region))
+        return region
+
+    def locate(self, buf: np.ndarray) -> tuple[shm.Region, int] | None:
+        """The shared array region ``buf`` (flat, C-contiguous) lies in and its byte offset there, or None."""
+        if not self._arrays:
+            return None
+        start = buf.ctypes.data
+        end = start + buf.nbytes
+        with self._lock:
+            for first, last, region in self._arrays:
+                if first <= start and end <= last:
+                    return region, start - first
+        return None
 
     def take(self, nbytes: int) -> shm.Region:
         """A free region of at least ``nbytes`` (the smallest such), or a new one."""
@@ -73,8 +100,8 @@ class SharedRegions:
         with self._lock:
             self._free.append(region)
 
-    def view(self, src: int, ref: int, nbytes: int) -> np.ndarray:
-        """The first ``nbytes`` of worker ``src``'s region ``ref``, mapped here (cached).
+    def view(self, src: int, ref: int, nbytes: int, offset: int = 0) -> np.ndarray:
+        """``nbytes`` of worker ``src``'s region ``ref`` from byte ``offset``, mapped here (cached).
 
         Raises:
             ProtocolError: ``ref`` is not an anonymous collectives region of ``nbytes`` or more, or it
@@ -86,7 +113,7 @@ class SharedRegions:
         sender = self.workers[src].pid if 0 <= src < len(self.workers) else -1
         try:
             with self._lock:
-                return self._maps.view(ref, nbytes, sender)
+                return self._maps.view(ref, nbytes, sender, offset)
         except shm.RefusedRegion as exc:
             raise ProtocolError(f"worker {src} named a shared-memory region this worker does not map: {exc}") from exc
         except OSError as exc:
@@ -146,7 +173,8 @@ class LocalPhase:
         self.j = group.index(me)
         self.peers = [r for r in group if r != me]
         self.slices = slices(len(buf), len(group))
-        self.region: shm.Region | None = None
+        self.region: shm.Region | None = None  # taken for this op (the caller's array is private)
+        self.in_place = False  # the caller's array is a shared array: the peers read it where it is
         self.mine: np.ndarray | None = None
         self.theirs: dict[int, np.ndarray] = {}
         self.done_from: set[int] = set()
@@ -158,15 +186,23 @@ class LocalPhase:
         return self.buf.nbytes
 
     def start(self) -> None:
-        """Copy the slices the others sum into this worker's region and say so."""
+        """Copy the slices the others sum into this worker's region and say so; a shared array
+        (``SharedRegions.shared_array``) is named where it lies, with no copy."""
         shared = self.op.engine.shared
-        self.region = shared.take(max(self.nbytes, 1))
-        self.mine = self.region.array[:self.nbytes].view(self.buf.dtype)
-        for i, (a, b) in enumerate(self.slices):
-            if i != self.j:
-                self.mine[a:b] = self.buf[a:b]
-        for rank in self.peers:
-            self.op.send(rank, Kind.SHM_READY, aux=self.region.ref)
+        placed = shared.locate(self.buf)
+        if placed is not None:
+            self.in_place = True
+            self.mine = self.buf
+            ref, offset = placed[0].ref, placed[1]
+        else:
+            self.region = shared.take(max(self.nbytes, 1))
+            self.mine = self.region.array[:self.nbytes].view(self.buf.dtype)
+            for i, (a, b) in enumerate(self.slices):
+                if i != self.j:
+                    self.mine[a:b] = self.buf[a:b]
+            ref, offset = self.region.ref, 0
+        for rank in self.peers:  # the byte offset in the region travels as step (low 32 bits) and segment
+            self.op.send(rank, Kind.SHM_READY, step=offset & 0xFFFFFFFF, segment=offset >> 32, aux=ref)
         self._check_ready()
 
     def on_message(self, src: int, record: Record, data: Any) -> None:
@@ -180,7 +216,11 @@ class LocalPhase:
                                 f"steps of {self.op.describe()}")
         self.op.first_time(src, record)
         if record.kind == Kind.SHM_READY:
-            view = self.op.engine.shared.view(src, record.aux, self.nbytes)
+            offset = record.step | record.segment << 32
+            if offset % self.buf.itemsize:
+                raise ProtocolError(f"worker {src} named its value at byte {offset} of its region, not a multiple "
+                                    f"of the {self.buf.itemsize}-byte elements of {self.op.describe()}")
+            view = self.op.engine.shared.view(src, record.aux, self.nbytes, offset)
             self.theirs[src] = view.view(self.buf.dtype)
             self._check_ready()
         elif record.kind == Kind.SHM_DONE:
@@ -198,7 +238,7 @@ class LocalPhase:
         mine = self.buf[a:b]
         # this worker alone sums slice j: every worker reads the same bits
         if self.middle is None:
-            sum_slice(mine, [self.theirs[rank][a:b] for rank in self.peers], self.mine[a:b])
+            sum_slice(mine, [self.theirs[rank][a:b] for rank in self.peers], None if self.in_place else self.mine[a:b])
             self._after_middle(published=True)
         else:
             sum_slice(mine, [self.theirs[rank][a:b] for rank in self.peers], None)
@@ -206,7 +246,7 @@ class LocalPhase:
 
     def _after_middle(self, published: bool = False) -> None:
         a, b = self.slices[self.j]
-        if not published:
+        if not (published or self.in_place):
             self.mine[a:b] = self.buf[a:b]
         for rank in self.peers:
             self.op.send(rank, Kind.SHM_DONE)
@@ -224,14 +264,21 @@ class LocalPhase:
             self.op.send(rank, Kind.SHM_FREE)
         self.theirs.clear()
         self.stage = "out"
+        if not self.in_place:  # the peers read a region of the op's own, not the caller's array
+            self.op.local_done()
         self._check_free()
-        self.op.local_done()
 
     def _check_free(self) -> None:
-        if self.region is not None and len(self.free_from) == len(self.peers) and self.stage == "out":
-            self.op.engine.shared.give(self.region)
-            self.region = self.mine = None
+        if self.stage != "out" or len(self.free_from) < len(self.peers) or self.mine is None:
+            return
+        if self.in_place:  # the peers are done reading the caller's array: only now may it change
+            self.mine = None
             self.op.finished = True
+            self.op.local_done()
+            return
+        self.op.engine.shared.give(self.region)
+        self.region = self.mine = None
+        self.op.finished = True
 
     def waiting_for(self) -> set[int]:
         """The workers of this host whose next message has not come."""
@@ -239,6 +286,8 @@ class LocalPhase:
             return set(self.peers) - set(self.theirs)
         if self.stage == "done":
             return set(self.peers) - self.done_from
+        if self.stage == "out" and self.in_place and self.mine is not None:
+            return set(self.peers) - self.free_from
         return set()
 
 

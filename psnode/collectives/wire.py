@@ -11,8 +11,9 @@ The record (``RECORD``, little endian)::
     dtype     u8   the collective's dtype (``DTYPES``)
     flags     u8   spare
     shape     u32  crc32 of the collective's shape: workers that disagree on it are told so
-    step      u32  the algorithm's step (ring steps), or the root (broadcast)
-    segment   u32  which segment of its step
+    step      u32  the algorithm's step (ring steps), or the root (broadcast); ``SHM_READY``: the low
+                   32 bits of the value's byte offset in the region
+    segment   u32  which segment of its step; ``SHM_READY``: the offset's high 32 bits
     total     u64  elements of the whole collective
     offset    u64  where this message's elements start in it
     count     u64  how many elements the data frame holds
@@ -51,7 +52,7 @@ class Kind(enum.IntEnum):
     DIRECT = 1  # a worker's whole value, to every other worker (small allreduce)
     RING_RS = 2  # a segment of the ring's reduce-scatter
     RING_AG = 3  # a segment of the ring's allgather
-    SHM_READY = 4  # "my value is in shared-memory region ``aux``"
+    SHM_READY = 4  # "my value is in shared-memory region ``aux``, from byte ``step | segment << 32``"
     SHM_DONE = 5  # "my slice of the sum is in my region"
     SHM_FREE = 6  # "I read what I needed of your region; reuse it"
     BCAST = 7  # a segment of the root's value

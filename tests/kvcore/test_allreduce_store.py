@@ -39,8 +39,9 @@ def test_with_a_timeline_each_workers_calls_of_the_allreduce_store_are_events_na
         assert {(pid, "init w"), (pid, "push w"), (pid, "pull w"), (pid, "pushpull small"), (pid, "wait")} <= calls
 
 
-def test_collectives_give_exact_results_for_every_call_form():
-    run_ok("collectives_calls.py", 3)
+@pytest.mark.parametrize("same_host", ["shm", "tcp"])
+def test_collectives_give_exact_results_for_every_call_form(same_host):
+    run_ok("collectives_calls.py", 3, {"PSLAUNCH_SAME_HOST": same_host})
 
 
 def test_pushes_started_in_different_orders_by_the_workers_meet_by_key_and_version():

@@ -8,6 +8,7 @@ path.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -369,3 +370,71 @@ def test_unsupported_dtypes_are_refused_on_the_calling_thread_naming_them():
     with Started(job_of(2, (0, 1))) as ws:
         with pytest.raises(TypeError, match="complex128"):
             ws[0].collectives.allreduce("c", np.zeros(2, np.complex128))
+
+
+# ---- shared arrays: the caller's array in shared memory, summed where it lies ------------------------
+
+def _shared(worker, values: np.ndarray) -> np.ndarray:
+    """``values`` copied into a new shared array of ``worker`` (what ``Collectives.shared_empty`` makes)."""
+    region = worker.collectives.shared.shared_array(values.nbytes + 64)
+    array = region.array[64:64 + values.nbytes].view(values.dtype)  # not at the region's start: an offset travels
+    array[:] = values
+    return array
+
+
+@pytest.mark.parametrize("name,workers,mixed", [("shm", 2, False), ("shm", 3, True), ("shm", 4, False),
+                                                ("hierarchical", 4, True), ("hierarchical", 6, False)])
+def test_shared_arrays_are_summed_in_place_exactly_with_no_region_of_the_op_taken(name, workers, mixed):
+    sizes = [1000, 2 * SEGMENT // 8 + 3]
+    with Started(job_of(workers, HOSTS[name][workers])) as ws:
+        for size in sizes:
+            plain = [np.arange(size, dtype=np.int64) * (w.rank + 1) - w.rank for w in ws]
+            # mixed: the odd ranks keep private arrays, the others shared ones; each side handles the other
+            values = [p if mixed and w.rank % 2 else _shared(w, p) for w, p in zip(ws, plain)]
+            assert allreduce_all(ws, ("shared", size), values, algorithm_name=name) == [None] * workers
+            expected = np.arange(size, dtype=np.int64) * sum(range(1, workers + 1)) - sum(range(workers))
+            for w, value in zip(ws, values):
+                assert np.array_equal(value, expected), (name, size, w.rank, value[:4], expected[:4])
+        for w in ws:  # a worker with a shared array copied nothing into a region of the op
+            assert (w.collectives.shared._free == []) == (not mixed or w.rank % 2 == 0), (w.rank, w.collectives.shared._free)
+
+
+def test_a_shared_array_is_not_given_back_before_the_other_workers_read_it(monkeypatch):
+    # Worker 1 reads worker 0's slice late; worker 0's allreduce must not complete before that,
+    # or a caller that reuses its array at once would hand worker 1 its next values.
+    from psnode.collectives import local
+
+    entered, release = threading.Event(), threading.Event()
+    original = local.LocalPhase._check_done
+
+    def slow_copy_out(phase):
+        if phase.op.engine.rank == 1 and phase.stage == "done" and len(phase.done_from) == len(phase.peers):
+            entered.set()
+            release.wait(10)
+        original(phase)
+
+    monkeypatch.setattr(local.LocalPhase, "_check_done", slow_copy_out)
+    with Started(job_of(2, (0, 0))) as ws:
+        size = 2 * SEGMENT // 8 + 3
+        values = [_shared(ws[0], np.full(size, 1, np.int64)), np.full(size, 2, np.int64)]
+        futures = [w.collectives.allreduce("late", v, algorithm_name="shm") for w, v in zip(ws, values)]
+        assert entered.wait(10), "worker 1 never reached its copy out"
+        time.sleep(0.2)
+        assert not futures[0].done(), "worker 0's allreduce completed while worker 1 still had to read its array"
+        release.set()
+        assert finish(ws, futures) == [None, None]
+        assert np.all(values[0] == 3) and np.all(values[1] == 3)
+
+
+@pytest.mark.parametrize("offset,why", [(1 << 40, "bytes, not"), (3, "not a multiple of the 8-byte elements")])
+def test_a_shared_array_named_past_its_region_or_off_its_elements_is_refused_naming_the_worker(offset, why):
+    with Started(job_of(2, (0, 0))) as ws:
+        size = 2 * SEGMENT // 8 + 3
+        region = ws[0].collectives.shared.shared_array(size * 8)
+        desc = Desc(np.int64, (size,))
+        future = ws[1].collectives.allreduce("far", np.ones(size, np.int64), algorithm_name="shm")
+        frames = wire.pack(key_id_of("far"), 0, Kind.SHM_READY, desc, offset & 0xFFFFFFFF, offset >> 32, aux=region.ref)
+        _send_raw(ws[0], 1, frames)
+        assert ws[1].wait_for(future, 10)
+        error = future.exception()
+        assert isinstance(error, ProtocolError) and "worker 0" in str(error) and why in str(error), error

@@ -1,7 +1,8 @@
 """Worker: kvcore.collectives in a job without servers, every result exact.
 
 allreduce of one array (in place, into an out, averaged, asynchronous), of a list (small arrays
-fused), allgather, broadcast, broadcast_parameters of a dict with replicas, barrier.
+fused), of shared arrays (``shared_empty``, reused across calls), allgather, broadcast,
+broadcast_parameters of a dict with replicas, barrier.
 """
 
 import numpy as np
@@ -38,6 +39,16 @@ params = {"w": [np.full((2, 3), rank, np.float32), np.full((2, 3), -1, np.float3
 C.broadcast_parameters(params)
 assert all(np.all(r == 0) for r in params["w"]) and np.all(params["b"] == 0), params
 C.broadcast_parameters([Parameter("p", np.full(2, rank + 5.0))], root=1)
+
+shared = C.shared_empty((3, 400_001), np.float32)  # big enough for the same-host path
+assert shared.shape == (3, 400_001) and shared.dtype == np.float32
+for step in range(3):  # reused at once after each call: the others have read it by then
+    shared[:] = rank + step
+    C.allreduce(shared)
+    assert np.all(shared == total - n + n * step), (step, shared[0, :4])
+tiny = C.shared_empty(4, np.int64)
+tiny[:] = rank
+assert np.all(C.allreduce(tiny) == total - n)
 
 C.barrier()
 print("OK", rank, flush=True)
