@@ -38,6 +38,8 @@ from .dist_errors import runtime_errors
 from .handles import Handle, completed
 from .store_base import KVStoreBase
 
+SHARED_MIN = 1 << 20  # a key's buffers of this many bytes or more live in shared memory (``_buffer``)
+
 __all__ = ["AllreduceKVStore", "create"]
 
 
@@ -97,7 +99,10 @@ class AllreduceKVStore(KVStoreBase):
     def _init_keys(self, pairs: list[tuple[Hashable, Any]]) -> None:
         values = []
         for _, value in pairs:
-            values.append(np.array(arrays.asnumpy(value), copy=True, order="C"))
+            host = arrays.asnumpy(value)
+            copy = self._buffer(host.shape, host.dtype)
+            np.copyto(copy, host)
+            values.append(copy)
         keys = [k for k, _ in pairs]
         # worker 0's values win: one broadcast of the keys' values (fused), checked for shape and dtype
         self._coll.broadcast_arrays(values, 0, ("kv-init", tuple(keys)))
@@ -117,7 +122,7 @@ class AllreduceKVStore(KVStoreBase):
             total = all_sums.get(key)
             if total is None:
                 info = meta[key]
-                total = all_sums[key] = np.empty(info.shape, info.dtype)
+                total = all_sums[key] = self._buffer(info.shape, info.dtype)
             if len(values) == 1 and type(values[0]) is np.ndarray:
                 source = values[0]  # copied into the sum (or the fused buffer) before push returns
             else:  # this worker's values are summed first, on the host
@@ -129,6 +134,15 @@ class AllreduceKVStore(KVStoreBase):
             sources.append(source)
             sums.append(total)
         return self._launch(keys, sources, sums, apply=True)
+
+    def _buffer(self, shape: tuple, dtype: Any) -> np.ndarray:
+        """A new buffer for a key's stored value or sum: big ones in shared memory, where the
+        same-host allreduce sums them without copying them into and out of its own regions (the
+        stored value and the sum trade places after each push, so both are made alike)."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if nbytes >= SHARED_MIN:
+            return self._coll.shared_empty(shape, dtype)
+        return np.empty(shape, dtype)
 
     def _launch(self, keys: list[Hashable], values: list[np.ndarray], outs: list[Any], apply: bool) -> Handle:
         """Sum ``values`` into ``outs`` over every worker; each key's pending push until done."""
@@ -208,7 +222,7 @@ class AllreduceKVStore(KVStoreBase):
             else:  # several values or outs, or device arrays: through the key's sum buffer
                 total = self._sums.get(k)
                 if total is None:
-                    total = self._sums[k] = np.empty(meta.shape, meta.dtype)
+                    total = self._sums[k] = self._buffer(meta.shape, meta.dtype)
                 np.copyto(total, arrays.asnumpy(vs[0]))
                 for v in vs[1:]:
                     total += arrays.asnumpy(v)

@@ -29,7 +29,9 @@ C-contiguous writable arrays are summed in place without copies, others through 
 memory. Between the workers of one host an allreduce of such an array is summed where it lies:
 the other workers read it and write nothing into it, so the copies into and out of the job's own
 regions are gone (for 2 workers about 60 % of the memory traffic is left). Anywhere else it is an
-ordinary array. Allocate it once and reuse it: its memory stays with the process until it ends.
+ordinary array. Allocate it once and reuse it: its memory stays with the process until it ends
+(arrays are cut from shared regions of 64 MiB, so that a model of many tensors does not take a
+file descriptor per array).
 An allreduce of a shared array completes once the other workers of its host have read it.
 
 **Errors** (``kvcore.errors``): a worker that died or was stopped makes every other worker's
@@ -99,8 +101,8 @@ class Collectives:
         if any(d < 0 for d in shape):
             raise ValueError(f"shared_empty of shape {shape}: a negative dimension")
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        region = self._engine.shared.shared_array(nbytes)
-        return region.array[:nbytes].view(dtype).reshape(shape)
+        region, offset = self._engine.shared.shared_array(nbytes)
+        return region.array[offset:offset + nbytes].view(dtype).reshape(shape)
 
     def allreduce(self, value: Any, out: Any = None, key: Any = None, average: bool = False, wait: bool = True,
                   fusion_bytes: int = DEFAULT_LIMIT) -> Any:

@@ -39,6 +39,8 @@ from .wire import Desc, Kind, Record
 __all__ = ["SharedRegions", "LocalPhase", "ShmAllreduce", "HierarchicalAllreduce"]
 
 _EARLY_RING = 100_000  # ring messages held for a ring not started yet, at most
+ARENA = 64 << 20  # bytes of shared memory the small shared arrays are cut from, per region
+SHARED_ALIGN = 64  # a shared array starts on a cache line
 
 
 class SharedRegions:
@@ -54,17 +56,32 @@ class SharedRegions:
         self._maps = shm.Attachments(self.tag)
         self._lock = threading.Lock()
         self._arrays: list[tuple[int, int, shm.Region]] = []  # (first address, end, region) of shared arrays
+        self._arena: shm.Region | None = None  # where the next small shared array goes
+        self._arena_used = 0
 
-    def shared_array(self, nbytes: int) -> shm.Region:
-        """A new region for an array the caller keeps (``Collectives.shared_empty``).
+    def shared_array(self, nbytes: int) -> tuple[shm.Region, int]:
+        """Room for an array the caller keeps (``Collectives.shared_empty``): a region and the byte
+        offset of the array in it.
 
-        Kept for the process's life, as ``give`` says of the op regions: the caller allocates its
-        arrays once and reuses them.
+        Arrays are cut from arenas of ``ARENA`` bytes (one descriptor each, where a region per
+        array would run a model of many tensors out of descriptors; pages are used only once
+        written); a bigger array gets a region of its own. Kept for the process's life, as
+        ``give`` says of the op regions: the caller allocates its arrays once and reuses them.
         """
-        region = shm.Region(nbytes, self.tag)
-        start = region.array.ctypes.data
+        size = -(-max(nbytes, 1) // SHARED_ALIGN) * SHARED_ALIGN
         with self._lock:
-            self._arrays.append((start, start + nbytes, region))
+            if size > ARENA:
+                return self._register(shm.Region(size, self.tag)), 0
+            if self._arena is None or self._arena_used + size > self._arena.nbytes:
+                self._arena = self._register(shm.Region(ARENA, self.tag))
+                self._arena_used = 0
+            offset = self._arena_used
+            self._arena_used += size
+            return self._arena, offset
+
+    def _register(self, region: shm.Region) -> shm.Region:
+        start = region.array.ctypes.data
+        self._arrays.append((start, start + region.nbytes, region))
         return region
 
     def locate(self, buf: np.ndarray) -> tuple[shm.Region, int] | None:

@@ -8,6 +8,7 @@ path.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -20,6 +21,7 @@ from psnode.collectives import engine as engine_module
 from psnode.collectives import wire
 from psnode.collectives.base import DIRECT_MAX, SEGMENT, SEGMENT_MAX, ring_segment
 from psnode.collectives.fusion import FusionBuffer, plan
+from psnode.collectives import local
 from psnode.collectives.local import SUM_BLOCK, SharedRegions, sum_slice
 from psnode.collectives.wire import Desc, Kind
 from psnode.errors import MismatchError, PeerDiedError, ProtocolError, PSNodeError
@@ -376,8 +378,10 @@ def test_unsupported_dtypes_are_refused_on_the_calling_thread_naming_them():
 
 def _shared(worker, values: np.ndarray) -> np.ndarray:
     """``values`` copied into a new shared array of ``worker`` (what ``Collectives.shared_empty`` makes)."""
-    region = worker.collectives.shared.shared_array(values.nbytes + 64)
-    array = region.array[64:64 + values.nbytes].view(values.dtype)  # not at the region's start: an offset travels
+    worker.collectives.shared.shared_array(64)  # the array is not at its region's start: an offset travels
+    region, offset = worker.collectives.shared.shared_array(values.nbytes)
+    assert offset > 0
+    array = region.array[offset:offset + values.nbytes].view(values.dtype)
     array[:] = values
     return array
 
@@ -402,8 +406,6 @@ def test_shared_arrays_are_summed_in_place_exactly_with_no_region_of_the_op_take
 def test_a_shared_array_is_not_given_back_before_the_other_workers_read_it(monkeypatch):
     # Worker 1 reads worker 0's slice late; worker 0's allreduce must not complete before that,
     # or a caller that reuses its array at once would hand worker 1 its next values.
-    from psnode.collectives import local
-
     entered, release = threading.Event(), threading.Event()
     original = local.LocalPhase._check_done
 
@@ -426,11 +428,12 @@ def test_a_shared_array_is_not_given_back_before_the_other_workers_read_it(monke
         assert np.all(values[0] == 3) and np.all(values[1] == 3)
 
 
-@pytest.mark.parametrize("offset,why", [(1 << 40, "bytes, not"), (3, "not a multiple of the 8-byte elements")])
+@pytest.mark.parametrize("offset,why", [(1 << 40, "bytes, not"), (local.ARENA - 8, "bytes, not"),
+                                        (3, "not a multiple of the 8-byte elements")])
 def test_a_shared_array_named_past_its_region_or_off_its_elements_is_refused_naming_the_worker(offset, why):
     with Started(job_of(2, (0, 0))) as ws:
         size = 2 * SEGMENT // 8 + 3
-        region = ws[0].collectives.shared.shared_array(size * 8)
+        region, _ = ws[0].collectives.shared.shared_array(size * 8)
         desc = Desc(np.int64, (size,))
         future = ws[1].collectives.allreduce("far", np.ones(size, np.int64), algorithm_name="shm")
         frames = wire.pack(key_id_of("far"), 0, Kind.SHM_READY, desc, offset & 0xFFFFFFFF, offset >> 32, aux=region.ref)
@@ -438,3 +441,21 @@ def test_a_shared_array_named_past_its_region_or_off_its_elements_is_refused_nam
         assert ws[1].wait_for(future, 10)
         error = future.exception()
         assert isinstance(error, ProtocolError) and "worker 0" in str(error) and why in str(error), error
+
+
+def test_shared_arrays_are_cut_from_arenas_apart_and_aligned_and_a_big_one_gets_a_region_of_its_own():
+    regions = SharedRegions([], "job")
+    before = len(os.listdir("/proc/self/fd"))
+    spans = []
+    for nbytes in [1, 100, 4096, 1 << 20] * 50:  # 200 arrays: about 50 MiB, one arena
+        region, offset = regions.shared_array(nbytes)
+        assert offset % local.SHARED_ALIGN == 0 and offset + nbytes <= region.nbytes
+        spans.append((region.array.ctypes.data + offset, nbytes))
+    spans.sort()
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:])), "two shared arrays overlap"
+    assert len(os.listdir("/proc/self/fd")) - before <= 2, "a descriptor per shared array"  # the memfd, mmap's copy
+    big, offset = regions.shared_array(local.ARENA + 1)
+    assert offset == 0 and big.nbytes >= local.ARENA + 1
+    inside = big.array[:local.ARENA + 1].view(np.uint8)[8:16]
+    assert regions.locate(inside) == (big, 8)
+    assert regions.locate(np.zeros(8, np.uint8)) is None

@@ -43,6 +43,12 @@ kv.pushpull("small", small, out=got)
 assert np.allclose(got, total - n / 2) and np.all(small == rank + 0.5), got
 kv.pull("big", out=value)
 assert np.array_equal(value, np.arange(big, dtype=np.int32) * total)
+for step in range(3):  # push and pull through the key's own buffers, which big keys keep in shared memory
+    kv.push("big", np.arange(big, dtype=np.int32) * (rank + 1) + step)
+    kv.pull("big", out=value)
+    assert np.array_equal(value, np.arange(big, dtype=np.int32) * total + n * step), (step, value[:5])
+shared = kv.collectives._engine.shared
+assert (shared.locate(kv._sums["big"].reshape(-1)) is not None) == (big * 4 >= 1 << 20), "big key's sum not shared"
 
 # 1000 one-float keys pushed and pulled together (fused), twice
 keys = [f"k{i}" for i in range(1000)]
