@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from .env import NodeEnv, resolve_host
-from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError
+from .errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError, TransportError
 from .log import logger, setup_logging
 from .membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint, unreachable
 from .protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_header, unpack_json
@@ -271,10 +271,21 @@ class Scheduler:
         member.finished = True
         self.transport.send(sender, [pack_header(Cmd.FINISH_ACK, req_id)])
         note = pack_json({"rank": member.peer.rank, "node": member.peer.describe()})
-        # servers: rounds that still wait for this worker can never close; workers: nor can collectives
+        # servers: rounds that still wait for this worker can never close; workers: nor can collectives.
+        # Workers that finished hear it too: they keep their connections until the workers they sent
+        # collective messages to finished (``WorkerNode.close``). One may be gone already: its note is
+        # dropped rather than queued (never waited for).
+        frames = [pack_header(Cmd.WORKER_FINISHED), note]
         for uid in self.roster.of_roles(("server", "worker")):
-            if uid != sender and not self.roster.members[uid].finished:
-                self.transport.send(uid, [pack_header(Cmd.WORKER_FINISHED), note])
+            if uid == sender:
+                continue
+            if not self.roster.members[uid].finished:
+                self.transport.send(uid, frames)
+                continue
+            try:
+                self.transport.send(uid, frames, block=False)
+            except TransportError:
+                pass
         logger.info("scheduler: %s finished", member.peer.describe())
         self._fail_blocked_barriers()
 

@@ -38,6 +38,7 @@ import numpy as np
 from . import shm
 from .codecs import RAW
 from .collectives import Engine
+from .collectives.watch import LEFT_GRACE
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, PSNodeError
 from .membership import PeerInfo
@@ -107,6 +108,23 @@ class WorkerNode:
         watch(self)
         return self
 
+    def _flush_collectives(self) -> None:
+        """Keep the connections until the peers read what this worker's last collectives sent them.
+
+        That may still wait in this worker's queues behind a peer that reads slowly (4 workers on 2
+        cores: hundreds of small messages); closing would drop it and fail that peer's collectives.
+        Each peer answers a ``FLUSH`` once it read everything before it, or finishes the job; the
+        wait lasts at most as long as a peer waits for a finished worker's last messages.
+        """
+        flush = self.collectives.flush()
+        deadline = time.monotonic() + LEFT_GRACE
+        try:
+            while not flush.future.done() and time.monotonic() < deadline:
+                self.receiver.wait_for(flush.future, 0.05)
+                flush.retry()
+        except PSNodeError:  # a peer failed after this worker finished: its failure, not this one's
+            pass
+
     def abort(self, reason: str) -> None:
         """Tell the scheduler this worker failed (so every other node stops with ``reason``), then close."""
         if self.closed or self.conn.failure.error is not None:
@@ -148,6 +166,7 @@ class WorkerNode:
                 report = self.conn.link.report
                 finished = self.conn.link.ask(Cmd.FINISH, body=None if report is None else {"s": report()})
                 self._wait(finished, min(limit, max(5.0, env.heartbeat_timeout)), "the scheduler's answer to finish")
+                self._flush_collectives()
         except PSNodeError as exc:
             error = exc
         finally:

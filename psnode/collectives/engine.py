@@ -38,7 +38,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import devices
-from ..errors import ClosedError, MismatchError, NodeTimeoutError, PeerDiedError, ProtocolError, PSNodeError
+from ..errors import (ClosedError, MismatchError, NodeTimeoutError, PeerDiedError, ProtocolError, PSNodeError,
+                      TransportError, WouldBlock)
 from ..log import logger
 from ..futures import chain
 from ..membership import PeerInfo, endpoint_of
@@ -81,6 +82,8 @@ class Engine:
         self.malformed = 0
         self.malformed_reason = ""  # the last dropped message's, for logs and tests
         self._connected: set[int] = set()
+        self.left: set[int] = set()  # workers that finished the job
+        self._flush: Flush | None = None  # this worker's flush as it finishes (``flush``)
         self.watcher = Watcher(self)
         self._shared: Any = None
         self._gpu: Any = None
@@ -288,6 +291,9 @@ class Engine:
         if record.kind == Kind.GO:
             self.gpu.on_go(src, tag, record)
             return
+        if record.kind in (Kind.FLUSH, Kind.FLUSHED):
+            self._flush_message(src, record.kind)
+            return
         with self._lock:
             op = self.ops.get(tag)
             if op is None:
@@ -352,11 +358,11 @@ class Engine:
                     self.malformed, why)
 
     # ---- sending and completing ---------------------------------------------------------------------
-    def send(self, rank: int, frames: list, track: bool) -> Any:
+    def send(self, rank: int, frames: list, track: bool, block: bool = True) -> Any:
         """Send ``frames`` to worker ``rank`` (connecting on first use); a tracker when ``track``.
 
         Raises:
-            TransportError, ClosedError: as the transport does.
+            TransportError, ClosedError: as the transport does (``WouldBlock``: a full queue, ``block=False``).
         """
         peer = self.conn.members.workers[rank]
         uid = peer.uid.encode()
@@ -364,7 +370,7 @@ class Engine:
             transport = self.conn.transport
             transport.connect(uid, endpoint_of(peer, transport, self.conn.me.fingerprint, self.conn.env.same_host))
             self._connected.add(rank)
-        return self.conn.transport.send(uid, frames, track=track)
+        return self.conn.transport.send(uid, frames, track=track, block=block)
 
     def complete(self, op: Op) -> None:
         """Complete ``op``'s future now, or once its tracked sends have left (the helper thread)."""
@@ -408,6 +414,9 @@ class Engine:
             self.failure = error
             ops = list(self.ops.values())
             self.ops.clear()
+            flush = self._flush
+        if flush is not None:  # a failed worker closes at once
+            flush.end()
         ops += self.watcher.take_all()
         for op in ops:
             op.finished = True
@@ -418,7 +427,35 @@ class Engine:
 
     def peer_left(self, rank: int, description: str) -> None:
         """Worker ``rank`` finished the job: ops still waiting for it fail soon (``watch.LEFT_GRACE``)."""
+        with self._lock:
+            self.left.add(rank)
+            flush = self._flush
+        if flush is not None:
+            flush.answered(rank)
         self.watcher.peer_left(rank, description)
+
+    def flush(self) -> "Flush":
+        """Ask every worker this one sent collective messages to, and that has not finished, to say
+        once it read them all (``FLUSH``, answered ``FLUSHED``): what a worker's last collectives
+        sent may still wait in its queues behind a peer that reads slowly, and closing the
+        connections would drop it. The caller waits on ``Flush.future`` and calls ``Flush.retry``
+        meanwhile (a queue that was full takes the question later)."""
+        with self._lock:
+            self._flush = flush = Flush(self, self._connected - self.left)
+        flush.retry()
+        return flush
+
+    def _flush_message(self, src: int, kind: Kind) -> None:
+        """A ``FLUSH`` (answered at once: every message of ``src`` before it was read) or ``FLUSHED``."""
+        if kind == Kind.FLUSHED:
+            flush = self._flush
+            if flush is not None:
+                flush.answered(src)
+            return
+        try:
+            self.send(src, wire.pack(0, 0, Kind.FLUSHED, _NOTHING), False, block=False)
+        except TransportError:  # its queue is full or it is gone: it stops waiting by itself
+            pass
 
     def _check(self) -> None:
         if self.failure is not None:
@@ -471,3 +508,47 @@ def set_error(future: concurrent.futures.Future, error: BaseException) -> None:
         future.set_exception(error)
     except concurrent.futures.InvalidStateError:
         pass
+
+
+_NOTHING = Desc(np.uint8, (0,))  # the description a FLUSH or FLUSHED message carries
+
+
+class Flush:
+    """A finishing worker's question to its peers (``Engine.flush``): done once each of ``waiting``
+    said ``FLUSHED`` or finished the job, or this worker failed. Thread-safe."""
+
+    def __init__(self, engine: "Engine", waiting: set[int]) -> None:
+        self.engine = engine
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self._lock = threading.Lock()
+        self._waiting = set(waiting)
+        self._unasked = set(waiting)
+        if not waiting:
+            set_result(self.future)
+
+    def retry(self) -> None:
+        """Send ``FLUSH`` to the peers not asked yet (a full queue refused it last time)."""
+        with self._lock:
+            unasked = sorted(self._unasked)
+        for rank in unasked:
+            try:
+                self.engine.send(rank, wire.pack(0, 0, Kind.FLUSH, _NOTHING), False, block=False)
+            except WouldBlock:
+                continue
+            except TransportError:  # gone: the scheduler says so, or the wait ends
+                pass
+            with self._lock:
+                self._unasked.discard(rank)
+
+    def answered(self, rank: int) -> None:
+        """``rank`` read everything (``FLUSHED``) or finished the job."""
+        with self._lock:
+            self._waiting.discard(rank)
+            self._unasked.discard(rank)
+            done = not self._waiting
+        if done:
+            set_result(self.future)
+
+    def end(self) -> None:
+        """Stop waiting (this worker failed)."""
+        set_result(self.future)

@@ -40,6 +40,10 @@ def _canonical(key: Any) -> Any:
     raise TypeError(f"a collective's key is a str, int, bytes or a tuple of those, not {type(key).__name__}")
 
 
+_KEY_TEXT = 300  # characters of a key an error or warning shows at most
+_TUPLE_ITEMS = 6  # items of a tuple key shown before "... N in all"
+
+
 class Label:
     """``allreduce of key 'w'``, written only when an error or a warning needs it."""
 
@@ -50,9 +54,22 @@ class Label:
         self.key = key
 
     def __str__(self) -> str:
-        return f"{self.what} of key {self.key!r}"
+        return f"{self.what} of key {_short(self.key)}"
 
     __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
+def _short(key: Any, room: int = _KEY_TEXT) -> str:
+    """``repr(key)``, with long tuples cut to their first items and a count (a fused push names its
+    thousand keys), and any text cut at ``room`` characters: a message names a key, it does not list one."""
+    if isinstance(key, tuple) and len(key) > _TUPLE_ITEMS:
+        shown = ", ".join(_short(k, room) for k in key[:_TUPLE_ITEMS - 1])
+        text = f"({shown}, ... {len(key)} in all)"
+    elif isinstance(key, tuple):
+        text = "(" + ", ".join(_short(k, room) for k in key) + ("," if len(key) == 1 else "") + ")"
+    else:
+        text = repr(key)
+    return text if len(text) <= room else text[:room - 3] + "..."
 
 
 _DESCS: dict[tuple[Any, tuple[int, ...]], Desc] = {}

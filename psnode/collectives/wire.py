@@ -60,6 +60,8 @@ class Kind(enum.IntEnum):
     ERROR = 9  # the collective failed: a sentence every worker raises
     GO = 10  # rank 0 launched this GPU collective: launch it next (``nccl``)
     ACK = 11  # "I have the whole value" (to a broadcast's root)
+    FLUSH = 12  # "say FLUSHED once you read this" (a finishing worker; no collective's tag)
+    FLUSHED = 13  # "I read everything you sent before your FLUSH"
 
 
 _KINDS = frozenset(int(k) for k in Kind)

@@ -44,6 +44,13 @@ def test_collectives_give_exact_results_for_every_call_form(same_host):
     run_ok("collectives_calls.py", 3, {"PSLAUNCH_SAME_HOST": same_host})
 
 
+def test_a_worker_that_finishes_before_a_slow_peer_read_its_last_messages_still_delivers_them():
+    # A finished worker closed its connections at once, dropping what still waited in its queues
+    # behind a peer that reads slowly (the allreduce benchmark, 4 workers on 2 cores: that peer failed
+    # with "worker 0 finished the job while ... still waits for it").
+    run_ok("late_reader.py", 2, timeout=60)
+
+
 def test_pushes_started_in_different_orders_by_the_workers_meet_by_key_and_version():
     run_ok("reordered.py", 3, {"PSLAUNCH_SAME_HOST": "tcp"})
 

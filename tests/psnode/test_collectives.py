@@ -459,3 +459,12 @@ def test_shared_arrays_are_cut_from_arenas_apart_and_aligned_and_a_big_one_gets_
     inside = big.array[:local.ARENA + 1].view(np.uint8)[8:16]
     assert regions.locate(inside) == (big, 8)
     assert regions.locate(np.zeros(8, np.uint8)) is None
+
+
+def test_an_error_names_a_fused_keys_group_by_its_first_keys_and_count_not_all_of_them():
+    from psnode.collectives.tags import Label
+
+    text = str(Label("allreduce", ("kv", tuple(f"k{i}" for i in range(1000)), 979, 1000)))
+    assert text == "allreduce of key ('kv', ('k0', 'k1', 'k2', 'k3', 'k4', ... 1000 in all), 979, 1000)", text
+    assert str(Label("allreduce", ("w",))) == "allreduce of key ('w',)"
+    assert len(str(Label("broadcast", "x" * 5000))) < 400
