@@ -272,9 +272,9 @@ class Scheduler:
         self.transport.send(sender, [pack_header(Cmd.FINISH_ACK, req_id)])
         note = pack_json({"rank": member.peer.rank, "node": member.peer.describe()})
         # servers: rounds that still wait for this worker can never close; workers: nor can collectives.
-        # Workers that finished hear it too: they keep their connections until the workers they sent
-        # collective messages to finished (``WorkerNode.close``). One may be gone already: its note is
-        # dropped rather than queued (never waited for).
+        # Workers that finished hear it too: one that is still flushing its last collective messages
+        # waits for no answer from a worker that finished (``WorkerNode._flush_collectives``). One may
+        # be gone already: its note is dropped rather than queued (never waited for).
         frames = [pack_header(Cmd.WORKER_FINISHED), note]
         for uid in self.roster.of_roles(("server", "worker")):
             if uid == sender:
