@@ -94,7 +94,8 @@ class Collectives:
         """A new array of ``shape`` and ``dtype`` (uninitialised) in shared memory: see the module docstring.
 
         Raises:
-            TypeError: ``dtype`` is not a dtype; ValueError: a negative dimension.
+            TypeError: ``dtype`` is not a dtype; ValueError: a negative dimension; OSError: this host
+            gives no shared memory (``memfd_create`` refused).
         """
         dtype = np.dtype(dtype)
         shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(d) for d in shape)

@@ -97,3 +97,27 @@ def test_a_dead_or_stopped_worker_makes_every_other_fail_naming_it_within_the_he
     ranks = {int(m) for r in survivors for m in re.findall(r"^DIED rank=(\d+)", r.output, re.M)}
     assert len(ranks) == 1 and ranks != {-1}, "\n".join(map(str, survivors))  # both name the same worker
     assert took < 2 * 2 + 5, took  # the heartbeat timeout (2 s), twice at most, and start-up slack
+
+
+def test_without_shared_memory_the_store_keeps_big_keys_in_private_memory(monkeypatch):
+    # memfd_create may be refused (a sandbox): the store's buffers fall back instead of failing init
+    import types
+
+    import numpy as np
+
+    from kvcore import allreduce_store
+    from kvcore.collectives import Collectives
+    from psnode.collectives.local import SharedRegions
+
+    def refused(*args):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "memfd_create", refused)
+    collectives = Collectives.__new__(Collectives)  # the real calls down to the refused system call
+    collectives._engine = types.SimpleNamespace(shared=SharedRegions([], "job"))
+    with pytest.raises(OSError):
+        collectives.shared_empty(8)
+    store = allreduce_store.AllreduceKVStore.__new__(allreduce_store.AllreduceKVStore)
+    store._coll = collectives
+    buffer = store._buffer((1 << 20,), np.float32)
+    assert buffer.shape == (1 << 20,) and buffer.dtype == np.float32
