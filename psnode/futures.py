@@ -3,7 +3,8 @@
 A collective or a pull often has one more step after the data arrived (copy a sum out of a fused
 buffer, upload it to a GPU, copy it into a non-contiguous out). ``chain`` makes the future a caller
 waits on complete only after that step, with the step's error if it fails: a waiter never sees
-"done" before the data is in place.
+"done" before the data is in place. ``set_result`` and ``set_error`` complete a future that
+another thread may have completed first (a failure racing a result): the first one stands.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any, Callable
 
-__all__ = ["chain"]
+__all__ = ["chain", "set_result", "set_error"]
 
 
 def chain(inner: concurrent.futures.Future, outer: Any, action: Callable[[], Any] | None = None,
@@ -40,3 +41,19 @@ def chain(inner: concurrent.futures.Future, outer: Any, action: Callable[[], Any
 
     inner.add_done_callback(done)
     return outer
+
+
+def set_result(future: concurrent.futures.Future) -> None:
+    """Complete ``future`` with None unless it is done already."""
+    try:
+        future.set_result(None)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def set_error(future: concurrent.futures.Future, error: BaseException) -> None:
+    """Fail ``future`` with ``error`` unless it is done already."""
+    try:
+        future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass

@@ -39,14 +39,15 @@ import numpy as np
 
 from .. import devices
 from ..errors import (ClosedError, MismatchError, NodeTimeoutError, PeerDiedError, ProtocolError, PSNodeError,
-                      TransportError, WouldBlock)
+                      TransportError)
 from ..log import logger
-from ..futures import chain
+from ..futures import chain, set_error, set_result
 from ..membership import PeerInfo, endpoint_of
 from ..node import is_done
 from . import wire
 from .base import Op, Tag, Topology, algorithm, choose
 from .tags import Label, describe, error_flags, key_id_of, told_error
+from .flush import NOTHING, Flush
 from .watch import Watcher
 from .wire import Desc, Kind, Record
 
@@ -453,7 +454,7 @@ class Engine:
                 flush.answered(src)
             return
         try:
-            self.send(src, wire.pack(0, 0, Kind.FLUSHED, _NOTHING), False, block=False)
+            self.send(src, wire.pack(0, 0, Kind.FLUSHED, NOTHING), False, block=False)
         except TransportError:  # its queue is full or it is gone: it stops waiting by itself
             pass
 
@@ -494,61 +495,3 @@ class Engine:
                 if self._gpu is None:
                     self._gpu = GpuCollectives(self)
         return self._gpu
-
-
-def set_result(future: concurrent.futures.Future) -> None:
-    try:
-        future.set_result(None)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-def set_error(future: concurrent.futures.Future, error: BaseException) -> None:
-    try:
-        future.set_exception(error)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-_NOTHING = Desc(np.uint8, (0,))  # the description a FLUSH or FLUSHED message carries
-
-
-class Flush:
-    """A finishing worker's question to its peers (``Engine.flush``): done once each of ``waiting``
-    said ``FLUSHED`` or finished the job, or this worker failed. Thread-safe."""
-
-    def __init__(self, engine: "Engine", waiting: set[int]) -> None:
-        self.engine = engine
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
-        self._lock = threading.Lock()
-        self._waiting = set(waiting)
-        self._unasked = set(waiting)
-        if not waiting:
-            set_result(self.future)
-
-    def retry(self) -> None:
-        """Send ``FLUSH`` to the peers not asked yet (a full queue refused it last time)."""
-        with self._lock:
-            unasked = sorted(self._unasked)
-        for rank in unasked:
-            try:
-                self.engine.send(rank, wire.pack(0, 0, Kind.FLUSH, _NOTHING), False, block=False)
-            except WouldBlock:
-                continue
-            except TransportError:  # gone: the scheduler says so, or the wait ends
-                pass
-            with self._lock:
-                self._unasked.discard(rank)
-
-    def answered(self, rank: int) -> None:
-        """``rank`` read everything (``FLUSHED``) or finished the job."""
-        with self._lock:
-            self._waiting.discard(rank)
-            self._unasked.discard(rank)
-            done = not self._waiting
-        if done:
-            set_result(self.future)
-
-    def end(self) -> None:
-        """Stop waiting (this worker failed)."""
-        set_result(self.future)
