@@ -34,8 +34,7 @@ def main() -> int:
     n = collectives.num_workers()
     rank = collectives.rank()
     measures = {}
-    kinds = [("", np.ones)] + ([("shared_", lambda count, dtype: collectives.shared_empty(count, dtype))]
-                               if plan.get("shared") else [])
+    kinds = [("", np.ones)] + ([("shared_", collectives.shared_empty)] if plan.get("shared") else [])
     for nbytes, rounds in zip(plan["sizes"], plan["rounds"]):
         for prefix, make in kinds:
             value = make(nbytes // 4, np.float32)

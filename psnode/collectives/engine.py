@@ -83,7 +83,7 @@ class Engine:
         self.malformed = 0
         self.malformed_reason = ""  # the last dropped message's, for logs and tests
         self._connected: set[int] = set()
-        self.left: set[int] = set()  # workers that finished the job
+        self._left: set[int] = set()  # workers that finished the job
         self._flush: Flush | None = None  # this worker's flush as it finishes (``flush``)
         self.watcher = Watcher(self)
         self._shared: Any = None
@@ -429,7 +429,7 @@ class Engine:
     def peer_left(self, rank: int, description: str) -> None:
         """Worker ``rank`` finished the job: ops still waiting for it fail soon (``watch.LEFT_GRACE``)."""
         with self._lock:
-            self.left.add(rank)
+            self._left.add(rank)
             flush = self._flush
         if flush is not None:
             flush.answered(rank)
@@ -442,7 +442,7 @@ class Engine:
         connections would drop it. The caller waits on ``Flush.future`` and calls ``Flush.retry``
         meanwhile (a queue that was full takes the question later)."""
         with self._lock:
-            self._flush = flush = Flush(self, self._connected - self.left)
+            self._flush = flush = Flush(self, self._connected - self._left)
         flush.retry()
         return flush
 

@@ -8,8 +8,9 @@ its own value (the ranks split the work by slices), copies that slice into its r
 ``SHM_DONE``; once every worker did, it copies the other slices of the sum out of their regions
 and says ``SHM_FREE``. A caller's array made in shared memory (``SharedRegions.shared_array``) is
 named where it lies, with its byte offset: nothing is copied into or out of a region of the op, and
-the op completes only once every peer said ``SHM_FREE``, since the peers read the caller's array. No byte crosses a socket: the messages are a few dozen bytes each. Every
-slice is summed by one worker: every worker gets the same bits.
+the op completes only once every peer said ``SHM_FREE``, since the peers read the caller's array.
+No byte crosses a socket: the messages are a few dozen bytes each. Every slice is summed by one
+worker: every worker gets the same bits.
 
 **Hierarchical** (``HierarchicalAllreduce``), when several hosts run as many workers each: the
 same, except that between ``SHM_READY`` and ``SHM_DONE`` worker ``j`` of every host runs a ring
@@ -253,18 +254,22 @@ class LocalPhase:
         self.stage = "middle"
         a, b = self.slices[self.j]
         mine = self.buf[a:b]
-        # this worker alone sums slice j: every worker reads the same bits
-        if self.middle is None:
-            sum_slice(mine, [self.theirs[rank][a:b] for rank in self.peers], None if self.in_place else self.mine[a:b])
-            self._after_middle(published=True)
+        others = [self.theirs[rank][a:b] for rank in self.peers]  # this worker alone sums slice j: the same bits everywhere
+        if self.middle is None:  # the sum is final: published block by block while still in cache
+            sum_slice(mine, others, None if self.in_place else self.mine[a:b])
+            self._say_done()
         else:
-            sum_slice(mine, [self.theirs[rank][a:b] for rank in self.peers], None)
+            sum_slice(mine, others, None)
             self.middle(mine, a, self._after_middle)
 
-    def _after_middle(self, published: bool = False) -> None:
-        a, b = self.slices[self.j]
-        if not (published or self.in_place):
+    def _after_middle(self) -> None:
+        """The rings across hosts left the slice's sum in the value: publish it (a shared array is its own region)."""
+        if not self.in_place:
+            a, b = self.slices[self.j]
             self.mine[a:b] = self.buf[a:b]
+        self._say_done()
+
+    def _say_done(self) -> None:
         for rank in self.peers:
             self.op.send(rank, Kind.SHM_DONE)
         self.stage = "done"
