@@ -24,6 +24,7 @@ import time
 from typing import Callable, TextIO
 
 from .jobstats import Row
+from .terminal import in_foreground
 
 __all__ = ["Dashboard", "render_table", "clock", "REDRAWS_PER_SECOND"]
 
@@ -137,11 +138,15 @@ class Dashboard:
 
     ``draw(width, max_lines)`` returns the table's text. ``start`` begins drawing, ``pause`` erases
     the table and stops until ``resume``, ``stop`` erases it for good (the lines held are written).
+    ``holds_terminal()`` says whether pslaunch is the terminal's foreground job (None: cannot tell);
+    it defaults to asking the terminal ``out``.
     """
 
-    def __init__(self, out: TextIO, draw: Callable[[int, int], str]) -> None:
+    def __init__(self, out: TextIO, draw: Callable[[int, int], str],
+                 holds_terminal: Callable[[], bool | None] | None = None) -> None:
         self.out = out
         self._draw = draw
+        self._holds_terminal = holds_terminal or self._foreground
         self._lock = threading.Lock()
         self._pending: list[str] = []
         self._pending_size = 0
@@ -211,16 +216,26 @@ class Dashboard:
         except (OSError, ValueError, AttributeError):
             return 120, 40
 
+    def _foreground(self) -> bool | None:
+        try:
+            return in_foreground(self.out.fileno())
+        except (OSError, ValueError, AttributeError):
+            return None
+
     def _redraw(self, table: bool) -> None:
         """Erase the table, write the held lines, draw the table (when ``table``); one write. Lock held."""
         parts = []
-        if self._height:  # to the table's first line, then clear to the end of the screen
+        # Only the foreground job draws and erases: where a shell has the terminal (pslaunch run
+        # with `&`, or a script that ran it stopped by Ctrl-Z) the lines below the table are the
+        # shell's, and a table drawn there would never be erased.
+        holds = self._holds_terminal() is not False
+        if self._height and holds:  # to the table's first line, then clear to the end of the screen
             parts.append(f"\r\x1b[{self._height}F\x1b[J")
         parts += self._pending
         self._pending.clear()
         self._pending_size = 0
         self._height = 0
-        if table:
+        if table and holds:
             columns, lines = self._size()
             try:
                 text = self._draw(columns - 1, lines - 2)

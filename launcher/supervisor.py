@@ -35,6 +35,7 @@ from .config import LaunchConfig
 from .output import Printer
 from .plan import Plan
 from .restarts import RestartLog
+from .terminal import in_foreground
 from .verdict import Failure, culprit, kind_of, notes, who
 
 __all__ = ["Supervisor", "Failure", "EXIT_TIMEOUT", "CULPRIT_WAIT"]
@@ -259,19 +260,21 @@ class Supervisor:
         """Ctrl-Z: stop every process, then pslaunch itself; SIGCONT: continue them."""
         if self._suspend_asked:
             self._suspend_asked = False
+            # The table leaves the screen first: a shell that ran pslaunch from a script has its
+            # prompt out as soon as the script stopped, and the table must be gone before that.
+            if self.observer is not None:
+                self.observer.pause()
             running = [h for h in self.handles if h.poll() is None]
             for handle in running:
                 handle.suspend()
             self.printer.note(f"stopped {len(running)} process(es) of the job (SIGTSTP); `fg` or SIGCONT continues it")
             self.printer.flush()
-            if self.observer is not None:
-                self.observer.pause()
             paused_at = time.monotonic()
             previous = signal.signal(signal.SIGTSTP, signal.SIG_DFL)
             try:
                 # SIGTSTP lets the shell's job control see a stopped job; without a terminal
                 # (an orphaned process group) the kernel would ignore it, so SIGSTOP there.
-                os.kill(os.getpid(), signal.SIGTSTP if _in_foreground() else signal.SIGSTOP)
+                os.kill(os.getpid(), signal.SIGTSTP if in_foreground() else signal.SIGSTOP)
             finally:
                 signal.signal(signal.SIGTSTP, previous)
             self._paused += time.monotonic() - paused_at
@@ -348,17 +351,3 @@ class Supervisor:
             if self.failure is not None:
                 self.printer.note(f"exit code {self.failure.exit_code}")
         self.printer.flush()
-
-
-def _in_foreground() -> bool:
-    """Whether pslaunch is the foreground job of a terminal (where job control stops it)."""
-    try:
-        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
-    except OSError:
-        return False
-    try:
-        return os.tcgetpgrp(fd) == os.getpgrp()
-    except OSError:
-        return False
-    finally:
-        os.close(fd)

@@ -98,23 +98,24 @@ def test_ctrl_z_in_a_terminal_stops_a_runtime_job_longer_than_its_heartbeat_time
         pytest.fail("tmux is missing: run scripts/test.sh (it installs tmux)")
     socket_name = f"pslaunch-{marker}"
     tmux = ["tmux", "-L", socket_name]
-    script = tmp_path / "job.sh"
-    # Heartbeats every 0.2 s, death after 1 s of silence: a 3 s stop would kill a job that counted it.
-    script.write_text(
-        f"cd {REPO}\nexport PYTHONPATH={REPO} STEPS=60 STEP_SLEEP=0.05\n"
-        f"{sys.executable} -m launcher.cli -n 2 -s 1 --command-for-all-roles --env PS_HEARTBEAT_INTERVAL:0.2 "
-        f"--env PS_HEARTBEAT_TIMEOUT:1 {sys.executable} {helper('steps_worker.py')} {marker}\necho EXIT=$?\n")
+    # pslaunch is typed at the prompt, as a user does: the shell's job is pslaunch alone, and the
+    # prompt shows the last exit status. Heartbeats every 0.2 s, death after 1 s of silence: a 3 s
+    # stop would kill a job that counted it.
+    setup = (f"cd {REPO}; export PYTHONPATH={REPO} STEPS=60 STEP_SLEEP=0.05; PS1='<rc=$?> '")
+    command = (f"{sys.executable} -m launcher.cli -n 2 -s 1 --command-for-all-roles --env PS_HEARTBEAT_INTERVAL:0.2 "
+               f"--env PS_HEARTBEAT_TIMEOUT:1 {sys.executable} {helper('steps_worker.py')} {marker}")
     pane = ""
 
     def capture() -> str:
         return subprocess.run([*tmux, "capture-pane", "-p", "-S", "-200", "-t", "job"], capture_output=True, text=True,
                               timeout=10).stdout
 
-    def wait_for(text: str, timeout: float = 60) -> str:
+    def wait_for(text: str, timeout: float = 60, after: str = "") -> str:
+        """The screen once ``text`` shows on it (after the last ``after``)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             screen = capture()
-            if text in screen:
+            if text in (screen[screen.rfind(after):] if after else screen):
                 return screen
             time.sleep(0.1)
         raise AssertionError(f"{text!r} did not appear on the terminal:\n{capture()}")
@@ -122,19 +123,23 @@ def test_ctrl_z_in_a_terminal_stops_a_runtime_job_longer_than_its_heartbeat_time
     subprocess.run([*tmux, "new-session", "-d", "-s", "job", "-x", "220", "-y", "50", "bash --norc --noprofile"],
                    check=True, timeout=10)
     try:
-        subprocess.run([*tmux, "send-keys", "-t", "job", f"bash {script}", "Enter"], check=True, timeout=10)
+        subprocess.run([*tmux, "send-keys", "-t", "job", setup, "Enter"], check=True, timeout=10)
+        wait_for("<rc=0>")
+        subprocess.run([*tmux, "send-keys", "-t", "job", command, "Enter"], check=True, timeout=10)
         wait_for("[worker.0@localhost] step 10")
         subprocess.run([*tmux, "send-keys", "-t", "job", "C-z"], check=True, timeout=10)
         pane = wait_for("Stopped")
+        # SIGTSTP's status, 128 + 20; the live table was erased before the shell wrote its lines
+        assert "<rc=148>" in wait_for("<rc=148>", after="Stopped"), pane
         job = [int(line.split(":")[0]) for line in processes_with(marker) if "steps_worker.py" in line]
         assert len(job) >= 5, processes_with(marker)  # pslaunch, the scheduler, the server, two workers
         states = _wait_states(job, {"T", "t"})
         assert set(states.values()) <= {"T", "t"}, states
         time.sleep(3)
         subprocess.run([*tmux, "send-keys", "-t", "job", "fg", "Enter"], check=True, timeout=10)
-        pane = wait_for("EXIT=", timeout=90)
-        assert "EXIT=0" in pane and "[worker.0@localhost] done 2" in pane, pane
-        assert "pslaunch: job continued" in pane, pane
+        pane = wait_for("<rc=", timeout=90, after="job continued")
+        assert "<rc=0>" in pane[pane.rfind("job continued"):], pane
+        assert "[worker.0@localhost] done 2" in pane, pane
     finally:
         subprocess.run([*tmux, "kill-server"], timeout=10)
         for line in processes_with(marker):

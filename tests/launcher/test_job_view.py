@@ -163,6 +163,22 @@ def test_the_dashboard_writes_the_lines_above_a_table_it_erases_and_draws_again_
                                    "\r\x1b[2F\x1b[J")  # erased at the end
 
 
+def test_a_dashboard_in_the_background_neither_erases_the_shells_lines_nor_draws_a_table_under_them():
+    terminal, foreground = io.StringIO(), [True]
+    board = Dashboard(terminal, lambda width, lines: "TABLE\n", holds_terminal=lambda: foreground[0])
+    board.resume()
+    assert terminal.getvalue() == "TABLE\n"
+    foreground[0] = False  # Ctrl-Z stopped the script that ran pslaunch: its shell wrote "Stopped" and a prompt
+    board.write("stdout", "[worker.0@h] late\n")
+    board.flush()
+    board.pause()
+    assert terminal.getvalue() == "TABLE\n[worker.0@h] late\n"  # no cursor moved up over the shell's lines
+    foreground[0] = True  # fg
+    board.resume()
+    board.stop()
+    assert terminal.getvalue() == "TABLE\n[worker.0@h] late\nTABLE\n\r\x1b[1F\x1b[J"
+
+
 def test_a_flood_of_lines_is_written_at_once_and_the_table_comes_back_at_the_next_redraw():
     terminal = io.StringIO()
     board = Dashboard(terminal, lambda width, lines: "TABLE\n")
