@@ -19,6 +19,11 @@ seconds, and a guard that hears nothing for the link timeout stops its command. 
    gets SIGTERM and, after the grace period, SIGKILL;
 5. when the command ends, stops what is left of its group (TERM, grace, KILL) and exits with the
    command's exit code.
+
+The link timeout is counted by a subshell that the lines reach as signals (SIGUSR1: a line came;
+SIGUSR2: ``STOP``). The guard reads no line before that subshell has set its traps (its pid comes
+back through a pipe it closes only then): a signal that came first would kill it with the signal's
+default action, and the command would run on with no link timeout.
 """
 
 from __future__ import annotations
@@ -51,10 +56,9 @@ stop() {
 }
 k=
 if [ "$l" -gt 0 ]; then
-  ( trap 'a=-1; h=0' USR1; trap 'h=1' USR2; a=0; h=0
-    while [ "$a" -lt "$l" ]; do sleep 1; [ "$h" = 1 ] || a=$((a+1)); done
-    stop ) </dev/null 3<&- &
-  k=$!
+  k=$( ( trap 'a=-1; h=0' USR1; trap 'h=1' USR2; a=0; h=0; exec >/dev/null
+         while [ "$a" -lt "$l" ]; do sleep 1; [ "$h" = 1 ] || a=$((a+1)); done
+         stop ) </dev/null 3<&- & echo "$!" )
 fi
 ( while IFS= read -r c; do
     if [ -n "$k" ]; then

@@ -82,6 +82,33 @@ def test_a_stop_holds_the_guards_link_timeout_until_the_next_line(marker):
         guard.assert_stopped_its_command()  # the clock runs again from CONT
 
 
+def test_a_stop_read_before_the_link_timeout_clock_started_still_holds_it(marker):
+    # The guard reads lines at once; the clock that counts the silence is a subshell the lines reach
+    # as signals. A STOP that reached it before it set its traps killed it (SIGUSR2's default), and
+    # the job lost its link timeout: 2 runs in 8 of the test above failed so under load. Here the
+    # clock starts 2 s late on purpose (under load a fork can be that slow), with the STOP already
+    # written: the guard must read no line before the clock is ready for it.
+    command = remote_command([sys.executable, helper("sleeper.py"), "600", marker], None, False, 1, 2)
+    assert command.count("( trap ") == 1, "the clock's subshell is not where this test delays it"
+    guard = Guard.__new__(Guard)
+    guard.marker, guard.err = marker, b""
+    guard.proc = subprocess.Popen(["sh", "-c", command.replace("( trap ", "( sleep 2; trap ")], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        guard.send(env_payload({}) + b"STOP\n")
+        guard.read_until(b"PSLAUNCH-PID")
+        time.sleep(6)  # the late start, then twice the link timeout: held
+        assert guard.proc.poll() is None and processes_with(marker), guard.err
+        guard.send(b"CONT\n")
+        guard.assert_stopped_its_command()
+    finally:
+        if guard.proc.poll() is None:
+            os.killpg(guard.proc.pid, signal.SIGKILL)
+        guard.proc.wait(10)
+        for line in processes_with(marker):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
 def test_without_a_link_timeout_the_guard_waits_for_the_end_of_its_input(marker):
     with started_guard(marker, link_timeout=0) as guard:
         time.sleep(3)
