@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from typing import Callable
 
 from launcher.guard import PING, PONG, env_payload, remote_command
 from launcher.linkwatch import LinkWatch, PongFilter
@@ -21,15 +22,17 @@ from launcher_testkit import helper, processes_with, wait_gone
 
 
 class Guard:
-    """A guard around the sleeper helper, fed through a pipe as pslaunch feeds it over ssh."""
+    """A guard around the sleeper helper, fed through a pipe as pslaunch feeds it over ssh: the
+    environment, then ``first`` in the same write. ``edit`` changes the guard's command first."""
 
-    def __init__(self, marker: str, link_timeout: float) -> None:
+    def __init__(self, marker: str, link_timeout: float, first: bytes = b"",
+                 edit: Callable[[str], str] | None = None) -> None:
         command = remote_command([sys.executable, helper("sleeper.py"), "600", marker], None, False, 1, link_timeout)
         self.marker = marker
-        self.proc = subprocess.Popen(["sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+        self.proc = subprocess.Popen(["sh", "-c", edit(command) if edit else command], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.err = b""
-        self.send(env_payload({}))
+        self.send(env_payload({}) + first)
 
     def send(self, data: bytes) -> None:
         self.proc.stdin.write(data)
@@ -49,9 +52,10 @@ class Guard:
 
 
 @contextmanager
-def started_guard(marker: str, link_timeout: float):
-    """A ``Guard`` whose command started; killed with everything it started afterwards."""
-    guard = Guard(marker, link_timeout)
+def started_guard(marker: str, link_timeout: float, **options):
+    """A ``Guard`` (``options``: its ``first`` and ``edit``) whose command started; killed with
+    everything it started afterwards."""
+    guard = Guard(marker, link_timeout, **options)
     try:
         guard.read_until(b"PSLAUNCH-PID")
         yield guard
@@ -88,25 +92,15 @@ def test_a_stop_read_before_the_link_timeout_clock_started_still_holds_it(marker
     # the job lost its link timeout: 2 runs in 8 of the test above failed so under load. Here the
     # clock starts 2 s late on purpose (under load a fork can be that slow), with the STOP already
     # written: the guard must read no line before the clock is ready for it.
-    command = remote_command([sys.executable, helper("sleeper.py"), "600", marker], None, False, 1, 2)
-    assert command.count("( trap ") == 1, "the clock's subshell is not where this test delays it"
-    guard = Guard.__new__(Guard)
-    guard.marker, guard.err = marker, b""
-    guard.proc = subprocess.Popen(["sh", "-c", command.replace("( trap ", "( sleep 2; trap ")], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        guard.send(env_payload({}) + b"STOP\n")
-        guard.read_until(b"PSLAUNCH-PID")
+    def late_clock(command: str) -> str:
+        assert command.count("( trap ") == 1, "the clock's subshell is not where this test delays it"
+        return command.replace("( trap ", "( sleep 2; trap ")
+
+    with started_guard(marker, link_timeout=2, first=b"STOP\n", edit=late_clock) as guard:
         time.sleep(6)  # the late start, then twice the link timeout: held
         assert guard.proc.poll() is None and processes_with(marker), guard.err
         guard.send(b"CONT\n")
         guard.assert_stopped_its_command()
-    finally:
-        if guard.proc.poll() is None:
-            os.killpg(guard.proc.pid, signal.SIGKILL)
-        guard.proc.wait(10)
-        for line in processes_with(marker):
-            os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
 def test_without_a_link_timeout_the_guard_waits_for_the_end_of_its_input(marker):
