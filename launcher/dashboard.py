@@ -227,8 +227,9 @@ class Dashboard:
         parts = []
         # Only the foreground job draws and erases: where a shell has the terminal (pslaunch run
         # with `&`, or a script that ran it stopped by Ctrl-Z) the lines below the table are the
-        # shell's, and a table drawn there would never be erased.
-        holds = self._holds_terminal() is not False
+        # shell's, and a table drawn there would never be erased. The terminal is asked only when
+        # there is a table to erase or draw: lines written while paused cost no system call each.
+        holds = bool(self._height or table) and self._holds_terminal() is not False
         if self._height and holds:  # to the table's first line, then clear to the end of the screen
             parts.append(f"\r\x1b[{self._height}F\x1b[J")
         parts += self._pending
