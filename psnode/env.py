@@ -80,6 +80,7 @@ class NodeEnv:
     checkpoint_dir: str | None = None
     malloc_tuning: bool = True
     restart_scope: str = "job"
+    lanes: bool = True
 
     @property
     def root_address(self) -> str:
@@ -212,6 +213,9 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     malloc_text = (_get(env, "PSLAUNCH_MALLOC_TUNING") or "on").lower()
     if malloc_text not in ("on", "off"):
         raise EnvError(f"environment variable PSLAUNCH_MALLOC_TUNING={malloc_text!r} must be on or off")
+    lanes_text = (_get(env, "PSLAUNCH_LANES") or "on").lower()
+    if lanes_text not in ("on", "off"):
+        raise EnvError(f"environment variable PSLAUNCH_LANES={lanes_text!r} must be on or off")
     bind_all_text = _get(env, "PSLAUNCH_BIND_ALL") or "0"
     if bind_all_text not in ("0", "1"):
         raise EnvError(f"environment variable PSLAUNCH_BIND_ALL={bind_all_text!r} must be 0 or 1")
@@ -273,6 +277,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         checkpoint_dir=checkpoint_dir,
         restart_scope=restart_scope,
         malloc_tuning=malloc_text == "on",
+        lanes=lanes_text == "on",
     )
 
 

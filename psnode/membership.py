@@ -40,6 +40,7 @@ class PeerInfo:
     local_name: str
     shm_probe: int = 0  # wire reference of the node's shared-memory probe (0: none)
     pid: int = 0  # its process id (a shared-memory reference from it must name this process)
+    lane_port: int = 0  # a worker's port for lanes (``psnode.lanes``) on ``host``; 0: it has none
 
     def describe(self) -> str:
         """``server 1 on 10.0.0.2:4567``: how errors name a node."""
@@ -59,11 +60,14 @@ class PeerInfo:
         if not isinstance(item, dict):
             raise ProtocolError(f"an address book entry is a {type(item).__name__}, not an object")
         try:
-            return cls(str(item["role"]), int(item["rank"]), str(item["host"]), int(item["port"]), str(item["uid"]),
+            peer = cls(str(item["role"]), int(item["rank"]), str(item["host"]), int(item["port"]), str(item["uid"]),
                        str(item["fingerprint"]), str(item["local_name"]), int(item.get("shm_probe") or 0),
-                       int(item.get("pid") or 0))
+                       int(item.get("pid") or 0), int(item.get("lane_port") or 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"a malformed address book entry: {type(exc).__name__}: {exc}") from exc
+        if not 0 <= peer.lane_port <= 65535:
+            raise ProtocolError(f"an address book entry with lane port {peer.lane_port}, not 0..65535")
+        return peer
 
 
 def host_fingerprint() -> str:

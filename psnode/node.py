@@ -24,6 +24,7 @@ from .control import CONTROL_CMDS, FailureLatch, SchedulerLink
 from .env import NodeEnv
 from .errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
 from .log import logger, setup_logging
+from .lanes import Lanes
 from .membership import SCHEDULER, Membership, PeerInfo, host_fingerprint
 from .protocol import GROUP_ROLES, Cmd, Group, parse_group, unpack_header
 from .security import secure_or_loopback
@@ -93,8 +94,10 @@ class Connection:
         self.probe = shm.probe(env.job_id) if env.same_host == "shm" else None
         uid = f"{role}@{host}:{port}"
         self.transport.identity = uid.encode()
+        self.lanes = self._open_lanes(role, host, uid)
         self.me = PeerInfo(role, -1, host, port, uid, host_fingerprint(), local_name,
-                           self.probe.ref if self.probe is not None else 0, os.getpid())
+                           self.probe.ref if self.probe is not None else 0, os.getpid(),
+                           self.lanes.port if self.lanes is not None else 0)
         self.members = Membership(role)
         self.failure = FailureLatch()
         self.link = SchedulerLink(env, self.transport, self.me, self.members, self.failure, on_worker_finished,
@@ -105,6 +108,27 @@ class Connection:
         self._after_batch = after_batch
         self._deferred = deferred
         self._next_heartbeat = 0.0
+
+    def _open_lanes(self, role: str, host: str, uid: str) -> Lanes | None:
+        """A worker's lanes for big collective messages (``psnode.lanes``), or None: not a worker, lanes
+        off (``PSLAUNCH_LANES``), encrypted connections (a lane's bytes are in the clear), a transport
+        other than ZeroMQ, or a port that cannot be bound (said in the log)."""
+        env = self.env
+        if role != "worker" or not env.lanes or env.encrypt or env.transport != "zmq":
+            return None
+        security = env.security()
+        try:
+            return Lanes.listen("" if env.bind_all else host, uid.encode(), env.job_id, security.lane_key())
+        except OSError as exc:
+            logger.warning("this worker has no lanes (cannot listen on %s: %s); its collectives go through ZeroMQ",
+                           host, exc)
+            return None
+
+    def close(self, linger: float) -> None:
+        """Close the transport (``linger`` seconds for what it still holds) and the lanes."""
+        if self.lanes is not None:
+            self.lanes.close()
+        self.transport.close(linger=linger)
 
     def serve_with(self, after_batch: Callable[[], None] | None = None, deferred: Deferred | None = None) -> None:
         """Set ``after_batch`` and ``deferred`` (for parts built after the connection, which they use)."""

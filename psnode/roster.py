@@ -6,7 +6,7 @@ reads the messages and drives them; neither sends anything.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import ProtocolError, PSNodeError
@@ -104,9 +104,7 @@ class Roster:
             raise PSNodeError(f"worker {worker_id} registered again at {peer.host}:{peer.port}, but worker "
                               f"{worker_id} already finished the job")
         del self.members[old_uid]
-        p = peer
-        new = Member(info, PeerInfo(p.role, worker_id, p.host, p.port, p.uid, p.fingerprint, p.local_name, p.shm_probe,
-                                    p.pid))
+        new = Member(info, replace(peer, rank=worker_id))
         self.members[sender] = new
         return new, old
 
@@ -136,9 +134,7 @@ class Roster:
         for rank, member in enumerate(sorted(servers, key=lambda m: (m.peer.host, m.peer.port))):
             ranks[id(member)] = rank
         for member in workers + servers:
-            p = member.peer
-            member.peer = PeerInfo(p.role, ranks[id(member)], p.host, p.port, p.uid, p.fingerprint, p.local_name,
-                                   p.shm_probe, p.pid)
+            member.peer = replace(member.peer, rank=ranks[id(member)])
 
     def of_roles(self, roles: tuple[str, ...]) -> list[bytes]:
         """The identities of the members with one of ``roles``."""

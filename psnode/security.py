@@ -73,6 +73,11 @@ class Security:
         assert self.key is not None
         return hmac.new(self.key, f"pslaunch|{label}".encode(), hashlib.sha256).digest()
 
+    def lane_key(self) -> bytes:
+        """The key a worker's lanes (``psnode.lanes``) prove themselves with, derived from the job key;
+        empty without one."""
+        return self._derive("lanes") if self.key is not None else b""
+
     def username(self, identity: bytes) -> bytes:
         """The PLAIN username of ``identity``: ``<job id>/<identity>``."""
         return self.job_id.encode() + b"/" + identity

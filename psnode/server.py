@@ -112,7 +112,7 @@ class ServerNode:
             self.checkpoints.close()
         except ClosedError:
             pass  # the transport is gone already: nobody to answer
-        self.conn.transport.close(linger=0.5)
+        self.conn.close(linger=0.5)
         if self.timeline is not None:
             self.timeline.close()
 

@@ -122,7 +122,7 @@ class WorkerNode:
         self.receiver.stop()
         self.collectives.close()
         self.requests.fail_all(ClosedError(f"worker {self.rank} aborted: {reason}"))
-        self.conn.transport.close(linger=1.0)
+        self.conn.close(linger=1.0)
         if self.timeline is not None:
             self.timeline.close()
 
@@ -161,7 +161,7 @@ class WorkerNode:
             self.receiver.stop()
             self.collectives.close()
             self.requests.fail_all(ClosedError("the worker was closed"))
-            self.conn.transport.close(linger=0.5 if error is None else 0.0)
+            self.conn.close(linger=0.5 if error is None else 0.0)
             if self.timeline is not None:
                 self.timeline.close()
         if error is not None and not isinstance(error, ClosedError) and failure.error is None:

@@ -171,10 +171,21 @@ class Op(abc.ABC):
     def waiting_for(self) -> set[int]:
         """The workers this op still needs a message from."""
 
+    def destination(self, src: int, record: Record) -> np.ndarray | None:
+        """Where the data of ``record`` from worker ``src`` belongs, asked before it is read (a lane's
+        message, ``lane_path``): a view of this op's value that ``on_message`` then gets as the data,
+        or None (it arrives in a buffer of its own). Only for a message this op expects and has not
+        taken yet (under ``lock``); by default None."""
+        return None
+
     # ---- helpers for the algorithms -------------------------------------------------------------
     def describe(self) -> str:
         """``allreduce of key 'w' (version 3)``."""
         return f"{self.label} (version {self.tag[1]})"
+
+    def seen(self, src: int, record: Record) -> bool:
+        """Whether a message with ``record``'s (sender, kind, step, segment) was taken already."""
+        return self._seen is not None and (src, record.kind, record.step, record.segment) in self._seen
 
     def first_time(self, src: int, record: Record) -> None:
         """Refuse a message that was already taken (a peer must not make a segment count twice).

@@ -48,6 +48,7 @@ from . import wire
 from .base import Op, Tag, Topology, algorithm, choose
 from .tags import Label, describe, error_flags, key_id_of, told_error
 from .flush import NOTHING, Flush
+from .lane_path import LanePath
 from .watch import Watcher
 from .wire import Desc, Kind, Record
 
@@ -89,6 +90,10 @@ class Engine:
         self._shared: Any = None
         self._gpu: Any = None
         self._choice: dict[Desc, Any] = {}  # the algorithm chosen for each value's description
+        lanes = getattr(conn, "lanes", None)
+        self.lane_path = LanePath(self, lanes) if lanes is not None else None  # big segments over plain TCP
+        if self.lane_path is not None:
+            self.lane_path.start()
 
     # ---- facts -----------------------------------------------------------------------------------
     @property
@@ -273,37 +278,60 @@ class Engine:
             self._drop_if_finished(op)
 
     def on_message(self, peer: PeerInfo, key_id: int, version: int, frames: list) -> None:
-        """Take one ``COLL`` message of worker ``peer`` (the receiving thread)."""
+        """Take one ``COLL`` message of worker ``peer`` from the transport (the receiving thread)."""
         tag = (key_id, version)
         if peer.role != "worker" or not 0 <= peer.rank < len(self.conn.members.workers):
             self._malformed(peer, f"a collective message from {peer.describe()}, not a worker of the job")
             return
-        src = peer.rank
         try:
             record, data = wire.unpack(frames)
         except ProtocolError as exc:
-            with self._lock:
-                op = self.ops.get(tag)
-            if op is None:
-                self._malformed(peer, str(exc))
-            else:
-                self.abort(op, ProtocolError(f"worker {src} sent a malformed message for {op.describe()}: {exc}"))
+            self._refuse(peer, tag, str(exc))
             return
+        self.take(peer, tag, record, data)
+
+    def _refuse(self, peer: PeerInfo, tag: Tag | None, why: str) -> None:
+        """A malformed message of ``peer``: fail the op it names on every worker, else count it."""
+        with self._lock:
+            op = self.ops.get(tag) if tag is not None else None
+        if op is None:
+            self._malformed(peer, why)
+        else:
+            self.abort(op, ProtocolError(f"worker {peer.rank} sent a malformed message for {op.describe()}: {why}"))
+
+    def lane_refused(self, peer: PeerInfo, prefix: bytes, why: str) -> None:
+        """The lane from ``peer`` closed on a message no collective sends (``lane_path``)."""
+        tag = wire.peek_tag(prefix)
+        self._refuse(peer, tag, f"{why} (on its lane, which this worker closed)")
+
+    def destination(self, src: int, tag: Tag, record: Record) -> np.ndarray | None:
+        """Where the op ``tag`` wants the data of ``record`` from worker ``src`` read (``Op.destination``), or None."""
+        with self._lock:
+            op = self.ops.get(tag)
+        if op is None:
+            return None
+        with op.lock:
+            return None if op.finished else op.destination(src, record)
+
+    def take(self, peer: PeerInfo, tag: Tag, record: Record, data: Any) -> bool:
+        """Take one checked message of worker ``peer`` (from the transport or a lane); True when it
+        finished its op."""
+        src = peer.rank
         if record.kind == Kind.GO:
             self.gpu.on_go(src, tag, record)
-            return
+            return False
         if record.kind in (Kind.FLUSH, Kind.FLUSHED):
             self._flush_message(src, record.kind)
-            return
+            return False
         with self._lock:
             op = self.ops.get(tag)
             if op is None:
                 self._keep_early(tag, src, record, data)
-                return
+                return False
         with op.lock:
             if op.finished:
                 self._malformed(peer, f"a message for {op.describe()}, which expects no more")
-                return
+                return False
             try:
                 self._feed(op, src, record, data)
             except PSNodeError as exc:  # a death is announced to every worker by the scheduler
@@ -311,6 +339,7 @@ class Engine:
             except Exception as exc:
                 self.abort(op, PSNodeError(f"{op.describe()} failed on worker {self.rank}: {type(exc).__name__}: {exc}"))
         self._drop_if_finished(op)
+        return op.finished
 
     def _feed(self, op: Op, src: int, record: Record, data: Any) -> None:
         if record.kind == Kind.ERROR:
@@ -366,12 +395,28 @@ class Engine:
             TransportError, ClosedError: as the transport does (``WouldBlock``: a full queue, ``block=False``).
         """
         peer = self.conn.members.workers[rank]
+        if track and self.lane_path is not None:
+            tracker = self.lane_path.send(peer, frames)
+            if tracker is not None:  # its op completes once it was written: no flush needed
+                return tracker
         uid = peer.uid.encode()
         if rank not in self._connected:
             transport = self.conn.transport
             transport.connect(uid, endpoint_of(peer, transport, self.conn.me.fingerprint, self.conn.env.same_host))
             self._connected.add(rank)
         return self.conn.transport.send(uid, frames, track=track, block=block)
+
+    def send_on_transport(self, peer: PeerInfo, frames: list) -> None:
+        """Send ``frames`` to the worker ``peer`` (the process the lane was opened to, not whoever holds
+        its rank now) through the node's transport, copied: a lane gave them back.
+
+        Raises:
+            TransportError, ClosedError: as the transport does.
+        """
+        transport = self.conn.transport
+        transport.connect(peer.uid.encode(), endpoint_of(peer, transport, self.conn.me.fingerprint,
+                                                         self.conn.env.same_host))
+        transport.send(peer.uid.encode(), frames, track=False)
 
     def complete(self, op: Op) -> None:
         """Complete ``op``'s future now, or once its tracked sends have left (the helper thread)."""

@@ -371,6 +371,9 @@ class HierarchicalAllreduce(ShmAllreduce):
             return
         self.phase.on_message(src, record, data)
 
+    def destination(self, src: int, record: Record) -> np.ndarray | None:
+        return self.ring.destination(src, record) if self.ring is not None else None
+
     def waiting_for(self) -> set[int]:
         waiting = self.phase.waiting_for()
         if self.phase.stage == "middle":

@@ -64,6 +64,23 @@ class RingState:
             self.on_message(*message)
         self._check_done()
 
+    def destination(self, src: int, record: Record) -> np.ndarray | None:
+        """An allgather segment from the left this ring expects and has not taken: its place in the value.
+
+        It is safe to write there while the ring runs: that part of the value last left this worker
+        as a reduce-scatter segment, which its right neighbour read before the sum could come round.
+        """
+        if not self.started or record.kind != Kind.RING_AG or src != self.left or record.step >= self.n - 1:
+            return None
+        segments = self.segments[(self.pos - record.step) % self.n]
+        s = record.segment
+        if s >= len(segments):
+            return None
+        a, b = segments[s]
+        if (record.offset, record.count) != (self.base + a, b - a) or self.op.seen(src, record):
+            return None
+        return self.buf[a:b]
+
     def on_message(self, src: int, record: Record, data: Any) -> None:
         """Add (reduce-scatter) or copy (allgather) one segment from the left and pass it on.
 
@@ -96,7 +113,8 @@ class RingState:
             else:  # this chunk is summed over the whole ring: the allgather starts with it
                 op.send(self.right, Kind.RING_AG, 0, s, self.base + a, b - a, data=view)
         else:
-            np.copyto(view, incoming)
+            if incoming.ctypes.data != view.ctypes.data:  # else it was read in place (``destination``)
+                np.copyto(view, incoming)
             self.to_gather -= 1
             if k < n - 2:
                 op.send(self.right, Kind.RING_AG, k + 1, s, self.base + a, b - a, data=view)
@@ -126,6 +144,9 @@ class RingAllreduce(Op):
 
     def on_message(self, src: int, record: Record, data: Any) -> None:
         self.ring.on_message(src, record, data)
+
+    def destination(self, src: int, record: Record) -> np.ndarray | None:
+        return self.ring.destination(src, record)
 
     def waiting_for(self) -> set[int]:
         return self.ring.waiting_for()

@@ -35,10 +35,10 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from ..errors import ProtocolError
-from ..protocol import Cmd, pack_header
+from ..protocol import HEADER, Cmd, pack_header, unpack_header
 
 __all__ = ["RECORD", "Kind", "Record", "Desc", "DTYPES", "dtype_code", "dtype_of", "shape_crc", "pack", "unpack",
-           "MAX_ERROR"]
+           "MAX_ERROR", "PREFIX", "LANE_KINDS", "unpack_prefix", "peek_tag"]
 
 RECORD = struct.Struct("<HBBIIIQQQQ")
 _RECORD_SIZE = RECORD.size
@@ -204,3 +204,44 @@ def unpack(frames: list) -> tuple[Record, Any]:
         raise ProtocolError(f"a collective message of {size} data bytes for {record.count} elements of "
                             f"{itemsize} bytes")
     return record, data
+
+
+PREFIX = HEADER.size + _RECORD_SIZE
+"""Bytes before the data of a message on a lane (``psnode.lanes``): its header and record frames."""
+
+LANE_KINDS = frozenset({int(Kind.RING_RS), int(Kind.RING_AG), int(Kind.BCAST), int(Kind.GATHER)})
+"""The kinds that travel on lanes: a segment of a value, always with data."""
+
+
+def unpack_prefix(prefix: bytes) -> tuple[int, int, Record, int]:
+    """The tag (key id, version), record and data bytes of a lane message's ``prefix``, checked
+    before a byte of its data is read.
+
+    Raises:
+        ProtocolError: not a collective's header, a kind that does not travel on lanes, an unknown
+            dtype, or elements outside the collective.
+    """
+    if len(prefix) != PREFIX:
+        raise ProtocolError(f"a lane message prefix of {len(prefix)} bytes, not {PREFIX}")
+    cmd, _, key_id, version = unpack_header(prefix[:HEADER.size])
+    if cmd != Cmd.COLL:
+        raise ProtocolError(f"a lane message with command {Cmd(cmd).name}, not {Cmd.COLL.name}")
+    record = _make_record(RECORD.unpack_from(prefix, HEADER.size))
+    if record.kind not in LANE_KINDS:
+        raise ProtocolError(f"a lane message of kind {record.kind}, which does not travel on lanes")
+    code = record.dtype
+    if not 1 <= code <= _NDTYPES:
+        dtype_of(code)  # raises, naming it
+    if record.offset + record.count > record.total:
+        raise ProtocolError(f"a collective message with elements {record.offset}..{record.offset + record.count} "
+                            f"of a collective of {record.total}")
+    return key_id, version, record, record.count * _ITEMSIZES[code]
+
+
+def peek_tag(prefix: bytes) -> tuple[int, int] | None:
+    """The tag a lane message's ``prefix`` names, if its header is a collective's; else None."""
+    try:
+        cmd, _, key_id, version = unpack_header(prefix[:HEADER.size])
+    except ProtocolError:
+        return None
+    return (key_id, version) if cmd == Cmd.COLL else None

@@ -51,6 +51,18 @@ def test_a_worker_that_finishes_before_a_slow_peer_read_its_last_messages_still_
     run_ok("late_reader.py", 2, timeout=60)
 
 
+@pytest.mark.parametrize("workers,same_host,lanes", [(3, "tcp", "on"), (4, "tcp", "on"), (2, "tcp", "off"),
+                                                     (2, "shm", "on")])
+def test_big_segments_to_workers_reached_over_tcp_travel_on_lanes_and_every_sum_is_exact(workers, same_host, lanes):
+    results = run_ok("lane_sums.py", workers, {"PSLAUNCH_SAME_HOST": same_host, "PSLAUNCH_LANES": lanes})
+    counts = [int(c) for r in results for c in re.findall(r"^OK \d+ lane messages (\d+)$", r.output, re.M)]
+    assert len(counts) == workers, "\n".join(map(str, results))
+    if same_host == "tcp" and lanes == "on":
+        assert min(counts) > 0, counts
+    else:  # lanes off, or every peer on the same-host path: nothing takes a lane
+        assert counts == [0] * workers, counts
+
+
 def test_pushes_started_in_different_orders_by_the_workers_meet_by_key_and_version():
     run_ok("reordered.py", 3, {"PSLAUNCH_SAME_HOST": "tcp"})
 

@@ -27,6 +27,7 @@ from psnode.protocol import ENTRY_STRUCT, Cmd, pack_header, pack_json, pack_valu
 from psnode.testing import LocalJob, job_env
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "kvcore" / "dist_scripts"
+ALLREDUCE_SCRIPTS = Path(__file__).resolve().parents[1] / "kvcore" / "allreduce_scripts"
 MIB = 1 << 20
 # a ZMTP 3.0 greeting offering the NULL mechanism (what any ZeroMQ socket without credentials sends)
 GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
@@ -234,3 +235,49 @@ def test_without_a_key_a_huge_frame_is_cut_off_before_it_is_buffered(tmp_path):
         results = job.wait(60)
     assert all(r.returncode == 0 for r in results), "\n".join(map(str, results))
     assert after - before < 8 * 1024, f"the server grew from {before} to {after} KiB while {sent} MiB streamed"
+
+
+def _refused(raw: socket.socket) -> bool:
+    """True once the job closed ``raw`` without a byte more than the handshake's answer."""
+    raw.settimeout(15)
+    try:
+        while raw.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def test_a_stranger_on_a_workers_lane_port_is_refused_and_the_sums_stay_exact(tmp_path):
+    go = tmp_path / "go"
+    with LocalJob(2, 0, worker=[str(ALLREDUCE_SCRIPTS / "lane_sums.py"), str(go)],
+                  env={"PSLAUNCH_SAME_HOST": "tcp"}) as job:
+        lanes = [job.wait_for_line("worker", i, r"^LANE (\d+) (\S+)").groups() for i in range(2)]
+        assert all(int(port) for port, _ in lanes), lanes
+        for port, identity in lanes:
+            with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as raw:  # garbage
+                try:
+                    raw.sendall(b"\x00\xff" * 50000)
+                except (ConnectionResetError, BrokenPipeError):
+                    pass
+                assert _refused(raw)
+            with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as raw:
+                # a worker's opening, a proof made without the key, then a segment of 1e9s
+                me, other = b"worker@127.0.0.1:1", identity.encode()
+                raw.sendall(b"PSLANE\x01\x00" + struct.pack("<H", len(me)) + me + struct.pack("<H", len(other))
+                            + other + b"\x00" * 16)
+                assert len(raw.recv(48, socket.MSG_WAITALL)) == 48  # the worker's nonce and proof: it took the opening
+                try:
+                    raw.sendall(b"\x00" * 32 + np.full(300_001, 1e9, np.float32).tobytes())
+                except (ConnectionResetError, BrokenPipeError):
+                    pass  # refused while the segment was still going out
+                assert _refused(raw)
+        go.write_text("go")
+        results = job.wait(60)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(map(str, failed))
+    workers = [r for r in results if r.role == "worker"]
+    assert sum(r.output.count("OK ") for r in workers) == 2  # exact sums, on lanes
+    assert all(int(re.search(r"lane messages (\d+)", r.output).group(1)) > 0 for r in workers)
+    for r in workers:
+        assert "refused a lane from 127.0.0.1" in r.output, r
