@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.netns import BENCH_RANGE, NetnsCluster, process_alive, usable
+from psnode.testing import LocalJob
 
 pytestmark = pytest.mark.netns
 REPO = Path(__file__).resolve().parent.parent
@@ -119,3 +120,21 @@ def test_the_capped_link_benchmark_runs_pslaunch_across_the_shaped_link(tmp_path
     assert row["measure"] == f"pushpull_{1 << 20}" and row["pslaunch_tcp"]["bytes_per_s"] > 0
     assert report["line_rate_bytes_per_s"] == 25e6 and report["tcp_stream"]["bytes_per_s"] > 0
     assert "pushpull 1 MiB" in res.stdout and "raw TCP stream" in res.stdout
+
+
+def test_workers_on_two_hosts_sum_exactly_with_the_rings_across_hosts_on_lanes():
+    # two workers on each of two hosts: the hierarchical allreduce sums within each host through
+    # shared memory and runs its rings across the hosts' link, whose big segments take the lanes
+    script = str(REPO / "tests" / "kvcore" / "allreduce_scripts" / "lane_sums.py")
+    with NetnsCluster(nics=("eth0", "eth0")) as cluster:
+        root = cluster.address("h1")
+        with LocalJob(4, 0, start_scheduler=False, root_uri=root) as job:
+            job.start("scheduler", 0, cluster.run_in("h1", [sys.executable, "-m", "psnode", "scheduler"]))
+            for i, host in enumerate(("h1", "h1", "h2", "h2")):
+                job.start("worker", i, cluster.run_in(host, [sys.executable, script]), {"DMLC_WORKER_ID": str(i)},
+                          node_host=cluster.address(host))
+            results = job.wait(120)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(map(str, failed))
+    counts = [int(c) for r in results for c in re.findall(r"^OK \d+ lane messages (\d+)$", r.output, re.M)]
+    assert len(counts) == 4 and min(counts) > 0, ("\n".join(map(str, results)), counts)
