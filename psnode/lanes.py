@@ -26,11 +26,11 @@ they keep other protocols' bytes out, not other users. Under ``PSLAUNCH_ENCRYPT=
 lanes (their bytes would be in the clear).
 
 **Messages** after the handshake: a fixed-size prefix (its size, ``Receiver.prefix_size``, and its
-meaning are the receiver's), then a body whose length the receiver derives from the prefix. The
+meaning are the receiver's), then a body whose length the receiver derives from the prefix (``parse``). The
 receiver checks the prefix before a byte of the body is read, may name where the body goes (read
 straight into it), and gets the message. Whatever it refuses closes the lane: a stream whose framing
 is in doubt cannot be trusted further. Nothing a peer sends makes this process allocate more than the
-receiver's ``body_size`` allows.
+receiver's ``parse`` allows.
 
 **Failure.** A lane that cannot be opened or breaks hands what it still holds to the ``fallback``
 the caller gave (the collectives resend it through ZeroMQ) and is not used again: a peer that died
@@ -73,17 +73,18 @@ class Receiver(Protocol):
 
     prefix_size: int
 
-    def body_size(self, peer: Any, prefix: bytes) -> int:
-        """Bytes of the body that follows ``prefix``.
+    def parse(self, peer: Any, prefix: bytes) -> tuple[int, Any]:
+        """The bytes of the body that follows ``prefix``, and what the prefix says (the receiver's
+        own, handed back to ``destination`` and ``deliver``).
 
         Raises:
             ProtocolError: a prefix this worker does not take (the lane closes; the message names why).
         """
 
-    def destination(self, peer: Any, prefix: bytes, size: int) -> Any:
+    def destination(self, peer: Any, message: Any, size: int) -> Any:
         """A writable buffer of ``size`` bytes the body is read straight into, or None."""
 
-    def deliver(self, peer: Any, prefix: bytes, body: Any) -> None:
+    def deliver(self, peer: Any, message: Any, body: Any) -> None:
         """Take one whole message (``body``: the destination, or a buffer of the lane's)."""
 
     def refused(self, peer: Any, prefix: bytes, why: str) -> None:
@@ -367,8 +368,8 @@ class Lanes:
             while True:
                 _recv_exact(sock, prefix_view)
                 prefix = bytes(prefix_buf)
-                size = receiver.body_size(peer, prefix)
-                body = receiver.destination(peer, prefix, size) if size else None
+                size, message = receiver.parse(peer, prefix)
+                body = receiver.destination(peer, message, size) if size else None
                 if body is None:
                     # The lane's own buffer, reused while nobody kept the last message's: a deliver
                     # that keeps it (a collective not started here yet) holds a reference to it.
@@ -378,8 +379,8 @@ class Lanes:
                     _recv_exact(sock, body)
                 else:
                     _recv_exact(sock, memoryview(body).cast("B"))
-                receiver.deliver(peer, prefix, body)
-                del body
+                receiver.deliver(peer, message, body)
+                del body, message
         except ProtocolError as exc:
             logger.warning("closed the lane from %s: %s", where, exc)
             receiver.refused(peer, prefix, str(exc))

@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import ProtocolError
 from ..membership import PeerInfo, endpoint_of
 from . import wire
+from .base import Tag
 
 __all__ = ["LanePath", "LANE_MAX"]
 
@@ -70,31 +71,29 @@ class LanePath:
                                lambda again: self.engine.send_on_transport(peer, again))
 
     # ---- receiving (each lane's thread) ----------------------------------------------------------------
-    def body_size(self, peer: PeerInfo, prefix: bytes) -> int:
-        """Data bytes after ``prefix``.
+    def parse(self, peer: PeerInfo, prefix: bytes) -> tuple[int, tuple[Tag, wire.Record]]:
+        """Data bytes after ``prefix``, and its tag and record.
 
         Raises:
             ProtocolError: a prefix no collective sends on a lane, or more data than a lane carries.
         """
-        size = wire.unpack_prefix(prefix)[3]
+        key_id, version, record, size = wire.unpack_prefix(prefix)
         if size > LANE_MAX:
             raise ProtocolError(f"a lane message of {size} data bytes (at most {LANE_MAX})")
-        return size
+        return size, ((key_id, version), record)
 
-    def destination(self, peer: PeerInfo, prefix: bytes, size: int) -> Any:
+    def destination(self, peer: PeerInfo, message: tuple[Tag, wire.Record], size: int) -> Any:
         """Where the op of this message wants its data read, or None."""
-        key_id, version, record, _ = wire.unpack_prefix(prefix)
-        view = self.engine.destination(peer.rank, (key_id, version), record)
+        view = self.engine.destination(peer.rank, *message)
         if view is None or view.nbytes != size:
             return None
         return view.view(np.uint8)
 
-    def deliver(self, peer: PeerInfo, prefix: bytes, body: Any) -> None:
+    def deliver(self, peer: PeerInfo, message: tuple[Tag, wire.Record], body: Any) -> None:
         """Give the message to the engine, as one from the transport."""
-        key_id, version, record, _ = wire.unpack_prefix(prefix)
         with self._count_lock:
             self.received += 1
-        if self.engine.take(peer, (key_id, version), record, body):
+        if self.engine.take(peer, message[0], message[1], body):
             self.engine.conn.transport.wake()  # a caller may wait in the transport's poll: nothing else comes there
 
     def refused(self, peer: PeerInfo, prefix: bytes, why: str) -> None:

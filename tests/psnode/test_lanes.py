@@ -35,21 +35,21 @@ class Inbox:
         self.refusals: list[str] = []
         self.changed = threading.Condition()
 
-    def body_size(self, peer, prefix: bytes) -> int:
-        size, _ = PREFIX.unpack(prefix)
+    def parse(self, peer, prefix: bytes) -> tuple[int, int]:
+        size, place = PREFIX.unpack(prefix)
         if size > LIMIT:
             raise ProtocolError(f"a body of {size} bytes (at most {LIMIT})")
-        return size
+        return size, place
 
-    def destination(self, peer, prefix: bytes, size: int):
-        place = self.places.get(PREFIX.unpack(prefix)[1])
-        return place if place is not None and place.nbytes == size else None
+    def destination(self, peer, place: int, size: int):
+        array = self.places.get(place)
+        return array if array is not None and array.nbytes == size else None
 
-    def deliver(self, peer, prefix: bytes, body) -> None:
-        place = self.places.get(PREFIX.unpack(prefix)[1])
-        in_place = place is not None and np.shares_memory(np.frombuffer(body, np.uint8), place)
+    def deliver(self, peer, place: int, body) -> None:
+        array = self.places.get(place)
+        in_place = array is not None and np.shares_memory(np.frombuffer(body, np.uint8), array)
         with self.changed:
-            self.messages.append((peer, PREFIX.unpack(prefix)[1], bytes(body), in_place))
+            self.messages.append((peer, place, bytes(body), in_place))
             self.changed.notify_all()
 
     def refused(self, peer, prefix: bytes, why: str) -> None:
@@ -127,9 +127,9 @@ def test_a_message_the_reader_kept_is_not_overwritten_by_the_next_one():
     kept = []
 
     class Keeper(Inbox):
-        def deliver(self, peer, prefix, body):
+        def deliver(self, peer, place, body):
             kept.append(np.frombuffer(body, np.uint8))  # a view, as a collective not started yet keeps it
-            super().deliver(peer, prefix, body)
+            super().deliver(peer, place, body)
 
     with Pair() as pair:
         pair.inbox.__class__ = Keeper
