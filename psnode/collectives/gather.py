@@ -25,6 +25,22 @@ def _segments(total: int, itemsize: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, total)) for a in range(0, total, step)]
 
 
+def _place(op: Op, src: int, record: Record, segments: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The elements of segment ``record.segment`` when ``record`` names them exactly and it was not
+    taken yet (``Op.destination``), else None."""
+    s = record.segment
+    if s >= len(segments) or (record.offset, record.count) != (segments[s][0], segments[s][1] - segments[s][0]):
+        return None
+    return None if op.seen(src, record) else segments[s]
+
+
+def _copy_in(place: np.ndarray, data: Any) -> None:
+    """Copy a segment's data into ``place``, unless it was read there already (``destination``)."""
+    incoming = np.frombuffer(data, place.dtype, len(place))
+    if incoming.ctypes.data != place.ctypes.data:
+        np.copyto(place, incoming)
+
+
 def _check_segment(op: Op, src: int, record: Record, segments: list[tuple[int, int]]) -> tuple[int, int]:
     s = record.segment
     if s >= len(segments) or (record.offset, record.count) != (segments[s][0], segments[s][1] - segments[s][0]):
@@ -76,10 +92,17 @@ class Broadcast(Op):
             raise ProtocolError(f"worker {src} sent a broadcast from worker {record.step} for {self.describe()}, "
                                 f"which worker {self.engine.rank} expects from worker {self.root}")
         a, b = _check_segment(self, src, record, self.segments)
-        np.copyto(self.buf[a:b], np.frombuffer(data, self.buf.dtype, b - a))
+        _copy_in(self.buf[a:b], data)
         self.remaining -= 1
         if self.remaining == 0:
             self.send(self.root, Kind.ACK)
+
+    def destination(self, src: int, record: Record) -> np.ndarray | None:
+        if (self.engine.rank == self.root or record.kind != Kind.BCAST or src != self.root
+                or record.step != self.root):
+            return None
+        place = _place(self, src, record, self.segments)
+        return None if place is None else self.buf[place[0]:place[1]]
 
     def _check(self) -> None:
         if self.finished:
@@ -124,10 +147,15 @@ class Allgather(Op):
         if record.kind != Kind.GATHER or src not in self.remaining:
             raise ProtocolError(f"worker {src} sent an unexpected message (kind {record.kind}) for {self.describe()}")
         a, b = _check_segment(self, src, record, self.segments)
-        row = self.rows[src]
-        np.copyto(row[a:b], np.frombuffer(data, row.dtype, b - a))
+        _copy_in(self.rows[src][a:b], data)
         self.remaining[src] -= 1
         self._check()
+
+    def destination(self, src: int, record: Record) -> np.ndarray | None:
+        if record.kind != Kind.GATHER or src not in self.remaining:
+            return None
+        place = _place(self, src, record, self.segments)
+        return None if place is None else self.rows[src][place[0]:place[1]]
 
     def _check(self) -> None:
         if not self.finished and not any(self.remaining.values()):

@@ -468,3 +468,28 @@ def test_an_error_names_a_fused_keys_group_by_its_first_keys_and_count_not_all_o
     assert text == "allreduce of key ('kv', ('k0', 'k1', 'k2', 'k3', 'k4', ... 1000 in all), 979, 1000)", text
     assert str(Label("allreduce", ("w",))) == "allreduce of key ('w',)"
     assert len(str(Label("broadcast", "x" * 5000))) < 400
+
+
+def test_a_ring_names_the_place_of_an_allgather_segment_it_expects_and_of_nothing_else():
+    # what a lane reads straight into the value (lane_path): only a segment the ring expects next
+    with Started(job_of(2, (0, 1))) as ws:
+        n = 2 * DIRECT_MAX // 4  # two chunks of one segment each
+        half = n // 2
+        value = np.ones(n, np.int32)
+        engine = ws[1].collectives
+        future = engine.allreduce("place", value, algorithm_name="ring")
+        desc, tag = Desc(np.int32, (n,)), (key_id_of("place"), 0)
+
+        def record(kind, offset, src_step=0, segment=0, count=half):
+            return wire.Record(kind, desc.code, 0, desc.crc, src_step, segment, n, offset, count, 0)
+
+        place = engine.destination(0, tag, record(Kind.RING_AG, half))  # worker 1 gathers chunk 1 first
+        assert place is not None and np.shares_memory(place, value) and place.ctypes.data == value[half:].ctypes.data
+        assert engine.destination(0, tag, record(Kind.RING_RS, 0)) is None  # summed: it lands in a buffer
+        assert engine.destination(0, tag, record(Kind.RING_AG, 0)) is None  # another chunk's elements
+        assert engine.destination(0, tag, record(Kind.RING_AG, half, segment=1)) is None  # no such segment
+        assert engine.destination(1, tag, record(Kind.RING_AG, half)) is None  # not its left neighbour
+        assert engine.destination(0, (tag[0], 1), record(Kind.RING_AG, half)) is None  # not started
+        mine = ws[0].collectives.allreduce("place", np.ones(n, np.int32), algorithm_name="ring")
+        assert finish(ws, [mine, future]) == [None, None] and np.all(value == 2)
+        assert engine.destination(0, tag, record(Kind.RING_AG, half)) is None  # done
