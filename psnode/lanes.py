@@ -61,6 +61,7 @@ __all__ = ["Lanes", "Receiver", "Tracker", "MAGIC", "HANDSHAKE_TIMEOUT", "CONNEC
 MAGIC = b"PSLANE\x01\x00"
 HANDSHAKE_TIMEOUT = 10.0  # seconds for each step of the handshake (a peer that says nothing is dropped)
 CONNECT_TIMEOUT = 10.0
+MAX_HANDSHAKES = 32  # handshakes under way at once; more connections are closed at once
 _NONCE = 16
 _MAC = 32
 _MAX_IDENTITY = 512
@@ -269,6 +270,9 @@ class Lanes:
         self._receiver: Receiver | None = None
         self._known: Callable[[bytes], Any] | None = None
         self._accepting: threading.Thread | None = None
+        self._handshaking = 0  # connections accepted whose handshake is under way
+        self._refusals = 0  # refused since the last one logged
+        self._next_refusal_log = 0.0
 
     @classmethod
     def listen(cls, host: str, identity: bytes, job: str, key: bytes) -> "Lanes":
@@ -304,8 +308,28 @@ class Lanes:
                 sock, address = self._listener.accept()
             except OSError:
                 return  # closed
+            with self._lock:
+                busy = self._handshaking >= MAX_HANDSHAKES
+                if not busy:
+                    self._handshaking += 1
+            if busy:  # a flood of connections that do not finish their handshake: no thread each
+                self._refuse(f"{address[0]}:{address[1]}", f"{MAX_HANDSHAKES} handshakes are already under way")
+                sock.close()
+                continue
             threading.Thread(target=self._read, args=(sock, address), name=f"psnode-lane-from-{address[0]}",
                              daemon=True).start()
+
+    def _refuse(self, where: str, why: str) -> None:
+        """Log a refused connection: at most one line a second, with how many were not logged."""
+        now = time.monotonic()
+        with self._lock:
+            self._refusals += 1
+            if now < self._next_refusal_log:
+                return
+            self._next_refusal_log = now + 1.0
+            unlogged, self._refusals = self._refusals - 1, 0
+        more = f" ({unlogged} more refused in the last second, not logged)" if unlogged else ""
+        logger.warning("refused a lane from %s: %s%s", where, why, more)
 
     def _handshake(self, sock: socket.socket, address: Any) -> tuple[bytes, Any]:
         """The opener's identity and peer, once it proved that it holds the key.
@@ -347,9 +371,12 @@ class Lanes:
         try:
             opener, peer = self._handshake(sock, address)
         except (OSError, EOFError, ProtocolError) as exc:
-            logger.warning("refused a lane from %s: %s", where, exc)
+            self._refuse(where, str(exc))
             sock.close()
             return
+        finally:
+            with self._lock:
+                self._handshaking -= 1
         with self._lock:
             old = self._in.get(opener)
             if self.closed:

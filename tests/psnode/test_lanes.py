@@ -244,3 +244,23 @@ def test_closing_ends_every_lane_thread_and_what_was_queued_still_arrives():
         pair.a.close()  # the opener closes at once: what it queued is written, then its end is shut
         pair.inbox.wait(lambda: len(pair.inbox.messages) == 20)
         assert [m[2][:1] for m in pair.inbox.messages] == [bytes([i]) for i in range(20)]
+
+
+def test_connections_beyond_the_handshakes_under_way_are_closed_at_once_and_the_port_serves_again(monkeypatch, caplog):
+    monkeypatch.setattr(lanes_module, "MAX_HANDSHAKES", 2)
+    with caplog.at_level(logging.WARNING, logger="psnode"), Pair() as pair:
+        silent = [socket.create_connection(("127.0.0.1", pair.b.port), timeout=10) for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 10
+            while pair.b._handshaking < 2:  # both accepted, saying nothing
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with socket.create_connection(("127.0.0.1", pair.b.port), timeout=10) as third:
+                start = time.monotonic()
+                assert _closed_by_peer(third) and time.monotonic() - start < 5
+        finally:
+            for sock in silent:
+                sock.close()
+        pair.send(b"after")
+        pair.inbox.wait(lambda: len(pair.inbox.messages) == 1)
+    assert any("2 handshakes are already under way" in r.message for r in caplog.records), caplog.text
