@@ -261,6 +261,10 @@ def test_connections_beyond_the_handshakes_under_way_are_closed_at_once_and_the_
         finally:
             for sock in silent:
                 sock.close()
+        deadline = time.monotonic() + 10
+        while pair.b._handshaking:  # the closed ones' handshakes ended (a worker opening meanwhile is refused too)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         pair.send(b"after")
         pair.inbox.wait(lambda: len(pair.inbox.messages) == 1)
     assert any("2 handshakes are already under way" in r.message for r in caplog.records), caplog.text
