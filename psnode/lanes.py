@@ -216,6 +216,9 @@ class _OutLane:
             except OSError as exc:  # the peer cannot have read this message whole: it goes again
                 self._give_up(f"the lane to {self.describe} broke: {exc}", [item], warn=False)
                 return
+            except Exception as exc:  # a bug: the lane's messages must still go, or their ops would wait
+                self._give_up(f"the lane to {self.describe} failed: {type(exc).__name__}: {exc}", [item], warn=True)
+                return
             tracker.set()
         try:
             sock.shutdown(socket.SHUT_WR)  # what the kernel holds still reaches the peer
@@ -245,6 +248,8 @@ class _OutLane:
                     self.fallback(list(buffers))
                 except PSNodeError as exc:  # the peer is gone too: the scheduler says so
                     logger.info("resending a message for %s failed: %s", self.describe, exc)
+                except Exception as exc:  # a bug: say it, and still free the message's op
+                    logger.error("resending a message for %s failed: %s: %s", self.describe, type(exc).__name__, exc)
             tracker.set()
         if self.sock is not None:
             self.sock.close()

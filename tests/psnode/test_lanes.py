@@ -268,3 +268,18 @@ def test_connections_beyond_the_handshakes_under_way_are_closed_at_once_and_the_
         pair.send(b"after")
         pair.inbox.wait(lambda: len(pair.inbox.messages) == 1)
     assert any("2 handshakes are already under way" in r.message for r in caplog.records), caplog.text
+
+
+def test_a_message_the_lane_cannot_write_takes_the_fallback_and_its_tracker_is_done(caplog):
+    class Unwritable:  # a buffer the kernel cannot take: the lane's thread must not die with it
+        def __len__(self):
+            return 3
+
+    with caplog.at_level(logging.WARNING, logger="psnode"), Pair() as pair:
+        pair.send(b"first")
+        pair.inbox.wait(lambda: len(pair.inbox.messages) == 1)
+        tracker = pair.a.send(b"worker@b", ("127.0.0.1", pair.b.port), "worker b", [PREFIX.pack(3, 0), Unwritable()],
+                              pair.fallback.append)
+        tracker.wait(10)
+        assert len(pair.fallback) == 1 and pair.fallback[0][0] == PREFIX.pack(3, 0)
+    assert any("the lane to worker b failed: TypeError" in r.message for r in caplog.records), caplog.text
