@@ -31,7 +31,8 @@ from ..errors import ProtocolError, PSNodeError
 from .wire import Desc, Kind, Record, pack
 
 __all__ = ["Op", "Tag", "Topology", "register_algorithm", "algorithm", "algorithm_names", "choose",
-           "DIRECT_MAX", "SEGMENT", "SEGMENT_MAX", "TRACK_MIN", "ring_segment", "slices"]
+           "DIRECT_MAX", "SEGMENT", "SEGMENT_MAX", "TRACK_MIN", "ring_segment", "slices", "segment_named",
+           "copy_in"]
 
 Tag = tuple[int, int]
 """``(key id, version)``: names one collective on every worker."""
@@ -59,6 +60,23 @@ def ring_segment(chunk: int, itemsize: int) -> int:
 def slices(total: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous ``(start, stop)`` element ranges covering ``total``, sizes differing by one at most."""
     return [(i * total // parts, (i + 1) * total // parts) for i in range(parts)]
+
+
+def segment_named(segments: list[tuple[int, int]], record: Record, base: int = 0) -> tuple[int, int] | None:
+    """Segment ``record.segment`` of ``segments`` (element ranges, offset by ``base`` in the
+    collective) when ``record`` names exactly its elements, else None."""
+    s = record.segment
+    if s >= len(segments):
+        return None
+    a, b = segments[s]
+    return (a, b) if (record.offset, record.count) == (base + a, b - a) else None
+
+
+def copy_in(place: np.ndarray, data: Any) -> None:
+    """Copy a segment's data into ``place``, unless it was read there already (``Op.destination``)."""
+    incoming = np.frombuffer(data, place.dtype, len(place))
+    if incoming.ctypes.data != place.ctypes.data:
+        np.copyto(place, incoming)
 
 
 @dataclass(frozen=True)

@@ -286,11 +286,11 @@ class Engine:
         try:
             record, data = wire.unpack(frames)
         except ProtocolError as exc:
-            self._refuse(peer, tag, str(exc))
+            self.refuse(peer, tag, str(exc))
             return
         self.take(peer, tag, record, data)
 
-    def _refuse(self, peer: PeerInfo, tag: Tag | None, why: str) -> None:
+    def refuse(self, peer: PeerInfo, tag: Tag | None, why: str) -> None:
         """A malformed message of ``peer``: fail the op it names on every worker, else count it."""
         with self._lock:
             op = self.ops.get(tag) if tag is not None else None
@@ -298,11 +298,6 @@ class Engine:
             self._malformed(peer, why)
         else:
             self.abort(op, ProtocolError(f"worker {peer.rank} sent a malformed message for {op.describe()}: {why}"))
-
-    def lane_refused(self, peer: PeerInfo, prefix: bytes, why: str) -> None:
-        """The lane from ``peer`` closed on a message no collective sends (``lane_path``)."""
-        tag = wire.peek_tag(prefix)
-        self._refuse(peer, tag, f"{why} (on its lane, which this worker closed)")
 
     def destination(self, src: int, tag: Tag, record: Record) -> np.ndarray | None:
         """Where the op ``tag`` wants the data of ``record`` from worker ``src`` read (``Op.destination``), or None."""
@@ -399,12 +394,16 @@ class Engine:
             tracker = self.lane_path.send(peer, frames)
             if tracker is not None:  # its op completes once it was written: no flush needed
                 return tracker
-        uid = peer.uid.encode()
         if rank not in self._connected:
-            transport = self.conn.transport
-            transport.connect(uid, endpoint_of(peer, transport, self.conn.me.fingerprint, self.conn.env.same_host))
+            self._connect(peer)
             self._connected.add(rank)
-        return self.conn.transport.send(uid, frames, track=track, block=block)
+        return self.conn.transport.send(peer.uid.encode(), frames, track=track, block=block)
+
+    def _connect(self, peer: PeerInfo) -> None:
+        """Connect the transport to ``peer`` (nothing when it is already)."""
+        transport = self.conn.transport
+        transport.connect(peer.uid.encode(), endpoint_of(peer, transport, self.conn.me.fingerprint,
+                                                         self.conn.env.same_host))
 
     def send_on_transport(self, peer: PeerInfo, frames: list) -> None:
         """Send ``frames`` to the worker ``peer`` (the process the lane was opened to, not whoever holds
@@ -413,10 +412,8 @@ class Engine:
         Raises:
             TransportError, ClosedError: as the transport does.
         """
-        transport = self.conn.transport
-        transport.connect(peer.uid.encode(), endpoint_of(peer, transport, self.conn.me.fingerprint,
-                                                         self.conn.env.same_host))
-        transport.send(peer.uid.encode(), frames, track=False)
+        self._connect(peer)
+        self.conn.transport.send(peer.uid.encode(), frames, track=False)
 
     def complete(self, op: Op) -> None:
         """Complete ``op``'s future now, or once its tracked sends have left (the helper thread)."""

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ProtocolError
-from .base import SEGMENT, Op, Tag
+from .base import SEGMENT, Op, Tag, copy_in, segment_named
 from .wire import Desc, Kind, Record
 
 __all__ = ["Broadcast", "Allgather"]
@@ -26,28 +26,18 @@ def _segments(total: int, itemsize: int) -> list[tuple[int, int]]:
 
 
 def _place(op: Op, src: int, record: Record, segments: list[tuple[int, int]]) -> tuple[int, int] | None:
-    """The elements of segment ``record.segment`` when ``record`` names them exactly and it was not
-    taken yet (``Op.destination``), else None."""
-    s = record.segment
-    if s >= len(segments) or (record.offset, record.count) != (segments[s][0], segments[s][1] - segments[s][0]):
-        return None
-    return None if op.seen(src, record) else segments[s]
-
-
-def _copy_in(place: np.ndarray, data: Any) -> None:
-    """Copy a segment's data into ``place``, unless it was read there already (``destination``)."""
-    incoming = np.frombuffer(data, place.dtype, len(place))
-    if incoming.ctypes.data != place.ctypes.data:
-        np.copyto(place, incoming)
+    """The elements of the segment ``record`` names, when it was not taken yet (``Op.destination``), else None."""
+    span = segment_named(segments, record)
+    return None if span is None or op.seen(src, record) else span
 
 
 def _check_segment(op: Op, src: int, record: Record, segments: list[tuple[int, int]]) -> tuple[int, int]:
-    s = record.segment
-    if s >= len(segments) or (record.offset, record.count) != (segments[s][0], segments[s][1] - segments[s][0]):
-        raise ProtocolError(f"worker {src} sent elements {record.offset}+{record.count} as segment {s} of "
+    span = segment_named(segments, record)
+    if span is None:
+        raise ProtocolError(f"worker {src} sent elements {record.offset}+{record.count} as segment {record.segment} of "
                             f"{op.describe()}, which has {len(segments)} segments")
     op.first_time(src, record)
-    return segments[s]
+    return span
 
 
 class Broadcast(Op):
@@ -92,7 +82,7 @@ class Broadcast(Op):
             raise ProtocolError(f"worker {src} sent a broadcast from worker {record.step} for {self.describe()}, "
                                 f"which worker {self.engine.rank} expects from worker {self.root}")
         a, b = _check_segment(self, src, record, self.segments)
-        _copy_in(self.buf[a:b], data)
+        copy_in(self.buf[a:b], data)
         self.remaining -= 1
         if self.remaining == 0:
             self.send(self.root, Kind.ACK)
@@ -147,7 +137,7 @@ class Allgather(Op):
         if record.kind != Kind.GATHER or src not in self.remaining:
             raise ProtocolError(f"worker {src} sent an unexpected message (kind {record.kind}) for {self.describe()}")
         a, b = _check_segment(self, src, record, self.segments)
-        _copy_in(self.rows[src][a:b], data)
+        copy_in(self.rows[src][a:b], data)
         self.remaining[src] -= 1
         self._check()
 

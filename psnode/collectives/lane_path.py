@@ -98,4 +98,4 @@ class LanePath:
 
     def refused(self, peer: PeerInfo, prefix: bytes, why: str) -> None:
         """The lane from ``peer`` sent what no collective sends: fail the op it named, if any."""
-        self.engine.lane_refused(peer, prefix, why)
+        self.engine.refuse(peer, wire.peek_tag(prefix), f"{why} (on its lane, which this worker closed)")

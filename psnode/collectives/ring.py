@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ProtocolError
-from .base import Op, Tag, ring_segment, slices
+from .base import Op, Tag, copy_in, ring_segment, segment_named, slices
 from .wire import Desc, Kind, Record
 
 __all__ = ["RingState", "RingAllreduce"]
@@ -72,14 +72,10 @@ class RingState:
         """
         if not self.started or record.kind != Kind.RING_AG or src != self.left or record.step >= self.n - 1:
             return None
-        segments = self.segments[(self.pos - record.step) % self.n]
-        s = record.segment
-        if s >= len(segments):
+        span = segment_named(self.segments[(self.pos - record.step) % self.n], record, self.base)
+        if span is None or self.op.seen(src, record):
             return None
-        a, b = segments[s]
-        if (record.offset, record.count) != (self.base + a, b - a) or self.op.seen(src, record):
-            return None
-        return self.buf[a:b]
+        return self.buf[span[0]:span[1]]
 
     def on_message(self, src: int, record: Record, data: Any) -> None:
         """Add (reduce-scatter) or copy (allgather) one segment from the left and pass it on.
@@ -98,23 +94,22 @@ class RingState:
                                 f"{op.describe()}; its left neighbour is worker {self.left}")
         chunk = (self.pos - 1 - k) % n if kind == Kind.RING_RS else (self.pos - k) % n
         segments = self.segments[chunk]
-        if s >= len(segments) or (record.offset, record.count) != (self.base + segments[s][0], segments[s][1] - segments[s][0]):
+        span = segment_named(segments, record, self.base)
+        if span is None:
             raise ProtocolError(f"worker {src} sent elements {record.offset}+{record.count} as segment {s} of step {k} "
                                 f"of {op.describe()}, which has {len(segments)} segments there")
         op.first_time(src, record)
-        a, b = segments[s]
+        a, b = span
         view = self.buf[a:b]
-        incoming = np.frombuffer(data, view.dtype, b - a)
         if kind == Kind.RING_RS:
-            np.add(view, incoming, out=view)
+            np.add(view, np.frombuffer(data, view.dtype, b - a), out=view)
             self.to_reduce -= 1
             if k < n - 2:
                 op.send(self.right, Kind.RING_RS, k + 1, s, self.base + a, b - a, data=view)
             else:  # this chunk is summed over the whole ring: the allgather starts with it
                 op.send(self.right, Kind.RING_AG, 0, s, self.base + a, b - a, data=view)
         else:
-            if incoming.ctypes.data != view.ctypes.data:  # else it was read in place (``destination``)
-                np.copyto(view, incoming)
+            copy_in(view, data)
             self.to_gather -= 1
             if k < n - 2:
                 op.send(self.right, Kind.RING_AG, k + 1, s, self.base + a, b - a, data=view)

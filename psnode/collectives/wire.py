@@ -169,6 +169,21 @@ def pack(key_id: int, version: int, kind: int, desc: Desc, step: int = 0, segmen
             RECORD.pack(kind, desc.code, flags, desc.crc, step, segment, desc.total, offset, count, aux)]
 
 
+def _itemsize_of(record: Record) -> int:
+    """The element size of ``record``'s dtype, once its dtype and elements are checked.
+
+    Raises:
+        ProtocolError: an unknown dtype, or elements outside the collective.
+    """
+    code = record.dtype
+    if not 1 <= code <= _NDTYPES:
+        dtype_of(code)  # raises, naming it
+    if record.offset + record.count > record.total:
+        raise ProtocolError(f"a collective message with elements {record.offset}..{record.offset + record.count} "
+                            f"of a collective of {record.total}")
+    return _ITEMSIZES[code]
+
+
 def unpack(frames: list) -> tuple[Record, Any]:
     """The record of a received message (its header already read) and its data frame's buffer (or None).
 
@@ -192,13 +207,7 @@ def unpack(frames: list) -> tuple[Record, Any]:
         if data is None or len(data) > MAX_ERROR:
             raise ProtocolError("a collective error message without a sentence, or one too long")
         return record, data
-    code = record.dtype
-    if not 1 <= code <= _NDTYPES:
-        dtype_of(code)  # raises, naming it
-    itemsize = _ITEMSIZES[code]
-    if record.offset + record.count > record.total:
-        raise ProtocolError(f"a collective message with elements {record.offset}..{record.offset + record.count} "
-                            f"of a collective of {record.total}")
+    itemsize = _itemsize_of(record)
     size = 0 if data is None else len(data)
     if size != record.count * itemsize:
         raise ProtocolError(f"a collective message of {size} data bytes for {record.count} elements of "
@@ -229,13 +238,7 @@ def unpack_prefix(prefix: bytes) -> tuple[int, int, Record, int]:
     record = _make_record(RECORD.unpack_from(prefix, HEADER.size))
     if record.kind not in LANE_KINDS:
         raise ProtocolError(f"a lane message of kind {record.kind}, which does not travel on lanes")
-    code = record.dtype
-    if not 1 <= code <= _NDTYPES:
-        dtype_of(code)  # raises, naming it
-    if record.offset + record.count > record.total:
-        raise ProtocolError(f"a collective message with elements {record.offset}..{record.offset + record.count} "
-                            f"of a collective of {record.total}")
-    return key_id, version, record, record.count * _ITEMSIZES[code]
+    return key_id, version, record, record.count * _itemsize_of(record)
 
 
 def peek_tag(prefix: bytes) -> tuple[int, int] | None:
