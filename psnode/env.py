@@ -11,20 +11,20 @@ node that ended because of another node, and the marker lines a supervised node 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import ipaddress
 import math
 import os
 import re
 import socket
 import struct
-import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from . import security
 from .errors import EnvError
 
-__all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host", "EXIT_PEER_FAILED", "MARKER_READY", "MARKER_FAILED",
+__all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host", "shared_job_id", "EXIT_PEER_FAILED", "MARKER_READY", "MARKER_FAILED",
            "MARKER_STATS", "MARKER_TRACE", "TIMELINE_TO_LAUNCHER"]
 
 ROLES = ("scheduler", "server", "worker")
@@ -256,7 +256,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         verbose=verbose,
         heartbeat_interval=interval,
         heartbeat_timeout=timeout,
-        job_id=_get(env, "PSLAUNCH_JOB_ID") or f"job-{uuid.uuid4().hex[:8]}",
+        job_id=_get(env, "PSLAUNCH_JOB_ID") or shared_job_id(root_uri, root_port),
         local_rank=_int("PSLAUNCH_LOCAL_RANK", _get(env, "PSLAUNCH_LOCAL_RANK") or "0", 0),
         local_size=_int("PSLAUNCH_LOCAL_SIZE", _get(env, "PSLAUNCH_LOCAL_SIZE") or "1", 1),
         register_timeout=register_timeout,
@@ -279,6 +279,18 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         malloc_tuning=malloc_text == "on",
         lanes=lanes_text == "on",
     )
+
+
+def shared_job_id(root_uri: str, root_port: int) -> str:
+    """The job id of a process started without ``PSLAUNCH_JOB_ID`` (by hand, MXNet's ``launch.py``,
+    dmlc-tracker): derived from what every process of such a job is given alike, the scheduler's
+    ``DMLC_PS_ROOT_URI`` (as written, case aside) and ``DMLC_PS_ROOT_PORT``.
+
+    A random id per process would make the scheduler refuse every peer as another job's; this one
+    is the same in all of them, and two jobs on different scheduler ports still differ.
+    """
+    where = f"{root_uri.strip().lower()}:{root_port}"
+    return "job-" + hashlib.sha256(where.encode()).hexdigest()[:8]
 
 
 def resolve_host(host: str, variable: str = "host") -> str:

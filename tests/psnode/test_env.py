@@ -68,6 +68,20 @@ def test_optional_variables_are_read():
     assert (env.job_id, env.register_timeout, env.bigarray_bound) == ("j1", 5.0, 10)
 
 
+def test_without_a_job_id_every_process_of_a_job_derives_the_same_one_from_the_schedulers_address():
+    # a job started by hand (MXNet's five variables) has no PSLAUNCH_JOB_ID: every role must agree
+    ids = {read_env({**BASE, "DMLC_ROLE": role}).job_id for role in ("scheduler", "server", "worker")}
+    assert len(ids) == 1 and re.fullmatch(r"job-[0-9a-f]{8}", ids.pop())
+    assert read_env({**BASE, "DMLC_PS_ROOT_URI": " 127.0.0.1 "}).job_id == read_env(BASE).job_id
+    assert read_env({**BASE, "DMLC_PS_ROOT_URI": "Sched.Example"}).job_id == read_env(
+        {**BASE, "DMLC_PS_ROOT_URI": "sched.example"}).job_id
+    # another scheduler port or address is another job
+    assert read_env({**BASE, "DMLC_PS_ROOT_PORT": "9092"}).job_id != read_env(BASE).job_id
+    assert read_env({**BASE, "DMLC_PS_ROOT_URI": "127.0.0.2"}).job_id != read_env(BASE).job_id
+    # the launcher's id wins
+    assert read_env({**BASE, "PSLAUNCH_JOB_ID": "j1"}).job_id == "j1"
+
+
 def test_under_pslaunch_registration_has_no_time_limit_even_one_set_explicitly():
     supervised = read_env({**BASE, "PSLAUNCH_SUPERVISED": "1", "PSLAUNCH_REGISTER_TIMEOUT": "5"})
     assert supervised.supervised and supervised.register_timeout == float("inf")
