@@ -8,10 +8,9 @@ scheduler port, the launching host's address) so that planning itself stays pure
 from __future__ import annotations
 
 import re
-import socket
 from dataclasses import dataclass, field
 
-from .envcontract import RESTART_SCOPES
+from .envcontract import RESTART_SCOPES, free_port
 from .errors import ConfigError
 from .hostfile import Host
 
@@ -187,9 +186,3 @@ class LaunchConfig:
             raise ConfigError(f"--host-key-policy must be accept-new, strict or ignore, got {self.host_key_policy!r}")
 
 
-def free_port(address: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free on ``address`` right now (the kernel's pick)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]

@@ -10,9 +10,12 @@ of another (``EXIT_PEER_FAILED``) and the marker lines a supervised process writ
 
 from __future__ import annotations
 
+import random
+import socket
 from typing import Mapping
 
 __all__ = [
+    "free_port",
     "DMLC_ROLE",
     "DMLC_PS_ROOT_URI",
     "DMLC_PS_ROOT_PORT",
@@ -234,3 +237,37 @@ def contract_env(
         env[PS_VERBOSE] = str(verbose)
     env.update({name: str(value) for name, value in (settings or {}).items()})
     return env
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on ``address`` right now, for a scheduler to bind soon (``DMLC_PS_ROOT_PORT``).
+
+    Not the kernel's pick (a bind to port 0): that lies in the ephemeral range, from which the kernel
+    also takes the source port of every outgoing connection, so between the pick and the scheduler's
+    bind another process's connection could take it ("Address already in use", seen with two jobs
+    starting at once on a busy host). A port below that range is only ever taken by an explicit
+    bind, and a random one of 16,384 rarely by another job picking at the same moment.
+    """
+    low = _ephemeral_low()
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    for _ in range(64):
+        port = random.randrange(max(1024, low - 16384), low)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((address, port))
+            except OSError:
+                continue  # in use (or reserved): try another
+        return port
+    with socket.socket(family, socket.SOCK_STREAM) as sock:  # a crowded range: the kernel's pick after all
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > 2048 else 32768

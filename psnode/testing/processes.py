@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from launcher.envcontract import PSLAUNCH_JOB_KEY, SETTINGS, contract_env, new_job_key
+from launcher.envcontract import PSLAUNCH_JOB_KEY, SETTINGS, contract_env, free_port, new_job_key
 
 __all__ = ["LocalJob", "ProcessResult", "JobFailed", "free_port", "job_env", "reap"]
 
@@ -35,13 +34,6 @@ _TEST_SETTINGS = {"PS_HEARTBEAT_INTERVAL": "0.5", "PS_HEARTBEAT_TIMEOUT": "10", 
 
 class JobFailed(Exception):
     """A process of a job failed or ran past its deadline; the message says which, how, and its last lines."""
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, str] | None = None,

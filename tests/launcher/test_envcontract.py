@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 
 from launcher import envcontract as ec
 from launcher_testkit import REPO
@@ -28,3 +29,27 @@ def test_contract_env_writes_required_names_with_string_values():
     assert env[ec.DMLC_INTERFACE] == "eth0" and env[ec.PS_VERBOSE] == "2"
     assert all(isinstance(v, str) for v in env.values())
     assert set(ec.REQUIRED) <= set(env)
+
+
+def test_a_free_port_for_the_scheduler_lies_below_the_kernels_ephemeral_range_and_can_be_bound():
+    # the kernel takes outgoing connections' source ports from the ephemeral range: a port picked
+    # there could be taken by any connection before the scheduler binds it
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+        low = int(fh.read().split()[0])
+    for _ in range(20):
+        port = ec.free_port()
+        assert 1024 <= port < low
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_a_port_in_use_is_not_picked():
+    held = []
+    try:
+        for _ in range(200):  # hold many ports of the range: a port picked again would fail to bind
+            sock = socket.socket()
+            held.append(sock)
+            sock.bind(("127.0.0.1", ec.free_port()))
+    finally:
+        for sock in held:
+            sock.close()
