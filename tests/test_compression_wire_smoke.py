@@ -8,7 +8,6 @@ capped network is left out where network namespaces cannot be made (not root).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -8,6 +8,8 @@ import pytest
 from launcher import envcontract
 from psnode import env as node_env
 
+pytestmark = pytest.mark.unit
+
 DOC = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "env.md").read_text()
 
 

@@ -183,3 +183,13 @@ def test_torch_train_two_workers_through_pslaunch_with_and_without_servers():
         assert all(c[-1] >= THRESHOLD for c in curves.values()), curves
         assert curves[0] == curves[1], curves
     assert abs(with_servers[0][-1] - without[0][-1]) <= 0.01, (with_servers, without)
+
+
+def test_local_sum_example_prints_the_sums():
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "local_sum.py"), "0", "1", "2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ok: every device holds row 0 = 3 and row 1 = 3" in proc.stdout
+    assert proc.stdout.count("[[3. 3. 3.]\n [3. 3. 3.]]") == 3

@@ -38,7 +38,7 @@ def _can_make_namespaces() -> str | None:
 
 
 _UNUSABLE = _can_make_namespaces()
-pytestmark = pytest.mark.skipif(_UNUSABLE is not None, reason=str(_UNUSABLE))
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(_UNUSABLE is not None, reason=str(_UNUSABLE))]
 
 SERVER = textwrap.dedent("""
     import socket, sys

@@ -10,7 +10,7 @@ Every process's environment contract is written by ``launcher.envcontract``, its
 """
 
 from .inproc import InProcJob
-from .processes import JobFailed, LocalJob, ProcessResult, free_port, job_env, reap
+from .processes import JobFailed, LocalJob, ProcessResult, free_port, job_env, reap, wait_catching
 from .recording import RecordingTransport, use_recording_transport
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "free_port",
     "job_env",
     "reap",
+    "wait_catching",
     "InProcJob",
     "RecordingTransport",
     "use_recording_transport",

@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 
 from launcher.envcontract import PSLAUNCH_JOB_KEY, SETTINGS, contract_env, free_port, new_job_key
 
-__all__ = ["LocalJob", "ProcessResult", "JobFailed", "free_port", "job_env", "reap"]
+__all__ = ["LocalJob", "ProcessResult", "JobFailed", "free_port", "job_env", "reap", "wait_catching"]
 
 _ROOT = str(Path(__file__).resolve().parents[2])
 _CONTRACT_PREFIXES = ("DMLC_", "PS_", "PSLAUNCH_")
@@ -131,6 +131,32 @@ def reap(popens: Sequence[subprocess.Popen], grace: float = 2.0) -> None:
             popen.wait()
         else:  # the leader is gone; make sure nothing it spawned lingers in its group
             _signal_group(popen, signal.SIGKILL)
+
+
+def wait_catching(popen: subprocess.Popen, signals: Sequence[int], timeout: float = 30) -> None:
+    """Wait until ``popen`` has a handler installed for every one of ``signals`` (its ``SigCgt`` in
+    /proc), so a test sends a signal only once the process handles it.
+
+    Raises:
+        AssertionError: the process exited first, or ``timeout`` seconds passed (naming the signals).
+    """
+    wanted = 0
+    for sig in signals:
+        wanted |= 1 << (int(sig) - 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        if popen.poll() is not None:
+            raise AssertionError(f"pid {popen.pid} exited ({popen.returncode}) before it caught {list(signals)}")
+        try:
+            with open(f"/proc/{popen.pid}/status") as fh:
+                caught = next(int(line.split()[1], 16) for line in fh if line.startswith("SigCgt:"))
+        except (OSError, StopIteration):
+            caught = 0
+        if caught & wanted == wanted:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {popen.pid} did not catch {list(signals)} within {timeout:g} s")
+        time.sleep(0.02)
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

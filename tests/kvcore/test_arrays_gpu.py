@@ -14,7 +14,7 @@ from kvcore import arrays
 
 from kvcore_testkit import default_stream_busy, gpu_ids, keep_default_stream_busy, needs_gpu, run_device_threads
 
-pytestmark = needs_gpu
+pytestmark = [*needs_gpu, pytest.mark.unit]
 
 
 def _cp():

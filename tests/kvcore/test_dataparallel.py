@@ -9,6 +9,8 @@ from kvcore.dataparallel import split_data
 
 from kvcore_testkit import gpu_test
 
+pytestmark = pytest.mark.unit
+
 
 def test_split_and_load_splits_evenly_into_views_on_the_cpu():
     data = np.arange(24, dtype=np.float32).reshape(6, 4)

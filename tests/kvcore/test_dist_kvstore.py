@@ -13,7 +13,7 @@ import zmq
 
 from psnode.env import EXIT_PEER_FAILED
 from psnode.protocol import Cmd, pack_header
-from psnode.testing import LocalJob
+from psnode.testing import LocalJob, wait_catching
 
 from kvcore_testkit import DEVICE_KINDS, run_job_ok
 
@@ -87,7 +87,8 @@ def test_bundled_nodes_end_0_on_sigusr1_and_75_on_sigterm_naming_the_signal():
     import signal
 
     with LocalJob(1, 1, start_servers=1) as job:
-        time.sleep(1.0)  # both nodes are waiting for the worker to register
+        for role in ("server", "scheduler"):  # waiting for the worker to register, handling both signals
+            wait_catching(job.of(role), [signal.SIGTERM, signal.SIGUSR1])
         job.of("server").send_signal(signal.SIGTERM)
         job.of("scheduler").send_signal(signal.SIGUSR1)
         results = {r.role: r for r in job.wait(20)}

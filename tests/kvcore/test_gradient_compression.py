@@ -16,6 +16,8 @@ from kvcore.errors import CompressionError, DTypeMismatchError, KVStoreError
 
 from dist_scripts.gradients import digest, make_grad
 
+pytestmark = pytest.mark.unit
+
 F32 = np.float32
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from kvcore.handles import KVTimeoutError, LazyHandle
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_completed_handle_answers_every_future_question():
     handle = LazyHandle("pull")

@@ -17,6 +17,8 @@ from kvcore.errors import (
     ValueCountError,
 )
 
+pytestmark = pytest.mark.unit
+
 SHAPE = (2, 3)
 
 

@@ -8,6 +8,8 @@ import pytest
 from kvcore import optim
 from kvcore.errors import OptimizerError
 
+pytestmark = pytest.mark.unit
+
 
 def step(optimizer, weight, grad, key=0, updater=None):
     updater = updater or optim.Updater(optimizer)

@@ -10,8 +10,11 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvcore import arrays
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 

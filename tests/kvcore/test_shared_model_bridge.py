@@ -14,6 +14,8 @@ from kvcore.shared_model import ConfigError, SharedModel, SumUpdater
 
 from kvcore_testkit import run_device_threads
 
+pytestmark = pytest.mark.unit
+
 
 def _store_and_count():
     from kvcore.local_store import LocalKVStore

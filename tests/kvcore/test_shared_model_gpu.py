@@ -25,6 +25,8 @@ from kvcore_testkit import (
     run_device_threads,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _devids(kind: str) -> list[int]:
     """Every GPU for the GPU form (one is enough), three CPU slots for the CPU form."""

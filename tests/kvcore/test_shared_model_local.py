@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +25,8 @@ from kvcore.shared_model import (
 
 from kvcore_testkit import run_device_threads
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.unit
+
 
 
 def _model_threads() -> list[str]:
@@ -155,16 +153,6 @@ def test_check_weight_raises_naming_the_largest_difference(make_model):
     wrong = np.array([0, 0.5, 0], np.float32)
     with pytest.raises(WeightMismatchError, match=r"key=4, dev=0.*0\.5 at index \(1,\) \(0\.5 here, 0\.0 in the model\)"):
         model.check_weight(wrong, 4, 0)
-
-
-def test_local_sum_example_prints_the_sums():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "local_sum.py"), "0", "1", "2"],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "ok: every device holds row 0 = 3 and row 1 = 3" in proc.stdout
-    assert proc.stdout.count("[[3. 3. 3.]\n [3. 3. 3.]]") == 3
 
 
 # ---- pull and callback semantics ----------------------------------------------------------------

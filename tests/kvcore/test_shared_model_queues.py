@@ -8,6 +8,8 @@ import pytest
 
 from kvcore.shared_model.queues import PriorityWorkQueue, QueueClosed, WorkerThread
 
+pytestmark = pytest.mark.unit
+
 
 def test_queue_hands_out_highest_priority_first_and_fifo_among_equals():
     queue = PriorityWorkQueue()

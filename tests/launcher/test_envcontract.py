@@ -5,8 +5,12 @@ from __future__ import annotations
 import re
 import socket
 
+import pytest
+
 from launcher import envcontract as ec
 from launcher_testkit import REPO
+
+pytestmark = pytest.mark.unit
 
 
 def _doc_names(section: str) -> list[str]:

@@ -6,6 +6,8 @@ import pytest
 
 from launcher import Host, HostfileError, parse_hostfile, parse_hostfile_text
 
+pytestmark = pytest.mark.unit
+
 
 def test_parses_users_ports_slots_comments_blank_lines_and_ipv6():
     text = """

@@ -24,6 +24,8 @@ from launcher.plan import ProcessSpec
 from launcher.tracefile import TraceFile
 from launcher.verdict import Failure
 
+pytestmark = pytest.mark.unit
+
 
 class Handle(ProcessHandle):
     """pslaunch's view of a process, set by the test (nothing is started)."""

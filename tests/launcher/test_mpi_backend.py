@@ -12,6 +12,8 @@ import pytest
 
 from launcher_testkit import helper, reaped, run_pslaunch, start_pslaunch, wait_for_records, wait_gone
 
+pytestmark = pytest.mark.mpi
+
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "ü"]
 
 

@@ -10,6 +10,8 @@ import pytest
 from launcher.errors import ConfigError
 from launcher.network import choose_scheduler_address, parse_interface, resolve_interface, route_source
 
+pytestmark = pytest.mark.unit
+
 HERE = {"lo": "127.0.0.1", "eth0": "10.9.9.9", "ib0": "172.16.4.2"}
 
 

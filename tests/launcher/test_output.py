@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from launcher.backends.mpi import TagDemux
 from launcher.output import LineSplitter, Printer
+
+pytestmark = pytest.mark.unit
 
 
 def _split(chunks, clock=None):

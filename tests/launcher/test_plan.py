@@ -8,6 +8,8 @@ from launcher import EnvVar, Host, LaunchConfig, PlacementError, format_plan, ma
 from launcher import envcontract as ec
 from launcher.config import ConfigError, parse_env_option
 
+pytestmark = pytest.mark.unit
+
 
 def _config(**kw) -> LaunchConfig:
     base = dict(command=("train.py", "--lr", "0.1 x"), num_workers=2, num_servers=1, scheduler_port=9000,

@@ -176,6 +176,7 @@ def test_over_ssh_servers_on_two_hosts_sharing_the_checkpoint_dir_pass_the_prefl
     assert not list((tmp_path / "ckpt").glob(".pslaunch-probe-*"))  # the pre-flight's probe is gone
 
 
+@pytest.mark.mpi
 def test_under_mpi_the_restarted_job_is_a_new_mpirun_and_resumes_bit_for_bit(tmp_path, uninterrupted):
     res = _train(tmp_path, "--launcher", "mpi", "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
                  fault={"FAULT": "raise", "FAULT_STEP": "37"})

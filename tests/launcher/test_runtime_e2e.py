@@ -47,6 +47,7 @@ def test_local_job_without_servers_sums_among_the_workers_and_the_summary_says_s
     assert "allreduce: no servers" in res.stderr and "stopped by pslaunch" not in res.stderr
 
 
+@pytest.mark.mpi
 def test_mpi_job_without_servers(tmp_path):
     _run_sum_job(tmp_path, "-s", "0", "--launcher", "mpi")
 
@@ -60,5 +61,6 @@ def test_ssh_job_with_bundled_runtime_on_loopback_hosts(sshd, tmp_path):
     _run_sum_job(tmp_path, "-s", "2", "-H", hosts, *sshd.ssh_flags(), "--env", f"PYTHONPATH:{REPO}", python=True)
 
 
+@pytest.mark.mpi
 def test_mpi_job_with_bundled_runtime(tmp_path):
     _run_sum_job(tmp_path, "-s", "1", "--launcher", "mpi")

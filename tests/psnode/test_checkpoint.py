@@ -18,6 +18,8 @@ from psnode import checkpoint_file as cf
 from psnode.errors import PeerDiedError, PSNodeError, RemoteError
 from psnode.scheduler import Roster
 
+pytestmark = pytest.mark.unit
+
 
 class MomentumUpdater:
     """An updater with element-wise state that speaks the checkpoint protocol (as kvcore's does)."""

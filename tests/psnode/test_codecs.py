@@ -9,6 +9,8 @@ from psnode.codecs import RAW, Codec, CodecTable, codec_id, register_codec
 from psnode.compression import dequantize, quantize
 from psnode.errors import RemoteError, RequestRefused
 
+pytestmark = pytest.mark.unit
+
 
 class HalfCodec(Codec):
     """float32 values sent as float16: a codec a test can check by hand."""

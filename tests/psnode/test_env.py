@@ -8,6 +8,8 @@ import pytest
 from psnode.env import NodeEnv, read_env
 from psnode.errors import EnvError
 
+pytestmark = pytest.mark.unit
+
 BASE = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9091", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1"}
 
 

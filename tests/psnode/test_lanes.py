@@ -19,6 +19,8 @@ from psnode import lanes as lanes_module
 from psnode.errors import ProtocolError
 from psnode.lanes import MAGIC, Lanes
 
+pytestmark = pytest.mark.unit
+
 KEY = bytes(range(32))
 PREFIX = struct.Struct("<II")  # body bytes, place (0: none)
 LIMIT = 8 << 20
@@ -213,9 +215,7 @@ def test_what_a_stranger_sends_the_lane_port_is_refused_before_a_message_is_read
 def test_a_connection_that_says_nothing_is_dropped_after_the_handshake_timeout(monkeypatch):
     monkeypatch.setattr(lanes_module, "HANDSHAKE_TIMEOUT", 0.3)
     with Pair() as pair, socket.create_connection(("127.0.0.1", pair.b.port), timeout=10) as raw:
-        start = time.monotonic()
-        assert _closed_by_peer(raw)
-        assert time.monotonic() - start < 5
+        assert _closed_by_peer(raw)  # within its 10 s, 33 times the handshake timeout
 
 
 def test_an_opener_that_is_not_a_worker_of_the_job_is_refused(monkeypatch, caplog):
@@ -256,8 +256,9 @@ def test_connections_beyond_the_handshakes_under_way_are_closed_at_once_and_the_
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             with socket.create_connection(("127.0.0.1", pair.b.port), timeout=10) as third:
-                start = time.monotonic()
-                assert _closed_by_peer(third) and time.monotonic() - start < 5
+                assert _closed_by_peer(third)
+                # at once: the two silent ones are still in their handshakes (they end after 10 s)
+                assert pair.b._handshaking == 2
         finally:
             for sock in silent:
                 sock.close()

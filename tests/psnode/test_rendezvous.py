@@ -7,6 +7,8 @@ from psnode.errors import ProtocolError, PSNodeError
 from psnode.protocol import Cmd
 from psnode.rendezvous import MAX_KEYS, MAX_VALUE, Rendezvous
 
+pytestmark = pytest.mark.unit
+
 
 def ask(worker, cmd, body, timeout=10):
     future = worker.conn.link.ask(cmd, body=body)

@@ -1,9 +1,12 @@
 """The round machine alone: merging, closing, holding early pushes, and when a pull may be answered."""
 
 import numpy as np
+import pytest
 
 from psnode.rounds import Round, run_updater
 from psnode.shard_memory import HostMemory
+
+pytestmark = pytest.mark.unit
 
 
 def new_round(workers=3, quorum=None, size=4):

@@ -12,6 +12,8 @@ from psnode.membership import SCHEDULER
 from psnode.protocol import FLAG_ERROR, Cmd, pack_header, pack_json, unpack_header, unpack_json
 from psnode.scheduler import Scheduler
 
+pytestmark = pytest.mark.unit
+
 ROOT_PORT = 9
 
 

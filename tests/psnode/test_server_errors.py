@@ -11,6 +11,8 @@ from psnode_testkit import InProcJob, init_keys
 from psnode.errors import RemoteError
 from psnode.protocol import Cmd, pack_header, pack_json, pack_value
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def job():

@@ -8,6 +8,8 @@ from psnode.protocol import ENTRY
 from psnode.server_groups import MIN_GROUP, Groups
 from psnode.server_store import ServerStore
 
+pytestmark = pytest.mark.unit
+
 
 class Replies:
     """What a server would send, kept for the test: answered pulls and whole group replies."""

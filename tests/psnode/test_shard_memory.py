@@ -10,6 +10,8 @@ import pytest
 from psnode import devices
 from psnode.shard_memory import GpuMemory, HostMemory, shard_memory
 
+pytestmark = pytest.mark.unit
+
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not devices.gpu_available(), reason=f"needs a CUDA GPU: {devices.gpu_status()}")]
 
 

@@ -19,6 +19,8 @@ from psnode.stats import REPORT_LIMIT, check_report, server_report, worker_repor
 from psnode.timeline import Timeline
 from psnode_testkit import InProcJob, init_keys
 
+pytestmark = pytest.mark.unit
+
 ROOT_PORT = 9
 
 

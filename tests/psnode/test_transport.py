@@ -10,6 +10,8 @@ from psnode.errors import ClosedError, PSNodeError, TransportError
 from psnode.testing import free_port
 from psnode.transport import create_transport, transport_names
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(params=transport_names())
 def pair(request):

@@ -7,6 +7,8 @@ from psnode_testkit import InProcJob, init_keys, on_threads, sent, sent_headers,
 from psnode.errors import ClosedError, PeerDiedError, RemoteError
 from psnode.protocol import FLAG_PULL, Cmd, unpack_entries, unpack_header, unpack_push_pull
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def job():
