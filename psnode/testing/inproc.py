@@ -86,6 +86,13 @@ class InProcJob:
             failed = {name: e for name, e in self.errors.items() if name.endswith("-start")}
             if failed or any(t.is_alive() for t in starting):
                 raise RuntimeError(f"the in-process job did not start: {failed or 'a worker did not register'}")
+            # A server takes its address book on its own thread, maybe after every worker has its
+            # own: sorted by a rank still -1, job.servers[1] could be server 0.
+            deadline = time.monotonic() + _JOIN
+            while any(s.rank < 0 for s in self.servers):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the in-process job did not start: a server had no rank after {_JOIN:g} s")
+                time.sleep(0.005)
             self.workers = sorted(workers, key=lambda w: w.rank)
             self.servers.sort(key=lambda s: s.rank)
         except BaseException:
