@@ -102,8 +102,7 @@ def test_killing_a_server_makes_every_worker_fail_within_the_heartbeat_timeout()
     env = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "1.5"}
     with LocalJob(2, 2, worker=script("loop_until_failure.py"), env=env) as job:
         for i in range(2):
-            wait_for_line(job, "worker", i, r"^READY")
-        time.sleep(0.3)
+            wait_for_line(job, "worker", i, r"^READY")  # after a few rounds
         job.of("server", 1).kill()
         results = job.wait(20)
     for r in results:

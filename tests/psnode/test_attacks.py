@@ -229,6 +229,8 @@ def test_without_a_key_a_huge_frame_is_cut_off_before_it_is_buffered(tmp_path):
                     sent += 1
             except OSError:
                 pass
+        # What was sent is in the server's socket buffers or refused by now; 0.5 s more gives its
+        # I/O thread time to take whatever it would take before the size is read.
         time.sleep(0.5)
         after = rss_kib(pid)
         go.write_text("go")

@@ -184,6 +184,8 @@ def test_a_commit_is_answered_only_once_every_servers_file_is_synced_and_the_man
     files = ask(w0, {s: {"op": "save", "id": 2} for s in range(2)})
     directory = job.root / "ckpt-00000002"
     future, _ = w0.checkpoint({0: {"op": "commit", "id": 2, "manifest": manifest(2, files, KEYS)}})
+    # An answer that did not wait for server 1 would come as soon as server 0 synced its small file,
+    # in milliseconds (the commit of checkpoint 1 above): 0.3 s of watching is ample.
     time.sleep(0.3)
     assert not future.done(), "the commit was answered before server 1's file was synced"
     assert not (directory / "server-1-of-2.bin").exists()  # only its temporary file
