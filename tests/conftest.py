@@ -35,6 +35,7 @@ def _groups(item: pytest.Item) -> set[str]:
     return found
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads xdist_group to place each test
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         groups = _groups(item)

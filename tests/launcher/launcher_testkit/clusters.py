@@ -223,6 +223,11 @@ def start_sge(d: Path):
     common.mkdir(parents=True)
     spool.mkdir()
     execd_spool.mkdir()
+    # Each job's scratch directory is <tmpdir>/<job>.<task>.<queue>, and every cluster numbers its
+    # jobs from 1: in a /tmp shared with other clusters (an earlier run's, another session's) a job
+    # could find its directory taken ("can't start job 1: can't open tmpdir /tmp/1.1.all.q").
+    job_tmp = d / "jobtmp"
+    job_tmp.mkdir()
     for sub in ("bin", "utilbin", "lib", "util"):
         os.symlink(f"{_SGE_DEBIAN_ROOT}/{sub}", root / sub)
     qmaster_port, execd_port = _free_ports(2)
@@ -280,7 +285,8 @@ scheduler_threads 1
         _qconf(cluster, "-Aq", f"qname all.q\nhostlist {node}\nseq_no 0\nload_thresholds NONE\n"
                                "suspend_thresholds NONE\nnsuspend 1\nsuspend_interval 00:05:00\npriority 0\n"
                                "min_cpu_interval 00:05:00\nprocessors UNDEFINED\nqtype BATCH INTERACTIVE\n"
-                               "ckpt_list NONE\npe_list smp\nrerun FALSE\nslots 8\ntmpdir /tmp\nshell /bin/sh\n"
+                               "ckpt_list NONE\npe_list smp\nrerun FALSE\nslots 8\n"
+                               f"tmpdir {job_tmp}\nshell /bin/sh\n"
                                "prolog NONE\nepilog NONE\nshell_start_mode posix_compliant\nstarter_method NONE\n"
                                "suspend_method NONE\nresume_method NONE\nterminate_method NONE\nnotify 00:00:60\n"
                                "owner_list NONE\nuser_lists NONE\nxuser_lists NONE\nsubordinate_list NONE\n"
