@@ -57,8 +57,9 @@ SIGHUP / SIGINT / SIGTERM; 255 a host was lost. Documentation: docs/launcher.md.
 @click.option("--command-for-all-roles", is_flag=True,
               help="Run COMMAND as scheduler and servers too (MXNet / ps-lite / BytePS programs) "
                    "instead of the bundled runtime `python -m psnode`.")
-@click.option("--env", "env_all", multiple=True, metavar="NAME[:VALUE]",
-              help="Set NAME for every process; NAME alone forwards pslaunch's own value. Repeatable.")
+@click.option("-x", "--env", "env_all", multiple=True, metavar="NAME[:VALUE]",
+              help="Set NAME for every process (NAME=VALUE too, as mpirun's -x); NAME alone forwards "
+                   "pslaunch's own value. Repeatable.")
 @click.option("--env-server", multiple=True, metavar="NAME[:VALUE]", help="Like --env, for scheduler and servers.")
 @click.option("--env-worker", multiple=True, metavar="NAME[:VALUE]", help="Like --env, for workers.")
 @click.option("--scheduler-host", default=None, help="Run the scheduler on this host [default: here].")
@@ -126,6 +127,7 @@ SIGHUP / SIGINT / SIGTERM; 255 a host was lost. Documentation: docs/launcher.md.
 @click.option("--dry-run", is_flag=True, help="Print the plan (hosts, argv, environment names) and exit.")
 @click.option("-v", "--verbose", count=True, help="More about what pslaunch does; -vv also sets PS_VERBOSE.")
 @click.option("-q", "--quiet", is_flag=True, help="Only the root cause of a failure; no output lines, no table.")
+@click.version_option(None, "--version", package_name="pslaunch", prog_name="pslaunch", message="%(prog)s %(version)s")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def cli(**options) -> None:
     """Start a parameter-server job: a scheduler, servers and workers running COMMAND (with -s 0 no
@@ -263,14 +265,36 @@ def _isatty(stream) -> bool:
         return False
 
 
+def habit_hint(argv: list[str]) -> str | None:
+    """What to say to a flag another launcher taught the user, found among pslaunch's own options
+    (before COMMAND); None when there is none. click would read ``-np 4`` as ``-n p``."""
+    takes_value = {name for param in cli.params if isinstance(param, click.Option) and not param.is_flag
+                   and not param.count for name in param.opts}
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--" or not token.startswith("-") or token == "-":
+            return None  # COMMAND begins: its flags are its own
+        if token == "-np" or token.startswith("-np="):
+            count = token[4:] if "=" in token else (argv[index + 1] if index + 1 < len(argv) else "N")
+            return f"-np is mpirun's; pslaunch counts workers with -n: did you mean -n {count}?"
+        index += 2 if token in takes_value else 1
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run ``cli`` and print any error once, as one line."""
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        cli.main(args=argv, prog_name="pslaunch", standalone_mode=False)
+        hint = habit_hint(args)
+        if hint is not None:
+            raise click.UsageError(hint)
+        cli.main(args=args, prog_name="pslaunch", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.ClickException as exc:
-        exc.show()
+    except click.ClickException as exc:  # click's own errors in pslaunch's one format
+        more = " (pslaunch --help lists every option)" if isinstance(exc, click.UsageError) else ""
+        click.echo(f"pslaunch: error: {exc.format_message()}{more}", err=True)
         sys.exit(exc.exit_code)
     except (click.Abort, KeyboardInterrupt):
         click.echo("pslaunch: interrupted", err=True)

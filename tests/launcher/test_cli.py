@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from launcher_testkit import REPO, run_pslaunch
 
 
@@ -60,3 +61,42 @@ def test_negative_grace_is_refused_naming_the_flag():
     res = run_pslaunch(["-n", "1", "--stop-grace", "-1", "--dry-run", "true"])
     assert res.returncode == 2
     assert res.stderr == "pslaunch: error: --stop-grace must be >= 0 seconds, got -1.0\n"
+
+
+def test_version_prints_the_packages_version():
+    from importlib.metadata import version
+
+    res = run_pslaunch(["--version"])
+    assert (res.returncode, res.stdout) == (0, f"pslaunch {version('pslaunch')}\n")
+
+
+@pytest.mark.parametrize("args,count", [(["-np", "4", "train.py"], "4"), (["-H", "hosts", "-np=8", "train.py"], "8")])
+def test_mpiruns_np_is_answered_with_did_you_mean_n(args, count):
+    res = run_pslaunch(args)
+    assert res.returncode == 2
+    assert res.stderr == (f"pslaunch: error: -np is mpirun's; pslaunch counts workers with -n: did you mean -n {count}? "
+                          "(pslaunch --help lists every option)\n")
+
+
+def test_np_after_the_command_is_the_commands_own():
+    res = run_pslaunch(["-n", "1", "-s", "0", "--dry-run", "python", "app.py", "-np", "3"])
+    assert res.returncode == 0, res.stderr
+    assert "app.py -np 3" in res.stdout
+
+
+def test_x_sets_a_variable_for_every_process_as_mpiruns_does():
+    code = "import os; print('FOO is', os.environ['FOO'])"
+    res = run_pslaunch(["-n", "2", "-s", "0", "-x", "FOO=bar=baz", "python", "-c", code])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("FOO is bar=baz") == 2, res.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-n", "x", "true"], "Invalid value for '-n' / '--num-workers': 'x' is not a valid integer."),
+    (["-n", "1", "--bogus", "true"], "No such option '--bogus'."),
+    (["-n", "1"], "Missing argument 'COMMAND...'."),
+])
+def test_clicks_own_errors_are_one_line_in_pslaunchs_format(args, message):
+    res = run_pslaunch(args)
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"pslaunch: error: {message}") and res.stderr.count("\n") == 1, res.stderr
