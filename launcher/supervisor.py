@@ -76,6 +76,7 @@ class Supervisor:
         self._stopped: set[int] = set()
         self._suspend_asked = False
         self._resume_asked = False
+        self._suspended = False  # the job's processes were stopped by Ctrl-Z and not continued yet
         self._paused = 0.0  # seconds the job spent stopped by Ctrl-Z (not counted by --timeout)
         self.restarts = RestartLog(config.max_restarts, config.restart_scope)
         self._plan: Plan | None = None
@@ -267,6 +268,7 @@ class Supervisor:
             running = [h for h in self.handles if h.poll() is None]
             for handle in running:
                 handle.suspend()
+            self._suspended = True
             self.printer.note(f"stopped {len(running)} process(es) of the job (SIGTSTP); `fg` or SIGCONT continues it")
             self.printer.flush()
             paused_at = time.monotonic()
@@ -280,6 +282,9 @@ class Supervisor:
             self._paused += time.monotonic() - paused_at
         if self._resume_asked:
             self._resume_asked = False
+            if not self._suspended:  # SIGCONT alone (timeout(1) sends one after its signal): nothing stopped
+                return
+            self._suspended = False
             for handle in self.handles:
                 if handle.poll() is None:
                     handle.resume()

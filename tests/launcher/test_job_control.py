@@ -145,3 +145,15 @@ def test_ctrl_z_in_a_terminal_stops_a_runtime_job_longer_than_its_heartbeat_time
         for line in processes_with(marker):
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
     assert wait_gone(marker, 10) == [], pane
+
+
+def test_a_sigcont_that_follows_sigint_as_timeouts_does_says_nothing_of_continuing(marker):
+    # GNU timeout sends SIGCONT right after its signal; nothing was stopped, so nothing "continued"
+    sleeper = "import time, sys; print('up', flush=True); time.sleep(60)"
+    proc = subprocess.run(["timeout", "--preserve-status", "-s", "INT", "3", sys.executable, "-m", "launcher.cli",
+                           "-n", "1", "-s", "0", "python", "-c", sleeper, marker],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, proc.stderr
+    assert "pslaunch: root cause: pslaunch got SIGINT" in proc.stderr, proc.stderr
+    assert "job continued" not in proc.stderr + proc.stdout, proc.stderr
+    assert wait_gone(marker, 5) == []
