@@ -215,7 +215,12 @@ class LocalBackend(Backend):
         handles: list[ProcessHandle] = []
         try:
             for spec in plan.processes:
-                handles.append(self.spawner.spawn(spec, self.printer))
+                try:
+                    handles.append(self.spawner.spawn(spec, self.printer))
+                except SpawnError as exc:
+                    if spec.argv and spec.argv[0] == self.config.python:  # say which flag to fix
+                        raise SpawnError(f"{exc} (the interpreter --python names)") from exc
+                    raise
         except Exception:
             for h in handles:
                 h.kill()

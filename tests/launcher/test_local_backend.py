@@ -216,3 +216,12 @@ def test_a_missing_script_is_exit_2_before_any_process_starts(tmp_path):
     assert res.stderr == (f"pslaunch: error: COMMAND's script is missing: 'no_such_train.py' is not a file in {tmp_path} "
                           "(the script of worker.0@localhost); nothing was started\n")
     assert res.stdout == ""
+
+
+def test_an_interpreter_that_cannot_start_is_named_with_the_flag_that_chose_it(tmp_path):
+    res = run_pslaunch(["-n", "1", "--python", str(tmp_path / "no-python"), "python", "-c", "pass"])
+    assert res.returncode == 5
+    assert res.stderr == (f"pslaunch: error: cannot start scheduler.0@localhost: '{tmp_path / 'no-python'}': "
+                          "No such file or directory (the interpreter --python names)\n")
+    other = run_pslaunch(["-n", "1", "-s", "0", str(tmp_path / "no-program")])  # not --python's: no mention
+    assert other.returncode == 5 and "--python" not in other.stderr, other.stderr
