@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import HostfileError
@@ -35,6 +35,8 @@ class Host:
     user: str | None = None
     port: int | None = None
     slots: int | None = None
+    #: ``FILE:LINE`` of the hostfile line that named the host first, for errors (None: not from a file)
+    where: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -138,9 +140,9 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
         if key in hosts:
             old = hosts[key]
             merged = None if old.slots is None or slots is None else old.slots + slots
-            hosts[key] = Host(host, user, port, merged)
+            hosts[key] = Host(host, user, port, merged, old.where)
         else:
-            hosts[key] = Host(host, user, port, slots)
+            hosts[key] = Host(host, user, port, slots, f"{source}:{lineno}")
     if not hosts:
         raise HostfileError(f"{source}: no hosts in the file ({_EXPECTED}, one per line)")
     return list(hosts.values())

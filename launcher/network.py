@@ -101,15 +101,19 @@ def _loopback(address: str) -> bool:
 
 
 def choose_scheduler_address(hosts: Iterable[tuple[str, str]], interface: str | None,
-                             addresses: Callable[[], dict[str, str]] = interface_addresses) -> tuple[str, bool]:
+                             addresses: Callable[[], dict[str, str]] = interface_addresses,
+                             where: dict[str, str | None] | None = None) -> tuple[str, bool]:
     """The address the scheduler has when it runs here, and whether any host is remote.
 
     ``hosts``: ``(label, real name)`` of every host of the hostfile in order, the real name being
-    what ssh connects to (``HostName``). ``interface``: ``--interface``'s value. Raises
-    ``ConfigError`` when a host is remote and no address but a loopback one can be found, naming
-    what was tried and this machine's addresses.
+    what ssh connects to (``HostName``). ``interface``: ``--interface``'s value. ``where``: each
+    label's hostfile line (``FILE:LINE``), for errors. Raises ``ConfigError`` when a host is remote
+    and no address but a loopback one can be found, naming what was tried and this machine's
+    addresses; when that is so because a host's name does not resolve, the error names that host
+    and its hostfile line first.
     """
     tried: list[str] = []
+    unknown: list[str] = []
     remote = False
     chosen: str | None = None
     for label, name in hosts:
@@ -117,7 +121,9 @@ def choose_scheduler_address(hosts: Iterable[tuple[str, str]], interface: str | 
         shown = label if name == label else f"{label} ({name})"
         if address is None:
             tried.append(f"{shown}: {why}")
-            remote = True  # a name this machine cannot resolve is not this machine
+            line = (where or {}).get(label)
+            unknown.append(f"{line + ': ' if line else ''}host {shown} does not resolve on this machine: {why}")
+            remote = True  # a name this machine cannot resolve is not this machine (it may be a proxy's)
             continue
         if _loopback(address):
             continue
@@ -141,6 +147,9 @@ def choose_scheduler_address(hosts: Iterable[tuple[str, str]], interface: str | 
             return picked, True
         tried.append(f"--interface {interface}: " + ("a loopback address here" if picked else "no match here"))
     listed = ", ".join(f"{n} {a}" for n, a in here.items() if not _loopback(a)) or "none"
+    if unknown and not interface:
+        raise ConfigError(f"{unknown[0]}; fix the name, or, for a host that ssh reaches through a proxy, give "
+                          "--scheduler-host HOST or --interface NAME")
     raise ConfigError(
         "cannot choose the scheduler's address: a host is remote, and a loopback address would send every node "
         f"to its own machine. Tried: {'; '.join(tried) or 'nothing'}. This machine's addresses: {listed}. "
@@ -239,7 +248,8 @@ def resolve(config: LaunchConfig, real_names: list[tuple[str, str]] | None = Non
         if config.scheduler_host:  # the name every node dials: what ssh reaches it by
             address = dict(real_names).get(config.scheduler_host, config.scheduler_host)
         else:
-            address, remote = choose_scheduler_address(real_names, config.interface)
+            address, remote = choose_scheduler_address(real_names, config.interface,
+                                                       where={h.label: h.where for h in config.hosts})
     if spec is not None and not remote and not config.scheduler_host:
         here = interface_addresses()
         if resolve_interface(spec, here) is None:  # every process runs here: it must match here

@@ -100,3 +100,12 @@ def test_clicks_own_errors_are_one_line_in_pslaunchs_format(args, message):
     res = run_pslaunch(args)
     assert res.returncode == 2
     assert res.stderr.startswith(f"pslaunch: error: {message}") and res.stderr.count("\n") == 1, res.stderr
+
+
+def test_a_hostfile_host_that_does_not_resolve_is_named_with_its_line(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.2 slots=1\n# the next one is mistyped\nnosuchhost.invalid slots=2\n")
+    res = run_pslaunch(["-n", "2", "-H", str(hosts), "--dry-run", "train.py"])
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"pslaunch: error: {hosts}:3: host nosuchhost.invalid does not resolve on this "
+                                 "machine: unknown name"), res.stderr

@@ -56,6 +56,15 @@ def test_the_route_toward_the_hosts_wins_over_the_interface_given_which_serves_w
     assert choose_scheduler_address(behind_bastion, "172.16.0.0/16", lambda: HERE) == ("172.16.4.2", True)
 
 
+def test_a_host_whose_name_does_not_resolve_is_named_with_its_hostfile_line():
+    hosts = [("127.0.0.2", "127.0.0.2"), ("node1", "no-such-host.invalid")]
+    with pytest.raises(ConfigError) as info:
+        choose_scheduler_address(hosts, None, lambda: HERE, where={"node1": "hosts:3"})
+    text = str(info.value)
+    assert text.startswith("hosts:3: host node1 (no-such-host.invalid) does not resolve on this machine: unknown name")
+    assert "--scheduler-host HOST or --interface NAME" in text
+
+
 def test_without_any_usable_address_the_launch_stops_naming_what_was_tried_and_the_candidates():
     with pytest.raises(ConfigError) as info:
         choose_scheduler_address([("node1", "no-such-host.invalid")], "lo", lambda: HERE)
