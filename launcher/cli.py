@@ -20,7 +20,7 @@ from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
 from .network import resolve
 
-__all__ = ["cli", "main", "build_config", "BACKEND_OPTIONS"]
+__all__ = ["cli", "main", "build_config", "BACKEND_OPTIONS", "HELP_SECTIONS"]
 
 #: Flags that only one backend reads; that backend's ``options`` must name the ones it takes.
 BACKEND_OPTIONS = ("slurm_args", "sge_args", "sge_pe")
@@ -42,7 +42,38 @@ SIGHUP / SIGINT / SIGTERM; 255 a host was lost. Documentation: docs/launcher.md.
 """
 
 
+#: ``--help``'s sections, in order, by each option's name; an option in none is listed under "Other".
+HELP_SECTIONS = {
+    "Job shape": ("num_workers", "num_servers", "backend", "command_for_all_roles", "python", "env_all",
+                  "env_server", "env_worker", "scheduler_host", "scheduler_port", "interface", "job_id"),
+    "Hosts and ssh": ("hostfile", "sync_dst_dir", "ssh_port", "ssh_user", "identity", "ssh_config", "known_hosts",
+                      "host_key_policy", "connect_timeout", "link_timeout"),
+    "Batch systems": ("slurm_args", "sge_args", "sge_pe"),
+    "Output": ("log_dir", "verbose", "quiet", "dry_run"),
+    "Ending and restarts": ("timeout", "stop_grace", "shutdown_grace", "max_restarts", "checkpoint_dir",
+                            "allow_restart_from_scratch", "restart_scope"),
+    "Security": ("encrypt",),
+    "Observability": ("dashboard", "metrics_port", "summary_json", "timeline"),
+}
+
+
+class _SectionedCommand(click.Command):
+    """A command whose ``--help`` lists its options in ``HELP_SECTIONS`` instead of one flat list."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records = {param.name: param.get_help_record(ctx) for param in self.get_params(ctx)
+                   if isinstance(param, click.Option)}
+        placed = {name for names in HELP_SECTIONS.values() for name in names}
+        sections = [*HELP_SECTIONS.items(), ("Other", tuple(n for n in records if n not in placed))]
+        for title, names in sections:
+            rows = [records[name] for name in names if records.get(name) is not None]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
 @click.command(
+    cls=_SectionedCommand,
     context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
     epilog=_EPILOG,
 )

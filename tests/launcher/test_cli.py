@@ -109,3 +109,16 @@ def test_a_hostfile_host_that_does_not_resolve_is_named_with_its_line(tmp_path):
     assert res.returncode == 2
     assert res.stderr.startswith(f"pslaunch: error: {hosts}:3: host nosuchhost.invalid does not resolve on this "
                                  "machine: unknown name"), res.stderr
+
+
+def test_help_lists_every_option_under_one_section():
+    from launcher.cli import HELP_SECTIONS, cli
+
+    options = {p.name for p in cli.params if p.param_type_name == "option"} - {"version"}
+    placed = [name for names in HELP_SECTIONS.values() for name in names]
+    assert sorted(placed) == sorted(options)  # each option once, none left out
+    res = run_pslaunch(["--help"])
+    assert res.returncode == 0
+    titles = [line[:-1] for line in res.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert titles == [*HELP_SECTIONS, "Other"], res.stdout
+    assert "--sge-pe NAME" in res.stdout.split("Batch systems:")[1].split("Output:")[0]
