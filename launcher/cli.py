@@ -14,7 +14,7 @@ import uuid
 import click
 
 from .config import (DEFAULT_LINK_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option,
-                     parse_metrics_option)
+                     parse_metrics_option, parse_ranks_option)
 from .envcontract import new_job_key
 from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
@@ -49,7 +49,7 @@ HELP_SECTIONS = {
     "Hosts and ssh": ("hostfile", "sync_dst_dir", "ssh_port", "ssh_user", "identity", "ssh_config", "known_hosts",
                       "host_key_policy", "connect_timeout", "link_timeout"),
     "Batch systems": ("slurm_args", "sge_args", "sge_pe"),
-    "Output": ("log_dir", "verbose", "quiet", "dry_run"),
+    "Output": ("log_dir", "ranks", "timestamps", "verbose", "quiet", "dry_run"),
     "Ending and restarts": ("timeout", "stop_grace", "shutdown_grace", "max_restarts", "checkpoint_dir",
                             "allow_restart_from_scratch", "restart_scope"),
     "Security": ("encrypt",),
@@ -124,6 +124,10 @@ class _SectionedCommand(click.Command):
 @click.option("--python", default=sys.executable, show_default="this Python",
               help="Interpreter for a COMMAND starting with python, python3 or a .py file, and for the bundled runtime.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Keep one log file per process here.")
+@click.option("--ranks", default=None, metavar="LIST",
+              help="Show only these workers' lines, e.g. 0,3-5 (the scheduler's and servers' lines, the log "
+                   "files and the summary keep everything).")
+@click.option("--timestamps", is_flag=True, help="Start each line of a process with the time it arrived (HH:MM:SS.mmm).")
 @click.option("--timeout", type=float, default=None, help="Stop the job after this many seconds (exit 124).")
 @click.option("--stop-grace", type=float, default=DEFAULT_STOP_GRACE, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping processes.")
@@ -182,7 +186,7 @@ def cli(**options) -> None:
     from .output import Printer
     from .supervisor import Supervisor
 
-    printer = Printer(quiet=config.quiet, log_dir=config.log_dir)
+    printer = Printer(quiet=config.quiet, log_dir=config.log_dir, ranks=config.ranks, timestamps=config.timestamps)
     observer = None
     try:
         observer = JobObserver.start(config, plan, printer)  # None when nothing is observed
@@ -259,6 +263,8 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         sync_src_dir=os.getcwd(),
         cwd=os.getcwd(),
         log_dir=options["log_dir"],
+        ranks=parse_ranks_option(options["ranks"]) if options["ranks"] is not None else None,
+        timestamps=options["timestamps"],
         timeout=options["timeout"],
         stop_grace=options["stop_grace"],
         shutdown_grace=options["shutdown_grace"],

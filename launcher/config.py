@@ -19,6 +19,7 @@ __all__ = [
     "LaunchConfig",
     "parse_env_option",
     "free_port",
+    "parse_ranks_option",
     "DEFAULT_STOP_GRACE",
     "DEFAULT_SHUTDOWN_GRACE",
     "parse_metrics_option",
@@ -76,6 +77,21 @@ def parse_env_option(text: str, scope: str, environ: dict[str, str]) -> EnvVar:
     return EnvVar(name, value, scope)
 
 
+def parse_ranks_option(text: str) -> frozenset[int]:
+    """``--ranks 0,3-5`` as the set of ranks it names.
+
+    Raises ``ConfigError`` naming the value when a piece is not a rank or a range ``A-B`` with A <= B.
+    """
+    ranks: set[int] = set()
+    for piece in text.split(","):
+        low, dash, high = piece.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
+            raise ConfigError(f"--ranks {text!r}: {piece.strip()!r} is not a rank or a range of ranks "
+                              "(e.g. --ranks 0,3-5)")
+        ranks.update(range(int(low), int(high if dash else low) + 1))
+    return frozenset(ranks)
+
+
 def parse_metrics_option(text: str) -> tuple[str, int]:
     """``--metrics-port [ADDR:]PORT`` as ``(address, port)``; the address defaults to 127.0.0.1.
 
@@ -117,6 +133,8 @@ class LaunchConfig:
     sync_src_dir: str = "."
     cwd: str | None = None
     log_dir: str | None = None
+    ranks: frozenset[int] | None = None  # --ranks: the workers whose lines the console shows (None: all)
+    timestamps: bool = False  # --timestamps: each console line starts with the time it arrived
     timeout: float | None = None
     stop_grace: float = DEFAULT_STOP_GRACE
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
@@ -157,6 +175,10 @@ class LaunchConfig:
         if self.num_servers < 0:
             raise ConfigError(f"-s/--num-servers must be >= 0 (0: no servers, the workers sum among themselves "
                               f"with kvcore.create('allreduce')), got {self.num_servers}")
+        outside = sorted(r for r in self.ranks or () if r >= self.num_workers)
+        if outside:
+            raise ConfigError(f"--ranks names worker rank(s) {', '.join(map(str, outside))}, but the job has "
+                              f"{self.num_workers} worker(s): ranks 0..{self.num_workers - 1}")
         if self.scheduler_port is not None and not 1 <= self.scheduler_port <= 65535:
             raise ConfigError(f"--scheduler-port must be in 1..65535, got {self.scheduler_port}")
         if self.timeout is not None and self.timeout <= 0:

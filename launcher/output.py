@@ -147,7 +147,9 @@ class Printer:
     """Writes prefixed lines of every process to pslaunch's stdout / stderr.
 
     ``colour`` None means "if the stream is a terminal" (and ``NO_COLOR`` is not set).
-    ``quiet`` drops the processes' lines from the screen (log files and last lines still get them).
+    ``quiet`` drops the processes' lines from the screen (log files and last lines still get them);
+    so does ``ranks`` for the workers whose rank it does not hold (the scheduler's and servers'
+    lines still show). ``timestamps`` starts each line on the screen with the time it arrived.
     Raises ``ConfigError`` when ``log_dir`` cannot be created.
     """
 
@@ -159,6 +161,8 @@ class Printer:
         quiet: bool = False,
         log_dir: str | None = None,
         keep_lines: int = 10,
+        ranks: frozenset[int] | None = None,
+        timestamps: bool = False,
     ) -> None:
         self.out = out or sys.stdout
         self.err = err or sys.stderr
@@ -166,6 +170,8 @@ class Printer:
             colour = _isatty(self.out) and "NO_COLOR" not in os.environ
         self.colour = colour
         self.quiet = quiet
+        self.ranks = ranks
+        self.timestamps = timestamps
         self.log_dir = log_dir
         if log_dir:
             try:
@@ -205,9 +211,12 @@ class Printer:
         last.extend(block.rsplit("\n", self._keep)[-self._keep :])
         if self.log_dir:
             self._log(name, block)
-        if self.quiet:
+        if self.quiet or (self.ranks is not None and role == "worker" and _rank_of(name) not in self.ranks):
             return
         prefix = self._entry(self._prefixes, (name, role), lambda: self.prefix(name, role) + " ")
+        if self.timestamps:
+            now = time.time()
+            prefix = f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now % 1 * 1000):03d} {prefix}"
         self._queue.put((stream, prefix + block.replace("\n", "\n" + prefix) + "\n"))
 
     line = lines  # one line is a block of one
@@ -315,6 +324,12 @@ class Printer:
                 if log.file is not None:
                     log.file.close()
                     log.file = None
+
+
+def _rank_of(name: str) -> int | None:
+    """The rank in a process name ``role.rank@host`` (None when it has none)."""
+    rank = name.split("@", 1)[0].rpartition(".")[2]
+    return int(rank) if rank.isdigit() else None
 
 
 def _isatty(stream) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -225,3 +226,17 @@ def test_an_interpreter_that_cannot_start_is_named_with_the_flag_that_chose_it(t
                           "No such file or directory (the interpreter --python names)\n")
     other = run_pslaunch(["-n", "1", "-s", "0", str(tmp_path / "no-program")])  # not --python's: no mention
     assert other.returncode == 5 and "--python" not in other.stderr, other.stderr
+
+
+def test_ranks_and_timestamps_shape_the_console_while_the_log_dir_keeps_everything(tmp_path):
+    code = "import os; print('hello from', os.environ['DMLC_WORKER_ID'])"
+    res = run_pslaunch(["-n", "3", "-s", "0", "--ranks", "0,2", "--timestamps", "--log-dir", str(tmp_path),
+                        "python", "-c", code])
+    assert res.returncode == 0, res.stderr
+    shown = [line for line in res.stdout.splitlines() if "hello from" in line]
+    assert len(shown) == 2 and all(re.match(r"\d\d:\d\d:\d\d\.\d{3} \[worker\.[02]@localhost\] hello from [02]$", line)
+                                   for line in shown), res.stdout
+    assert (tmp_path / "worker.1@localhost.log").read_text() == "hello from 1\n"
+    wrong = run_pslaunch(["-n", "3", "--ranks", "1,5", "true"])
+    assert wrong.returncode == 2
+    assert wrong.stderr == "pslaunch: error: --ranks names worker rank(s) 5, but the job has 3 worker(s): ranks 0..2\n"

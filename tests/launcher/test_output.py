@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
 from launcher.backends.mpi import TagDemux
+from launcher.config import parse_ranks_option
+from launcher.errors import ConfigError
 from launcher.output import LineSplitter, Printer
 
 pytestmark = pytest.mark.unit
@@ -105,3 +108,35 @@ def test_untagged_text_after_a_ranks_line_is_mpiruns_own():
     for rank, data in got:
         joined[rank] = joined.get(rank, b"") + data
     assert joined == {1: b"Traceback\npartial\n", None: b"Primary job terminated normally\nmpirun noticed\n"}
+
+
+def test_ranks_keep_other_workers_off_the_screen_but_in_their_logs_and_last_lines(tmp_path):
+    out = io.StringIO()
+    p = Printer(out=out, err=io.StringIO(), colour=False, log_dir=str(tmp_path), ranks=frozenset({0, 3}))
+    for rank in range(5):
+        p.line(f"worker.{rank}@h", "worker", f"hello {rank}")
+    p.line("server.1@h", "server", "a server's line still shows")
+    p.close()
+    assert out.getvalue().splitlines() == ["[worker.0@h] hello 0", "[worker.3@h] hello 3",
+                                           "[server.1@h] a server's line still shows"]
+    assert (tmp_path / "worker.1@h.log").read_text() == "hello 1\n" and p.last_lines("worker.4@h") == ["hello 4"]
+
+
+def test_timestamps_start_every_line_of_a_block_with_the_time():
+    out = io.StringIO()
+    p = Printer(out=out, err=io.StringIO(), colour=False, timestamps=True)
+    p.lines("worker.0@h", "worker", "a\nb")
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and all(re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3} \[worker\.0@h\] [ab]", line) for line in lines)
+
+
+@pytest.mark.parametrize("text,ranks", [("0", {0}), ("0,3-5", {0, 3, 4, 5}), (" 2 , 1-1 ", {1, 2})])
+def test_ranks_are_a_list_of_ranks_and_ranges(text, ranks):
+    assert parse_ranks_option(text) == ranks
+
+
+@pytest.mark.parametrize("text", ["", "a", "1,", "3-1", "-2", "1-"])
+def test_a_malformed_rank_list_is_an_error_naming_it(text):
+    with pytest.raises(ConfigError, match=r"--ranks .*is not a rank or a range of ranks"):
+        parse_ranks_option(text)
