@@ -241,6 +241,12 @@ class Printer:
                 log.failed = True
                 self.note(f"cannot write {log.path}: {exc.strerror or exc}; {name}'s lines go to the screen only")
 
+    def forget(self, names) -> None:
+        """Drop the last lines kept of the processes ``names``: they start again (a restart), and a
+        root cause must quote the new process's lines, never its predecessor's."""
+        for name in names:
+            self._last.pop(name, None)
+
     def last_lines(self, name: str) -> list[str]:
         """The last lines process ``name`` printed (both streams), oldest first."""
         return list(self._last.get(name, ()))

@@ -136,6 +136,7 @@ class Supervisor:
             try:
                 if prepare:  # a batch scheduler's hosts are known now: the plan of every attempt has them
                     plan = self._plan = self.backend.prepare(plan) or plan
+                self.printer.forget(spec.name for spec in plan.processes)
                 self.handles = self.backend.launch(plan)
                 if self.observer is not None:
                     self.observer.attach(self.handles)
@@ -248,6 +249,7 @@ class Supervisor:
             self.printer.note(f"{failure.reason}; restarting it alone (restart {count} of {self.restarts.max_restarts}, "
                               f"PSLAUNCH_RESTART_COUNT={count}); the other processes go on")
             self._replaced.append(handle)
+            self.printer.forget([handle.spec.name])
             self.handles[i] = self.backend.launch(self._plan.restarted(count, (handle.spec,)))[0]
             if self.observer is not None:
                 self.observer.attach(self.handles)

@@ -183,3 +183,19 @@ def test_under_mpi_the_restarted_job_is_a_new_mpirun_and_resumes_bit_for_bit(tmp
     assert res.returncode == 0, res.stderr
     assert _resumed(tmp_path, 1) == (35, "7") and _weights(tmp_path) == uninterrupted
     assert "attempt 2: every worker finished -> none: the job succeeded" in res.stderr
+
+
+@pytest.mark.parametrize("scope", ["job", "worker"])
+def test_the_root_cause_after_a_restart_quotes_that_processs_own_lines(scope):
+    # worker 1 fails on every start; its lines of the first start must not be quoted for the second
+    code = ("import os, sys, time; c = os.environ['PSLAUNCH_RESTART_COUNT']; "
+            "print(f'start {c} pid {os.getpid()}', flush=True); "
+            "time.sleep(60) if os.environ['DMLC_WORKER_ID'] == '0' else sys.exit(7)")
+    res = run_pslaunch(["-n", "2", "-s", "0", "--max-restarts", "1", "--allow-restart-from-scratch",
+                        *(["--restart-scope", "worker", "-s", "1"] if scope == "worker" else []),
+                        "--timeout", "60", "python", "-c", code], timeout=90)
+    assert res.returncode == 7, res.stderr
+    cause = re.findall(r"^pslaunch: root cause: worker\.1@localhost \(worker rank 1 on localhost, pid (\d+)\)", res.stderr, re.M)
+    assert cause, res.stderr
+    quoted = res.stderr[res.stderr.rfind("pslaunch: last lines of worker.1@localhost:"):]
+    assert re.findall(r"\| start (\d) pid (\d+)$", quoted, re.M) == [("1", cause[-1])], res.stderr
