@@ -281,7 +281,9 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         dashboard=_dashboard_wanted(options["dashboard"], options["quiet"]),
         metrics_address=metrics_address,
         metrics_port=metrics_port,
-        summary_json=options["summary_json"],
+        # the log dir keeps the final table as JSON too, unless it goes elsewhere
+        summary_json=options["summary_json"] or (os.path.join(options["log_dir"], "summary.json")
+                                                 if options["log_dir"] else None),
         timeline=options["timeline"],
         backend_options=backend_options,
     )

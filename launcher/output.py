@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -134,13 +135,28 @@ class LineSplitter:
 
 
 class _Log:
-    """One process's ``--log-dir`` file; both of its reader threads write it, under its own lock."""
+    """A ``--log-dir`` file (a process's, or pslaunch's own); writers share it under its own lock."""
 
     def __init__(self, path: str) -> None:
         self.lock = threading.Lock()
         self.path = path
         self.file = None
         self.failed = False
+
+    def write(self, text: str) -> str | None:
+        """Append ``text`` (opening the file the first time); the error in words when it cannot."""
+        with self.lock:
+            if self.failed:
+                return None
+            try:
+                if self.file is None:
+                    self.file = open(self.path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
+                self.file.write(text)
+                self.file.flush()
+            except OSError as exc:
+                self.failed = True
+                return exc.strerror or str(exc)
+            return None
 
 
 class Printer:
@@ -180,7 +196,7 @@ class Printer:
                 raise ConfigError(f"--log-dir {log_dir}: cannot create it: {exc.strerror or exc}") from None
         self._keep = keep_lines
         self._last: dict[str, collections.deque[str]] = {}
-        self._logs: dict[str, _Log] = {}
+        self._logs: dict[object, _Log] = {}  # (process name, stream), and "pslaunch" for its own
         self._prefixes: dict[tuple[str, str], str] = {}
         self._table_lock = threading.Lock()  # only for adding entries to the dicts above
         self._queue: queue.Queue = queue.Queue(_QUEUE_BLOCKS)
@@ -210,7 +226,7 @@ class Printer:
         last = self._entry(self._last, name, lambda: collections.deque(maxlen=self._keep))
         last.extend(block.rsplit("\n", self._keep)[-self._keep :])
         if self.log_dir:
-            self._log(name, block)
+            self._log(name, block, stream)
         if self.quiet or (self.ranks is not None and role == "worker" and _rank_of(name) not in self.ranks):
             return
         prefix = self._entry(self._prefixes, (name, role), lambda: self.prefix(name, role) + " ")
@@ -221,31 +237,32 @@ class Printer:
 
     line = lines  # one line is a block of one
 
-    def log_path(self, name: str) -> str | None:
-        """The ``--log-dir`` file of process ``name`` (``worker.0@host.log``), None without a log dir."""
+    def log_path(self, name: str, stream: str = "stdout") -> str | None:
+        """The ``--log-dir`` file of process ``name``: ``worker.0@host.log`` holds both streams in
+        order, ``worker.0@host.stderr.log`` its stderr alone (``stream="stderr"``); None without a
+        log dir."""
         if not self.log_dir:
             return None
-        return os.path.join(self.log_dir, name.replace("/", "_").replace(":", "_") + ".log")
+        base = name.replace("/", "_").replace(":", "_")
+        return os.path.join(self.log_dir, base + (".stderr.log" if stream == "stderr" else ".log"))
 
-    def _log(self, name: str, block: str) -> None:
-        log = self._entry(self._logs, name, lambda: _Log(self.log_path(name)))  # type: ignore[arg-type]
-        with log.lock:
-            if log.failed:
-                return
-            try:
-                if log.file is None:
-                    log.file = open(log.path, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
-                log.file.write(block + "\n")
-                log.file.flush()
-            except OSError as exc:
-                log.failed = True
-                self.note(f"cannot write {log.path}: {exc.strerror or exc}; {name}'s lines go to the screen only")
+    def _log(self, name: str, block: str, stream: str) -> None:
+        for which in ("stdout", "stderr") if stream == "stderr" else ("stdout",):
+            log = self._entry(self._logs, (name, which), lambda: _Log(self.log_path(name, which)))  # type: ignore[arg-type]
+            problem = log.write(block + "\n")
+            if problem is not None:
+                self.note(f"cannot write {log.path}: {problem}; {name}'s lines go to the screen only")
 
-    def forget(self, names) -> None:
-        """Drop the last lines kept of the processes ``names``: they start again (a restart), and a
-        root cause must quote the new process's lines, never its predecessor's."""
+    def starting(self, names) -> None:
+        """The processes ``names`` start (again): drop the last lines kept of them, so that a root
+        cause quotes the new process's lines and never its predecessor's; with a log dir, make their
+        files now, so that a process that prints nothing has them too."""
         for name in names:
             self._last.pop(name, None)
+            if self.log_dir:
+                for which in ("stdout", "stderr"):
+                    log = self._entry(self._logs, (name, which), lambda: _Log(self.log_path(name, which)))  # type: ignore[arg-type]
+                    log.write("")
 
     def last_lines(self, name: str) -> list[str]:
         """The last lines process ``name`` printed (both streams), oldest first."""
@@ -256,8 +273,17 @@ class Printer:
         self.raw(f"pslaunch: {text}\n")
 
     def raw(self, text: str, stream: str = "stderr") -> None:
-        """Write ``text`` as it is, in order with the lines queued before it."""
+        """Write ``text`` as it is, in order with the lines queued before it; with a log dir also to
+        its ``pslaunch.log`` (``record``)."""
+        self.record(text)
         self._queue.put((stream, text))
+
+    def record(self, text: str) -> None:
+        """Write ``text`` to the log dir's ``pslaunch.log`` only (pslaunch's own lines and the
+        summary, without colours); nothing without a log dir."""
+        if self.log_dir:
+            own = self._entry(self._logs, "pslaunch", lambda: _Log(os.path.join(self.log_dir, "pslaunch.log")))
+            own.write(_COLOUR.sub("", text))
 
     def divert(self, target) -> None:
         """From now on hand what would be written to ``target.write(stream, text)`` (the dashboard;
@@ -330,6 +356,9 @@ class Printer:
                 if log.file is not None:
                     log.file.close()
                     log.file = None
+
+
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _rank_of(name: str) -> int | None:

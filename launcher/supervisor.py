@@ -136,7 +136,7 @@ class Supervisor:
             try:
                 if prepare:  # a batch scheduler's hosts are known now: the plan of every attempt has them
                     plan = self._plan = self.backend.prepare(plan) or plan
-                self.printer.forget(spec.name for spec in plan.processes)
+                self.printer.starting(spec.name for spec in plan.processes)
                 self.handles = self.backend.launch(plan)
                 if self.observer is not None:
                     self.observer.attach(self.handles)
@@ -249,7 +249,7 @@ class Supervisor:
             self.printer.note(f"{failure.reason}; restarting it alone (restart {count} of {self.restarts.max_restarts}, "
                               f"PSLAUNCH_RESTART_COUNT={count}); the other processes go on")
             self._replaced.append(handle)
-            self.printer.forget([handle.spec.name])
+            self.printer.starting([handle.spec.name])
             self.handles[i] = self.backend.launch(self._plan.restarted(count, (handle.spec,)))[0]
             if self.observer is not None:
                 self.observer.attach(self.handles)
@@ -328,7 +328,7 @@ class Supervisor:
             by_id = notes(self.handles, self._stopped, self.failure)
             self.observer.finish({h.spec.name: by_id.get(id(h), "") for h in self.handles}, self.failure,
                                  0 if self.failure is None else self.failure.exit_code, self.restarts.attempts)
-        if not self.config.quiet and self.handles:
+        if self.handles and (not self.config.quiet or self.config.log_dir):  # quiet: the log dir's copy only
             from .summary import render_summary
 
             shown: list[ProcessHandle] = []
@@ -337,7 +337,8 @@ class Supervisor:
                 shown.append(handle)
             table_notes = notes(shown, self._stopped, self.failure)
             table_notes.update({id(r): "failed; restarted alone" for r in self._replaced})
-            self.printer.raw(render_summary(shown, table_notes, self.printer.colour))
+            table = render_summary(shown, table_notes, self.printer.colour)
+            self.printer.record(table) if self.config.quiet else self.printer.raw(table)
         if self.failure is not None:
             self.printer.note(f"root cause: {self.failure.reason}")
             if self.failure.handle is not None:

@@ -107,9 +107,29 @@ def test_log_dir_keeps_one_file_per_process(tmp_path):
     res = run_pslaunch(_job(tmp_path / "out", "--log-dir", str(logs), "-q"))
     assert res.returncode == 0, res.stderr
     assert res.stdout == ""
-    assert sorted(p.name for p in logs.iterdir()) == [
-        "scheduler.0@localhost.log", "server.0@localhost.log", "worker.0@localhost.log", "worker.1@localhost.log"]
+    processes = ["scheduler.0@localhost", "server.0@localhost", "worker.0@localhost", "worker.1@localhost"]
+    assert sorted(p.name for p in logs.iterdir()) == sorted(
+        ["pslaunch.log", "summary.json", *(f"{n}.log" for n in processes), *(f"{n}.stderr.log" for n in processes)])
     assert (logs / "worker.1@localhost.log").read_text() == "worker 1 started\n"
+    # quiet on the screen, the log dir still has pslaunch's summary, plain, and the JSON one
+    assert "| worker    |    1 | localhost |" in (logs / "pslaunch.log").read_text()
+    assert json.loads((logs / "summary.json").read_text())["exit_code"] == 0
+
+
+def test_log_dir_has_files_for_a_silent_process_stderr_alone_and_the_root_cause(tmp_path):
+    code = ("import os, sys, time; r = os.environ['DMLC_WORKER_ID']\n"
+            "if r == '0': time.sleep(60)\n"  # says nothing until stopped
+            "print('out', r); print('err', r, file=sys.stderr); sys.exit(9)")
+    res = run_pslaunch(["-n", "2", "-s", "0", "--log-dir", str(tmp_path), "python", "-c", code])
+    assert res.returncode == 9, res.stderr
+    assert (tmp_path / "worker.0@localhost.log").read_text() == ""  # silent, but there
+    assert (tmp_path / "worker.0@localhost.stderr.log").read_text() == ""
+    # both streams (two pipes: each in its order, with no order between them)
+    assert sorted((tmp_path / "worker.1@localhost.log").read_text().splitlines()) == ["err 1", "out 1"]
+    assert (tmp_path / "worker.1@localhost.stderr.log").read_text() == "err 1\n"
+    own = (tmp_path / "pslaunch.log").read_text()
+    assert "pslaunch: root cause: worker.1@localhost" in own and "pslaunch:   | err 1" in own and "\x1b[" not in own
+    assert json.loads((tmp_path / "summary.json").read_text())["root_cause"]["process"] == "worker.1@localhost"
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129),
