@@ -41,6 +41,9 @@ __all__ = ["JobStats", "Row", "straggler", "LINE_LIMIT", "RATE_WINDOW"]
 LINE_LIMIT = 1 << 20
 #: Seconds of reports a rate is computed over.
 RATE_WINDOW = 5.0
+#: How long a live process the runtime has not reported counts as ``starting``; after that it runs
+#: user code (loading data before ``kvcore.create``, or a program that never joins the runtime).
+STARTING_SECONDS = 2.0
 _STANDS_OUT = 1.25
 _NODE_ROLES = ("server", "worker")
 _STATES = ("registered", "running", "rejoining", "finished")  # rejoining: a dead worker awaiting its restart
@@ -208,8 +211,8 @@ class JobStats:
         key = (spec.role, spec.rank)
         node = self._nodes.get(key)
         if node is None:
-            if status is None and self.phase in ("running", "ending"):
-                row.state = "running"  # every node registered, but this process did not report: not the runtime's
+            if status is None and (self.phase in ("running", "ending") or handle.duration >= STARTING_SECONDS):
+                row.state = "running"  # not (or not yet) a node of the runtime: its own code runs
             return row
         if status is None:
             row.state = node["state"]

@@ -34,10 +34,12 @@ from typing import Callable, TextIO
 
 from .errors import ConfigError
 
-__all__ = ["LineSplitter", "Printer", "ROLE_COLOURS", "MAX_LINE"]
+__all__ = ["LineSplitter", "Printer", "ROLE_COLOURS", "RANK_COLOURS", "MAX_LINE"]
 
 #: ANSI colour per role on a terminal.
 ROLE_COLOURS = {"scheduler": "35", "server": "36", "worker": "32", "mpirun": "33"}
+#: Workers' colours, by rank in turn: neighbouring ranks' lines tell apart at a glance.
+RANK_COLOURS = ("32", "34", "92", "94", "96", "93", "95", "90")
 
 #: Longest line shown whole (bytes); a longer one is shown in pieces of this size, each prefixed.
 MAX_LINE = 1024 * 1024
@@ -207,9 +209,12 @@ class Printer:
         self._writer.start()
 
     def prefix(self, name: str, role: str) -> str:
-        """``[name]``, coloured for ``role`` when colour is on."""
+        """``[name]``, coloured when colour is on: a worker by its rank (``RANK_COLOURS``), the
+        others by ``role``."""
         if self.colour:
-            return f"\x1b[{ROLE_COLOURS.get(role, '0')}m[{name}]\x1b[0m"
+            rank = _rank_of(name) if role == "worker" else None
+            colour = RANK_COLOURS[rank % len(RANK_COLOURS)] if rank is not None else ROLE_COLOURS.get(role, "0")
+            return f"\x1b[{colour}m[{name}]\x1b[0m"
         return f"[{name}]"
 
     def _entry(self, table: dict, key, make):

@@ -17,7 +17,7 @@ from launcher.backends.base import ExitStatus, ProcessHandle
 from launcher.dashboard import Dashboard, render_table
 from launcher.errors import ConfigError
 from launcher.hostfile import LOCAL_HOST
-from launcher.jobstats import JobStats
+from launcher.jobstats import STARTING_SECONDS, JobStats
 from launcher.metrics import MetricsServer, render_metrics
 from launcher.observe import summary_document
 from launcher.plan import ProcessSpec
@@ -105,6 +105,15 @@ def test_a_heartbeat_older_than_two_and_a_half_intervals_is_late_and_an_exited_p
     assert gone.exited and gone.state == "exit 3" and not gone.late and gone.exit_code == 3
     # every node registered (the job runs), yet this one sent no record: it runs, not as the runtime
     assert rows["server.0@localhost"].state == "running" and rows["server.0@localhost"].heartbeat_age is None
+
+
+def test_a_process_that_never_joins_the_runtime_runs_once_its_first_seconds_are_over():
+    stats, handles = JobStats(), job_handles()
+    stats.take_line(handles[0], stats_line(1.0, {0: {}}, phase="registering"), handles)  # workers 1, 2 not (yet)
+    handles[3].started -= STARTING_SECONDS + 1  # worker 1 started a while ago: a torch script, say
+    rows = {r.name: r for r in stats.rows(handles)}
+    assert rows["worker.1@localhost"].state == "running"
+    assert rows["worker.2@localhost"].state == "starting"  # just started
 
 
 def test_after_a_restart_rates_start_afresh_and_a_worker_awaiting_its_restart_is_rejoining_not_late():

@@ -10,7 +10,7 @@ import pytest
 from launcher.backends.mpi import TagDemux
 from launcher.config import parse_ranks_option
 from launcher.errors import ConfigError
-from launcher.output import LineSplitter, Printer
+from launcher.output import RANK_COLOURS, LineSplitter, Printer
 
 pytestmark = pytest.mark.unit
 
@@ -51,7 +51,11 @@ def test_printer_prefixes_plain_without_tty_and_coloured_on_request_and_keeps_la
     assert p.last_lines("worker.0@h") == ["line 1", "line 2"]
     assert (tmp_path / "worker.0@h.log").read_text() == "line 0\nline 1\nline 2\n"
     coloured = Printer(out=io.StringIO(), colour=True)
-    assert coloured.prefix("worker.1@h", "worker") == "\x1b[32m[worker.1@h]\x1b[0m"
+    # a colour per worker rank (neighbours differ), one per role for the others
+    workers = [coloured.prefix(f"worker.{r}@h", "worker") for r in range(len(RANK_COLOURS))]
+    assert workers[1] == "\x1b[34m[worker.1@h]\x1b[0m" and len({w.split("[w")[0] for w in workers}) == len(workers)
+    assert coloured.prefix(f"worker.{len(RANK_COLOURS)}@h", "worker").startswith(f"\x1b[{RANK_COLOURS[0]}m")
+    assert coloured.prefix("server.1@h", "server") == "\x1b[36m[server.1@h]\x1b[0m"
 
 
 def test_tag_demux_routes_partial_chunks_and_tags_cut_between_reads():
