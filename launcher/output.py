@@ -251,9 +251,13 @@ class Printer:
         base = name.replace("/", "_").replace(":", "_")
         return os.path.join(self.log_dir, base + (".stderr.log" if stream == "stderr" else ".log"))
 
+    def _log_file(self, name: str, stream: str) -> _Log:
+        """The ``--log-dir`` file of process ``name`` for ``stream`` (made on first use)."""
+        return self._entry(self._logs, (name, stream), lambda: _Log(self.log_path(name, stream)))  # type: ignore[arg-type]
+
     def _log(self, name: str, block: str, stream: str) -> None:
         for which in ("stdout", "stderr") if stream == "stderr" else ("stdout",):
-            log = self._entry(self._logs, (name, which), lambda: _Log(self.log_path(name, which)))  # type: ignore[arg-type]
+            log = self._log_file(name, which)
             problem = log.write(block + "\n")
             if problem is not None:
                 self.note(f"cannot write {log.path}: {problem}; {name}'s lines go to the screen only")
@@ -266,8 +270,7 @@ class Printer:
             self._last.pop(name, None)
             if self.log_dir:
                 for which in ("stdout", "stderr"):
-                    log = self._entry(self._logs, (name, which), lambda: _Log(self.log_path(name, which)))  # type: ignore[arg-type]
-                    log.write("")
+                    self._log_file(name, which).write("")
 
     def last_lines(self, name: str) -> list[str]:
         """The last lines process ``name`` printed (both streams), oldest first."""

@@ -338,7 +338,10 @@ class Supervisor:
             table_notes = notes(shown, self._stopped, self.failure)
             table_notes.update({id(r): "failed; restarted alone" for r in self._replaced})
             table = render_summary(shown, table_notes, self.printer.colour)
-            self.printer.record(table) if self.config.quiet else self.printer.raw(table)
+            if self.config.quiet:
+                self.printer.record(table)
+            else:
+                self.printer.raw(table)
         if self.failure is not None:
             self.printer.note(f"root cause: {self.failure.reason}")
             if self.failure.handle is not None:
