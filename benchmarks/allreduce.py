@@ -3,7 +3,7 @@
     python -m benchmarks.allreduce [--reps 3] [--ranks 2,4] [--sizes 4,64] [--quick] [--skip-train] [--json out.json]
 
 Measures (docs/benchmarks.md, "Allreduce"), every job on 127.0.0.1, each process started on its
-own (``psnode.testing.LocalJob``):
+own (``testkit.LocalJob``):
 
 - ``gloo``: torch 2.13's gloo ``all_reduce`` (``benchmarks/gloo_worker.py``), the baseline;
 - ``pslaunch_tcp``: ``kvcore.collectives.allreduce`` in a job without servers, every worker over
@@ -40,7 +40,7 @@ from typing import Any
 
 import click
 
-from psnode.testing import JobFailed, LocalJob, free_port
+from testkit import JobFailed, LocalJob, free_port
 
 from . import report
 from .train_step import TRAIN_SYSTEMS, run_train_job, train_rows

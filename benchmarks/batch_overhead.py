@@ -4,7 +4,7 @@ time on it next to the same job run locally, in one run.
     python benchmarks/batch_overhead.py [--repeats 5] [--json out.json]
 
 Starts the one-machine Slurm and SGE clusters of the launcher tests
-(tests/launcher/launcher_testkit/clusters.py: needs what scripts/test.sh installs, and root) in
+(testkit/launcher/clusters.py: needs what scripts/test.sh installs, and root) in
 temporary directories, several times for the cold start, then runs two jobs with ``pslaunch -n 2
 -s 1`` under ``--launcher local``, ``slurm`` and ``sge`` in turn, ``--repeats`` rounds interleaved
 so that a busy machine slows every launcher alike:
@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "launcher"))
 
-from launcher_testkit import start_sge, start_slurm  # noqa: E402  (the tests' own clusters)
+from testkit.launcher import start_sge, start_slurm  # the clusters the tests start
 
 JOBS = {
     "empty": ["--command-for-all-roles", "true"],

@@ -4,7 +4,7 @@ the line rate (where gradient compression shows its worth).
     python -m benchmarks.capped_link [--rate 1gbit] [--sizes 16,64] [--reps 3] [--quick]
                                      [--json out.json] [--skip-mxnet] [--mxnet-python PATH]
 
-Two hosts of a simulated cluster (``benchmarks.netns``: network namespaces on a bridge, every host
+Two hosts of a simulated cluster (``testkit.netns``: network namespaces on a bridge, every host
 link shaped with ``tc tbf`` at ``--rate`` each way): the scheduler and one server on h1, one worker
 on h2, so that every byte of a push and of a pull crosses the capped link once. Each job is started
 directly with the environment contract (as ``benchmarks.jobs`` starts its jobs), each process inside
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import click
 
-from psnode.testing import JobFailed, LocalJob
+from testkit import JobFailed, LocalJob
 
 from . import jobs, kv_suite
-from .netns import NetnsCluster, usable
+from testkit.netns import NetnsCluster, usable
 
 MiB = 1 << 20
 DEFAULT_MXNET_PYTHON = "/tmp/mxvenv/bin/python"

@@ -4,7 +4,7 @@ how long a job takes from a worker's failure to training resumed after the resta
     python -m benchmarks.checkpoint [--sizes-mib 100,1024] [--reps 3] [--servers 1] [--dir DIR]
         [--skip-restart] [--json out.json]
 
-Commit: a job of 1 worker and ``--servers`` servers (``psnode.testing.LocalJob``) holds one float32
+Commit: a job of 1 worker and ``--servers`` servers (``testkit.LocalJob``) holds one float32
 key of each size, split in parts across the servers. The worker (``checkpoint_worker.py``) times,
 ``--reps`` times in a rotating order, ``kvcore.elastic.State.commit()`` (until it returns: every
 server wrote its file; the sync to disk and the manifest follow in the background, waited for
@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from psnode.testing import JobFailed, LocalJob
+from testkit import JobFailed, LocalJob
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "checkpoint_worker.py"

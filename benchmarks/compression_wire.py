@@ -17,7 +17,7 @@ Networks:
 
 * ``tcp``: every node on 127.0.0.1, over TCP.
 * ``capped``: the scheduler and server in one network namespace, the workers in another, joined by
-  a veth pair shaped to ``--rate`` each way by ``tc``'s token bucket (``benchmarks.netns_link``:
+  a veth pair shaped to ``--rate`` each way by ``tc``'s token bucket (``testkit.netns_link``:
   198.18.0.0/15 addresses, unreachable from the root namespace; removed afterwards). Needs root.
 
 Exit status: 0 when every job succeeded, 1 otherwise (the JSON says which), 2 for bad options.
@@ -37,10 +37,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from psnode.testing import JobFailed, LocalJob
+from testkit import JobFailed, LocalJob
 
 from . import kv_suite
-from .netns_link import LinkError, RateLimitedLink
+from testkit.netns_link import LinkError, RateLimitedLink
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "compression_wire_worker.py"

@@ -3,7 +3,7 @@
     python benchmarks/gpu_allreduce.py                       # 4, 64 and 256 MiB
     python benchmarks/gpu_allreduce.py --sizes-mib 64 --rounds 20 --json out.json
 
-A job without servers (``psnode.testing.LocalJob``) of one worker per GPU; each worker sums a
+A job without servers (``testkit.LocalJob``) of one worker per GPU; each worker sums a
 float32 CuPy array on GPU ``local_rank`` with ``kvcore.collectives.allreduce`` (NCCL, the unique id
 through the scheduler), checks the sum, and reports the median time per call. The figure is the
 bus bandwidth ``bytes / t * 2 (n - 1) / n`` next to the card's device-to-device copy bandwidth
@@ -91,7 +91,7 @@ def main() -> int:
     copies = {mib: copy_bandwidth(mib, args.rounds) for mib in args.sizes_mib}
     seconds: dict[str, float] = {}
     if gpus >= 2 and report["nccl"]:
-        from psnode.testing import LocalJob
+        from testkit import LocalJob
 
         argv = [str(HERE), "--worker", "--rounds", str(args.rounds), "--sizes-mib", *map(str, args.sizes_mib)]
         with LocalJob(gpus, 0, worker=argv, test_settings=False) as job:

@@ -3,7 +3,7 @@
     python benchmarks/gpu_server_shards.py                      # 4 and 64 MiB keys
     python benchmarks/gpu_server_shards.py --sizes-mib 64 --rounds 20
 
-Each job is 1 scheduler, 1 server and 1 worker on 127.0.0.1 (``psnode.testing.LocalJob``), the
+Each job is 1 scheduler, 1 server and 1 worker on 127.0.0.1 (``testkit.LocalJob``), the
 server started with ``PSLAUNCH_SERVER_DEVICE=cpu`` and then ``gpu``. The worker pushes a float32 key
 of each size and pulls it back (``dist_sync``, the ``Test`` optimizer on the server: ``weight +=
 grad``), so a round is an upload, an optimizer step and a download on the GPU server. The worker
@@ -59,7 +59,7 @@ def worker(sizes_mib: list[float], rounds: int) -> None:
 
 def run_job(server_device: str, sizes_mib: list[float], rounds: int, timeout: float) -> dict:
     """Median round seconds per size with the server's shards on ``server_device``."""
-    from psnode.testing import LocalJob
+    from testkit import LocalJob
 
     argv = [str(HERE), "--worker", "--rounds", str(rounds), "--sizes-mib", *map(str, sizes_mib)]
     env = {"PSLAUNCH_SERVER_DEVICE": server_device, "PSLAUNCH_BIGARRAY_BOUND": str(1 << 40)}  # one shard per key

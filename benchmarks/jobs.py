@@ -2,8 +2,8 @@
 
 A KVStore job (pslaunch or MXNet) is 1 scheduler, 1 server and N workers on 127.0.0.1, started
 directly with the DMLC_* contract of docs/env.md, exactly as any launcher would: through
-``psnode.testing.LocalJob``, the tests' starter (the contract is written by
-``launcher.envcontract``). A ceiling job is one raw pyzmq ROUTER and N DEALERs. Each job returns its
+``testkit.LocalJob``, the tests' starter (the contract is written by
+``pscontract``). A ceiling job is one raw pyzmq ROUTER and N DEALERs. Each job returns its
 figures per measure (the mean over workers of each worker's median), or raises ``JobFailed``.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psnode.testing import JobFailed, LocalJob, free_port
+from testkit import JobFailed, LocalJob, free_port
 
 from . import kv_suite
 

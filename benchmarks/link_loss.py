@@ -3,7 +3,7 @@
     python -m benchmarks.link_loss [--link-timeout 15] [--reps 2] [--json out.json]
 
 On the launcher tests' simulated cluster (three network namespaces with an sshd each, reached by
-ssh config aliases: ``tests/launcher/launcher_testkit.start_cluster``), a 2-host job runs, node2's
+ssh config aliases: ``testkit/launcher.start_cluster``), a 2-host job runs, node2's
 link is taken down, and the script measures the seconds from the link going down to pslaunch's
 exit (``detect_s``: it must name node2 as the root cause, exit 255) for a kvcore job and a plain
 command over ssh and for a plain command under mpi; then the link comes back and it measures how
@@ -29,8 +29,6 @@ import click
 
 REPO = Path(__file__).resolve().parent.parent
 HELPERS = REPO / "tests" / "launcher" / "helpers"
-# The simulated cluster with an sshd per host is the launcher test kit's; it is not a package.
-sys.path.insert(0, str(REPO / "tests" / "launcher"))
 
 CASES = {
     "ssh kvcore": ["--env", "STEPS:1000000", "--env", "STEP_SLEEP:0.02", sys.executable, str(HELPERS / "steps_worker.py")],
@@ -93,8 +91,8 @@ def one(cluster, case: str, link_timeout: float) -> dict:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(link_timeout: float, reps: int, json_path: Path | None) -> None:
     """Measure the time to detect a lost host and to clean up behind it; print a table."""
-    from benchmarks.netns import usable
-    from launcher_testkit import start_cluster
+    from testkit.netns import usable
+    from testkit.launcher import start_cluster
 
     why = usable()
     if why is not None:

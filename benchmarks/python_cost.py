@@ -29,7 +29,7 @@ from typing import Any, Callable
 import click
 import numpy as np
 
-from launcher.envcontract import contract_env
+from pscontract import contract_env
 from psnode import protocol
 from psnode.env import read_env
 from psnode.membership import SCHEDULER, PeerInfo

@@ -27,7 +27,7 @@ import time
 import click
 import zmq
 
-from psnode.testing import free_port
+from testkit import free_port
 
 PATTERNS = ("separate", "handoff", "fused")
 TIMEOUT_MS = 20_000

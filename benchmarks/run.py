@@ -27,7 +27,7 @@ from pathlib import Path
 
 import click
 
-from psnode.testing import JobFailed
+from testkit import JobFailed
 
 from . import jobs, report
 from .kv_suite import Plan

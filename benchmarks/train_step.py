@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 
-from psnode.testing import JobFailed, LocalJob, free_port
+from testkit import JobFailed, LocalJob, free_port
 
 HERE = Path(__file__).resolve().parent
 TRAIN_SYSTEMS = ("ddp", "trainer_allreduce", "trainer_dist_sync")

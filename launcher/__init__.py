@@ -1,8 +1,8 @@
 """The pslaunch launcher: the CLI and how processes are placed, started, watched and stopped.
 
 Public face: the configuration, the planning function, the hostfile parser, the backend registry
-and the errors. ``launcher.cli`` holds the ``pslaunch`` command; ``launcher.envcontract`` the
-names of docs/env.md. Importing this package loads neither paramiko nor rich nor click.
+and the errors. ``launcher.cli`` holds the ``pslaunch`` command; the names of docs/env.md
+are ``pscontract``'s. Importing this package loads neither paramiko nor rich nor click.
 """
 
 from .config import EnvVar, LaunchConfig, parse_env_option

@@ -15,7 +15,7 @@ import click
 
 from .config import (DEFAULT_LINK_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option,
                      parse_metrics_option, parse_ranks_option)
-from .envcontract import new_job_key
+from pscontract import new_job_key
 from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
 from .network import resolve

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .envcontract import RESTART_SCOPES, free_port
+from pscontract import RESTART_SCOPES, free_port
 from .errors import ConfigError
 from .hostfile import Host
 

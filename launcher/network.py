@@ -25,54 +25,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Iterable
 
+from pscontract import interface_address, interface_addresses, parse_interface_spec
+
 from .config import LaunchConfig, free_port
 from .errors import ConfigError, PreflightError
 
-__all__ = ["parse_interface", "interface_addresses", "resolve_interface", "route_source", "choose_scheduler_address",
+__all__ = ["parse_interface", "route_source", "choose_scheduler_address",
            "check_scheduler_reachable", "check_plan_reachable", "REACH_CHECK", "resolve"]
 
-_SIOCGIFADDR = 0x8915
-
-
 def parse_interface(text: str) -> list[str] | ipaddress.IPv4Network:
-    """``--interface``'s value: a list of interface names (one or more, comma-separated) or an IPv4
-    network. Raises ``ConfigError`` naming the value and what is wrong with it."""
-    text = text.strip()
-    if "/" in text:
-        try:
-            return ipaddress.IPv4Network(text, strict=False)
-        except ValueError as exc:
-            raise ConfigError(f"--interface {text!r}: not an IPv4 network ({exc}); give NAME, NAME,NAME... "
-                              "or a network such as 10.1.0.0/16") from None
-    names = [n.strip() for n in text.split(",")]
-    for name in names:
-        if not name or len(name) > 15 or not name.replace("-", "").replace(".", "").replace("_", "").replace(":", "").isalnum():
-            raise ConfigError(f"--interface {text!r}: {name!r} is not an interface name; give NAME, NAME,NAME... "
-                              "or a network such as 10.1.0.0/16")
-    return names
-
-
-def interface_addresses() -> dict[str, str]:
-    """This machine's interfaces that have an IPv4 address: ``{name: address}`` (Linux)."""
-    import fcntl
-    import struct
-
-    found = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue  # no IPv4 address on it
-            found[name] = socket.inet_ntoa(packed[20:24])
-    return found
-
-
-def resolve_interface(spec: list[str] | ipaddress.IPv4Network, addresses: dict[str, str]) -> str | None:
-    """The address ``spec`` (see ``parse_interface``) picks among ``addresses``, or None."""
-    if isinstance(spec, ipaddress.IPv4Network):
-        return next((a for a in addresses.values() if ipaddress.IPv4Address(a) in spec), None)
-    return next((addresses[n] for n in spec if n in addresses), None)
+    """``--interface``'s value, parsed by the contract's one parser (interface names tried in order,
+    or an IPv4 network). Raises ``ConfigError`` naming the value and what is wrong with it."""
+    try:
+        return parse_interface_spec(text)
+    except ValueError as exc:
+        raise ConfigError(f"--interface {text!r} {exc}") from None
 
 
 def route_source(address: str) -> str | None:
@@ -142,7 +109,7 @@ def choose_scheduler_address(hosts: Iterable[tuple[str, str]], interface: str | 
         return chosen, True
     here = addresses()
     if interface:
-        picked = resolve_interface(parse_interface(interface), here)
+        picked = interface_address(parse_interface(interface), here)
         if picked is not None and not _loopback(picked):
             return picked, True
         tried.append(f"--interface {interface}: " + ("a loopback address here" if picked else "no match here"))
@@ -252,7 +219,7 @@ def resolve(config: LaunchConfig, real_names: list[tuple[str, str]] | None = Non
                                                        where={h.label: h.where for h in config.hosts})
     if spec is not None and not remote and not config.scheduler_host:
         here = interface_addresses()
-        if resolve_interface(spec, here) is None:  # every process runs here: it must match here
+        if interface_address(spec, here) is None:  # every process runs here: it must match here
             known = ", ".join(f"{n} {a}" for n, a in here.items())
             raise ConfigError(f"--interface {config.interface}: nothing here matches it (interfaces: {known})")
     port = config.scheduler_port

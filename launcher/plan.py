@@ -20,7 +20,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field, replace
 
-from . import envcontract as ec
+import pscontract as ec
 from .config import EnvVar, LaunchConfig
 from .errors import PlacementError
 from .hostfile import LOCAL_HOST, Host

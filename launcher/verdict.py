@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .envcontract import EXIT_PEER_FAILED
+from pscontract import EXIT_PEER_FAILED
 
 if TYPE_CHECKING:
     from .backends.base import ProcessHandle

@@ -3,7 +3,7 @@
 ``python -m psnode scheduler|server`` runs a bundled node from the environment contract
 (docs/env.md, read by ``psnode.env``). Workers are started by ``kvcore`` (``WorkerNode``). The
 numpy/CuPy array backend both use is ``psnode.devices``. Errors are in ``psnode.errors``;
-``psnode.testing`` starts whole jobs on 127.0.0.1 for tests, and the ``inproc`` transport runs
+``testkit`` starts whole jobs on 127.0.0.1 for tests, and the ``inproc`` transport runs
 nodes inside one process. docs/runtime.md draws the parts.
 """
 

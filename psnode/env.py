@@ -10,39 +10,33 @@ node that ended because of another node, and the marker lines a supervised node 
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import ipaddress
 import math
 import os
 import re
 import socket
-import struct
 from dataclasses import dataclass, field
 from typing import Mapping
+
+from pscontract import (
+    EXIT_PEER_FAILED,
+    MARKER_FAILED,
+    MARKER_READY,
+    MARKER_STATS,
+    MARKER_TRACE,
+    ROLES,
+    TIMELINE_TO_LAUNCHER,
+    interface_address,
+    interface_addresses,
+    parse_interface_spec,
+    shared_job_id,
+)
 
 from . import security
 from .errors import EnvError
 
 __all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host", "shared_job_id", "EXIT_PEER_FAILED", "MARKER_READY", "MARKER_FAILED",
            "MARKER_STATS", "MARKER_TRACE", "TIMELINE_TO_LAUNCHER"]
-
-ROLES = ("scheduler", "server", "worker")
-
-#: Exit code of a node that ended because another node failed or because the job was torn down
-#: (sysexits' EX_TEMPFAIL: this node did nothing wrong). pslaunch ranks it after real failures.
-EXIT_PEER_FAILED = 75
-#: Written on stderr under pslaunch by a bundled node once SIGUSR1 ends it normally.
-MARKER_READY = "\x1fPSLAUNCH-READY"
-#: Written on stderr under pslaunch by a worker right after its own uncaught error's traceback.
-MARKER_FAILED = "\x1fPSLAUNCH-FAILED"
-#: Written on stderr under pslaunch by the scheduler every ``PSLAUNCH_STATS`` seconds: the job's counters (JSON).
-MARKER_STATS = "\x1fPSLAUNCH-STATS"
-#: Written on stderr under pslaunch by every node with ``PSLAUNCH_TIMELINE=-``: timeline events (a JSON array).
-MARKER_TRACE = "\x1fPSLAUNCH-TRACE"
-#: ``PSLAUNCH_TIMELINE`` value meaning "send the events to pslaunch" (``MARKER_TRACE`` lines).
-TIMELINE_TO_LAUNCHER = "-"
-
 
 @dataclass(frozen=True)
 class NodeEnv:
@@ -281,18 +275,6 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     )
 
 
-def shared_job_id(root_uri: str, root_port: int) -> str:
-    """The job id of a process started without ``PSLAUNCH_JOB_ID`` (by hand, MXNet's ``launch.py``,
-    dmlc-tracker): derived from what every process of such a job is given alike, the scheduler's
-    ``DMLC_PS_ROOT_URI`` (as written, case aside) and ``DMLC_PS_ROOT_PORT``.
-
-    A random id per process would make the scheduler refuse every peer as another job's; this one
-    is the same in all of them, and two jobs on different scheduler ports still differ.
-    """
-    where = f"{root_uri.strip().lower()}:{root_port}"
-    return "job-" + hashlib.sha256(where.encode()).hexdigest()[:8]
-
-
 def resolve_host(host: str, variable: str = "host") -> str:
     """Resolve a host name to an IPv4 address (an address is returned as it is).
 
@@ -306,34 +288,15 @@ def resolve_host(host: str, variable: str = "host") -> str:
 
 
 def _interface_spec(text: str) -> list[str] | ipaddress.IPv4Network:
-    """DMLC_INTERFACE's value: interface names tried in order (``ib0,eth0``) or an IPv4 network.
+    """DMLC_INTERFACE's value, parsed by the contract's one parser.
 
     Raises:
-        EnvError: neither (the message names the value).
+        EnvError: neither interface names nor an IPv4 network (the message names the value).
     """
-    if "/" in text:
-        try:
-            return ipaddress.IPv4Network(text, strict=False)
-        except ValueError:
-            raise EnvError(f"environment variable DMLC_INTERFACE={text!r} is not an IPv4 network (e.g. 10.1.0.0/16)") from None
-    names = [n.strip() for n in text.split(",")]
-    if not all(n and re.fullmatch(r"[A-Za-z0-9_.:-]{1,15}", n) for n in names):
-        raise EnvError(f"environment variable DMLC_INTERFACE={text!r} is not an interface name, a list of them "
-                       "(ib0,eth0) or an IPv4 network")
-    return names
-
-
-def interface_addresses() -> dict[str, str]:
-    """This host's interfaces that have an IPv4 address, ``{name: address}`` (Linux)."""
-    found = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:  # SIOCGIFADDR
-                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-            except OSError:
-                continue
-            found[name] = socket.inet_ntoa(packed[20:24])
-    return found
+    try:
+        return parse_interface_spec(text)
+    except ValueError as exc:
+        raise EnvError(f"environment variable DMLC_INTERFACE={text!r} {exc}") from None
 
 
 def interface_spec_address(text: str) -> str:
@@ -343,12 +306,8 @@ def interface_spec_address(text: str) -> str:
     Raises:
         EnvError: the value is malformed, or nothing here matches it (naming what this host has).
     """
-    spec = _interface_spec(text)
     here = interface_addresses()
-    if isinstance(spec, ipaddress.IPv4Network):
-        found = next((a for a in here.values() if ipaddress.IPv4Address(a) in spec), None)
-    else:
-        found = next((here[n] for n in spec if n in here), None)
+    found = interface_address(_interface_spec(text), here)
     if found is None:
         known = ", ".join(f"{n} {a}" for n, a in here.items())
         raise EnvError(f"DMLC_INTERFACE={text!r} matches no interface of {socket.gethostname()} (here: {known})")

@@ -9,7 +9,7 @@ sender may change its buffers right after ``send``), in the order sent per sende
 
 What it is for: the scheduler, servers and workers run together in one test process on one thread
 or several, so their protocol, the round machine and the request logic are tested in milliseconds
-(``psnode.testing.InProcJob``). It also lets a test see and steer what travels: ``outgoing`` keeps
+(``testkit.InProcJob``). It also lets a test see and steer what travels: ``outgoing`` keeps
 every message sent as ``(peer, [bytes, ...])`` while ``record`` is on, and a peer in ``full`` makes
 non-blocking sends to it raise ``WouldBlock`` as a full ZeroMQ queue does.
 """

@@ -1,4 +1,4 @@
-"""benchmarks.netns, the simulated cluster: its hosts reach each other over their networks, the
+"""testkit.netns, the simulated cluster: its hosts reach each other over their networks, the
 launching host reaches only the management network, the range cannot leave the machine, and
 nothing of a cluster is left after its block ends, raises, or its process is killed. The
 capped-link benchmark runs on it (a quick run: it checks that it runs, not a figure).
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.netns import BENCH_RANGE, NetnsCluster, process_alive, usable
-from psnode.testing import LocalJob
+from testkit.netns import BENCH_RANGE, NetnsCluster, process_alive, usable
+from testkit import LocalJob
 
 pytestmark = pytest.mark.netns
 REPO = Path(__file__).resolve().parent.parent
@@ -87,7 +87,7 @@ def test_a_killed_runs_namespaces_and_what_ran_in_them_are_swept_by_the_next_clu
     script = textwrap.dedent(f"""
         import subprocess, sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from benchmarks.netns import NetnsCluster
+        from testkit.netns import NetnsCluster
         cluster = NetnsCluster(nics=("eth0",)).__enter__()
         sleeper = subprocess.Popen(cluster.run_in("h1", ["sleep", "600"]))
         print(cluster.namespace("h1"), sleeper.pid, flush=True)

@@ -1,4 +1,4 @@
-"""benchmarks.netns_link: a tc-shaped veth link between two real network namespaces, and nothing of it
+"""testkit.netns_link: a tc-shaped veth link between two real network namespaces, and nothing of it
 left behind, whether the block ends, raises, or its process is killed.
 
 Needs root and iproute2 (scripts/test.sh installs it); skipped where namespaces cannot be made.
@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from benchmarks.netns_link import BENCH_NET, RateLimitedLink
+from testkit.netns_link import BENCH_NET, RateLimitedLink
 
 
 def _namespaces() -> list[str]:
@@ -95,7 +95,7 @@ def test_the_link_is_removed_when_its_block_raises():
 
 
 def test_namespaces_of_a_killed_run_are_removed_by_the_next_run():
-    code = ("import sys, time; from benchmarks.netns_link import RateLimitedLink; "
+    code = ("import sys, time; from testkit.netns_link import RateLimitedLink; "
             "link = RateLimitedLink().__enter__(); print(' '.join(link.namespaces.values()), flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

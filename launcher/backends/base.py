@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from ..config import LaunchConfig
-from ..envcontract import MARKER
+from pscontract import MARKER
 from ..output import LineSplitter, Printer
 from ..plan import Plan, ProcessSpec
 

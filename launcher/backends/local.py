@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Sequence
 
-from .. import envcontract as ec
+import pscontract as ec
 from ..errors import SpawnError
 from ..plan import Plan, ProcessSpec
 from ..checkpointdir import check_checkpoint_dir

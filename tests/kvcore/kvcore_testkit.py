@@ -1,7 +1,7 @@
 """Helpers shared by the shared-model tests.
 
 A module with its own name (not ``conftest``) so that the tests import it by name, as the launcher
-tests import ``launcher_testkit``.
+tests import ``testkit.launcher``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvcore import arrays
-from psnode.testing import LocalJob
+from testkit import LocalJob
 
 
 def run_device_threads(fn, devids, join_timeout: float = 30) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvcore_testkit import run_job_ok
-from psnode.testing import LocalJob
+from testkit import LocalJob
 
 SCRIPTS = Path(__file__).parent / "allreduce_scripts"
 FAST_HEARTBEATS = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "2"}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from psnode.testing import free_port, reap
+from testkit import free_port, reap
 
 REPO = Path(__file__).resolve().parents[2]
 SUMS = str(REPO / "tests" / "kvcore" / "dist_scripts" / "sums.py")
@@ -148,7 +148,7 @@ def test_two_jobs_started_by_hand_on_one_host_stay_apart(hand_job):
 
 @pytest.mark.netns
 def test_a_keyed_job_started_by_hand_across_two_simulated_hosts_runs(tmp_path, hand_job):
-    from benchmarks.netns import NetnsCluster, usable
+    from testkit.netns import NetnsCluster, usable
 
     why = usable()
     if why is not None:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from kvcore.sharding import layout
-from psnode.testing import LocalJob
+from testkit import LocalJob
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 SPLIT_BOUND = {"PSLAUNCH_BIGARRAY_BOUND": "100000"}

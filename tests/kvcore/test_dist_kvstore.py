@@ -13,7 +13,7 @@ import zmq
 
 from psnode.env import EXIT_PEER_FAILED
 from psnode.protocol import Cmd, pack_header
-from psnode.testing import LocalJob, wait_catching
+from testkit import LocalJob, wait_catching
 
 from kvcore_testkit import DEVICE_KINDS, run_job_ok
 

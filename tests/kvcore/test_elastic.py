@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psnode.testing import LocalJob
+from testkit import LocalJob
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 BOUND = {"PSLAUNCH_BIGARRAY_BOUND": "1000"}  # key 1 (3000 values) is split across the servers

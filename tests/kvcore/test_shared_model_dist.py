@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("psnode.testing")
-from psnode.testing import LocalJob  # noqa: E402
+pytest.importorskip("testkit")
+from testkit import LocalJob  # noqa: E402
 
 from kvcore_testkit import DEVICE_KINDS  # noqa: E402
 

@@ -44,7 +44,7 @@ def test_overlap_example_trains_identical_weights_in_both_schedules(tmp_path, ki
 @pytest.mark.parametrize("kind,devices", [("cpu", ["0", "1"]), pytest.param("gpu", ["0"], marks=needs_gpu)])
 def test_overlap_example_under_dist_trains_identical_weights_with_one_worker(tmp_path, kind, devices):
     pytest.importorskip("sklearn", reason="the example's digits data set ships with scikit-learn")
-    from psnode.testing import LocalJob
+    from testkit import LocalJob
 
     out = tmp_path / "overlap_dist.json"
     argv = [str(ROOT / "examples" / "overlap_mlp.py"), "--kind", "dist", "--devices", *devices, "--epochs", "1",

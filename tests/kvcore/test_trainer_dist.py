@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-testing = pytest.importorskip("psnode.testing", reason="needs the distributed runtime (psnode.testing)")
+testing = pytest.importorskip("testkit", reason="needs the distributed runtime (testkit)")
 
 SCRIPT = Path(__file__).parent / "training_scripts" / "trainer_rounds.py"
 OVERLAP = Path(__file__).parent / "training_scripts" / "torch_overlap.py"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from launcher_testkit import Cluster, SimCluster, Sshd, start_cluster, start_sge, start_slurm, start_sshd
+from testkit.launcher import Cluster, SimCluster, Sshd, start_cluster, start_sge, start_slurm, start_sshd
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher_testkit import (
+from testkit.launcher import (
     PSLAUNCH,
     REPO,
     Cluster,

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from launcher_testkit import REPO, run_pslaunch
+from testkit.launcher import REPO, run_pslaunch
 
 
 def test_dry_run_prints_the_plan_with_hosts_argv_and_env_names_but_no_secret_values(tmp_path):

@@ -1,7 +1,7 @@
 """A real cluster, simulated: three hosts in network namespaces, each with its own sshd on port 22,
 reached by ssh config aliases; a management network with the launching host on it, a compute-only
 second network (``ib0``), and hosts whose management interfaces are named differently (``eth0``,
-``ens5``). See ``benchmarks.netns`` and ``launcher_testkit.start_cluster``.
+``ens5``). See ``testkit.netns`` and ``testkit.launcher.start_cluster``.
 
 Marked ``netns`` (root and iproute2; ``scripts/test.sh`` runs them with the rest).
 """
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from launcher_testkit import cmdline, helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_gone
+from testkit.launcher import cmdline, helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_gone
 
 pytestmark = pytest.mark.netns
 

@@ -68,7 +68,7 @@ def test_empty_hostfile_and_missing_file_are_errors_naming_the_path(tmp_path):
 
 
 def test_hosts_example_parses(tmp_path):
-    from launcher_testkit import REPO
+    from testkit.launcher import REPO
 
     hosts = parse_hostfile(REPO / "hosts.example")
     assert hosts and all(isinstance(h, Host) for h in hosts)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from launcher_testkit import REPO, backend_launch, helper, processes_with, reaped, wait_for_records, wait_gone
+from testkit.launcher import REPO, backend_launch, helper, processes_with, reaped, wait_for_records, wait_gone
 
 
 def _state(pid: int) -> str:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launcher_testkit import backend_launch, helper, run_pslaunch
+from testkit.launcher import backend_launch, helper, run_pslaunch
 
 _ROW = re.compile(r"^\| (scheduler|server|worker) +\| +(\d+) \| [^|]+\| +[-\d]+ \| ([^|]+?) +\| +[\d.]+s \| ([^|]*?) *\|$", re.M)
 

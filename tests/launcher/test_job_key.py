@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from launcher_testkit import REPO, helper, run_pslaunch, wait_gone
+from testkit.launcher import REPO, helper, run_pslaunch, wait_gone
 
 
 def _check(res, workers: int) -> None:

@@ -18,7 +18,7 @@ from typing import Callable
 
 from launcher.guard import PING, PONG, env_payload, remote_command
 from launcher.linkwatch import LinkWatch, PongFilter
-from launcher_testkit import helper, processes_with, wait_gone
+from testkit.launcher import helper, processes_with, wait_gone
 
 
 class Guard:

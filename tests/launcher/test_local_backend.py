@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from launcher_testkit import (helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_for_records,
+from testkit.launcher import (helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_for_records,
                               wait_gone)
 
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "ü"]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from launcher_testkit import helper, reaped, run_pslaunch, start_pslaunch, wait_for_records, wait_gone
+from testkit.launcher import helper, reaped, run_pslaunch, start_pslaunch, wait_for_records, wait_gone
 
 pytestmark = pytest.mark.mpi
 

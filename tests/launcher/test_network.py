@@ -8,7 +8,8 @@ import ipaddress
 import pytest
 
 from launcher.errors import ConfigError
-from launcher.network import choose_scheduler_address, parse_interface, resolve_interface, route_source
+from launcher.network import choose_scheduler_address, parse_interface, route_source
+from pscontract import interface_address
 
 pytestmark = pytest.mark.unit
 
@@ -24,12 +25,12 @@ HERE = {"lo": "127.0.0.1", "eth0": "10.9.9.9", "ib0": "172.16.4.2"}
     ("192.168.0.0/16", None),
 ])
 def test_an_interface_is_a_name_a_list_tried_in_order_or_a_network(text, picked):
-    assert resolve_interface(parse_interface(text), HERE) == picked
+    assert interface_address(parse_interface(text), HERE) == picked
 
 
 @pytest.mark.parametrize(("text", "why"), [
     ("eth0;reboot", r"'eth0;reboot' is not an interface name"),
-    ("eth0,,ib0", r"'' is not an interface name"),
+    ("eth0,,ib0", r"'eth0,,ib0' is not an interface name.*'' is not a name"),
     ("10.1.0.0/33", r"not an IPv4 network"),
 ])
 def test_a_malformed_interface_is_an_error_naming_it(text, why):

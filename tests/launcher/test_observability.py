@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 
 from launcher.config import free_port
-from launcher_testkit import REPO, helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_gone
+from testkit.launcher import REPO, helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_gone
 
 TRAIN = helper("train_loop.py")
 

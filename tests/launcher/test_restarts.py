@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-from launcher_testkit import REPO, helper, run_pslaunch, wait_gone
+from testkit.launcher import REPO, helper, run_pslaunch, wait_gone
 
 JOB = ["-n", "2", "-s", "2", "--env", "PSLAUNCH_BIGARRAY_BOUND:1000", "--timeout", "150"]
 

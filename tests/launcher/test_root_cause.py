@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from launcher_testkit import BATCH_BACKENDS, Launch, backend_launch, helper, run_pslaunch, wait_gone
+from testkit.launcher import BATCH_BACKENDS, Launch, backend_launch, helper, run_pslaunch, wait_gone
 
 RUNS = 20
 _TABLE_ROW = re.compile(r"^\| (scheduler|server|worker) +\| +(\d+) \| ([^|]+?) +\| +[-\d]+ \| ([^|]+?) +\| +[\d.]+s \| ([^|]*?) *\|$",

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from launcher_testkit import REPO, helper, run_pslaunch
+from testkit.launcher import REPO, helper, run_pslaunch
 
 pytestmark = pytest.mark.skipif(not (REPO / "psnode" / "__main__.py").exists(),
                                 reason="the bundled runtime (psnode/__main__.py) is not in this tree yet")

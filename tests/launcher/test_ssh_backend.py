@@ -1,4 +1,4 @@
-"""The ssh backend against a real sshd on 127.0.0.1-3 (see launcher_testkit.start_sshd)."""
+"""The ssh backend against a real sshd on 127.0.0.1-3 (see testkit.launcher.start_sshd)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from launcher_testkit import (ancestors, cmdline, helper, processes_with, reaped, run_pslaunch, start_pslaunch,
+from testkit.launcher import (ancestors, cmdline, helper, processes_with, reaped, run_pslaunch, start_pslaunch,
                               start_sshd, wait_for_records, wait_gone)
 
 MULTI = "two\nlines with 'quotes' \"dq\" $HOME `cmd` \\ end\n"

@@ -1,6 +1,6 @@
 """The psnode tests' kit: in-process jobs, and reading what a worker sent.
 
-Everything here runs on the ``inproc`` transport (``psnode.testing.InProcJob``): real scheduler,
+Everything here runs on the ``inproc`` transport (``testkit.InProcJob``): real scheduler,
 server and worker code, no sockets and no processes, so a test takes milliseconds.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from psnode.protocol import unpack_entries, unpack_header
-from psnode.testing import InProcJob
+from testkit import InProcJob
 
 __all__ = ["InProcJob", "init_keys", "on_threads", "sent", "sent_headers", "sent_keys"]
 

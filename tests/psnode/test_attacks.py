@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import zmq
 
-from launcher.envcontract import new_job_key
+from pscontract import new_job_key
 from psnode.protocol import ENTRY_STRUCT, Cmd, pack_header, pack_json, pack_value
-from psnode.testing import LocalJob, job_env
+from testkit import LocalJob, job_env
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "kvcore" / "dist_scripts"
 ALLREDUCE_SCRIPTS = Path(__file__).resolve().parents[1] / "kvcore" / "allreduce_scripts"

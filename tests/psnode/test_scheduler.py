@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from launcher.envcontract import contract_env
+from pscontract import contract_env
 from psnode.env import read_env
 from psnode.errors import PeerDiedError, RegistrationTimeoutError
 from psnode.inproc_transport import InProcHub, InProcTransport

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from launcher.envcontract import contract_env
+from pscontract import contract_env
 from psnode.env import read_env
 from psnode.errors import ProtocolError
 from psnode.inproc_transport import InProcHub, InProcTransport

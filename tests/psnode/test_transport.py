@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from psnode.errors import ClosedError, PSNodeError, TransportError
-from psnode.testing import free_port
+from testkit import free_port
 from psnode.transport import create_transport, transport_names
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from psnode.testing import use_recording_transport
+from testkit import use_recording_transport
 
 os.environ["PSLAUNCH_TRANSPORT"] = use_recording_transport()  # the zmq transport, noting what arrives
 

@@ -19,14 +19,14 @@ import threading
 import time
 from typing import Any, Mapping
 
-from launcher.envcontract import contract_env
+from pscontract import contract_env
 
-from ..env import NodeEnv, read_env
-from ..inproc_transport import InProcHub, InProcTransport
-from ..membership import SCHEDULER
-from ..scheduler import Scheduler
-from ..server import ServerNode
-from ..worker import WorkerNode
+from psnode.env import NodeEnv, read_env
+from psnode.inproc_transport import InProcHub, InProcTransport
+from psnode.membership import SCHEDULER
+from psnode.scheduler import Scheduler
+from psnode.server import ServerNode
+from psnode.worker import WorkerNode
 
 __all__ = ["InProcJob"]
 
@@ -38,7 +38,7 @@ _JOIN = 10.0  # seconds any thread of the job gets to end
 class InProcJob:
     """A job of ``num_workers`` workers and ``num_servers`` servers in this process (see the module docstring).
 
-    ``settings``: values for the contract's settings (``launcher.envcontract.SETTINGS``), e.g.
+    ``settings``: values for the contract's settings (``pscontract.SETTINGS``), e.g.
     ``{"PSLAUNCH_BIGARRAY_BOUND": "100"}``; ``expect_failure``: the test makes a node fail on
     purpose, so thread errors are kept in ``errors`` instead of raised; ``network_threads=False``:
     the workers get no network thread, the test's own calls receive (``WorkerNode.start``).

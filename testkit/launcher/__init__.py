@@ -2,7 +2,7 @@
 (``sshd``), the simulated cluster of network namespaces (``simcluster``), one-machine Slurm and SGE clusters (``clusters``), and how a test runs pslaunch on each
 backend (``backends``).
 
-A package with its own name (not ``conftest``) so that ``from launcher_testkit import ...`` cannot
+A package with its own name (not ``conftest``) so that ``from testkit.launcher import ...`` cannot
 pick up another directory's conftest.
 """
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..protocol import peek, unpack_header
-from ..transport import register_transport
-from ..zmq_transport import ZmqTransport
+from psnode.protocol import peek, unpack_header
+from psnode.transport import register_transport
+from psnode.zmq_transport import ZmqTransport
 
 __all__ = ["RecordingTransport", "use_recording_transport"]
 

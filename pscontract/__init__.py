@@ -1,21 +1,29 @@
-"""The writing side of the environment contract of docs/env.md: the one writer of it in the project.
+"""The environment contract of docs/env.md, in one module both sides import.
 
-This is the only module that writes the variable names: the launcher's plan, the runtime's test kit
-(``psnode.testing``) and the benchmarks build every process's contract with ``contract_env``. The
-names are module constants so a test can hold this module and the runtime's reader
-(``psnode/env.py``) together. The way back is here too: the exit code of a node that ended because
-of another (``EXIT_PEER_FAILED``) and the marker lines a supervised process writes on stderr
-(docs/env.md, "Under pslaunch"). Pure: importing it loads nothing but the standard library.
+The launcher writes it (``contract_env``, from its plan), the runtime reads it (``psnode.env``, which
+validates each value), and the test kits and benchmarks build their jobs' environments with it. Here
+are the variable names, the way back to pslaunch (the exit code of a node that ended because of
+another, ``EXIT_PEER_FAILED``, and the marker lines a supervised process writes on stderr), the
+rule that gives a job started by hand its id (``shared_job_id``) and the one parser of an interface
+spec (``--interface`` / ``DMLC_INTERFACE``). Standard library only: importing it loads neither
+ZeroMQ nor numpy, so the launcher does not depend on the runtime, nor the runtime on the launcher.
 """
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import random
+import re
 import socket
 from typing import Mapping
 
 __all__ = [
     "free_port",
+    "shared_job_id",
+    "parse_interface_spec",
+    "interface_addresses",
+    "interface_address",
     "DMLC_ROLE",
     "DMLC_PS_ROOT_URI",
     "DMLC_PS_ROOT_PORT",
@@ -271,3 +279,62 @@ def _ephemeral_low() -> int:
     except (OSError, ValueError, IndexError):
         return 32768
     return low if low > 2048 else 32768
+
+
+def shared_job_id(root_uri: str, root_port: int | str) -> str:
+    """The job id every process of a job started without ``PSLAUNCH_JOB_ID`` derives alike.
+
+    What all of them share is the scheduler's address and port, so the id is a digest of those:
+    ``job-`` and 8 hex digits of the SHA-256 of ``uri:port`` (the uri trimmed and lower-cased, so
+    ``Node1`` and ``node1`` agree). Two by-hand jobs on different scheduler ports get different ids.
+    """
+    where = f"{root_uri.strip().lower()}:{root_port}"
+    return "job-" + hashlib.sha256(where.encode()).hexdigest()[:8]
+
+
+_INTERFACE_NAME = r"[A-Za-z0-9_.:-]{1,15}"  # Linux's IFNAMSIZ less the NUL; ASCII only
+
+
+def parse_interface_spec(text: str) -> list[str] | ipaddress.IPv4Network:
+    """An interface spec (``--interface`` / ``DMLC_INTERFACE``): names tried in order (``ib0,eth0``)
+    or an IPv4 network (``10.1.0.0/16``).
+
+    Raises ``ValueError`` whose message is what is wrong, to follow the value: the caller writes
+    ``--interface 'x' `` or ``DMLC_INTERFACE='x' `` before it.
+    """
+    text = text.strip()
+    if "/" in text:
+        try:
+            return ipaddress.IPv4Network(text, strict=False)
+        except ValueError as exc:
+            raise ValueError(f"is not an IPv4 network ({exc}); give a network such as 10.1.0.0/16") from None
+    names = [n.strip() for n in text.split(",")]
+    wrong = next((name for name in names if not re.fullmatch(_INTERFACE_NAME, name)), None)
+    if wrong is not None:
+        reason = "is not an interface name, a list of them (ib0,eth0) or an IPv4 network (10.1.0.0/16)"
+        raise ValueError(reason if len(names) == 1 else f"{reason}: {wrong!r} is not a name")
+    return names
+
+
+def interface_addresses() -> dict[str, str]:
+    """This machine's interfaces that have an IPv4 address: ``{name: address}`` (Linux)."""
+    import fcntl
+    import struct
+
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR
+                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def interface_address(spec: list[str] | ipaddress.IPv4Network, addresses: Mapping[str, str]) -> str | None:
+    """The address ``spec`` (from ``parse_interface_spec``) picks among ``addresses``: the first
+    listed interface present, or the first address inside the network; None when nothing matches."""
+    if isinstance(spec, ipaddress.IPv4Network):
+        return next((a for a in addresses.values() if ipaddress.IPv4Address(a) in spec), None)
+    return next((addresses[n] for n in spec if n in addresses), None)

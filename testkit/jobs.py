@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from launcher.envcontract import PSLAUNCH_JOB_KEY, SETTINGS, contract_env, free_port, new_job_key
+from pscontract import PSLAUNCH_JOB_KEY, SETTINGS, contract_env, free_port, new_job_key
 
 __all__ = ["LocalJob", "ProcessResult", "JobFailed", "free_port", "job_env", "reap", "wait_catching"]
 
-_ROOT = str(Path(__file__).resolve().parents[2])
+_ROOT = str(Path(__file__).resolve().parents[1])
 _CONTRACT_PREFIXES = ("DMLC_", "PS_", "PSLAUNCH_")
 _TEST_SETTINGS = {"PS_HEARTBEAT_INTERVAL": "0.5", "PS_HEARTBEAT_TIMEOUT": "10", "PSLAUNCH_REGISTER_TIMEOUT": "30"}
 
@@ -42,7 +42,7 @@ def job_env(num_workers: int, num_servers: int, port: int, extra: Mapping[str, s
     """The environment of one process of a job on 127.0.0.1 (or the scheduler's ``root_uri``, this
     process's address ``node_host``, default the same), plus ``extra``.
 
-    The contract is written by ``launcher.envcontract.contract_env``, its one writer: ``DMLC_LOCAL``,
+    The contract is written by ``pscontract.contract_env``, its one writer: ``DMLC_LOCAL``,
     ``PS_VERBOSE`` and the names of its ``SETTINGS`` in ``extra`` go through it; other variables of
     ``extra`` are added as they are (a test may write a malformed contract on purpose). With
     ``test_settings`` heartbeats and registration are short, for tests. Workers get no fixed

@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from launcher import envcontract as ec
-from launcher_testkit import REPO
+import pscontract as ec
+from testkit.launcher import REPO
 
 pytestmark = pytest.mark.unit
 

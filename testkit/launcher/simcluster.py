@@ -1,4 +1,4 @@
-"""The simulated cluster of the ``netns`` tests: hosts in network namespaces (``benchmarks.netns``),
+"""The simulated cluster of the ``netns`` tests: hosts in network namespaces (``testkit.netns``),
 each with its own sshd, reached through an ssh config file as a real cluster's hosts are."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ __all__ = ["SimCluster", "start_cluster"]
 
 @dataclass
 class SimCluster:
-    """Hosts ``node1``...``node3`` in network namespaces (``benchmarks.netns``), each with its own sshd
+    """Hosts ``node1``...``node3`` in network namespaces (``testkit.netns``), each with its own sshd
     on port 22, reached by the aliases of an ssh config file (``HostName``, ``User``, ``IdentityFile``)."""
 
-    net: "object"  # benchmarks.netns.NetnsCluster
+    net: "object"  # testkit.netns.NetnsCluster
     key: str
     known_hosts: str
     ssh_config: str
@@ -47,7 +47,7 @@ def start_cluster(d: Path):
     in each), yielded once every sshd answers; everything is removed afterwards, also on failure."""
     from contextlib import ExitStack
 
-    from benchmarks.netns import NetnsCluster, usable
+    from testkit.netns import NetnsCluster, usable
 
     why = usable()
     if why is not None:

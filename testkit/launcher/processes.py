@@ -14,8 +14,8 @@ from pathlib import Path
 __all__ = ["HELPERS", "REPO", "PSLAUNCH", "Result", "ancestors", "cmdline", "processes_with", "wait_gone",
            "start_pslaunch", "wait_for_records", "reaped", "run_pslaunch", "helper"]
 
-HELPERS = Path(__file__).resolve().parents[1] / "helpers"
-REPO = Path(__file__).resolve().parents[3]
+HELPERS = Path(__file__).resolve().parents[2] / "tests" / "launcher" / "helpers"
+REPO = Path(__file__).resolve().parents[2]
 PSLAUNCH = [sys.executable, "-m", "launcher.cli"]
 
 
