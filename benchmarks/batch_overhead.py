@@ -1,7 +1,7 @@
 """What a batch scheduler costs a pslaunch job: each test cluster's cold start, and a job's wall
 time on it next to the same job run locally, in one run.
 
-    python benchmarks/batch_overhead.py [--repeats 5] [--json out.json]
+    python -m benchmarks.batch_overhead [--repeats 5] [--json out.json]
 
 Starts the one-machine Slurm and SGE clusters of the launcher tests
 (testkit/launcher/clusters.py: needs what scripts/test.sh installs, and root) in

@@ -1,7 +1,7 @@
 """NCCL allreduce between worker processes, one GPU each, against the card's own copy bandwidth.
 
-    python benchmarks/gpu_allreduce.py                       # 4, 64 and 256 MiB
-    python benchmarks/gpu_allreduce.py --sizes-mib 64 --rounds 20 --json out.json
+    python -m benchmarks.gpu_allreduce                       # 4, 64 and 256 MiB
+    python -m benchmarks.gpu_allreduce --sizes-mib 64 --rounds 20 --json out.json
 
 A job without servers (``testkit.LocalJob``) of one worker per GPU; each worker sums a
 float32 CuPy array on GPU ``local_rank`` with ``kvcore.collectives.allreduce`` (NCCL, the unique id

@@ -1,7 +1,7 @@
 """Push+pull through a server that keeps its shards on a GPU, against one that keeps them in host memory.
 
-    python benchmarks/gpu_server_shards.py                      # 4 and 64 MiB keys
-    python benchmarks/gpu_server_shards.py --sizes-mib 64 --rounds 20
+    python -m benchmarks.gpu_server_shards                      # 4 and 64 MiB keys
+    python -m benchmarks.gpu_server_shards --sizes-mib 64 --rounds 20
 
 Each job is 1 scheduler, 1 server and 1 worker on 127.0.0.1 (``testkit.LocalJob``), the
 server started with ``PSLAUNCH_SERVER_DEVICE=cpu`` and then ``gpu``. The worker pushes a float32 key

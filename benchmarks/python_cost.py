@@ -30,12 +30,12 @@ import click
 import numpy as np
 
 from pscontract import contract_env
-from psnode import protocol
 from psnode.env import read_env
-from psnode.membership import SCHEDULER, PeerInfo
-from psnode.server import ServerNode
-from psnode.transport import Frame, Transport
-from psnode.worker import WorkerNode
+from psnode.node import protocol
+from psnode.node.membership import SCHEDULER, PeerInfo
+from psnode.server.node import ServerNode
+from psnode.transport.base import Frame, Transport
+from psnode.worker.node import WorkerNode
 
 _KEY = 3
 

@@ -19,9 +19,9 @@ __all__ = ["run_role_if_asked", "take_job_key"]
 
 
 def take_job_key() -> None:
-    """Take the job key out of this process's environment (``psnode.security.take_job_key``); a
+    """Take the job key out of this process's environment (``psnode.transport.security.take_job_key``); a
     malformed key is reported when the node starts (``kvcore.create``), not at import."""
-    from psnode import security
+    from psnode.transport import security
 
     try:
         security.take_job_key()

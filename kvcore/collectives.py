@@ -49,7 +49,7 @@ import numpy as np
 
 from psnode.collectives.fusion import DEFAULT_LIMIT, FusionBuffer, plan
 from psnode.errors import PSNodeError
-from psnode.futures import chain
+from psnode.node.futures import chain
 
 from . import arrays
 from .dist_errors import runtime_errors, translate

@@ -32,7 +32,7 @@ Semantics (MXNet's dist KVStore):
 - ``set_gradient_compression(params)`` (every worker calls it; rank 0 sends the threshold to every
   server, at full float32 precision; all return after a barrier): from then on each worker
   quantizes a key's value after its local reduce, with a residual per (key, part), and pushes the
-  packed words (codec ``2bit`` or ``1bit``, ``psnode.codecs``); the servers dequantize each push and
+  packed words (codec ``2bit`` or ``1bit``, ``psnode.compression.codecs``); the servers dequantize each push and
   sum in arrival order. Pulls and ``init`` are not compressed. Keys initialised while compression is
   on are split over the servers on whole compressed words (see ``kvcore.sharding``).
 
@@ -50,18 +50,24 @@ from typing import Any, Hashable
 import numpy as np
 
 from psnode import errors as ps_errors
-from psnode.codecs import codec_id
 from psnode.compression import values_per_word
+from psnode.compression.codecs import codec_id
 from psnode.env import read_env
-from psnode.futures import chain
-from psnode.node import is_done
-from psnode.protocol import Group
-from psnode.worker import WorkerNode
+from psnode.node.connection import is_done
+from psnode.node.futures import chain
+from psnode.node.protocol import Group
+from psnode.worker.node import WorkerNode
 
 from . import arrays
 from .dist_errors import runtime_errors, translate
 from .errors import (
-    DistributedError, DistTimeoutError, DTypeMismatchError, KVTimeoutError, NodeDiedError, OptimizerError, ServerError,
+    DistributedError,
+    DistTimeoutError,
+    DTypeMismatchError,
+    KVTimeoutError,
+    NodeDiedError,
+    OptimizerError,
+    ServerError,
     ShapeMismatchError,
 )
 from .handles import Handle, LazyHandle

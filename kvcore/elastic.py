@@ -40,7 +40,7 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from psnode.protocol import Group
+from psnode.node.protocol import Group
 
 from .dist_errors import runtime_errors
 from .errors import CheckpointError, DTypeMismatchError, KVStoreError, ServerError, ShapeMismatchError

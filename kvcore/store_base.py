@@ -15,10 +15,10 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
+from psnode.node.values import VALUE_DTYPES
+
 from . import arrays
 from .compression import GradientCompression, check_store_type, parse_params
-from psnode.server_store import VALUE_DTYPES
-
 from .errors import (
     DTypeMismatchError,
     DuplicateKeyError,
@@ -74,7 +74,7 @@ class KVStoreBase(abc.ABC):
         self._compression: GradientCompression | None = None
 
     def _trace_calls(self, timeline: Any) -> None:
-        """With a timeline (``PSLAUNCH_TIMELINE``, ``psnode.timeline``) each call of ``TRACED_CALLS``
+        """With a timeline (``PSLAUNCH_TIMELINE``, ``psnode.node.timeline``) each call of ``TRACED_CALLS``
         and ``barrier`` on this store is an event named by its key (its first argument); without
         one (None) nothing is wrapped, so the calls cost what they did."""
         if timeline is None:

@@ -7,8 +7,8 @@ numpy/CuPy array backend both use is ``psnode.devices``. Errors are in ``psnode.
 nodes inside one process. docs/runtime.md draws the parts.
 """
 
-from .env import NodeEnv, read_env
-from .errors import (
+from psnode.env import NodeEnv, read_env
+from psnode.errors import (
     ClosedError,
     EnvError,
     NodeTimeoutError,
@@ -22,8 +22,8 @@ from .errors import (
     TransportError,
     WouldBlock,
 )
-from .main import claim_process, claimed_role, run_node
-from .transport import Transport, create_transport, register_transport, transport_names
+from psnode.main import claim_process, claimed_role, run_node
+from psnode.transport.base import Transport, create_transport, register_transport, transport_names
 
 __all__ = [
     "NodeEnv",

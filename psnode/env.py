@@ -31,9 +31,8 @@ from pscontract import (
     parse_interface_spec,
     shared_job_id,
 )
-
-from . import security
-from .errors import EnvError
+from psnode.errors import EnvError
+from psnode.transport import security
 
 __all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host", "shared_job_id", "EXIT_PEER_FAILED", "MARKER_READY", "MARKER_FAILED",
            "MARKER_STATS", "MARKER_TRACE", "TIMELINE_TO_LAUNCHER"]

@@ -25,9 +25,9 @@ import sys
 import threading
 from typing import Iterator
 
-from .env import EXIT_PEER_FAILED, MARKER_READY, NodeEnv, read_env
-from .errors import EnvError, PeerDiedError, PSNodeError
-from .security import take_job_key
+from psnode.env import EXIT_PEER_FAILED, MARKER_READY, NodeEnv, read_env
+from psnode.errors import EnvError, PeerDiedError, PSNodeError
+from psnode.transport.security import take_job_key
 
 __all__ = ["run_node", "claimed_role", "claim_process", "main"]
 
@@ -149,10 +149,10 @@ def run_node(role: str) -> int:
 def _build(role: str, env: NodeEnv):
     """The scheduler or server node of ``env``, bound and ready to ``run``."""
     if role == "scheduler":
-        from .scheduler import Scheduler
+        from psnode.scheduler.node import Scheduler
 
         return Scheduler(env)
-    from .server import ServerNode
+    from psnode.server.node import ServerNode
 
     return ServerNode(env)
 

@@ -97,9 +97,9 @@ if ! grep -q '"num_gpus": 1,' "$out/probe.log"; then  # several GPUs: also the o
     stage bench_level1_one_gpu 90 .venv-gpu/bin/python benchmarks/gpu_level1_bandwidth.py --devices 0 \
         --sizes-mib 4 64 --repeat 10 --json "$out/level1_one_gpu.json" || failed=1
 fi
-stage bench_allreduce 120 .venv-gpu/bin/python benchmarks/gpu_allreduce.py --sizes-mib 4 64 256 \
+stage bench_allreduce 120 .venv-gpu/bin/python -m benchmarks.gpu_allreduce --sizes-mib 4 64 256 \
     --rounds 10 --json "$out/allreduce.json" || failed=1
-stage bench_server_shards 120 .venv-gpu/bin/python benchmarks/gpu_server_shards.py --sizes-mib 4 64 \
+stage bench_server_shards 120 .venv-gpu/bin/python -m benchmarks.gpu_server_shards --sizes-mib 4 64 \
     --rounds 10 --json "$out/server_shards.json" || failed=1
 stage bench_overlap 120 .venv-gpu/bin/python examples/overlap_mlp.py --device gpu --epochs 3 --repeat 2 \
     --hidden 2048 --json "$out/overlap.json" || failed=1

@@ -20,13 +20,12 @@ import time
 from typing import Any, Mapping
 
 from pscontract import contract_env
-
 from psnode.env import NodeEnv, read_env
-from psnode.inproc_transport import InProcHub, InProcTransport
-from psnode.membership import SCHEDULER
-from psnode.scheduler import Scheduler
-from psnode.server import ServerNode
-from psnode.worker import WorkerNode
+from psnode.node.membership import SCHEDULER
+from psnode.scheduler.node import Scheduler
+from psnode.server.node import ServerNode
+from psnode.transport.inproc import InProcHub, InProcTransport
+from psnode.worker.node import WorkerNode
 
 __all__ = ["InProcJob"]
 

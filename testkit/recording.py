@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from psnode.protocol import peek, unpack_header
-from psnode.transport import register_transport
-from psnode.zmq_transport import ZmqTransport
+from psnode.node.protocol import peek, unpack_header
+from psnode.transport.base import register_transport
+from psnode.transport.zeromq import ZmqTransport
 
 __all__ = ["RecordingTransport", "use_recording_transport"]
 

@@ -178,7 +178,7 @@ class Updater:
         self.optimizer.num_update = max(self.optimizer._key_updates.values(), default=0)
 
 
-    # ---- the servers' checkpoint protocol (psnode.server_checkpoint) ------------------------------
+    # ---- the servers' checkpoint protocol (psnode.server.checkpoints) ------------------------------
     def state_dict(self) -> dict:
         """Every key's state for a checkpoint: ``{"scalars": {...}, "keys": {key: {"scalars": {...},
         "arrays": [array, ...]}}}``. A key's arrays are its state's arrays in order (element-wise, shaped

@@ -27,7 +27,8 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from ..errors import ProtocolError, PSNodeError
+from psnode.errors import ProtocolError, PSNodeError
+
 from .wire import Desc, Kind, Record, pack
 
 __all__ = ["Op", "Tag", "Topology", "register_algorithm", "algorithm", "algorithm_names", "choose",

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ProtocolError
+from psnode.errors import ProtocolError
+
 from .base import Op, Tag
 from .wire import Desc, Kind, Record
 

@@ -37,18 +37,26 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import devices
-from ..errors import (ClosedError, MismatchError, NodeTimeoutError, PeerDiedError, ProtocolError, PSNodeError,
-                      TransportError)
-from ..log import logger
-from ..futures import chain, set_error, set_result
-from ..membership import PeerInfo, endpoint_of
-from ..node import is_done
+from psnode import devices
+from psnode.errors import (
+    ClosedError,
+    MismatchError,
+    NodeTimeoutError,
+    PeerDiedError,
+    ProtocolError,
+    PSNodeError,
+    TransportError,
+)
+from psnode.log import logger
+from psnode.node.connection import is_done
+from psnode.node.futures import chain, set_error, set_result
+from psnode.node.membership import PeerInfo, endpoint_of
+
 from . import wire
 from .base import Op, Tag, Topology, algorithm, choose
-from .tags import Label, describe, error_flags, key_id_of, told_error
 from .flush import NOTHING, Flush
 from .lane_path import LanePath
+from .tags import Label, describe, error_flags, key_id_of, told_error
 from .watch import Watcher
 from .wire import Desc, Kind, Record
 
@@ -76,7 +84,7 @@ class Engine:
         self.early_messages = 0
         self.told: OrderedDict[Tag, tuple[str, int]] = OrderedDict()
         self.versions: dict[int, int] = {}
-        # counted for the heartbeats' report (psnode.stats), under _lock where the version is taken:
+        # counted for the heartbeats' report (psnode.node.stats), under _lock where the version is taken:
         self.summed_bytes = 0  # bytes of the values this worker's collectives took part with
         self.rounds = 0  # collectives of its most used key
         self.last: dict[int, concurrent.futures.Future] = {}

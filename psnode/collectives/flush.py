@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TransportError, WouldBlock
-from ..futures import set_result
+from psnode.errors import TransportError, WouldBlock
+from psnode.node.futures import set_result
+
 from . import wire
 from .wire import Desc, Kind
 

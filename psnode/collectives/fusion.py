@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import devices
+from psnode import devices
 
 __all__ = ["plan", "FusionBuffer", "DEFAULT_LIMIT"]
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ProtocolError
+from psnode.errors import ProtocolError
+
 from .base import SEGMENT, Op, Tag, copy_in, segment_named
 from .wire import Desc, Kind, Record
 

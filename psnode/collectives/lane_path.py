@@ -1,4 +1,4 @@
-"""The collectives' big segments on lanes (``psnode.lanes``): which messages go there, and how a
+"""The collectives' big segments on lanes (``psnode.transport.lanes``): which messages go there, and how a
 lane's messages reach the ops.
 
 **Sending.** A message whose data frame is tracked (``base.TRACK_MIN`` bytes or more: ring,
@@ -18,14 +18,14 @@ fails those checks closes the lane and fails the op it names, if any, on every w
 
 from __future__ import annotations
 
-from typing import Any
-
 import threading
+from typing import Any
 
 import numpy as np
 
-from ..errors import ProtocolError
-from ..membership import PeerInfo, endpoint_of
+from psnode.errors import ProtocolError
+from psnode.node.membership import PeerInfo, endpoint_of
+
 from . import wire
 from .base import Tag
 

@@ -1,7 +1,7 @@
 """Allreduce through shared memory between the workers of one host, and the hierarchical allreduce.
 
 **Same host** (``ShmAllreduce``). Each worker of the host has a shared-memory region (an anonymous
-``memfd``, mapped by the others through ``/proc/<pid>/fd/<fd>`` as ``psnode.shm`` does) and the
+``memfd``, mapped by the others through ``/proc/<pid>/fd/<fd>`` as ``psnode.transport.same_host`` does) and the
 value is cut into one slice per worker. A worker copies the slices the others sum into its region
 and says ``SHM_READY``; once every worker did, worker ``j`` sums slice ``j`` of every region into
 its own value (the ranks split the work by slices), copies that slice into its region and says
@@ -20,8 +20,8 @@ within its host.
 
 A region is reused once every worker of the host said ``SHM_FREE`` (``SharedRegions``). A region
 named by a peer is mapped only when it is a region of this job (an anonymous memfd named with the
-job's tag, ``shm.job_tag``) of the process that peer registered as, and as big as the value
-(``shm.Attachments``): a peer cannot make a worker map anything else.
+job's tag, ``same_host.job_tag``) of the process that peer registered as, and as big as the value
+(``same_host.Attachments``): a peer cannot make a worker map anything else.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import shm
-from ..errors import PeerDiedError, ProtocolError
+from psnode.errors import PeerDiedError, ProtocolError
+from psnode.transport import same_host
+
 from .base import Op, Tag, slices
 from .ring import RingState
 from .wire import Desc, Kind, Record
@@ -52,15 +53,15 @@ class SharedRegions:
 
     def __init__(self, workers: list, job_id: str) -> None:
         self.workers = workers
-        self.tag = shm.job_tag(job_id)
-        self._free: list[shm.Region] = []
-        self._maps = shm.Attachments(self.tag)
+        self.tag = same_host.job_tag(job_id)
+        self._free: list[same_host.Region] = []
+        self._maps = same_host.Attachments(self.tag)
         self._lock = threading.Lock()
-        self._arrays: list[tuple[int, int, shm.Region]] = []  # (first address, end, region) of shared arrays
-        self._arena: shm.Region | None = None  # where the next small shared array goes
+        self._arrays: list[tuple[int, int, same_host.Region]] = []  # (first address, end, region) of shared arrays
+        self._arena: same_host.Region | None = None  # where the next small shared array goes
         self._arena_used = 0
 
-    def shared_array(self, nbytes: int) -> tuple[shm.Region, int]:
+    def shared_array(self, nbytes: int) -> tuple[same_host.Region, int]:
         """Room for an array the caller keeps (``Collectives.shared_empty``): a region and the byte
         offset of the array in it.
 
@@ -72,20 +73,20 @@ class SharedRegions:
         size = -(-max(nbytes, 1) // SHARED_ALIGN) * SHARED_ALIGN
         with self._lock:
             if size > ARENA:
-                return self._register(shm.Region(size, self.tag)), 0
+                return self._register(same_host.Region(size, self.tag)), 0
             if self._arena is None or self._arena_used + size > self._arena.nbytes:
-                self._arena = self._register(shm.Region(ARENA, self.tag))
+                self._arena = self._register(same_host.Region(ARENA, self.tag))
                 self._arena_used = 0
             offset = self._arena_used
             self._arena_used += size
             return self._arena, offset
 
-    def _register(self, region: shm.Region) -> shm.Region:
+    def _register(self, region: same_host.Region) -> same_host.Region:
         start = region.array.ctypes.data
         self._arrays.append((start, start + region.nbytes, region))
         return region
 
-    def locate(self, buf: np.ndarray) -> tuple[shm.Region, int] | None:
+    def locate(self, buf: np.ndarray) -> tuple[same_host.Region, int] | None:
         """The shared array region ``buf`` (flat, C-contiguous) lies in and its byte offset there, or None."""
         if not self._arrays:
             return None
@@ -97,7 +98,7 @@ class SharedRegions:
                     return region, start - first
         return None
 
-    def take(self, nbytes: int) -> shm.Region:
+    def take(self, nbytes: int) -> same_host.Region:
         """A free region of at least ``nbytes`` (the smallest such), or a new one."""
         with self._lock:
             fits = [r for r in self._free if r.nbytes >= nbytes]
@@ -106,9 +107,9 @@ class SharedRegions:
                 self._free.remove(region)
                 return region
         rounded = max(1 << 20, -(-nbytes // (1 << 20)) * (1 << 20))  # whole MiB: one region serves nearby sizes
-        return shm.Region(rounded, self.tag)
+        return same_host.Region(rounded, self.tag)
 
-    def give(self, region: shm.Region) -> None:
+    def give(self, region: same_host.Region) -> None:
         """``region`` is free again (every worker said ``SHM_FREE``).
 
         Regions are kept for the process's life: as many as collectives ran at once, of their
@@ -126,13 +127,13 @@ class SharedRegions:
                 cannot be mapped (naming the worker and why).
             PeerDiedError: the process that made it is gone.
         """
-        pid, fd = shm.decode(ref)
+        pid, fd = same_host.decode(ref)
         path = f"/proc/{pid}/fd/{fd}"
         sender = self.workers[src].pid if 0 <= src < len(self.workers) else -1
         try:
             with self._lock:
                 return self._maps.view(ref, nbytes, sender, offset)
-        except shm.RefusedRegion as exc:
+        except same_host.RefusedRegion as exc:
             raise ProtocolError(f"worker {src} named a shared-memory region this worker does not map: {exc}") from exc
         except OSError as exc:
             if _process_gone(pid):  # the process died: the scheduler will say so too
@@ -191,7 +192,7 @@ class LocalPhase:
         self.j = group.index(me)
         self.peers = [r for r in group if r != me]
         self.slices = slices(len(buf), len(group))
-        self.region: shm.Region | None = None  # taken for this op (the caller's array is private)
+        self.region: same_host.Region | None = None  # taken for this op (the caller's array is private)
         self.in_place = False  # the caller's array is a shared array: the peers read it where it is
         self.mine: np.ndarray | None = None
         self.theirs: dict[int, np.ndarray] = {}

@@ -2,7 +2,7 @@
 
 **Communicator.** Each worker joins one NCCL communicator (``nccl_group.NcclGroup.joined``) on the
 GPU of its first CuPy collective. The unique id comes through the scheduler: worker 0 makes it and
-sets it as a rendezvous value (``psnode.rendezvous``), the others ask for it. Creating it is
+sets it as a rendezvous value (``psnode.scheduler.rendezvous``), the others ask for it. Creating it is
 itself collective: every worker joins at its first GPU collective.
 
 **Order.** NCCL requires every process to issue the same collectives in the same order, and a
@@ -34,12 +34,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import devices
-from ..errors import MismatchError, PSNodeError
-from ..futures import chain
-from ..log import logger
-from ..nccl_group import NcclGroup, nccl_supports
-from ..protocol import Cmd
+from psnode import devices
+from psnode.devices.nccl import NcclGroup, nccl_supports
+from psnode.errors import MismatchError, PSNodeError
+from psnode.log import logger
+from psnode.node.futures import chain
+from psnode.node.protocol import Cmd
+
 from .wire import Desc, Kind, Record
 
 __all__ = ["GpuCollectives", "encode_id", "decode_id"]

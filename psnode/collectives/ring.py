@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ProtocolError
+from psnode.errors import ProtocolError
+
 from .base import Op, Tag, copy_in, ring_segment, segment_named, slices
 from .wire import Desc, Kind, Record
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from ..errors import MismatchError, ProtocolError, PSNodeError
+from psnode.errors import MismatchError, ProtocolError, PSNodeError
+
 from .wire import Desc
 
 __all__ = ["key_id_of", "Label", "describe", "error_flags", "told_error"]

@@ -18,8 +18,9 @@ import threading
 import time
 from typing import Any
 
-from ..errors import PeerDiedError, PSNodeError
-from ..log import logger
+from psnode.errors import PeerDiedError, PSNodeError
+from psnode.log import logger
+
 from .base import Op, Tag
 
 __all__ = ["Watcher", "STALL", "LEFT_GRACE"]

@@ -1,7 +1,7 @@
 """The collectives' messages between workers: a header, a 48-byte record and, for data, one frame.
 
 A message is ``[header, record]`` or ``[header, record, data]``. The header is the runtime's
-(``psnode.protocol``) with ``cmd = COLL``, ``req_id`` = the collective's 64-bit key id and ``arg``
+(``psnode.node.protocol``) with ``cmd = COLL``, ``req_id`` = the collective's 64-bit key id and ``arg``
 = its version (how many collectives of that key this worker started before): the *tag* that
 matches a message to its collective on every worker, whatever order the workers start them in.
 
@@ -34,8 +34,8 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from ..errors import ProtocolError
-from ..protocol import HEADER, Cmd, pack_header, unpack_header
+from psnode.errors import ProtocolError
+from psnode.node.protocol import HEADER, Cmd, pack_header, unpack_header
 
 __all__ = ["RECORD", "Kind", "Record", "Desc", "DTYPES", "dtype_code", "dtype_of", "shape_crc", "pack", "unpack",
            "MAX_ERROR", "PREFIX", "LANE_KINDS", "unpack_prefix", "peek_tag"]
@@ -216,7 +216,7 @@ def unpack(frames: list) -> tuple[Record, Any]:
 
 
 PREFIX = HEADER.size + _RECORD_SIZE
-"""Bytes before the data of a message on a lane (``psnode.lanes``): its header and record frames."""
+"""Bytes before the data of a message on a lane (``psnode.transport.lanes``): its header and record frames."""
 
 LANE_KINDS = frozenset({int(Kind.RING_RS), int(Kind.RING_AG), int(Kind.BCAST), int(Kind.GATHER)})
 """The kinds that travel on lanes: a segment of a value, always with data."""

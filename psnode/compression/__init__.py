@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import devices
+from psnode import devices
+
 from . import cuda_kernels, numpy_kernels
 
 __all__ = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .. import devices
+from psnode import devices
 
 __all__ = ["CUDA_SOURCES", "kernel"]
 

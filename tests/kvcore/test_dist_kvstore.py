@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import zmq
+from kvcore_testkit import DEVICE_KINDS, run_job_ok
 
 from psnode.env import EXIT_PEER_FAILED
-from psnode.protocol import Cmd, pack_header
+from psnode.node.protocol import Cmd, pack_header
 from testkit import LocalJob, wait_catching
-
-from kvcore_testkit import DEVICE_KINDS, run_job_ok
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 SMALL_BOUND = {"PSLAUNCH_BIGARRAY_BOUND": "100000"}  # 1200x1200 keys are split across the servers

@@ -53,7 +53,7 @@ def test_pinned_empty_and_peer_copy_fall_back_to_numpy_on_the_cpu():
 
 
 def test_no_shared_model_module_imports_cupy():
-    # only psnode/devices.py (kvcore.arrays) may import cupy (lazily); everything else goes through it
+    # only psnode/devices/__init__.py (kvcore.arrays) may import cupy (lazily); everything else goes through it
     for path in (ROOT / "kvcore" / "shared_model").glob("*.py"):
         text = path.read_text()
         assert not re.search(r"^\s*(import|from)\s+cupy", text, re.M), path

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from psnode.protocol import unpack_entries, unpack_header
+from psnode.node.protocol import unpack_entries, unpack_header
 from testkit import InProcJob
 
 __all__ = ["InProcJob", "init_keys", "on_threads", "sent", "sent_headers", "sent_keys"]

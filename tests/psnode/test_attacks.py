@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from pscontract import new_job_key
-from psnode.protocol import ENTRY_STRUCT, Cmd, pack_header, pack_json, pack_value
+from psnode.node.protocol import ENTRY_STRUCT, Cmd, pack_header, pack_json, pack_value
 from testkit import LocalJob, job_env
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "kvcore" / "dist_scripts"

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from psnode_testkit import InProcJob, init_keys
 
-from psnode import checkpoint as ck
-from psnode import checkpoint_file as cf
+from psnode.checkpoint import file_format as cf
+from psnode.checkpoint import layout as ck
 from psnode.errors import PeerDiedError, PSNodeError, RemoteError
-from psnode.scheduler import Roster
+from psnode.scheduler.node import Roster
 
 pytestmark = pytest.mark.unit
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from psnode_testkit import InProcJob, init_keys
 
-from psnode.codecs import RAW, Codec, CodecTable, codec_id, register_codec
 from psnode.compression import dequantize, quantize
+from psnode.compression.codecs import RAW, Codec, CodecTable, codec_id, register_codec
 from psnode.errors import RemoteError, RequestRefused
 
 pytestmark = pytest.mark.unit

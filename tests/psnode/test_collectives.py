@@ -16,16 +16,14 @@ import numpy as np
 import pytest
 from psnode_testkit import InProcJob
 
-from psnode.collectives import Topology, algorithm_names, choose, key_id_of
+from psnode.collectives import Topology, algorithm_names, choose, key_id_of, local, wire
 from psnode.collectives import engine as engine_module
-from psnode.collectives import wire
 from psnode.collectives.base import DIRECT_MAX, SEGMENT, SEGMENT_MAX, ring_segment
 from psnode.collectives.fusion import FusionBuffer, plan
-from psnode.collectives import local
 from psnode.collectives.local import SUM_BLOCK, SharedRegions, sum_slice
 from psnode.collectives.wire import Desc, Kind
 from psnode.errors import MismatchError, PeerDiedError, ProtocolError, PSNodeError
-from psnode.protocol import Cmd, pack_header
+from psnode.node.protocol import Cmd, pack_header
 
 HOSTS = {  # workers -> the hosts each algorithm is tested on
     "direct": {2: (0, 1), 3: (0, 1, 2), 4: (0, 1, 2, 3)},
@@ -306,7 +304,7 @@ def test_a_broadcast_from_a_root_a_worker_does_not_expect_fails_it_on_every_work
 def test_a_peer_region_that_is_not_a_region_of_this_job_from_that_peer_is_refused(tmp_path):
     import os
 
-    from psnode.membership import PeerInfo
+    from psnode.node.membership import PeerInfo
 
     def workers_with(pid):
         return [PeerInfo("worker", r, "127.0.0.1", 1, f"w{r}", "f", "l", 0, pid) for r in range(2)]

@@ -122,7 +122,7 @@ def test_a_dmlc_interface_that_matches_nothing_here_names_what_this_host_has():
 def test_every_variable_psnode_reads_is_documented_in_env_md():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "env.md").read_text()
     source = (Path(__file__).resolve().parents[2] / "psnode" / "env.py").read_text()
-    source += (Path(__file__).resolve().parents[2] / "psnode" / "node.py").read_text()
+    source += (Path(__file__).resolve().parents[2] / "psnode" / "node" / "connection.py").read_text()
     names = set(re.findall(r'"((?:DMLC|PS|PSLAUNCH)_[A-Z_]+)"', source))
     assert names, "no variable names found"
     missing = sorted(n for n in names if f"`{n}`" not in doc)

@@ -1,4 +1,4 @@
-"""psnode.heap: memory freed after a round of messages stays mapped for the next round.
+"""psnode.transport.message_heap: memory freed after a round of messages stays mapped for the next round.
 
 Each case runs in a fresh interpreter (malloc's settings are the process's): it mallocs eight 1 MiB
 blocks as ZeroMQ does for eight messages in flight, touches every page, frees them, and counts the
@@ -15,8 +15,8 @@ import pytest
 
 ROUNDS = """
 import ctypes, json, resource, sys
-from psnode import heap
-tuned = heap.keep_message_memory() if sys.argv[1] == "tune" else None
+from psnode.transport import message_heap
+tuned = message_heap.keep_message_memory() if sys.argv[1] == "tune" else None
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = (ctypes.c_size_t,)

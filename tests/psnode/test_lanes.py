@@ -1,4 +1,4 @@
-"""Lanes (psnode.lanes): real TCP sockets on 127.0.0.1 between two ``Lanes`` of one process, and a
+"""Lanes (psnode.transport.lanes): real TCP sockets on 127.0.0.1 between two ``Lanes`` of one process, and a
 raw socket for what an attacker sends. The reader is a small one of the test's: its prefix is the
 body's length and the number of a place to read it into."""
 
@@ -15,9 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from psnode import lanes as lanes_module
 from psnode.errors import ProtocolError
-from psnode.lanes import MAGIC, Lanes
+from psnode.transport import lanes as lanes_module
+from psnode.transport.lanes import MAGIC, Lanes
 
 pytestmark = pytest.mark.unit
 

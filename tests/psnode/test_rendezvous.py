@@ -4,8 +4,8 @@ import pytest
 from psnode_testkit import InProcJob
 
 from psnode.errors import ProtocolError, PSNodeError
-from psnode.protocol import Cmd
-from psnode.rendezvous import MAX_KEYS, MAX_VALUE, Rendezvous
+from psnode.node.protocol import Cmd
+from psnode.scheduler.rendezvous import MAX_KEYS, MAX_VALUE, Rendezvous
 
 pytestmark = pytest.mark.unit
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from psnode.rounds import Round, run_updater
-from psnode.shard_memory import HostMemory
+from psnode.server.rounds import Round, run_updater
+from psnode.server.shard_memory import HostMemory
 
 pytestmark = pytest.mark.unit
 

@@ -7,10 +7,10 @@ import pytest
 from pscontract import contract_env
 from psnode.env import read_env
 from psnode.errors import PeerDiedError, RegistrationTimeoutError
-from psnode.inproc_transport import InProcHub, InProcTransport
-from psnode.membership import SCHEDULER
-from psnode.protocol import FLAG_ERROR, Cmd, pack_header, pack_json, unpack_header, unpack_json
-from psnode.scheduler import Scheduler
+from psnode.node.membership import SCHEDULER
+from psnode.node.protocol import FLAG_ERROR, Cmd, pack_header, pack_json, unpack_header, unpack_json
+from psnode.scheduler.node import Scheduler
+from psnode.transport.inproc import InProcHub, InProcTransport
 
 pytestmark = pytest.mark.unit
 
@@ -207,7 +207,7 @@ def test_a_death_report_with_an_odd_body_still_ends_the_job_cleanly(body):
 def test_a_node_whose_advertised_address_does_not_answer_is_found_with_why_and_same_host_peers_are_not_tried():
     import socket
 
-    from psnode.membership import PeerInfo, unreachable
+    from psnode.node.membership import PeerInfo, unreachable
 
     with socket.create_server(("127.0.0.1", 0)) as listening, socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))  # bound, not listening: connections to it are refused

@@ -9,7 +9,7 @@ import pytest
 from psnode_testkit import InProcJob, init_keys
 
 from psnode.errors import RemoteError
-from psnode.protocol import Cmd, pack_header, pack_json, pack_value
+from psnode.node.protocol import Cmd, pack_header, pack_json, pack_value
 
 pytestmark = pytest.mark.unit
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from psnode.errors import RequestRefused
-from psnode.protocol import ENTRY
-from psnode.server_groups import MIN_GROUP, Groups
-from psnode.server_store import ServerStore
+from psnode.node.protocol import ENTRY
+from psnode.server.groups import MIN_GROUP, Groups
+from psnode.server.store import ServerStore
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from psnode import devices
-from psnode.shard_memory import GpuMemory, HostMemory, shard_memory
+from psnode.server.shard_memory import GpuMemory, HostMemory, shard_memory
 
 pytestmark = pytest.mark.unit
 

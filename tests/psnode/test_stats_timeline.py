@@ -6,18 +6,18 @@ import threading
 
 import numpy as np
 import pytest
+from psnode_testkit import InProcJob, init_keys
 
 from pscontract import contract_env
 from psnode.env import read_env
 from psnode.errors import ProtocolError
-from psnode.inproc_transport import InProcHub, InProcTransport
-from psnode.membership import SCHEDULER, PeerInfo
-from psnode.protocol import Cmd, pack_header, pack_json, unpack_header, unpack_json
-from psnode.scheduler import Member, Scheduler
-from psnode.scheduler_report import JobReport
-from psnode.stats import REPORT_LIMIT, check_report, server_report, worker_report
-from psnode.timeline import Timeline
-from psnode_testkit import InProcJob, init_keys
+from psnode.node.membership import SCHEDULER, PeerInfo
+from psnode.node.protocol import Cmd, pack_header, pack_json, unpack_header, unpack_json
+from psnode.node.stats import REPORT_LIMIT, check_report, server_report, worker_report
+from psnode.node.timeline import Timeline
+from psnode.scheduler.node import Member, Scheduler
+from psnode.scheduler.report import JobReport
+from psnode.transport.inproc import InProcHub, InProcTransport
 
 pytestmark = pytest.mark.unit
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from psnode.errors import ClosedError, PSNodeError, TransportError
+from psnode.transport.base import create_transport, transport_names
 from testkit import free_port
-from psnode.transport import create_transport, transport_names
 
 pytestmark = pytest.mark.unit
 
@@ -162,7 +162,7 @@ def test_a_single_frame_that_only_looks_joined_arrives_as_it_came(pair):
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
 def test_io_sched_batch_runs_zeromqs_io_thread_under_sched_batch():
-    from psnode.zmq_transport import ZmqTransport
+    from psnode.transport.zeromq import ZmqTransport
 
     for sched, policy in [("batch", os.SCHED_BATCH), ("normal", os.SCHED_OTHER)]:
         before = set(os.listdir("/proc/self/task"))

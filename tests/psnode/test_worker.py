@@ -5,7 +5,7 @@ import pytest
 from psnode_testkit import InProcJob, init_keys, on_threads, sent, sent_headers, sent_keys
 
 from psnode.errors import ClosedError, PeerDiedError, RemoteError
-from psnode.protocol import FLAG_PULL, Cmd, unpack_entries, unpack_header, unpack_push_pull
+from psnode.node.protocol import FLAG_PULL, Cmd, unpack_entries, unpack_header, unpack_push_pull
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ from testkit import use_recording_transport
 os.environ["PSLAUNCH_TRANSPORT"] = use_recording_transport()  # the zmq transport, noting what arrives
 
 import kvcore  # noqa: E402
-from psnode.protocol import FLAG_ACKS, Cmd  # noqa: E402
+from psnode.node.protocol import FLAG_ACKS, Cmd
 
 kv = kvcore.create("dist_sync")
 value, out = np.ones(4, np.float32), np.zeros(4, np.float32)

@@ -12,7 +12,7 @@ os.environ["PSLAUNCH_TRANSPORT"] = use_recording_transport()  # the zmq transpor
 
 import kvcore  # noqa: E402
 from psnode.errors import RemoteError  # noqa: E402
-from psnode.protocol import Cmd, pack_push_pull  # noqa: E402
+from psnode.node.protocol import Cmd, pack_push_pull
 
 kv = kvcore.create("dist_sync")
 assert kv.num_workers == 1

@@ -6,7 +6,7 @@ import os
 import sys
 
 from psnode.env import read_env
-from psnode.server import ServerNode
+from psnode.server.node import ServerNode
 
 marker = sys.argv[1]
 node = ServerNode(read_env())

@@ -1,0 +1,262 @@
+"""What servers and workers share: a bound transport, their own record, the address book, the scheduler
+link and the receive loop.
+
+``Connection`` binds the node's receiving endpoint (on the transport it is given, or on the job's
+``PSLAUNCH_TRANSPORT``), names the node (``role@host:port``), registers through its
+``SchedulerLink`` and from then on runs ``process(timeout)``: it receives a batch of messages,
+gives the scheduler's control messages to the link and every peer's data message to the node's
+handler, and keeps heartbeats going. A message that cannot be used is counted and dropped.
+
+Who calls ``process``: the server's one thread; for a worker, whichever thread holds its receiving
+role (``worker_receiver``). Everything else here may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import time
+from typing import Any, Callable, Protocol
+
+from psnode.env import NodeEnv
+from psnode.errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
+from psnode.log import logger, setup_logging
+from psnode.node.control import CONTROL_CMDS, FailureLatch, SchedulerLink
+from psnode.node.membership import SCHEDULER, Membership, PeerInfo, host_fingerprint
+from psnode.node.protocol import GROUP_ROLES, Cmd, Group, parse_group, unpack_header
+from psnode.node.timeline import open_timeline
+from psnode.transport import message_heap, same_host
+from psnode.transport.base import Transport, node_transport
+from psnode.transport.lanes import Lanes
+from psnode.transport.security import secure_or_loopback
+
+__all__ = ["Connection", "Deferred", "DataHandler", "is_done"]
+
+_IDLE_DELAY = 0.0002  # how long deferred work waits for a message to ride along with before it runs
+_BATCH = 256  # messages handled between two heartbeat checks
+
+DataHandler = Callable[[PeerInfo, int, int, int, int, list], None]
+"""``handle(peer, cmd, flags, req_id, arg, frames)``: a data message from a peer of the job.
+
+It raises ``ProtocolError`` (or IndexError, KeyError, TypeError, ValueError) for a message it cannot
+use; the loop counts and drops that message."""
+
+_DONE_STATES = frozenset({"CANCELLED", "CANCELLED_AND_NOTIFIED", "FINISHED"})
+
+
+def is_done(future: concurrent.futures.Future) -> bool:
+    """``future.done()`` without taking the future's lock (reading one attribute is atomic).
+
+    The receive loops ask this after every message; the lock ``done()`` takes is most of its cost.
+    """
+    return future._state in _DONE_STATES
+
+
+class Deferred(Protocol):
+    """Work a node holds back to send with a later message (the server's push acknowledgements).
+
+    ``due``: the monotonic time by which ``run`` must happen anyway (None: no deadline);
+    ``when_idle``: run it as soon as no message arrived for a moment.
+    """
+
+    due: float | None
+    when_idle: bool
+
+    def run(self) -> None:
+        """Send what was held back."""
+
+
+class Connection:
+    """One server's or worker's connection to the job (see the module docstring).
+
+    ``handle`` receives the peers' data messages, ``after_batch`` is called after each batch of
+    them, ``deferred`` is held-back work (optional); ``on_worker_finished(rank, description)``
+    hears that a worker left the job, ``on_worker_rejoined(rank)`` that a restarted one took its
+    rank back.
+    """
+
+    def __init__(self, env: NodeEnv, role: str, handle: DataHandler, transport: Transport | None = None,
+                 after_batch: Callable[[], None] | None = None, deferred: Deferred | None = None,
+                 on_worker_finished: Callable[[int, str], None] | None = None,
+                 on_worker_rejoined: Callable[[int], None] | None = None) -> None:
+        setup_logging(env.verbose)
+        self.env = env
+        if role != "scheduler" and env.malloc_tuning and (env.same_host != "shm" or not env.local):
+            # big messages (gradients, ring segments) may come through ZeroMQ: no page faults per message
+            message_heap.keep_message_memory()
+        host = env.advertised_host()
+        secure_or_loopback(env, {"DMLC_NODE_HOST / the advertised address": host})
+        self.transport = transport or node_transport(env, b"")
+        job = re.sub(r"[^A-Za-z0-9_.-]", "_", env.job_id)[:40]
+        local_name = f"{job}-{role}-{os.getpid()}-{os.urandom(3).hex()}"
+        port = self.transport.bind(0, local_name, None if env.bind_all else host)
+        self.probe = same_host.probe(env.job_id) if env.same_host == "shm" else None
+        uid = f"{role}@{host}:{port}"
+        self.transport.identity = uid.encode()
+        self.lanes = self._open_lanes(role, host, uid)
+        self.me = PeerInfo(role, -1, host, port, uid, host_fingerprint(), local_name,
+                           self.probe.ref if self.probe is not None else 0, os.getpid(),
+                           self.lanes.port if self.lanes is not None else 0)
+        self.members = Membership(role)
+        self.failure = FailureLatch()
+        self.link = SchedulerLink(env, self.transport, self.me, self.members, self.failure, on_worker_finished,
+                                  on_worker_rejoined)
+        # PSLAUNCH_TIMELINE: this node's events (psnode.node.timeline); None when off, and nothing is wrapped
+        self.timeline = self.link.timeline = open_timeline(env, role)
+        self._handle = handle
+        self._after_batch = after_batch
+        self._deferred = deferred
+        self._next_heartbeat = 0.0
+
+    def _open_lanes(self, role: str, host: str, uid: str) -> Lanes | None:
+        """A worker's lanes for big collective messages (``psnode.transport.lanes``), or None: not a worker, lanes
+        off (``PSLAUNCH_LANES``), encrypted connections (a lane's bytes are in the clear), a transport
+        other than ZeroMQ, or a port that cannot be bound (said in the log)."""
+        env = self.env
+        if role != "worker" or not env.lanes or env.encrypt or env.transport != "zmq":
+            return None
+        security = env.security()
+        try:
+            return Lanes.listen("" if env.bind_all else host, uid.encode(), env.job_id, security.lane_key())
+        except OSError as exc:
+            logger.warning("this worker has no lanes (cannot listen on %s: %s); its collectives go through ZeroMQ",
+                           host, exc)
+            return None
+
+    def close(self, linger: float) -> None:
+        """Close the transport (``linger`` seconds for what it still holds) and the lanes."""
+        if self.lanes is not None:
+            self.lanes.close()
+        self.transport.close(linger=linger)
+
+    def serve_with(self, after_batch: Callable[[], None] | None = None, deferred: Deferred | None = None) -> None:
+        """Set ``after_batch`` and ``deferred`` (for parts built after the connection, which they use)."""
+        self._after_batch = after_batch
+        self._deferred = deferred
+
+    @property
+    def rank(self) -> int:
+        """This node's rank (-1 until registered)."""
+        return self.members.rank
+
+    def describe(self) -> str:
+        """``worker 1``: how this node names itself in errors."""
+        return f"{self.me.role} {self.members.rank}"
+
+    def register(self) -> None:
+        """Register with the scheduler, wait for the address book, connect to the peers (blocking).
+
+        Raises:
+            RegistrationTimeoutError, TransportError: see ``SchedulerLink.register``.
+        """
+        timeline = self.timeline
+        start = timeline.now() if timeline is not None else 0
+        early = self.link.register()
+        if timeline is not None:
+            timeline.add("register", None, start, timeline.now())
+            timeline.name_process(self.members.rank, self.me.host)
+        for sender, frames in early:
+            self.dispatch(sender, frames)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def process(self, timeout: float, until: Any = None) -> None:
+        """Handle messages for up to ``timeout`` seconds (returns after the first batch); keep heartbeats.
+
+        ``until``: a future; the batch ends as soon as it is done (a waiting caller returns at once).
+        """
+        now = time.monotonic()
+        wait = timeout
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = self.link.tick(now)
+        if self._next_heartbeat < now + wait:
+            wait = max(0.0, self._next_heartbeat - now)
+        transport = self.transport
+        deferred = self._deferred
+        if deferred is not None:
+            due = deferred.due
+            if due is not None:
+                if now >= due:
+                    deferred.run()  # held-back work whose time is up, whether messages come or not
+                else:
+                    wait = min(wait, due - now)
+            if deferred.when_idle and not transport.poll(min(wait, _IDLE_DELAY)):
+                deferred.run()  # nothing came for a moment: send what was held back to share a message
+                return
+        if not transport.poll(wait):
+            return
+        failure = self.failure
+        try:
+            # drain what is queued, but let heartbeats run between batches; a caller waiting for
+            # ``until`` returns once it is done
+            for _ in range(_BATCH):
+                sender, frames = transport.recv()
+                self.dispatch(sender, frames)
+                if failure.error is not None or (until is not None and is_done(until)) or not transport.poll(0):
+                    break
+        finally:
+            if self._after_batch is not None:
+                self._after_batch()
+
+    def dispatch(self, sender: bytes, frames: list) -> None:
+        """Give one received message to the scheduler link or the data handler; drop what cannot be used."""
+        link = self.link
+        try:
+            cmd, flags, req_id, arg = unpack_header(frames[0])
+        except (ProtocolError, IndexError) as exc:
+            link.note_malformed(sender, exc)
+            return
+        if self.env.verbose >= 2:
+            logger.debug("%s <- %s: %s req %d (%d frames)", self.describe(), sender.decode(errors="replace"),
+                         Cmd(cmd).name, req_id, len(frames))
+        if sender == SCHEDULER:
+            link.heard()
+            if cmd in CONTROL_CMDS:
+                try:
+                    link.handle(cmd, flags, req_id, frames)
+                except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
+                    link.note_malformed(sender, exc)
+                return
+        peer = self.members.peers.get(sender)
+        if peer is None:
+            link.note_malformed(sender, ProtocolError(f"message {Cmd(cmd).name} from an unknown sender"))
+            return
+        try:
+            self._handle(peer, cmd, flags, req_id, arg, frames)
+        except ClosedError:
+            raise
+        except Exception as exc:  # a message from the network must never end the node: count it, go on
+            link.note_malformed(sender, exc)
+
+    def ask_barrier(self, group: "Group | int | str", note: Any = None) -> tuple[concurrent.futures.Future, str]:
+        """Enter a barrier of ``group`` (workers, servers or all): the future its end completes, and
+        what to call it in a timeout message. ``note`` (a small JSON value) reaches every member: the
+        future's result is the list of the members' notes that are not None.
+
+        Liveness-checked: a node of the job that dies meanwhile fails the future naming that node.
+
+        Raises:
+            ValueError: an unknown group (the message lists the groups).
+            PSNodeError: this node is not in ``group``; the node's failure, if it failed.
+        """
+        group = parse_group(group)
+        if self.me.role not in GROUP_ROLES[group]:
+            raise PSNodeError(f"{self.describe()} is not in the barrier group {group.name.lower()}")
+        self.failure.check()
+        body = None if note is None else {"note": note}
+        return self.link.ask(Cmd.BARRIER, int(group), body), f"end of the {group.name.lower()} barrier"
+
+    def wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:
+        """Receive on this thread until ``future`` is done (single-threaded nodes), then raise its error.
+
+        Raises:
+            PSNodeError: the node failed; NodeTimeoutError: not done within ``limit`` seconds.
+        """
+        deadline = None if limit is None else time.monotonic() + limit
+        while not future.done():
+            self.failure.check()
+            step = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if step <= 0:
+                raise NodeTimeoutError(f"{self.describe()}: no {what} within {limit:g} s")
+            self.process(step)
+        future.result()

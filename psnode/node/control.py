@@ -1,0 +1,339 @@
+"""A node's side of the control plane: registration, heartbeats, barriers and the first failure.
+
+``SchedulerLink`` is everything a server or worker says to the scheduler and hears from it:
+it registers (and waits for the address book), sends heartbeats and notices a silent scheduler,
+asks for barriers and for the end of the job, and handles what the scheduler announces (a node
+died, a worker finished, shut down). With ``PSLAUNCH_STATS`` its heartbeats carry the node's
+counters (``report``, ``psnode.node.stats``); with a timeline it measures the offset to the scheduler's
+clock right after registration and writes the timeline out at every heartbeat
+(``psnode.node.timeline``). ``FailureLatch`` keeps the node's first failure and tells the
+parts that must react (pending requests fail, waiters wake) exactly once.
+
+Thread-safety: ``handle`` and ``tick`` run on whichever thread receives for the node; ``ask``,
+``send`` and ``FailureLatch.fail`` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+import time
+from typing import Any, Callable
+
+from psnode.env import NodeEnv
+from psnode.errors import (
+    ClosedError,
+    PeerDiedError,
+    ProtocolError,
+    PSNodeError,
+    RefusedError,
+    RegistrationTimeoutError,
+)
+from psnode.log import logger
+from psnode.node.membership import SCHEDULER, Membership, PeerInfo, endpoint_of
+from psnode.node.protocol import FLAG_ERROR, Cmd, pack_header, pack_json, unpack_header, unpack_json
+from psnode.transport.base import Transport
+
+__all__ = ["FailureLatch", "SchedulerLink", "CONTROL_CMDS"]
+
+CONTROL_CMDS = frozenset(
+    {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN,
+     Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED}
+)
+"""What only the scheduler sends to a node."""
+
+_EARLY_LIMIT = 10000  # messages from peers kept while the address book is still on its way
+
+
+class FailureLatch:
+    """The first failure of a node (thread-safe); later failures are ignored.
+
+    ``error`` is None until ``fail``; each listener added with ``on_failure`` is called once, on
+    the failing thread, with the error.
+    """
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[BaseException], None]] = []
+
+    def on_failure(self, listener: Callable[[BaseException], None]) -> None:
+        """Call ``listener(error)`` once the node fails."""
+        self._listeners.append(listener)
+
+    def fail(self, error: BaseException) -> bool:
+        """Record ``error`` if it is the first failure and tell the listeners; True when it was."""
+        with self._lock:
+            if self.error is not None:
+                return False
+            self.error = error
+        for listener in self._listeners:
+            listener(error)
+        return True
+
+    def check(self) -> None:
+        """Raise the failure, if any."""
+        if self.error is not None:
+            raise self.error
+
+
+class SchedulerLink:
+    """This node's conversation with the scheduler (see the module docstring).
+
+    ``me``: this node's own record (rank -1 until the address book says). ``on_worker_finished(rank,
+    description)`` is called when the scheduler says a worker left the job, ``on_worker_rejoined(rank)``
+    when a restarted worker took its rank back (``PSLAUNCH_RESTART_SCOPE=worker``; the book is
+    updated and the new worker connected first).
+    """
+
+    def __init__(self, env: NodeEnv, transport: Transport, me: PeerInfo, members: Membership, failure: FailureLatch,
+                 on_worker_finished: Callable[[int, str], None] | None = None,
+                 on_worker_rejoined: Callable[[int], None] | None = None) -> None:
+        self.env = env
+        self.transport = transport
+        self.me = me
+        self.members = members
+        self.failure = failure
+        self.on_worker_finished = on_worker_finished
+        self.on_worker_rejoined = on_worker_rejoined
+        self.shutdown_requested = False
+        self.malformed = 0
+        self._last_heard = time.monotonic()
+        self._last_tick = 0.0  # when tick last ran: a long gap means this process was stopped
+        self._next_heartbeat = 0.0
+        self._waiters: dict[int, concurrent.futures.Future] = {}  # req_id -> barrier / finish future
+        self._waiters_lock = threading.Lock()
+        self._req_ids = itertools.count(1 << 62)  # apart from the data requests' ids
+        self.report: Callable[[], dict] | None = None  # the counters heartbeats carry (PSLAUNCH_STATS)
+        self.timeline: Any = None  # this node's psnode.node.timeline.Timeline, if any
+        failure.on_failure(self._fail_waiters)
+
+    # ---- registration -------------------------------------------------------------------
+    def register(self) -> list[tuple[bytes, list]]:
+        """Register with the scheduler and wait for the address book (blocking); connect to the peers.
+
+        Returns the messages peers sent before the book arrived (a peer that got it first may
+        already send requests), for the caller to dispatch.
+
+        Raises:
+            RegistrationTimeoutError: the scheduler reported a timeout, or never answered.
+            TransportError: the scheduler's address cannot be connected to.
+        """
+        env, me = self.env, self.me
+        self.transport.connect(SCHEDULER, f"tcp://{env.root_uri}:{env.root_port}", watch=True)
+        info = {**me.as_record(), "worker_id": env.worker_id if me.role == "worker" else None, "job_id": env.job_id}
+        del info["rank"]
+        self.send(Cmd.REGISTER, body=info)
+        logger.info("%s registering with the scheduler at %s", me.uid, env.root_address)
+        limit = env.register_timeout + max(5.0, env.heartbeat_timeout)
+        deadline = time.monotonic() + limit
+        early: list[tuple[bytes, list]] = []
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RegistrationTimeoutError(
+                    f"{me.role} at {me.host}:{me.port} got no address book from the scheduler at "
+                    f"{env.root_address} within {limit:.0f} s; "
+                    "is the scheduler running and reachable (DMLC_PS_ROOT_URI / DMLC_PS_ROOT_PORT)?"
+                )
+            if not self.transport.poll(min(remaining, 0.5)):
+                why = self.transport.refused(SCHEDULER)
+                if why is not None:
+                    raise RefusedError(
+                        f"the scheduler at {env.root_address} {why}: this {me.role} is of job {env.job_id!r}; "
+                        "is another job using that port, or are the processes' PSLAUNCH_JOB_KEY different?")
+                continue
+            sender, frames = self.transport.recv()
+            if sender != SCHEDULER:
+                if len(early) < _EARLY_LIMIT:
+                    early.append((sender, frames))
+                continue
+            try:
+                cmd, _, _, _ = unpack_header(frames[0])
+                if cmd == Cmd.REGISTER_FAILED:
+                    body = unpack_json(frames[1])
+                    kind = RegistrationTimeoutError if body.get("kind") == "timeout" else RefusedError
+                    raise kind(str(body["error"]))
+                if cmd == Cmd.ADDRBOOK:
+                    self._connect(unpack_json(frames[1]))
+                    if self.timeline is not None:
+                        self._probe_clock(early)
+                    return early
+            except (ProtocolError, IndexError, KeyError, TypeError) as exc:
+                self.note_malformed(sender, exc)
+
+    def _connect(self, book: Any) -> None:
+        for peer in self.members.apply(book):
+            endpoint = endpoint_of(peer, self.transport, self.me.fingerprint, self.env.same_host)
+            self.transport.connect(peer.uid.encode(), endpoint)
+            logger.info("%s %d connected to %s at %s", self.me.role, self.members.rank, peer.describe(), endpoint)
+        self._last_heard = self._last_tick = time.monotonic()
+
+    def _probe_clock(self, early: list[tuple[bytes, list]]) -> None:
+        """Measure the offset to the scheduler's clock for the timeline (a few heartbeats that ask
+        for its clock, at most a second each); other messages meanwhile go to ``early``."""
+        timeline = self.timeline
+        boot = self.me.fingerprint.split(":")[0]
+        for _ in range(timeline.CLOCK_PROBES):
+            sent = time.monotonic_ns()
+            self.send(Cmd.HEARTBEAT, body={"clock": sent})
+            deadline = time.monotonic() + 1.0
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.transport.poll(remaining):
+                    return  # no answer: the timeline says its clock is not aligned
+                sender, frames = self.transport.recv()
+                received = time.monotonic_ns()
+                try:
+                    cmd = unpack_header(frames[0])[0]
+                    body = unpack_json(frames[1]) if sender == SCHEDULER and cmd == Cmd.HEARTBEAT_ACK else None
+                except (ProtocolError, IndexError) as exc:
+                    self.note_malformed(sender, exc)
+                    continue
+                if body is None:
+                    if len(early) < _EARLY_LIMIT:
+                        early.append((sender, frames))
+                    continue
+                if not isinstance(body, dict) or body.get("clock") != sent or type(body.get("now")) is not int:
+                    continue  # an answer to an earlier probe
+                same_boot = body.get("boot") == boot
+                timeline.clock_sample(sent, body["now"], received, same_boot)
+                if same_boot:
+                    return
+                break
+
+    # ---- liveness --------------------------------------------------------------------------
+    def tick(self, now: float) -> float:
+        """Send a heartbeat when one is due and fail the node if the scheduler went silent.
+
+        Returns the monotonic time of the next heartbeat (infinity when heartbeats are off).
+        """
+        interval = self.env.heartbeat_interval
+        if interval <= 0 or self.failure.error is not None:
+            return float("inf")
+        stalled = now - self._last_tick
+        self._last_tick = now
+        if stalled > self.env.heartbeat_timeout / 2:
+            self._last_heard += stalled  # this process was stopped (Ctrl-Z): not the scheduler's silence
+        silent = now - self._last_heard
+        if silent > self.env.heartbeat_timeout:
+            env = self.env
+            self.failure.fail(PeerDiedError(
+                f"the scheduler at {env.root_address} died or is unreachable: no message from it for "
+                f"{silent:.1f} s (PS_HEARTBEAT_TIMEOUT={env.heartbeat_timeout:g})",
+                "scheduler", 0, env.root_uri,
+            ))
+            return float("inf")
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + interval
+            report = self.report
+            self.send(Cmd.HEARTBEAT, body=None if report is None else {"s": report()})
+            if self.timeline is not None:
+                self.timeline.flush()
+        return self._next_heartbeat
+
+    def beat(self) -> None:
+        """Between chunks of long work on the receiving thread (a checkpoint's files): send a heartbeat
+        when one is due. Nothing is received meanwhile, so the time is not counted as the scheduler's
+        silence."""
+        now = time.monotonic()
+        self._last_heard += now - self._last_tick
+        self._last_tick = now
+        interval = self.env.heartbeat_interval
+        if interval > 0 and now >= self._next_heartbeat and self.failure.error is None:
+            self._next_heartbeat = now + interval
+            self.send(Cmd.HEARTBEAT)
+
+    def heard(self) -> None:
+        """The scheduler just sent something: it is alive."""
+        self._last_heard = time.monotonic()
+
+    # ---- messages ----------------------------------------------------------------------------
+    def send(self, cmd: int, req_id: int = 0, arg: int = 0, body: Any = None) -> None:
+        """Send a control message to the scheduler (thread-safe); a closed transport drops it."""
+        frames = [pack_header(cmd, req_id, arg)]
+        if body is not None:
+            frames.append(pack_json(body))
+        try:
+            self.transport.send(SCHEDULER, frames)
+        except ClosedError:
+            pass
+
+    def ask(self, cmd: int, arg: int = 0, body: Any = None) -> concurrent.futures.Future:
+        """Send ``cmd`` (a barrier, finish or rendezvous request) and return the future the
+        scheduler's answer completes: a barrier's holds the notes its members left
+        (``Connection.ask_barrier``), a rendezvous value's the value."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        req_id = next(self._req_ids)
+        with self._waiters_lock:
+            if self.failure.error is not None:
+                future.set_exception(self.failure.error)
+                return future
+            self._waiters[req_id] = future
+        self.send(cmd, req_id, arg, body)
+        return future
+
+    def handle(self, cmd: int, flags: int, req_id: int, frames: list) -> None:
+        """Handle a control message from the scheduler.
+
+        Raises:
+            ProtocolError, IndexError, KeyError, TypeError, ValueError: a malformed body.
+        """
+        if cmd == Cmd.HEARTBEAT_ACK:
+            return
+        if cmd == Cmd.NODE_DIED:
+            info = unpack_json(frames[1])
+            self.failure.fail(PeerDiedError(str(info["message"]), str(info.get("role", "")),
+                                            int(info.get("rank", -1)), str(info.get("host", ""))))
+        elif cmd == Cmd.WORKER_FINISHED:
+            info = unpack_json(frames[1])
+            if self.on_worker_finished is not None:
+                self.on_worker_finished(int(info["rank"]), str(info["node"]))
+        elif cmd == Cmd.WORKER_REJOINED:
+            info = unpack_json(frames[1])
+            peer = PeerInfo.from_record(info["node"])
+            self.members.replace_worker(str(info["old"]), peer)
+            self.transport.connect(peer.uid.encode(), endpoint_of(peer, self.transport, self.me.fingerprint,
+                                                                 self.env.same_host))
+            logger.info("%s %d: worker %d rejoined at %s:%d", self.me.role, self.members.rank, peer.rank, peer.host,
+                        peer.port)
+            if self.on_worker_rejoined is not None:
+                self.on_worker_rejoined(peer.rank)
+        elif cmd == Cmd.SHUTDOWN:
+            self.shutdown_requested = True
+            if self.timeline is not None:
+                self.timeline.close()  # written out before the scheduler, which ends a timeline file, hears back
+            self.send(Cmd.SHUTDOWN_ACK, req_id, body=None if self.report is None else {"s": self.report()})
+        elif cmd in (Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.RDV_VALUE):
+            with self._waiters_lock:
+                waiter = self._waiters.pop(req_id, None)
+            if waiter is not None and not waiter.done():
+                if flags & FLAG_ERROR:
+                    waiter.set_exception(PSNodeError(str(unpack_json(frames[1])["error"])))
+                elif cmd == Cmd.RDV_VALUE:
+                    body = unpack_json(frames[1]) if len(frames) > 1 else None
+                    value = body.get("value") if isinstance(body, dict) else None
+                    if isinstance(value, str):
+                        waiter.set_result(value)
+                    else:  # the asker must not wait on: fail it, naming what came
+                        waiter.set_exception(ProtocolError(
+                            f"the scheduler answered a rendezvous request with a {type(value).__name__}, not a string"))
+                else:
+                    notes = unpack_json(frames[1]).get("notes", []) if len(frames) > 1 else []
+                    waiter.set_result(notes if isinstance(notes, list) else [])
+
+    def note_malformed(self, sender: bytes, exc: BaseException) -> None:
+        """Count and log a message this node could not use."""
+        self.malformed += 1
+        logger.info("%s %d dropped a malformed message from %r (%d so far): %s", self.me.role, self.members.rank,
+                    sender[:64], self.malformed, exc)
+
+    def _fail_waiters(self, error: BaseException) -> None:
+        with self._waiters_lock:
+            waiters, self._waiters = list(self._waiters.values()), {}
+        for waiter in waiters:
+            try:
+                waiter.set_exception(error)
+            except concurrent.futures.InvalidStateError:  # completed meanwhile
+                pass

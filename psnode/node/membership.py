@@ -1,0 +1,167 @@
+"""Who is in the job and how to reach them: the address book every node and the scheduler share.
+
+``PeerInfo`` is one node as the scheduler's address book lists it. ``Membership`` holds the book a
+node received (its own rank, every peer by identity, workers and servers by rank) and picks the
+endpoint for a peer: the same-host endpoint for a peer on this host (same boot and network
+namespace, unless ``PSLAUNCH_SAME_HOST=tcp``), TCP otherwise. The scheduler uses the same
+``PeerInfo`` and ``endpoint_of`` to reach the nodes.
+
+Written at registration (on the thread that registers) and, when a restarted worker rejoins, by the
+receiving thread, which swaps in new dicts and lists whole: readers need no lock.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from psnode.errors import ProtocolError
+from psnode.transport.base import Transport
+
+__all__ = ["PeerInfo", "Membership", "host_fingerprint", "endpoint_of", "unreachable"]
+
+SCHEDULER = b"scheduler"
+"""The scheduler's identity on the wire."""
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A node of the job as the address book lists it."""
+
+    role: str
+    rank: int
+    host: str
+    port: int
+    uid: str
+    fingerprint: str
+    local_name: str
+    shm_probe: int = 0  # wire reference of the node's shared-memory probe (0: none)
+    pid: int = 0  # its process id (a shared-memory reference from it must name this process)
+    lane_port: int = 0  # a worker's port for lanes (``psnode.transport.lanes``) on ``host``; 0: it has none
+
+    def describe(self) -> str:
+        """``server 1 on 10.0.0.2:4567``: how errors name a node."""
+        return f"{self.role} {self.rank} on {self.host}:{self.port}"
+
+    def as_record(self) -> dict[str, Any]:
+        """The address book's JSON record of this node."""
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, item: Any) -> "PeerInfo":
+        """A peer from an address book record.
+
+        Raises:
+            ProtocolError: a field is missing or of the wrong type (the message names it).
+        """
+        if not isinstance(item, dict):
+            raise ProtocolError(f"an address book entry is a {type(item).__name__}, not an object")
+        try:
+            peer = cls(str(item["role"]), int(item["rank"]), str(item["host"]), int(item["port"]), str(item["uid"]),
+                       str(item["fingerprint"]), str(item["local_name"]), int(item.get("shm_probe") or 0),
+                       int(item.get("pid") or 0), int(item.get("lane_port") or 0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"a malformed address book entry: {type(exc).__name__}: {exc}") from exc
+        if not 0 <= peer.lane_port <= 65535:
+            raise ProtocolError(f"an address book entry with lane port {peer.lane_port}, not 0..65535")
+        return peer
+
+
+def host_fingerprint() -> str:
+    """Same value for processes that can reach each other's same-host endpoints (boot id + network namespace)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return f"unknown-{os.getpid()}"  # never matches another process: TCP everywhere
+    return f"{boot}:{netns}"
+
+
+def endpoint_of(peer: PeerInfo, transport: Transport, fingerprint: str, same_host: str) -> str:
+    """The endpoint to reach ``peer`` from a process with ``fingerprint``: same-host unless
+    ``same_host`` is ``tcp`` or the peer is elsewhere, TCP otherwise."""
+    if same_host in ("ipc", "shm") and peer.fingerprint == fingerprint:
+        return transport.same_host_endpoint(peer.local_name)
+    return f"tcp://{peer.host}:{peer.port}"
+
+
+def unreachable(peers: list[PeerInfo], fingerprint: str, same_host: str, timeout: float) -> list[tuple[PeerInfo, str]]:
+    """The peers whose advertised TCP address does not accept a connection from here within
+    ``timeout`` seconds, each with why (``No route to host``, ``no answer within 5 s``). Peers
+    reached through the same-host path are not tried. Blocks up to about ``timeout``; the tries run
+    in parallel (a plain connect, closed at once: the node's socket drops it)."""
+
+    def one(peer: PeerInfo) -> tuple[PeerInfo, str] | None:
+        try:
+            socket.create_connection((peer.host, peer.port), timeout).close()
+        except socket.timeout:
+            return peer, f"no answer within {timeout:g} s"
+        except OSError as exc:
+            return peer, exc.strerror or str(exc)
+        return None
+
+    remote = [p for p in peers if not (same_host in ("ipc", "shm") and p.fingerprint == fingerprint)]
+    if not remote:
+        return []
+    with ThreadPoolExecutor(max_workers=min(64, len(remote))) as pool:
+        return [found for found in pool.map(one, remote) if found is not None]
+
+
+class Membership:
+    """The address book one node received: its rank, its peers, workers and servers by rank."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.rank = -1
+        self.peers: dict[bytes, PeerInfo] = {}
+        self.workers: list[PeerInfo] = []
+        self.servers: list[PeerInfo] = []
+        self.rejoined = False  # this worker took the rank of one that died (PSLAUNCH_RESTART_SCOPE=worker)
+
+    def apply(self, book: Any) -> list[PeerInfo]:
+        """Take the scheduler's address book; return the peers this node connects to (workers to
+        servers, servers to workers).
+
+        Raises:
+            ProtocolError: the book is malformed (the message says how).
+        """
+        if not isinstance(book, dict) or not isinstance(book.get("nodes"), list):
+            raise ProtocolError("the address book is not an object with a list of nodes")
+        try:
+            rank = int(book["rank"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"the address book has no valid rank: {exc}") from exc
+        peers = {}
+        for item in book["nodes"]:
+            peer = PeerInfo.from_record(item)
+            peers[peer.uid.encode()] = peer
+        self.rank = rank
+        self.rejoined = book.get("rejoined") is True
+        self.peers = peers
+        self.workers = sorted((p for p in peers.values() if p.role == "worker"), key=lambda p: p.rank)
+        self.servers = sorted((p for p in peers.values() if p.role == "server"), key=lambda p: p.rank)
+        return self.servers if self.role == "worker" else self.workers
+
+    def replace_worker(self, old_uid: str, peer: PeerInfo) -> None:
+        """A restarted worker ``peer`` took the rank of the worker whose identity was ``old_uid``.
+
+        Raises:
+            ProtocolError: ``peer`` is not a worker of a rank this book holds.
+        """
+        if peer.role != "worker" or not 0 <= peer.rank < len(self.workers):
+            raise ProtocolError(f"a rejoined {peer.role} of rank {peer.rank}, not one of the {len(self.workers)} workers")
+        peers = dict(self.peers)
+        peers.pop(old_uid.encode(), None)
+        peers[peer.uid.encode()] = peer
+        workers = list(self.workers)
+        workers[peer.rank] = peer
+        # whole new objects: a thread reading the book meanwhile sees the old one or the new one
+        self.peers, self.workers = peers, workers
+
+    def get(self, sender: bytes) -> PeerInfo | None:
+        """The peer whose identity is ``sender``, or None."""
+        return self.peers.get(sender)

@@ -1,0 +1,341 @@
+"""The wire format: a fixed 24-byte header frame, then (per command) a meta frame and raw data frames.
+
+Header (little endian, ``HEADER``)::
+
+    magic  2s   b"PS"
+    version u8  2
+    cmd    u8   one of ``Cmd``
+    flags  u16  ``FLAG_*`` bits
+    spare  u16
+    req_id u64  matches a reply to its request
+    arg    i64  command argument (barrier group, priority, ...)
+
+Data commands (push, pull, rows) carry a meta frame: a packed array of ``ENTRY`` records, one per
+key part, that says where its bytes lie in which data frame (64-bit offsets and lengths, so no
+32-bit size limit) and how they are encoded (``codec``: ``psnode.compression.codecs``; ``raw`` is 0). Data frames are the arrays' raw bytes, sent and received without copies and
+read with ``numpy.frombuffer``. Control commands (register, address book, errors, init) carry one
+JSON frame (a checkpoint request and its reply too). Nothing on the wire is pickled except the updater a worker ships with ``set_updater``
+(a control message, only ever unpickled by a server of the same job).
+
+The small round trip has two single-frame commands whose header frame carries the whole message
+(``COMPACT_CMDS``): ``PUSH_PULL`` (a push of one small part and a pull of the same part, the
+``ONE_PART`` record after the header, then the value's bytes) and ``VALUE`` (the reply to a pull of
+one part: the header, then the value's bytes). One struct unpack reads either; the general form
+would take five frames and a dozen Python objects per message.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+from psnode.errors import ProtocolError
+from psnode.transport.same_host import IN_SHARED_MEMORY  # a frame number of the entries below
+
+__all__ = [
+    "HEADER",
+    "MAGIC",
+    "VERSION",
+    "Cmd",
+    "FLAG_ERROR",
+    "FLAG_SYNC",
+    "FLAG_ACKS",
+    "FLAG_PULL",
+    "ENTRY",
+    "Group",
+    "GROUP_ROLES",
+    "parse_group",
+    "pack_header",
+    "unpack_header",
+    "with_flags",
+    "pack_json",
+    "unpack_json",
+    "unpack_entries",
+    "pack_entries",
+    "ENTRY_STRUCT",
+    "COMPACT_CMDS",
+    "ONE_PART",
+    "PUSH_PULL",
+    "pack_push_pull",
+    "unpack_push_pull",
+    "pack_value",
+    "peek",
+    "peek_req_id",
+    "IN_SHARED_MEMORY",
+    "MAX_DATA_FRAMES",
+    "PACK_LIMIT",
+    "OWN_FRAME",
+    "pack_codec_params",
+    "unpack_codec_params",
+]
+
+HEADER = struct.Struct("<2sBBHHQq")
+MAGIC = b"PS"
+VERSION = 2  # 2: entries carry a codec
+
+FLAG_ERROR = 1  # the reply carries a JSON error {"error": message} instead of a result
+FLAG_SYNC = 2  # init: the key is merged per round (dist_sync), else applied on arrival (dist_async)
+FLAG_ACKS = 4  # a reply whose last frame holds push acknowledgements: (req_id, parts) u64 pairs
+FLAG_PULL = 8  # a push whose last two frames are a whole pull message (header, meta), run right after it
+
+
+class Cmd(enum.IntEnum):
+    """Commands; replies are their own commands so a node never guesses what a frame is."""
+
+    REGISTER = 1
+    ADDRBOOK = 2
+    REGISTER_FAILED = 3
+    HEARTBEAT = 4
+    HEARTBEAT_ACK = 5
+    BARRIER = 6
+    BARRIER_DONE = 7
+    FINISH = 8
+    FINISH_ACK = 9
+    SHUTDOWN = 10
+    SHUTDOWN_ACK = 11
+    NODE_DIED = 12
+    WORKER_FINISHED = 13
+    WORKER_REJOINED = 14  # scheduler -> servers, JSON {"old": uid, "node": record}: a restarted worker's new address
+    INIT = 20
+    INIT_ACK = 21
+    PUSH = 22
+    PUSH_ACK = 23
+    PULL = 24
+    PULL_REPLY = 25
+    ROWS = 26
+    ROWS_REPLY = 27
+    SET_UPDATER = 28
+    SET_UPDATER_ACK = 29
+    PUSH_PULL = 30  # compact: req_id = the pull's, arg = the push's; ONE_PART record; the value
+    VALUE = 31  # compact: req_id = the pull's, arg = the part's index in it; the value
+    SET_CODEC = 32  # JSON {"codec": id, "params": {...}}: a codec's parameters (a threshold), before its pushes
+    SET_CODEC_ACK = 33
+    COLL = 40  # between workers: req_id = the collective's key id, arg = its version; psnode.collectives.wire
+    RDV_SET = 41  # to the scheduler: {"key", "value"}, a rendezvous value (e.g. NCCL's unique id)
+    RDV_GET = 42  # to the scheduler: {"key"}; answered by RDV_VALUE once the key is set
+    RDV_VALUE = 43  # from the scheduler: {"value"} (or FLAG_ERROR and {"error"})
+    CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
+    CHECKPOINT_REPLY = 35  # JSON: the operation's result
+
+
+class Group(enum.IntEnum):
+    """Barrier groups: every worker, every server, or every worker and server."""
+
+    WORKERS = 1
+    SERVERS = 2
+    ALL = 3
+
+
+GROUP_ROLES = {Group.WORKERS: ("worker",), Group.SERVERS: ("server",), Group.ALL: ("worker", "server")}
+
+
+def parse_group(group: "Group | int | str") -> Group:
+    """``Group.WORKERS`` / ``"workers"`` / ``1`` -> ``Group.WORKERS`` (also ``"servers"``, ``"all"``).
+
+    Raises:
+        ValueError: an unknown group; the message lists the known ones.
+    """
+    try:
+        if isinstance(group, str):
+            return Group[group.upper()]
+        return Group(group)
+    except (KeyError, ValueError):
+        known = ", ".join(repr(g.name.lower()) for g in Group)
+        raise ValueError(f"unknown barrier group {group!r}; the groups are {known}") from None
+
+
+_CMDS = frozenset(int(c) for c in Cmd)
+COMPACT_CMDS = frozenset({int(Cmd.PUSH_PULL), int(Cmd.VALUE)})  # header frames that carry their message
+
+ENTRY = np.dtype(
+    [("key", "<u8"), ("index", "<u4"), ("frame", "<u2"), ("codec", "<u2"), ("offset", "<u8"), ("nbytes", "<u8"),
+     ("seq", "<u8")]
+)
+"""One key part of a data message.
+
+key: the 64-bit key id; index: the part's position in the worker's request (replies echo it);
+frame: which data frame (0 = the first after the meta frame) holds its bytes, or ``IN_SHARED_MEMORY``;
+codec: how the bytes encode the value (``psnode.compression.codecs``; 0 = raw, the value's own bytes);
+offset, nbytes: where the (encoded) bytes lie; seq: push -> this worker's push count of the key
+including this one; pull -> pushes of the key this worker has issued, all of which the value
+returned must include.
+"""
+
+MAX_DATA_FRAMES = IN_SHARED_MEMORY - 1  # frame numbers a message can use
+
+PACK_LIMIT = 4 << 20
+#: A value of at least this many bytes travels in a frame of its own (a push: in a message of its
+#: own; a pull reply: straight from the stored array, not copied into a packed frame).
+OWN_FRAME = 65536
+"""The most bytes of small values one data frame carries (a push's, or a pull reply's): more travel in
+further messages, so every frame stays far below a node's frame limit (``NodeEnv.max_message``)."""
+
+
+def pack_header(cmd: int, req_id: int = 0, arg: int = 0, flags: int = 0) -> bytes:
+    """Encode a header frame."""
+    return HEADER.pack(MAGIC, VERSION, cmd, flags, 0, req_id, arg)
+
+
+def with_flags(header: bytes, flags: int) -> bytes:
+    """A header frame with the ``FLAG_*`` bits ``flags`` added."""
+    return header[:4] + (int.from_bytes(header[4:6], "little") | flags).to_bytes(2, "little") + header[6:]
+
+
+def unpack_header(frame: Any) -> tuple[int, int, int, int]:
+    """Decode a header frame into ``(cmd, flags, req_id, arg)``.
+
+    Raises:
+        ProtocolError: wrong length, magic, version or an unknown command.
+    """
+    data = getattr(frame, "buffer", frame)  # a received frame's memoryview, or bytes
+    if len(data) < HEADER.size:
+        raise ProtocolError(f"header frame of {len(data)} bytes, expected {HEADER.size}")
+    magic, version, cmd, flags, _, req_id, arg = HEADER.unpack_from(data)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError(f"header with magic {magic!r} version {version}, expected {MAGIC!r} version {VERSION}")
+    if cmd not in _CMDS:
+        raise ProtocolError(f"unknown command {cmd}")
+    if len(data) != HEADER.size and cmd not in COMPACT_CMDS:
+        raise ProtocolError(f"header frame of {len(data)} bytes, expected {HEADER.size}")
+    return cmd, flags, req_id, arg
+
+
+def pack_json(obj: Any) -> bytes:
+    """Encode a control body."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def unpack_json(frame: Any) -> Any:
+    """Decode a control body.
+
+    Raises:
+        ProtocolError: not UTF-8 JSON.
+    """
+    data = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"control body is not JSON: {exc}") from exc
+
+
+ENTRY_STRUCT = struct.Struct("<QIHHQQQ")  # the same record as ENTRY, for packing a few at a time
+
+ONE_PART = struct.Struct("<QIHHQQ")
+"""``PUSH_PULL``'s record after the header: key id, index (the part's place in the pull), codec (of
+the pushed value), spare, nbytes (the encoded value's length, which follows), seq (the push's count
+of the key, this one included)."""
+
+PUSH_PULL = struct.Struct(HEADER.format + ONE_PART.format[1:])  # header and record in one (un)pack
+
+
+def pack_push_pull(pull_req: int, push_req: int, key: int, index: int, seq: int, value: bytes, codec: int = 0) -> bytes:
+    """A ``PUSH_PULL`` frame: push ``value`` of part ``key`` and pull it back (see the module docstring)."""
+    return PUSH_PULL.pack(MAGIC, VERSION, Cmd.PUSH_PULL, 0, 0, pull_req, push_req, key, index, codec, 0, len(value),
+                          seq) + value
+
+
+def unpack_push_pull(buf: Any) -> tuple[int, int, int, int, int, int, int]:
+    """``(pull_req, push_req, key, index, codec, nbytes, seq)`` of a ``PUSH_PULL`` frame; the value
+    follows at ``PUSH_PULL.size``.
+
+    Raises:
+        ProtocolError: the frame is shorter than its record or its length disagrees with ``nbytes``.
+    """
+    if len(buf) < PUSH_PULL.size:
+        raise ProtocolError(f"PUSH_PULL of {len(buf)} bytes, shorter than its {PUSH_PULL.size}-byte record")
+    fields = PUSH_PULL.unpack_from(buf)
+    pull_req, push_req, key, index, codec, _, nbytes, seq = fields[5:]
+    if len(buf) != PUSH_PULL.size + nbytes:
+        raise ProtocolError(f"PUSH_PULL of {len(buf)} bytes for a value of {nbytes}")
+    return pull_req, push_req, key, index, codec, nbytes, seq
+
+
+def peek(header: bytes) -> tuple[int, int]:
+    """``(cmd, flags)`` of a header this node packed itself (no checks: for its own outgoing frames)."""
+    return header[3], int.from_bytes(header[4:6], "little")
+
+
+def peek_req_id(header: bytes) -> int:
+    """The request id of a header this node packed itself."""
+    return int.from_bytes(header[8:16], "little")
+
+
+def pack_value(req_id: int, index: int, value: bytes) -> bytes:
+    """A ``VALUE`` frame: the reply to pull ``req_id`` for its part ``index``."""
+    return HEADER.pack(MAGIC, VERSION, Cmd.VALUE, 0, 0, req_id, index) + value
+
+
+def pack_codec_params(codec: int, params: dict[str, Any]) -> bytes:
+    """A ``SET_CODEC`` body: codec ``codec`` takes ``params`` (names to JSON numbers, strings, booleans).
+
+    A float travels as JSON writes it (the shortest text that reads back as the same double), so a
+    float32 threshold arrives with every bit: MXNet sends it as a 6-decimal string instead.
+    """
+    return pack_json({"codec": int(codec), "params": params})
+
+
+_PARAM_TYPES = (int, float, str, bool)
+
+
+def unpack_codec_params(frame: Any) -> tuple[int, dict[str, Any]]:
+    """``(codec id, params)`` of a ``SET_CODEC`` body, checked for shape and JSON types only (the
+    codec checks the values).
+
+    Raises:
+        ProtocolError: not JSON, or not ``{"codec": 0..65535, "params": {name: number|string|bool}}``
+            (the message says what was found).
+    """
+    body = unpack_json(frame)
+    if not isinstance(body, dict) or set(body) != {"codec", "params"}:
+        raise ProtocolError(f"SET_CODEC body must be {{'codec': id, 'params': {{...}}}}, got {str(body)[:200]}")
+    codec, params = body["codec"], body["params"]
+    if isinstance(codec, bool) or not isinstance(codec, int) or not 0 <= codec < 1 << 16:
+        raise ProtocolError(f"SET_CODEC names codec {codec!r}, not an id 0..65535")
+    if not isinstance(params, dict) or len(params) > 16:
+        raise ProtocolError(f"SET_CODEC parameters must be an object of at most 16 names, got {str(params)[:200]}")
+    for name, value in params.items():
+        if len(name) > 64 or not isinstance(value, _PARAM_TYPES) or (isinstance(value, str) and len(value) > 256):
+            raise ProtocolError(f"SET_CODEC parameter {name[:64]!r} = {str(value)[:80]!r} is not a short number, string or boolean")
+    return codec, params
+
+
+def pack_entries(rows: list[tuple[int, int, int, int, int, int, int]]) -> bytes:
+    """Encode ``(key, index, frame, codec, offset, nbytes, seq)`` records into a meta frame."""
+    if len(rows) > 64:  # many small keys: one numpy pass beats a Python loop
+        return _pack_many(rows)
+    pack = ENTRY_STRUCT.pack
+    return b"".join([pack(*row) for row in rows])
+
+
+def _pack_many(rows: list) -> bytes:
+    table = np.array(rows, dtype=np.uint64)
+    out = np.empty(len(rows), dtype=ENTRY)
+    for i, name in enumerate(ENTRY.names):
+        out[name] = table[:, i]
+    return out.tobytes()
+
+
+def unpack_entries(frame: Any, frame_sizes: list[int] | None = None) -> list[tuple[int, int, int, int, int, int, int]]:
+    """Decode a meta frame into ``(key, index, frame, codec, offset, nbytes, seq)`` records.
+
+    With ``frame_sizes`` (the data frames' lengths) every part is checked to lie inside its frame.
+
+    Raises:
+        ProtocolError: a truncated meta frame, or a part outside the data frames.
+    """
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    if len(buf) % ENTRY_STRUCT.size:
+        raise ProtocolError(f"meta frame of {len(buf)} bytes is not a multiple of {ENTRY_STRUCT.size}")
+    rows = list(ENTRY_STRUCT.iter_unpack(buf))
+    if frame_sizes is not None:
+        count = len(frame_sizes)
+        for row in rows:
+            if row[2] == IN_SHARED_MEMORY:  # the part lies in shared memory (psnode.transport.same_host), not in a frame
+                continue
+            if row[2] >= count or row[4] + row[5] > frame_sizes[row[2]]:
+                raise ProtocolError(f"a part of key {row[0]:#x} lies outside the message's data frames")
+    return rows

@@ -1,0 +1,432 @@
+"""The scheduler: registration, ranks, the address book, barriers, liveness and orderly shutdown.
+
+It listens on ``DMLC_PS_ROOT_PORT``. Every server and worker registers; once all of them have
+(within ``PSLAUNCH_REGISTER_TIMEOUT``) ranks are given (``DMLC_WORKER_ID`` when a worker has one,
+the rest ordered by (host, port)) and every node gets the address book. Then it answers heartbeats
+and barriers, and watches: a node silent for ``PS_HEARTBEAT_TIMEOUT`` (or one that reports its own
+failure) is announced to every other node as dead, naming its role, rank and host, and the
+scheduler fails (with ``PSLAUNCH_RESTART_SCOPE=worker`` a dead worker is not announced: its rank
+waits for the worker pslaunch starts again, which registers late and takes it back, ``_rejoin``).
+When every worker has finished, the servers are told to shut down and the scheduler ends.
+
+Parts: the ``Roster`` (who registered, their ranks and liveness) and the ``Barriers`` (who waits
+in which group), both in ``roster``, the ``JobReport`` (``scheduler_report``: the stats line for pslaunch, the timeline)
+and the ``Scheduler`` façade that reads messages and drives them; it keeps each node's latest
+heartbeat counters, checked as untrusted input (``stats.check_body``). Peers are described
+and reached with ``membership.PeerInfo`` and ``endpoint_of``, as every node does. Single-threaded.
+"""
+
+from __future__ import annotations
+
+import time
+
+from psnode.env import NodeEnv, resolve_host
+from psnode.errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError, TransportError
+from psnode.log import logger, setup_logging
+from psnode.node.membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint, unreachable
+from psnode.node.protocol import (
+    FLAG_ERROR,
+    GROUP_ROLES,
+    Cmd,
+    Group,
+    pack_header,
+    pack_json,
+    unpack_header,
+    unpack_json,
+)
+from psnode.node.stats import check_body
+from psnode.scheduler.rendezvous import Rendezvous
+from psnode.scheduler.report import JobReport
+from psnode.scheduler.roster import Barriers, Member, Roster
+from psnode.transport.base import Transport, node_transport
+from psnode.transport.security import secure_or_loopback
+
+__all__ = ["Scheduler", "Roster", "Barriers"]
+
+_NOTE_LIMIT = 4096  # bytes of JSON a member's barrier note may take
+
+class Scheduler:
+    """One job's scheduler. ``run()`` returns the process exit code (0: every worker finished)."""
+
+    def __init__(self, env: NodeEnv, transport: Transport | None = None) -> None:
+        setup_logging(env.verbose)
+        self.env = env
+        secure_or_loopback(env, {})
+        # Nodes' advertised TCP addresses are tried before the address book goes out when the
+        # scheduler runs the TCP transport itself (an injected one may not use those addresses).
+        self._probe_tcp = transport is None and env.transport == "zmq"
+        self.transport = transport or node_transport(env, SCHEDULER)
+        self.transport.bind(env.root_port, None, None if env.bind_all else resolve_host(env.root_uri, "DMLC_PS_ROOT_URI"))
+        self.fingerprint = host_fingerprint()
+        self.roster = Roster(env.num_workers, env.num_servers, env.job_id, env.root_port)
+        self.barriers = Barriers()
+        self.rendezvous = Rendezvous()
+        self.malformed = 0
+        self._last_check = 0.0  # when _check_alive last ran
+        self.job_report = JobReport(env, self.fingerprint)  # PSLAUNCH_STATS, PSLAUNCH_TIMELINE
+
+    # ---- registration -------------------------------------------------------------------
+    def register(self) -> None:
+        """Wait for every node, give ranks, send the address book.
+
+        Raises:
+            RegistrationTimeoutError: not every node registered in time (the message names what is missing).
+            PSNodeError: two workers asked for the same DMLC_WORKER_ID.
+        """
+        env, roster = self.env, self.roster
+        deadline = time.monotonic() + env.register_timeout
+        while not roster.complete():
+            self.job_report.tell(roster.members.values())
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                message = (f"registration timed out after {env.register_timeout:g} s (PSLAUNCH_REGISTER_TIMEOUT): "
+                           f"{roster.missing(f'with the scheduler at {env.root_address}')}")
+                self._refuse_all(message, "timeout")
+                raise RegistrationTimeoutError(message)
+            if not self.transport.poll(min(remaining, 0.5)):
+                continue
+            sender, frames = self.transport.recv()
+            try:
+                cmd, _, _, _ = unpack_header(frames[0])
+                if cmd != Cmd.REGISTER:
+                    continue  # heartbeats of early nodes: registration answers them all
+                info = unpack_json(frames[1])
+                if not isinstance(info, dict):
+                    raise ProtocolError(f"a registration body that is a {type(info).__name__}, not an object")
+                refusal = roster.add(sender, info)
+                if refusal is not None:
+                    self._send_once(sender, PeerInfo.from_record({**info, "rank": -1}), Cmd.REGISTER_FAILED,
+                                    {"error": refusal})
+                    logger.info("scheduler: %s", refusal)
+            except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
+                self.malformed += 1
+                logger.info("scheduler dropped a malformed registration from %r: %s", sender[:64], exc)
+        try:
+            roster.assign_ranks()
+            self._check_reachable()
+        except PSNodeError as exc:
+            self._refuse_all(str(exc))
+            raise
+        for uid, member in roster.members.items():
+            self.transport.connect(uid, endpoint_of(member.peer, self.transport, self.fingerprint, env.same_host))
+        nodes = [m.peer.as_record() for m in roster.members.values()]
+        for uid, member in roster.members.items():
+            member.last_seen = time.monotonic()
+            self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), pack_json({"rank": member.peer.rank, "nodes": nodes})])
+        self.job_report.registered()
+        logger.info("scheduler: %d servers and %d workers registered", env.num_servers, env.num_workers)
+
+    def _check_reachable(self) -> None:
+        """Every node's advertised address must be reachable from here, or the address book would
+        never arrive there (and the node would look dead): say which address, and what to set.
+
+        Raises:
+            PSNodeError: naming each node that cannot be reached, its address and why.
+        """
+        if not self._probe_tcp:
+            return
+        peers = [m.peer for m in self.roster.members.values()]
+        found = unreachable(peers, self.fingerprint, self.env.same_host, min(5.0, max(1.0, self.env.heartbeat_timeout)))
+        if found:
+            (first, why), *others = sorted(found, key=lambda f: (f[0].role, f[0].rank))
+            also = ", ".join(f"{p.role} {p.rank} at {p.host}:{p.port} ({w})" for p, w in others[:5])
+            more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+            raise PSNodeError(
+                f"{first.role} {first.rank} advertised {first.host}:{first.port}, which the scheduler at "
+                f"{self.env.root_uri} cannot reach ({why})" + (f"; nor {also}{more}" if others else "")
+                + "; set --interface (DMLC_INTERFACE) to an interface on a network the scheduler is on")
+
+    def _send_once(self, uid: bytes, peer: PeerInfo, cmd: int, body: dict) -> None:
+        try:
+            self.transport.connect(uid, f"tcp://{peer.host}:{peer.port}")
+            self.transport.send(uid, [pack_header(cmd), pack_json(body)])
+        except PSNodeError as exc:
+            logger.info("scheduler could not tell %s: %s", uid, exc)
+
+    def _refuse_all(self, message: str, kind: str = "refused") -> None:
+        for uid, member in self.roster.members.items():
+            self._send_once(uid, member.peer, Cmd.REGISTER_FAILED, {"error": message, "kind": kind})
+
+    # ---- serving -------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Answer heartbeats and barriers until every worker finished; then shut the servers down.
+
+        Raises:
+            PeerDiedError: a node died (every other node has been told).
+        """
+        env = self.env
+        tick = 0.5 if env.heartbeat_interval <= 0 else min(0.5, env.heartbeat_interval / 2)
+        self._last_check = time.monotonic()
+        while not self.roster.all_workers_finished():
+            self.job_report.tell(self.roster.members.values())
+            if self.transport.poll(tick):
+                for _ in range(256):
+                    sender, frames = self.transport.recv()
+                    self._dispatch(sender, frames)
+                    if not self.transport.poll(0):
+                        break
+            if env.heartbeat_interval > 0:
+                self._check_alive()
+        self._shutdown_servers()
+
+    def _dispatch(self, sender: bytes, frames: list) -> None:
+        member = self.roster.members.get(sender)
+        try:
+            cmd, flags, req_id, arg = unpack_header(frames[0])
+            if member is None and cmd == Cmd.REGISTER and self.env.restart_scope == "worker":
+                self._rejoin(sender, frames)
+                return
+            if member is None:
+                raise ProtocolError(f"{Cmd(cmd).name} from an unknown sender")
+        except (ProtocolError, IndexError) as exc:
+            self.malformed += 1
+            logger.info("scheduler dropped a malformed message from %r: %s", sender[:64], exc)
+            return
+        member.last_seen = time.monotonic()
+        if cmd == Cmd.HEARTBEAT:
+            self._heartbeat(sender, member, req_id, frames)
+        elif cmd == Cmd.BARRIER:
+            self._barrier(sender, member, req_id, arg, frames)
+        elif cmd == Cmd.FINISH:
+            self._read_body(member, frames)  # the worker's last counters
+            self._finished(sender, member, req_id)
+        elif cmd in (Cmd.RDV_SET, Cmd.RDV_GET):
+            self._rendezvous(sender, cmd, req_id, frames)
+        elif cmd == Cmd.NODE_DIED:
+            try:
+                body = unpack_json(frames[1]) if len(frames) > 1 else {}
+                reason = str(body.get("message", "it failed")) if isinstance(body, dict) else "it failed"
+            except ProtocolError:
+                reason = "it failed"
+            self._announce_death(member, f"{member.peer.describe()} failed: {reason}")
+        elif cmd != Cmd.REGISTER:  # a repeated registration is harmless
+            self.malformed += 1
+
+    def _heartbeat(self, sender: bytes, member: Member, req_id: int, frames: list) -> None:
+        """Answer a heartbeat; keep the counters it carries, answer a clock probe."""
+        ack = [pack_header(Cmd.HEARTBEAT_ACK, req_id)]
+        clock = self._read_body(member, frames)
+        if clock is not None:
+            ack.append(self.job_report.clock(clock))
+        self.transport.send(sender, ack)
+
+    def _read_body(self, member: Member, frames: list) -> int | None:
+        """Keep the counters of a message's body on ``member`` and return its clock probe
+        (``stats.check_body``). A malformed body is counted and dropped (the message still counts as
+        heard: its sender is an authenticated member)."""
+        if len(frames) < 2:
+            return None
+        try:
+            report, clock = check_body(member.peer.role, frames[1])
+        except ProtocolError as exc:
+            self.malformed += 1
+            logger.info("scheduler dropped a malformed message body from %s: %s", member.peer.describe(), exc)
+            return None
+        if report is not None:
+            member.report = report
+        return clock
+
+    def _rendezvous(self, sender: bytes, cmd: int, req_id: int, frames: list) -> None:
+        """Set a rendezvous value (answering who waited for it) or answer / park a request for one."""
+        try:
+            body = unpack_json(frames[1]) if len(frames) > 1 else None
+            if cmd == Cmd.RDV_SET:
+                value, answer = self.rendezvous.set(body)
+                answer.append((sender, req_id))
+            else:
+                value = self.rendezvous.get(sender, req_id, body)
+                if value is None:
+                    return
+                answer = [(sender, req_id)]
+        except ProtocolError as exc:
+            self.malformed += 1
+            self.transport.send(sender, [pack_header(Cmd.RDV_VALUE, req_id, flags=FLAG_ERROR), pack_json({"error": str(exc)})])
+            return
+        for uid, rid in answer:
+            self.transport.send(uid, [pack_header(Cmd.RDV_VALUE, rid), pack_json({"value": value})])
+    def _rejoin(self, sender: bytes, frames: list) -> None:
+        """``PSLAUNCH_RESTART_SCOPE=worker``: a worker started again after it died takes its rank back.
+
+        It gets the address book (marked ``rejoined``, so its store skips the set-up collectives the
+        others passed long ago) and the servers learn its new address (``WORKER_REJOINED``), which
+        also resets what they counted of its pushes. Barriers its predecessor had entered forget it.
+
+        Raises:
+            ProtocolError: a malformed registration (counted and dropped by the caller).
+        """
+        info = unpack_json(frames[1]) if len(frames) > 1 else None
+        if not isinstance(info, dict):
+            raise ProtocolError("a late registration without an object body")
+        try:
+            new, old = self.roster.replace(sender, info)
+        except PSNodeError as exc:
+            self._send_once(sender, PeerInfo.from_record({**info, "rank": -1}), Cmd.REGISTER_FAILED, {"error": str(exc)})
+            logger.info("scheduler: %s", exc)
+            return
+        self.transport.connect(sender, endpoint_of(new.peer, self.transport, self.fingerprint, self.env.same_host))
+        nodes = [m.peer.as_record() for m in self.roster.members.values()]
+        self.transport.send(sender, [pack_header(Cmd.ADDRBOOK), pack_json({"rank": new.peer.rank, "nodes": nodes,
+                                                                            "rejoined": True})])
+        note = pack_json({"old": old.peer.uid, "node": new.peer.as_record()})
+        for uid in self.roster.of_roles(("server",)):
+            self.transport.send(uid, [pack_header(Cmd.WORKER_REJOINED), note])
+        old_uid = old.peer.uid.encode()
+        for group, waiting in list(self.barriers.waiting.items()):
+            self.barriers.waiting[group] = [w for w in waiting if w[0] != old_uid]
+        logger.info("scheduler: worker %d rejoined from %s:%d (pid %s)", new.peer.rank, new.peer.host, new.peer.port,
+                    info.get("pid"))
+
+    def _finished(self, sender: bytes, member: Member, req_id: int) -> None:
+        member.finished = True
+        self.transport.send(sender, [pack_header(Cmd.FINISH_ACK, req_id)])
+        note = pack_json({"rank": member.peer.rank, "node": member.peer.describe()})
+        # servers: rounds that still wait for this worker can never close; workers: nor can collectives.
+        # Workers that finished hear it too: one that is still flushing its last collective messages
+        # waits for no answer from a worker that finished (``WorkerNode._flush_collectives``). One may
+        # be gone already: its note is dropped rather than queued (never waited for).
+        frames = [pack_header(Cmd.WORKER_FINISHED), note]
+        for uid in self.roster.of_roles(("server", "worker")):
+            if uid == sender:
+                continue
+            if not self.roster.members[uid].finished:
+                self.transport.send(uid, frames)
+                continue
+            try:
+                self.transport.send(uid, frames, block=False)
+            except TransportError:
+                pass
+        logger.info("scheduler: %s finished", member.peer.describe())
+        self._fail_blocked_barriers()
+
+    def _barrier(self, sender: bytes, member: Member, req_id: int, group: int, frames: list) -> None:
+        """Count ``sender`` in ``group``'s barrier; answer everyone once every member arrived."""
+        error = None
+        note = None
+        if len(frames) > 1:
+            if len(frames[1].buffer) > _NOTE_LIMIT:
+                error = f"a barrier note of {len(frames[1].buffer)} bytes; notes take at most {_NOTE_LIMIT}"
+            else:
+                try:
+                    body = unpack_json(frames[1])
+                    note = body.get("note") if isinstance(body, dict) else None
+                except ProtocolError as exc:
+                    error = f"a malformed barrier note: {exc}"
+        if error is None and group not in GROUP_ROLES:
+            error = f"unknown barrier group {group}; the groups are " + ", ".join(f"{g.name.lower()} ({int(g)})" for g in Group)
+        elif error is None and member.peer.role not in GROUP_ROLES[Group(group)]:
+            error = f"{member.peer.describe()} is not in the barrier group {Group(group).name.lower()}"
+        if error is not None:
+            self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id, flags=FLAG_ERROR), pack_json({"error": error})])
+            return
+        self.job_report.barrier_arrived(group)
+        done = self.barriers.arrive(group, sender, req_id, self.roster.of_roles(GROUP_ROLES[Group(group)]), note)
+        if done is None:
+            self._fail_blocked_barriers()
+            return
+        waiters, notes = done
+        self.job_report.barrier_done(group)
+        body = [pack_json({"notes": notes})] if notes else []
+        for uid, rid in waiters:
+            self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid), *body])
+
+    def _fail_blocked_barriers(self) -> None:
+        """A barrier that waits for a finished node can never complete: say so instead of hanging."""
+        members = self.roster.members
+        for group, waiting in list(self.barriers.waiting.items()):
+            arrived = {u for u, _ in waiting}
+            gone = [members[u].peer for u in self.roster.of_roles(GROUP_ROLES[Group(group)])
+                    if u not in arrived and members[u].finished]
+            if not gone:
+                continue
+            message = f"barrier of {Group(group).name.lower()} can never complete: {', '.join(p.describe() for p in gone)} already finished"
+            for uid, rid in waiting:
+                self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid, flags=FLAG_ERROR), pack_json({"error": message})])
+            del self.barriers.waiting[group]
+            self.barriers.notes.pop(group, None)
+
+    def _check_alive(self) -> None:
+        now = time.monotonic()
+        stalled = now - self._last_check
+        self._last_check = now
+        if stalled > self.env.heartbeat_timeout / 2:
+            # This process did not run (the job was stopped with Ctrl-Z, or the machine froze):
+            # the others could not be heard meanwhile, so that time is not their silence.
+            for member in self.roster.members.values():
+                member.last_seen += stalled
+                if member.away_since is not None:
+                    member.away_since += stalled
+        for member in list(self.roster.members.values()):
+            if member.finished:
+                continue
+            if member.away_since is not None:
+                if now - member.away_since > self.env.heartbeat_timeout:  # it was not started again
+                    self._announce_death(member, f"{member.peer.describe()} died and did not come back within "
+                                                 f"{self.env.heartbeat_timeout:g} s (PS_HEARTBEAT_TIMEOUT)", final=True)
+                continue
+            silent = now - member.last_seen
+            if silent > self.env.heartbeat_timeout:
+                self._announce_death(
+                    member,
+                    f"{member.peer.describe()} (pid {member.info.get('pid')}) died: no heartbeat for {silent:.1f} s "
+                    f"(PS_HEARTBEAT_TIMEOUT={self.env.heartbeat_timeout:g})",
+                )
+
+    def _announce_death(self, dead: Member, message: str, final: bool = False) -> None:
+        peer = dead.peer
+        if peer.role == "worker" and self.env.restart_scope == "worker" and not final:
+            # pslaunch starts it again alone once it has ended; the others go on, and its rank waits
+            # for it one heartbeat timeout (a worker that hangs instead of ending is not restarted)
+            if dead.away_since is None:
+                dead.away_since = time.monotonic()
+                logger.warning("scheduler: %s; waiting for it to be restarted (PSLAUNCH_RESTART_SCOPE=worker)", message)
+            return
+        body = {"message": message, "role": peer.role, "rank": peer.rank, "host": peer.host}
+        for uid, member in self.roster.members.items():
+            if member is not dead and not member.finished:
+                try:
+                    self.transport.send(uid, [pack_header(Cmd.NODE_DIED), pack_json(body)])
+                except PSNodeError:
+                    pass
+        raise PeerDiedError(message, peer.role, peer.rank, peer.host)
+
+    def _shutdown_servers(self) -> None:
+        servers = set(self.roster.of_roles(("server",)))
+        for uid in servers:
+            self.transport.send(uid, [pack_header(Cmd.SHUTDOWN)])
+        deadline = time.monotonic() + max(5.0, self.env.heartbeat_timeout)
+        acked: set[bytes] = set()
+        while acked != servers and time.monotonic() < deadline:
+            if not self.transport.poll(0.1):
+                continue
+            sender, frames = self.transport.recv()
+            try:
+                if unpack_header(frames[0])[0] == Cmd.SHUTDOWN_ACK and sender in servers:
+                    acked.add(sender)
+                    self._read_body(self.roster.members[sender], frames)  # the server's last counters
+            except (ProtocolError, IndexError):
+                self.malformed += 1
+        logger.info("scheduler: every worker finished; %d of %d servers confirmed shutdown", len(acked), len(servers))
+        self.job_report.ended(self.roster.members.values(), in_order=acked == servers)  # each node wrote its events first
+
+    def run(self) -> int:
+        """Register, serve, shut down; return the exit code (0: every worker finished).
+
+        Raises:
+            PSNodeError: the job failed (the message says how); the sockets are closed.
+        """
+        try:
+            self.register()
+            self.serve()
+        except PSNodeError:
+            self.close(linger=0.5)  # let the death notices leave
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self.close()
+        return 0
+
+    def close(self, linger: float = 0.0) -> None:
+        """Close the sockets and the timeline."""
+        self.transport.close(linger)
+        self.job_report.close()

@@ -1,0 +1,166 @@
+"""Who the scheduler knows: the ``Roster`` (who registered, their ranks, liveness and what they
+reported) and the ``Barriers`` (who waits in which group). Parts of ``scheduler.Scheduler``, which
+reads the messages and drives them; neither sends anything.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from psnode.errors import ProtocolError, PSNodeError
+from psnode.node.membership import PeerInfo
+
+__all__ = ["Member", "Roster", "Barriers"]
+
+_ROLES = ("server", "worker")
+
+
+@dataclass
+class Member:
+    """A registered node: what it said of itself, its place in the book once ranked, and liveness."""
+
+    info: dict
+    peer: PeerInfo
+    last_seen: float = field(default_factory=time.monotonic)
+    finished: bool = False
+    report: dict | None = None  # the counters of its latest heartbeat (PSLAUNCH_STATS), checked
+    away_since: float | None = None  # a worker that died under PSLAUNCH_RESTART_SCOPE=worker: since when
+
+
+class Roster:
+    """The registered nodes and their ranks (see ``Scheduler``)."""
+
+    def __init__(self, num_workers: int, num_servers: int, job_id: str = "", port: int = 0) -> None:
+        self.expected = {"server": num_servers, "worker": num_workers}
+        self.job_id = job_id
+        self.port = port
+        self.members: dict[bytes, Member] = {}
+
+    def count(self, role: str) -> int:
+        """Registered nodes of ``role``."""
+        return sum(1 for m in self.members.values() if m.peer.role == role)
+
+    def complete(self) -> bool:
+        """True once every expected node registered."""
+        return all(self.count(r) >= n for r, n in self.expected.items())
+
+    def missing(self, where: str) -> str:
+        """``0 of 2 servers, 1 of 2 workers registered <where>; missing: ...``: what registration lacks."""
+        got = ", ".join(f"{self.count(r)} of {n} {r}s" for r, n in self.expected.items())
+        short = [f"{n - self.count(r)} {r}{'s' if n - self.count(r) > 1 else ''}"
+                 for r, n in self.expected.items() if self.count(r) < n]
+        return f"{got} registered {where}; missing: {', '.join(short)}"
+
+    def add(self, sender: bytes, info: Any) -> str | None:
+        """Register ``sender`` from its REGISTER body; the refusal sentence when the job is full.
+
+        Raises:
+            ProtocolError: the body is malformed, or its uid is not the sender's identity.
+        """
+        if sender in self.members:
+            return None
+        peer = PeerInfo.from_record({**info, "rank": -1}) if isinstance(info, dict) else PeerInfo.from_record(info)
+        if peer.role not in _ROLES or sender != peer.uid.encode():
+            raise ProtocolError(f"registration of role {peer.role!r} with uid {peer.uid!r} from {sender[:64]!r}")
+        worker_id = info.get("worker_id")
+        if worker_id is not None and not isinstance(worker_id, int):
+            raise ProtocolError(f"registration with worker_id {worker_id!r}, not an integer")
+        job = info.get("job_id")
+        if self.job_id and job is not None and job != self.job_id:
+            return (f"a {peer.role} of job {job!r} at {peer.host}:{peer.port} tried to join; port {self.port} belongs "
+                    f"to job {self.job_id!r}")
+        expected = self.expected[peer.role]
+        if self.count(peer.role) >= expected:
+            return (f"a {peer.role} at {peer.host}:{peer.port} registered, but the job already has all {expected} "
+                    f"{peer.role}s (DMLC_NUM_{'WORKER' if peer.role == 'worker' else 'SERVER'}={expected})")
+        self.members[sender] = Member(info, peer)
+        return None
+
+    def replace(self, sender: bytes, info: Any) -> tuple[Member, Member]:
+        """A worker started again (``PSLAUNCH_RESTART_SCOPE=worker``) takes the place of the member of
+        its rank (``worker_id``); returns ``(new member, old member)``.
+
+        Raises:
+            ProtocolError: the body is malformed, not a worker's, or its uid is not the sender.
+            PSNodeError: another job's node, no ``worker_id``, or its rank already finished.
+        """
+        peer = PeerInfo.from_record({**info, "rank": -1})
+        worker_id = info.get("worker_id")
+        if peer.role != "worker" or sender != peer.uid.encode():
+            raise ProtocolError(f"a late registration of role {peer.role!r} with uid {peer.uid!r} from {sender[:64]!r}")
+        job = info.get("job_id")
+        if self.job_id and job is not None and job != self.job_id:
+            raise PSNodeError(f"a worker of job {job!r} at {peer.host}:{peer.port} tried to join; port {self.port} "
+                              f"belongs to job {self.job_id!r}")
+        if not isinstance(worker_id, int) or not 0 <= worker_id < self.expected["worker"]:
+            raise PSNodeError(f"a worker at {peer.host}:{peer.port} registered after the job started without a "
+                              f"DMLC_WORKER_ID of 0..{self.expected['worker'] - 1} ({worker_id!r}); only a restarted "
+                              "worker may, taking its rank back")
+        old_uid, old = next((u, m) for u, m in self.members.items()
+                            if m.peer.role == "worker" and m.peer.rank == worker_id)
+        if old.finished:
+            raise PSNodeError(f"worker {worker_id} registered again at {peer.host}:{peer.port}, but worker "
+                              f"{worker_id} already finished the job")
+        del self.members[old_uid]
+        new = Member(info, replace(peer, rank=worker_id))
+        self.members[sender] = new
+        return new, old
+
+    def assign_ranks(self) -> None:
+        """Give every node its rank: workers by DMLC_WORKER_ID, the rest by (host, port).
+
+        Raises:
+            PSNodeError: two workers asked for the same DMLC_WORKER_ID (the message names both).
+        """
+        workers = [m for m in self.members.values() if m.peer.role == "worker"]
+        servers = [m for m in self.members.values() if m.peer.role == "server"]
+        fixed: dict[int, Member] = {}
+        for member in workers:
+            wid = member.info.get("worker_id")
+            if wid is None:
+                continue
+            if wid in fixed:
+                other = fixed[wid].peer
+                raise PSNodeError(f"two workers asked for DMLC_WORKER_ID={wid}: {other.host}:{other.port} and "
+                                  f"{member.peer.host}:{member.peer.port}")
+            fixed[wid] = member
+        free = iter(r for r in range(self.expected["worker"]) if r not in fixed)
+        ranks = {id(m): r for r, m in fixed.items()}
+        for member in sorted(workers, key=lambda m: (m.peer.host, m.peer.port)):
+            if id(member) not in ranks:
+                ranks[id(member)] = next(free)
+        for rank, member in enumerate(sorted(servers, key=lambda m: (m.peer.host, m.peer.port))):
+            ranks[id(member)] = rank
+        for member in workers + servers:
+            member.peer = replace(member.peer, rank=ranks[id(member)])
+
+    def of_roles(self, roles: tuple[str, ...]) -> list[bytes]:
+        """The identities of the members with one of ``roles``."""
+        return [u for u, m in self.members.items() if m.peer.role in roles]
+
+    def all_workers_finished(self) -> bool:
+        """True once every worker said it finished."""
+        return all(m.finished for m in self.members.values() if m.peer.role == "worker")
+
+
+class Barriers:
+    """The open barriers: who arrived in which group (with the note each left), answered once every
+    member did."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, list[tuple[bytes, int]]] = {}
+        self.notes: dict[int, list] = {}
+
+    def arrive(self, group: int, sender: bytes, req_id: int, members: list[bytes], note: Any = None
+               ) -> tuple[list[tuple[bytes, int]], list] | None:
+        """Count ``sender``; ``(every waiter (uid, req_id), the notes)`` when the group is complete, else None."""
+        waiting = self.waiting.setdefault(group, [])
+        waiting.append((sender, req_id))
+        if note is not None:
+            self.notes.setdefault(group, []).append(note)
+        if len({u for u, _ in waiting}) >= len(members):
+            del self.waiting[group]
+            return waiting, self.notes.pop(group, [])
+        return None

@@ -1,0 +1,423 @@
+"""A server node: decodes workers' requests, runs them on its ``ServerStore`` and replies.
+
+The parts: a ``node.Connection`` (transport, address book, scheduler link, receive loop), the
+``ServerStore`` (shards and their rounds), the ``Groups`` fast path for key lists, the ``Replies``
+(pull replies per batch, held acknowledgements) and the codec table that decodes pushes. This
+module is the façade that reads each request and hands it to them.
+
+The server is single-threaded: its one loop receives, merges, applies the updater and sends
+replies, so no part needs a lock.
+
+The updater a worker ships (``SET_UPDATER``) is unpickled here: it is called as
+``updater(key, merged, stored)`` and must update ``stored`` in place; if it has ``init_key(key,
+value)`` that is called for every key this server holds. For keys split across servers (big
+arrays) the server sees flat 1-D shards of the key, not the key's shape.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Callable
+
+import numpy as np
+
+from psnode.compression.codecs import RAW, CodecTable
+from psnode.env import NodeEnv
+from psnode.errors import ClosedError, ProtocolError, RequestRefused, TransportError
+from psnode.log import logger
+from psnode.node.connection import Connection
+from psnode.node.membership import PeerInfo
+from psnode.node.protocol import (
+    FLAG_PULL,
+    FLAG_SYNC,
+    IN_SHARED_MEMORY,
+    PUSH_PULL,
+    Cmd,
+    Group,
+    pack_entries,
+    pack_header,
+    pack_json,
+    unpack_codec_params,
+    unpack_entries,
+    unpack_header,
+    unpack_json,
+    unpack_push_pull,
+)
+from psnode.node.stats import server_report
+from psnode.server.checkpoints import Checkpoints
+from psnode.server.groups import Groups
+from psnode.server.replies import Replies
+from psnode.server.shard_memory import shard_memory
+from psnode.server.store import ServerStore, Shard, init_value
+from psnode.transport import same_host
+from psnode.transport.base import Transport
+
+__all__ = ["ServerNode"]
+
+_REPLY_TO = {Cmd.PULL: Cmd.PULL_REPLY, Cmd.PUSH: Cmd.PUSH_ACK, Cmd.INIT: Cmd.INIT_ACK, Cmd.ROWS: Cmd.ROWS_REPLY,
+             Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC: Cmd.SET_CODEC_ACK,
+             Cmd.CHECKPOINT: Cmd.CHECKPOINT_REPLY}
+
+
+class ServerNode:
+    """A server of the job; ``run()`` serves until the scheduler shuts the job down."""
+
+    def __init__(self, env: NodeEnv, transport: Transport | None = None) -> None:
+        memory = shard_memory(env.server_device)
+        self.store = ServerStore(env.num_workers, memory)
+        self.codecs = CodecTable()
+        self.attached = same_host.Attachments(same_host.job_tag(env.job_id))
+        self.conn = Connection(env, "server", self._handle, transport, on_worker_finished=self._worker_finished,
+                               on_worker_rejoined=self._worker_rejoined)
+        self.replies = Replies(self.conn.transport, self.conn.members, memory, self.attached)
+        self.conn.serve_with(after_batch=self.replies.after_batch, deferred=self.replies)
+        self.groups = Groups(self.store, self.replies)
+        self.checkpoints = Checkpoints(self.store, self.groups, env.checkpoint_dir, env.num_servers, env.job_id,
+                                       lambda: self.conn.rank, self.conn.link.beat)
+        self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
+        self.timeline = self.conn.timeline
+        if self.timeline is not None:  # PSLAUNCH_TIMELINE: each push's merge and each round's update, per key
+            self.store.trace(self.timeline)
+            self.groups.timeline = self.timeline
+        if env.stats_interval > 0:
+            self.conn.link.report = lambda: server_report(self)
+
+    @property
+    def rank(self) -> int:
+        """This server's rank (-1 until registered)."""
+        return self.conn.rank
+
+    def register(self) -> None:
+        """Register with the scheduler and connect to the workers (blocking; see ``Connection.register``)."""
+        self.conn.register()
+
+    def run(self) -> int:
+        """Register (unless done already), serve until shutdown; return the exit code (0: the job ended in order).
+
+        Raises:
+            PSNodeError: the job failed (a node died, the scheduler went silent ...).
+        """
+        conn = self.conn
+        if conn.rank < 0:
+            conn.register()
+        link, failure = conn.link, conn.failure
+        checkpoints = self.checkpoints
+        while not link.shutdown_requested and failure.error is None:
+            conn.process(0.005 if checkpoints.busy else 0.1)  # a commit's answer waits on the background
+            checkpoints.poll()
+        failure.check()
+        return 0
+
+    def barrier(self, group: "Group | int | str" = Group.SERVERS, timeout: float | None = None) -> None:
+        """Block (serving meanwhile) until every node of ``group`` (servers or all) reached a barrier.
+
+        Raises:
+            ValueError, PSNodeError, PeerDiedError, NodeTimeoutError: see ``Connection.ask_barrier``.
+        """
+        future, what = self.conn.ask_barrier(group)
+        self.conn.wait(future, timeout, what)
+
+    def close(self) -> None:
+        """Let the checkpoint work under way finish (a few seconds at most) and answer it, close the
+        sockets, giving queued replies a moment to leave; write the timeline's last events."""
+        try:
+            self.checkpoints.close()
+        except ClosedError:
+            pass  # the transport is gone already: nobody to answer
+        self.conn.close(linger=0.5)
+        if self.timeline is not None:
+            self.timeline.close()
+
+    # ---- requests ------------------------------------------------------------------------
+    def _handle(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
+        """Serve one message of a member; whatever goes wrong becomes an error reply to its request.
+
+        The message comes from the network: a malformed one must neither kill this server nor leave
+        the worker that sent it waiting (the error names what was wrong), and it is counted too.
+        """
+        if peer.role != "worker":
+            raise ProtocolError(f"{Cmd(cmd).name} from {peer.describe()}")
+        try:
+            self._serve(peer, cmd, flags, req_id, arg, frames)
+        except ClosedError:
+            raise
+        except Exception as exc:
+            name = Cmd(cmd).name
+            why = f"a malformed {name} from {peer.describe()}: {type(exc).__name__}: {exc}"
+            if cmd == Cmd.PUSH_PULL:  # both of its requests are answered
+                self.replies.refuse(peer, Cmd.PUSH_ACK, arg, why)
+                self.replies.refuse(peer, Cmd.PULL_REPLY, req_id, why)
+            elif cmd in _REPLY_TO:
+                self.replies.refuse(peer, _REPLY_TO[cmd], req_id, why)
+            raise ProtocolError(why) from exc
+
+    def _serve(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
+        if cmd == Cmd.PUSH_PULL:
+            if len(frames) != 1:
+                raise ProtocolError(f"PUSH_PULL of {len(frames)} frames")
+            self._push_pull(peer, frames[0].buffer)
+            if self.replies.answers:  # the round closed: reply now rather than after the batch
+                self.replies.flush()
+            return
+        reply = _REPLY_TO.get(cmd)
+        if reply is None:
+            raise ProtocolError(f"a server does not accept {Cmd(cmd).name}")
+        pull = None
+        if flags & FLAG_PULL:  # a small push and the pull that followed it share one message
+            if cmd != Cmd.PUSH or len(frames) < 5:
+                raise ProtocolError(f"{Cmd(cmd).name} of {len(frames)} frames with a pull attached")
+            frames, pull = frames[:-2], frames[-2:]
+            pull_cmd, pull_flags, pull_req, pull_arg = unpack_header(pull[0])
+            if pull_cmd != Cmd.PULL or pull_flags:
+                raise ProtocolError(f"{Cmd(pull_cmd).name} attached to a push where a pull belongs")
+        malformed = self._request(peer, cmd, reply, flags, req_id, arg, frames, pull is None)
+        if pull is not None:  # after the push, so the pull's count of this worker's pushes includes it
+            malformed = self._request(peer, Cmd.PULL, Cmd.PULL_REPLY, 0, pull_req, pull_arg, pull) or malformed
+        if malformed is not None:
+            raise malformed
+
+    def _request(self, peer: PeerInfo, cmd: int, reply: int, flags: int, req_id: int, arg: int, frames: list,
+                 ack: bool = True) -> ProtocolError | None:
+        """Run one request (a push, pull, row pull, init, updater, codec or checkpoint); refusals go back
+        as error replies.
+
+        ``ack=False``: a push that carried a pull is acknowledged by that pull's reply (the worker
+        completes both on it), so it gets no acknowledgement of its own. A malformed request is
+        answered with an error too, and returned (the caller counts it once the message is done).
+        """
+        try:
+            if cmd == Cmd.PUSH:
+                self._push(peer, frames)
+                if ack:
+                    self.replies.ack(peer.rank, req_id, arg)
+                if self._deferred_rows:
+                    deferred, self._deferred_rows = self._deferred_rows, []
+                    for args in deferred:
+                        self._rows(*args)
+            elif cmd == Cmd.PULL:
+                self._pull(peer, req_id, frames)
+            elif cmd == Cmd.ROWS:
+                self._rows(peer, req_id, frames)
+            elif cmd == Cmd.INIT:
+                self._init(frames, bool(flags & FLAG_SYNC))
+                self.replies.reply(peer, reply, req_id, arg)
+            elif cmd == Cmd.SET_UPDATER:
+                self._set_updater(peer, frames)
+                self.replies.reply(peer, reply, req_id, arg)
+            elif cmd == Cmd.SET_CODEC:
+                self._set_codec(frames)
+                self.replies.reply(peer, reply, req_id, arg)
+            elif cmd == Cmd.CHECKPOINT:
+                if len(frames) != 2:
+                    raise RequestRefused(f"CHECKPOINT of {len(frames)} frames, expected 2 (header, JSON body)")
+                try:
+                    body = unpack_json(frames[1])
+                except ProtocolError as exc:
+                    raise RequestRefused(f"server {self.rank}: {exc}") from None
+                self.checkpoints.handle(peer.rank, body, self._answer_checkpoint(peer, reply, req_id, arg))
+        except RequestRefused as exc:
+            self.replies.refuse(peer, reply, req_id, str(exc))
+        except ClosedError:
+            raise
+        except Exception as exc:  # from the network: answered, counted, never fatal
+            why = f"a malformed {Cmd(cmd).name} from {peer.describe()}: {type(exc).__name__}: {exc}"
+            self.replies.refuse(peer, reply, req_id, why)
+            return ProtocolError(why)
+        return None
+
+    def _answer_checkpoint(self, peer: PeerInfo, reply: int, req_id: int, arg: int) -> Callable[[bool, Any], None]:
+        """How checkpoint request ``req_id`` of ``peer`` is answered: now, or later from ``run``'s loop."""
+        def answer(ok: bool, value: Any) -> None:
+            try:
+                if ok:
+                    self.conn.transport.send(peer.uid.encode(), [pack_header(reply, req_id, arg), pack_json(value)])
+                else:
+                    self.replies.refuse(peer, reply, req_id, str(value))
+            except TransportError as exc:  # answered late: the worker may be gone, which is no failure of this server
+                logger.info("server %d: the answer to %s's checkpoint request was not sent: %s", self.rank,
+                            peer.describe(), exc)
+        return answer
+
+    def _shard(self, key_id: int) -> Shard:
+        """The shard of ``key_id``, taken off the group fast path first if it is on it."""
+        shard = self.store.shard(key_id)
+        if shard.group is not None:
+            self.groups.dissolve(shard.group)
+        return shard
+
+    def _decode(self, shard: Shard, worker: int, codec: int, data: Any, nbytes: int) -> np.ndarray:
+        """The values a push of ``shard`` carries (``data``: its ``nbytes`` encoded bytes).
+
+        Raises:
+            RequestRefused: the bytes do not encode the shard's size, an unknown codec, or one that
+                cannot decode it (no parameters yet, another dtype); the push still counts as received.
+        """
+        if codec == RAW:  # the common case, without the table
+            if nbytes != shard.nbytes:
+                raise self.store.wrong_size(shard, worker, nbytes)
+            return np.frombuffer(data, dtype=shard.dtype, count=shard.size)
+        try:
+            decoder = self.codecs.get(codec)
+            expected = decoder.encoded_nbytes(shard.size, shard.dtype)
+            if nbytes != expected:
+                raise RequestRefused(f"key {shard.user_key!r}: a {decoder.name} push of {nbytes} bytes, but the "
+                                     f"{shard.size} values held here take {expected} bytes in {decoder.name}")
+            return decoder.decode(data, shard.dtype, shard.size)
+        except RequestRefused:
+            shard.round.count_refused(worker)  # its worker counted it: later pulls must not wait for it
+            raise
+
+    def _push_pull(self, peer: PeerInfo, buf: memoryview) -> None:
+        """A ``PUSH_PULL`` frame: the push of one small part, then the pull of it (the small round
+        trip); the steps of ``_request`` for both, read with one struct unpack."""
+        pull_req, push_req, key, index, codec, nbytes, seq = unpack_push_pull(buf)
+        rank = peer.rank
+        replies = self.replies
+        try:
+            shard = self._shard(key)
+            if codec == RAW and nbytes == shard.nbytes:  # the common case: a view of the frame
+                data = np.frombuffer(buf, shard.dtype, nbytes // shard.dtype.itemsize, PUSH_PULL.size)
+            else:
+                data = self._decode(shard, rank, codec, buf[PUSH_PULL.size:], nbytes)
+        except RequestRefused as exc:  # neither can run: both fail with the reason
+            replies.refuse(peer, Cmd.PUSH_ACK, push_req, str(exc))
+            replies.refuse(peer, Cmd.PULL_REPLY, pull_req, str(exc))
+            return
+        try:
+            self.store.push(shard, rank, data, replies.answer)
+        except RequestRefused as exc:
+            replies.refuse(peer, Cmd.PUSH_ACK, push_req, str(exc))
+        try:
+            self.store.pull(shard, rank, pull_req, index, seq, replies.answer)
+        except RequestRefused as exc:
+            replies.refuse(peer, Cmd.PULL_REPLY, pull_req, str(exc))
+
+    def _push(self, peer: PeerInfo, frames: list) -> None:
+        data_frames = frames[2:]
+        buffers = [f.buffer for f in data_frames]
+        if self.groups.try_push(peer.rank, frames[1].buffer, buffers):
+            return
+        store, rank, answer = self.store, peer.rank, self.replies.answer
+        refused: RequestRefused | None = None
+        for key, _, frame, codec, offset, nbytes, _ in unpack_entries(frames[1], [len(b) for b in buffers]):
+            try:
+                shard = self._shard(key)
+                if frame == IN_SHARED_MEMORY:  # in the worker's shared memory: read it there, keep no reference
+                    data = self._decode(shard, rank, codec, self._shared(peer, offset, nbytes), nbytes)
+                    store.push(shard, rank, data, answer, borrowed=codec == RAW)
+                    continue
+                data = self._decode(shard, rank, codec, buffers[frame][offset:offset + nbytes], nbytes)
+                store.push(shard, rank, data, answer)
+            except RequestRefused as exc:  # the other parts still count; the push fails with the first reason
+                refused = refused or exc
+        if refused is not None:
+            raise refused
+
+    def _pull(self, peer: PeerInfo, req_id: int, frames: list) -> None:
+        replies, rank = self.replies, peer.rank
+        replies.pull_arrived(rank, req_id)
+        meta = frames[1].buffer
+        if self.groups.by_keys and self.groups.try_pull(rank, req_id, meta):
+            return
+        shard, pull, answer = self._shard, self.store.pull, replies.answer
+        try:
+            for key, index, frame, _, offset, nbytes, seq in unpack_entries(meta):
+                if frame == IN_SHARED_MEMORY:  # the reply goes into the worker's shared memory
+                    self._shared(peer, offset, nbytes)  # checked and mapped now, so the reply cannot fail
+                    replies.in_shared_memory(rank, req_id, index, offset, nbytes)
+                pull(shard(key), rank, req_id, index, seq, answer)
+        except RequestRefused:
+            replies.forget_regions(rank, req_id)
+            raise
+
+    def _shared(self, peer: PeerInfo, ref: int, nbytes: int) -> np.ndarray:
+        """A view of ``peer``'s shared-memory region ``ref`` (only ever one of its own, of this job).
+
+        Raises:
+            RequestRefused: the reference is not such a region, or cannot be mapped (the message says which).
+        """
+        try:
+            return self.attached.view(ref, nbytes, peer.pid)
+        except (OSError, ValueError) as exc:
+            pid, fd = same_host.decode(ref)
+            raise RequestRefused(f"server {self.rank} cannot use shared memory fd {fd} of process {pid} from "
+                                 f"{peer.describe()}: {exc}") from exc
+
+    def _init(self, frames: list, sync: bool) -> None:
+        specs = unpack_json(frames[1])
+        data_frames = frames[2:]
+        if not isinstance(specs, list):
+            raise ProtocolError(f"INIT's specs are a {type(specs).__name__}, not a list")
+        values = [init_value(spec, data_frames) for spec in specs]  # every spec checked before any is stored
+        for key, user_key, value, row_size in values:
+            self.store.init(key, user_key, value, sync, row_size)
+
+    def _set_updater(self, peer: PeerInfo, frames: list) -> None:
+        if peer.rank != 0:  # unpickling runs the sender's code: only the job's first worker ships it
+            raise RequestRefused(f"{peer.describe()} may not set the updater; worker 0 ships it for the job")
+        try:
+            updater = pickle.loads(frames[1].bytes)
+        except Exception as exc:  # unpickling runs the sender's code: any error is possible
+            raise RequestRefused(
+                f"server {self.rank} cannot load the optimizer/updater: {type(exc).__name__}: {exc} "
+                "(its class must be importable on the servers, e.g. from an installed module)"
+            ) from exc
+        self.store.set_updater(updater)
+        logger.info("server %d installed updater %s", self.rank, type(updater).__name__)
+
+    def _set_codec(self, frames: list) -> None:
+        """Configure a codec (a threshold) before the pushes that use it; a bad body is refused, naming it."""
+        if len(frames) != 2:
+            raise RequestRefused(f"SET_CODEC of {len(frames)} frames, expected 2 (header, JSON body)")
+        try:
+            codec, params = unpack_codec_params(frames[1])
+        except ProtocolError as exc:  # answered, not dropped: the worker waits for this reply
+            raise RequestRefused(f"server {self.rank}: {exc}") from None
+        self.codecs.configure(codec, params)
+        logger.info("server %d configured codec %s with %s", self.rank, self.codecs.get(codec).name, params)
+
+    def _rows(self, peer: PeerInfo, req_id: int, frames: list) -> None:
+        data_frames = frames[2:]
+        sizes = [len(f.buffer) for f in data_frames]
+        entries = unpack_entries(frames[1], sizes)
+        shards = [self._shard(row[0]) for row in entries]
+        if not all(s.round.ready_for(peer.rank, row[6]) for s, row in zip(shards, entries)):
+            self._deferred_rows.append((peer, req_id, frames))  # answered after the round closes
+            return
+        out_entries = []
+        chunks = []
+        offset = 0
+        for shard, (key, index, frame, _, off, nbytes, _) in zip(shards, entries):
+            rows = np.frombuffer(data_frames[frame].buffer, dtype=np.int64, count=nbytes // 8, offset=off)
+            block = np.ascontiguousarray(self.store.rows(shard, rows))
+            out_entries.append((key, index, 0, 0, offset, block.nbytes, 0))
+            offset += block.nbytes
+            chunks.append(block.reshape(-1).view(np.uint8))
+        payload = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
+        self.replies.send_to(peer.rank, [pack_header(Cmd.ROWS_REPLY, req_id), pack_entries(out_entries), payload])
+
+    # ---- the job -----------------------------------------------------------------------------
+    def _worker_rejoined(self, rank: int) -> None:
+        """A restarted worker took rank ``rank`` back (``PSLAUNCH_RESTART_SCOPE=worker``, dist_async): it
+        counts its pushes from zero, and nothing owed to its predecessor is sent to it."""
+        self.store.worker_rejoined(rank)
+        for group in self.groups.by_keys.values():
+            group.round.received[rank] = 0
+        self.replies.forget_worker(rank)
+
+    def _worker_finished(self, rank: int, node: str) -> None:
+        """Fail the pulls that wait for a round this worker will never push to (instead of hanging)."""
+        store = self.store
+        store.finished[rank] = node
+        failed: dict[tuple[int, int], str] = {}
+        rounds = [(s.user_key, s.round) for s in store.shards.values()]
+        rounds += [(g.shards[0].user_key, g.round) for g in self.groups.by_keys.values()]
+        for key, round_ in rounds:
+            if round_.waiting:
+                stuck = store.stuck(key, round_)
+                if stuck:
+                    for worker, _, item in round_.take_waiting():
+                        failed.setdefault((worker, item[0]), stuck)  # item[0]: the pull's req_id
+        workers = self.conn.members.workers
+        for (worker, req_id), message in failed.items():
+            self.replies.refuse(workers[worker], Cmd.PULL_REPLY, req_id, message)

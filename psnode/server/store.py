@@ -1,0 +1,315 @@
+"""A server's keys: the stored shards, their rounds, and the updater.
+
+Each key part a server holds is a ``Shard``: the stored value (flat), and a ``rounds.Round`` that
+merges its pushes (``dist_sync``: one push of every worker per round; ``dist_async``: every push on
+its own) and holds the pulls that must wait for a round. When a round is full the shard applies it:
+the user's updater runs once (``updater(key, merged, stored)``), or without one the sum replaces the
+stored value.
+
+Values sent to workers are never changed under ZeroMQ's feet: when a reply may still be reading a
+stored array, the next update writes a fresh copy instead (copy on write).
+
+Everything here runs on the server's one thread; nothing is locked. Refusals raise
+``RequestRefused``, whose message goes back to the worker that asked. The store also counts what
+heartbeats report (``held_bytes``, ``pushed_bytes``, ``updates``: plain integers).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Hashable
+
+import numpy as np
+
+from psnode.errors import ProtocolError, RequestRefused
+from psnode.node.values import MAX_DIMS, VALUE_DTYPES, dtype_of, is_int, is_shape
+from psnode.server.rounds import Round, run_updater
+from psnode.server.shard_memory import HostMemory
+
+__all__ = ["Shard", "ServerStore", "Answer", "init_value"]
+
+def init_value(spec: Any, data_frames: list) -> tuple[int, Hashable, np.ndarray, int]:
+    """``(key id, user key, value, row size)`` of one INIT spec (a JSON object from the network),
+    every field checked.
+
+    Raises:
+        ProtocolError: a field missing, of the wrong type or out of range (the message names it).
+    """
+    if not isinstance(spec, dict):
+        raise ProtocolError(f"an INIT spec is a {type(spec).__name__}, not an object")
+    key, user_key, shape = spec.get("key"), spec.get("user_key"), spec.get("shape")
+    frame, offset, row_size = spec.get("frame"), spec.get("offset", 0), spec.get("row_size", 1)
+    if not is_int(key) or not 0 <= key < 1 << 64:
+        raise ProtocolError(f"INIT key id {key!r} is not a 64-bit unsigned integer")
+    if not (isinstance(user_key, str) or is_int(user_key)):
+        raise ProtocolError(f"INIT of key id {key:#x}: the key {user_key!r} is neither int nor str")
+    where = f"INIT of key {user_key!r}"
+    if not is_shape(shape):
+        raise ProtocolError(f"{where}: shape {shape!r} is not a list of at most {MAX_DIMS} sizes")
+    dtype = dtype_of(spec.get("dtype"))
+    if dtype is None:
+        raise ProtocolError(f"{where}: dtype {spec.get('dtype')!r} is not a dtype")
+    if dtype not in VALUE_DTYPES:
+        known = ", ".join(sorted(str(d) for d in VALUE_DTYPES))
+        raise RequestRefused(f"{where}: dtype {dtype} is not one a key may have ({known})")
+    if not is_int(frame) or not 0 <= frame < len(data_frames):
+        raise ProtocolError(f"{where}: data frame {frame!r} is not one of the message's {len(data_frames)}")
+    if not is_int(offset) or offset < 0 or not is_int(row_size) or row_size < 1:
+        raise ProtocolError(f"{where}: offset {offset!r} or row size {row_size!r} is out of range")
+    count = 1
+    for n in shape:
+        count *= n
+    buffer = data_frames[frame].buffer
+    if offset + count * dtype.itemsize > len(buffer):
+        raise ProtocolError(f"{where}: {count} values of {dtype} reach past its data frame of {len(buffer)} bytes")
+    value = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+    return key, user_key, value, row_size
+
+
+Answer = Callable[[int, int, int, "Shard"], None]
+"""``answer(worker, req_id, index, shard)``: reply to part ``index`` of pull ``req_id`` with the shard's value."""
+
+
+class Shard:
+    """One key part held by this server: its stored value, its round, and what replies still read."""
+
+    __slots__ = ("key_id", "user_key", "shape", "dtype", "nbytes", "row_size", "sync", "stored", "round",
+                 "trackers", "error", "group")
+
+    def __init__(self, key_id: int, user_key: Hashable, shape: tuple, stored: Any, round_: Round, sync: bool,
+                 row_size: int) -> None:
+        self.key_id = key_id
+        self.user_key = user_key
+        self.shape = shape  # the key's shape (a split key's parts are flat; the updater gets views)
+        self.dtype = np.dtype(stored.dtype)
+        self.nbytes = int(stored.nbytes)
+        self.row_size = row_size
+        self.sync = sync
+        self.stored = stored
+        self.round = round_
+        self.trackers: list = []  # sends that may still read ``stored``
+        self.error: str | None = None  # why the last round's updater failed, for the key's pullers
+        self.group: Any = None  # the server_groups.Group handling this key, if any
+
+    @property
+    def size(self) -> int:
+        """Elements held."""
+        return self.nbytes // self.dtype.itemsize
+
+
+class ServerStore:
+    """Every shard of one server, and how rounds are applied to them (see the module docstring)."""
+
+    def __init__(self, num_workers: int, memory: Any = None) -> None:
+        self.num_workers = num_workers
+        self.memory = memory or HostMemory()
+        self.shards: dict[int, Shard] = {}
+        self.updater: Any = None
+        self.finished: dict[int, str] = {}  # workers that left the job: rank -> description
+        self.held_bytes = 0  # bytes of the stored values
+        self.pushed_bytes = 0  # bytes of the pushes taken (decoded)
+        self.updates = 0  # rounds applied, one per key part (a group's round counts each of its keys)
+        self.timeline: Any = None  # PSLAUNCH_TIMELINE (set with ``trace``)
+        # From a checkpoint (``server_checkpoint``): values of keys not initialised yet (key id ->
+        # (user key, flat value)), the key ids whose value came from one, and optimizer state no
+        # updater has taken yet.
+        self.pending: dict[int, tuple[Hashable, np.ndarray]] = {}
+        self.restored: set[int] = set()
+        self.restored_state: dict | None = None
+
+    def trace(self, timeline: Any) -> None:
+        """Record each push's merge and each round's update as timeline events (``psnode.node.timeline``):
+        the traced methods replace ``push`` and ``_apply`` on this store only, so a store without a
+        timeline runs the plain ones."""
+        self.timeline = timeline
+        self.push = self._traced_push  # type: ignore[method-assign]
+        self._apply = self._traced_apply  # type: ignore[method-assign]
+
+    def _traced_push(self, shard: "Shard", worker: int, data: Any, answer: "Answer", borrowed: bool = False) -> None:
+        start = time.monotonic_ns()
+        try:
+            ServerStore.push(self, shard, worker, data, answer, borrowed)
+        finally:
+            self.timeline.add("merge", shard.user_key, start, time.monotonic_ns())
+
+    def _traced_apply(self, shard: "Shard", full: Round) -> None:
+        start = time.monotonic_ns()
+        try:
+            ServerStore._apply(self, shard, full)
+        finally:
+            self.timeline.add("update", shard.user_key, start, time.monotonic_ns())
+
+    # ---- init / updater ------------------------------------------------------------------
+    def init(self, key_id: int, user_key: Hashable, value: np.ndarray, sync: bool, row_size: int) -> None:
+        """Create a shard from its initial value.
+
+        Raises:
+            RequestRefused: the key is already initialised.
+        """
+        if key_id in self.shards:
+            raise RequestRefused(f"key {user_key!r} is already initialised on this server")
+        restored = self.pending.get(key_id)
+        if restored is not None:  # the checkpoint's value wins over the initial one
+            if restored[0] != user_key or restored[1].dtype != value.dtype or restored[1].size != value.size:
+                raise RequestRefused(
+                    f"key {user_key!r} is initialised with {value.size} values of {value.dtype} (shape "
+                    f"{tuple(value.shape)}), but the checkpoint restored {restored[1].size} values of "
+                    f"{restored[1].dtype} of key {restored[0]!r} for it")
+            value = restored[1].reshape(value.shape)
+            del self.pending[key_id]
+            self.restored.add(key_id)
+        memory = self.memory
+        stored = memory.place(value.reshape(-1))  # kept flat; the updater gets ``shape`` views
+        quorum = self.num_workers if sync else 1
+        round_ = Round(self.num_workers, quorum, memory, memory.empty_like(stored))
+        shard = Shard(key_id, user_key, tuple(value.shape), stored, round_, sync, row_size)
+        self.shards[key_id] = shard
+        self.held_bytes += shard.nbytes
+        self._announce(shard)
+
+    def _announce(self, shard: Shard) -> None:
+        """Tell the updater of a key it holds now: ``init_key``, or ``restore_key`` for a restored one
+        (which must keep its value)."""
+        name = "restore_key" if shard.key_id in self.restored else "init_key"
+        announce = getattr(self.updater, name, None)
+        if announce is not None:
+            with self.memory.context():
+                announce(shard.user_key, shard.stored.reshape(shard.shape))
+
+    def take_restored_state(self, state: dict | None) -> None:
+        """Optimizer state from a checkpoint: loaded into the updater now if it can take it
+        (``load_state_dict``), else kept for the updater that arrives next."""
+        if state is None:
+            return
+        load = getattr(self.updater, "load_state_dict", None)
+        if load is None:
+            self.restored_state = state
+            return
+        self.restored_state = None
+        try:
+            with self.memory.context():
+                load(state)
+        except Exception as exc:  # the user's code
+            raise RequestRefused(f"the updater's load_state_dict() raised {type(exc).__name__}: {exc}") from exc
+
+    def set_updater(self, updater: Any) -> None:
+        """Install ``updater(key, merged, stored)``; call its ``init_key`` (``restore_key``) for keys that
+        already exist, and give it the restored optimizer state it can take.
+
+        Raises:
+            RequestRefused: ``updater`` is not callable.
+        """
+        if not callable(updater):
+            raise RequestRefused(f"the updater must be callable, got {type(updater).__name__}")
+        self.updater = updater
+        for shard in self.shards.values():
+            self._announce(shard)
+        self.take_restored_state(self.restored_state)
+
+    def worker_rejoined(self, rank: int) -> None:
+        """Worker ``rank`` was started again: it counts its pushes from zero. Its predecessor's pushes
+        were applied on arrival (dist_async, where every round is one push), so none is pending."""
+        self.finished.pop(rank, None)
+        for shard in self.shards.values():
+            shard.round.received[rank] = 0
+            shard.round.waiting = [w for w in shard.round.waiting if w[0] != rank]
+
+    def shard(self, key_id: int) -> Shard:
+        """The shard of ``key_id``.
+
+        Raises:
+            RequestRefused: this server holds no such key.
+        """
+        shard = self.shards.get(key_id)
+        if shard is None:
+            raise RequestRefused(f"key id {key_id:#x} was never initialised on this server")
+        return shard
+
+    # ---- push ----------------------------------------------------------------------------
+    def push(self, shard: Shard, worker: int, data: Any, answer: Answer, borrowed: bool = False) -> None:
+        """Take one worker's (decoded) push of ``shard``; pulls it releases go to ``answer``.
+
+        ``borrowed``: ``data`` lives in the worker's shared memory, which it reuses once this
+        message is acknowledged, so nothing may keep a reference to it.
+
+        Raises:
+            RequestRefused: dist_async without an updater.
+        """
+        if not shard.sync and self.updater is None:
+            shard.round.count_refused(worker)
+            raise RequestRefused(
+                f"dist_async needs an optimizer on the servers, but key {shard.user_key!r} was pushed before "
+                "set_optimizer(); call kv.set_optimizer(...) before the first push"
+            )
+        self.pushed_bytes += shard.nbytes
+        round_ = shard.round
+        if round_.push(worker, data, borrowed):
+            round_.close(self._apply, shard)
+            if round_.waiting:
+                for waiter, (req_id, index) in round_.release():
+                    answer(waiter, req_id, index, shard)
+
+    def wrong_size(self, shard: Shard, worker: int, nbytes: int) -> RequestRefused:
+        """Refuse ``worker``'s push of ``nbytes`` (decoded) bytes to ``shard``: the error to send back.
+
+        The push still counts as received (see ``Round.count_refused``).
+        """
+        shard.round.count_refused(worker)
+        return RequestRefused(f"key {shard.user_key!r}: a push of {nbytes} bytes, but this server holds {shard.nbytes}")
+
+    def _apply(self, shard: Shard, full: Round) -> None:
+        self.updates += 1
+        busy = bool(shard.trackers) and any(not t.done for t in shard.trackers)
+        shard.trackers = []
+        memory = self.memory
+        with memory.context():
+            if self.updater is None:
+                if full.first is not None:
+                    if busy:  # a reply still reads the old array: write a new one
+                        shard.stored = memory.empty_like(shard.stored)
+                    memory.load(shard.stored, full.first)
+                else:  # the merged sum becomes the value: swap buffers instead of copying
+                    shard.stored = full.swap_merge(memory.empty_like(shard.stored) if busy else shard.stored)
+                shard.error = None
+                return
+            if full.first is not None:
+                memory.load(full.merge, full.first)
+            if busy:
+                shard.stored = shard.stored.copy()
+            shard.error = run_updater(self.updater, shard.user_key, full.merge.reshape(shard.shape),
+                                      shard.stored.reshape(shard.shape))
+
+    # ---- pull ----------------------------------------------------------------------------
+    def pull(self, shard: Shard, worker: int, req_id: int, index: int, seq: int, answer: Answer) -> None:
+        """Answer a pull now, or once the pushes it must include have been applied.
+
+        Raises:
+            RequestRefused: the pull waits for a round that a finished worker never pushed to.
+        """
+        round_ = shard.round
+        if round_.ready_for(worker, seq):
+            answer(worker, req_id, index, shard)
+            return
+        stuck = self.stuck(shard.user_key, round_)
+        if stuck:
+            raise RequestRefused(stuck)
+        round_.wait(worker, seq, (req_id, index))
+
+    def stuck(self, key: Hashable, round_: Round) -> str | None:
+        """Why the open round of ``key`` can never close (a finished worker did not push), or None."""
+        gone = round_.stuck_on(self.finished)
+        if not gone:
+            return None
+        return (f"the current round of key {key!r} can never close: {', '.join(gone)} finished without pushing "
+                "it (every worker must push a key the same number of times in dist_sync)")
+
+    def rows(self, shard: Shard, rows: np.ndarray) -> np.ndarray:
+        """The stored rows ``rows`` (ids local to the shard) as a host array.
+
+        Raises:
+            RequestRefused: a row id outside the shard.
+        """
+        count = shard.stored.size // shard.row_size
+        if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= count):
+            raise RequestRefused(f"key {shard.user_key!r}: row ids outside 0..{count - 1} on this server")
+        return self.memory.rows(shard.stored, shard.row_size, rows)

@@ -1,0 +1,469 @@
+"""Lanes: plain TCP streams between two workers for big data messages, read where they belong.
+
+**Why.** ZeroMQ copies nothing it need not, but every big message still passes its I/O thread
+on both sides (a hand-off per message each way, a buffer allocated per received message) and the
+receiver then copies it to where it belongs. A ring allreduce of 4 workers on 2 cores is bound by
+that CPU: a bare pyzmq ring spent 80 ms of CPU per 64 MiB allreduce and worker where the same ring
+over plain sockets, each segment read straight into its destination, spent 50 ms (and gloo, which
+does the latter, 60 ms; docs/benchmarks.md). So the collectives send their big segments over lanes
+when a peer is reached over TCP; everything else keeps ZeroMQ.
+
+**A lane** is one TCP connection that carries messages one way, from the worker that opened it to
+the one that accepted it; each ordered pair of workers has at most one. Every worker listens on a
+port of its own (``PeerInfo.lane_port`` in the address book; 0 when it has none).
+
+**Handshake** (before a byte of data is read; each step within ``HANDSHAKE_TIMEOUT``)::
+
+    opener   -> acceptor: MAGIC, u16 length + opener's identity, u16 length + acceptor's identity,
+                          16-byte nonce N1
+    acceptor -> opener:   16-byte nonce N2, HMAC(lane key, "accept" | job | N1 | N2 | identities)
+    opener   -> acceptor: HMAC(lane key, "open" | job | N1 | N2 | identities)
+
+The lane key is derived from the job key (``Security.lane_key``), so only a holder of the key
+opens a lane, and the opener knows that what answered is the job's worker, not a process that took
+over the port. Without a key (loopback only, as for ZeroMQ) the MACs are keyed with the empty key:
+they keep other protocols' bytes out, not other users. Under ``PSLAUNCH_ENCRYPT=curve`` there are no
+lanes (their bytes would be in the clear).
+
+**Messages** after the handshake: a fixed-size prefix (its size, ``Receiver.prefix_size``, and its
+meaning are the receiver's), then a body whose length the receiver derives from the prefix (``parse``). The
+receiver checks the prefix before a byte of the body is read, may name where the body goes (read
+straight into it), and gets the message. Whatever it refuses closes the lane: a stream whose framing
+is in doubt cannot be trusted further. Nothing a peer sends makes this process allocate more than the
+receiver's ``parse`` allows.
+
+**Failure.** A lane that cannot be opened or breaks hands what it still holds to the ``fallback``
+the caller gave (the collectives resend it through ZeroMQ) and is not used again: a peer that died
+is the scheduler's to announce. Senders never block: each lane has its own thread and queue.
+
+Threads: one accepting thread, one per accepted lane, one per opened lane. ``Lanes`` is
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import queue
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+from psnode.errors import ProtocolError, PSNodeError
+from psnode.log import logger
+
+__all__ = ["Lanes", "Receiver", "Tracker", "MAGIC", "HANDSHAKE_TIMEOUT", "CONNECT_TIMEOUT"]
+
+MAGIC = b"PSLANE\x01\x00"
+HANDSHAKE_TIMEOUT = 10.0  # seconds for each step of the handshake (a peer that says nothing is dropped)
+CONNECT_TIMEOUT = 10.0
+MAX_HANDSHAKES = 32  # handshakes under way at once; more connections are closed at once
+_NONCE = 16
+_MAC = 32
+_MAX_IDENTITY = 512
+_U16 = struct.Struct("<H")
+
+
+class Receiver(Protocol):
+    """What reads a lane's messages (the collectives' ``lane_path.LanePath``). Every method runs on
+    the lane's own thread; ``peer`` is what ``Lanes.serve``'s ``known`` returned for the opener."""
+
+    prefix_size: int
+
+    def parse(self, peer: Any, prefix: bytes) -> tuple[int, Any]:
+        """The bytes of the body that follows ``prefix``, and what the prefix says (the receiver's
+        own, handed back to ``destination`` and ``deliver``).
+
+        Raises:
+            ProtocolError: a prefix this worker does not take (the lane closes; the message names why).
+        """
+
+    def destination(self, peer: Any, message: Any, size: int) -> Any:
+        """A writable buffer of ``size`` bytes the body is read straight into, or None."""
+
+    def deliver(self, peer: Any, message: Any, body: Any) -> None:
+        """Take one whole message (``body``: the destination, or a buffer of the lane's)."""
+
+    def refused(self, peer: Any, prefix: bytes, why: str) -> None:
+        """The lane from ``peer`` closes because of what it sent: the message that begins with
+        ``prefix`` (``why`` names what was wrong)."""
+
+
+class Tracker:
+    """Done once a message's buffers were handed to the kernel (or given up): until then the
+    caller keeps them unchanged. The same face as ZeroMQ's message tracker (``done``, ``wait``)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds.
+
+        Raises:
+            TimeoutError: not done by then.
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError("the lane has not sent the message yet")
+
+    def set(self) -> None:
+        self._event.set()
+
+
+def _mac(key: bytes, side: bytes, job: bytes, n1: bytes, n2: bytes, opener: bytes, acceptor: bytes) -> bytes:
+    parts = (side, job, n1, n2, opener, acceptor)
+    message = b"".join(_U16.pack(len(p)) + p for p in parts)  # lengths first: no two field splits read alike
+    return hmac.new(key, message, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``.
+
+    Raises:
+        EOFError: the peer closed first. OSError: as the socket does.
+    """
+    got, size = 0, len(view)
+    recv_into = sock.recv_into
+    while got < size:
+        n = recv_into(view[got:])
+        if n == 0:
+            raise EOFError(f"the peer closed the lane after {got} of {size} bytes")
+        got += n
+
+
+def _recv_bytes(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    _recv_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Write every buffer in order (``sendmsg`` may write part of them)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            first = views[0]
+            if sent >= len(first):
+                sent -= len(first)
+                views.pop(0)
+            else:
+                views[0] = first[sent:]
+                sent = 0
+
+
+class _OutLane:
+    """The lane this worker opened to one peer: a queue and the thread that writes it."""
+
+    def __init__(self, owner: "Lanes", identity: bytes, address: tuple[str, int], describe: str,
+                 fallback: Callable[[list], None]) -> None:
+        self.owner = owner
+        self.identity = identity
+        self.address = address
+        self.describe = describe
+        self.fallback = fallback
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.failed = False
+        self.sock: socket.socket | None = None
+        self.thread = threading.Thread(target=self._run, name=f"psnode-lane-to-{describe}", daemon=True)
+        self.thread.start()
+
+    def _open(self) -> socket.socket:
+        owner = self.owner
+        sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT)
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            n1 = os.urandom(_NONCE)
+            sock.sendall(MAGIC + _U16.pack(len(owner.identity)) + owner.identity + _U16.pack(len(self.identity))
+                         + self.identity + n1)
+            n2 = _recv_bytes(sock, _NONCE)
+            proof = _recv_bytes(sock, _MAC)
+            expected = _mac(owner.key, b"accept", owner.job, n1, n2, owner.identity, self.identity)
+            if not hmac.compare_digest(proof, expected):
+                raise ProtocolError("it did not prove that it holds this job's key")
+            sock.sendall(_mac(owner.key, b"open", owner.job, n1, n2, owner.identity, self.identity))
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _run(self) -> None:
+        try:
+            self.sock = self._open()
+        except (OSError, EOFError, ProtocolError) as exc:
+            self._give_up(f"cannot open a lane to {self.describe} at {self.address[0]}:{self.address[1]}: {exc}", [],
+                          warn=True)
+            return
+        sock = self.sock
+        while True:
+            item = self.queue.get()
+            if item is None:
+                break
+            buffers, tracker = item
+            try:
+                _send_all(sock, buffers)
+            except OSError as exc:  # the peer cannot have read this message whole: it goes again
+                self._give_up(f"the lane to {self.describe} broke: {exc}", [item], warn=False)
+                return
+            except Exception as exc:  # a bug: the lane's messages must still go, or their ops would wait
+                self._give_up(f"the lane to {self.describe} failed: {type(exc).__name__}: {exc}", [item], warn=True)
+                return
+            tracker.set()
+        try:
+            sock.shutdown(socket.SHUT_WR)  # what the kernel holds still reaches the peer
+        except OSError:
+            pass
+        sock.close()
+
+    def _give_up(self, why: str, unsent: list, warn: bool) -> None:
+        """Use this lane no more: what it holds goes through the fallback, in order."""
+        with self.owner._lock:
+            self.failed = True  # ``Lanes.send`` queues nothing more here
+            closing = self.owner.closed
+        if warn and not closing:
+            logger.warning("%s; collectives to it go through ZeroMQ", why)
+        else:
+            logger.info("%s", why)
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                unsent.append(item)
+        for buffers, tracker in unsent:
+            if not closing:
+                try:
+                    self.fallback(list(buffers))
+                except PSNodeError as exc:  # the peer is gone too: the scheduler says so
+                    logger.info("resending a message for %s failed: %s", self.describe, exc)
+                except Exception as exc:  # a bug: say it, and still free the message's op
+                    logger.error("resending a message for %s failed: %s: %s", self.describe, type(exc).__name__, exc)
+            tracker.set()
+        if self.sock is not None:
+            self.sock.close()
+
+
+class Lanes:
+    """This worker's lanes: the port it listens on, the lanes it opened and those it accepted.
+
+    ``Lanes.listen`` binds; ``serve`` starts accepting once something reads (``Receiver``);
+    ``send`` queues a message and returns at once.
+    """
+
+    def __init__(self, sock: socket.socket, identity: bytes, job: str, key: bytes) -> None:
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        self.identity = identity
+        self.job = job.encode()
+        self.key = key
+        self.closed = False
+        self._lock = threading.Lock()
+        self._out: dict[bytes, _OutLane] = {}
+        self._in: dict[bytes, socket.socket] = {}  # the lane each peer opened to this worker
+        self._receiver: Receiver | None = None
+        self._known: Callable[[bytes], Any] | None = None
+        self._accepting: threading.Thread | None = None
+        self._handshaking = 0  # connections accepted whose handshake is under way
+        self._refusals = 0  # refused since the last one logged
+        self._next_refusal_log = 0.0
+
+    @classmethod
+    def listen(cls, host: str, identity: bytes, job: str, key: bytes) -> "Lanes":
+        """Listen on a free port of ``host`` ('' for every interface).
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, 0))
+            sock.listen(64)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, identity, job, key)
+
+    # ---- receiving -------------------------------------------------------------------------------
+    def serve(self, receiver: Receiver, known: Callable[[bytes], Any]) -> None:
+        """Accept lanes and read them with ``receiver``; ``known(identity)`` is the peer of that
+        identity in the job (None: not a member; it is asked again until the handshake's time is up,
+        since a peer may open its lane before this worker has the address book)."""
+        with self._lock:
+            if self._accepting is not None or self.closed:
+                return
+            self._receiver, self._known = receiver, known
+            self._accepting = threading.Thread(target=self._accept, name="psnode-lanes-accept", daemon=True)
+            self._accepting.start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                sock, address = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                busy = self._handshaking >= MAX_HANDSHAKES
+                if not busy:
+                    self._handshaking += 1
+            if busy:  # a flood of connections that do not finish their handshake: no thread each
+                self._refuse(f"{address[0]}:{address[1]}", f"{MAX_HANDSHAKES} handshakes are already under way")
+                sock.close()
+                continue
+            threading.Thread(target=self._read, args=(sock, address), name=f"psnode-lane-from-{address[0]}",
+                             daemon=True).start()
+
+    def _refuse(self, where: str, why: str) -> None:
+        """Log a refused connection: at most one line a second, with how many were not logged."""
+        now = time.monotonic()
+        with self._lock:
+            self._refusals += 1
+            if now < self._next_refusal_log:
+                return
+            self._next_refusal_log = now + 1.0
+            unlogged, self._refusals = self._refusals - 1, 0
+        more = f" ({unlogged} more refused in the last second, not logged)" if unlogged else ""
+        logger.warning("refused a lane from %s: %s%s", where, why, more)
+
+    def _handshake(self, sock: socket.socket, address: Any) -> tuple[bytes, Any]:
+        """The opener's identity and peer, once it proved that it holds the key.
+
+        Raises:
+            ProtocolError, OSError, EOFError: it did not (the message names what).
+        """
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        magic = _recv_bytes(sock, len(MAGIC))
+        if magic != MAGIC:
+            raise ProtocolError(f"it did not open a lane (its first bytes were {magic[:8]!r})")
+        identities = []
+        for _ in range(2):
+            (length,) = _U16.unpack(_recv_bytes(sock, 2))
+            if length > _MAX_IDENTITY:
+                raise ProtocolError(f"it sent an identity of {length} bytes (at most {_MAX_IDENTITY})")
+            identities.append(_recv_bytes(sock, length))
+        opener, acceptor = identities
+        if acceptor != self.identity:
+            raise ProtocolError(f"it meant to reach {acceptor.decode(errors='replace')!r}")
+        n1 = _recv_bytes(sock, _NONCE)
+        n2 = os.urandom(_NONCE)
+        sock.sendall(n2 + _mac(self.key, b"accept", self.job, n1, n2, opener, self.identity))
+        proof = _recv_bytes(sock, _MAC)
+        if not hmac.compare_digest(proof, _mac(self.key, b"open", self.job, n1, n2, opener, self.identity)):
+            raise ProtocolError("it did not prove that it holds this job's key")
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        peer = self._known(opener)
+        while peer is None and time.monotonic() < deadline and not self.closed:
+            time.sleep(0.01)
+            peer = self._known(opener)
+        if peer is None:
+            raise ProtocolError(f"{opener.decode(errors='replace')!r} is not a worker of this job")
+        sock.settimeout(None)
+        return opener, peer
+
+    def _read(self, sock: socket.socket, address: Any) -> None:
+        where = f"{address[0]}:{address[1]}"
+        try:
+            opener, peer = self._handshake(sock, address)
+        except (OSError, EOFError, ProtocolError) as exc:
+            self._refuse(where, str(exc))
+            sock.close()
+            return
+        finally:
+            with self._lock:
+                self._handshaking -= 1
+        with self._lock:
+            old = self._in.get(opener)
+            if self.closed:
+                sock.close()
+                return
+            self._in[opener] = sock
+        if old is not None:  # the peer opened it again: its first lane is over
+            old.close()
+        receiver = self._receiver
+        prefix_size = receiver.prefix_size
+        prefix_buf = bytearray(prefix_size)
+        prefix_view = memoryview(prefix_buf)
+        scratch = bytearray(0)
+        prefix = b""
+        try:
+            while True:
+                _recv_exact(sock, prefix_view)
+                prefix = bytes(prefix_buf)
+                size, message = receiver.parse(peer, prefix)
+                body = receiver.destination(peer, message, size) if size else None
+                if body is None:
+                    # The lane's own buffer, reused while nobody kept the last message's: a deliver
+                    # that keeps it (a collective not started here yet) holds a reference to it.
+                    if len(scratch) < size or sys.getrefcount(scratch) > 2:
+                        scratch = bytearray(size)
+                    body = memoryview(scratch)[:size]
+                    _recv_exact(sock, body)
+                else:
+                    _recv_exact(sock, memoryview(body).cast("B"))
+                receiver.deliver(peer, message, body)
+                del body, message
+        except ProtocolError as exc:
+            logger.warning("closed the lane from %s: %s", where, exc)
+            receiver.refused(peer, prefix, str(exc))
+        except (OSError, EOFError):
+            pass  # closed by the peer or by this worker: a dead peer is the scheduler's to announce
+        except Exception as exc:  # a bug: say it, and stop reading this lane
+            logger.error("the lane from %s failed: %s: %s", where, type(exc).__name__, exc)
+            receiver.refused(peer, prefix, f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                if self._in.get(opener) is sock:
+                    del self._in[opener]
+            sock.close()
+
+    # ---- sending ---------------------------------------------------------------------------------
+    def send(self, identity: bytes, address: tuple[str, int], describe: str, buffers: list,
+             fallback: Callable[[list], None]) -> Tracker | None:
+        """Queue ``buffers`` (one message) for the peer ``identity`` at ``address`` (its lane opened on
+        first use); a tracker, done once they were written, or None when the lane to that peer
+        failed before (send through the other path). ``fallback(buffers)`` sends a message the lane
+        could not, through the other path. Never blocks; the buffers must stay unchanged until the
+        tracker is done."""
+        with self._lock:
+            if self.closed:
+                return None
+            lane = self._out.get(identity)
+            if lane is None:
+                lane = self._out[identity] = _OutLane(self, identity, address, describe, fallback)
+            elif lane.failed:
+                return None
+            tracker = Tracker()
+            lane.queue.put((buffers, tracker))  # under the lock: a lane that fails after this drains it
+        return tracker
+
+    def close(self) -> None:
+        """Stop accepting and reading, and end the opened lanes once they wrote what they hold (idempotent)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            outs = list(self._out.values())
+            ins = list(self._in.values())
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for sock in ins:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for lane in outs:
+            lane.queue.put(None)

@@ -1,0 +1,362 @@
+"""The ZeroMQ transport: one ROUTER socket receives, one DEALER per peer sends.
+
+Each node binds its ROUTER on a TCP port of every interface and, when given a local name, on an
+abstract-namespace IPC endpoint (``ipc://@pslaunch-<name>``: nothing on disk to clean up, gone
+when the process is). Peers on the same host connect to the IPC endpoint, others over TCP. Every
+DEALER carries this node's identity, so the receiving ROUTER knows who sent each message.
+
+Frames are sent with ``copy=False`` (ZeroMQ reads the caller's buffers) and received with
+``copy=False`` (``frame.buffer`` is a view of ZeroMQ's message memory). Every socket closes with
+linger 0.
+
+A message of several small frames (all ``bytes``, ``_JOIN_MAX`` bytes at most, not tracked) travels
+as one ZeroMQ frame, ``_JOINED`` + u16 count + u32 lengths + the frames' bytes, and is split back on
+receipt: one send and one receive call instead of one per frame, and less work for ZeroMQ's I/O
+thread. A single frame that merely starts like that but does not parse arrives as it came (the
+node then drops it as malformed).
+
+``poll`` waits on the ROUTER and on an eventfd that ``wake`` writes, so another thread can end a
+poll at once (the node hands its receiving role over that way, with no polling interval).
+
+Security (``psnode.transport.security``): with a job key every socket speaks PLAIN (``auth``) or CURVE
+(``curve``) with credentials derived from the key, and a ZAP handler in this transport's context
+admits only connections that prove the key; ZeroMQ closes the others before it buffers a frame of
+them. Whatever the mode, the ROUTER refuses frames larger than ``max_message`` (the peer is
+disconnected as soon as it announces one) and keeps at most ``_RECV_HWM`` messages per peer; it
+listens on the address it is given, not on every interface.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from typing import Any, Sequence
+
+import zmq
+
+from psnode.errors import ClosedError, TransportError
+from psnode.transport.base import Frame, Transport, WouldBlock
+from psnode.transport.security import ZAP_DOMAIN, Security, ZapHandler
+
+__all__ = ["ZmqTransport"]
+
+_SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
+_SEND_HWM = 1000  # messages queued per peer before a non-blocking send reports WouldBlock
+_RECV_HWM = 1000  # messages a ROUTER keeps per peer before it stops reading that peer's connection
+_NO_SECURITY = Security("none", "")
+_HANDSHAKE_EVENTS = {
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "refused this node's credentials (another job's port, or another key)",
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "failed the security handshake (one side has a job key, the other not?)",
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "failed the security handshake",
+}
+_SOCKET_BUFFER = 4 << 20  # kernel buffer per connection: fewer wake-ups per big message (capped by the kernel)
+_JOINED = b"\x00PJ"  # starts a joined message; a message's first frame is a protocol header (b"PS...")
+_JOIN_MAX = 16384  # frames totalling more than this are sent one by one
+_JOIN_FRAMES = 16  # at most this many frames are joined
+_COUNT = struct.Struct("<H")
+_HEADS = [_JOINED + _COUNT.pack(n) for n in range(_JOIN_FRAMES + 1)]
+_LENGTHS = [struct.Struct(f"<{n}I") for n in range(_JOIN_FRAMES + 1)]
+
+
+def join_frames(frames: Sequence[Any]) -> bytes | None:
+    """The one frame that carries ``frames`` (see the module docstring); None when they are not
+    all ``bytes``, too many or too big to be joined."""
+    count = len(frames)
+    if count > _JOIN_FRAMES:
+        return None
+    total = 0
+    for frame in frames:
+        if type(frame) is not bytes:
+            return None
+        total += len(frame)
+    if total > _JOIN_MAX:
+        return None
+    return b"".join([_HEADS[count], _LENGTHS[count].pack(*map(len, frames)), *frames])
+
+
+def split_frames(view: memoryview) -> list[Frame] | None:
+    """The frames a joined frame carries (views of it), or None when ``view`` is not a well-formed one."""
+    size = len(view)
+    if size < 5 or view[:3] != _JOINED:
+        return None
+    (count,) = _COUNT.unpack_from(view, 3)
+    start = 5 + 4 * count
+    if count > _JOIN_FRAMES or size < start:
+        return None
+    lengths = _LENGTHS[count].unpack_from(view, 5)
+    if start + sum(lengths) != size:
+        return None
+    parts = []
+    for n in lengths:
+        parts.append(Frame(view[start:start + n]))
+        start += n
+    return parts
+
+
+def _batch_io_threads(context: zmq.Context) -> None:
+    """Run the context's I/O threads (started with its first socket) under SCHED_BATCH.
+
+    A thread handing a message to ZeroMQ wakes the I/O thread; under the normal policy that thread
+    preempts the sender at once when no core is idle, and the sender's next steps (the next
+    reply, its wait) wait for it. A SCHED_BATCH thread gets its fair share of the CPU but never
+    preempts on waking, so the sender finishes its turn first: two context switches fewer per
+    message on a busy machine, and the same on one with idle cores (the I/O thread runs on one).
+    Where the policy or the option is unknown (not Linux, an old libzmq) nothing changes.
+    """
+    policy = getattr(os, "SCHED_BATCH", None)
+    option = getattr(zmq, "THREAD_SCHED_POLICY", None)
+    if policy is None or option is None:
+        return
+    try:
+        context.set(option, policy)
+    except zmq.ZMQError:
+        pass
+
+
+class ZmqTransport(Transport):
+    """Frames over ZeroMQ ROUTER/DEALER sockets; see the module docstring."""
+
+    def __init__(self, identity: bytes, io_threads: int = 1, io_sched: str = "normal", security: Security | None = None,
+                 max_message: int = -1) -> None:
+        super().__init__(identity)
+        self._context = zmq.Context(io_threads=io_threads)
+        if io_sched == "batch":
+            _batch_io_threads(self._context)
+        self.security = security or _NO_SECURITY
+        self._max_message = max_message
+        self._zap = ZapHandler(self._context, self.security) if self.security.mode != "none" else None
+        self._monitors: dict[bytes, zmq.Socket] = {}  # watched peers' handshake events
+        self._router: zmq.Socket | None = None
+        self._dealers: dict[bytes, tuple[zmq.Socket, threading.Lock]] = {}
+        self._connect_lock = threading.Lock()
+        self._closed = False
+        self._poll_items: list | None = None  # what poll waits on: the ROUTER and the wake eventfd
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_lock = threading.Lock()  # a wake never writes to the number of a closed (reused) fd
+
+    @staticmethod
+    def same_host_endpoint(local_name: str) -> str:
+        return f"ipc://@pslaunch-{local_name}"
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections the ZAP handler turned away so far."""
+        return self._zap.refused if self._zap is not None else 0
+
+    def bind(self, port: int = 0, local_name: str | None = None, host: str | None = None) -> int:
+        self._check_open()
+        router = self._context.socket(zmq.ROUTER)
+        router.linger = 0
+        router.rcvhwm = _RECV_HWM
+        router.maxmsgsize = self._max_message
+        if _SOCKET_BUFFER:
+            router.rcvbuf = _SOCKET_BUFFER
+        self._secure_server(router)
+        address = host or "*"
+        try:
+            if port:
+                router.bind(f"tcp://{address}:{port}")
+            else:
+                port = router.bind_to_random_port(f"tcp://{address}")
+            if local_name:
+                router.bind(self.same_host_endpoint(local_name))
+        except zmq.ZMQError as exc:
+            router.close(0)
+            where = f"TCP port {port}" if port else "a free TCP port"
+            raise TransportError(f"cannot bind {where} of {address} (with local name {local_name!r}): {exc}") from exc
+        self._router = router
+        self._poll_items = [(router, _POLLIN), (self._wake_fd, _POLLIN)]
+        return port
+
+    def _secure_server(self, router: zmq.Socket) -> None:
+        mode = self.security.mode
+        if mode == "none":
+            return
+        router.zap_domain = ZAP_DOMAIN.encode()
+        if mode == "auth":
+            router.plain_server = True
+        else:
+            router.curve_secretkey = self.security.server_keys()[1]
+            router.curve_server = True
+
+    def _secure_client(self, sock: zmq.Socket) -> None:
+        sec = self.security
+        if sec.mode == "auth":
+            username = sec.username(self.identity)
+            sock.plain_username = username
+            sock.plain_password = sec.password(username)
+        elif sec.mode == "curve":
+            public, secret = sec.client_keys()
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+            sock.curve_serverkey = sec.server_keys()[0]
+
+    def connect(self, peer: bytes, endpoint: str, watch: bool = False) -> None:
+        self._check_open()
+        with self._connect_lock:
+            if peer in self._dealers:
+                return
+            sock = self._context.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.sndhwm = _SEND_HWM
+            if _SOCKET_BUFFER:
+                sock.sndbuf = _SOCKET_BUFFER
+            sock.identity = self.identity
+            self._secure_client(sock)
+            if watch:
+                self._monitors[peer] = sock.get_monitor_socket(
+                    sum(_HANDSHAKE_EVENTS) | int(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(0)
+                raise TransportError(f"cannot connect to {peer.decode(errors='replace')} at {endpoint}: {exc}") from exc
+            self._dealers[peer] = (sock, threading.Lock())
+
+    def send(self, peer: bytes, frames: Sequence[Any], track: bool = False, block: bool = True) -> Any:
+        entry = self._dealers.get(peer)
+        if entry is None:
+            self._check_open()
+            raise TransportError(f"no connection to peer {peer.decode(errors='replace')}")
+        sock, lock = entry
+        flags = 0 if block else _NOBLOCK
+        joined = join_frames(frames) if not track and len(frames) > 1 else None  # outside the lock
+        with lock:
+            if self._closed:
+                raise ClosedError("the transport was closed")
+            try:
+                if track:
+                    parts = [zmq.Frame(f, track=True) if not isinstance(f, bytes) else f for f in frames]
+                    sock.send_multipart(parts, flags=flags, copy=False)
+                    trackers = [p.tracker for p in parts if isinstance(p, zmq.Frame)]
+                    return zmq.MessageTracker(*trackers) if trackers else None
+                if joined is not None:
+                    sock.send(joined, flags)  # copied: cheaper than a zero-copy frame when small
+                    return None
+                last = len(frames) - 1
+                # frame by frame with int flags: pyzmq's send_multipart costs twice as much per small
+                # message (flag enums); big frames still go without a copy
+                send = sock.send
+                for i, frame in enumerate(frames):
+                    send(frame, flags | _SNDMORE if i < last else flags, copy=False)
+                return None
+            except zmq.Again as exc:
+                raise WouldBlock(f"the queue to {peer.decode(errors='replace')} is full") from exc
+            except zmq.ZMQError as exc:
+                if self._closed or exc.errno == zmq.ETERM:
+                    raise ClosedError("the transport was closed") from exc
+                raise TransportError(f"send to {peer.decode(errors='replace')} failed: {exc}") from exc
+
+    def refused(self, peer: bytes) -> str | None:
+        """Why ``peer`` (connected with ``watch=True``) refused this node's handshake, if it did; once
+        a handshake succeeded the peer is no longer watched."""
+        monitor = self._monitors.get(peer)
+        if monitor is None:
+            return None
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            except zmq.ZMQError:
+                return None
+            kind = int(event["event"])
+            if kind == int(zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                self._unwatch(peer)
+                return None
+            if kind in _HANDSHAKE_EVENTS:
+                return _HANDSHAKE_EVENTS[kind]
+
+    def _unwatch(self, peer: bytes) -> None:
+        monitor = self._monitors.pop(peer, None)
+        if monitor is None:
+            return
+        entry = self._dealers.get(peer)
+        if entry is not None:
+            try:
+                entry[0].disable_monitor()
+            except zmq.ZMQError:
+                pass
+        monitor.close(0)
+
+    def poll(self, timeout: float) -> bool:
+        router = self._require_router()
+        try:
+            events = zmq.zmq_poll(self._poll_items, max(0, int(timeout * 1000)))
+        except zmq.ZMQError as exc:
+            if self._closed:
+                raise ClosedError("the transport was closed") from exc
+            raise TransportError(f"poll failed: {exc}") from exc
+        ready = False
+        for what, _ in events:
+            if what is router:
+                ready = True
+            else:  # woken: clear the eventfd so the next poll waits again
+                try:
+                    os.eventfd_read(self._wake_fd)
+                except BlockingIOError:
+                    pass
+        return ready
+
+    def wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_fd >= 0:
+                os.eventfd_write(self._wake_fd, 1)
+
+    def recv(self) -> tuple[bytes, list[Any]]:
+        router = self._require_router()
+        recv = router.recv
+        try:
+            sender = recv(_NOBLOCK)  # the ROUTER's identity frame; at least one frame follows it
+            frame = recv(_NOBLOCK, copy=False)
+            frames = [frame]
+            while frame.more:  # the frame says whether more follow: no socket option call per frame
+                frame = recv(_NOBLOCK, copy=False)
+                frames.append(frame)
+            if len(frames) == 1:
+                view = frame.buffer
+                if view[:1] == b"\x00":
+                    frames = split_frames(view) or frames
+        except zmq.ZMQError as exc:
+            if self._closed:
+                raise ClosedError("the transport was closed") from exc
+            raise TransportError(f"receive failed: {exc}") from exc
+        return sender, frames
+
+    def close(self, linger: float = 0.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for peer in list(self._monitors):
+            self._unwatch(peer)
+        with self._connect_lock:
+            dealers = list(self._dealers.values())
+            self._dealers.clear()
+        for sock, lock in dealers:
+            with lock:
+                sock.close(int(linger * 1000))
+        if self._router is not None:
+            self._router.close(0)
+            self._router = None
+        self._poll_items = None
+        if self._zap is not None:
+            self._zap.close()
+        self._context.term()
+        with self._wake_lock:
+            os.close(self._wake_fd)
+            self._wake_fd = -1
+
+    def _require_router(self) -> zmq.Socket:
+        if self._router is None:
+            self._check_open()
+            raise TransportError("bind() was not called")
+        return self._router
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the transport was closed")

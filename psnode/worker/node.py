@@ -1,0 +1,339 @@
+"""A worker node: sends key parts to servers and completes futures when the replies arrive.
+
+The worker's API speaks in *parts*: ``(server rank, key id, array)``. Which parts a user key becomes
+is decided above (``kvcore.sharding``). Every call returns at once with a
+``concurrent.futures.Future`` (or completes the one it is given). How pushes and pulls become
+messages is ``worker_data.DataPath``'s.
+
+``WorkerNode`` is a façade over parts that each own their state:
+
+- ``node.Connection``: the transport, the address book, the scheduler link, the receive loop;
+- ``worker_requests.RequestTable``: requests in flight, push counts, replies written into outs;
+- ``worker_outbox.Outbox``: the priority send queue and the push held for the next pull;
+- ``worker_receiver.Receiver``: the network thread, and which thread receives;
+- ``worker_data.DataPath``: push and pull as messages, and the shared-memory regions of big parts;
+- ``collectives.Engine``: collectives with the other workers (allreduce without servers).
+
+Sends are queued by priority (higher first, then in call order) and leave as soon as the connection
+takes them. Correctness does not depend on the order: a pull tells the server how many pushes of the
+key it must include.
+
+Thread-safety: every method may be called from any thread. Callbacks added to the futures run on
+whichever thread receives the reply and must be quick.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import pickle
+import time
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from psnode.collectives import Engine
+from psnode.collectives.watch import LEFT_GRACE
+from psnode.compression.codecs import RAW
+from psnode.env import NodeEnv
+from psnode.errors import ClosedError, NodeTimeoutError, PSNodeError
+from psnode.node.connection import Connection
+from psnode.node.membership import PeerInfo
+from psnode.node.protocol import FLAG_SYNC, Cmd, Group, pack_codec_params, pack_header, pack_json
+from psnode.node.stats import worker_report
+from psnode.transport import same_host
+from psnode.transport.base import Transport
+from psnode.worker.data_path import DataPath
+from psnode.worker.outbox import Outbox
+from psnode.worker.process import watch
+from psnode.worker.receiver import Receiver
+from psnode.worker.requests import RequestTable
+
+__all__ = ["WorkerNode"]
+
+_COLL = int(Cmd.COLL)
+
+
+class WorkerNode:
+    """This process's worker node (see the module docstring). Start it with ``start()``."""
+
+    def __init__(self, env: NodeEnv, transport: Transport | None = None) -> None:
+        self.env = env
+        self.conn = Connection(env, "worker", self._on_reply, transport,
+                               on_worker_finished=lambda rank, node: self.collectives.peer_left(rank, node))
+        self.collectives = Engine(self.conn)  # before registration: a peer's first message may come at once
+        self.requests = RequestTable(self._check, self.conn.failure)
+        self.outbox = Outbox(self.conn.transport, self.conn.members, self.requests.complete)
+        self.receiver = Receiver(self.conn, self.outbox)
+        self.data = DataPath(self.requests, self.outbox, same_host.WorkerRegions(env.job_id))
+        self.closed = False
+        # ``wait_for(future, timeout)``: block until done, receiving on this thread (``Receiver.wait_for``)
+        self.wait_for = self.receiver.wait_for
+        self.conn.failure.on_failure(self.requests.fail_all)
+        self.conn.failure.on_failure(self.collectives.fail_all)
+        self.timeline = self.receiver.timeline = self.conn.timeline  # PSLAUNCH_TIMELINE; kvcore names its calls too
+        if env.stats_interval > 0:
+            self.conn.link.report = lambda: worker_report(self)
+
+    # ---- life cycle ----------------------------------------------------------------------
+    def start(self, network_thread: bool = True) -> "WorkerNode":
+        """Register (blocking, see ``Connection.register``) and start the network thread.
+
+        ``network_thread=False``: no thread receives in the background; callers receive in
+        ``wait_for`` only (a test that steers every step).
+        """
+        conn = self.conn
+        conn.register()
+        if self.env.same_host == "shm":
+            self.data.regions.find_servers(conn.members.servers, conn.me.fingerprint)
+        if network_thread:
+            self.receiver.start(f"psnode-worker-{conn.rank}")
+        return self
+
+    def watch_process(self) -> "WorkerNode":
+        """Make this process's end the worker's (``worker_process.watch``): close at exit, and an
+        uncaught exception aborts the job naming it."""
+        watch(self)
+        return self
+
+    def _flush_collectives(self) -> None:
+        """Keep the connections until the peers read what this worker's last collectives sent them.
+
+        That may still wait in this worker's queues behind a peer that reads slowly (4 workers on 2
+        cores: hundreds of small messages); closing would drop it and fail that peer's collectives.
+        Each peer answers a ``FLUSH`` once it read everything before it, or finishes the job; the
+        wait lasts at most as long as a peer waits for a finished worker's last messages.
+        """
+        flush = self.collectives.flush()
+        deadline = time.monotonic() + LEFT_GRACE
+        try:
+            while not flush.future.done() and time.monotonic() < deadline:
+                self.receiver.wait_for(flush.future, 0.05)
+                flush.retry()
+        except PSNodeError:  # a peer failed after this worker finished: its failure, not this one's
+            pass
+
+    def abort(self, reason: str) -> None:
+        """Tell the scheduler this worker failed (so every other node stops with ``reason``), then close."""
+        if self.closed or self.conn.failure.error is not None:
+            return
+        self.conn.link.send(Cmd.NODE_DIED, body={"message": reason})
+        self.closed = True
+        self.receiver.stop()
+        self.collectives.close()
+        self.requests.fail_all(ClosedError(f"worker {self.rank} aborted: {reason}"))
+        self.conn.close(linger=1.0)
+        if self.timeline is not None:
+            self.timeline.close()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for requests in flight, tell the scheduler this worker finished, and close (idempotent).
+
+        Raises:
+            NodeTimeoutError: requests still in flight after ``timeout`` seconds (default: a minute, or
+                the heartbeat timeout when that is longer); the node is closed anyway.
+        """
+        if self.closed:
+            return
+        self.outbox.release_held()
+        self.outbox.pump()
+        self.closed = True
+        try:
+            atexit.unregister(self.close)
+        except Exception:
+            pass
+        env, failure = self.env, self.conn.failure
+        limit = timeout if timeout is not None else max(60.0, env.heartbeat_timeout)
+        error: BaseException | None = None
+        try:
+            if failure.error is None and self.rank >= 0:  # registered: the scheduler expects a finish
+                self.requests.wait_idle(limit, lambda: failure.error is not None, f"worker {self.rank}")
+                self.collectives.wait_idle(limit)
+                if self.timeline is not None:
+                    self.timeline.close()  # written out before the scheduler, which ends a timeline file, hears of the finish
+                report = self.conn.link.report
+                finished = self.conn.link.ask(Cmd.FINISH, body=None if report is None else {"s": report()})
+                self._wait(finished, min(limit, max(5.0, env.heartbeat_timeout)), "the scheduler's answer to finish")
+                self._flush_collectives()
+        except PSNodeError as exc:
+            error = exc
+        finally:
+            self.receiver.stop()
+            self.collectives.close()
+            self.requests.fail_all(ClosedError("the worker was closed"))
+            self.conn.close(linger=0.5 if error is None else 0.0)
+            if self.timeline is not None:
+                self.timeline.close()
+        if error is not None and not isinstance(error, ClosedError) and failure.error is None:
+            raise error
+
+    # ---- facts -------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This worker's rank (-1 until registered)."""
+        return self.conn.rank
+
+    @property
+    def num_workers(self) -> int:
+        """Workers in the job."""
+        return self.env.num_workers
+
+    @property
+    def num_servers(self) -> int:
+        """Servers in the job."""
+        return self.env.num_servers
+
+    @property
+    def servers(self) -> list[PeerInfo]:
+        """The job's servers by rank (empty until registered)."""
+        return self.conn.members.servers
+
+    @property
+    def rejoined(self) -> bool:
+        """True when this worker took the rank of one that died (``PSLAUNCH_RESTART_SCOPE=worker``): the
+        others passed the job's set-up long ago, so it joins no set-up collective (``kvcore``)."""
+        return self.conn.members.rejoined
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the node failed, or None."""
+        return self.conn.failure.error
+
+    def _check(self) -> None:
+        error = self.conn.failure.error
+        if error is not None:
+            raise error
+        if self.closed:
+            raise ClosedError(f"worker {self.rank} was closed")
+
+    # ---- waiting -------------------------------------------------------------------------------
+    def _wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:
+        if not self.receiver.wait_for(future, limit):
+            raise NodeTimeoutError(f"worker {self.rank}: no {what} within {limit:g} s")
+        future.result()
+
+    def barrier(self, group: "Group | int | str" = Group.WORKERS, timeout: float | None = None,
+                note: Any = None) -> list:
+        """Block until every node of ``group`` (workers or all) reached a barrier; no time limit unless
+        ``timeout`` is given (see ``Connection.ask_barrier``). Returns the notes members left (a
+        small JSON value each, ``note``), in no set order.
+
+        Raises:
+            ValueError: an unknown group; PSNodeError: not in ``group``, or the barrier can never
+            complete (a member already finished); PeerDiedError: a node died; NodeTimeoutError: ``timeout``.
+        """
+        self._check()
+        future, what = self.conn.ask_barrier(group, note)
+        self._wait(future, timeout, what)
+        return future.result() or []
+
+    # ---- the API: init and updater -------------------------------------------------------------
+    def init(self, parts: Sequence[tuple[int, int, Hashable, np.ndarray, int]], sync: bool, future: Any = None) -> Any:
+        """Send initial values ``(server, key id, user key, value, row_size)``; the future is done when stored."""
+        future = future or concurrent.futures.Future()
+        by_server: dict[int, list] = {}
+        for part in parts:
+            by_server.setdefault(part[0], []).append(part)
+        req = self.requests.track(future, len(by_server), None, "init", frozenset(by_server))
+        for server, items in by_server.items():
+            specs, frames = [], []
+            for i, (_, key_id, user_key, value, row_size) in enumerate(items):
+                value = np.ascontiguousarray(value)
+                specs.append({"key": key_id, "user_key": user_key, "shape": list(value.shape), "dtype": value.dtype.str,
+                              "row_size": row_size, "frame": i, "offset": 0})
+                frames.append(value)
+            msg = [pack_header(Cmd.INIT, req, 1, FLAG_SYNC if sync else 0), pack_json(specs)] + frames
+            self.outbox.enqueue(server, msg, 0, req)
+        self.outbox.pump()
+        return future
+
+    def set_updater(self, updater: Any, future: Any = None) -> Any:
+        """Ship a picklable updater to every server; the future is done when all installed it."""
+        future = future or concurrent.futures.Future()
+        blob = pickle.dumps(updater, protocol=pickle.HIGHEST_PROTOCOL)
+        req = self.requests.track(future, self.num_servers, None, "set_updater", frozenset(range(self.num_servers)))
+        for server in range(self.num_servers):
+            self.outbox.enqueue(server, [pack_header(Cmd.SET_UPDATER, req, 1), blob], 0, req)
+        self.outbox.pump()
+        return future
+
+    def checkpoint(self, bodies: dict[int, Any], future: Any = None) -> tuple[Any, list]:
+        """Send checkpoint request ``bodies[server]`` (a JSON object, ``psnode.server.checkpoints``) to
+        each server; returns the future (done once every server answered, or failed with the first
+        refusal) and the list that gathers the ``(server, reply)`` pairs."""
+        future = future or concurrent.futures.Future()
+        replies: list = []
+        req = self.requests.track(future, len(bodies), replies, "checkpoint", frozenset(bodies))
+        for server, body in bodies.items():
+            self.outbox.enqueue(server, [pack_header(Cmd.CHECKPOINT, req, 1), pack_json(body)], 0, req)
+        self.outbox.pump()
+        return future, replies
+
+    def wait_pushes(self, timeout: float | None = None) -> None:
+        """Block until every push this worker issued so far was answered by its server (receiving
+        on this thread meanwhile); a refused push counts as answered.
+
+        Raises:
+            NodeTimeoutError: a push still unanswered after ``timeout`` seconds (default: a minute,
+                or the heartbeat timeout when longer); PSNodeError: the worker failed or was closed.
+        """
+        self._check()
+        self.outbox.release_held()
+        self.outbox.pump()
+        limit = timeout if timeout is not None else max(60.0, self.env.heartbeat_timeout)
+        deadline = time.monotonic() + limit
+        pushes = [r.future for r in list(self.requests.pending.values()) if r.what == "push"]
+        for future in pushes:
+            if not self.receiver.wait_for(future, max(0.0, deadline - time.monotonic())):
+                raise NodeTimeoutError(f"worker {self.rank}: pushes still unanswered after {limit:g} s")
+        self.conn.failure.check()
+
+    def set_codec(self, codec: int, params: dict[str, Any], future: Any = None) -> Any:
+        """Send codec ``codec``'s parameters (``{"threshold": t}``) to every server; the future is
+        done when all took them, or fails with the first refusal (which names the bad value).
+
+        Pushes in that codec sent after the future is done are decoded with these parameters; the
+        caller makes sure no worker's push in it is still on the way when they change.
+        """
+        future = future or concurrent.futures.Future()
+        body = pack_codec_params(codec, params)
+        req = self.requests.track(future, self.num_servers, None, "set_codec", frozenset(range(self.num_servers)))
+        for server in range(self.num_servers):
+            self.outbox.enqueue(server, [pack_header(Cmd.SET_CODEC, req, 1), body], 0, req)
+        self.outbox.pump()
+        return future
+
+    # ---- the API: push and pull (``worker_data.DataPath``) ------------------------------------------
+    def push(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, copy: bool = True,
+             future: Any = None, codec: int = RAW) -> Any:
+        """Push ``(server, key id, value)`` parts; returns at once (``DataPath.push``): the future is
+        done when every server has received its parts."""
+        return self.data.push(parts, priority, copy, future, codec)
+
+    def push_part(self, server: int, key_id: int, value: np.ndarray, priority: int = 0, future: Any = None,
+                  codec: int = RAW) -> Any:
+        """``push`` of one part (value copied), for callers with one part."""
+        return self.data.push_part(server, key_id, value, priority, future, codec)
+
+    def pull(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
+        """Pull ``(server, key id, out)`` parts into the C-contiguous arrays ``out``; returns at once
+        (``DataPath.pull``). Each value includes every push of the key this worker issued before."""
+        return self.data.pull(parts, priority, future)
+
+    def pull_part(self, server: int, key_id: int, out: np.ndarray, priority: int = 0, future: Any = None) -> Any:
+        """``pull`` of one part, for callers with one part."""
+        return self.data.pull_part(server, key_id, out, priority, future)
+
+    def pull_rows(self, parts: Sequence[tuple[int, int, np.ndarray, np.ndarray]], priority: int = 0,
+                  future: Any = None) -> Any:
+        """Pull the rows ``rows`` (int64, local to the part) of ``(server, key id, rows, out)`` parts into ``out``."""
+        return self.data.pull_rows(parts, priority, future)
+
+    # ---- replies (the receiving thread) --------------------------------------------------------------
+    def _on_reply(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
+        if cmd == _COLL:  # another worker's collective: req_id and arg are its tag
+            self.collectives.on_message(peer, req_id, arg, frames)
+            return
+        self.requests.take_reply(peer, cmd, flags, req_id, arg, frames)
+        if self.outbox.queue:  # a reply may mean a connection has room again
+            self.outbox.pump()

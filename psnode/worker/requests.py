@@ -1,0 +1,290 @@
+"""A worker's requests in flight: which are pending, what they wait for, and how replies complete them.
+
+Every call of the worker's API becomes one request: an id, the future the caller holds, the number
+of parts still unanswered and, for pulls, where each part's value goes (writable byte views of the
+caller's outs). ``take_reply`` reads a server's reply, writes pulled values into their outs, counts
+the parts it answered and completes the future when none is left; push acknowledgements arrive on
+their own or riding along with a reply. The table also counts the pushes sent per (key part,
+server): a pull tells the server how many of them it must include.
+
+Bookkeeping is bounded: one entry per request in flight, one counter per key part. The table also
+keeps the worker's traffic counters (``pushed_bytes``, ``pulled_bytes``, ``rounds``: plain integers
+bumped where a push is counted and a pull's value is written), which heartbeats report
+(``psnode.node.stats``).
+
+Thread-safety: ``track`` and the counters are used by calling threads, ``take_reply`` by the thread
+that receives; entries are added and removed with single dictionary operations (atomic in CPython),
+and a request's fields are only written by the thread that receives its reply. ``wait_idle`` waits
+on the table's own condition.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from psnode.errors import NodeTimeoutError, ProtocolError, RemoteError
+from psnode.node.membership import PeerInfo
+from psnode.node.protocol import (
+    ENTRY_STRUCT,
+    FLAG_ACKS,
+    FLAG_ERROR,
+    HEADER,
+    IN_SHARED_MEMORY,
+    Cmd,
+    unpack_entries,
+    unpack_json,
+)
+from psnode.transport import same_host
+
+__all__ = ["Request", "RequestTable"]
+
+
+class Request:
+    """One request in flight."""
+
+    __slots__ = ("future", "remaining", "targets", "what", "regions", "carried", "servers")
+
+    def __init__(self, future: concurrent.futures.Future, remaining: int, targets: list | None, what: str,
+                 servers: Any = -1) -> None:
+        self.future = future
+        self.remaining = remaining
+        self.targets = targets  # pull: index -> writable byte view of the out
+        self.what = what
+        # who may answer: a server rank (one server), a tuple of the server of each part, or a set
+        self.servers = servers
+        self.regions: dict[int, same_host.Region] | None = None  # pull: index -> shared-memory region of the reply
+        self.carried: int | None = None  # pull: the push that carried it, done by this pull's reply
+
+
+class RequestTable:
+    """The requests of one worker (see the module docstring).
+
+    ``check()`` raises when no new request may start (the worker failed or was closed); ``failure``
+    is the worker's latch (a request started as it fails is failed at once).
+    """
+
+    def __init__(self, check: Callable[[], None], failure: Any) -> None:
+        self._check = check
+        self._failure = failure
+        self.pending: dict[int, Request] = {}
+        self.push_counts: dict[tuple[int, int], int] = {}  # (key id, server) -> pushes sent
+        # Counters for heartbeats: written by one thread each (pushes by the caller, pulls by the
+        # receiving thread), read by the heartbeat; a caller pushing from several threads at once
+        # may lose an increment, which a rate on a dashboard can afford.
+        self.pushed_bytes = 0
+        self.pulled_bytes = 0
+        self.rounds = 0  # pushes of this worker's most pushed key part: its training steps, as a rule
+        self._ids = itertools.count(1)  # next() on a count is atomic: no lock needed
+        self._idle = threading.Condition()
+        self._idle_waiters = 0  # threads in wait_idle (only they need a notify when the table empties)
+
+    # ---- starting and ending requests ----------------------------------------------------------
+    def track(self, future: Any, remaining: int, targets: list | None, what: str, servers: Any = -1) -> int:
+        """Start a request of ``remaining`` parts sent to ``servers``; return its id.
+
+        ``servers``: the rank of the one server it went to, a tuple of each part's server, or a set
+        of ranks; only those servers' replies are taken (``take_reply``).
+
+        Raises:
+            PSNodeError: the worker failed or was closed (see ``check``).
+        """
+        self._check()
+        req = next(self._ids)
+        if remaining == 0:
+            future.set_result(None)
+            return req
+        self.pending[req] = Request(future, remaining, targets, what, servers)
+        if self._failure.error is not None:  # failed between the check and now: do not leave it hanging
+            self.complete(req, self._failure.error)
+        return req
+
+    def next_push(self, key_id: int, server: int, nbytes: int) -> int:
+        """Count one more push of part ``key_id`` to ``server`` (``nbytes`` bytes); return its number (from 1)."""
+        slot = (key_id, server)
+        seq = self.push_counts.get(slot, 0) + 1
+        self.push_counts[slot] = seq
+        self.pushed_bytes += nbytes
+        if seq > self.rounds:
+            self.rounds = seq
+        return seq
+
+    def pushes(self, key_id: int, server: int) -> int:
+        """Pushes of part ``key_id`` sent to ``server`` so far: what a pull must include."""
+        return self.push_counts.get((key_id, server), 0)
+
+    def complete(self, req: int, error: BaseException | None = None) -> None:
+        """End request ``req`` (with ``error``, or successfully); nothing when it already ended."""
+        request = self.pending.pop(req, None)
+        if request is None:
+            return
+        if request.carried is not None:  # the push this pull carried ends with it
+            self.complete(request.carried, error)
+        try:
+            if error is None:
+                request.future.set_result(None)
+            else:
+                request.future.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass
+        if self._idle_waiters and not self.pending:
+            with self._idle:
+                self._idle.notify_all()
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every pending request with ``error``."""
+        for req in list(self.pending):
+            self.complete(req, error)
+
+    def wait_idle(self, limit: float, failed: Callable[[], bool], who: str) -> None:
+        """Block until no request is pending (or ``failed()``).
+
+        A checkpoint request is waited for without a limit: its server answers once the checkpoint
+        is on disk, which takes as long as the disk takes, and a server that dies fails the worker
+        (``failed()``) within the heartbeat timeout. ``limit`` bounds the wait for any other.
+
+        Raises:
+            NodeTimeoutError: requests still pending after ``limit`` seconds (names how many).
+        """
+        deadline = time.monotonic() + limit
+        with self._idle:
+            self._idle_waiters += 1
+            try:
+                while self.pending and not failed():
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        if all(r.what == "checkpoint" for r in list(self.pending.values())):
+                            remaining = 0.1
+                        else:
+                            raise NodeTimeoutError(f"{who}: {len(self.pending)} requests still unanswered after {limit:g} s")
+                    self._idle.wait(min(remaining, 0.1))
+            finally:
+                self._idle_waiters -= 1
+
+    # ---- replies (the receiving thread) -----------------------------------------------------------
+    def take_reply(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
+        """Complete what a server's reply answers.
+
+        Raises:
+            ProtocolError: a reply to no pending request, or malformed (the request it answers fails
+                with the reason; the message is counted as malformed).
+        """
+        if cmd == Cmd.PUSH_ACK and not flags & FLAG_ERROR:
+            self.take_acks(peer, frames[1])
+            return
+        if flags & FLAG_ACKS:  # push acknowledgements riding along with a reply
+            self.take_acks(peer, frames[-1])
+            frames = frames[:-1]
+        request = self.pending.get(req_id)
+        if request is None:
+            raise ProtocolError(f"{Cmd(cmd).name} for unknown request {req_id}")
+        if not _sent_to(request, peer):
+            raise ProtocolError(f"{Cmd(cmd).name} from {peer.describe()} for request {req_id}, which was not sent there")
+        if request.carried is not None:  # any reply to the pull means the server took the push before it
+            self.complete(request.carried)
+            request.carried = None
+        if flags & FLAG_ERROR:
+            message = unpack_json(frames[1]).get("error", "unknown error")
+            self.complete(req_id, RemoteError(f"{request.what} failed on {peer.describe()}: {message}"))
+            return
+        try:
+            self._take_values(request, cmd, arg, frames, peer.rank)
+        except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
+            self.complete(req_id, ProtocolError(f"{request.what}: malformed reply from {peer.describe()}: {exc}"))
+            raise  # and the message is counted as malformed
+        if request.remaining <= 0:
+            self.complete(req_id)
+
+    def take_acks(self, peer: PeerInfo, frame: Any) -> None:
+        """Count acknowledged push parts: ``(req_id, parts)`` u64 pairs (only of pushes sent to ``peer``)."""
+        pending = self.pending
+        buffer = frame.buffer
+        if len(buffer) % 16:
+            raise ProtocolError(f"push acknowledgements of {len(buffer)} bytes, not a multiple of 16")
+        for rid, count in np.frombuffer(buffer, dtype=np.uint64).reshape(-1, 2).tolist():
+            request = pending.get(rid)
+            if request is not None and _sent_to(request, peer):
+                request.remaining -= count
+                if request.remaining <= 0:
+                    self.complete(rid)
+
+    def _take_values(self, request: Request, cmd: int, arg: int, frames: list, peer_rank: int) -> None:
+        """Write a reply's values into the request's outs and count the parts it answered."""
+        if cmd == Cmd.VALUE:  # one part, in the header frame (protocol's compact form)
+            self.pulled_bytes += _write_value(request, arg, frames[0].buffer)
+            request.remaining -= 1
+        elif cmd in (Cmd.PULL_REPLY, Cmd.ROWS_REPLY):
+            if len(frames) == 3 and len(request.targets) == 1:  # one part in the message (most small pulls)
+                self.pulled_bytes += _write_one(request, frames[1].buffer, frames[2].buffer)
+                request.remaining -= 1
+                return
+            buffers = [f.buffer for f in frames[2:]]
+            entries = unpack_entries(frames[1], [len(b) for b in buffers])
+            targets = request.targets
+            servers = request.servers
+            for _, index, frame, _, offset, nbytes, _ in entries:
+                if type(servers) is tuple and servers[index] != peer_rank:
+                    raise ProtocolError(f"a reply for part {index}, which server {peer_rank} was not asked for")
+                target = targets[index]
+                if nbytes != target.nbytes:
+                    raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
+                if frame == IN_SHARED_MEMORY:
+                    target[:] = request.regions[index].array
+                else:
+                    target[:] = buffers[frame][offset:offset + nbytes]
+                self.pulled_bytes += nbytes
+            request.remaining -= len(entries)
+        elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC_ACK):
+            request.remaining -= arg
+        elif cmd == Cmd.CHECKPOINT_REPLY:  # a JSON result per server, gathered in the request's list
+            if len(frames) != 2 or request.targets is None or request.what != "checkpoint":
+                raise ProtocolError(f"a CHECKPOINT_REPLY of {len(frames)} frames for a {request.what}")
+            request.targets.append((peer_rank, unpack_json(frames[1])))
+            request.remaining -= 1
+        else:
+            raise ProtocolError(f"a worker does not accept {Cmd(cmd).name}")
+
+
+def _sent_to(request: Request, peer: PeerInfo) -> bool:
+    """True when ``peer`` is a server ``request`` went to (a reply from any other node is forged)."""
+    servers = request.servers
+    if peer.role != "server":
+        return False
+    if type(servers) is int:
+        return servers == peer.rank or servers < 0
+    return peer.rank in servers
+
+
+def _write_value(request: Request, index: int, frame: memoryview) -> int:
+    """Write a ``VALUE`` reply into the out of part ``index``; return the bytes written."""
+    targets = request.targets
+    if targets is None or not 0 <= index < len(targets):
+        raise ProtocolError(f"VALUE for part {index} of a request with {len(targets or ())} parts")
+    target = targets[index]
+    if len(frame) - HEADER.size != target.nbytes:
+        raise ProtocolError(f"VALUE of {len(frame) - HEADER.size} bytes for an out of {target.nbytes} bytes")
+    target[:] = frame[HEADER.size:]
+    return target.nbytes
+
+
+def _write_one(request: Request, meta: memoryview, data: memoryview) -> int:
+    """Write the one part of a reply into its out (the common case of ``_take_values``); return the
+    bytes written."""
+    if len(meta) != ENTRY_STRUCT.size:
+        raise ProtocolError(f"reply meta frame of {len(meta)} bytes for one part")
+    _, index, frame, _, offset, nbytes, _ = ENTRY_STRUCT.unpack_from(meta)
+    target = request.targets[index]
+    if nbytes != target.nbytes:
+        raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
+    if frame == IN_SHARED_MEMORY:
+        target[:] = request.regions[index].array
+    elif frame != 0 or offset + nbytes > len(data):
+        raise ProtocolError("a reply part lies outside the message's data frame")
+    else:
+        target[:] = data[offset:offset + nbytes]
+    return nbytes
