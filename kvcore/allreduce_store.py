@@ -32,8 +32,10 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from . import arrays
-from .collectives import Collectives, _joined, group
+from psnode.worker.node import WorkerNode
+
+from . import arrays, runtime
+from .collectives import Collectives
 from .dist_errors import runtime_errors
 from .handles import Handle, completed
 from .store_base import KVStoreBase
@@ -46,10 +48,10 @@ __all__ = ["AllreduceKVStore", "create"]
 class AllreduceKVStore(KVStoreBase):
     """A KVStore whose workers sum among themselves (see the module docstring)."""
 
-    def __init__(self, store_type: str = "allreduce") -> None:
+    def __init__(self, store_type: str = "allreduce", worker: WorkerNode | None = None) -> None:
         super().__init__(store_type)
-        self._coll: Collectives = group()
-        self._worker = self._coll._worker
+        self._coll: Collectives = runtime.collectives(worker)
+        self._worker = self._coll.worker
         self._stored: dict[Hashable, np.ndarray] = {}
         self._sums: dict[Hashable, np.ndarray] = {}  # key -> the buffer its pushes are summed in
         self._pending: dict[Hashable, _Push] = {}  # key -> its push in flight
@@ -150,7 +152,7 @@ class AllreduceKVStore(KVStoreBase):
     def _launch(self, keys: list[Hashable], values: list[np.ndarray], outs: list[Any], apply: bool) -> Handle:
         """Sum ``values`` into ``outs`` over every worker; each key's pending push until done."""
         futures = self._coll.allreduce_arrays(values, outs, ("kv", tuple(keys)), self.fusion_bytes)
-        handle = _joined(futures, self._worker, "push", None)
+        handle = self._coll.handle_of(futures, "push")
         push = _Push(handle, keys if apply else [])
         pending = self._pending
         for key in keys:
@@ -242,7 +244,7 @@ class AllreduceKVStore(KVStoreBase):
                     if target is not o:
                         arrays.copy_into(target, o)
 
-        done = _joined([handle], self._worker, "pushpull", None, then=finish)
+        done = self._coll.handle_of([handle], "pushpull", then=finish)
         push = _Push(done, [])
         for k in keys:
             self._pending[k] = push

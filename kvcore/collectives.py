@@ -12,8 +12,8 @@ PyTorch adapter use, and what training code may call itself.
     C.broadcast_parameters(model)            # a torch module, a dict of arrays, Trainer parameters
     C.barrier()
 
-The first call joins the job the environment describes (``kvcore.dist_store.worker_node``: one
-worker node per process, shared with the stores), in a job with or without servers
+The first call joins the job the environment describes (``kvcore.runtime``: one worker node per
+process, shared with the stores), in a job with or without servers
 (``pslaunch -n N -s 0`` starts one without).
 
 **Order.** Every worker must run the same collectives. Without ``key`` they are matched by call
@@ -42,18 +42,17 @@ one collective different shapes or dtypes all raise ``WorkerMismatchError`` nami
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from typing import Any, Sequence
 
 import numpy as np
 
 from psnode.collectives.fusion import DEFAULT_LIMIT, FusionBuffer, plan
 from psnode.errors import PSNodeError
-from psnode.node.futures import chain
+from psnode.node.futures import all_of, chain
 
-from . import arrays
+from . import arrays, runtime
 from .dist_errors import runtime_errors, translate
-from .dist_store import NodeHandle, worker_node
+from .dist_store import NodeHandle
 from .handles import Handle
 
 _PLANS_KEPT = 64  # fusion plans remembered (layouts that come back every step); the oldest go when more come
@@ -74,6 +73,11 @@ class Collectives:
         self._plans: dict[tuple, list[list[int]]] = {}  # (sizes, dtypes, limit) -> the fused groups
 
     # ---- facts -----------------------------------------------------------------------------------
+    @property
+    def worker(self) -> Any:
+        """The worker node these collectives run on (``psnode.worker.node.WorkerNode``)."""
+        return self._worker
+
     @property
     def rank(self) -> int:
         """This worker's rank, 0 .. num_workers-1."""
@@ -145,8 +149,8 @@ class Collectives:
                     raise TypeError(f"allreduce(average=True) needs float arrays, got {np.dtype(v.dtype)}")
         futures = self.allreduce_arrays(values, outs, ("allreduce",) if key is None else ("allreduce", key), fusion_bytes)
         result = out if out is not None else value
-        handle = _joined(futures, self._worker, "allreduce", result,
-                         then=(lambda: [_scale(o, 1.0 / self.num_workers) for o in outs]) if average else None)
+        handle = self.handle_of(futures, "allreduce", result,
+                                then=(lambda: [_scale(o, 1.0 / self.num_workers) for o in outs]) if average else None)
         return handle.wait() if wait else handle
 
     def allreduce_arrays(self, values: Sequence[Any], outs: Sequence[Any], key: tuple,
@@ -215,8 +219,14 @@ class Collectives:
         with runtime_errors():
             self._engine.broadcast(key, host, root, future=inner)
         if direct:
-            return _joined([inner], self._worker, "broadcast", value)
-        return _joined([inner], self._worker, "broadcast", value, then=lambda: arrays.copy_into(value, host))
+            return self.handle_of([inner], "broadcast", value)
+        return self.handle_of([inner], "broadcast", value, then=lambda: arrays.copy_into(value, host))
+
+    def handle_of(self, futures: Sequence[concurrent.futures.Future], what: str, result: Any = None,
+                  then: Any = None) -> Handle:
+        """One handle for several collectives in flight (``allreduce_arrays``'s futures): done once
+        every one is, with the first error (as kvcore's), or else after ``then()`` with ``result``."""
+        return all_of(futures, NodeHandle(what, self._worker), then, result)
 
     def barrier(self) -> None:
         """Block until every worker reached the barrier (liveness-checked: a dead worker fails it)."""
@@ -267,45 +277,6 @@ def _scale(array: Any, factor: float) -> None:
         array *= array.dtype.type(factor)
 
 
-def _joined(futures: Sequence[concurrent.futures.Future], worker: Any, what: str, result: Any,
-            then: Any = None) -> Handle:
-    """One handle done when every future is (their first error), after ``then()``, with ``result``."""
-    handle = NodeHandle(what, worker)
-    if len(futures) == 1 and then is None:
-        inner = futures[0]
-        inner.add_done_callback(lambda f: handle.set_exception(f.exception()) if f.exception() is not None
-                                else handle.set_result(result))
-        return handle
-    left = [len(futures)]
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def one(done: concurrent.futures.Future) -> None:
-        error = done.exception()
-        with lock:
-            if error is not None:
-                errors.append(error)
-            left[0] -= 1
-            last = left[0] == 0
-        if not last:
-            return
-        if not errors and then is not None:
-            try:
-                then()
-            except Exception as exc:  # goes to the waiter
-                errors.append(exc)
-        if errors:
-            handle.set_exception(translate(errors[0]))
-        else:
-            handle.set_result(result)
-
-    if not futures:
-        handle.set_result(result)
-    for future in futures:
-        future.add_done_callback(one)
-    return handle
-
-
 def _parameter_lists(params: Any) -> list[list[Any]]:
     """Every parameter's replicas, in the order given (the same on every worker)."""
     from .parameters import Parameter, normalise_params
@@ -315,22 +286,13 @@ def _parameter_lists(params: Any) -> list[list[Any]]:
     return [p.list_data() for p in normalise_params(params)]
 
 
-_group: Collectives | None = None
-_group_lock = threading.Lock()
-
-
 def group() -> Collectives:
     """This process's collectives (joining the job on first use).
 
     Raises:
         DistributedError: the environment describes no job, or registration failed.
     """
-    global _group
-    with _group_lock:
-        worker = worker_node()
-        if _group is None or _group._worker is not worker:
-            _group = Collectives(worker)
-        return _group
+    return runtime.collectives()
 
 
 def allreduce(value: Any, out: Any = None, key: Any = None, average: bool = False, wait: bool = True) -> Any:

@@ -2,21 +2,25 @@
 
 psnode raises its own tree (``psnode.errors``); a user of kvcore sees kvcore's
 (``kvcore.errors``). ``translate`` maps one error through ``_TABLE`` (most specific first) and keeps
-the psnode error as ``__cause__``; ``runtime_errors()`` applies it around a call into psnode. The
-dist stores use nothing else to map errors: calls go through ``runtime_errors``, and the handles
-they return translate what the runtime completed them with when it is read.
+the psnode error as ``__cause__``; ``runtime_errors()`` applies it around a block that calls into
+psnode, and ``@maps_runtime_errors`` around a whole method (the stores' push and pull, where a
+``with`` per call would cost more than the call). The stores use nothing else to map errors, and the
+handles they return translate what the runtime completed them with when it is read.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+import functools
+from typing import Any, Callable, Iterator, TypeVar
 
 from psnode import errors as ps
 
 from .errors import DistributedError, DistTimeoutError, NodeDiedError, ServerError, WorkerMismatchError
 
-__all__ = ["translate", "runtime_errors"]
+__all__ = ["translate", "runtime_errors", "maps_runtime_errors"]
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 _TABLE: tuple[tuple[type[BaseException], Callable[[BaseException], BaseException]], ...] = (
     (ps.PeerDiedError, lambda e: NodeDiedError(str(e), e.role, e.rank, e.host)),
@@ -44,3 +48,16 @@ def runtime_errors() -> Iterator[None]:
         yield
     except ps.PSNodeError as exc:
         raise translate(exc) from exc
+
+
+def maps_runtime_errors(method: _Method) -> _Method:
+    """Decorate ``method`` so that it raises kvcore's error for any psnode error (``translate``)."""
+
+    @functools.wraps(method)
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except ps.PSNodeError as exc:
+            raise translate(exc) from exc
+
+    return mapped  # type: ignore[return-value]

@@ -3,7 +3,8 @@
 ``kvcore.create('dist_sync')`` in a worker process (``DMLC_ROLE`` unset or ``worker``) joins the job
 the environment describes (docs/env.md): it registers with the scheduler (blocking, with the
 registration timeout) and from then on talks to the servers. One worker node serves every
-distributed store of the process.
+distributed store of the process (``kvcore.runtime`` holds it; a test hands one in with
+``runtime.use``, or to the store itself: ``DistKVStore(name, worker=...)``).
 
 Semantics (MXNet's dist KVStore):
 
@@ -52,14 +53,14 @@ import numpy as np
 from psnode import errors as ps_errors
 from psnode.compression import values_per_word
 from psnode.compression.codecs import codec_id
-from psnode.env import read_env
+from psnode.env import NodeEnv
 from psnode.node.connection import is_done
 from psnode.node.futures import chain
 from psnode.node.protocol import Group
 from psnode.worker.node import WorkerNode
 
-from . import arrays
-from .dist_errors import runtime_errors, translate
+from . import arrays, runtime
+from .dist_errors import maps_runtime_errors, runtime_errors, translate
 from .errors import (
     DistributedError,
     DistTimeoutError,
@@ -75,34 +76,7 @@ from .optim.base import Optimizer, Updater
 from .sharding import KeyLayout, layout
 from .store_base import KeyMeta, KVStoreBase
 
-__all__ = ["DistKVStore", "NodeHandle", "create", "worker_node"]
-
-_node: WorkerNode | None = None
-_node_lock = threading.Lock()
-
-
-def worker_node() -> WorkerNode:
-    """This process's worker node, registered with the job on first use.
-
-    Raises:
-        DistributedError: the environment is incomplete or registration failed (the message says why).
-    """
-    global _node
-    with _node_lock:
-        if _node is not None and _node.closed:
-            raise DistributedError(
-                f"worker {_node.rank} already left the job (close() was called or it aborted); "
-                "a process joins a job once"
-            )
-        if _node is None:
-            with runtime_errors():
-                env = read_env(default_role="worker")
-                if env.role != "worker":
-                    raise ps_errors.EnvError(f"a KVStore is created by workers, but DMLC_ROLE={env.role}")
-                node = WorkerNode(env).start().watch_process()
-            _node = node
-        return _node
-
+__all__ = ["DistKVStore", "NodeHandle", "create"]
 
 class NodeHandle(LazyHandle):
     """A ``Handle`` the worker node completes: its error becomes kvcore's as it is set
@@ -136,16 +110,16 @@ class NodeHandle(LazyHandle):
 class DistKVStore(KVStoreBase):
     """A KVStore whose values live on the job's servers (see the module docstring)."""
 
-    def __init__(self, store_type: str) -> None:
+    def __init__(self, store_type: str, worker: WorkerNode | None = None) -> None:
         super().__init__(store_type)
-        with runtime_errors():  # before registering: the job's other workers need not wait for this one
-            servers = _node.num_servers if _node is not None else read_env(default_role="worker").num_servers
+        # before registering: the job's other workers need not wait for this one
+        servers = worker.num_servers if worker is not None else runtime.num_servers()
         if servers == 0:
             raise DistributedError(
                 f"kvcore.create({store_type!r}) keeps the values on servers, but this job has none "
                 "(DMLC_NUM_SERVER=0, as pslaunch -s 0 starts it); use kvcore.create('allreduce'), whose "
                 "workers sum among themselves, or start the job with servers (pslaunch -s N)")
-        self._worker = worker_node()
+        self._worker = worker if worker is not None else runtime.worker()
         if self._worker.env.restart_scope == "worker" and store_type != "dist_async":
             raise DistributedError(
                 f"{store_type} cannot run under --restart-scope worker (PSLAUNCH_RESTART_SCOPE=worker): a worker "
@@ -160,7 +134,7 @@ class DistKVStore(KVStoreBase):
         self._has_updater = False
         self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
         self._trace_calls(self._worker.timeline)
-        self._restored: dict[Hashable, KeyMeta] = {}  # keys of the checkpoint restored (kvcore.elastic)
+        self._restored: dict[Hashable, KeyMeta] = {}  # keys of the checkpoint restored (note_restored)
 
     # ---- job facts --------------------------------------------------------------------------
     @property
@@ -183,19 +157,74 @@ class DistKVStore(KVStoreBase):
         """This worker's index among the workers on its host (``PSLAUNCH_LOCAL_RANK``)."""
         return self._worker.env.local_rank
 
+    @maps_runtime_errors
     def barrier(self) -> None:
         """Block until every worker reached the barrier.
 
         Raises:
             NodeDiedError: a node died meanwhile.
         """
-        self._call(self._worker.barrier, Group.WORKERS)
+        self._worker.barrier(Group.WORKERS)
 
     _barrier = barrier
 
+    @maps_runtime_errors
     def close(self) -> None:
         """Finish this worker's part of the job (also done at exit): waits for requests in flight."""
-        self._call(self._worker.close)
+        self._worker.close()
+
+    # ---- what checkpoints use (kvcore.elastic) --------------------------------------------------
+    @property
+    def job(self) -> NodeEnv:
+        """The job as this worker's environment describes it (``psnode.env.NodeEnv``): its id, the
+        checkpoint directory, the restart count, the big-array bound."""
+        return self._worker.env
+
+    @property
+    def rejoined(self) -> bool:
+        """True in a worker pslaunch started again alone, which joined the running job."""
+        return self._worker.rejoined
+
+    @maps_runtime_errors
+    def wait_pushes(self) -> None:
+        """Block until every push of this worker reached its servers."""
+        self._worker.wait_pushes()
+
+    @maps_runtime_errors
+    def barrier_with_note(self, note: Any = None) -> list[Any]:
+        """A barrier of the workers at which each leaves ``note`` (a JSON value, or None); returns
+        every worker's note, by rank: how worker 0 tells the others its outcome."""
+        return self._worker.barrier(Group.WORKERS, note=note)
+
+    @maps_runtime_errors
+    def send_checkpoint_requests(self, bodies: dict[int, dict]) -> tuple[concurrent.futures.Future, list]:
+        """Send checkpoint request ``bodies[server]`` (``psnode.server.checkpoints``) to each server;
+        returns the future, done once every one answered (failed with the first refusal), and the
+        list that gathers the ``(server, reply)`` pairs. Wait with ``wait_for``."""
+        return self._worker.checkpoint(bodies)
+
+    def wait_for(self, future: concurrent.futures.Future) -> None:
+        """Block until ``future`` (of this store's runtime) is done, without a time limit (liveness is
+        checked: a dead peer fails it), and raise its error as kvcore's (a refusal: ``ServerError``)."""
+        with runtime_errors():
+            self._worker.wait_for(future)
+            future.result()
+
+    def key_meta(self, key: Hashable) -> KeyMeta | None:
+        """The shape and dtype ``key`` was initialised with in this store; None before its init."""
+        return self._meta.get(key)
+
+    def held_keys(self) -> dict[Hashable, KeyMeta]:
+        """Every key the servers hold for this store: initialised, or restored from a checkpoint and
+        not initialised yet."""
+        held = dict(self._restored)
+        held.update(self._meta)
+        return held
+
+    def note_restored(self, key: Hashable, meta: KeyMeta) -> None:
+        """Record that the servers hold ``key`` restored from a checkpoint with ``meta``: its ``init``
+        must then match that shape and dtype, and it keeps the checkpoint's value."""
+        self._restored[key] = meta
 
     # ---- optimizer --------------------------------------------------------------------------
     def set_optimizer(self, optimizer: Any) -> None:
@@ -222,7 +251,7 @@ class DistKVStore(KVStoreBase):
             ) from exc
         if not self._worker.rejoined:  # a restarted worker: the servers hold the updater and its state
             if self.rank == 0:
-                self._wait(self._worker.set_updater(updater))
+                self.wait_for(self._worker.set_updater(updater))
             self.barrier()
         self._updater = updater
         self._has_updater = True
@@ -230,6 +259,7 @@ class DistKVStore(KVStoreBase):
     _set_updater = set_updater
 
     # ---- gradient compression ------------------------------------------------------------------
+    @maps_runtime_errors
     def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
         """Compress every push from now on (see the module docstring and docs/compression.md).
 
@@ -247,30 +277,32 @@ class DistKVStore(KVStoreBase):
         params = self._compression.params
         if self._worker.rejoined:  # a restarted worker: the servers have the parameters
             return
-        self._call(self._worker.wait_pushes)
+        self._worker.wait_pushes()
         self.barrier()  # no push encoded with the old parameters is still on its way to a server
         if self.rank == 0:
-            self._wait(self._worker.set_codec(codec_id(params.type), {"threshold": float(params.threshold)}))
+            self.wait_for(self._worker.set_codec(codec_id(params.type), {"threshold": float(params.threshold)}))
         self.barrier()
 
     # ---- the common case without the general normalisation ------------------------------------
+    @maps_runtime_errors
     def push(self, key: Any, value: Any, priority: int = 0) -> Handle:
         """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
         if type(value) is np.ndarray and (self._sync or self._has_updater) and self._compression is None:
             target = self._whole_target(key, value)
             if target is not None:
                 handle = NodeHandle("push", self._worker)
-                self._call(self._worker.push_part, target[0], target[1], value, priority, handle)
+                self._worker.push_part(target[0], target[1], value, priority, handle)
                 return handle
         return super().push(key, value, priority)
 
+    @maps_runtime_errors
     def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True, wait: bool = True) -> Handle:
         """As ``KVStoreBase.pull``; one numpy out of an initialised whole key skips the grouping."""
         if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable:
             target = self._whole_target(key, out)
             if target is not None:
                 handle = NodeHandle("pull", self._worker)
-                self._call(self._worker.pull_part, target[0], target[1], out, priority, handle)
+                self._worker.pull_part(target[0], target[1], out, priority, handle)
                 if wait:
                     handle.wait()
                 return handle
@@ -288,7 +320,7 @@ class DistKVStore(KVStoreBase):
         return target
 
     # ---- hooks ----------------------------------------------------------------------------
-    def _layout_for(self, key: Hashable, shape: tuple[int, ...], dtype: Any) -> KeyLayout:
+    def layout_for(self, key: Hashable, shape: tuple[int, ...], dtype: Any) -> KeyLayout:
         """Where ``key`` lives on the servers (its layout once initialised, else the one it would get)."""
         known = self._layouts.get(key)
         if known is not None:
@@ -305,7 +337,7 @@ class DistKVStore(KVStoreBase):
                 kind = ShapeMismatchError if tuple(value.shape) != meta.shape else DTypeMismatchError
                 raise kind(f"key {key!r} is initialised with shape {tuple(value.shape)} and dtype {np.dtype(value.dtype)}, "
                            f"but the checkpoint restored holds shape {meta.shape} and dtype {meta.dtype} for it")
-        layouts = [self._layout_for(key, tuple(value.shape), value.dtype) for key, value in pairs]
+        layouts = [self.layout_for(key, tuple(value.shape), value.dtype) for key, value in pairs]
         if self._worker.rejoined:  # a restarted worker: the servers hold the keys, with the job's progress
             self._take_layouts(layouts)
             return
@@ -318,7 +350,7 @@ class DistKVStore(KVStoreBase):
                     data = flat[part.start:part.stop] if lay.split else flat.reshape(lay.shape)
                     parts.append((part.server, part.id, key, data, lay.row_size or 1))
             try:
-                self._wait(self._worker.init(parts, self._sync))
+                self.wait_for(self._worker.init(parts, self._sync))
             except DistributedError as exc:  # every rank must learn it: they would believe the keys exist
                 refusal = {"kind": type(exc).__name__, "message": str(exc)}
         with runtime_errors():
@@ -333,6 +365,7 @@ class DistKVStore(KVStoreBase):
             if not lay.split:
                 self._whole[lay.key] = (lay.parts[0].server, lay.id)
 
+    @maps_runtime_errors
     def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
         if not self._sync and not self._has_updater:
             raise OptimizerError(
@@ -362,9 +395,10 @@ class DistKVStore(KVStoreBase):
             for part in lay.parts:
                 parts.append((part.server, part.id, flat[part.start:part.stop]))
         handle = NodeHandle("push", self._worker)
-        self._call(self._worker.push, parts, priority, not fresh, handle)
+        self._worker.push(parts, priority, not fresh, handle)
         return handle
 
+    @maps_runtime_errors
     def _push_compressed(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
         """Quantize each key's value (after the local reduce) part by part, each part with its own
         residual, and push the packed words in the compression's codec."""
@@ -380,7 +414,7 @@ class DistKVStore(KVStoreBase):
                     parts.append((part.server, part.id, packed))
         handle = NodeHandle("push", self._worker)
         # the packed arrays are new: handed over, not copied
-        self._call(self._worker.push, parts, priority, False, handle, codec)
+        self._worker.push(parts, priority, False, handle, codec)
         return handle
 
     def _merge(self, key: Hashable, values: list[Any]) -> np.ndarray:
@@ -404,6 +438,7 @@ class DistKVStore(KVStoreBase):
             total += arrays.asnumpy(value)
         return total
 
+    @maps_runtime_errors
     def _pull_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
         parts = []
         copies: list[tuple[np.ndarray, list[Any]]] = []
@@ -424,7 +459,7 @@ class DistKVStore(KVStoreBase):
                 parts.append((part.server, part.id, flat[part.start:part.stop]))
         handle = NodeHandle("pull", self._worker)
         if not copies:
-            self._call(self._worker.pull, parts, priority, handle)
+            self._worker.pull(parts, priority, handle)
             return handle
         def deliver() -> None:
             for flat, outs in copies:
@@ -433,9 +468,10 @@ class DistKVStore(KVStoreBase):
 
         inner: concurrent.futures.Future = concurrent.futures.Future()
         chain(inner, handle, deliver)  # a GPU copy that fails goes to the waiter
-        self._call(self._worker.pull, parts, priority, inner)
+        self._worker.pull(parts, priority, inner)
         return handle
 
+    @maps_runtime_errors
     def _pull_rows(self, requests: list[tuple[Hashable, np.ndarray]], priority: int) -> list[Any]:
         parts = []
         results = []
@@ -461,26 +497,16 @@ class DistKVStore(KVStoreBase):
         dense_parts = [p[1:] for p in parts if p[0] == "dense"]
         futures = []
         if row_parts:
-            futures.append(self._call(self._worker.pull_rows, row_parts, priority))
+            futures.append(self._worker.pull_rows(row_parts, priority))
         if dense_parts:
-            futures.append(self._call(self._worker.pull, dense_parts, priority))
+            futures.append(self._worker.pull(dense_parts, priority))
         for future in futures:
-            self._wait(future)
+            self.wait_for(future)
         for i, lay, rows in dense:
             results[i] = results[i].reshape(lay.shape)[rows]
         return results
 
     # ---- plumbing ----------------------------------------------------------------------------
-    def _call(self, fn: Any, *args: Any) -> Any:
-        try:  # runtime_errors() spelled out: this is on every push and pull
-            return fn(*args)
-        except ps_errors.PSNodeError as exc:
-            raise translate(exc) from exc
-
-    def _wait(self, future: concurrent.futures.Future) -> None:
-        with runtime_errors():
-            self._worker.wait_for(future)
-            future.result()
 
 
 def _error_of(note: Any) -> DistributedError:

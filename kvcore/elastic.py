@@ -36,13 +36,10 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from typing import Any, Hashable
+from typing import Any
 
 import numpy as np
 
-from psnode.node.protocol import Group
-
-from .dist_errors import runtime_errors
 from .errors import CheckpointError, DTypeMismatchError, KVStoreError, ServerError, ShapeMismatchError
 from .store_base import KeyMeta
 
@@ -93,7 +90,7 @@ class State:
     @property
     def restart_count(self) -> int:
         """How many times pslaunch restarted the job before this start (``PSLAUNCH_RESTART_COUNT``)."""
-        return self._kv._worker.env.restart_count
+        return self._kv.job.restart_count
 
     # ---- restore ----------------------------------------------------------------------------------
     def restore(self) -> bool:
@@ -108,10 +105,10 @@ class State:
                 checkpoint's (naming both shapes). CheckpointError: the checkpoint cannot be read or
                 loaded (the message names the file and why). Every worker raises the same error.
         """
-        kv, worker = self._kv, self._kv._worker
-        if worker.env.checkpoint_dir is None:
+        kv = self._kv
+        if kv.job.checkpoint_dir is None:
             return False
-        if worker.rejoined:  # restarted alone: the servers hold newer values; only the scalars come back
+        if kv.rejoined:  # restarted alone: the servers hold newer values; only the scalars come back
             newest = self._ask(0, {"op": "scan"}).get("newest")
             if newest is None:
                 return False
@@ -121,8 +118,7 @@ class State:
                     setattr(self, name, value)
             self.checkpoint_id = newest
             return True
-        with runtime_errors():
-            worker.wait_pushes()
+        kv.wait_pushes()
         note = None
         if kv.rank == 0:
             note = self._guarded(self._restore_on_servers)
@@ -145,12 +141,12 @@ class State:
         parts: dict[int, list] = {s: [] for s in range(kv.num_servers)}
         for entry in manifest["keys"]:
             key, shape, dtype = entry["key"], tuple(entry["shape"]), np.dtype(entry["dtype"])
-            meta = kv._meta.get(key)
+            meta = kv.key_meta(key)
             if meta is not None and (meta.shape != shape or meta.dtype != dtype):
                 kind = ShapeMismatchError if meta.shape != shape else DTypeMismatchError
                 raise kind(f"key {key!r} is initialised with shape {meta.shape} and dtype {meta.dtype}, but checkpoint "
                            f"{newest} holds shape {shape} and dtype {dtype} for it")
-            for part in kv._layout_for(key, shape, dtype).parts:
+            for part in kv.layout_for(key, shape, dtype).parts:
                 parts[part.server].append([part.id, key, part.start, part.stop])
         self._run({s: {"op": "restore", "id": newest, "parts": p} for s, p in parts.items()},
                   f"restoring checkpoint {newest}")
@@ -163,7 +159,7 @@ class State:
             if name in self._names:
                 setattr(self, name, value)
         for entry in manifest["keys"]:
-            self._kv._restored[entry["key"]] = KeyMeta(tuple(entry["shape"]), np.dtype(entry["dtype"]))
+            self._kv.note_restored(entry["key"], KeyMeta(tuple(entry["shape"]), np.dtype(entry["dtype"])))
         self.checkpoint_id = manifest["id"]
 
     # ---- commit -------------------------------------------------------------------------------------
@@ -184,7 +180,7 @@ class State:
                 checkpoint is then not complete and ``restore`` ignores it. Every worker raises the
                 same error.
         """
-        kv, worker = self._kv, self._kv._worker
+        kv = self._kv
         scalars = self.scalars
         try:
             if json.loads(json.dumps(scalars)) != scalars:
@@ -192,7 +188,7 @@ class State:
         except (TypeError, ValueError) as exc:
             raise TypeError(f"State's scalars must be JSON values (numbers, strings, booleans, lists, dicts): "
                             f"{scalars!r}: {exc}") from None
-        if worker.env.checkpoint_dir is None:
+        if kv.job.checkpoint_dir is None:
             if not self._warned:
                 self._warned = True
                 warnings.warn("State.commit(): the job has no checkpoint directory (pslaunch --checkpoint-dir DIR, "
@@ -200,9 +196,8 @@ class State:
             return None
         if self._model is not None:
             self._model.barrier()  # the model's rounds in flight are answered
-        with runtime_errors():
-            worker.wait_pushes()
-            worker.barrier(Group.WORKERS)  # every worker's pushes are in
+        kv.wait_pushes()
+        kv.barrier()  # every worker's pushes are in
         note = None
         if kv.rank == 0:
             note = self._guarded(lambda: self._commit_on_servers(scalars, wait))
@@ -218,7 +213,7 @@ class State:
         Raises:
             CheckpointError: it could not be completed (naming the file and why), on every worker.
         """
-        if self._kv._worker.env.checkpoint_dir is None:
+        if self._kv.job.checkpoint_dir is None:
             return None
         note = None
         if self._kv.rank == 0:
@@ -226,7 +221,7 @@ class State:
         return self._agree(note)["id"]
 
     def _commit_on_servers(self, scalars: dict, wait: bool) -> dict:
-        kv, env = self._kv, self._kv._worker.env
+        kv, env = self._kv, self._kv.job
         self._complete()  # the previous commit's outcome first: an error of it is this call's
         if self._next is None:
             highest = self._ask(0, {"op": "scan"}).get("highest")
@@ -246,7 +241,7 @@ class State:
                     "scalars": scalars}
         self._next = ckpt_id + 1
         # Server 0 answers once the checkpoint is complete; the worker's close waits for that answer.
-        future, _ = self._kv._worker.checkpoint({0: {"op": "commit", "id": ckpt_id, "manifest": manifest}})
+        future, _ = self._kv.send_checkpoint_requests({0: {"op": "commit", "id": ckpt_id, "manifest": manifest}})
         self._completing = (ckpt_id, future)
         if wait:
             self._complete()
@@ -267,11 +262,10 @@ class State:
     def _key_table(self) -> list[dict]:
         """Every key the servers hold (initialised, or restored and not initialised yet) and where."""
         kv = self._kv
-        metas: dict[Hashable, KeyMeta] = dict(kv._restored)
-        metas.update(kv._meta)
+        metas = kv.held_keys()
         table = []
         for key, meta in metas.items():
-            lay = kv._layout_for(key, meta.shape, meta.dtype)
+            lay = kv.layout_for(key, meta.shape, meta.dtype)
             table.append({"key": key, "shape": list(meta.shape), "dtype": meta.dtype.str, "row_size": lay.row_size,
                           "parts": [[p.server, p.id, p.start, p.stop] for p in lay.parts]})
         return table
@@ -287,7 +281,7 @@ class State:
         Raises:
             CheckpointError: a server refused (its message says why).
         """
-        future, replies = self._kv._worker.checkpoint(bodies)
+        future, replies = self._kv.send_checkpoint_requests(bodies)
         self._wait(future, what)
         return dict(replies)
 
@@ -298,9 +292,7 @@ class State:
             CheckpointError: a server refused (its message says why).
         """
         try:
-            with runtime_errors():
-                self._kv._worker.wait_for(future)
-                future.result()
+            self._kv.wait_for(future)
         except ServerError as exc:  # a refusal: its message says why
             raise CheckpointError(f"{what} failed: {exc}") from exc
 
@@ -313,8 +305,7 @@ class State:
 
     def _agree(self, note: dict | None) -> dict:
         """Every worker learns worker 0's outcome (a barrier with its note) and raises its error alike."""
-        with runtime_errors():
-            notes = self._kv._worker.barrier(Group.WORKERS, note=note)
+        notes = self._kv.barrier_with_note(note)
         outcome = next((n for n in notes if isinstance(n, dict)), None)
         if outcome is None:
             raise CheckpointError("worker 0 left no outcome of the checkpoint operation in the barrier")
@@ -333,10 +324,10 @@ def _store_of(store: Any) -> tuple[Any, Any]:
     if isinstance(store, DistKVStore):
         return None, store
     if isinstance(store, SharedModel):
-        bridge = getattr(store, "_bridge", None)
-        if store.kind != "dist" or bridge is None:
+        dist = store.dist_store
+        if store.kind != "dist" or dist is None:
             raise TypeError(f"State needs a 'dist' shared model after init(devices); this one is {store.kind!r}"
-                            f"{'' if bridge is not None else ' and has no distributed store yet'}")
-        return store, bridge._store
+                            f"{'' if dist is not None else ' and has no distributed store yet'}")
+        return store, dist
     raise TypeError(f"State checkpoints a distributed store (kvcore.create('dist_sync'), 'dist_async', "
                     f"'dist_device_sync') or a 'dist' shared model, got {type(store).__name__}")

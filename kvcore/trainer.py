@@ -298,9 +298,7 @@ class Trainer:
                 for other in others:
                     arrays.copy_into(other, first)
 
-        from .collectives import _joined
-
-        return _joined(futures, self._coll._worker, "allreduce", None, then=to_replicas if copies else None)
+        return self._coll.handle_of(futures, "allreduce", then=to_replicas if copies else None)
 
     def _pull_groups(self, out_lists: list[list[Any]]) -> list[Any]:
         """Start pulling each parameter's stored value into its outs; return one handle per group."""

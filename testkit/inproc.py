@@ -7,7 +7,9 @@
 
 The scheduler and every server run on threads of their own, exactly their code of a real job
 (``Scheduler.run``, ``ServerNode.run``); the workers are ``WorkerNode`` objects with their network
-threads, registered before the block starts. Each worker's transport is an
+threads, registered before the block starts. ``job.run_script(path)`` runs a kvcore worker script,
+unchanged, as every worker at once (a thread each, ``kvcore.runtime.use``): a whole kvcore job in
+milliseconds. Each worker's transport is an
 ``inproc_transport.InProcTransport``: ``record``/``outgoing`` show what it sends, ``full`` makes a
 server's queue full. Leaving the block closes the workers (the scheduler then ends the job and the
 servers stop) and joins every thread; a node thread that failed unexpectedly fails the test there.
@@ -15,9 +17,13 @@ servers stop) and joins every thread; a node thread that failed unexpectedly fai
 
 from __future__ import annotations
 
+import io
+import sys
 import threading
 import time
-from typing import Any, Mapping
+import traceback
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from pscontract import contract_env
 from psnode.env import NodeEnv, read_env
@@ -118,6 +124,55 @@ class InProcJob:
         if kind is None and not self.expect_failure and self.errors:
             raise RuntimeError(f"nodes of the in-process job failed: {self.errors}")
 
+    def run_script(self, path: str | Path, args: Sequence[str] = (), timeout: float = 60.0) -> dict[int, str]:
+        """Run the kvcore worker script ``path`` as every worker of this job at once, a thread per
+        worker running as its worker (``kvcore.runtime.use``); returns each rank's printed output.
+
+        The script is the same file a ``LocalJob`` starts as a process (``sys.argv`` is ``[path,
+        *args]``, and its folder is on ``sys.path``). Raises ``AssertionError`` naming the rank and its traceback when a worker's run
+        raised or exited non-zero, or when one still runs after ``timeout`` seconds.
+        """
+        from kvcore import runtime
+
+        code = compile(Path(path).read_text(), str(path), "exec")
+        outputs: dict[int, io.StringIO] = {node.rank: io.StringIO() for node in self.workers}
+        failures: dict[int, str] = {}
+        stdout = _OutputPerThread(sys.stdout)
+
+        def run(node: WorkerNode) -> None:
+            stdout.local.buffer = outputs[node.rank]
+            try:
+                with runtime.use(node):
+                    exec(code, {"__name__": "__main__", "__file__": str(path)})
+            except SystemExit as exc:
+                if exc.code not in (0, None):
+                    failures[node.rank] = f"exited with {exc.code!r}"
+            except BaseException:  # reported with the rank below
+                failures[node.rank] = traceback.format_exc()
+
+        saved_argv, saved_stdout = sys.argv, sys.stdout
+        sys.argv, sys.stdout = [str(path), *args], stdout
+        sys.path.insert(0, str(Path(path).resolve().parent))  # as for a script run: its siblings import
+        try:
+            threads = [threading.Thread(target=run, args=(node,), name=f"inproc-worker{node.rank}-script", daemon=True)
+                       for node in self.workers]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + timeout
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            sys.argv, sys.stdout = saved_argv, saved_stdout
+            sys.path.remove(str(Path(path).resolve().parent))
+        printed = {rank: buffer.getvalue() for rank, buffer in outputs.items()}
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            raise AssertionError(f"{path}: {stuck} still ran after {timeout:g} s; printed so far: {printed}")
+        if failures:
+            rank = min(failures)
+            raise AssertionError(f"{path}: worker {rank} failed:\n{failures[rank]}\nprinted: {printed}")
+        return printed
+
     def _thread(self, name: str, target: Any) -> threading.Thread:
         def run() -> None:
             try:
@@ -141,3 +196,21 @@ class InProcJob:
             self.scheduler.transport.close()
         for thread in self._threads:
             thread.join(1.0)
+
+
+class _OutputPerThread(io.TextIOBase):
+    """``sys.stdout`` while scripts run on threads: a thread with a ``local.buffer`` prints into it,
+    any other thread where stdout went before."""
+
+    def __init__(self, fallback: Any) -> None:
+        self.fallback = fallback
+        self.local = threading.local()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        return getattr(self.local, "buffer", self.fallback).write(text)
+
+    def flush(self) -> None:
+        getattr(self.local, "buffer", self.fallback).flush()

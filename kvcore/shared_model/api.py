@@ -152,6 +152,11 @@ class SharedModel(PullSide):
         return self._bridge.num_workers if self._bridge is not None else 1
 
     @property
+    def dist_store(self) -> Any:
+        """The distributed KVStore of a 'dist' model after ``init``; None before, or for 'local'."""
+        return self._bridge.store if self._bridge is not None else None
+
+    @property
     def nccl_allreduces(self) -> int:
         """How many Level-1 sums NCCL ran so far (0 when the model does not use NCCL)."""
         return self._nccl.allreduces if self._nccl is not None else 0

@@ -71,6 +71,11 @@ class Level2Bridge:
         self._worker.start()
 
     @property
+    def store(self) -> Any:
+        """The distributed KVStore the model's keys live in (``kvcore.elastic`` checkpoints it)."""
+        return self._store
+
+    @property
     def rank(self) -> int:
         """This worker's rank in the distributed store."""
         return int(self._store.rank)

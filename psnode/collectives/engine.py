@@ -49,7 +49,7 @@ from psnode.errors import (
 )
 from psnode.log import logger
 from psnode.node.connection import is_done
-from psnode.node.futures import chain, set_error, set_result
+from psnode.node.futures import chain, set_error, set_result, when_all_done
 from psnode.node.membership import PeerInfo, endpoint_of
 
 from . import wire
@@ -230,18 +230,7 @@ class Engine:
         if not waits:
             self._start(op)
             return op.future
-        left = [len(waits)]
-        count_lock = threading.Lock()
-
-        def one_done(_: Any) -> None:
-            with count_lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                self._start(op)
-
-        for wait in waits:
-            wait.add_done_callback(one_done)
+        when_all_done(waits, lambda _errors: self._start(op))  # the ops before it fail on their own
         return op.future
 
     def next_tag(self, key: Any) -> Tag:

@@ -1,18 +1,22 @@
-"""One future completing after another once some work is done: a copy back, an upload, an unpacking.
+"""Futures that complete after others: one step after the data, or once all of several are done.
 
 A collective or a pull often has one more step after the data arrived (copy a sum out of a fused
 buffer, upload it to a GPU, copy it into a non-contiguous out). ``chain`` makes the future a caller
 waits on complete only after that step, with the step's error if it fails: a waiter never sees
-"done" before the data is in place. ``set_result`` and ``set_error`` complete a future that
-another thread may have completed first (a failure racing a result): the first one stands.
+"done" before the data is in place. ``all_of`` does the same after several futures (the parts of
+a fused allreduce, a Trainer's buckets), and ``when_all_done`` calls back once several are done,
+whatever their outcome (an op that must wait for the ops before it). ``set_result`` and
+``set_error`` complete a future that another thread may have completed first (a failure racing a
+result): the first one stands.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Sequence
 
-__all__ = ["chain", "set_result", "set_error"]
+__all__ = ["chain", "all_of", "when_all_done", "set_result", "set_error"]
 
 
 def chain(inner: concurrent.futures.Future, outer: Any, action: Callable[[], Any] | None = None,
@@ -23,24 +27,58 @@ def chain(inner: concurrent.futures.Future, outer: Any, action: Callable[[], Any
     ``action`` runs on the thread that completes ``inner`` (often the one receiving for the node):
     keep it short.
     """
-
-    def done(finished: concurrent.futures.Future) -> None:
-        error = finished.exception()
-        if error is None and action is not None:
-            try:
-                action()
-            except Exception as exc:  # the step failed (a GPU copy): the waiter gets why
-                error = exc
-        try:
-            if error is None:
-                outer.set_result(result)
-            else:
-                outer.set_exception(error)
-        except concurrent.futures.InvalidStateError:  # completed meanwhile (the node failed)
-            pass
-
-    inner.add_done_callback(done)
+    inner.add_done_callback(lambda finished: _complete(outer, finished.exception(), action, result))
     return outer
+
+
+def all_of(futures: Sequence[concurrent.futures.Future], outer: Any, action: Callable[[], Any] | None = None,
+           result: Any = None) -> Any:
+    """``chain`` for several futures: complete ``outer`` once every one of ``futures`` is done,
+    with the first error among them, or else after ``action()`` with ``result``. Returns ``outer``
+    (completed at once when ``futures`` is empty)."""
+    when_all_done(futures, lambda errors: _complete(outer, errors[0] if errors else None, action, result))
+    return outer
+
+
+def when_all_done(futures: Sequence[concurrent.futures.Future], callback: Callable[[list[BaseException]], Any]) -> None:
+    """Call ``callback(errors)`` once every one of ``futures`` is done, whatever their outcome, with
+    their errors in the order they came; on the thread that completes the last one, or on this one
+    when none is pending."""
+    if not futures:
+        callback([])
+        return
+    left = [len(futures)]
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def one_done(done: concurrent.futures.Future) -> None:
+        error = done.exception()
+        with lock:
+            if error is not None:
+                errors.append(error)
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            callback(errors)
+
+    for future in futures:
+        future.add_done_callback(one_done)
+
+
+def _complete(outer: Any, error: BaseException | None, action: Callable[[], Any] | None, result: Any) -> None:
+    """Complete ``outer``: with ``error``, else after ``action()`` (its error if it raises) with ``result``."""
+    if error is None and action is not None:
+        try:
+            action()
+        except Exception as exc:  # the step failed (a GPU copy): the waiter gets why
+            error = exc
+    try:
+        if error is None:
+            outer.set_result(result)
+        else:
+            outer.set_exception(error)
+    except concurrent.futures.InvalidStateError:  # completed meanwhile (the node failed)
+        pass
 
 
 def set_result(future: concurrent.futures.Future) -> None:

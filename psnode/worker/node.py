@@ -67,8 +67,6 @@ class WorkerNode:
         self.receiver = Receiver(self.conn, self.outbox)
         self.data = DataPath(self.requests, self.outbox, same_host.WorkerRegions(env.job_id))
         self.closed = False
-        # ``wait_for(future, timeout)``: block until done, receiving on this thread (``Receiver.wait_for``)
-        self.wait_for = self.receiver.wait_for
         self.conn.failure.on_failure(self.requests.fail_all)
         self.conn.failure.on_failure(self.collectives.fail_all)
         self.timeline = self.receiver.timeline = self.conn.timeline  # PSLAUNCH_TIMELINE; kvcore names its calls too
@@ -211,6 +209,16 @@ class WorkerNode:
         if not self.receiver.wait_for(future, limit):
             raise NodeTimeoutError(f"worker {self.rank}: no {what} within {limit:g} s")
         future.result()
+
+    def wait_for(self, future: concurrent.futures.Future, timeout: float | None = None) -> bool:
+        """Block until ``future`` is done or ``timeout`` seconds passed; True when done. Meanwhile this
+        thread receives for the node, unless another waiter does (``Receiver.wait_for``), so the
+        reply wakes it directly. The future's own error is not raised here (read it from the future).
+
+        Raises:
+            PSNodeError: the node failed (the failure, e.g. ``PeerDiedError``) or was closed.
+        """
+        return self.receiver.wait_for(future, timeout)
 
     def barrier(self, group: "Group | int | str" = Group.WORKERS, timeout: float | None = None,
                 note: Any = None) -> list:

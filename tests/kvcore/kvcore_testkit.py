@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvcore import arrays
-from testkit import LocalJob
+from testkit import InProcJob, LocalJob
 
 
 def run_device_threads(fn, devids, join_timeout: float = 30) -> None:
@@ -51,6 +51,18 @@ def run_job_ok(worker: list[str], workers: int, servers: int, env: dict | None =
     oks = sorted(int(m) for r in results if r.role == "worker" for m in re.findall(r"^OK (\d+)", r.output, re.M))
     assert oks == list(range(workers)), "\n".join(str(r) for r in results)
     return results
+
+
+def run_inproc_ok(worker: list[str], workers: int, servers: int, settings: dict | None = None,
+                  timeout: float = 60) -> dict[int, str]:
+    """Run the worker script ``worker`` (path and arguments) as every worker of a job inside this
+    process (``testkit.InProcJob.run_script``: the real scheduler, servers and workers on threads,
+    no processes, no sockets); every worker must print ``OK <rank>``. Each rank's output."""
+    with InProcJob(workers, servers, settings=settings) as job:
+        printed = job.run_script(worker[0], worker[1:], timeout)
+    oks = sorted(int(m) for text in printed.values() for m in re.findall(r"^OK (\d+)", text, re.M))
+    assert oks == list(range(workers)), printed
+    return printed
 
 
 # ---- GPU helpers: tests marked ``gpu`` skip cleanly without a GPU that runs kernels ----------------

@@ -1,6 +1,8 @@
 """Gradient compression on the dist stores: compressed pushes over the wire, MXNet 1.9.1's bits.
 
-Real jobs (``LocalJob``: scheduler, two servers and three workers as processes on 127.0.0.1). The
+Whole jobs inside this process (``InProcJob``: the real scheduler, two servers and three workers on
+threads, over the in-process transport; ``tests/test_compression_wire_smoke.py`` runs compressed
+pushes between processes over TCP). The
 MXNET_DIST digests were made by MXNet 1.9.1 itself: ``dist_scripts/compression_rounds.py`` run
 with MXNet's Python as ``compression_rounds.py mxnet <threshold>`` in a job of MXNet's scheduler and
 servers (3 workers, 2 servers, ``MXNET_KVSTORE_BIGARRAY_BOUND=100000`` so the 250,007-element key is
@@ -21,9 +23,11 @@ import numpy as np
 import pytest
 
 from kvcore.sharding import layout
-from testkit import LocalJob
+from kvcore_testkit import run_inproc_ok
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
+pytestmark = pytest.mark.unit
+
 SPLIT_BOUND = {"PSLAUNCH_BIGARRAY_BOUND": "100000"}
 
 # threshold -> key -> sha256 prefix of the value pulled after push 0, 1, 2, 3 (keys: 3 of 1 element,
@@ -45,25 +49,20 @@ MXNET_DIST = {
 }
 
 
-def run_workers(args: list[str], workers: int = 3, servers: int = 2, timeout: float = 120) -> list:
-    """Run a job of the dist script ``args``; every process must exit 0 and every worker print OK."""
-    with LocalJob(workers, servers, worker=[str(SCRIPTS / args[0]), *args[1:]], env=SPLIT_BOUND) as job:
-        results = job.wait(timeout)
-    failed = [r for r in results if r.returncode != 0]
-    assert not failed, "\n".join(str(r) for r in failed)
-    oks = sorted(int(m) for r in results if r.role == "worker" for m in re.findall(r"^OK (\d+)", r.output, re.M))
-    assert oks == list(range(workers)), "\n".join(str(r) for r in results)
-    return [r for r in results if r.role == "worker"]
+def run_workers(args: list[str], workers: int = 3, servers: int = 2) -> dict[int, str]:
+    """Run the dist script ``args`` as every worker of a job inside this process (``InProcJob``);
+    every worker must print OK. Each rank's output."""
+    return run_inproc_ok([str(SCRIPTS / args[0]), *args[1:]], workers, servers, SPLIT_BOUND)
 
 
 @pytest.mark.parametrize("threshold", sorted(MXNET_DIST))
 def test_dist_sync_2bit_with_3_workers_and_2_servers_pulls_mxnets_bits_for_small_listed_and_split_keys(threshold):
     workers = run_workers(["compression_rounds.py", "kvcore", threshold])
-    for worker in workers:
+    for rank, output in workers.items():
         pulled: dict[int, list[str]] = {}
-        for key, step, digest in re.findall(r"^DIGEST (\d+) (\d+) (\w+)$", worker.output, re.M):
+        for key, step, digest in re.findall(r"^DIGEST (\d+) (\d+) (\w+)$", output, re.M):
             pulled.setdefault(int(key), []).append(digest)
-        assert pulled == MXNET_DIST[threshold], f"worker {worker.index}"
+        assert pulled == MXNET_DIST[threshold], f"worker {rank}"
 
 
 @pytest.mark.parametrize("store", ["dist_sync", "dist_async", "dist_device_sync"])

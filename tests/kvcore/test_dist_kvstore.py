@@ -1,4 +1,9 @@
-"""The distributed KVStore end to end: real scheduler, server and worker processes on 127.0.0.1."""
+"""The distributed KVStore end to end: real scheduler, server and worker processes on 127.0.0.1.
+
+The store's semantics (rounds, optimizers, rows, key lists, handles, dtypes) run the same worker
+scripts inside one process (``run_inproc``: the real nodes on threads, ``kvcore.runtime.use``), in
+milliseconds; what needs processes (the same-host paths, crashes, signals, the contract) runs them.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from kvcore_testkit import DEVICE_KINDS, run_job_ok
+from kvcore_testkit import DEVICE_KINDS, run_inproc_ok, run_job_ok
 
 from psnode.env import EXIT_PEER_FAILED
 from psnode.node.protocol import Cmd, pack_header
@@ -28,6 +33,10 @@ def run_ok(name: str, workers: int, servers: int, env: dict | None = None, args:
     return run_job_ok(script(name, *args), workers, servers, {**SMALL_BOUND, **(env or {})}, timeout)
 
 
+def run_inproc(name: str, workers: int, servers: int, settings: dict | None = None, args: tuple = ()) -> dict:
+    return run_inproc_ok(script(name, *args), workers, servers, {**SMALL_BOUND, **(settings or {})})
+
+
 def wait_for_line(job: LocalJob, role: str, index: int | None, pattern: str, timeout: float = 30) -> re.Match:
     return job.wait_for_line(role, index, pattern, timeout)
 
@@ -38,20 +47,24 @@ def test_dist_sync_sums_are_exact_for_small_split_and_listed_keys_and_pushpull(s
     assert all(r.returncode == 0 for r in results if r.role in ("scheduler", "server"))
 
 
+@pytest.mark.unit
 def test_test_optimizer_on_the_servers_gives_exact_values_every_round():
-    run_ok("optimizer_rounds.py", workers=3, servers=2)
+    run_inproc("optimizer_rounds.py", workers=3, servers=2)
 
 
+@pytest.mark.unit
 def test_dist_async_needs_an_optimizer_then_applies_every_push_exactly_once():
-    run_ok("async_rounds.py", workers=2, servers=2)
+    run_inproc("async_rounds.py", workers=2, servers=2)
 
 
+@pytest.mark.unit
 def test_row_sparse_pull_returns_exactly_the_asked_rows_of_small_and_split_keys():
-    run_ok("rows.py", workers=3, servers=2)
+    run_inproc("rows.py", workers=3, servers=2)
 
 
+@pytest.mark.unit
 def test_barrier_holds_every_worker_until_the_last_arrives(tmp_path):
-    run_ok("barrier_order.py", workers=3, servers=1, args=(str(tmp_path / "marker"),))
+    run_inproc("barrier_order.py", workers=3, servers=1, args=(str(tmp_path / "marker"),))
 
 
 def test_a_worker_that_crashes_makes_every_other_node_fail_naming_it():
@@ -205,17 +218,19 @@ def test_the_ported_mxnet_dist_sync_check_passes_with_every_role_running_the_scr
     assert passed == [f"worker {i}/3: all checks passed" for i in range(3)]
 
 
+@pytest.mark.unit
 def test_lists_of_many_small_keys_stay_exact_when_the_access_pattern_changes():
-    run_ok("key_lists.py", workers=3, servers=2)
+    run_inproc("key_lists.py", workers=3, servers=2)
 
 
+@pytest.mark.unit
 def test_a_user_updater_with_init_key_runs_on_the_servers_and_its_errors_reach_the_workers():
-    env = {**SMALL_BOUND, "PSLAUNCH_BIGARRAY_BOUND": "100000", "PYTHONPATH": f"{SCRIPTS}:{Path(__file__).resolve().parents[2]}"}
-    run_ok("updater_protocol.py", workers=2, servers=2, env=env)
+    run_inproc("updater_protocol.py", workers=2, servers=2)
 
 
+@pytest.mark.unit
 def test_push_copies_its_values_and_pull_handles_complete_with_callbacks_in_dist_device_sync():
-    run_ok("handles.py", workers=2, servers=2)
+    run_inproc("handles.py", workers=2, servers=2)
 
 
 def test_creating_a_dist_store_without_the_environment_names_the_missing_variable():
@@ -274,8 +289,9 @@ def test_device_values_merge_and_server_shards_update_where_asked_with_an_optimi
     assert not any("keeps its shards on the CPU" in r.output for r in servers), servers
 
 
+@pytest.mark.unit
 def test_threads_waiting_at_once_and_a_callback_that_waits_all_get_exact_values():
-    run_ok("threads_wait.py", workers=2, servers=2)
+    run_inproc("threads_wait.py", workers=2, servers=2)
 
 
 def test_group_barriers_hold_workers_and_servers_and_refuse_outsiders(tmp_path):
@@ -313,12 +329,8 @@ def test_pushes_sent_on_their_own_are_acknowledged_on_the_next_value_reply_and_v
     run_ok("acks_on_values.py", workers=2, servers=1)
 
 
+@pytest.mark.unit
 def test_every_mxnet_dtype_and_zero_size_keys_work_others_are_refused_and_a_refused_init_fails_every_rank():
-    with LocalJob(3, 2, worker=script("values.py")) as job:
-        results = job.wait(90)
-    failed = [r for r in results if r.returncode != 0]
-    assert not failed, "\n".join(map(str, failed))
-    workers = [r for r in results if r.role == "worker"]
-    assert all("OK" in r.output for r in workers), "\n".join(map(str, workers))
-    refusals = {line.split(" ", 2)[2] for r in workers for line in r.output.splitlines() if line.startswith("REFUSED")}
+    printed = run_inproc_ok(script("values.py"), 3, 2)
+    refusals = {line.split(" ", 2)[2] for text in printed.values() for line in text.splitlines() if line.startswith("REFUSED")}
     assert len(refusals) == 1 and "key 'again' is already initialised" in refusals.pop()

@@ -8,12 +8,12 @@ import time
 import numpy as np
 
 import kvcore
-from kvcore.dist_store import worker_node
+from kvcore import runtime
 from psnode.errors import PSNodeError
 
 marker = sys.argv[1]
 kv = kvcore.create("dist_sync")
-node = worker_node()
+node = runtime.worker()
 if kv.rank == 0:
     time.sleep(0.5)
     with open(marker, "w") as fh:
