@@ -126,12 +126,11 @@ class _StandIn(Transport):
 def worker_rounds() -> tuple[object, Callable[[int], None]]:
     """A dist_sync store on a real ``WorkerNode`` whose transport is the stand-in, and ``rounds(n)``
     running ``n`` push + pull rounds of one 4-float key (stop it with ``stop_worker``)."""
-    import kvcore.dist_store as dist_store
+    from kvcore.dist_store import DistKVStore
 
     stand_in = _StandIn([_peer("server", 0)])
     node = WorkerNode(_env("worker", 1), transport=stand_in).start()  # parks as in a job
-    dist_store._node = node
-    kv = dist_store.DistKVStore("dist_sync")
+    kv = DistKVStore("dist_sync", worker=node)
     value, out = np.ones(4, np.float32), np.zeros(4, np.float32)
     kv.init(_KEY, value)
 
@@ -148,9 +147,6 @@ def worker_rounds() -> tuple[object, Callable[[int], None]]:
 
 def stop_worker(kv: object) -> None:
     """Stop the worker of ``worker_rounds``."""
-    import kvcore.dist_store as dist_store
-
-    dist_store._node = None
     kv._worker.receiver.stop()
 
 

@@ -54,8 +54,7 @@ from psnode import errors as ps_errors
 from psnode.compression import values_per_word
 from psnode.compression.codecs import codec_id
 from psnode.env import NodeEnv
-from psnode.node.connection import is_done
-from psnode.node.futures import chain
+from psnode.node.futures import chain, is_done
 from psnode.node.protocol import Group
 from psnode.worker.node import WorkerNode
 

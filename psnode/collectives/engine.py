@@ -48,8 +48,7 @@ from psnode.errors import (
     TransportError,
 )
 from psnode.log import logger
-from psnode.node.connection import is_done
-from psnode.node.futures import chain, set_error, set_result, when_all_done
+from psnode.node.futures import chain, is_done, set_error, set_result, when_all_done
 from psnode.node.membership import PeerInfo, endpoint_of
 
 from . import wire

@@ -23,6 +23,7 @@ from psnode.env import NodeEnv
 from psnode.errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
 from psnode.log import logger, setup_logging
 from psnode.node.control import CONTROL_CMDS, FailureLatch, SchedulerLink
+from psnode.node.futures import is_done
 from psnode.node.membership import SCHEDULER, Membership, PeerInfo, host_fingerprint
 from psnode.node.protocol import GROUP_ROLES, Cmd, Group, parse_group, unpack_header
 from psnode.node.timeline import open_timeline
@@ -31,7 +32,7 @@ from psnode.transport.base import Transport, node_transport
 from psnode.transport.lanes import Lanes
 from psnode.transport.security import secure_or_loopback
 
-__all__ = ["Connection", "Deferred", "DataHandler", "is_done"]
+__all__ = ["Connection", "Deferred", "DataHandler"]
 
 _IDLE_DELAY = 0.0002  # how long deferred work waits for a message to ride along with before it runs
 _BATCH = 256  # messages handled between two heartbeat checks
@@ -41,17 +42,6 @@ DataHandler = Callable[[PeerInfo, int, int, int, int, list], None]
 
 It raises ``ProtocolError`` (or IndexError, KeyError, TypeError, ValueError) for a message it cannot
 use; the loop counts and drops that message."""
-
-_DONE_STATES = frozenset({"CANCELLED", "CANCELLED_AND_NOTIFIED", "FINISHED"})
-
-
-def is_done(future: concurrent.futures.Future) -> bool:
-    """``future.done()`` without taking the future's lock (reading one attribute is atomic).
-
-    The receive loops ask this after every message; the lock ``done()`` takes is most of its cost.
-    """
-    return future._state in _DONE_STATES
-
 
 class Deferred(Protocol):
     """Work a node holds back to send with a later message (the server's push acknowledgements).

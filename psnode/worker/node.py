@@ -62,7 +62,7 @@ class WorkerNode:
         self.conn = Connection(env, "worker", self._on_reply, transport,
                                on_worker_finished=lambda rank, node: self.collectives.peer_left(rank, node))
         self.collectives = Engine(self.conn)  # before registration: a peer's first message may come at once
-        self.requests = RequestTable(self._check, self.conn.failure)
+        self.requests = RequestTable(self.conn.failure)
         self.outbox = Outbox(self.conn.transport, self.conn.members, self.requests.complete)
         self.receiver = Receiver(self.conn, self.outbox)
         self.data = DataPath(self.requests, self.outbox, same_host.WorkerRegions(env.job_id))
@@ -117,6 +117,7 @@ class WorkerNode:
             return
         self.conn.link.send(Cmd.NODE_DIED, body={"message": reason})
         self.closed = True
+        self.requests.refuse_new(f"worker {self.rank} was closed")
         self.receiver.stop()
         self.collectives.close()
         self.requests.fail_all(ClosedError(f"worker {self.rank} aborted: {reason}"))
@@ -136,6 +137,7 @@ class WorkerNode:
         self.outbox.release_held()
         self.outbox.pump()
         self.closed = True
+        self.requests.refuse_new(f"worker {self.rank} was closed")
         try:
             atexit.unregister(self.close)
         except Exception:

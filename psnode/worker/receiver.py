@@ -23,7 +23,8 @@ import time
 from typing import Any
 
 from psnode.errors import ClosedError, PSNodeError
-from psnode.node.connection import Connection, is_done
+from psnode.node.connection import Connection
+from psnode.node.futures import is_done
 from psnode.worker.outbox import Outbox
 
 __all__ = ["Receiver", "HANDBACK"]

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from psnode.errors import NodeTimeoutError, ProtocolError, RemoteError
+from psnode.errors import ClosedError, NodeTimeoutError, ProtocolError, RemoteError
 from psnode.node.membership import PeerInfo
 from psnode.node.protocol import (
     ENTRY_STRUCT,
@@ -65,13 +65,13 @@ class Request:
 class RequestTable:
     """The requests of one worker (see the module docstring).
 
-    ``check()`` raises when no new request may start (the worker failed or was closed); ``failure``
-    is the worker's latch (a request started as it fails is failed at once).
+    ``failure`` is the worker's latch: once it holds an error no request starts (and one started as
+    it fails is failed at once); after ``refuse_new(reason)`` (the worker closed) none starts either.
     """
 
-    def __init__(self, check: Callable[[], None], failure: Any) -> None:
-        self._check = check
+    def __init__(self, failure: Any) -> None:
         self._failure = failure
+        self._refused: str | None = None  # why no request may start any more (the worker closed)
         self.pending: dict[int, Request] = {}
         self.push_counts: dict[tuple[int, int], int] = {}  # (key id, server) -> pushes sent
         # Counters for heartbeats: written by one thread each (pushes by the caller, pulls by the
@@ -85,6 +85,10 @@ class RequestTable:
         self._idle_waiters = 0  # threads in wait_idle (only they need a notify when the table empties)
 
     # ---- starting and ending requests ----------------------------------------------------------
+    def refuse_new(self, reason: str) -> None:
+        """From now on ``track`` raises ``ClosedError(reason)``: the worker closed."""
+        self._refused = reason
+
     def track(self, future: Any, remaining: int, targets: list | None, what: str, servers: Any = -1) -> int:
         """Start a request of ``remaining`` parts sent to ``servers``; return its id.
 
@@ -92,9 +96,13 @@ class RequestTable:
         of ranks; only those servers' replies are taken (``take_reply``).
 
         Raises:
-            PSNodeError: the worker failed or was closed (see ``check``).
+            PSNodeError: the worker failed (its failure) or was closed (``ClosedError``).
         """
-        self._check()
+        error = self._failure.error
+        if error is not None:
+            raise error
+        if self._refused is not None:
+            raise ClosedError(self._refused)
         req = next(self._ids)
         if remaining == 0:
             future.set_result(None)
