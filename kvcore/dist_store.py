@@ -165,8 +165,6 @@ class DistKVStore(KVStoreBase):
         """
         self._worker.barrier(Group.WORKERS)
 
-    _barrier = barrier
-
     @maps_runtime_errors
     def close(self) -> None:
         """Finish this worker's part of the job (also done at exit): waits for requests in flight."""
@@ -254,8 +252,6 @@ class DistKVStore(KVStoreBase):
             self.barrier()
         self._updater = updater
         self._has_updater = True
-
-    _set_updater = set_updater
 
     # ---- gradient compression ------------------------------------------------------------------
     @maps_runtime_errors

@@ -261,7 +261,9 @@ class KVStoreBase(abc.ABC):
             raise OptimizerError(f"the updater must be callable, got {type(updater).__name__}")
         self._updater = updater
 
-    _set_updater = set_updater
+    def _set_updater(self, updater: UpdaterFn) -> None:
+        """MXNet's private name for ``set_updater``, which MXNet scripts call: the same."""
+        self.set_updater(updater)
 
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Run ``optimizer`` on every merged push (inside the store)."""
@@ -269,6 +271,10 @@ class KVStoreBase(abc.ABC):
 
     def barrier(self) -> None:
         """Wait until every worker reaches this barrier (a no-op for a local store)."""
+
+    def _barrier(self) -> None:
+        """MXNet's private name for ``barrier``, which MXNet scripts call: the same."""
+        self.barrier()
 
     def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
         """Write the optimizer's per-key states to ``fname``."""

@@ -10,7 +10,8 @@ Every process's environment contract is written by ``pscontract``, its one write
 """
 
 from .inproc import InProcJob
-from .jobs import JobFailed, LocalJob, ProcessResult, free_port, job_env, reap, wait_catching
+from .jobs import JobFailed, LocalJob, ProcessResult, free_port, job_env, wait_catching
+from .processes import reap
 from .recording import RecordingTransport, use_recording_transport
 
 __all__ = [

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from pscontract import PSLAUNCH_JOB_KEY, SETTINGS, contract_env, free_port, new_job_key
+from testkit.processes import reap
 
-__all__ = ["LocalJob", "ProcessResult", "JobFailed", "free_port", "job_env", "reap", "wait_catching"]
+__all__ = ["LocalJob", "ProcessResult", "JobFailed", "free_port", "job_env", "wait_catching"]
 
 _ROOT = str(Path(__file__).resolve().parents[1])
 _CONTRACT_PREFIXES = ("DMLC_", "PS_", "PSLAUNCH_")
@@ -114,25 +115,6 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-def reap(popens: Sequence[subprocess.Popen], grace: float = 2.0) -> None:
-    """Stop every process group still running: TERM, ``grace`` seconds, then KILL; wait for all."""
-    for popen in popens:
-        if popen.poll() is None:
-            _signal_group(popen, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for popen in popens:
-        try:
-            popen.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for popen in popens:
-        if popen.poll() is None:
-            _signal_group(popen, signal.SIGKILL)
-            popen.wait()
-        else:  # the leader is gone; make sure nothing it spawned lingers in its group
-            _signal_group(popen, signal.SIGKILL)
-
-
 def wait_catching(popen: subprocess.Popen, signals: Sequence[int], timeout: float = 30) -> None:
     """Wait until ``popen`` has a handler installed for every one of ``signals`` (its ``SigCgt`` in
     /proc), so a test sends a signal only once the process handles it.
@@ -157,13 +139,6 @@ def wait_catching(popen: subprocess.Popen, signals: Sequence[int], timeout: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"pid {popen.pid} did not catch {list(signals)} within {timeout:g} s")
         time.sleep(0.02)
-
-
-def _signal_group(popen: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(popen.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class LocalJob:

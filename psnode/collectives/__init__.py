@@ -19,10 +19,10 @@ Parts:
 docs/collectives.md describes the algorithms, the ordering and the failures.
 """
 
-from .base import Op, Topology, algorithm, algorithm_names, choose, register_algorithm
+from .base import Op, Topology, algorithm, algorithm_names, choose
 from .engine import Engine
 from .tags import key_id_of
 from .wire import Desc
 
-__all__ = ["Engine", "Op", "Topology", "Desc", "algorithm", "algorithm_names", "choose", "register_algorithm",
+__all__ = ["Engine", "Op", "Topology", "Desc", "algorithm", "algorithm_names", "choose",
            "key_id_of"]

@@ -11,7 +11,7 @@ many ops at once (asynchronous pushes), each advancing as its messages arrive.
 An op names the peers it still waits for (``waiting_for``): when one of them leaves the job the
 engine fails the op naming it, and a stalled op's warning names them.
 
-Allreduce algorithms are registered by name (``register_algorithm``); ``choose`` picks one from the
+Allreduce algorithms are known by name (``_ALGORITHMS``, imported on first use); ``choose`` picks one from the
 value's size and the topology, the same on every worker (it reads only what every worker knows:
 the address book and the job's settings).
 """
@@ -31,7 +31,7 @@ from psnode.errors import ProtocolError, PSNodeError
 
 from .wire import Desc, Kind, Record, pack
 
-__all__ = ["Op", "Tag", "Topology", "register_algorithm", "algorithm", "algorithm_names", "choose",
+__all__ = ["Op", "Tag", "Topology", "algorithm", "algorithm_names", "choose",
            "DIRECT_MAX", "SEGMENT", "SEGMENT_MAX", "TRACK_MIN", "ring_segment", "slices", "segment_named",
            "copy_in"]
 
@@ -254,18 +254,13 @@ _ALGORITHMS: dict[str, str | Callable[..., Op]] = {
 }
 
 
-def register_algorithm(name: str, factory: str | Callable[..., Op]) -> None:
-    """Register an allreduce ``Op`` class (or ``"module:Class"``) under ``name``."""
-    _ALGORITHMS[name] = factory
-
-
 def algorithm_names() -> list[str]:
-    """Every registered allreduce algorithm, sorted."""
+    """Every allreduce algorithm's name, sorted."""
     return sorted(_ALGORITHMS)
 
 
 def algorithm(name: str) -> Callable[..., Op]:
-    """The allreduce ``Op`` class registered under ``name``.
+    """The allreduce ``Op`` class called ``name``.
 
     Raises:
         ValueError: no algorithm has that name; the message lists the known ones.

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit.processes import reap
+
 __all__ = ["Cluster", "start_slurm", "start_sge"]
 
 
@@ -40,15 +42,7 @@ def _stop_daemons(procs: list[subprocess.Popen], marker: str, asked: bool = Fals
     conf path: job steps and shepherds the daemons started). Daemons not ``asked`` to end already
     get SIGTERM; any still there after 10 s (1 s when asked) get SIGKILL: the cluster's state is
     thrown away, nothing is lost."""
-    for proc in procs:
-        if proc.poll() is None and not asked:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(1 if asked else 10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    reap(procs, grace=1 if asked else 10, term=not asked)
     for pid in _pids_with_environ(marker):
         try:
             os.kill(pid, signal.SIGKILL)

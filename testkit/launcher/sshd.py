@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import getpass
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -12,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from testkit.processes import reap
 
 __all__ = ["Sshd", "start_sshd", "LOOPBACK_HOSTS"]
 
@@ -106,12 +107,4 @@ LogLevel {log_level}
                 time.sleep(0.1)
         yield Sshd(port, str(d / "id_user"), str(d / "known_hosts"), getpass.getuser(), d)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        reap([proc], grace=10)
