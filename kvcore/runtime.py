@@ -36,6 +36,7 @@ _lock = threading.Lock()
 _process_worker: WorkerNode | None = None  # joined from the environment, once per process
 _bound = threading.local()  # .worker: the worker a thread runs as inside use()
 _collectives: "weakref.WeakKeyDictionary[WorkerNode, Collectives]" = weakref.WeakKeyDictionary()
+_last: tuple[WorkerNode | None, "Collectives | None"] = (None, None)  # the pair asked for last
 
 
 def joined() -> WorkerNode | None:
@@ -56,6 +57,9 @@ def worker() -> WorkerNode:
     bound = getattr(_bound, "worker", None)
     if bound is not None:
         return bound
+    joined_here = _process_worker  # every collective asks: no lock once joined
+    if joined_here is not None and not joined_here.closed:
+        return joined_here
     with _lock:
         if _process_worker is not None and _process_worker.closed:
             raise DistributedError(
@@ -86,13 +90,18 @@ def num_servers() -> int:
 
 def collectives(of: WorkerNode | None = None) -> "Collectives":
     """The collectives of worker ``of`` (default: ``worker()``), made once per worker."""
-    from .collectives import Collectives
-
+    global _last
     node = of if of is not None else worker()
+    last_node, last = _last
+    if last_node is node:  # each module-level collective asks: answered without a lock or a lookup
+        return last
+    from .collectives import Collectives  # here: kvcore.collectives imports this module
+
     with _lock:
         found = _collectives.get(node)
         if found is None:
             found = _collectives[node] = Collectives(node)
+        _last = (node, found)
         return found
 
 

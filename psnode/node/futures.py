@@ -13,6 +13,7 @@ result): the first one stands. ``is_done`` asks without the future's lock.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from typing import Any, Callable, Sequence
 
@@ -38,7 +39,7 @@ def chain(inner: concurrent.futures.Future, outer: Any, action: Callable[[], Any
     ``action`` runs on the thread that completes ``inner`` (often the one receiving for the node):
     keep it short.
     """
-    inner.add_done_callback(lambda finished: _complete(outer, finished.exception(), action, result))
+    inner.add_done_callback(functools.partial(_complete_after, outer, action, result))
     return outer
 
 
@@ -74,6 +75,11 @@ def when_all_done(futures: Sequence[concurrent.futures.Future], callback: Callab
 
     for future in futures:
         future.add_done_callback(one_done)
+
+
+def _complete_after(outer: Any, action: Callable[[], Any] | None, result: Any, inner: Any) -> None:
+    """``chain``'s callback (a partial: one frame per completion on the receiving thread)."""
+    _complete(outer, inner.exception(), action, result)
 
 
 def _complete(outer: Any, error: BaseException | None, action: Callable[[], Any] | None, result: Any) -> None:
