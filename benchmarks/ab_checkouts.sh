@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
-# Before/after: the benchmark runner of two checkouts of pslaunch, alternating one repetition each,
+# Before/after: a benchmark runner of two checkouts of pslaunch, alternating one repetition each,
 # REPS times, so that both see the same minutes of the machine. Each checkout needs its own .venv
 # (bash scripts/test.sh makes one). JSON reports go to OUT as before-<i>.json and after-<i>.json.
 #   bash benchmarks/ab_checkouts.sh OLD_CHECKOUT NEW_CHECKOUT OUT [REPS] [SYSTEMS] [EXTRA_NEW_SYSTEMS]
 # e.g. bash benchmarks/ab_checkouts.sh ../pslaunch-ce4edb6 . /tmp/ab 3 \
 #        pslaunch_tcp,pslaunch_fast,mxnet_tcp,mxnet_ipc pslaunch_tcp_noauth,pslaunch_fast_noauth,pslaunch_tcp_curve
+# BENCH=allreduce runs python -m benchmarks.allreduce instead (2 workers, 4 and 64 MiB; SYSTEMS is then
+# ignored and BENCH_ARGS, default --skip-train, chooses the part: --skip-collectives for the training step).
 set -euo pipefail
 old=$(cd "$1" && pwd); new=$(cd "$2" && pwd); out=$3
 reps=${4:-3}; systems=${5:-pslaunch_tcp,pslaunch_fast,mxnet_tcp,mxnet_ipc}; extra=${6:-}
+bench=${BENCH:-run}; bench_args=${BENCH_ARGS:---skip-train}
 mkdir -p "$out"
 runner() {  # the runner of checkout $1: a package (python -m benchmarks.run) or, before it was one, a script
-    if [ -f "$1/benchmarks/__init__.py" ]; then echo "-m benchmarks.run"; else echo "benchmarks/run.py"; fi
+    if [ -f "$1/benchmarks/__init__.py" ]; then echo "-m benchmarks.$bench"; else echo "benchmarks/$bench.py"; fi
+}
+one() {  # one repetition of checkout $1, its systems $2, the report $3
+    if [ "$bench" = allreduce ]; then
+        (cd "$1" && timeout 1500 .venv/bin/python $(runner "$1") --reps 1 --ranks 2 --sizes 4,64 $bench_args \
+            --json "$3.json" > "$3.log" 2>&1)
+    else
+        (cd "$1" && timeout 1500 .venv/bin/python $(runner "$1") --reps 1 --sizes 4,64 --systems "$2" \
+            --json "$3.json" > "$3.log" 2>&1)
+    fi
 }
 for i in $(seq 1 "$reps"); do
-    (cd "$old" && timeout 1500 .venv/bin/python $(runner "$old") --reps 1 --sizes 4,64 --systems "$systems" \
-        --json "$out/before-$i.json" > "$out/before-$i.log" 2>&1)
-    (cd "$new" && timeout 1500 .venv/bin/python $(runner "$new") --reps 1 --sizes 4,64 \
-        --systems "$systems${extra:+,$extra}" --json "$out/after-$i.json" > "$out/after-$i.log" 2>&1)
+    one "$old" "$systems" "$out/before-$i"
+    one "$new" "$systems${extra:+,$extra}" "$out/after-$i"
     echo "pair $i of $reps done"
 done
