@@ -1,4 +1,7 @@
-"""The pslaunch runtime nodes: transport, protocol, scheduler, server and worker over ZeroMQ.
+"""The pslaunch runtime over ZeroMQ, a package per part: ``transport`` (how bytes travel), ``node``
+(what every node shares: the wire format, the connection, the control plane), ``scheduler``,
+``server``, ``worker``, ``collectives`` (between workers, without servers), ``checkpoint`` (the
+files), ``compression`` and ``devices`` (numpy/CuPy).
 
 ``python -m psnode scheduler|server`` runs a bundled node from the environment contract
 (docs/env.md, read by ``psnode.env``). Workers are started by ``kvcore`` (``WorkerNode``). The
