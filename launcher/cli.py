@@ -45,7 +45,8 @@ SIGHUP / SIGINT / SIGTERM; 255 a host was lost. Documentation: docs/launcher.md.
 #: ``--help``'s sections, in order, by each option's name; an option in none is listed under "Other".
 HELP_SECTIONS = {
     "Job shape": ("num_workers", "num_servers", "backend", "command_for_all_roles", "python", "env_all",
-                  "env_server", "env_worker", "scheduler_host", "scheduler_port", "interface", "job_id"),
+                  "env_server", "env_worker", "gpus_per_worker", "scheduler_host", "scheduler_port", "interface",
+                  "job_id"),
     "Hosts and ssh": ("hostfile", "sync_dst_dir", "ssh_port", "ssh_user", "identity", "ssh_config", "known_hosts",
                       "host_key_policy", "connect_timeout", "link_timeout"),
     "Batch systems": ("slurm_args", "sge_args", "sge_pe"),
@@ -93,6 +94,9 @@ class _SectionedCommand(click.Command):
                    "pslaunch's own value. Repeatable.")
 @click.option("--env-server", multiple=True, metavar="NAME[:VALUE]", help="Like --env, for scheduler and servers.")
 @click.option("--env-worker", multiple=True, metavar="NAME[:VALUE]", help="Like --env, for workers.")
+@click.option("--gpus-per-worker", type=click.IntRange(min=1), default=None, metavar="K",
+              help="Give each worker K GPUs of its host: CUDA_VISIBLE_DEVICES from its local rank "
+                   "(local rank r gets GPUs r*K .. r*K+K-1) [default: CUDA_VISIBLE_DEVICES untouched].")
 @click.option("--scheduler-host", default=None, help="Run the scheduler on this host [default: here].")
 @click.option("--scheduler-port", type=int, default=None, help="Scheduler port [default: a free one].")
 @click.option("--interface", default=None, metavar="NAME[,NAME...]|NETWORK",
@@ -285,6 +289,7 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         summary_json=options["summary_json"] or (os.path.join(options["log_dir"], "summary.json")
                                                  if options["log_dir"] else None),
         timeline=options["timeline"],
+        gpus_per_worker=options["gpus_per_worker"],
         backend_options=backend_options,
     )
 

@@ -153,6 +153,8 @@ class LaunchConfig:
     metrics_port: int | None = None
     summary_json: str | None = None
     timeline: str | None = None
+    gpus_per_worker: int | None = None  # --gpus-per-worker: CUDA_VISIBLE_DEVICES by local rank
+    master_port: int | None = None  # a job without servers: torch's MASTER_PORT on worker 0's host (resolved)
 
     @property
     def wants_stats(self) -> bool:
@@ -187,6 +189,8 @@ class LaunchConfig:
                             ("--connect-timeout", self.connect_timeout), ("--link-timeout", self.link_timeout)):
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
+        if self.gpus_per_worker is not None and self.gpus_per_worker < 1:
+            raise ConfigError(f"--gpus-per-worker must be >= 1, got {self.gpus_per_worker}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
         if self.max_restarts < 0:

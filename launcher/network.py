@@ -20,6 +20,7 @@ host can reach the scheduler before anything starts.
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -29,6 +30,8 @@ from pscontract import interface_address, interface_addresses, parse_interface_s
 
 from .config import LaunchConfig, free_port
 from .errors import ConfigError, PreflightError
+from .hostfile import LOCAL_HOST
+from .plan import first_worker_host, torch_master_address
 
 __all__ = ["parse_interface", "route_source", "choose_scheduler_address",
            "check_scheduler_reachable", "check_plan_reachable", "REACH_CHECK", "resolve"]
@@ -225,4 +228,19 @@ def resolve(config: LaunchConfig, real_names: list[tuple[str, str]] | None = Non
     port = config.scheduler_port
     if port is None:
         port = 9091 if config.scheduler_host else free_port("0.0.0.0" if address != "127.0.0.1" else "127.0.0.1")
-    return replace(config, launch_address=address, scheduler_port=port)
+    resolved = replace(config, launch_address=address, scheduler_port=port)
+    if config.num_servers == 0 and config.master_port is None:
+        resolved = replace(resolved, master_port=_torch_master_port(resolved))
+    return resolved
+
+
+def _torch_master_port(config: LaunchConfig) -> int:
+    """torch's ``MASTER_PORT`` for a job without servers: free on worker 0's host when that is this
+    machine (a loopback address of it, or the launch address); on another host, where pslaunch
+    cannot probe, a random port below Linux's ephemeral range (32768), which that host's kernel
+    never hands to an outgoing connection."""
+    host = first_worker_host(config)
+    address = torch_master_address(config, host)
+    if host is LOCAL_HOST or host.is_loopback:
+        return free_port("0.0.0.0" if address == config.launch_address and address != "127.0.0.1" else address)
+    return random.randrange(16384, 32768)

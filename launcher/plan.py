@@ -155,6 +155,23 @@ def _cwd(config: LaunchConfig, host: Host, on_launcher: bool, remote_cwd: str | 
     return remote_cwd
 
 
+def first_worker_host(config: LaunchConfig) -> Host:
+    """The host worker 0 runs on (``LOCAL_HOST`` for the local backend or without a hostfile)."""
+    if config.backend == "local" or not config.hosts:
+        return LOCAL_HOST
+    return _place_workers(list(config.hosts), 1)[0]
+
+
+def torch_master_address(config: LaunchConfig, host: Host) -> str:
+    """``MASTER_ADDR`` for worker 0 on ``host``: a loopback address when every process is on this
+    machine, the address the other hosts reach this machine at when worker 0 runs here, else the
+    host's name as the hostfile gives it (what torchrun's ``--master-addr`` would be)."""
+    if host is LOCAL_HOST:
+        local_only = config.backend == "local" or not config.hosts or all(h.is_loopback for h in config.hosts)
+        return "127.0.0.1" if local_only else config.launch_address
+    return "127.0.0.1" if host.name == "localhost" else host.name
+
+
 def make_plan(config: LaunchConfig) -> Plan:
     """Return the plan for a resolved ``config`` (see ``launcher.network.resolve``). Pure.
 
@@ -201,6 +218,10 @@ def make_plan(config: LaunchConfig) -> Plan:
         settings[ec.PSLAUNCH_CHECKPOINT_DIR] = config.checkpoint_dir
     if config.restart_scope != "job":
         settings[ec.PSLAUNCH_RESTART_SCOPE] = config.restart_scope
+    # torch.distributed's env:// rendezvous, for a job without servers: worker 0's host and a port
+    master = None
+    if config.num_servers == 0 and config.master_port is not None:
+        master = (torch_master_address(config, next(h for r, _, h in placed if r == "worker")), config.master_port)
     processes = []
     for role, rank, host in placed:
         local_rank = seen.get((role, host), 0)
@@ -238,6 +259,10 @@ def make_plan(config: LaunchConfig) -> Plan:
             verbose=config.verbose if config.verbose > 1 else 0,
             settings=settings,
         )
+        if role == "worker":  # a plain torch script runs as under torchrun
+            env.update(ec.torch_env(rank=rank, world_size=config.num_workers, local_rank=local_rank,
+                                    local_world_size=sizes[(role, host)], master=master,
+                                    gpus_per_worker=config.gpus_per_worker))
         # Python children write to pipes, which block-buffer print(): lines would arrive at exit.
         env["PYTHONUNBUFFERED"] = config.python_unbuffered
         processes.append(

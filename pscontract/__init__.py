@@ -71,6 +71,15 @@ __all__ = [
     "REQUIRED",
     "WRITTEN",
     "contract_env",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "TORCH",
+    "torch_env",
 ]
 
 DMLC_ROLE = "DMLC_ROLE"
@@ -145,6 +154,18 @@ MARKER_STATS = MARKER + "STATS"
 #: Timeline events of a node (``PSLAUNCH_TIMELINE=-``): a JSON array of trace events follows.
 MARKER_TRACE = MARKER + "TRACE"
 
+#: torch.distributed's names (its ``env://`` rendezvous, as torchrun sets them), written for every
+#: worker so that a plain torch script runs under pslaunch as under torchrun (docs/env.md).
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+#: ``--gpus-per-worker K``: the GPUs of one worker, by its local rank.
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+TORCH = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CUDA_VISIBLE_DEVICES)
+
 #: The three roles, in the order the launcher starts them.
 ROLES = ("scheduler", "server", "worker")
 
@@ -165,7 +186,7 @@ WRITTEN = REQUIRED + (
     PSLAUNCH_RESTART_COUNT,
     DMLC_WORKER_ID,
     PSLAUNCH_JOB_KEY,
-) + SETTINGS
+) + SETTINGS + TORCH
 
 
 def with_restart_count(env: Mapping[str, str], count: int) -> dict[str, str]:
@@ -244,6 +265,23 @@ def contract_env(
     if verbose:
         env[PS_VERBOSE] = str(verbose)
     env.update({name: str(value) for name, value in (settings or {}).items()})
+    return env
+
+
+def torch_env(*, rank: int, world_size: int, local_rank: int, local_world_size: int,
+              master: tuple[str, int] | None = None, gpus_per_worker: int | None = None) -> dict[str, str]:
+    """torch.distributed's variables of one worker (torchrun's meaning): its ``RANK`` among the
+    ``WORLD_SIZE`` workers, its ``LOCAL_RANK`` among the ``LOCAL_WORLD_SIZE`` workers of its host;
+    with ``master`` (a job without servers) ``MASTER_ADDR`` and ``MASTER_PORT``, where worker 0's
+    process group listens; with ``gpus_per_worker`` K, ``CUDA_VISIBLE_DEVICES`` = the K GPUs from
+    ``local_rank * K``. Pure."""
+    env = {RANK: str(rank), WORLD_SIZE: str(world_size), LOCAL_RANK: str(local_rank),
+           LOCAL_WORLD_SIZE: str(local_world_size)}
+    if master is not None:
+        env[MASTER_ADDR], env[MASTER_PORT] = master[0], str(master[1])
+    if gpus_per_worker:
+        first = local_rank * gpus_per_worker
+        env[CUDA_VISIBLE_DEVICES] = ",".join(str(g) for g in range(first, first + gpus_per_worker))
     return env
 
 

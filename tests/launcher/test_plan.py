@@ -186,3 +186,38 @@ def test_resolve_picks_a_free_local_port_and_never_a_loopback_address_for_a_remo
     with pytest.raises(ConfigError, match=r"--interface 'eth0;rm' is not an interface name"):
         resolve(_config(interface="eth0;rm"))
     assert resolve(_config(scheduler_host="h", scheduler_port=None)).scheduler_port == 9091
+
+
+def test_every_worker_gets_torchruns_rank_variables_and_only_a_job_without_servers_a_master():
+    hosts = (Host("a", slots=2), Host("b", slots=1))
+    plan = make_plan(_config(backend="ssh", hosts=hosts, num_workers=3, num_servers=0, master_port=29500,
+                             launch_address="10.0.0.9"))
+    got = [(p.env["RANK"], p.env["WORLD_SIZE"], p.env["LOCAL_RANK"], p.env["LOCAL_WORLD_SIZE"], p.env["MASTER_ADDR"],
+            p.env["MASTER_PORT"]) for p in plan.by_role("worker")]
+    # round robin over the hosts: a, b, a
+    assert got == [("0", "3", "0", "2", "a", "29500"), ("1", "3", "0", "1", "a", "29500"), ("2", "3", "1", "2", "a", "29500")]
+    assert not any("RANK" in p.env or "MASTER_ADDR" in p.env for p in plan.by_role("scheduler"))
+    assert "CUDA_VISIBLE_DEVICES" not in plan.by_role("worker")[0].env  # untouched without --gpus-per-worker
+    with_servers = make_plan(_config(num_workers=2, num_servers=1, master_port=None))
+    assert [p.env["RANK"] for p in with_servers.by_role("worker")] == ["0", "1"]
+    assert not any("MASTER_ADDR" in p.env for p in (*with_servers.processes, *plan.by_role("server")))
+
+
+def test_the_master_of_a_job_on_this_machine_is_a_loopback_address_with_a_free_port():
+    from launcher.network import resolve
+
+    local = resolve(_config(num_servers=0, scheduler_port=None))
+    worker0 = make_plan(local).by_role("worker")[0].env
+    assert worker0["MASTER_ADDR"] == "127.0.0.1" and worker0["MASTER_PORT"] == str(local.master_port)
+    on_loopback_hosts = resolve(_config(backend="ssh", hosts=(Host("127.0.0.3"), Host("127.0.0.2")), num_servers=0),
+                                real_names=[("127.0.0.3", "127.0.0.3"), ("127.0.0.2", "127.0.0.2")])
+    assert make_plan(on_loopback_hosts).by_role("worker")[0].env["MASTER_ADDR"] == "127.0.0.3"
+    assert resolve(_config(num_servers=1)).master_port is None
+
+
+@pytest.mark.parametrize(("gpus", "visible"), [(1, ["0", "1", "2"]), (2, ["0,1", "2,3", "4,5"])])
+def test_gpus_per_worker_gives_each_local_rank_its_own_gpus(gpus, visible):
+    plan = make_plan(_config(num_workers=3, gpus_per_worker=gpus))
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plan.by_role("worker")] == visible
+    with pytest.raises(ConfigError, match="--gpus-per-worker must be >= 1, got 0"):
+        _config(gpus_per_worker=0)
