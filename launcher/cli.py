@@ -7,15 +7,24 @@ error is a ``LaunchError`` (or click's own) and is printed here, once, as one li
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import uuid
 
 import click
 
-from .config import (DEFAULT_LINK_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STOP_GRACE, LaunchConfig, parse_env_option,
-                     parse_metrics_option, parse_ranks_option)
 from pscontract import new_job_key
+
+from .config import (
+    DEFAULT_LINK_TIMEOUT,
+    DEFAULT_SHUTDOWN_GRACE,
+    DEFAULT_STOP_GRACE,
+    LaunchConfig,
+    parse_env_option,
+    parse_metrics_option,
+    parse_ranks_option,
+)
 from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
 from .network import resolve
@@ -225,9 +234,6 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
             raise ConfigError(f"--{name.replace('_', '-')} is not an option of --launcher {backend}")
     if backend == "ssh" and not hosts:
         raise ConfigError("--launcher ssh needs -H/--hostfile naming the hosts")
-    if backend == "local" and options["scheduler_host"]:
-        raise ConfigError(f"--scheduler-host {options['scheduler_host']} needs a remote backend (--launcher ssh or mpi); "
-                          "the local backend runs everything here")
     env = tuple(
         parse_env_option(text, scope, environ)
         for scope, key in (("all", "env_all"), ("server", "env_server"), ("worker", "env_worker"))
@@ -241,7 +247,7 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
     metrics_address, metrics_port = ("127.0.0.1", None)
     if options["metrics_port"] is not None:
         metrics_address, metrics_port = parse_metrics_option(options["metrics_port"])
-    return LaunchConfig(
+    config = LaunchConfig(
         command=tuple(options["command"]),
         num_workers=num_workers,
         num_servers=num_workers if options["num_servers"] is None else options["num_servers"],
@@ -292,6 +298,24 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         gpus_per_worker=options["gpus_per_worker"],
         backend_options=backend_options,
     )
+    refuse_unused_options(config, backend_cls)
+    return config
+
+
+#: The flag of each ``LaunchConfig`` field a backend may refuse (``Backend.refuses``), for messages.
+_FLAGS = {"hosts": "-H/--hostfile", "sync_dst_dir": "--sync-dst-dir", "ssh_port": "--ssh-port", "ssh_user": "--ssh-user",
+          "identity": "-i/--identity", "ssh_config": "--ssh-config", "known_hosts": "--known-hosts",
+          "host_key_policy": "--host-key-policy", "link_timeout": "--link-timeout",
+          "scheduler_host": "--scheduler-host"}
+
+
+def refuse_unused_options(config: LaunchConfig, backend_cls: type) -> None:
+    """Raise ``ConfigError`` for an option ``config`` was given that its backend has no use for
+    (``Backend.refuses``: a field that differs from its default), naming the backend, the option and why."""
+    defaults = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
+    for field_name, why in backend_cls.refuses:
+        if getattr(config, field_name) != defaults[field_name]:
+            raise ConfigError(f"{_FLAGS[field_name]} is not an option of --launcher {config.backend}: {why}")
 
 
 def _dashboard_wanted(asked: bool | None, quiet: bool) -> bool:

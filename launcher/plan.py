@@ -21,6 +21,7 @@ import shlex
 from dataclasses import dataclass, field, replace
 
 import pscontract as ec
+
 from .config import EnvVar, LaunchConfig
 from .errors import PlacementError
 from .hostfile import LOCAL_HOST, Host

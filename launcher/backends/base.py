@@ -156,6 +156,9 @@ class Backend(ABC):
     name = "base"
     #: Names of the ``LaunchConfig.backend_options`` this backend takes; any other one is refused.
     options: tuple[str, ...] = ()
+    #: General options this backend has no use for, with why: given on the command line, each is
+    #: refused before anything starts (``--dry-run`` too) instead of being ignored.
+    refuses: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, config: LaunchConfig, printer: Printer) -> None:
         self.config = config

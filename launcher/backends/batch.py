@@ -46,6 +46,11 @@ class BatchBackend(Backend):
     thread, once per request: ``ShimJob``).
     """
 
+    # the batch scheduler starts the processes on its nodes; pslaunch reaches none of them by ssh
+    refuses = tuple((option, "the batch scheduler starts the processes on its nodes; pslaunch does not ssh to them")
+                    for option in ("ssh_port", "ssh_user", "identity", "ssh_config", "known_hosts", "host_key_policy",
+                                   "link_timeout"))
+
     #: How handles name the launcher process in their details (``srun``, ``the SGE job``).
     launcher_name = "the job"
 

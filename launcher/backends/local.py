@@ -200,6 +200,9 @@ class LocalBackend(Backend):
     """Runs every process of the plan on this machine (``--launcher local``)."""
 
     name = "local"
+    refuses = tuple((option, "the local backend runs every process on this machine, without ssh")
+                    for option in ("hosts", "sync_dst_dir", "ssh_port", "ssh_user", "identity", "ssh_config",
+                                   "known_hosts", "host_key_policy", "link_timeout", "scheduler_host"))
 
     def __init__(self, config, printer) -> None:
         super().__init__(config, printer)

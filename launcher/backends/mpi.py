@@ -159,10 +159,14 @@ class MpiBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, config, printer) -> None:
+    @classmethod
+    def configure(cls, config, environ):
         if config.restart_scope == "worker":
             raise ConfigError("--restart-scope worker cannot be used with --launcher mpi: one mpirun runs every rank, "
                               "so a rank cannot be started again alone; use --restart-scope job")
+        return config
+
+    def __init__(self, config, printer) -> None:
         super().__init__(config, printer)
         self.spawner = LocalSpawner(config.stop_grace)
         self.shim = ShimJob("mpirun", self._deliver)

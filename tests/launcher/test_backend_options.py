@@ -1,0 +1,80 @@
+"""One validation for every option and every backend: an option the chosen backend has no use for is
+refused before anything starts, naming the backend and the option (the same check for --dry-run as
+for a real run), and an option it uses is accepted. The table below is the contract."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.backends import get_backend
+from launcher.cli import build_config, cli
+from launcher.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+BACKENDS = ("local", "ssh", "mpi", "slurm", "sge")
+
+# option -> its arguments ({hosts}, {key} filled in per test)
+OPTIONS = {
+    "-H": ["-H", "{hosts}"],
+    "--sync-dst-dir": ["--sync-dst-dir", "/tmp/job"],
+    "--ssh-port": ["--ssh-port", "2222"],
+    "--ssh-user": ["--ssh-user", "bob"],
+    "-i": ["-i", "{key}"],
+    "--ssh-config": ["--ssh-config", "/dev/null"],
+    "--known-hosts": ["--known-hosts", "/dev/null"],
+    "--host-key-policy": ["--host-key-policy", "strict"],
+    "--link-timeout": ["--link-timeout", "5"],
+    "--scheduler-host": ["--scheduler-host", "node1"],
+    "--slurm-args": ["--slurm-args", "--partition=debug"],
+    "--sge-args": ["--sge-args", "-q all.q"],
+    "--sge-pe": ["--sge-pe", "mpi"],
+    "--restart-scope worker": ["--restart-scope", "worker", "--max-restarts", "1", "--allow-restart-from-scratch"],
+}
+SSH_OPTIONS = ("--ssh-port", "--ssh-user", "-i", "--ssh-config", "--known-hosts", "--host-key-policy", "--link-timeout")
+
+# what each backend accepts; every other option of OPTIONS is refused
+ACCEPTS = {
+    "local": {"--restart-scope worker"},
+    "ssh": {"-H", "--sync-dst-dir", *SSH_OPTIONS, "--scheduler-host", "--restart-scope worker"},
+    "mpi": {"-H", "--sync-dst-dir", *SSH_OPTIONS, "--scheduler-host"},
+    "slurm": {"--slurm-args", "--restart-scope worker"},
+    "sge": {"--sge-args", "--sge-pe", "--restart-scope worker"},
+}
+
+
+def _configure(backend: str, args: list[str]):
+    """What pslaunch checks before anything starts (a real run and --dry-run alike)."""
+    ctx = cli.make_context("pslaunch", [*args, "--launcher", backend, "-n", "2", "true"])
+    config = build_config(ctx.params, {})
+    return get_backend(backend).configure(config, {})
+
+
+# the backends' classes, not their names: a test parametrized with the name "ssh" would join the
+# tests that need the suite's sshd (tests/conftest.py), and nothing here connects anywhere
+@pytest.mark.parametrize("backend_cls", [get_backend(name) for name in BACKENDS], ids=BACKENDS)
+@pytest.mark.parametrize("option", OPTIONS)
+def test_each_backend_accepts_the_options_it_uses_and_refuses_the_others_naming_both(backend_cls, option, tmp_path):
+    backend = backend_cls.name
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node1\nnode2\n")
+    key = tmp_path / "id_key"
+    key.write_text("not a real key\n")
+    args = [a.format(hosts=hosts, key=key) for a in OPTIONS[option]]
+    if backend == "ssh" and option != "-H":
+        args += ["-H", str(hosts)]  # the ssh backend always needs its hosts
+    if option in ACCEPTS[backend]:
+        _configure(backend, args)
+    else:
+        with pytest.raises(ConfigError) as refused:
+            _configure(backend, args)
+        message = str(refused.value)
+        named = {"-i": "--identity", "--restart-scope worker": "--restart-scope worker"}.get(option, option)
+        assert named in message, message
+        assert f"--launcher {backend}" in message or {"slurm": "Slurm", "sge": "SGE"}.get(backend, "?") in message, message
+
+
+def test_a_refusal_says_why():
+    with pytest.raises(ConfigError, match=r"-H/--hostfile is not an option of --launcher local: the local backend "
+                                          r"runs every process on this machine"):
+        _configure("local", ["-H", "/etc/hostname"])
