@@ -167,10 +167,12 @@ def torch_master_address(config: LaunchConfig, host: Host) -> str:
     """``MASTER_ADDR`` for worker 0 on ``host``: a loopback address when every process is on this
     machine, the address the other hosts reach this machine at when worker 0 runs here, else the
     host's name as the hostfile gives it (what torchrun's ``--master-addr`` would be)."""
-    if host is LOCAL_HOST:
-        local_only = config.backend == "local" or not config.hosts or all(h.is_loopback for h in config.hosts)
-        return "127.0.0.1" if local_only else config.launch_address
-    return "127.0.0.1" if host.name == "localhost" else host.name
+    if host is LOCAL_HOST or host.is_loopback:
+        all_here = config.backend == "local" or not config.hosts or all(h.is_loopback for h in config.hosts)
+        if not all_here:  # other hosts dial it: this machine's address toward them
+            return config.launch_address
+        return "127.0.0.1" if host is LOCAL_HOST or host.name == "localhost" else host.name
+    return host.name
 
 
 def make_plan(config: LaunchConfig) -> Plan:

@@ -213,6 +213,10 @@ def test_the_master_of_a_job_on_this_machine_is_a_loopback_address_with_a_free_p
                                 real_names=[("127.0.0.3", "127.0.0.3"), ("127.0.0.2", "127.0.0.2")])
     assert make_plan(on_loopback_hosts).by_role("worker")[0].env["MASTER_ADDR"] == "127.0.0.3"
     assert resolve(_config(num_servers=1)).master_port is None
+    # worker 0 on this machine, another host remote: the remote workers dial this machine's address
+    mixed = _config(backend="ssh", hosts=(Host("localhost"), Host("node2")), num_servers=0, master_port=29500,
+                    launch_address="10.0.0.9")
+    assert make_plan(mixed).by_role("worker")[0].env["MASTER_ADDR"] == "10.0.0.9"
 
 
 @pytest.mark.parametrize(("gpus", "visible"), [(1, ["0", "1", "2"]), (2, ["0,1", "2,3", "4,5"])])
