@@ -7,7 +7,9 @@ breaks: then nothing arrives at all. So pslaunch writes ``PING`` on every guard'
 seconds, and a guard that hears nothing for the link timeout stops its command. The guard
 
 1. reads the environment from stdin (a line count, then ``export NAME='value'`` lines), so no
-   value ever appears on a command line or in a file;
+   value ever appears on a command line or in a file; the job key it moves out of the environment
+   into a here-document on the command's file descriptor 4 (``PSLAUNCH_JOB_KEY_FD=4``), from which
+   the runtime reads it: it is in no process's environment on the host;
 2. changes to the working directory;
 3. starts the command in its own session / process group (``setsid``; ``set -m`` where there is
    no setsid), with stdin from /dev/null, and reports its pid as a marker line on stderr;
@@ -41,12 +43,22 @@ s=''; i=0
 while [ "$i" -lt "$n" ]; do IFS= read -r x || exit 125; s="$s$x
 "; i=$((i+1)); done
 eval "$s"; unset s x n i
+jk=
+if [ -n "${PSLAUNCH_JOB_KEY:-}" ]; then
+  jk=$PSLAUNCH_JOB_KEY; unset PSLAUNCH_JOB_KEY; PSLAUNCH_JOB_KEY_FD=4; export PSLAUNCH_JOB_KEY_FD
+fi
 if [ -n "$d" ] && ! cd "$d" 2>/dev/null; then
   if [ "$strict" = 1 ]; then echo "pslaunch guard: cannot cd to $d" >&2; exit 126; fi
   echo "pslaunch guard: no directory $d here, running in $HOME" >&2; cd || exit 126
 fi
-if command -v setsid >/dev/null 2>&1; then setsid "$@" </dev/null 3<&- &
-else set -m; "$@" </dev/null 3<&- & fi
+if command -v setsid >/dev/null 2>&1; then setsid "$@" </dev/null 3<&- 4<<PSLAUNCH_JOB_KEY &
+$jk
+PSLAUNCH_JOB_KEY
+else set -m; "$@" </dev/null 3<&- 4<<PSLAUNCH_JOB_KEY &
+$jk
+PSLAUNCH_JOB_KEY
+fi
+unset jk
 p=$!
 printf '\037PSLAUNCH-PID %s\n' "$p" >&2
 stop() {

@@ -38,6 +38,8 @@ import subprocess
 import sys
 import time
 
+from pscontract import hand_key_over
+
 __all__ = ["main", "payload", "PLAN_VARIABLE", "ENV_PREFIX", "rank_from_environ"]
 
 PLAN_VARIABLE = "PSLAUNCH_MPI_PLAN"
@@ -186,12 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     early: list[int] = []
     for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT, signal.SIGALRM):
         signal.signal(sig, lambda signum, frame: early.append(signum))
+    key_pipe = hand_key_over(env)  # the key through a pipe, never in the child's environment
     try:
-        child = subprocess.Popen(entry["argv"], env=env, cwd=entry.get("cwd") or None, start_new_session=True)
+        child = subprocess.Popen(entry["argv"], env=env, cwd=entry.get("cwd") or None, start_new_session=True,
+                                 pass_fds=() if key_pipe is None else (key_pipe,))
     except OSError as exc:
         print(f"cannot start {entry['argv'][0]!r}: {exc.strerror or exc}", file=sys.stderr)
         _say("EXIT 127")
         return 0  # the status is in the marker (see the end of main)
+    finally:
+        if key_pipe is not None:
+            os.close(key_pipe)
     _say(f"PID {child.pid}")
     stopping: list[int] = []
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import os
 import random
 import re
 import socket
@@ -57,6 +58,8 @@ __all__ = [
     "RESTART_SCOPES",
     "PSLAUNCH_JOB_KEY",
     "PSLAUNCH_JOB_KEY_FILE",
+    "PSLAUNCH_JOB_KEY_FD",
+    "hand_key_over",
     "new_job_key",
     "with_restart_count",
     "SETTINGS",
@@ -121,6 +124,9 @@ RESTART_SCOPES = ("job", "worker")
 #: The job's secret: passed like a secret ``--env`` value (never in a plan's printed environment).
 PSLAUNCH_JOB_KEY = "PSLAUNCH_JOB_KEY"
 PSLAUNCH_JOB_KEY_FILE = "PSLAUNCH_JOB_KEY_FILE"
+#: What a process started by pslaunch gets instead of ``PSLAUNCH_JOB_KEY``: the number of an
+#: inherited file descriptor from which the runtime reads the key once (``hand_key_over``).
+PSLAUNCH_JOB_KEY_FD = "PSLAUNCH_JOB_KEY_FD"
 
 #: The runtime's optional settings (docs/env.md, "Optional"): ``contract_env(settings=...)`` writes them.
 SETTINGS = (
@@ -186,6 +192,7 @@ WRITTEN = REQUIRED + (
     PSLAUNCH_RESTART_COUNT,
     DMLC_WORKER_ID,
     PSLAUNCH_JOB_KEY,
+    PSLAUNCH_JOB_KEY_FD,
 ) + SETTINGS + TORCH
 
 
@@ -283,6 +290,29 @@ def torch_env(*, rank: int, world_size: int, local_rank: int, local_world_size: 
         first = local_rank * gpus_per_worker
         env[CUDA_VISIBLE_DEVICES] = ",".join(str(g) for g in range(first, first + gpus_per_worker))
     return env
+
+
+def hand_key_over(env: dict[str, str]) -> int | None:
+    """Move the job key out of the environment ``env`` of a process about to start: into a new
+    pipe, whose read end the child inherits (its number in ``PSLAUNCH_JOB_KEY_FD``). Returns that
+    read end for the spawner to pass (``pass_fds``) and close once the child started; None when
+    ``env`` holds no key.
+
+    So the key is in no process's environment (``/proc/PID/environ``) and no child of the user's
+    command finds it there; the runtime reads it from the pipe once (``psnode.transport.security``)
+    and a command that never starts the runtime never reads it. The pipe holds 65 bytes, far below
+    any pipe's buffer, so writing it never blocks.
+    """
+    key = env.pop(PSLAUNCH_JOB_KEY, None)
+    if key is None:
+        return None
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, key.encode() + b"\n")
+    finally:
+        os.close(write_end)
+    env[PSLAUNCH_JOB_KEY_FD] = str(read_end)
+    return read_end
 
 
 def free_port(address: str = "127.0.0.1") -> int:

@@ -18,9 +18,11 @@ import threading
 from typing import Sequence
 
 import pscontract as ec
+from pscontract import hand_key_over
+
+from ..checkpointdir import check_checkpoint_dir
 from ..errors import SpawnError
 from ..plan import Plan, ProcessSpec
-from ..checkpointdir import check_checkpoint_dir
 from ..scriptcheck import check_scripts_here
 from .base import Backend, ExitStatus, ProcessHandle, pump
 
@@ -139,18 +141,24 @@ class LocalSpawner:
         Raises ``SpawnError`` naming the process and the program when it cannot be executed.
         """
         argv = list(spec.argv if argv is None else argv)
+        environ = child_environ(spec.full_env() if env is None else env)
+        key_pipe = hand_key_over(environ)  # the key through a pipe, never in the child's environment
         try:
             popen = subprocess.Popen(
                 argv,
-                env=child_environ(spec.full_env() if env is None else env),
+                env=environ,
                 cwd=spec.cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
+                pass_fds=() if key_pipe is None else (key_pipe,),
             )
         except OSError as exc:
             raise SpawnError(f"cannot start {spec.name}: {argv[0]!r}: {exc.strerror or exc}") from exc
+        finally:
+            if key_pipe is not None:
+                os.close(key_pipe)
         self._watch(popen.pid)
         handle = handle_cls(spec, popen, [])
         assert popen.stdout is not None and popen.stderr is not None

@@ -1,8 +1,10 @@
 """The job key and what it buys: authenticated connections, optional encryption, who may talk at all.
 
 A job is keyed by a 32-byte secret (``PSLAUNCH_JOB_KEY``, 64 hex digits, or a mode-0600 file named
-by ``PSLAUNCH_JOB_KEY_FILE``; docs/env.md). ``take_job_key`` reads it and removes it from
-``os.environ``, so user code and the processes it starts never see it.
+by ``PSLAUNCH_JOB_KEY_FILE``; docs/env.md). Under pslaunch it comes through an inherited pipe
+instead (``PSLAUNCH_JOB_KEY_FD``: ``pscontract.hand_key_over``), so it is in no process's
+environment. ``take_job_key`` reads it and removes the variable from ``os.environ``, so user code
+and the processes it starts never see it.
 
 With a key, every ZeroMQ connection proves that it knows it before ZeroMQ accepts a single message
 from it (ZMTP's security handshake, checked by a ZAP handler running in every node):
@@ -42,11 +44,12 @@ from typing import Any, Mapping, MutableMapping
 from psnode.errors import EnvError
 from psnode.log import logger
 
-__all__ = ["Security", "EnvError", "JOB_KEY", "JOB_KEY_FILE", "take_job_key", "taken_key", "read_job_key", "check_unkeyed",
+__all__ = ["Security", "EnvError", "JOB_KEY", "JOB_KEY_FILE", "JOB_KEY_FD", "take_job_key", "taken_key", "read_job_key", "check_unkeyed",
            "secure_or_loopback", "ZapHandler", "ZAP_DOMAIN"]
 
 JOB_KEY = "PSLAUNCH_JOB_KEY"
 JOB_KEY_FILE = "PSLAUNCH_JOB_KEY_FILE"
+JOB_KEY_FD = "PSLAUNCH_JOB_KEY_FD"
 ZAP_DOMAIN = "pslaunch"
 _KEY_BYTES = 32
 
@@ -113,12 +116,17 @@ def read_job_key(environ: Mapping[str, str]) -> bytes | None:
     """
     text = environ.get(JOB_KEY, "").strip()
     path = environ.get(JOB_KEY_FILE, "").strip()
-    if text and path:
-        raise EnvError(f"both {JOB_KEY} and {JOB_KEY_FILE} are set; set one of them")
+    fd = environ.get(JOB_KEY_FD, "").strip()
+    given = [name for name, value in ((JOB_KEY, text), (JOB_KEY_FILE, path), (JOB_KEY_FD, fd)) if value]
+    if len(given) > 1:
+        raise EnvError(f"{' and '.join(given)} are all set; set one of them")
     source = JOB_KEY
     if path:
         source = f"{JOB_KEY_FILE}={path}"
         text = _read_key_file(path)
+    elif fd:
+        source = f"{JOB_KEY_FD}={fd}"
+        text = _read_key_pipe(fd)
     if not text:
         return None
     try:
@@ -128,6 +136,31 @@ def read_job_key(environ: Mapping[str, str]) -> bytes | None:
     if len(key) != _KEY_BYTES:
         raise EnvError(f"the job key in {source} has {len(key)} bytes; it must have {_KEY_BYTES} ({2 * _KEY_BYTES} hex digits)")
     return key
+
+
+def _read_key_pipe(number: str) -> str:
+    """The key pslaunch wrote into the pipe whose read end is file descriptor ``number`` (its
+    ``hand_key_over``): read to its end and closed, so it is read once."""
+    try:
+        fd = int(number)
+    except ValueError:
+        raise EnvError(f"{JOB_KEY_FD}={number!r} is not a file descriptor number") from None
+    chunks = []
+    try:
+        while sum(map(len, chunks)) < 4096:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except OSError as exc:
+        raise EnvError(f"{JOB_KEY_FD}={fd} cannot be read: {exc.strerror}; the key is read once, by the first "
+                       "import of kvcore or psnode in the process pslaunch started") from None
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return b"".join(chunks).decode(errors="replace").strip()
 
 
 def _read_key_file(path: str) -> str:
@@ -161,7 +194,7 @@ def take_job_key(environ: MutableMapping[str, str] | None = None) -> bytes | Non
         EnvError: the key is malformed (it is removed all the same; ``taken_key`` raises it too).
     """
     env = os.environ if environ is None else environ
-    if environ is None and _taken and JOB_KEY not in env and JOB_KEY_FILE not in env:
+    if environ is None and _taken and JOB_KEY not in env and JOB_KEY_FILE not in env and JOB_KEY_FD not in env:
         return taken_key()
     error: EnvError | None = None
     key = None
@@ -171,6 +204,7 @@ def take_job_key(environ: MutableMapping[str, str] | None = None) -> bytes | Non
         error = exc
     finally:
         env.pop(JOB_KEY, None)
+        env.pop(JOB_KEY_FD, None)  # read once: a child would find the pipe empty
     if environ is None:
         _taken[:] = [error if error is not None else key]
     if error is not None:

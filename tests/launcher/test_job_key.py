@@ -1,5 +1,7 @@
-"""pslaunch gives every job a fresh key, in the environment only: never in a command line (ps), in
---dry-run, or in what user code sees, on the local, ssh and mpi backends."""
+"""pslaunch gives every job a fresh key and hands it to the runtime through an inherited pipe: never
+in a command line (ps), in --dry-run, in the environment of the user's command or of a child it
+starts, on the local, ssh and mpi backends; with local and ssh in no process's environment at all
+(mpi's own mpirun and ranks carry it in theirs)."""
 
 from __future__ import annotations
 
@@ -7,23 +9,34 @@ import re
 
 import pytest
 
-from testkit.launcher import REPO, helper, run_pslaunch, wait_gone
+from testkit.launcher import BATCH_BACKENDS, REPO, backend_launch, helper, run_pslaunch, wait_gone
 
 
-def _check(res, workers: int) -> None:
+def _check(res, workers: int, environs: str = r"\[\]") -> None:
     context = f"{res.stdout}\n{res.stderr}"
     assert res.returncode == 0, context
-    assert context.count("HAS_KEY True") == workers, context  # the key reached every worker's process
-    assert context.count("VISIBLE_TO_USER_CODE False") == workers, context  # gone before user code ran
+    assert context.count("HAS_KEY True") == workers, context  # the key reached every worker's runtime
+    # before kvcore was imported the process had a descriptor number, not the key
+    assert context.count("KEY_VARIABLES_BEFORE_IMPORT ['PSLAUNCH_JOB_KEY_FD']") == workers, context
+    assert context.count("IN_OWN_ENVIRON False") == workers, context  # not in /proc/self/environ
+    assert context.count("IN_A_CHILDS_ENVIRON False") == workers, context  # nor in a child's
+    assert context.count("VISIBLE_TO_USER_CODE False") == workers, context  # nor in os.environ after
     assert context.count("IN_A_COMMAND_LINE []") == workers, context  # no argv anywhere holds it
+    assert len(re.findall(rf"IN_AN_ENVIRON {environs}$", context, re.M)) == workers, context
     assert context.count("DONE") == workers, context
     assert not re.search(r"\b[0-9a-f]{64}\b", context), context  # nor does pslaunch's own output
+
+
+# under mpi the key travels in mpirun's environment and its ranks' (launcher.mpi_rank), never further
+_MPI_ONLY = r"\[('(mpirun|\S+ -m launcher\.mpi_rank)[^']*',? ?)+\]"
+# under a batch scheduler: in the scheduler's launcher (srun, the SGE job's own steps) and the ranks
+_BATCH_ONLY = r"\[('(srun|slurmstepd|sge_shepherd|\S+ -m launcher\.\S+|-sh -c \S+ -m launcher\.)[^']*',? ?)*\]"
 
 
 @pytest.mark.parametrize("backend", ["local", "mpi"])
 def test_the_job_key_is_in_no_command_line_and_not_visible_to_user_code(backend, marker):
     _check(run_pslaunch(["-n", "2", "-s", "1", "--launcher", backend, "python", helper("key_witness.py"), marker],
-                        timeout=90), 2)
+                        timeout=90), 2, _MPI_ONLY if backend == "mpi" else r"\[\]")
     assert wait_gone(marker, 10) == []
 
 
@@ -45,3 +58,11 @@ def test_an_encrypted_job_runs(marker):
     res = run_pslaunch(["-n", "2", "-s", "1", "--encrypt", "--launcher", "local", "python", helper("key_witness.py"),
                         marker], timeout=90)
     _check(res, 2)
+
+
+@pytest.mark.parametrize("backend", BATCH_BACKENDS)
+def test_the_job_key_on_a_batch_scheduler_never_reaches_the_users_command(backend, request, tmp_path, marker):
+    launch = backend_launch(backend, request, tmp_path)
+    _check(launch.run(["-n", "2", "-s", "1", *launch.args, "python", helper("key_witness.py"), marker], timeout=120), 2,
+           _BATCH_ONLY)
+    assert wait_gone(marker, 10) == []
