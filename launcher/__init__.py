@@ -1,12 +1,12 @@
 """The pslaunch launcher: the CLI and how processes are placed, started, watched and stopped.
 
-Public face: the configuration, the planning function, the hostfile parser, the backend registry
-and the errors. ``launcher.cli`` holds the ``pslaunch`` command; the names of docs/env.md
-are ``pscontract``'s. Importing this package loads neither paramiko nor rich nor click.
+Public face: ``launch`` (a job from Python, returning a ``RunResult``), the configuration, the
+planning function, the hostfile parser, the backend registry and the errors. ``launcher.cli``
+holds the ``pslaunch`` command; the names of docs/env.md are ``pscontract``'s. Importing this package loads neither paramiko nor rich nor click.
 """
 
+from .api import ProcessOutcome, RootCause, RunResult, launch, run
 from .config import EnvVar, LaunchConfig, parse_env_option
-from .network import resolve
 from .errors import (
     ConfigError,
     HostfileError,
@@ -19,9 +19,15 @@ from .errors import (
     UnknownBackendError,
 )
 from .hostfile import Host, parse_hostfile, parse_hostfile_text
+from .network import resolve
 from .plan import Plan, ProcessSpec, format_plan, make_plan
 
 __all__ = [
+    "launch",
+    "run",
+    "RunResult",
+    "ProcessOutcome",
+    "RootCause",
     "EnvVar",
     "LaunchConfig",
     "parse_env_option",

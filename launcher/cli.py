@@ -183,39 +183,19 @@ def cli(**options) -> None:
 
     Everything after the options is COMMAND and its arguments, passed on unchanged.
     """
+    from .api import run
     from .backends import get_backend
     from .plan import format_plan, make_plan
 
     environ = dict(os.environ)
-    config = resolve(build_config(options, environ))
-    config = get_backend(config.backend).configure(config, environ)
-    plan = make_plan(config)
+    config = build_config(options, environ)
     if config.dry_run:
-        click.echo(format_plan(plan))
-        for line in get_backend(config.backend).dry_run_notes(config):
+        resolved = get_backend(config.backend).configure(resolve(config), environ)
+        click.echo(format_plan(make_plan(resolved)))
+        for line in get_backend(config.backend).dry_run_notes(resolved):
             click.echo(line)
         return
-    from .observe import JobObserver
-    from .output import Printer
-    from .supervisor import Supervisor
-
-    printer = Printer(quiet=config.quiet, log_dir=config.log_dir, ranks=config.ranks, timestamps=config.timestamps)
-    observer = None
-    try:
-        observer = JobObserver.start(config, plan, printer)  # None when nothing is observed
-        backend = get_backend(config.backend)(config, printer)
-        if config.verbose:
-            printer.note(f"job {plan.job_id}: {len(plan.processes)} processes via {config.backend}")
-        code = Supervisor(config, backend, printer, observer).run(plan)
-    except LaunchError as exc:
-        if observer is not None:
-            observer.launch_failed(exc)
-        raise
-    finally:
-        if observer is not None:
-            observer.close()
-        printer.close()
-    sys.exit(code)
+    sys.exit(run(config).exit_code)
 
 
 def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:

@@ -81,4 +81,5 @@ class SpawnError(LaunchError):
 
 
 class JobFailed(LaunchError):
-    """The job ran and failed; the supervisor has already printed the root cause."""
+    """The job ran and failed (``RunResult.check()`` raises it): its message is the root cause, and
+    ``result`` the whole ``launcher.api.RunResult``."""

@@ -29,6 +29,7 @@ import os
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from .backends.base import Backend, ProcessHandle
 from .config import LaunchConfig
@@ -37,6 +38,9 @@ from .plan import Plan
 from .restarts import RestartLog
 from .terminal import in_foreground
 from .verdict import Failure, culprit, kind_of, notes, who
+
+if TYPE_CHECKING:
+    from .api import RunResult
 
 __all__ = ["Supervisor", "Failure", "EXIT_TIMEOUT", "CULPRIT_WAIT"]
 
@@ -321,6 +325,23 @@ class Supervisor:
                 self.printer.note(f"{who(handle)} did not end after SIGKILL")
 
     # -- reporting -----------------------------------------------------------------------------
+    def _table(self) -> tuple[list[ProcessHandle], dict[int, str]]:
+        """The summary table's processes (a worker restarted alone: its earlier runs first) and notes."""
+        shown: list[ProcessHandle] = []
+        for handle in self.handles:
+            shown += [r for r in self._replaced if r.spec.name == handle.spec.name]
+            shown.append(handle)
+        table_notes = notes(shown, self._stopped, self.failure)
+        table_notes.update({id(r): "failed; restarted alone" for r in self._replaced})
+        return shown, table_notes
+
+    def result(self) -> "RunResult":
+        """The job's outcome for a program (``launcher.api``): what ``_report`` prints, as data."""
+        from .api import result_of
+
+        shown, table_notes = self._table()
+        return result_of(shown, table_notes, self.failure, self.printer.last_lines, self.restarts.attempts)
+
     def _report(self, then: str | None = None) -> None:
         """The summary table, the root cause and its last lines; ``then``: the job goes on (a restart),
         else the attempts (with restarts) and the exit code end it."""
@@ -331,13 +352,7 @@ class Supervisor:
         if self.handles and (not self.config.quiet or self.config.log_dir):  # quiet: the log dir's copy only
             from .summary import render_summary
 
-            shown: list[ProcessHandle] = []
-            for handle in self.handles:  # a worker restarted alone: its earlier runs first
-                shown += [r for r in self._replaced if r.spec.name == handle.spec.name]
-                shown.append(handle)
-            table_notes = notes(shown, self._stopped, self.failure)
-            table_notes.update({id(r): "failed; restarted alone" for r in self._replaced})
-            table = render_summary(shown, table_notes, self.printer.colour)
+            table = render_summary(*self._table(), self.printer.colour)
             if self.config.quiet:
                 self.printer.record(table)
             else:

@@ -1,0 +1,204 @@
+"""pslaunch from Python: ``launch(...)`` runs a job as the command line does and returns a
+``RunResult`` instead of printing one.
+
+    from launcher import launch
+
+    result = launch(["python", "train.py"], num_workers=2, num_servers=1)
+    if not result.ok:
+        print(result.root_cause.process, result.root_cause.reason, result.root_cause.last_lines)
+
+Its keywords are the command's options by their long names (``num_workers``, ``hostfile``,
+``max_restarts``, ``log_dir``, ...; ``launcher`` for ``--launcher``, ``env`` for ``--env``). An error
+before anything starts (a bad option, a hostfile line, an unreachable host) raises the
+``LauncherError`` subclass the command line reports; a job that runs and fails returns a result
+with ``ok`` False. Nothing is printed unless ``quiet=False`` (then as the command prints).
+``run(config)`` is the same for a ``LaunchConfig`` (what the command line calls).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, Mapping, Sequence
+
+from .config import LaunchConfig
+from .restarts import Attempt
+
+if TYPE_CHECKING:
+    from .backends.base import ProcessHandle
+    from .verdict import Failure
+
+__all__ = ["launch", "run", "RunResult", "ProcessOutcome", "RootCause"]
+
+
+@dataclass(frozen=True)
+class ProcessOutcome:
+    """One row of the summary table: how one process of the last attempt ended."""
+
+    name: str  # worker.1@host
+    role: str
+    rank: int
+    host: str
+    pid: int | None
+    exit_code: int | None  # None while running (never at the end) or when killed by a signal
+    signal: int | None  # the signal that ended it, else None
+    duration_s: float
+    note: str  # the table's note: root cause, ended: a peer failed, stopped by pslaunch, ...
+
+
+@dataclass(frozen=True)
+class RootCause:
+    """The first real failure: the sentence pslaunch prints, and the process with its last lines."""
+
+    reason: str
+    exit_code: int
+    process: str | None  # None when no process is to blame (a timeout, Ctrl-C, a lost host)
+    role: str | None
+    rank: int | None
+    host: str | None
+    pid: int | None
+    last_lines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a job ended: pslaunch's exit code, the root cause, a row per process and the attempts."""
+
+    exit_code: int
+    root_cause: RootCause | None
+    processes: tuple[ProcessOutcome, ...]
+    attempts: tuple[Attempt, ...]  # with --max-restarts: each failure and what followed
+
+    @property
+    def ok(self) -> bool:
+        """True when every worker finished and nothing failed."""
+        return self.exit_code == 0
+
+    def check(self) -> "RunResult":
+        """This result when the job succeeded; else raise ``JobFailed`` naming the root cause (its
+        ``result`` attribute holds this result, its ``exit_code`` the job's)."""
+        if self.ok:
+            return self
+        from .errors import JobFailed
+
+        cause = self.root_cause
+        where = f" ({cause.process})" if cause is not None and cause.process else ""
+        error = JobFailed(f"the job failed with exit code {self.exit_code}: "
+                          f"{cause.reason if cause is not None else 'no root cause'}{where}", self.exit_code)
+        error.result = self
+        raise error
+
+    def process(self, name: str) -> ProcessOutcome:
+        """The row of process ``name`` (``worker.1`` or ``worker.1@host``). Raises KeyError."""
+        for outcome in self.processes:
+            if name in (outcome.name, outcome.name.split("@", 1)[0]):
+                return outcome
+        raise KeyError(f"no process {name!r} in this job; it has {', '.join(p.name for p in self.processes)}")
+
+
+def result_of(handles: "Sequence[ProcessHandle]", table_notes: dict[int, str], failure: "Failure | None",
+              last_lines, attempts: Sequence[Attempt]) -> RunResult:
+    """The ``RunResult`` of a supervised job: its ``handles`` (in table order), the table's notes by
+    handle id, the root cause and ``last_lines(name)`` of the printer."""
+    rows = []
+    for handle in handles:
+        status = handle.status
+        rows.append(ProcessOutcome(
+            name=handle.spec.name, role=handle.spec.role, rank=handle.spec.rank, host=handle.spec.host.label,
+            pid=handle.pid, exit_code=None if status is None or status.signal is not None else status.exit_code,
+            signal=None if status is None else status.signal, duration_s=round(handle.duration, 3),
+            note=table_notes.get(id(handle), "")))
+    root = None
+    if failure is not None:
+        culprit = failure.handle
+        root = RootCause(
+            reason=failure.reason, exit_code=failure.exit_code,
+            process=None if culprit is None else culprit.spec.name,
+            role=None if culprit is None else culprit.spec.role,
+            rank=None if culprit is None else culprit.spec.rank,
+            host=None if culprit is None else culprit.spec.host.label,
+            pid=None if culprit is None else culprit.pid,
+            last_lines=() if culprit is None else tuple(last_lines(culprit.spec.name)))
+    return RunResult(0 if failure is None else failure.exit_code, root, tuple(rows), tuple(attempts))
+
+
+def run(config: LaunchConfig, out: IO[str] | None = None, err: IO[str] | None = None) -> RunResult:
+    """Plan, start and supervise the job ``config`` describes (resolved here); its ``RunResult``.
+
+    ``out``/``err``: where the processes' lines and pslaunch's own go (default: this process's
+    stdout and stderr). Raises ``LaunchError`` when the job cannot start.
+    """
+    from .backends import get_backend
+    from .errors import LaunchError
+    from .network import resolve
+    from .observe import JobObserver
+    from .output import Printer
+    from .plan import make_plan
+    from .supervisor import Supervisor
+
+    config = get_backend(config.backend).configure(resolve(config), dict(os.environ))
+    plan = make_plan(config)
+    printer = Printer(out=out, err=err, quiet=config.quiet, log_dir=config.log_dir, ranks=config.ranks,
+                      timestamps=config.timestamps)
+    observer = None
+    try:
+        observer = JobObserver.start(config, plan, printer)  # None when nothing is observed
+        backend = get_backend(config.backend)(config, printer)
+        if config.verbose:
+            printer.note(f"job {plan.job_id}: {len(plan.processes)} processes via {config.backend}")
+        supervisor = Supervisor(config, backend, printer, observer)
+        supervisor.run(plan)
+        return supervisor.result()
+    except LaunchError as exc:
+        if observer is not None:
+            observer.launch_failed(exc)
+        raise
+    finally:
+        if observer is not None:
+            observer.close()
+        printer.close()
+
+
+def launch(command: Sequence[str] | str, *, num_workers: int = 2, num_servers: int | None = None,
+           launcher: str | None = None, env: Mapping[str, str] | Sequence[str] | None = None,
+           quiet: bool = True, **options: Any) -> RunResult:
+    """Run ``command`` (argv, or one string split as a shell would) as a pslaunch job and return its
+    ``RunResult`` (see the module docstring). ``env``: ``{NAME: VALUE}`` or ``--env`` texts
+    (``NAME``, ``NAME:VALUE``, ``NAME=VALUE``) for every process; ``options``: any other option
+    of the command by its long name with ``_`` for ``-`` (``hostfile="hosts"``, ``max_restarts=2``,
+    ``env_worker=["A:1"]``).
+
+    Raises ``TypeError`` for a keyword the command does not have, and the ``LauncherError``
+    subclasses for what pslaunch refuses before starting (``ConfigError``, ``HostfileError``,
+    ``PreflightError``, ...).
+    """
+    import shlex
+
+    from .cli import build_config, cli
+
+    # every option's value as the command line leaves it when not given (click fills them in)
+    defaults = {name: value for name, value in cli.make_context("pslaunch", ["-n", "1", "true"]).params.items()
+                if name != "command"}
+    renamed = {"launcher": "backend"}
+    unknown = sorted(name for name in options if name not in defaults or name in ("backend", "dry_run"))
+    if unknown:
+        raise TypeError(f"launch() has no option {', '.join(unknown)}; it takes the command's options: "
+                        f"{', '.join(sorted(n for n in defaults if n not in ('backend', 'dry_run')))}")
+    given = dict(defaults)
+    given.update(options)
+    for name, value in list(given.items()):  # click's multiple options default to tuples
+        if isinstance(value, list):
+            given[name] = tuple(value)
+    given.update(num_workers=num_workers, num_servers=num_servers, quiet=quiet, dry_run=False,
+                 dashboard=options.get("dashboard", False), command=tuple(shlex.split(command) if isinstance(
+                     command, str) else command))
+    given[renamed["launcher"]] = launcher
+    if env is not None:
+        texts = [f"{k}={v}" for k, v in env.items()] if isinstance(env, Mapping) else list(env)
+        given["env_all"] = tuple(given.get("env_all") or ()) + tuple(texts)
+    config = build_config(given, dict(os.environ))
+    if quiet:  # nothing on this process's streams; --log-dir keeps its files
+        with open(os.devnull, "w") as sink:
+            return run(config, out=sink, err=sink)
+    return run(config, out=sys.stdout, err=sys.stderr)
