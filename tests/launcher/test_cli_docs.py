@@ -36,3 +36,14 @@ def test_the_check_sees_an_option_missing_from_the_table():
     table = _flags_table()
     assert re.search(r"(?<![\w-])--gpus-per-worker(?![\w-])", table)
     assert not re.search(r"(?<![\w-])--gpus(?![\w-])", table)  # a prefix of a documented option is not it
+
+
+def test_the_readmes_exit_codes_are_the_ones_pslaunch_help_lists():
+    from launcher.cli import _EPILOG
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("### Exit codes", 1)[1].split("\n#", 1)[0]
+    in_readme = {int(code) for row in re.findall(r"^\| ([\d /]+) \|", table, re.M) for code in row.split(" / ")}
+    helped = _EPILOG.split("Exit codes:", 1)[1].split("Documentation", 1)[0]
+    in_help = {int(code) for code in re.findall(r"(?<![\d+-])(\d+)(?![\d-])", helped) if int(code) not in (1, 128)}
+    assert in_readme == in_help, (sorted(in_readme), sorted(in_help))

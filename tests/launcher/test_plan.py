@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from launcher import EnvVar, Host, LaunchConfig, PlacementError, format_plan, make_plan
@@ -225,3 +227,19 @@ def test_gpus_per_worker_gives_each_local_rank_its_own_gpus(gpus, visible):
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plan.by_role("worker")] == visible
     with pytest.raises(ConfigError, match="--gpus-per-worker must be >= 1, got 0"):
         _config(gpus_per_worker=0)
+
+
+def test_the_readmes_hostfile_example_places_as_its_comment_says():
+    from pathlib import Path
+
+    from launcher import parse_hostfile_text
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("### The hostfile", 1)[1].split("```\n", 2)[1]
+    comment = block.splitlines()[0]
+    workers, servers = re.search(r"workers on ([a-z, ]+) and servers on ([a-z, ]+)", comment).groups()
+    hosts = tuple(parse_hostfile_text(block, "README.md"))
+    plan = make_plan(_config(backend="ssh", hosts=hosts, num_workers=6, num_servers=4))
+    assert [p.host.name for p in plan.by_role("worker")] == workers.split(", ")
+    assert [p.host.name for p in plan.by_role("server")] == servers.split(", ")
+    assert (hosts[0].user, hosts[1].port) == ("alice", 2222)
