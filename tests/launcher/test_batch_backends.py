@@ -67,7 +67,7 @@ def test_every_role_runs_with_its_env_exact_arguments_and_a_forwarded_secret(clu
                 together=True) + TRICKY + [marker]
     with reaped(start_pslaunch(args, cwd=str(tmp_path), env=env), marker) as proc:
         wait_for_records(out, 5, proc, timeout=60)
-        # what the scheduler shows and stores: test_secrets_reach_the_job_through_the_environment_only...
+        # what the scheduler shows and stores: test_secrets_reach_the_job_only_through_its_environment...
         if cluster.kind == "sge":  # the hand-over file is the only place it is written, 0600 in a 0700 dir
             (jobdir,) = tmp_path.glob(".pslaunch-sge-*")
             assert (jobdir.stat().st_mode & 0o777, (jobdir / "plan.json").stat().st_mode & 0o777) == (0o700, 0o600)
@@ -123,7 +123,7 @@ def test_ctrl_c_sighup_or_sigkill_of_pslaunch_leaves_nothing_queued_or_running(c
     assert list(tmp_path.glob(".pslaunch-*")) == []  # also the file with the --env values
 
 
-def test_secrets_reach_the_job_through_the_environment_only_the_key_pslaunch_makes_included(cluster, tmp_path, marker):
+def test_secrets_reach_the_job_only_through_its_environment_and_the_key_through_its_pipe(cluster, tmp_path, marker):
     out, token = tmp_path / "out", f"token-{marker}"
     names = ["API_TOKEN", "PSLAUNCH_JOB_KEY"]  # forwarded with --env; made by pslaunch for the job
     res = run_pslaunch(["-n", "1", "-s", "1", "--launcher", cluster.kind, "--timeout", "90", "--env", "API_TOKEN",

@@ -32,11 +32,22 @@ if os.environ.get(f"TERM_DELAY_{role}"):
         sys.exit(75)
     signal.signal(signal.SIGTERM, _slow_end)
 names = [n for n in os.environ.get("CHECK_VARS", "").split(",") if n]
+
+
+def _value(name):
+    """The variable's value; for the job key, what pslaunch handed over in its place: the pipe
+    PSLAUNCH_JOB_KEY_FD names (the key is never in the environment of a process pslaunch starts)."""
+    if name == "PSLAUNCH_JOB_KEY" and name not in os.environ and "PSLAUNCH_JOB_KEY_FD" in os.environ:
+        with os.fdopen(int(os.environ["PSLAUNCH_JOB_KEY_FD"]), "rb") as pipe:
+            return pipe.read().decode().strip()
+    return os.environ.get(name)
+
+
 record = {
     "argv": sys.argv[2:],
     "cwd": os.getcwd(),
     "env": {k: v for k, v in os.environ.items() if k.startswith(("DMLC_", "PSLAUNCH_", "PS_"))},
-    "checked": {n: os.environ.get(n) for n in names},
+    "checked": {n: _value(n) for n in names},
     "pid": os.getpid(),
     "executable": sys.executable,
 }

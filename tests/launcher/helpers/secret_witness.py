@@ -1,7 +1,7 @@
 """Test helper run by pslaunch on a batch scheduler: where can the secrets this process holds be seen?
 
 Usage: secret_witness.py OUTDIR CLUSTERDIR NAME... For each variable NAME in this process's
-environment, looks for its value in what the scheduler shows about the running job (Slurm's squeue
+environment (the job key: in the pipe ``PSLAUNCH_JOB_KEY_FD`` names, where pslaunch hands it over), looks for its value in what the scheduler shows about the running job (Slurm's squeue
 and scontrol, SGE's qstat, in their most complete forms), in every file under CLUSTERDIR (the
 daemons' spool, state and logs) and on every command line on this machine, and writes
 OUTDIR/witness.json: ``{NAME: {"present": bool, "length": int, "seen_in": [where, ...]}}``.
@@ -39,6 +39,9 @@ looked = {where: bool(job) and job in text and "pslaunch-" in text for where, te
 report = {"job": job, "looked_at_own_job": looked}
 for name in names:
     value = os.environ.get(name, "")
+    if name == "PSLAUNCH_JOB_KEY" and not value and "PSLAUNCH_JOB_KEY_FD" in os.environ:
+        with os.fdopen(int(os.environ["PSLAUNCH_JOB_KEY_FD"]), "rb") as pipe:  # what pslaunch hands over instead
+            value = pipe.read().decode().strip()
     seen = [where for where, text in shown.items() if value and value in text]
     if value:
         for path in cluster_dir.rglob("*"):
