@@ -3,7 +3,9 @@
 ``render_table`` draws the rows of ``launcher.jobstats`` as a fixed-width table: process, state,
 uptime, CPU% and RSS; for workers push and pull MB/s, rounds/s and the share of time spent waiting
 for the servers; for servers keys, bytes held, updates/s and pulls waiting for a round; the age of
-the last heartbeat. The straggler's row is highlighted and says so, and so is a late heartbeat.
+the last heartbeat. The straggler's row is highlighted and says so, and so is a late heartbeat. It
+fits the terminal: narrower, the gaps shrink, then columns leave, the least useful first
+(``_DROP_ORDER``); the process, its state and the note stay, and the title takes two lines.
 
 ``Dashboard`` keeps that table at the bottom of the terminal while the processes' lines scroll
 above it. The printer hands it the lines (``write``) instead of writing them; a drawing thread, at
@@ -19,6 +21,7 @@ Thread-safety: every method may be called from any thread; one lock orders the w
 from __future__ import annotations
 
 import os
+import textwrap
 import threading
 import time
 from typing import Callable, TextIO
@@ -65,6 +68,11 @@ def clock(seconds: float) -> str:
 _COLUMNS = [("process", "<"), ("state", "<"), ("up", ">"), ("cpu%", ">"), ("rss", ">"), ("push MB/s", ">"),
             ("pull MB/s", ">"), ("rounds/s", ">"), ("wait", ">"), ("keys", ">"), ("held", ">"), ("upd/s", ">"),
             ("pulls waiting", ">"), ("heartbeat", ">"), ("note", "<")]
+#: The order in which columns leave a table too wide for the terminal: the first one first. The
+#: process, its state and the note (the straggler, a late heartbeat) always stay; columns no row has
+#: a value in leave before any of these.
+_DROP_ORDER = ("pulls waiting", "up", "rss", "held", "upd/s", "keys", "cpu%", "heartbeat", "wait", "rounds/s",
+               "pull MB/s", "push MB/s")
 _ROLE_CODE = {"scheduler": "35", "server": "36", "worker": "32"}
 _STRAGGLER, _LATE, _FAILED = "1;7", "1;33", "31"  # reverse video, bold yellow, red
 
@@ -105,12 +113,15 @@ def render_table(rows: list[Row], title: str, width: int, colour: bool, max_line
     """
     cells = [_cells(row) for row in rows]
     widths = [max([len(name)] + [len(c[i]) for c in cells]) for i, (name, _) in enumerate(_COLUMNS)]
+    kept, gap = _fit(cells, widths, width)
 
     def line(values: list[str]) -> str:
-        text = "   ".join(f"{v:{align}{w}}" for v, w, (_, align) in zip(values, widths, _COLUMNS)).rstrip()
+        text = gap.join(f"{values[i]:{_COLUMNS[i][1]}{widths[i]}}" for i in kept).rstrip()
         return " " + text if len(text) < width else " " + text[: width - 2]
 
-    head = [title[:width], "", line([name for name, _ in _COLUMNS])]
+    # a narrow terminal gets the title on two lines rather than without its straggler
+    titles = textwrap.wrap(title, max(20, width - 1))[:2] or [""]
+    head = [*titles, "", line([name for name, _ in _COLUMNS])]
     head.append(" " + "─" * min(width - 2, len(head[-1]) - 1))
     shown = len(rows)
     if max_lines is not None and len(head) + shown > max_lines:
@@ -129,8 +140,29 @@ def render_table(rows: list[Row], title: str, width: int, colour: bool, max_line
     if shown < len(rows):
         out.append(f" ... and {len(rows) - shown} more processes")
     if colour:
-        out[0] = f"\x1b[1m{out[0]}\x1b[0m"
+        for i in range(len(titles)):
+            out[i] = f"\x1b[1m{out[i]}\x1b[0m"
     return "\n".join(out) + "\n"
+
+
+def _fit(cells: list[list[str]], widths: list[int], width: int) -> tuple[list[int], str]:
+    """The columns that fit in ``width`` (indices, in order) and the gap between them: three spaces
+    while every column fits, then two, then columns leave: the empty ones, then ``_DROP_ORDER``."""
+    kept = list(range(len(_COLUMNS)))
+
+    def total(gap: int) -> int:
+        return 1 + sum(widths[i] for i in kept) + gap * (len(kept) - 1)
+
+    if total(3) < width:
+        return kept, "   "
+    names = [name for name, _ in _COLUMNS]
+    empty = [i for i in kept if not any(c[i] for c in cells) and names[i] in _DROP_ORDER]
+    for i in [*empty, *(names.index(name) for name in _DROP_ORDER)]:
+        if total(2) < width:
+            break
+        if i in kept:
+            kept.remove(i)
+    return kept, "  "
 
 
 class Dashboard:

@@ -161,6 +161,23 @@ def test_the_table_names_every_process_and_marks_the_straggler_in_words_and_fits
     assert cut.count("\n") <= 7 and "more processes" in cut
 
 
+@pytest.mark.parametrize("width", [80, 100, 200])
+def test_the_table_fits_the_terminal_dropping_the_least_useful_columns_and_keeping_process_state_and_note(width):
+    stats, handles = JobStats(), job_handles()
+    sync_job(stats, handles)
+    title = "pslaunch job j: 1 server(s), 3 worker(s), 0:05; straggler: worker.1@localhost (waits 10% of the time)"
+    text = render_table(stats.rows(handles), title, width, colour=False)
+    lines = text.splitlines()
+    assert all(len(line) <= width for line in lines), [len(line) for line in lines]
+    assert "straggler: worker.1@localhost" in " ".join(lines[:2])  # the title wraps rather than losing it
+    header = next(line for line in lines if line.lstrip().startswith("process"))
+    for kept in ("process", "state", "push MB/s", "pull MB/s", "rounds/s", "note"):
+        assert kept in header, header
+    assert ("pulls waiting" in header) == (width >= 200) and ("rss" in header) == (width >= 200), header
+    straggler_line = next(line for line in lines if line.startswith(" worker.1@localhost"))
+    assert straggler_line.rstrip().endswith("<< straggler"), straggler_line
+
+
 def test_the_dashboard_writes_the_lines_above_a_table_it_erases_and_draws_again_in_one_write():
     terminal = io.StringIO()
     board = Dashboard(terminal, lambda width, lines: "TABLE 1\nTABLE 2\n")
