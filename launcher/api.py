@@ -137,6 +137,7 @@ def run(config: LaunchConfig, out: IO[str] | None = None, err: IO[str] | None = 
     from .plan import make_plan
     from .supervisor import Supervisor
 
+    get_backend(config.backend).refuse_unused(config)  # a LaunchConfig made in Python too
     config = get_backend(config.backend).configure(resolve(config), dict(os.environ))
     plan = make_plan(config)
     printer = Printer(out=out, err=err, quiet=config.quiet, log_dir=config.log_dir, ranks=config.ranks,

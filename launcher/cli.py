@@ -7,7 +7,6 @@ error is a ``LaunchError`` (or click's own) and is printed here, once, as one li
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import uuid
@@ -203,17 +202,17 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
 
     Raises ``ConfigError`` / ``HostfileError`` naming the bad value.
     """
-    from .backends import get_backend
+    from .backends import default_backend, get_backend
 
     hosts = tuple(parse_hostfile(options["hostfile"])) if options["hostfile"] else ()
-    backend = options["backend"] or ("ssh" if hosts else "local")
+    backend = options["backend"] or default_backend(hosts)
     backend_cls = get_backend(backend)  # an unknown name fails here, listing the known ones
     backend_options = tuple((name, options[name]) for name in BACKEND_OPTIONS if options.get(name) is not None)
     for name, _ in backend_options:
         if name not in backend_cls.options:
             raise ConfigError(f"--{name.replace('_', '-')} is not an option of --launcher {backend}")
-    if backend == "ssh" and not hosts:
-        raise ConfigError("--launcher ssh needs -H/--hostfile naming the hosts")
+    if backend_cls.needs_hostfile and not hosts:
+        raise ConfigError(f"--launcher {backend} needs -H/--hostfile naming the hosts")
     env = tuple(
         parse_env_option(text, scope, environ)
         for scope, key in (("all", "env_all"), ("server", "env_server"), ("worker", "env_worker"))
@@ -278,24 +277,8 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         gpus_per_worker=options["gpus_per_worker"],
         backend_options=backend_options,
     )
-    refuse_unused_options(config, backend_cls)
+    backend_cls.refuse_unused(config)
     return config
-
-
-#: The flag of each ``LaunchConfig`` field a backend may refuse (``Backend.refuses``), for messages.
-_FLAGS = {"hosts": "-H/--hostfile", "sync_dst_dir": "--sync-dst-dir", "ssh_port": "--ssh-port", "ssh_user": "--ssh-user",
-          "identity": "-i/--identity", "ssh_config": "--ssh-config", "known_hosts": "--known-hosts",
-          "host_key_policy": "--host-key-policy", "link_timeout": "--link-timeout",
-          "scheduler_host": "--scheduler-host"}
-
-
-def refuse_unused_options(config: LaunchConfig, backend_cls: type) -> None:
-    """Raise ``ConfigError`` for an option ``config`` was given that its backend has no use for
-    (``Backend.refuses``: a field that differs from its default), naming the backend, the option and why."""
-    defaults = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
-    for field_name, why in backend_cls.refuses:
-        if getattr(config, field_name) != defaults[field_name]:
-            raise ConfigError(f"{_FLAGS[field_name]} is not an option of --launcher {config.backend}: {why}")
 
 
 def _dashboard_wanted(asked: bool | None, quiet: bool) -> bool:

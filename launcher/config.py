@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from pscontract import RESTART_SCOPES, free_port
+
 from .errors import ConfigError
 from .hostfile import Host
 

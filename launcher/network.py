@@ -143,7 +143,7 @@ def check_scheduler_reachable(address: str, port: int, clients: dict, python: st
     A host without ``python`` is not checked (``note`` says so). Raises ``PreflightError`` with one
     line per host that cannot connect, naming it, the address and why.
     """
-    from .sshconn import run_remote_output
+    from .backends.remote.sshconn import run_remote_output
 
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as listener:
@@ -210,9 +210,9 @@ def resolve(config: LaunchConfig, real_names: list[tuple[str, str]] | None = Non
     address = config.launch_address
     spec = parse_interface(config.interface) if config.interface else None
     remote = False
-    if config.backend != "local" and config.hosts:
+    if config.hosts:  # the local backend refuses -H
         if real_names is None:
-            from .sshconn import real_names as read_names  # paramiko: only for remote hosts
+            from .backends.remote.sshconn import real_names as read_names  # paramiko: only for remote hosts
 
             real_names = read_names(config, extra=config.scheduler_host)
         if config.scheduler_host:  # the name every node dials: what ssh reaches it by

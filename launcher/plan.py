@@ -158,7 +158,7 @@ def _cwd(config: LaunchConfig, host: Host, on_launcher: bool, remote_cwd: str | 
 
 def first_worker_host(config: LaunchConfig) -> Host:
     """The host worker 0 runs on (``LOCAL_HOST`` for the local backend or without a hostfile)."""
-    if config.backend == "local" or not config.hosts:
+    if not config.hosts:  # the local backend refuses -H: no hosts means this machine
         return LOCAL_HOST
     return _place_workers(list(config.hosts), 1)[0]
 
@@ -168,7 +168,7 @@ def torch_master_address(config: LaunchConfig, host: Host) -> str:
     machine, the address the other hosts reach this machine at when worker 0 runs here, else the
     host's name as the hostfile gives it (what torchrun's ``--master-addr`` would be)."""
     if host is LOCAL_HOST or host.is_loopback:
-        all_here = config.backend == "local" or not config.hosts or all(h.is_loopback for h in config.hosts)
+        all_here = all(h.is_loopback for h in config.hosts)  # True without hosts
         if not all_here:  # other hosts dial it: this machine's address toward them
             return config.launch_address
         return "127.0.0.1" if host is LOCAL_HOST or host.name == "localhost" else host.name
@@ -181,7 +181,7 @@ def make_plan(config: LaunchConfig) -> Plan:
     Raises ``PlacementError`` when the workers do not fit the hostfile's slots.
     """
     assert config.scheduler_port is not None, "make_plan needs a resolved config"
-    local_only = config.backend == "local" or not config.hosts
+    local_only = not config.hosts
     hosts = [LOCAL_HOST] if local_only else list(config.hosts)
 
     if config.scheduler_host:
@@ -225,12 +225,15 @@ def make_plan(config: LaunchConfig) -> Plan:
     master = None
     if config.num_servers == 0 and config.master_port is not None:
         master = (torch_master_address(config, next(h for r, _, h in placed if r == "worker")), config.master_port)
+    from .backends import get_backend  # here: the backends import this module
+
+    through_its_launcher = get_backend(config.backend).through_its_launcher
     processes = []
     for role, rank, host in placed:
         local_rank = seen.get((role, host), 0)
         seen[(role, host)] = local_rank + 1
         on_launcher = local_only or (host is LOCAL_HOST)
-        if config.backend == "mpi":
+        if through_its_launcher:
             on_launcher = False
         script = None
         if role == "worker" or config.user_command_for_all_roles:
@@ -300,7 +303,7 @@ def format_plan(plan: Plan) -> str:
         lines.append("allreduce mode: no servers; the scheduler does registration, heartbeats and barriers, "
                      "the workers sum among themselves (kvcore.create('allreduce'))")
     for p in plan.processes:
-        where = "this machine" if p.on_launcher else "ssh" if plan.backend == "ssh" else plan.backend
+        where = "this machine" if p.on_launcher else plan.backend
         lines.append(f"{p.name}  (local rank {p.local_rank}/{p.local_size}, via {where})")
         lines.append(f"    argv: {shlex.join(p.argv)}")
         if p.cwd:

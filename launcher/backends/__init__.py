@@ -11,7 +11,7 @@ import importlib
 from ..errors import UnknownBackendError
 from .base import Backend, ExitStatus, ProcessHandle
 
-__all__ = ["Backend", "ExitStatus", "ProcessHandle", "get_backend", "known_backends"]
+__all__ = ["Backend", "ExitStatus", "ProcessHandle", "get_backend", "known_backends", "default_backend"]
 
 _BACKENDS: dict[str, str] = {
     "local": "launcher.backends.local:LocalBackend",
@@ -20,6 +20,11 @@ _BACKENDS: dict[str, str] = {
     "slurm": "launcher.backends.slurm:SlurmBackend",
     "sge": "launcher.backends.sge.backend:SgeBackend",
 }
+
+
+def default_backend(hosts: object) -> str:
+    """The backend without ``--launcher``: ssh when a hostfile names hosts, local without."""
+    return "ssh" if hosts else "local"
 
 
 def known_backends() -> list[str]:

@@ -14,6 +14,7 @@ runtime go to the handle instead.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -21,8 +22,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from ..config import LaunchConfig
 from pscontract import MARKER
+
+from ..config import LaunchConfig
+from ..errors import ConfigError
 from ..output import LineSplitter, Printer
 from ..plan import Plan, ProcessSpec
 
@@ -149,6 +152,13 @@ class ProcessHandle(ABC):
         return (self.ended or time.monotonic()) - self.started
 
 
+#: The flag of each ``LaunchConfig`` field a backend may refuse (``Backend.refuses``), for messages.
+_FLAGS = {"hosts": "-H/--hostfile", "sync_dst_dir": "--sync-dst-dir", "ssh_port": "--ssh-port", "ssh_user": "--ssh-user",
+          "identity": "-i/--identity", "ssh_config": "--ssh-config", "known_hosts": "--known-hosts",
+          "host_key_policy": "--host-key-policy", "link_timeout": "--link-timeout",
+          "scheduler_host": "--scheduler-host"}
+
+
 class Backend(ABC):
     """Starts the processes of a plan on some kind of machines. Not thread-safe."""
 
@@ -159,10 +169,24 @@ class Backend(ABC):
     #: General options this backend has no use for, with why: given on the command line, each is
     #: refused before anything starts (``--dry-run`` too) instead of being ignored.
     refuses: tuple[tuple[str, str], ...] = ()
+    #: ``-H/--hostfile`` is required (the hosts it reaches come from it).
+    needs_hostfile = False
+    #: Every process, this machine's too, is started through the backend's own launcher (mpirun),
+    #: never as a child of pslaunch.
+    through_its_launcher = False
 
     def __init__(self, config: LaunchConfig, printer: Printer) -> None:
         self.config = config
         self.printer = printer
+
+    @classmethod
+    def refuse_unused(cls, config: LaunchConfig) -> None:
+        """Raise ``ConfigError`` for an option ``config`` was given that this backend has no use for
+        (``refuses``: a field that differs from its default), naming the backend, the option and why."""
+        defaults = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
+        for field_name, why in cls.refuses:
+            if getattr(config, field_name) != defaults[field_name]:
+                raise ConfigError(f"{_FLAGS[field_name]} is not an option of --launcher {config.backend}: {why}")
 
     @classmethod
     def configure(cls, config: LaunchConfig, environ: Mapping[str, str]) -> LaunchConfig:

@@ -20,11 +20,11 @@ from typing import Sequence
 import pscontract as ec
 from pscontract import hand_key_over
 
-from ..checkpointdir import check_checkpoint_dir
 from ..errors import SpawnError
 from ..plan import Plan, ProcessSpec
-from ..scriptcheck import check_scripts_here
 from .base import Backend, ExitStatus, ProcessHandle, pump
+from .remote.checkpointdir import check_checkpoint_dir
+from .remote.scriptcheck import check_scripts_here
 
 __all__ = ["LocalBackend", "LocalSpawner", "LocalHandle", "child_environ", "widen_pipe", "READ_SIZE"]
 

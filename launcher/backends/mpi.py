@@ -16,7 +16,7 @@ SIGTERM (mpirun's own SIGTERM aborts the job, killing the ranks a second later w
 statuses unsaid; SIGKILL of mpirun's session after the grace), Ctrl-Z is SIGUSR2 / SIGCONT and the
 end request SIGUSR1. ``mpi_rank`` also dies with its parent.
 
-Link liveness (``launcher.linkwatch``): mpirun's daemons notice no network partition, so pslaunch
+Link liveness (``launcher.backends.remote.linkwatch``): mpirun's daemons notice no network partition, so pslaunch
 sends mpirun a SIGCONT every few seconds, which it passes to every rank; ``mpi_rank`` on a remote
 host answers each with a ``PONG`` marker and stops its process group once none came for
 ``--link-timeout`` seconds; a host none of whose ranks was heard from for that long is lost.
@@ -30,17 +30,17 @@ import shutil
 import signal
 import threading
 
-from ..checkpointdir import check_checkpoint_dir
 from ..errors import ConfigError, SpawnError
 from ..hostfile import Host
-from ..linkwatch import LinkWatch, PongFilter
 from ..mpi_rank import payload
 from ..network import check_plan_reachable
 from ..output import LineSplitter
 from ..plan import Plan, ProcessSpec
-from ..scriptcheck import check_scripts_here, check_scripts_remote
 from .base import Backend, ExitStatus, ProcessHandle, route_block
 from .local import READ_SIZE, LocalHandle, LocalSpawner, _launcher_root
+from .remote.checkpointdir import check_checkpoint_dir
+from .remote.linkwatch import LinkWatch, PongFilter
+from .remote.scriptcheck import check_scripts_here, check_scripts_remote
 from .shim import ShimHandle, ShimJob
 
 __all__ = ["MpiBackend", "TagDemux", "mpirun_argv"]
@@ -158,6 +158,7 @@ class MpiBackend(Backend):
     """Starts the whole plan with one mpirun (``--launcher mpi``). Not thread-safe."""
 
     name = "mpi"
+    through_its_launcher = True
 
     @classmethod
     def configure(cls, config, environ):
@@ -188,8 +189,8 @@ class MpiBackend(Backend):
         if not remote:
             check_checkpoint_dir(plan, self.config.checkpoint_dir, {}, self.config.connect_timeout)
             return
-        from ..rsync import sync_all
-        from ..sshconn import SshConnector
+        from .remote.rsync import sync_all
+        from .remote.sshconn import SshConnector
 
         connector = SshConnector(self.config)
         clients: dict = {}

@@ -2,10 +2,10 @@
 
 Before anything starts, every host is checked in parallel (``SshConnector.preflight``) and, with
 ``--sync-dst-dir``, the current directory is rsynced to each. Each remote process runs inside
-``launcher.guard``: its environment arrives on the channel's stdin, and it dies with its group
+``launcher.backends.remote.guard``: its environment arrives on the channel's stdin, and it dies with its group
 when the channel closes — also when pslaunch is SIGKILLed — or when no ping from pslaunch came for
 ``--link-timeout`` (a partition); a host pslaunch hears nothing from for that long is lost
-(``launcher.linkwatch``). Processes placed on the launching host
+(``launcher.backends.remote.linkwatch``). Processes placed on the launching host
 (the scheduler, by default) are local children, as in the local backend.
 """
 
@@ -15,18 +15,18 @@ import threading
 
 import paramiko
 
-from ..checkpointdir import check_checkpoint_dir
 from ..errors import SpawnError
-from ..guard import env_payload, remote_command
 from ..hostfile import Host
-from ..linkwatch import LinkWatch, PongFilter
 from ..network import check_plan_reachable
 from ..plan import Plan, ProcessSpec
-from ..rsync import sync_all
-from ..scriptcheck import check_scripts_here, check_scripts_remote
-from ..sshconn import SshConnector
 from .base import Backend, ExitStatus, ProcessHandle, pump
 from .local import LocalSpawner
+from .remote.checkpointdir import check_checkpoint_dir
+from .remote.guard import env_payload, remote_command
+from .remote.linkwatch import LinkWatch, PongFilter
+from .remote.rsync import sync_all
+from .remote.scriptcheck import check_scripts_here, check_scripts_remote
+from .remote.sshconn import SshConnector
 
 __all__ = ["SshBackend", "SshHandle"]
 
@@ -36,7 +36,7 @@ _CHANNELS_PER_CONNECTION = 8
 
 class SshHandle(ProcessHandle):
     """A process running under the remote guard on one paramiko channel; ``watch`` says whether
-    its host is still heard from (``launcher.linkwatch``)."""
+    its host is still heard from (``launcher.backends.remote.linkwatch``)."""
 
     def __init__(self, spec: ProcessSpec, channel: paramiko.Channel, watch: LinkWatch) -> None:
         super().__init__(spec)
@@ -115,6 +115,7 @@ class SshBackend(Backend):
     """Runs remote processes over ssh (``--launcher ssh``). Not thread-safe."""
 
     name = "ssh"
+    needs_hostfile = True
 
     def __init__(self, config, printer) -> None:
         super().__init__(config, printer)

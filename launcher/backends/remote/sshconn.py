@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 
 import paramiko
 
-from .config import LaunchConfig
-from .errors import PreflightError
-from .hostfile import Host, parse_hostfile_text
+from ...config import LaunchConfig
+from ...errors import PreflightError
+from ...hostfile import Host, parse_hostfile_text
 
 __all__ = ["Endpoint", "SshConnector", "JumpError", "describe_connect_error", "find_known_host", "real_names"]
 

@@ -4,7 +4,7 @@ when nothing at all came from it for the link timeout (``--link-timeout``, defau
 A network partition delivers no end-of-input and no error: TCP keeps the connection open and
 paramiko's keepalive never times out. So each side watches the other. ``LinkWatch`` writes
 ``PING`` to every remote process's guard every ``interval`` seconds (a fifth of the timeout, at
-most 2 s); a guard that hears no line for the timeout stops its process group (``launcher.guard``).
+most 2 s); a guard that hears no line for the timeout stops its process group (``launcher.backends.remote.guard``).
 Each guard answers ``PING`` with a ``PONG`` marker on its stderr, and anything that arrives from a
 host (output too) counts as hearing from it; a host silent for the timeout is lost: its processes
 are unreachable, and the job fails naming it. ``PongFilter`` takes the answers out of the stderr
@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable, Hashable
 
-from .config import DEFAULT_LINK_TIMEOUT
+from ...config import DEFAULT_LINK_TIMEOUT
 from .guard import PING, PONG
 
 __all__ = ["LinkWatch", "PongFilter"]

@@ -15,8 +15,8 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .errors import SyncError
-from .hostfile import Host
+from ...errors import SyncError
+from ...hostfile import Host
 
 __all__ = ["sync_all", "rsync_argv", "EXCLUDES"]
 

@@ -19,8 +19,8 @@ import shlex
 import subprocess
 from typing import Callable
 
-from .errors import ConfigError
-from .plan import Plan
+from ...errors import ConfigError
+from ...plan import Plan
 
 __all__ = ["check_checkpoint_dir"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import shlex
 
-from .errors import ConfigError
-from .plan import ProcessSpec
+from ...errors import ConfigError
+from ...plan import ProcessSpec
 
 __all__ = ["check_scripts_here", "check_scripts_remote"]
 
