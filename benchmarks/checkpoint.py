@@ -76,15 +76,19 @@ def measure_restart(directory: Path, timeout_s: float) -> dict:
     """Run the failing training under pslaunch; ``{"seconds": failure to resumed, "pslaunch_s": ...}``."""
     out = directory / "restart"
     out.mkdir()
-    argv = [sys.executable, "-m", "launcher.cli", "-q", "-n", "2", "-s", "2", "--max-restarts", "1",
-            "--checkpoint-dir", str(directory / "restart-ckpt"), "--timeout", str(timeout_s), str(WORKER), "train",
-            str(out)]
+    from launcher import launch  # pslaunch from Python: its result, not its output, says what happened
+
     start = time.monotonic()
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 30)
+    result = launch([sys.executable, str(WORKER), "train", str(out)], num_workers=2, num_servers=2, max_restarts=1,
+                    checkpoint_dir=str(directory / "restart-ckpt"), timeout=timeout_s)
     took = time.monotonic() - start
     shutil.rmtree(directory / "restart-ckpt", ignore_errors=True)
-    if proc.returncode != 0:
-        raise JobFailed(f"pslaunch exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    if not result.ok:
+        cause = result.root_cause
+        raise JobFailed(f"pslaunch ended with exit code {result.exit_code}: {cause.reason} ({cause.process}); "
+                        f"its last lines:\n" + "\n".join(cause.last_lines))
+    if len(result.attempts) != 2 or not result.attempts[0].action.startswith("restarted the job"):
+        raise JobFailed(f"the job did not fail once and resume: {result.attempts}")  # what the figure assumes
     fault = float((out / "fault.time").read_text())
     resumed = float((out / "resumed.time").read_text())
     return {"seconds": resumed - fault, "pslaunch_s": took}

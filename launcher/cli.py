@@ -190,7 +190,9 @@ def cli(**options) -> None:
     config = build_config(options, environ)
     if config.dry_run:
         resolved = get_backend(config.backend).configure(resolve(config), environ)
-        click.echo(format_plan(make_plan(resolved)))
+        plan = make_plan(resolved)
+        get_backend(config.backend).check_without_starting(resolved, plan)  # what a real run would refuse
+        click.echo(format_plan(plan))
         for line in get_backend(config.backend).dry_run_notes(resolved):
             click.echo(line)
         return

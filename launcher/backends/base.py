@@ -196,6 +196,11 @@ class Backend(ABC):
         return config
 
     @classmethod
+    def check_without_starting(cls, config: LaunchConfig, plan: Plan) -> None:
+        """The checks of ``prepare`` that read and start nothing (``--dry-run`` makes them too).
+        Raises ``ConfigError``. The default has none."""
+
+    @classmethod
     def dry_run_notes(cls, config: LaunchConfig) -> list[str]:
         """Lines ``--dry-run`` prints after the plan: what the backend will ask of others
         (a batch scheduler's command line, say). The default has none."""

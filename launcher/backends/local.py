@@ -216,10 +216,14 @@ class LocalBackend(Backend):
         super().__init__(config, printer)
         self.spawner = LocalSpawner(config.stop_grace)
 
+    @classmethod
+    def check_without_starting(cls, config, plan) -> None:
+        check_scripts_here(list(plan.processes), config.cwd)
+
     def prepare(self, plan: Plan) -> None:
         """Refuse a COMMAND whose script is not there, or a ``--checkpoint-dir`` that cannot be
         written (``ConfigError``), before anything starts."""
-        check_scripts_here(list(plan.processes), self.config.cwd)
+        self.check_without_starting(self.config, plan)
         check_checkpoint_dir(plan, self.config.checkpoint_dir, {}, self.config.connect_timeout)
 
     def launch(self, plan: Plan) -> list[ProcessHandle]:

@@ -122,3 +122,13 @@ def test_help_lists_every_option_under_one_section():
     titles = [line[:-1] for line in res.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert titles == [*HELP_SECTIONS, "Other"], res.stdout
     assert "--sge-pe NAME" in res.stdout.split("Batch systems:")[1].split("Output:")[0]
+
+
+def test_dry_run_refuses_what_a_real_run_refuses_a_missing_script_and_mpis_worker_restarts(tmp_path):
+    for args in (["python", "no_such_script.py"], ["--launcher", "mpi", "--restart-scope", "worker", "--max-restarts", "1",
+                                                    "--allow-restart-from-scratch", "true"]):
+        dry = run_pslaunch(["-n", "1", "--dry-run", *args], cwd=str(tmp_path), timeout=30)
+        real = run_pslaunch(["-n", "1", *args], cwd=str(tmp_path), timeout=30)
+        assert dry.returncode == real.returncode == 2, (dry, real)
+        assert dry.stderr == real.stderr, (dry.stderr, real.stderr)  # the same refusal, word for word
+        assert "script is missing" in dry.stderr or "--restart-scope worker cannot be used" in dry.stderr, dry.stderr
