@@ -78,8 +78,9 @@ def test_mpiruns_np_is_answered_with_did_you_mean_n(args, count):
                           "(pslaunch --help lists every option)\n")
 
 
-def test_np_after_the_command_is_the_commands_own():
-    res = run_pslaunch(["-n", "1", "-s", "0", "--dry-run", "python", "app.py", "-np", "3"])
+def test_np_after_the_command_is_the_commands_own(tmp_path):
+    (tmp_path / "app.py").write_text("")  # --dry-run checks that the script is there
+    res = run_pslaunch(["-n", "1", "-s", "0", "--dry-run", "python", "app.py", "-np", "3"], cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
     assert "app.py -np 3" in res.stdout
 

@@ -34,9 +34,12 @@ _BATCH_ONLY = r"\[('(srun|slurmstepd|sge_shepherd|\S+ -m launcher\.\S+|-sh -c \S
 
 
 @pytest.mark.parametrize("backend", ["local", "mpi"])
-def test_the_job_key_is_in_no_command_line_and_not_visible_to_user_code(backend, marker):
-    _check(run_pslaunch(["-n", "2", "-s", "1", "--launcher", backend, "python", helper("key_witness.py"), marker],
-                        timeout=90), 2, _MPI_ONLY if backend == "mpi" else r"\[\]")
+def test_the_job_key_is_in_no_command_line_and_not_visible_to_user_code(backend, marker, tmp_path):
+    logs = tmp_path / "logs"
+    _check(run_pslaunch(["-n", "2", "-s", "1", "--launcher", backend, "--log-dir", str(logs), "python",
+                         helper("key_witness.py"), marker], timeout=90), 2, _MPI_ONLY if backend == "mpi" else r"\[\]")
+    files = list(logs.iterdir())
+    assert len(files) >= 9 and not any(re.search(rb"\b[0-9a-f]{64}\b", f.read_bytes()) for f in files), files
     assert wait_gone(marker, 10) == []
 
 
@@ -47,8 +50,10 @@ def test_the_job_key_over_ssh_is_in_no_command_line_and_not_visible_to_user_code
     assert wait_gone(marker, 10) == []
 
 
-def test_dry_run_names_the_key_but_never_shows_it():
-    res = run_pslaunch(["-n", "2", "-s", "1", "--dry-run", "--encrypt", "python", "train.py"], timeout=30)
+def test_dry_run_names_the_key_but_never_shows_it(tmp_path):
+    (tmp_path / "train.py").write_text("")  # --dry-run checks that the script is there
+    res = run_pslaunch(["-n", "2", "-s", "1", "--dry-run", "--encrypt", "python", "train.py"], timeout=30,
+                       cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
     assert "--env (values hidden): PSLAUNCH_JOB_KEY" in res.stdout and "PSLAUNCH_ENCRYPT=curve" in res.stdout
     assert not re.search(r"[0-9a-f]{64}", res.stdout), res.stdout
