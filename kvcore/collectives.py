@@ -52,8 +52,8 @@ from psnode.node.futures import all_of, chain
 
 from . import arrays, runtime
 from .dist_errors import runtime_errors, translate
-from .dist_store import NodeHandle
 from .handles import Handle
+from .node_handle import NodeHandle
 
 _PLANS_KEPT = 64  # fusion plans remembered (layouts that come back every step); the oldest go when more come
 

@@ -50,61 +50,31 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from psnode import errors as ps_errors
 from psnode.compression import values_per_word
 from psnode.compression.codecs import codec_id
 from psnode.env import NodeEnv
-from psnode.node.futures import chain, is_done
+from psnode.node.futures import chain
 from psnode.node.protocol import Group
 from psnode.worker.node import WorkerNode
 
 from . import arrays, runtime
-from .dist_errors import maps_runtime_errors, runtime_errors, translate
+from .dist_errors import maps_runtime_errors, runtime_errors
 from .errors import (
     DistributedError,
     DistTimeoutError,
     DTypeMismatchError,
-    KVTimeoutError,
     NodeDiedError,
     OptimizerError,
     ServerError,
     ShapeMismatchError,
 )
-from .handles import Handle, LazyHandle
+from .handles import Handle
+from .node_handle import NodeHandle
 from .optim.base import Optimizer, Updater
 from .sharding import KeyLayout, layout
 from .store_base import KeyMeta, KVStoreBase
 
-__all__ = ["DistKVStore", "NodeHandle", "create"]
-
-class NodeHandle(LazyHandle):
-    """A ``Handle`` the worker node completes: its error becomes kvcore's as it is set
-    (``dist_errors.translate``), and ``wait`` receives the reply on the waiting thread
-    (``WorkerNode.wait_for``).
-
-    Skipping the hand-off from the network thread to the waiter saves a thread wake-up per wait,
-    which is most of a small key's round trip.
-    """
-
-    def __init__(self, description: str, worker: WorkerNode) -> None:
-        super().__init__(description)
-        self._worker = worker
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        LazyHandle.set_exception(self, translate(exception))
-
-    def wait(self, timeout: float | None = None) -> Any:
-        if not is_done(self):
-            try:
-                done = self._worker.wait_for(self, timeout)
-            except ps_errors.PSNodeError as exc:
-                if not self.done():
-                    raise translate(exc) from exc
-                done = True
-            if not done:
-                raise KVTimeoutError(f"{self.description} did not complete within {timeout} s")
-        return LazyHandle.wait(self)  # done: the result without a lock
-
+__all__ = ["DistKVStore", "create"]
 
 class DistKVStore(KVStoreBase):
     """A KVStore whose values live on the job's servers (see the module docstring)."""
