@@ -27,9 +27,10 @@ from .restarts import Attempt
 
 if TYPE_CHECKING:
     from .backends.base import ProcessHandle
+    from .plan import Plan
     from .verdict import Failure
 
-__all__ = ["launch", "run", "RunResult", "ProcessOutcome", "RootCause"]
+__all__ = ["launch", "run", "plan_job", "RunResult", "ProcessOutcome", "RootCause"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,20 @@ def result_of(handles: "Sequence[ProcessHandle]", table_notes: dict[int, str], f
     return RunResult(0 if failure is None else failure.exit_code, root, tuple(rows), tuple(attempts))
 
 
+def plan_job(config: LaunchConfig, environ: Mapping[str, str]) -> tuple[LaunchConfig, "Plan"]:
+    """What every launch does before anything starts, ``--dry-run`` included: refuse the options its
+    backend has no use for (a ``LaunchConfig`` made in Python too), resolve the addresses and ports,
+    let the backend fill in what it knows, and plan. Raises ``LaunchError``."""
+    from .backends import get_backend
+    from .network import resolve
+    from .plan import make_plan
+
+    backend = get_backend(config.backend)
+    backend.refuse_unused(config)
+    config = backend.configure(resolve(config), environ)
+    return config, make_plan(config)
+
+
 def run(config: LaunchConfig, out: IO[str] | None = None, err: IO[str] | None = None) -> RunResult:
     """Plan, start and supervise the job ``config`` describes (resolved here); its ``RunResult``.
 
@@ -131,15 +146,11 @@ def run(config: LaunchConfig, out: IO[str] | None = None, err: IO[str] | None = 
     """
     from .backends import get_backend
     from .errors import LaunchError
-    from .network import resolve
     from .observe import JobObserver
     from .output import Printer
-    from .plan import make_plan
     from .supervisor import Supervisor
 
-    get_backend(config.backend).refuse_unused(config)  # a LaunchConfig made in Python too
-    config = get_backend(config.backend).configure(resolve(config), dict(os.environ))
-    plan = make_plan(config)
+    config, plan = plan_job(config, dict(os.environ))
     printer = Printer(out=out, err=err, quiet=config.quiet, log_dir=config.log_dir, ranks=config.ranks,
                       timestamps=config.timestamps)
     observer = None

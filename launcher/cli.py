@@ -26,7 +26,6 @@ from .config import (
 )
 from .errors import ConfigError, LaunchError
 from .hostfile import parse_hostfile
-from .network import resolve
 
 __all__ = ["cli", "main", "build_config", "BACKEND_OPTIONS", "HELP_SECTIONS"]
 
@@ -182,15 +181,14 @@ def cli(**options) -> None:
 
     Everything after the options is COMMAND and its arguments, passed on unchanged.
     """
-    from .api import run
+    from .api import plan_job, run
     from .backends import get_backend
-    from .plan import format_plan, make_plan
+    from .plan import format_plan
 
     environ = dict(os.environ)
     config = build_config(options, environ)
     if config.dry_run:
-        resolved = get_backend(config.backend).configure(resolve(config), environ)
-        plan = make_plan(resolved)
+        resolved, plan = plan_job(config, environ)
         get_backend(config.backend).check_without_starting(resolved, plan)  # what a real run would refuse
         click.echo(format_plan(plan))
         for line in get_backend(config.backend).dry_run_notes(resolved):

@@ -227,7 +227,7 @@ def resolve(config: LaunchConfig, real_names: list[tuple[str, str]] | None = Non
             raise ConfigError(f"--interface {config.interface}: nothing here matches it (interfaces: {known})")
     port = config.scheduler_port
     if port is None:
-        port = 9091 if config.scheduler_host else free_port("0.0.0.0" if address != "127.0.0.1" else "127.0.0.1")
+        port = 9091 if config.scheduler_host else free_port(address if _loopback_name(address) else "0.0.0.0")
     resolved = replace(config, launch_address=address, scheduler_port=port)
     if config.num_servers == 0 and config.master_port is None:
         resolved = replace(resolved, master_port=_torch_master_port(resolved))
@@ -242,5 +242,5 @@ def _torch_master_port(config: LaunchConfig) -> int:
     host = first_worker_host(config)
     address = torch_master_address(config, host)
     if host is LOCAL_HOST or host.is_loopback:
-        return free_port("0.0.0.0" if address == config.launch_address and address != "127.0.0.1" else address)
+        return free_port(address if _loopback_name(address) else "0.0.0.0")  # else: the launch address, all interfaces
     return random.randrange(16384, 32768)

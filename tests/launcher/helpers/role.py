@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from handed_key import handed_value  # beside this script
+
 role = os.environ.get("DMLC_ROLE", "worker")
 rank = os.environ.get("PSLAUNCH_RANK", "0")
 out = sys.argv[1]
@@ -34,20 +36,11 @@ if os.environ.get(f"TERM_DELAY_{role}"):
 names = [n for n in os.environ.get("CHECK_VARS", "").split(",") if n]
 
 
-def _value(name):
-    """The variable's value; for the job key, what pslaunch handed over in its place: the pipe
-    PSLAUNCH_JOB_KEY_FD names (the key is never in the environment of a process pslaunch starts)."""
-    if name == "PSLAUNCH_JOB_KEY" and name not in os.environ and "PSLAUNCH_JOB_KEY_FD" in os.environ:
-        with os.fdopen(int(os.environ["PSLAUNCH_JOB_KEY_FD"]), "rb") as pipe:
-            return pipe.read().decode().strip()
-    return os.environ.get(name)
-
-
 record = {
     "argv": sys.argv[2:],
     "cwd": os.getcwd(),
     "env": {k: v for k, v in os.environ.items() if k.startswith(("DMLC_", "PSLAUNCH_", "PS_"))},
-    "checked": {n: _value(n) for n in names},
+    "checked": {n: handed_value(n) for n in names},
     "pid": os.getpid(),
     "executable": sys.executable,
 }

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from handed_key import handed_value  # beside this script
+
 out, cluster_dir, names = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 
 
@@ -38,10 +40,7 @@ looked = {where: bool(job) and job in text and "pslaunch-" in text for where, te
 
 report = {"job": job, "looked_at_own_job": looked}
 for name in names:
-    value = os.environ.get(name, "")
-    if name == "PSLAUNCH_JOB_KEY" and not value and "PSLAUNCH_JOB_KEY_FD" in os.environ:
-        with os.fdopen(int(os.environ["PSLAUNCH_JOB_KEY_FD"]), "rb") as pipe:  # what pslaunch hands over instead
-            value = pipe.read().decode().strip()
+    value = handed_value(name) or ""
     seen = [where for where, text in shown.items() if value and value in text]
     if value:
         for path in cluster_dir.rglob("*"):
