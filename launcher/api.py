@@ -134,7 +134,7 @@ def plan_job(config: LaunchConfig, environ: Mapping[str, str]) -> tuple[LaunchCo
 
     backend = get_backend(config.backend)
     backend.refuse_unused(config)
-    config = backend.configure(resolve(config), environ)
+    config = backend.configure(config if backend.resolves_itself else resolve(config), environ)
     return config, make_plan(config)
 
 
@@ -153,6 +153,13 @@ def run(config: LaunchConfig, out: IO[str] | None = None, err: IO[str] | None = 
     config, plan = plan_job(config, dict(os.environ))
     printer = Printer(out=out, err=err, quiet=config.quiet, log_dir=config.log_dir, ranks=config.ranks,
                       timestamps=config.timestamps)
+    if config.nnodes is not None and config.node_rank > 0:  # an agent: node 0 supervises the job
+        from .agents.agent import run_agent
+
+        try:
+            return run_agent(config, plan, printer)
+        finally:
+            printer.close()
     observer = None
     try:
         observer = JobObserver.start(config, plan, printer)  # None when nothing is observed

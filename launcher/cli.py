@@ -13,13 +13,16 @@ import uuid
 
 import click
 
+import pscontract as ec
 from pscontract import new_job_key
 
 from .config import (
     DEFAULT_LINK_TIMEOUT,
+    DEFAULT_RDZV_TIMEOUT,
     DEFAULT_SHUTDOWN_GRACE,
     DEFAULT_STOP_GRACE,
     LaunchConfig,
+    parse_endpoint,
     parse_env_option,
     parse_metrics_option,
     parse_ranks_option,
@@ -57,6 +60,7 @@ HELP_SECTIONS = {
     "Hosts and ssh": ("hostfile", "sync_dst_dir", "ssh_port", "ssh_user", "identity", "ssh_config", "known_hosts",
                       "host_key_policy", "connect_timeout", "link_timeout"),
     "Batch systems": ("slurm_args", "sge_args", "sge_pe"),
+    "Nodes without ssh": ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_timeout"),
     "Output": ("log_dir", "ranks", "timestamps", "verbose", "quiet", "dry_run"),
     "Ending and restarts": ("timeout", "stop_grace", "shutdown_grace", "max_restarts", "checkpoint_dir",
                             "allow_restart_from_scratch", "restart_scope"),
@@ -132,6 +136,16 @@ class _SectionedCommand(click.Command):
               help="qsub options: queue, resources, project, ... (--launcher sge).")
 @click.option("--sge-pe", default=None, metavar="NAME",
               help="SGE parallel environment the job asks slots of [default: smp] (--launcher sge).")
+@click.option("--nnodes", type=int, default=None, metavar="N",
+              help="Run as one of N per-node agents: the same command on every node, no ssh between them; node 0 "
+                   "runs the scheduler and the job's table (-n and -s stay totals, spread over the nodes).")
+@click.option("--node-rank", type=int, default=None, metavar="R",
+              help="This node's rank, 0..N-1 [default: $PSLAUNCH_NODE_RANK, then Kubernetes' $JOB_COMPLETION_INDEX].")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+              help="Node 0's address, which every node reaches: node 0's agent listens at PORT, its scheduler at "
+                   "PORT+1 (unless --scheduler-port).")
+@click.option("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT, show_default=True,
+              help="Seconds the agents have to find each other; a node missing then is named.")
 @click.option("--python", default=sys.executable, show_default="this Python",
               help="Interpreter for a COMMAND starting with python, python3 or a .py file, and for the bundled runtime.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Keep one log file per process here.")
@@ -190,7 +204,7 @@ def cli(**options) -> None:
     if config.dry_run:
         resolved, plan = plan_job(config, environ)
         get_backend(config.backend).check_without_starting(resolved, plan)  # what a real run would refuse
-        click.echo(format_plan(plan))
+        click.echo(format_plan(get_backend(config.backend).dry_run_plan(resolved, plan)))
         for line in get_backend(config.backend).dry_run_notes(resolved):
             click.echo(line)
         return
@@ -206,6 +220,12 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
 
     hosts = tuple(parse_hostfile(options["hostfile"])) if options["hostfile"] else ()
     backend = options["backend"] or default_backend(hosts)
+    agents = _agent_options(options, environ)
+    if agents:
+        if options["backend"] not in (None, "agents"):
+            raise ConfigError(f"--nnodes starts pslaunch as a per-node agent, which starts this node's processes "
+                              f"itself; it does not combine with --launcher {options['backend']}")
+        backend = "agents"
     backend_cls = get_backend(backend)  # an unknown name fails here, listing the known ones
     backend_options = tuple((name, options[name]) for name in BACKEND_OPTIONS if options.get(name) is not None)
     for name, _ in backend_options:
@@ -257,8 +277,8 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         timeout=options["timeout"],
         stop_grace=options["stop_grace"],
         shutdown_grace=options["shutdown_grace"],
-        job_id=options["job_id"] or uuid.uuid4().hex[:12],
-        job_key=new_job_key(),
+        job_id=options["job_id"] or agents.get("job_id") or uuid.uuid4().hex[:12],
+        job_key=agents["job_key"] if agents else new_job_key(),
         encrypt=options["encrypt"],
         max_restarts=options["max_restarts"],
         checkpoint_dir=os.path.abspath(os.path.expanduser(options["checkpoint_dir"])) if options["checkpoint_dir"] else None,
@@ -276,9 +296,52 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
         timeline=options["timeline"],
         gpus_per_worker=options["gpus_per_worker"],
         backend_options=backend_options,
+        nnodes=agents.get("nnodes"),
+        node_rank=agents.get("node_rank", 0),
+        rdzv_endpoint=agents.get("rdzv_endpoint"),
+        rdzv_timeout=options.get("rdzv_timeout", DEFAULT_RDZV_TIMEOUT),
     )
     backend_cls.refuse_unused(config)
     return config
+
+
+def _agent_options(options: dict, environ: dict[str, str]) -> dict:
+    """With ``--nnodes``: the node's rank (``--node-rank``, else ``PSLAUNCH_NODE_RANK``, else
+    Kubernetes' ``JOB_COMPLETION_INDEX``), the job key every node holds (``PSLAUNCH_JOB_KEY_FILE``
+    or ``PSLAUNCH_JOB_KEY``) and the job id every node derives alike; empty without ``--nnodes``.
+
+    Raises ``ConfigError`` naming the variable or flag at fault."""
+    nnodes = options.get("nnodes")
+    if nnodes is None:
+        for flag in ("node_rank", "rdzv_endpoint"):
+            if options.get(flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} is an option of the per-node agents: give --nnodes N too")
+        return {}
+    rank = options.get("node_rank")
+    if rank is None:
+        for name in (ec.PSLAUNCH_NODE_RANK, ec.JOB_COMPLETION_INDEX):
+            text = environ.get(name, "").strip()
+            if text:
+                if not text.isdigit():
+                    raise ConfigError(f"{name}={text!r} is not a node rank (a number 0..{nnodes - 1})")
+                rank = int(text)
+                break
+    if rank is None:
+        if nnodes != 1:
+            raise ConfigError(f"--nnodes {nnodes}: this node's rank is not given: --node-rank R, or "
+                              f"{ec.PSLAUNCH_NODE_RANK}, or Kubernetes' {ec.JOB_COMPLETION_INDEX} (an Indexed Job sets it)")
+        rank = 0
+    endpoint = options.get("rdzv_endpoint")
+    if not endpoint:
+        raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the address of node 0 that every node "
+                          "reaches (node 0 listens there)")
+    host, port = parse_endpoint(endpoint)
+    try:
+        key = ec.read_job_key(environ)
+    except ec.JobKeyError as exc:
+        raise ConfigError(str(exc)) from None
+    return {"nnodes": nnodes, "node_rank": rank, "rdzv_endpoint": endpoint, "job_key": key.hex() if key else "",
+            "job_id": ec.shared_job_id(host, port)}
 
 
 def _dashboard_wanted(asked: bool | None, quiet: bool) -> bool:

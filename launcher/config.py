@@ -25,6 +25,8 @@ __all__ = [
     "DEFAULT_SHUTDOWN_GRACE",
     "parse_metrics_option",
     "DEFAULT_LINK_TIMEOUT",
+    "DEFAULT_RDZV_TIMEOUT",
+    "parse_endpoint",
 ]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -35,6 +37,8 @@ DEFAULT_STOP_GRACE = 5.0
 DEFAULT_SHUTDOWN_GRACE = 10.0
 #: Seconds of silence after which a remote host is lost and its guards stop their processes.
 DEFAULT_LINK_TIMEOUT = 15.0
+#: Seconds the per-node agents have to find each other (``--rdzv-timeout``).
+DEFAULT_RDZV_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,19 @@ def parse_ranks_option(text: str) -> frozenset[int]:
                               "(e.g. --ranks 0,3-5)")
         ranks.update(range(int(low), int(high if dash else low) + 1))
     return frozenset(ranks)
+
+
+def parse_endpoint(text: str, flag: str = "--rdzv-endpoint") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) as ``(host, port)``.
+
+    Raises ``ConfigError`` naming ``flag`` and the value when the host or the port is missing or
+    the port is not in 1..65535."""
+    host, _, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{flag} {text!r}: expected HOST:PORT with a port in 1..65535, e.g. "
+                          "pslaunch-0.pslaunch:29400 or 10.0.0.1:29400")
+    return host, int(port)
 
 
 def parse_metrics_option(text: str) -> tuple[str, int]:
@@ -156,6 +173,11 @@ class LaunchConfig:
     timeline: str | None = None
     gpus_per_worker: int | None = None  # --gpus-per-worker: CUDA_VISIBLE_DEVICES by local rank
     master_port: int | None = None  # a job without servers: torch's MASTER_PORT on worker 0's host (resolved)
+    # Per-node agents (launcher.agents): the same command on every node, no ssh between them.
+    nnodes: int | None = None  # --nnodes: None without agents
+    node_rank: int = 0  # --node-rank (PSLAUNCH_NODE_RANK, JOB_COMPLETION_INDEX)
+    rdzv_endpoint: str | None = None  # --rdzv-endpoint HOST:PORT: where node 0 listens for the agents
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
 
     @property
     def wants_stats(self) -> bool:
@@ -209,6 +231,18 @@ class LaunchConfig:
         if self.restart_scope == "worker" and self.user_command_for_all_roles:
             raise ConfigError("--restart-scope worker needs the bundled runtime, which lets a restarted worker rejoin; "
                               "with --command-for-all-roles use --restart-scope job")
+        if self.nnodes is not None:
+            if self.nnodes < 1:
+                raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
+            if not 0 <= self.node_rank < self.nnodes:
+                raise ConfigError(f"--node-rank {self.node_rank} is not a node of --nnodes {self.nnodes}: "
+                                  f"ranks are 0..{self.nnodes - 1}")
+            if not self.rdzv_endpoint:
+                raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, the address of node 0 "
+                                  "that every node reaches (node 0 listens there)")
+            parse_endpoint(self.rdzv_endpoint)
+            if self.rdzv_timeout <= 0:
+                raise ConfigError(f"--rdzv-timeout must be > 0 seconds, got {self.rdzv_timeout}")
         if self.host_key_policy not in ("accept-new", "strict", "ignore"):
             raise ConfigError(f"--host-key-policy must be accept-new, strict or ignore, got {self.host_key_policy!r}")
 

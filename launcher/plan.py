@@ -166,7 +166,10 @@ def first_worker_host(config: LaunchConfig) -> Host:
 def torch_master_address(config: LaunchConfig, host: Host) -> str:
     """``MASTER_ADDR`` for worker 0 on ``host``: a loopback address when every process is on this
     machine, the address the other hosts reach this machine at when worker 0 runs here, else the
-    host's name as the hostfile gives it (what torchrun's ``--master-addr`` would be)."""
+    host's name as the hostfile gives it (what torchrun's ``--master-addr`` would be). Per-node agents
+    place worker 0 on node 0, which every node reaches at the rendezvous host."""
+    if config.nnodes is not None:
+        return config.launch_address
     if host is LOCAL_HOST or host.is_loopback:
         all_here = all(h.is_loopback for h in config.hosts)  # True without hosts
         if not all_here:  # other hosts dial it: this machine's address toward them

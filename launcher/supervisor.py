@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from .backends.base import Backend, ProcessHandle
 from .config import LaunchConfig
+from .errors import LaunchError
 from .output import Printer
 from .plan import Plan
 from .restarts import RestartLog
@@ -115,6 +116,7 @@ class Supervisor:
         old = self._install()
         start = time.monotonic()
         self._plan = plan
+        ended: tuple[int, str | None] = (1, "pslaunch on node 0 ended before the job did")
         try:
             self._attempt(plan, start, prepare=True)
             while self.restarts.can_restart(self.failure) and not self._signals:
@@ -126,8 +128,15 @@ class Supervisor:
                 self._attempt(self._plan.restarted(count), start)
             if self.restarts.max_restarts:
                 self.restarts.finish(self.failure)
+            ended = (0, None) if self.failure is None else (self.failure.exit_code, self.failure.reason)
+        except LaunchError as exc:
+            ended = (exc.exit_code, f"the job could not start: {exc}")
+            raise
         finally:
-            self.backend.close()
+            try:
+                self.backend.job_ended(*ended)
+            finally:
+                self.backend.close()
             for sig, handler in old.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
         self._report()
@@ -162,6 +171,9 @@ class Supervisor:
         if self._signals:
             sig = self._signals[0]
             return Failure(f"pslaunch got {signal.Signals(sig).name}", 128 + sig)
+        outside = self.backend.interruption()
+        if outside is not None:
+            return outside
         if self.config.timeout is not None and time.monotonic() - start - self._paused > self.config.timeout:
             return Failure(f"the job ran longer than --timeout {self.config.timeout:g} s", EXIT_TIMEOUT)
         return None

@@ -17,72 +17,78 @@ import os
 import random
 import re
 import socket
-from typing import Mapping
+import stat
+from collections.abc import Mapping
 
 __all__ = [
-    "free_port",
-    "shared_job_id",
-    "parse_interface_spec",
-    "interface_addresses",
-    "interface_address",
-    "DMLC_ROLE",
-    "DMLC_PS_ROOT_URI",
-    "DMLC_PS_ROOT_PORT",
-    "DMLC_NUM_WORKER",
-    "DMLC_NUM_SERVER",
-    "DMLC_NODE_HOST",
+    "CUDA_VISIBLE_DEVICES",
     "DMLC_INTERFACE",
-    "DMLC_WORKER_ID",
     "DMLC_LOCAL",
-    "PS_VERBOSE",
+    "DMLC_NODE_HOST",
+    "DMLC_NUM_SERVER",
+    "DMLC_NUM_WORKER",
+    "DMLC_PS_ROOT_PORT",
+    "DMLC_PS_ROOT_URI",
+    "DMLC_ROLE",
+    "DMLC_WORKER_ID",
+    "EXIT_PEER_FAILED",
+    "JOB_KEY_BYTES",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MARKER",
+    "MARKER_FAILED",
+    "MARKER_READY",
+    "MARKER_STATS",
+    "MARKER_TRACE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PSLAUNCH_BIGARRAY_BOUND",
+    "PSLAUNCH_BIND_ALL",
+    "PSLAUNCH_CHECKPOINT_DIR",
+    "PSLAUNCH_ENCRYPT",
+    "PSLAUNCH_IO_SCHED",
     "PSLAUNCH_JOB_ID",
+    "PSLAUNCH_JOB_KEY",
+    "PSLAUNCH_JOB_KEY_FD",
+    "PSLAUNCH_JOB_KEY_FILE",
     "PSLAUNCH_LOCAL_RANK",
     "PSLAUNCH_LOCAL_SIZE",
     "PSLAUNCH_RANK",
+    "PSLAUNCH_REGISTER_TIMEOUT",
+    "PSLAUNCH_RESTART_COUNT",
+    "PSLAUNCH_RESTART_SCOPE",
+    "PSLAUNCH_SAME_HOST",
+    "PSLAUNCH_SERVER_DEVICE",
+    "PSLAUNCH_STATS",
+    "PSLAUNCH_SUPERVISED",
+    "PSLAUNCH_TIMELINE",
+    "PSLAUNCH_TRANSPORT",
     "PS_HEARTBEAT_INTERVAL",
     "PS_HEARTBEAT_TIMEOUT",
-    "PSLAUNCH_REGISTER_TIMEOUT",
-    "PSLAUNCH_SAME_HOST",
-    "PSLAUNCH_IO_SCHED",
-    "PSLAUNCH_SERVER_DEVICE",
-    "PSLAUNCH_BIGARRAY_BOUND",
-    "PSLAUNCH_TRANSPORT",
-    "PSLAUNCH_ENCRYPT",
-    "PSLAUNCH_BIND_ALL",
-    "PSLAUNCH_STATS",
-    "PSLAUNCH_TIMELINE",
-    "TIMELINE_TO_LAUNCHER",
-    "PSLAUNCH_CHECKPOINT_DIR",
-    "PSLAUNCH_RESTART_SCOPE",
-    "PSLAUNCH_RESTART_COUNT",
-    "RESTART_SCOPES",
-    "PSLAUNCH_JOB_KEY",
-    "PSLAUNCH_JOB_KEY_FILE",
-    "PSLAUNCH_JOB_KEY_FD",
-    "hand_key_over",
-    "new_job_key",
-    "with_restart_count",
-    "SETTINGS",
-    "PSLAUNCH_SUPERVISED",
-    "EXIT_PEER_FAILED",
-    "MARKER",
-    "MARKER_READY",
-    "MARKER_FAILED",
-    "MARKER_STATS",
-    "MARKER_TRACE",
-    "ROLES",
-    "REQUIRED",
-    "WRITTEN",
-    "contract_env",
+    "PS_VERBOSE",
     "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "CUDA_VISIBLE_DEVICES",
+    "REQUIRED",
+    "RESTART_SCOPES",
+    "ROLES",
+    "SETTINGS",
+    "TIMELINE_TO_LAUNCHER",
     "TORCH",
+    "WORLD_SIZE",
+    "WRITTEN",
+    "JobKeyError",
+    "contract_env",
+    "free_port",
+    "hand_key_over",
+    "PSLAUNCH_NODE_RANK",
+    "JOB_COMPLETION_INDEX",
+    "interface_address",
+    "interface_addresses",
+    "new_job_key",
+    "parse_interface_spec",
+    "read_job_key",
+    "shared_job_id",
     "torch_env",
+    "with_restart_count",
 ]
 
 DMLC_ROLE = "DMLC_ROLE"
@@ -127,6 +133,10 @@ PSLAUNCH_JOB_KEY_FILE = "PSLAUNCH_JOB_KEY_FILE"
 #: What a process started by pslaunch gets instead of ``PSLAUNCH_JOB_KEY``: the number of an
 #: inherited file descriptor from which the runtime reads the key once (``hand_key_over``).
 PSLAUNCH_JOB_KEY_FD = "PSLAUNCH_JOB_KEY_FD"
+#: A per-node agent's rank when ``--node-rank`` is not given (``pslaunch --nnodes``); then
+#: Kubernetes' own, which an Indexed Job sets in every pod.
+PSLAUNCH_NODE_RANK = "PSLAUNCH_NODE_RANK"
+JOB_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"
 
 #: The runtime's optional settings (docs/env.md, "Optional"): ``contract_env(settings=...)`` writes them.
 SETTINGS = (
@@ -313,6 +323,90 @@ def hand_key_over(env: dict[str, str]) -> int | None:
         os.close(write_end)
     env[PSLAUNCH_JOB_KEY_FD] = str(read_end)
     return read_end
+
+
+#: A job key's length: 32 bytes, written as 64 hex digits.
+JOB_KEY_BYTES = 32
+
+
+class JobKeyError(ValueError):
+    """A job key that cannot be used (malformed, unreadable, readable by others); the message
+    names the variable and the file, never the key."""
+
+
+def read_job_key(environ: Mapping[str, str]) -> bytes | None:
+    """The job key from ``PSLAUNCH_JOB_KEY`` or the file ``PSLAUNCH_PSLAUNCH_JOB_KEY_FILE`` names, or None.
+
+    Raises:
+        JobKeyError: a malformed key, two of the variables set, or a key file that is not a regular file of
+            mode 0600 (or stricter) owned by this user. The message never contains the key.
+    """
+    text = environ.get(PSLAUNCH_JOB_KEY, "").strip()
+    path = environ.get(PSLAUNCH_JOB_KEY_FILE, "").strip()
+    fd = environ.get(PSLAUNCH_JOB_KEY_FD, "").strip()
+    given = [name for name, value in ((PSLAUNCH_JOB_KEY, text), (PSLAUNCH_JOB_KEY_FILE, path), (PSLAUNCH_JOB_KEY_FD, fd)) if value]
+    if len(given) > 1:
+        raise JobKeyError(f"{' and '.join(given)} are all set; set one of them")
+    source = PSLAUNCH_JOB_KEY
+    if path:
+        source = f"{PSLAUNCH_JOB_KEY_FILE}={path}"
+        text = _read_key_file(path)
+    elif fd:
+        source = f"{PSLAUNCH_JOB_KEY_FD}={fd}"
+        text = _read_key_pipe(fd)
+    if not text:
+        return None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise JobKeyError(f"the job key in {source} is not hexadecimal (it must be {2 * JOB_KEY_BYTES} hex digits)") from None
+    if len(key) != JOB_KEY_BYTES:
+        raise JobKeyError(f"the job key in {source} has {len(key)} bytes; it must have {JOB_KEY_BYTES} ({2 * JOB_KEY_BYTES} hex digits)")
+    return key
+
+
+def _read_key_pipe(number: str) -> str:
+    """The key pslaunch wrote into the pipe whose read end is file descriptor ``number`` (its
+    ``hand_key_over``): read to its end and closed, so it is read once."""
+    try:
+        fd = int(number)
+    except ValueError:
+        raise JobKeyError(f"{PSLAUNCH_JOB_KEY_FD}={number!r} is not a file descriptor number") from None
+    chunks = []
+    try:
+        while sum(map(len, chunks)) < 4096:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except OSError as exc:
+        raise JobKeyError(f"{PSLAUNCH_JOB_KEY_FD}={fd} cannot be read: {exc.strerror}; the key is read once, by the first "
+                       "import of kvcore or psnode in the process pslaunch started") from None
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return b"".join(chunks).decode(errors="replace").strip()
+
+
+def _read_key_file(path: str) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise JobKeyError(f"{PSLAUNCH_JOB_KEY_FILE}={path} cannot be opened: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise JobKeyError(f"{PSLAUNCH_JOB_KEY_FILE}={path} is not a regular file")
+        if info.st_mode & 0o077:
+            raise JobKeyError(f"{PSLAUNCH_JOB_KEY_FILE}={path} has mode {stat.S_IMODE(info.st_mode):04o}; others may read it "
+                           "(chmod 600 it)")
+        if info.st_uid != os.geteuid():
+            raise JobKeyError(f"{PSLAUNCH_JOB_KEY_FILE}={path} belongs to uid {info.st_uid}, not to this user ({os.geteuid()})")
+        return os.read(fd, 4096).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
 
 
 def free_port(address: str = "127.0.0.1") -> int:

@@ -106,6 +106,7 @@ def _kill_namespace(name: str) -> None:
         pids = [p for p in pids if process_alive(int(p))]
         time.sleep(0.02)
     _ip("netns", "del", name, check=False)
+    shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)  # files a test mounted into it
 
 
 def sweep_stale() -> None:

@@ -1,4 +1,5 @@
-"""Launcher backends, chosen by name: ``local``, ``ssh``, ``mpi``, ``slurm`` and ``sge``.
+"""Launcher backends, chosen by name: ``local``, ``ssh``, ``mpi``, ``slurm``, ``sge``, and ``agents``
+(``--nnodes``: one pslaunch per node, ``launcher.agents``).
 
 ``get_backend(name)`` imports the backend's module only when it is used (paramiko is only loaded
 for ``ssh``). A new backend is one more line in ``_BACKENDS``.
@@ -19,6 +20,7 @@ _BACKENDS: dict[str, str] = {
     "mpi": "launcher.backends.mpi:MpiBackend",
     "slurm": "launcher.backends.slurm:SlurmBackend",
     "sge": "launcher.backends.sge.backend:SgeBackend",
+    "agents": "launcher.agents.backend:AgentsBackend",
 }
 
 

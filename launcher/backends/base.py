@@ -174,6 +174,9 @@ class Backend(ABC):
     #: Every process, this machine's too, is started through the backend's own launcher (mpirun),
     #: never as a child of pslaunch.
     through_its_launcher = False
+    #: ``configure`` finds the scheduler's address and ports itself (``launcher.network.resolve``,
+    #: which looks at this machine, is not run before it).
+    resolves_itself = False
 
     def __init__(self, config: LaunchConfig, printer: Printer) -> None:
         self.config = config
@@ -201,6 +204,12 @@ class Backend(ABC):
         Raises ``ConfigError``. The default has none."""
 
     @classmethod
+    def dry_run_plan(cls, config: LaunchConfig, plan: Plan) -> Plan:
+        """The part of ``plan`` ``--dry-run`` shows: what this pslaunch starts (a per-node agent's
+        share). The default is the whole plan."""
+        return plan
+
+    @classmethod
     def dry_run_notes(cls, config: LaunchConfig) -> list[str]:
         """Lines ``--dry-run`` prints after the plan: what the backend will ask of others
         (a batch scheduler's command line, say). The default has none."""
@@ -221,6 +230,16 @@ class Backend(ABC):
 
         On error the processes already started are stopped before raising.
         """
+
+    def interruption(self):
+        """A ``launcher.verdict.Failure`` that ends the job from outside this process (a per-node
+        agent's Ctrl-C), else None. Non-blocking; the supervisor asks at every turn. Default None."""
+        return None
+
+    def job_ended(self, exit_code: int, reason: str | None) -> None:
+        """The job is over with ``exit_code`` (0: it succeeded) for ``reason`` (the root cause, or
+        why it could not start); called once before ``close``, after every process ended. The
+        default does nothing."""
 
     def close(self) -> None:
         """Release everything the backend holds (connections, the watchdog). Idempotent."""

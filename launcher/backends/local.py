@@ -28,8 +28,9 @@ from .remote.scriptcheck import check_scripts_here
 
 __all__ = ["LocalBackend", "LocalSpawner", "LocalHandle", "child_environ", "widen_pipe", "READ_SIZE"]
 
-# Inherited values of these would contradict the plan (a stale DMLC_WORKER_ID, say).
-_CONTRACT_NAMES = set(ec.WRITTEN) | {ec.DMLC_WORKER_ID}
+# Inherited values of these would contradict the plan (a stale DMLC_WORKER_ID, say); a key file
+# pslaunch's own environment names would make the runtime refuse the key pslaunch hands over.
+_CONTRACT_NAMES = set(ec.WRITTEN) | {ec.DMLC_WORKER_ID, ec.PSLAUNCH_JOB_KEY_FILE}
 
 #: Bytes a reader takes from a child's pipe at once.
 READ_SIZE = 1 << 20

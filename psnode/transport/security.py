@@ -36,22 +36,35 @@ import ipaddress
 import logging
 import os
 import socket
-import stat
 import threading
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, MutableMapping
+from typing import Any
 
+from pscontract import JobKeyError
+from pscontract import read_job_key as contract_read_job_key
 from psnode.errors import EnvError
 from psnode.log import logger
 
-__all__ = ["Security", "EnvError", "JOB_KEY", "JOB_KEY_FILE", "JOB_KEY_FD", "take_job_key", "taken_key", "read_job_key", "check_unkeyed",
-           "secure_or_loopback", "ZapHandler", "ZAP_DOMAIN"]
+__all__ = [
+    "JOB_KEY",
+    "JOB_KEY_FD",
+    "JOB_KEY_FILE",
+    "ZAP_DOMAIN",
+    "EnvError",
+    "Security",
+    "ZapHandler",
+    "check_unkeyed",
+    "read_job_key",
+    "secure_or_loopback",
+    "take_job_key",
+    "taken_key",
+]
 
 JOB_KEY = "PSLAUNCH_JOB_KEY"
 JOB_KEY_FILE = "PSLAUNCH_JOB_KEY_FILE"
 JOB_KEY_FD = "PSLAUNCH_JOB_KEY_FD"
 ZAP_DOMAIN = "pslaunch"
-_KEY_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -108,78 +121,18 @@ def _curve_pair(seed: bytes) -> tuple[bytes, bytes]:
 
 # ---- the key ---------------------------------------------------------------------------------
 def read_job_key(environ: Mapping[str, str]) -> bytes | None:
-    """The job key from ``PSLAUNCH_JOB_KEY`` or the file ``PSLAUNCH_JOB_KEY_FILE`` names, or None.
+    """The job key from ``PSLAUNCH_JOB_KEY``, the file ``PSLAUNCH_JOB_KEY_FILE`` names or the pipe
+    ``PSLAUNCH_JOB_KEY_FD`` names, or None (``pscontract.read_job_key``, which the launcher's
+    per-node agents read it with too).
 
     Raises:
-        EnvError: a malformed key, both variables set, or a key file that is not a regular file of
-            mode 0600 (or stricter) owned by this user. The message never contains the key.
+        EnvError: a malformed key, two of the variables set, or a key file that is not a regular
+            file of mode 0600 (or stricter) owned by this user. The message never contains the key.
     """
-    text = environ.get(JOB_KEY, "").strip()
-    path = environ.get(JOB_KEY_FILE, "").strip()
-    fd = environ.get(JOB_KEY_FD, "").strip()
-    given = [name for name, value in ((JOB_KEY, text), (JOB_KEY_FILE, path), (JOB_KEY_FD, fd)) if value]
-    if len(given) > 1:
-        raise EnvError(f"{' and '.join(given)} are all set; set one of them")
-    source = JOB_KEY
-    if path:
-        source = f"{JOB_KEY_FILE}={path}"
-        text = _read_key_file(path)
-    elif fd:
-        source = f"{JOB_KEY_FD}={fd}"
-        text = _read_key_pipe(fd)
-    if not text:
-        return None
     try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        raise EnvError(f"the job key in {source} is not hexadecimal (it must be {2 * _KEY_BYTES} hex digits)") from None
-    if len(key) != _KEY_BYTES:
-        raise EnvError(f"the job key in {source} has {len(key)} bytes; it must have {_KEY_BYTES} ({2 * _KEY_BYTES} hex digits)")
-    return key
-
-
-def _read_key_pipe(number: str) -> str:
-    """The key pslaunch wrote into the pipe whose read end is file descriptor ``number`` (its
-    ``hand_key_over``): read to its end and closed, so it is read once."""
-    try:
-        fd = int(number)
-    except ValueError:
-        raise EnvError(f"{JOB_KEY_FD}={number!r} is not a file descriptor number") from None
-    chunks = []
-    try:
-        while sum(map(len, chunks)) < 4096:
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    except OSError as exc:
-        raise EnvError(f"{JOB_KEY_FD}={fd} cannot be read: {exc.strerror}; the key is read once, by the first "
-                       "import of kvcore or psnode in the process pslaunch started") from None
-    finally:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    return b"".join(chunks).decode(errors="replace").strip()
-
-
-def _read_key_file(path: str) -> str:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise EnvError(f"{JOB_KEY_FILE}={path} cannot be opened: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise EnvError(f"{JOB_KEY_FILE}={path} is not a regular file")
-        if info.st_mode & 0o077:
-            raise EnvError(f"{JOB_KEY_FILE}={path} has mode {stat.S_IMODE(info.st_mode):04o}; others may read it "
-                           "(chmod 600 it)")
-        if info.st_uid != os.geteuid():
-            raise EnvError(f"{JOB_KEY_FILE}={path} belongs to uid {info.st_uid}, not to this user ({os.geteuid()})")
-        return os.read(fd, 4096).decode(errors="replace").strip()
-    finally:
-        os.close(fd)
+        return contract_read_job_key(environ)
+    except JobKeyError as exc:
+        raise EnvError(str(exc)) from None
 
 
 _taken: list = []  # what this process took out of its environment: the key, None, or the EnvError

@@ -12,7 +12,9 @@ from launcher.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
-BACKENDS = ("local", "ssh", "mpi", "slurm", "sge")
+BACKENDS = ("local", "ssh", "mpi", "slurm", "sge", "agents")
+#: What a backend needs to be chosen at all (the agents: --nnodes and its rendezvous).
+CHOSEN_BY = {"agents": ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29400"]}
 
 # option -> its arguments ({hosts}, {key} filled in per test)
 OPTIONS = {
@@ -40,12 +42,13 @@ ACCEPTS = {
     "mpi": {"-H", "--sync-dst-dir", *SSH_OPTIONS, "--scheduler-host"},
     "slurm": {"--slurm-args", "--restart-scope worker"},
     "sge": {"--sge-args", "--sge-pe", "--restart-scope worker"},
+    "agents": {"--link-timeout", "--restart-scope worker"},
 }
 
 
 def _configure(backend: str, args: list[str]):
     """What pslaunch checks before anything starts (a real run and --dry-run alike)."""
-    ctx = cli.make_context("pslaunch", [*args, "--launcher", backend, "-n", "2", "true"])
+    ctx = cli.make_context("pslaunch", [*args, *CHOSEN_BY.get(backend, []), "--launcher", backend, "-n", "2", "true"])
     config = build_config(ctx.params, {})
     return get_backend(backend).configure(config, {})
 

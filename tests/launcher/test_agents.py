@@ -1,0 +1,220 @@
+"""Per-node agents on one machine: ``pslaunch --nnodes N --node-rank R --rdzv-endpoint 127.0.0.1:PORT``
+started once per node as a user would, each a real process, the job's processes real children of
+the agents, node 0's rendezvous a real TCP port. The same on separate network namespaces, with the
+Kubernetes recipe's command: ``test_agents_netns.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pscontract import free_port
+from testkit.launcher import REPO, helper, run_pslaunch, wait_gone
+from testkit.launcher.agents import AgentJob, write_key
+
+
+@pytest.fixture
+def key_env(tmp_path):
+    """The environment of every node: the job key in a file, as a mounted Secret."""
+    return {**os.environ, "PSLAUNCH_JOB_KEY_FILE": str(write_key(tmp_path / "job.key"))}
+
+
+def _endpoint() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+def _steps(marker: str, steps: int = 30) -> list[str]:
+    return ["--env", f"STEPS:{steps}", "--env", "STEP_SLEEP:0.02", sys.executable, helper("steps_worker.py"), marker]
+
+
+def test_three_agents_started_node_0_last_form_one_keyed_job_whose_table_node_0_prints(tmp_path, key_env, marker):
+    endpoint = _endpoint()
+    summary = tmp_path / "summary.json"
+    with AgentJob(tmp_path, 3, endpoint, ["-n", "3", "-s", "2", "--timeout", "60", *_steps(marker)], env=key_env,
+                  marker=marker) as job:
+        job.start(2)
+        job.start(1)
+        time.sleep(1.0)  # the agents knock at a port nobody listens at yet
+        job.start(0, extra=["--summary-json", str(summary), "--timeline", str(tmp_path / "trace.json")])
+        # a stranger's bytes at the rendezvous port are refused and change nothing
+        host, port = endpoint.rsplit(":", 1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection((host, int(port)), timeout=2) as stranger:
+                    stranger.sendall(b"\x00\x00\x00\x05" + bytes(32) + b"hello" + os.urandom(64))
+                    stranger.recv(100)
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        results = job.wait(60)
+    assert {rank: r.returncode for rank, r in results.items()} == {0: 0, 1: 0, 2: 0}, job.report()
+    node0 = results[0].stdout + results[0].stderr
+    assert "[worker.0@node0] done 3" in node0
+    assert "refused an agent at 127.0.0.1" in node0
+    for name in ("scheduler.0@node0", "server.0@node0", "server.1@node1", "worker.1@node1", "worker.2@node2"):
+        assert f"[{name}]" in node0 or name.split("@")[1] in node0
+    rows = {(p["role"], p["rank"]): p for p in json.loads(summary.read_text())["processes"]}
+    assert {(role, rank): rows[(role, rank)]["host"] for role, rank in rows} == {
+        ("scheduler", 0): "node0", ("server", 0): "node0", ("server", 1): "node1",
+        ("worker", 0): "node0", ("worker", 1): "node1", ("worker", 2): "node2"}
+    assert "@node0]" not in results[1].stdout + results[1].stderr  # an agent shows its own processes' lines only
+    # node 0 sees every node's processes: their counters in the summary, their events in the timeline
+    assert rows[("worker", 2)]["rounds"] == 30 and rows[("worker", 1)]["pushed_bytes"] > 0, rows
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    named = {e["args"]["name"].split(" (")[0] for e in events if e.get("name") == "process_name"}
+    assert {"worker 1", "worker 2", "server 1"} <= named, named
+    assert wait_gone(marker, 10) == []
+
+
+def test_a_worker_failing_on_node_2_is_every_agents_root_cause_and_exit_code(tmp_path, key_env, marker):
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["-n", "3", "-s", "2", "--timeout", "60", "--env", "FAULT:raise", "--env", "FAULT_RANK:2", "--env",
+            "FAULT_STEP:3", sys.executable, helper("resume_train.py"), str(out), marker]
+    with AgentJob(tmp_path, 3, _endpoint(), args, env=key_env, marker=marker) as job:
+        job.start_all()
+        results = job.wait(60)
+    cause = "root cause: worker.2@node2 (worker rank 2 on node2"
+    for rank, result in results.items():
+        assert result.returncode == 1, job.report()
+        assert cause in result.stderr, (rank, job.report())
+    # its traceback shows on its own node and on node 0, with the usual prefix, not on node 1
+    raised = "[worker.2@node2] RuntimeError: worker 2 fails at step 3"
+    assert raised in results[2].stderr and raised in results[0].stderr and raised not in results[1].stderr
+    assert wait_gone(marker, 10) == []
+
+
+def test_agents_with_a_wrong_key_another_job_or_another_command_are_refused_naming_why(tmp_path, key_env):
+    endpoint = _endpoint()
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    with AgentJob(tmp_path, 2, endpoint, ["-n", "2", "-s", "1", str(script)], env=key_env) as job:
+        job.start(0, extra=["--rdzv-timeout", "8"])
+        wrong = {"PSLAUNCH_JOB_KEY_FILE": str(write_key(tmp_path / "other.key"))}
+        job.start(1, env=wrong)
+        refused_key = job.wait(30, [1])[1]
+        job.start(1, extra=["--job-id", "another-job"])
+        refused_job = job.wait(30, [1])[1]
+        job.start(1, argv=job.argv(1)[:-len(job.args)] + ["-n", "4", "-s", "1", str(script)])
+        refused_command = job.wait(30, [1])[1]
+        node0 = job.wait(30, [0])[0]
+    assert refused_key.returncode == 3, refused_key.stderr
+    assert f"node 0 at {endpoint} does not hold this agent's job key" in refused_key.stderr
+    assert refused_job.returncode == 3, refused_job.stderr
+    assert "refused this agent: it belongs to job 'another-job', node 0 runs job 'job-" in refused_job.stderr
+    assert refused_command.returncode == 3, refused_command.stderr
+    assert "refused this agent: its command differs from node 0's: -n 4 there, 2 here" in refused_command.stderr
+    assert node0.returncode == 3, node0.stderr
+    assert "refused an agent at 127.0.0.1 (node rank 1): wrong job key" in node0.stderr
+    assert f"node1 did not join node 0 at {endpoint} within --rdzv-timeout 8 s; refused meanwhile:" in node0.stderr
+
+
+def test_ctrl_c_on_an_agent_ends_the_whole_job_on_every_node(tmp_path, key_env, marker):
+    with AgentJob(tmp_path, 3, _endpoint(), ["-n", "3", "-s", "2", "--timeout", "60", *_steps(marker, 100000)],
+                  env=key_env, marker=marker) as job:
+        job.start_all()
+        job.wait_for(0, "[worker.0@node0] step 10", 30)
+        job.signal(2, signal.SIGINT)
+        results = job.wait(30)
+    for rank, result in results.items():
+        assert result.returncode == 130, job.report()
+        assert "root cause: pslaunch on node2 got SIGINT" in result.stderr, (rank, job.report())
+    assert wait_gone(marker, 10) == []
+
+
+def test_agents_that_lose_node_0_stop_their_processes_and_exit_255_naming_it(tmp_path, key_env, marker):
+    endpoint = _endpoint()
+    with AgentJob(tmp_path, 3, endpoint, ["-n", "3", "-s", "2", "--timeout", "60", *_steps(marker, 100000)],
+                  env=key_env, marker=marker) as job:
+        job.start_all()
+        job.wait_for(0, "[worker.0@node0] step 10", 30)
+        os.killpg(job.procs[0].pid, signal.SIGKILL)  # node 0's pslaunch and its processes, at once
+        results = job.wait(30, [1, 2])
+    for rank, result in results.items():
+        assert result.returncode == 255, job.report()
+        assert f"root cause: lost node 0 at {endpoint} (node 0 closed the connection); stopped node{rank}'s " \
+               "processes" in result.stderr, job.report()
+    assert wait_gone(marker, 15) == []
+
+
+@pytest.mark.parametrize(("env", "shown"), [({"PSLAUNCH_NODE_RANK": "1"}, 1), ({"JOB_COMPLETION_INDEX": "2"}, 2),
+                                            ({"PSLAUNCH_NODE_RANK": "1", "JOB_COMPLETION_INDEX": "2"}, 1)])
+def test_the_node_rank_comes_from_the_environment_and_dry_run_shows_that_nodes_share(tmp_path, key_env, env, shown):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    res = run_pslaunch(["--nnodes", "3", "--rdzv-endpoint", "train-0.pslaunch:29400", "-n", "3", "-s", "2",
+                        "--dry-run", str(script)], env={**key_env, **env}, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    names = sorted(line.split()[0] for line in res.stdout.splitlines() if "(local rank" in line)
+    expected = {1: ["server.1@node1", "worker.1@node1"], 2: ["worker.2@node2"]}[shown]
+    assert names == expected, res.stdout
+    assert f"agents: node {shown} of 3: the processes above are this node's share of the job's 6" in res.stdout
+    assert "DMLC_PS_ROOT_URI=train-0.pslaunch DMLC_PS_ROOT_PORT=29401" in res.stdout
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--nnodes", "3", "--rdzv-endpoint", "h:29400"], {}, "this node's rank is not given: --node-rank R, or "
+     "PSLAUNCH_NODE_RANK, or Kubernetes' JOB_COMPLETION_INDEX"),
+    (["--nnodes", "3", "--rdzv-endpoint", "h:29400"], {"JOB_COMPLETION_INDEX": "x1"},
+     "JOB_COMPLETION_INDEX='x1' is not a node rank"),
+    (["--nnodes", "3", "--node-rank", "3", "--rdzv-endpoint", "h:29400"], {}, "--node-rank 3 is not a node of "
+     "--nnodes 3: ranks are 0..2"),
+    (["--nnodes", "2", "--node-rank", "1"], {}, "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h"], {}, "--rdzv-endpoint 'h': expected HOST:PORT"),
+    (["--node-rank", "1"], {}, "--node-rank is an option of the per-node agents: give --nnodes N too"),
+    (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:1", "--launcher", "ssh"], {},
+     "it does not combine with --launcher ssh"),
+    (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:1", "--scheduler-host", "x"], {},
+     "--scheduler-host is not an option of --launcher agents: node 0 runs the scheduler"),
+])
+def test_agent_options_that_cannot_work_are_refused_naming_the_value(tmp_path, key_env, args, env, message):
+    res = run_pslaunch([*args, "-n", "2", "--dry-run", "train.py"], env={**key_env, **env})
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr
+
+
+def test_agents_across_machines_without_a_key_are_refused_before_anything_starts():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSLAUNCH_JOB_KEY")}
+    res = run_pslaunch(["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "10.1.2.3:29400", "-n", "2",
+                        "--dry-run", "train.py"], env=env)
+    assert res.returncode == 2, res.stderr
+    assert "--nnodes 2 across machines needs the job's key on every node: PSLAUNCH_JOB_KEY_FILE" in res.stderr
+
+
+def test_an_agent_from_python_returns_its_nodes_run_result(tmp_path, key_env, marker):
+    endpoint = _endpoint()
+    code = ("import json, sys; from launcher import launch\n"
+            f"r = launch({_steps(marker)[4:]!r}, num_workers=2, num_servers=2, nnodes=2, node_rank=1, "
+            f"rdzv_endpoint={endpoint!r}, env={{'STEPS': '30', 'STEP_SLEEP': '0.02'}})\n"
+            "print(json.dumps([r.exit_code, sorted(p.name for p in r.processes)]))\n")
+    with AgentJob(tmp_path, 2, endpoint, ["-n", "2", "-s", "2", "--timeout", "60", *_steps(marker)], env=key_env,
+                  marker=marker) as job:
+        job.start(0)
+        job.start(1, argv=[sys.executable, "-c", code])
+        results = job.wait(60)
+    assert results[0].returncode == 0, job.report()
+    assert json.loads(results[1].stdout.strip().splitlines()[-1]) == [0, ["server.1@node1", "worker.1@node1"]]
+
+
+def test_launching_without_ssh_in_the_readme_names_the_flags_docs_launcher_md_describes():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Launching without ssh", 1)[1].split("\n## ", 1)[0]
+    for flag in ("--nnodes", "--node-rank", "--rdzv-endpoint", "PSLAUNCH_JOB_KEY_FILE"):
+        assert flag in section
+    doc = (REPO / "docs" / "launcher.md").read_text()
+    for flag in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-timeout", "PSLAUNCH_NODE_RANK",
+                 "JOB_COMPLETION_INDEX"):
+        assert flag in doc
+    assert subprocess.run([sys.executable, "-m", "launcher.cli", "--help"], capture_output=True, text=True,
+                          cwd=str(REPO)).stdout.count("--rdzv-") == 2
