@@ -281,6 +281,8 @@ class AgentsBackend(Backend):
         return self._interrupted
 
     def job_ended(self, exit_code: int, reason: str | None) -> None:
+        if reason is not None and reason.startswith("pslaunch got "):  # said on every node: say which
+            reason = "pslaunch on node0 got " + reason[len("pslaunch got "):]
         if self.hub is not None:
             self.hub.finish({"t": "verdict", "code": exit_code, "reason": reason})
 

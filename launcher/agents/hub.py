@@ -225,8 +225,8 @@ class Hub:
                 message = link.channel.receive()
             except WireError as exc:
                 with self._lock:
-                    link.closed = str(exc) if not isinstance(exc, LinkClosed) else f"{node_label(link.rank)}'s agent " \
-                        f"closed its connection ({exc})"
+                    link.closed = ("its agent's connection ended" if isinstance(exc, LinkClosed)
+                                   else f"its agent's link was dropped: {exc}")
                     if not self.formed and self.links.get(link.rank) is link:
                         del self.links[link.rank]  # it may join again while the job forms
                 link.channel.close()
@@ -286,7 +286,9 @@ class Hub:
         for rank in list(self.links):
             self.send(rank, message)
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(link.closed is None for link in self.links.values()):
+        # a lost node's agent cannot answer: its own link timeout ends it
+        while time.monotonic() < deadline and any(link.closed is None and not self.watch.lost(rank)
+                                                  for rank, link in self.links.items()):
             time.sleep(_TICK)
 
     def close(self) -> None:

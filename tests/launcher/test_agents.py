@@ -218,3 +218,46 @@ def test_launching_without_ssh_in_the_readme_names_the_flags_docs_launcher_md_de
         assert flag in doc
     assert subprocess.run([sys.executable, "-m", "launcher.cli", "--help"], capture_output=True, text=True,
                           cwd=str(REPO)).stdout.count("--rdzv-") == 2
+
+
+def test_ctrl_c_on_node_0_ends_every_agent_naming_node_0(tmp_path, key_env, marker):
+    with AgentJob(tmp_path, 3, _endpoint(), ["-n", "3", "-s", "2", "--timeout", "60", *_steps(marker, 100000)],
+                  env=key_env, marker=marker) as job:
+        job.start_all()
+        job.wait_for(0, "[worker.0@node0] step 10", 30)
+        job.signal(0, signal.SIGINT)
+        results = job.wait(30)
+    assert {r: res.returncode for r, res in results.items()} == {0: 130, 1: 130, 2: 130}, job.report()
+    assert "root cause: pslaunch got SIGINT" in results[0].stderr
+    assert "root cause: pslaunch on node0 got SIGINT" in results[1].stderr + results[2].stderr
+    assert wait_gone(marker, 10) == []
+
+
+def test_an_agent_killed_outright_is_its_nodes_loss_and_its_watchdog_stops_its_processes(tmp_path, key_env, marker):
+    with AgentJob(tmp_path, 3, _endpoint(), ["-n", "3", "-s", "2", "--timeout", "60", *_steps(marker, 100000)],
+                  env=key_env, marker=marker) as job:
+        job.start_all()
+        job.wait_for(0, "[worker.0@node0] step 10", 30)
+        job.signal(1, signal.SIGKILL)  # node 1's pslaunch alone: its processes are left to its watchdog
+        results = job.wait(30, [0, 2])
+    for rank, result in results.items():
+        assert result.returncode == 255, job.report()
+        assert ("root cause: host node1 lost (its agent's connection ended): pslaunch could not reach server.1@node1, "
+                "worker.1@node1") in result.stderr, job.report()
+    assert wait_gone(marker, 15) == []
+
+
+def test_restart_scope_worker_restarts_a_failed_worker_alone_on_its_node(tmp_path, key_env):
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["-n", "2", "-s", "2", "--max-restarts", "1", "--restart-scope", "worker", "--allow-restart-from-scratch",
+            "--timeout", "120", sys.executable, helper("rejoin_async.py"), str(out)]
+    with AgentJob(tmp_path, 2, _endpoint(), args, env=key_env, marker=str(out)) as job:
+        job.start_all()
+        results = job.wait(150)
+    assert {r: res.returncode for r, res in results.items()} == {0: 0, 1: 0}, job.report()
+    done, total, expected, _ = (out / "worker0.txt").read_text().split()
+    assert total == expected and int(done) > 0
+    assert "restarting it alone (restart 1 of 1, PSLAUNCH_RESTART_COUNT=1); the other processes go on" in \
+        results[0].stderr
+    assert wait_gone(str(out), 10) == []
