@@ -71,7 +71,8 @@ from .errors import (
 from .handles import Handle
 from .node_handle import NodeHandle
 from .optim.base import Optimizer, Updater
-from .sharding import KeyLayout, layout
+from .placement import Decision, KeyRequest, Placement
+from .sharding import KeyLayout
 from .store_base import KeyMeta, KVStoreBase
 
 __all__ = ["DistKVStore", "create"]
@@ -99,6 +100,7 @@ class DistKVStore(KVStoreBase):
         self._merge_buffers: dict[Hashable, Any] = {}  # dist_device_sync: key -> its sum's buffer on the GPU
         self._merge_lock = threading.Lock()
         self._layouts: dict[Hashable, KeyLayout] = {}
+        self._placement = Placement(self.num_servers, self._worker.env.bigarray_bound)  # where keys go, by bytes
         self._whole: dict[Hashable, tuple[int, int]] = {}  # key -> (server, key id) for unsplit keys
         self._has_updater = False
         self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
@@ -286,14 +288,23 @@ class DistKVStore(KVStoreBase):
 
     # ---- hooks ----------------------------------------------------------------------------
     def layout_for(self, key: Hashable, shape: tuple[int, ...], dtype: Any) -> KeyLayout:
-        """Where ``key`` lives on the servers (its layout once initialised, else the one it would get)."""
+        """Where ``key`` lives on the servers: its layout once initialised, else the one its placement
+        decision gives (``kvcore.placement``), else the hash rule's."""
         known = self._layouts.get(key)
         if known is not None:
             return known
+        return self._placement.layout(self._request(key, shape, dtype))
+
+    def _request(self, key: Hashable, shape: Any, dtype: Any) -> KeyRequest:
         dtype = np.dtype(dtype)
         # compressed pushes are split on whole words (as MXNet splits them); init itself is not compressed
         word = values_per_word(self._compression.params.type) if self._compression and dtype == np.float32 else 1
-        return layout(key, tuple(shape), dtype, self.num_servers, self._worker.env.bigarray_bound, word)
+        return KeyRequest(key, tuple(shape), dtype, word)
+
+    def place(self, keys: list[tuple[Hashable, tuple[int, ...], Any]]) -> None:
+        """Decide where the keys ``(key, shape, dtype)`` of one call go (worker 0, before it
+        restores a checkpoint's keys on the servers; ``kvcore.placement``)."""
+        self._placement.place([self._request(key, shape, dtype) for key, shape, dtype in keys])
 
     def _init_keys(self, pairs: list[tuple[Hashable, Any]]) -> None:
         for key, value in pairs:  # a restored key keeps the checkpoint's value: it must fit (every rank checks)
@@ -302,27 +313,56 @@ class DistKVStore(KVStoreBase):
                 kind = ShapeMismatchError if tuple(value.shape) != meta.shape else DTypeMismatchError
                 raise kind(f"key {key!r} is initialised with shape {tuple(value.shape)} and dtype {np.dtype(value.dtype)}, "
                            f"but the checkpoint restored holds shape {meta.shape} and dtype {meta.dtype} for it")
-        layouts = [self.layout_for(key, tuple(value.shape), value.dtype) for key, value in pairs]
-        if self._worker.rejoined:  # a restarted worker: the servers hold the keys, with the job's progress
-            self._take_layouts(layouts)
+        requests = [self._request(key, value.shape, value.dtype) for key, value in pairs]
+        if self._worker.rejoined:  # a restarted worker: the servers hold the keys; its init calls are worker 0's
+            self._placement.place(requests)
+            self._take_layouts([self.layout_for(r.key, r.shape, r.dtype) for r in requests])
             return
-        refusal = None
+        note = None
         if self.rank == 0:
+            decisions = self._placement.place(requests)
+            layouts = [self.layout_for(r.key, r.shape, r.dtype) for r in requests]
             parts = []
             for lay, (key, value) in zip(layouts, pairs):
                 flat = np.ascontiguousarray(arrays.asnumpy(value)).reshape(-1)
                 for part in lay.parts:
                     data = flat[part.start:part.stop] if lay.split else flat.reshape(lay.shape)
                     parts.append((part.server, part.id, key, data, lay.row_size or 1))
+            note = {"placed": [[key, *decision.as_note()] for key, decision in decisions.items()]}
             try:
                 self.wait_for(self._worker.init(parts, self._sync))
             except DistributedError as exc:  # every rank must learn it: they would believe the keys exist
-                refusal = {"kind": type(exc).__name__, "message": str(exc)}
+                note["refusal"] = {"kind": type(exc).__name__, "message": str(exc)}
         with runtime_errors():
-            notes = self._worker.barrier(Group.WORKERS, note=refusal)
+            notes = self._worker.barrier(Group.WORKERS, note=note)
         for note in notes:
-            raise _error_of(note)
-        self._take_layouts(layouts)
+            if isinstance(note, dict) and note.get("refusal") is not None:
+                raise _error_of(note["refusal"])
+        if self.rank != 0:
+            self._adopt(requests, notes)
+        self._take_layouts([self.layout_for(r.key, r.shape, r.dtype) for r in requests])
+
+    def _adopt(self, requests: list[KeyRequest], notes: list) -> None:
+        """Take worker 0's placement of this init call's keys (from its barrier note), also of the
+        keys this worker did not pass; a key worker 0 did not initialise keeps this worker's own
+        decision (the servers do not hold it: using it fails there, as it always did)."""
+        placed = next((n["placed"] for n in notes if isinstance(n, dict) and isinstance(n.get("placed"), list)), [])
+        theirs = {}
+        for entry in placed:
+            if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], (int, str)):
+                decision = Decision.from_note(entry[1:], self.num_servers)
+                if decision is not None:
+                    theirs[(type(entry[0]), entry[0])] = decision
+        mine = []
+        for request in requests:
+            decision = theirs.pop((type(request.key), request.key), None)
+            if decision is None:
+                mine.append(request)
+            else:
+                self._placement.adopt(request, decision)
+        self._placement.place(mine)
+        for (_, key), decision in theirs.items():  # keys worker 0 passed and this worker did not
+            self._placement.remember(key, decision)
 
     def _take_layouts(self, layouts: list[KeyLayout]) -> None:
         for lay in layouts:

@@ -74,15 +74,21 @@ class KeyLayout:
 
 
 def layout(key: Hashable, shape: tuple[int, ...], dtype: np.dtype, num_servers: int, bigarray_bound: int,
-           word: int = 1) -> KeyLayout:
+           word: int = 1, home: int | None = None, split: bool | None = None) -> KeyLayout:
     """Decide the parts of ``key`` (see the module docstring); split bounds are multiples of ``word``
-    elements (the values per compressed word; 1: anywhere)."""
+    elements (the values per compressed word; 1: anywhere).
+
+    ``home``: the server of a whole key, or of a split key's first part (default: by the key's hash);
+    ``split``: split the key over the servers, or keep it whole (default: split at ``bigarray_bound``
+    elements). ``kvcore.placement`` chooses both so that the servers carry equal bytes."""
     kid = key_id(key)
     size = int(np.prod(shape, dtype=np.int64))
     rows = shape[0] if shape else 1
     row_size = size // rows if rows else 0
-    home = mix64(kid) % num_servers
-    if size < bigarray_bound or size == 0:
+    home = mix64(kid) % num_servers if home is None else home
+    if split is None:
+        split = size >= bigarray_bound
+    if not split or size == 0:
         return KeyLayout(key, kid, shape, np.dtype(dtype), (Part(home, 0, size, kid),), False, row_size)
     nbytes = size * np.dtype(dtype).itemsize
     chunks = -(-nbytes // PART_BYTES)

@@ -1,0 +1,191 @@
+"""What a job costs as it grows: how evenly the servers are loaded, and a job of 128 real processes.
+
+    python -m benchmarks.scale [--workers 96] [--servers 32] [--rounds 10] [--skip-job] [--json out.json]
+
+* **Placement.** For ResNet-50, BERT-base and 100 keys of random sizes (``testkit.model_shapes``),
+  the busiest server's bytes over the mean at 2, 4, 8 and 16 servers, by the key-hash rule
+  (``kvcore.sharding``, what every key got before) and by bytes (``kvcore.placement``, the Trainer's
+  one init call), with how many keys under the big-array bound the placement split. Pure arithmetic.
+* **A big local job.** ``pslaunch -n 96 -s 32 --launcher local`` of a dist_sync job of ``--rounds``
+  rounds (one push and pull of a 64 KiB key per worker and round, a key per server), on this
+  machine: the job's wall time, the peak RSS of each role (the largest and the median of the
+  processes of the role, from ``/proc/PID/status`` sampled every 0.2 s), pslaunch's own CPU seconds
+  and peak RSS, and which of torch, sklearn and numpy each role imported (a server must not pay for
+  what only workers use).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+BOUND = 1_000_000
+
+WORKER = textwrap.dedent("""
+    import os, resource, sys
+    import numpy as np
+    import kvcore
+    kv = kvcore.create("dist_sync")
+    keys = list(range(kv.num_servers))
+    kv.init(keys, [np.zeros(16384, np.float32) for _ in keys])
+    out = np.empty(16384, np.float32)
+    key = kv.rank % kv.num_servers
+    for _ in range(int(os.environ.get("ROUNDS", "10"))):
+        for k in keys:
+            kv.push(k, np.ones(16384, np.float32))
+        kv.pull(key, out=out)
+    assert out[0] == kv.num_workers * int(os.environ.get("ROUNDS", "10")), out[0]
+    loaded = sorted(m for m in ("torch", "sklearn", "numpy") if m in sys.modules)
+    print("MODULES", kv.rank, ",".join(loaded), flush=True)
+""")
+
+
+def placement_table() -> list[dict]:
+    from kvcore.placement import KeyRequest, Placement
+    from kvcore.sharding import layout
+    from testkit.model_shapes import MODELS
+
+    rows = []
+    for model, shapes_of in MODELS.items():
+        shapes = shapes_of()
+        for servers in (2, 4, 8, 16):
+            load = np.zeros(servers)
+            for i, shape in enumerate(shapes):
+                for part in layout(i, shape, np.float32, servers, BOUND).parts:
+                    load[part.server] += part.size * 4
+            placement = Placement(servers, BOUND)
+            decisions = placement.place([KeyRequest(i, s, np.dtype(np.float32)) for i, s in enumerate(shapes)])
+            extra = sum(1 for i, d in decisions.items() if d.split and int(np.prod(shapes[i])) < BOUND)
+            rows.append({"model": model, "keys": len(shapes), "servers": servers,
+                         "hash": float(load.max() / load.mean()), "by_bytes": placement.balance(),
+                         "split_under_bound": extra})
+    return rows
+
+
+def _status(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return dict(line.rstrip("\n").split(":\t", 1) for line in fh if ":\t" in line)
+    except OSError:
+        return {}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+def big_job(workers: int, servers: int, rounds: int) -> dict:
+    tag = f"scale-{os.getpid()}"
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / f"{tag}.py"
+        script.write_text(WORKER)
+        env = {**os.environ, "PYTHONPATH": str(REPO), "ROUNDS": str(rounds)}
+        argv = [sys.executable, "-m", "launcher.cli", "-n", str(workers), "-s", str(servers), "--launcher", "local",
+                "--env", "ROUNDS", "--timeout", "900", "--no-dashboard", sys.executable, str(script)]
+        peaks: dict[int, tuple[str, int]] = {}
+        launcher = {"cpu_s": 0.0, "rss_kib": 0}
+        start = time.monotonic()
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                status = _status(proc.pid)
+                if status:
+                    launcher["rss_kib"] = max(launcher["rss_kib"], int(status.get("VmHWM", "0 kB").split()[0]))
+                    launcher["cpu_s"] = max(launcher["cpu_s"], _cpu_seconds(proc.pid))
+                for entry in os.listdir("/proc"):
+                    if not entry.isdigit():
+                        continue
+                    cmd = _cmdline(int(entry))
+                    role = ("worker" if str(script) in cmd else "server" if "psnode server" in cmd
+                            else "scheduler" if "psnode scheduler" in cmd else None)
+                    if role is None:
+                        continue
+                    hwm = int(_status(int(entry)).get("VmHWM", "0 kB").split()[0] or 0)
+                    peaks[int(entry)] = (role, max(hwm, peaks.get(int(entry), (role, 0))[1]))
+                done.wait(0.2)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        out, err = proc.communicate(timeout=1200)
+        wall = time.monotonic() - start
+        done.set()
+        sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {workers} x {servers} job failed ({proc.returncode}):\n{err[-3000:]}")
+    roles: dict[str, list[int]] = {}
+    for role, kib in peaks.values():
+        roles.setdefault(role, []).append(kib)
+    modules = sorted({line.split(" ", 2)[2] if line.count(" ") >= 2 else "" for line in out.splitlines()
+                      if "MODULES" in line})
+    server_modules = _server_modules()
+    return {"workers": workers, "servers": servers, "rounds": rounds, "wall_s": wall,
+            "rss_mib": {role: {"max": max(v) / 1024, "median": statistics.median(v) / 1024, "seen": len(v)}
+                        for role, v in roles.items()},
+            "launcher_cpu_s": launcher["cpu_s"], "launcher_rss_mib": launcher["rss_kib"] / 1024,
+            "worker_modules": modules, "server_modules": server_modules}
+
+
+def _server_modules() -> str:
+    """The heavy modules the bundled server's process imports (``python -m psnode server``'s imports)."""
+    code = ("import sys, runpy; import psnode.main; "
+            "print(','.join(sorted(m for m in ('torch', 'sklearn', 'numpy', 'kvcore', 'launcher') if m in sys.modules)))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    return res.stdout.strip() or res.stderr.strip()[-200:]
+
+
+@click.command()
+@click.option("--workers", default=96, show_default=True)
+@click.option("--servers", default=32, show_default=True)
+@click.option("--rounds", default=10, show_default=True)
+@click.option("--skip-job", is_flag=True, help="Only the placement table.")
+@click.option("--json", "json_path", default=None)
+def main(workers: int, servers: int, rounds: int, skip_job: bool, json_path: str | None) -> None:
+    sys.path.insert(0, str(REPO))
+    report: dict = {"placement": placement_table()}
+    print("busiest server's bytes / mean (hash rule -> by bytes; keys under the bound split)")
+    print(f"{'model':18s} " + "  ".join(f"S={s:<14d}" for s in (2, 4, 8, 16)))
+    for model in dict.fromkeys(r["model"] for r in report["placement"]):
+        cells = [f"{r['hash']:.2f} -> {r['by_bytes']:.3f} ({r['split_under_bound']})"
+                 for r in report["placement"] if r["model"] == model]
+        print(f"{model:18s} " + "  ".join(f"{c:16s}" for c in cells))
+    if not skip_job:
+        job = report["job"] = big_job(workers, servers, rounds)
+        print(f"\n{workers} workers x {servers} servers, {rounds} rounds, --launcher local: {job['wall_s']:.1f} s")
+        for role, rss in sorted(job["rss_mib"].items()):
+            print(f"  {role:9s} peak RSS max {rss['max']:.0f} MiB, median {rss['median']:.0f} MiB ({rss['seen']} seen)")
+        print(f"  pslaunch: {job['launcher_cpu_s']:.1f} CPU s, peak RSS {job['launcher_rss_mib']:.0f} MiB")
+        print(f"  modules: workers {job['worker_modules']}; the server process {job['server_modules']}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Placement by bytes (``kvcore.placement``): the servers carry equal bytes on real models, every
+worker agrees on where each key lives, and the rule is worker 0's."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvcore_testkit import run_inproc_ok
+
+from kvcore.placement import Decision, KeyRequest, Placement
+from kvcore.sharding import layout
+from testkit.model_shapes import MODELS
+
+pytestmark = pytest.mark.unit
+
+SCRIPTS = Path(__file__).parent / "dist_scripts"
+BOUND = 1_000_000  # the runtime's default PSLAUNCH_BIGARRAY_BOUND
+
+
+def _requests(shapes) -> list[KeyRequest]:
+    return [KeyRequest(i, shape, np.dtype(np.float32)) for i, shape in enumerate(shapes)]
+
+
+def _hash_balance(shapes, servers: int) -> float:
+    load = np.zeros(servers)
+    for i, shape in enumerate(shapes):
+        for part in layout(i, shape, np.float32, servers, BOUND).parts:
+            load[part.server] += part.size * 4
+    return load.max() / load.mean()
+
+
+@pytest.mark.parametrize("servers", [2, 4, 8, 16])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_real_models_are_placed_within_5_percent_of_even_bytes(model, servers):
+    placement = Placement(servers, BOUND)
+    placement.place(_requests(MODELS[model]()))
+    assert placement.balance() <= 1.05, (model, servers, placement.load)
+
+
+def test_the_hash_rule_the_placement_replaces_fails_the_same_check():
+    # ResNet-50 on 16 servers by key hash: the busiest server holds 1.48x the mean
+    assert _hash_balance(MODELS["ResNet-50"](), 16) > 1.4
+    assert _hash_balance(MODELS["BERT-base"](), 16) > 1.3
+
+
+def test_the_decisions_do_not_depend_on_the_order_keys_are_given_in():
+    requests = _requests(MODELS["BERT-base"]())
+    first = Placement(8, BOUND).place(requests)
+    shuffled = list(requests)
+    random.Random(3).shuffle(shuffled)
+    assert Placement(8, BOUND).place(shuffled) == first
+
+
+def test_a_key_that_would_tip_its_server_over_is_split_and_small_keys_never_are():
+    placement = Placement(16, BOUND)
+    decisions = placement.place(_requests(MODELS["BERT-base"]()))
+    position = decisions[1]  # the 512 x 768 position table (1.5 MiB) after 48 keys of 2.25 MiB
+    assert position.split
+    assert not any(d.split for key, d in decisions.items() if np.prod(MODELS["BERT-base"]()[key]) * 4 < 64 << 10)
+
+
+def test_a_call_with_fewer_keys_than_servers_places_each_whole_on_the_least_loaded():
+    placement = Placement(4, BOUND)
+    decisions = placement.place(_requests([(1000,), (10,), (500,)]))
+    assert decisions == {0: Decision(0, False), 2: Decision(1, False), 1: Decision(2, False)}
+    assert placement.place(_requests([(1000,)]))[0] == Decision(0, False)  # placed once, kept
+
+
+@pytest.mark.parametrize("note", [[0], [0, 1], ["0", True], [-1, True], [4, False], [True, False], None, "x"])
+def test_a_malformed_decision_from_the_wire_is_refused(note):
+    assert Decision.from_note(note, 4) is None
+
+
+@pytest.mark.parametrize("mode", ["orders", "subset"])
+def test_every_worker_takes_worker_0s_placement_whatever_it_passed_to_init(mode):
+    printed = run_inproc_ok([str(SCRIPTS / "placement_orders.py"), *(["subset"] if mode == "subset" else [])],
+                            workers=3, servers=3, settings={"PSLAUNCH_BIGARRAY_BOUND": "60000"})
+    layouts = {int(m[0]): json.loads(m[1]) for text in printed.values()
+               for m in re.findall(r"^LAYOUT (\d+) (.*)$", text, re.M)}
+    for rank in (1, 2):
+        assert {k: v for k, v in layouts[0].items() if k in layouts[rank]} == layouts[rank], (rank, layouts)
+    if mode == "subset":
+        assert len(layouts[1]) == len(layouts[0]) // 2
+    load = [0, 0, 0]
+    for parts in layouts[0].values():
+        for server, start, stop in parts:
+            load[server] += (stop - start) * 4
+    assert max(load) / (sum(load) / 3) <= 1.1, load  # 10 keys, a few big: by the hash rule 1.7
