@@ -10,8 +10,8 @@
   rounds (one push and pull of a 64 KiB key per worker and round, a key per server), on this
   machine: the job's wall time, the peak RSS of each role (the largest and the median of the
   processes of the role, from ``/proc/PID/status`` sampled every 0.2 s), pslaunch's own CPU seconds
-  and peak RSS, and which of torch, sklearn and numpy each role imported (a server must not pay for
-  what only workers use).
+  and peak RSS, and which of torch, sklearn, scipy, numpy and CuPy each role's processes mapped
+  (``/proc/PID/maps``: a server must not pay for what only workers use).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 BOUND = 1_000_000
 
 WORKER = textwrap.dedent("""
-    import os, resource, sys
+    import os
     import numpy as np
     import kvcore
     kv = kvcore.create("dist_sync")
@@ -46,9 +46,7 @@ WORKER = textwrap.dedent("""
         for k in keys:
             kv.push(k, np.ones(16384, np.float32))
         kv.pull(key, out=out)
-    assert out[0] == kv.num_workers * int(os.environ.get("ROUNDS", "10")), out[0]
-    loaded = sorted(m for m in ("torch", "sklearn", "numpy") if m in sys.modules)
-    print("MODULES", kv.rank, ",".join(loaded), flush=True)
+    assert out[0] == kv.num_workers, out[0]  # no optimizer: a round's pull is that round's sum
 """)
 
 
@@ -90,6 +88,15 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _of_job(pid: int, job_id: str) -> bool:
+    """Whether process ``pid`` belongs to job ``job_id`` (its ``PSLAUNCH_JOB_ID``)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return f"PSLAUNCH_JOB_ID={job_id}".encode() in fh.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def _cpu_seconds(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -106,29 +113,35 @@ def big_job(workers: int, servers: int, rounds: int) -> dict:
         script.write_text(WORKER)
         env = {**os.environ, "PYTHONPATH": str(REPO), "ROUNDS": str(rounds)}
         argv = [sys.executable, "-m", "launcher.cli", "-n", str(workers), "-s", str(servers), "--launcher", "local",
-                "--env", "ROUNDS", "--timeout", "900", "--no-dashboard", sys.executable, str(script)]
+                "--env", "ROUNDS", "--job-id", tag, "--timeout", "900", "--no-dashboard", sys.executable, str(script)]
         peaks: dict[int, tuple[str, int]] = {}
+        loaded: dict[int, tuple[str, frozenset]] = {}  # pid -> (role, heavy libraries mapped)
         launcher = {"cpu_s": 0.0, "rss_kib": 0}
         start = time.monotonic()
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         done = threading.Event()
 
         def sample() -> None:
+            looks = 0
             while not done.is_set():
                 status = _status(proc.pid)
                 if status:
                     launcher["rss_kib"] = max(launcher["rss_kib"], int(status.get("VmHWM", "0 kB").split()[0]))
                     launcher["cpu_s"] = max(launcher["cpu_s"], _cpu_seconds(proc.pid))
                 for entry in os.listdir("/proc"):
-                    if not entry.isdigit():
+                    if not entry.isdigit() or int(entry) == proc.pid:
                         continue
                     cmd = _cmdline(int(entry))
                     role = ("worker" if str(script) in cmd else "server" if "psnode server" in cmd
                             else "scheduler" if "psnode scheduler" in cmd else None)
-                    if role is None:
+                    if role is None or not _of_job(int(entry), tag):  # another job's, on a busy machine
                         continue
                     hwm = int(_status(int(entry)).get("VmHWM", "0 kB").split()[0] or 0)
                     peaks[int(entry)] = (role, max(hwm, peaks.get(int(entry), (role, 0))[1]))
+                    if looks % 5 == 0 or int(entry) not in loaded:  # what it mapped so far (it imports as it goes)
+                        seen = loaded.get(int(entry), (role, frozenset()))[1]
+                        loaded[int(entry)] = (role, seen | _heavy_libraries(int(entry)))
+                looks += 1
                 done.wait(0.2)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -142,23 +155,28 @@ def big_job(workers: int, servers: int, rounds: int) -> dict:
     roles: dict[str, list[int]] = {}
     for role, kib in peaks.values():
         roles.setdefault(role, []).append(kib)
-    modules = sorted({line.split(" ", 2)[2] if line.count(" ") >= 2 else "" for line in out.splitlines()
-                      if "MODULES" in line})
-    server_modules = _server_modules()
+    libraries: dict[str, set] = {}
+    for role, found in loaded.values():
+        libraries.setdefault(role, set()).update(found)
     return {"workers": workers, "servers": servers, "rounds": rounds, "wall_s": wall,
             "rss_mib": {role: {"max": max(v) / 1024, "median": statistics.median(v) / 1024, "seen": len(v)}
                         for role, v in roles.items()},
             "launcher_cpu_s": launcher["cpu_s"], "launcher_rss_mib": launcher["rss_kib"] / 1024,
-            "worker_modules": modules, "server_modules": server_modules}
+            "libraries": {role: sorted(found) for role, found in libraries.items()}}
 
 
-def _server_modules() -> str:
-    """The heavy modules the bundled server's process imports (``python -m psnode server``'s imports)."""
-    code = ("import sys, runpy; import psnode.main; "
-            "print(','.join(sorted(m for m in ('torch', 'sklearn', 'numpy', 'kvcore', 'launcher') if m in sys.modules)))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
-    return res.stdout.strip() or res.stderr.strip()[-200:]
+#: Libraries a process may load whose cost a server must not pay (what they map, by path piece).
+_HEAVY = {"torch": "/torch/", "sklearn": "/sklearn/", "scipy": "/scipy/", "numpy": "/numpy/", "cupy": "/cupy"}
+
+
+def _heavy_libraries(pid: int) -> frozenset:
+    """Which of ``_HEAVY`` process ``pid`` has mapped (read from ``/proc/PID/maps``)."""
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            maps = fh.read()
+    except OSError:
+        return frozenset()
+    return frozenset(name for name, piece in _HEAVY.items() if piece in maps)
 
 
 @click.command()
@@ -182,7 +200,8 @@ def main(workers: int, servers: int, rounds: int, skip_job: bool, json_path: str
         for role, rss in sorted(job["rss_mib"].items()):
             print(f"  {role:9s} peak RSS max {rss['max']:.0f} MiB, median {rss['median']:.0f} MiB ({rss['seen']} seen)")
         print(f"  pslaunch: {job['launcher_cpu_s']:.1f} CPU s, peak RSS {job['launcher_rss_mib']:.0f} MiB")
-        print(f"  modules: workers {job['worker_modules']}; the server process {job['server_modules']}")
+        print("  libraries mapped: " + "; ".join(f"{role} {', '.join(found) or 'none of them'}"
+                                                 for role, found in sorted(job["libraries"].items())))
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
 
