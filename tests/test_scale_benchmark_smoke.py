@@ -45,3 +45,17 @@ def test_the_agents_benchmark_reports_formation_and_loss(tmp_path):
     report = json.loads(out.read_text())
     for name in ("local_s", "form_node0_last_s", "form_node0_first_s", "lost_s"):
         assert len(report[name]["runs"]) == 1 and report[name]["median"] > 0, report
+
+
+def test_the_scheduler_benchmark_measures_a_simulated_job_of_64_nodes(tmp_path):
+    out = tmp_path / "scheduler.json"
+    argv = [sys.executable, "-m", "benchmarks.scheduler_scale", "--nodes", "64", "--death-timeout", "3", "--json",
+            str(out)]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["nodes"] == 64 and row["servers"] == 8 and row["death_told"] == "63 of 63", row
+    # every worker's book holds the 8 servers, every server's the 56 workers: 8 x 56 x 2 records in all
+    assert row["book_bytes_total"] < 64 * 64 * 150, row
+    for name in ("book_s", "barrier_ms", "heartbeat_cpu", "rss_mib", "death_s"):
+        assert row[name] > 0, (name, row)

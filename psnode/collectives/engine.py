@@ -75,6 +75,9 @@ class Engine:
 
     def __init__(self, conn: Any, topology: Topology | None = None) -> None:
         self.conn = conn
+        #: blocks until the book holds every worker (a job with servers sends only the servers at
+        #: registration); the worker node sets it to ask the scheduler and wait with liveness checks
+        self.await_workers: Callable[[], None] | None = None
         self._topology = topology
         self._lock = threading.Lock()
         self.ops: dict[Tag, Op] = {}
@@ -210,6 +213,8 @@ class Engine:
         """Give the op the key's next version and start it once the key's previous op (and ``after``) is done."""
         if self.failure is not None:
             raise self.failure
+        if not self.conn.members.complete and self.await_workers is not None:
+            self.await_workers()  # a job with servers: the workers' addresses come on first use
         key_id = key_id_of(key)
         with self._lock:
             version = self.versions.get(key_id, 0)

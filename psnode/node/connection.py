@@ -36,6 +36,7 @@ __all__ = ["Connection", "Deferred", "DataHandler"]
 
 _IDLE_DELAY = 0.0002  # how long deferred work waits for a message to ride along with before it runs
 _BATCH = 256  # messages handled between two heartbeat checks
+_HELD_LIMIT = 4096  # collective messages kept while the workers' addresses are asked for
 
 DataHandler = Callable[[PeerInfo, int, int, int, int, list], None]
 """``handle(peer, cmd, flags, req_id, arg, frames)``: a data message from a peer of the job.
@@ -98,6 +99,7 @@ class Connection:
         self._after_batch = after_batch
         self._deferred = deferred
         self._next_heartbeat = 0.0
+        self._held: list[tuple[bytes, list]] = []  # collectives of workers not in the book yet (``dispatch``)
 
     def _open_lanes(self, role: str, host: str, uid: str) -> Lanes | None:
         """A worker's lanes for big collective messages (``psnode.transport.lanes``), or None: not a worker, lanes
@@ -206,9 +208,19 @@ class Connection:
                     link.handle(cmd, flags, req_id, frames)
                 except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
                     link.note_malformed(sender, exc)
+                if cmd == Cmd.PEERS_REPLY and self._held:  # the workers are known now: what they sent
+                    held, self._held = self._held, []
+                    for early_sender, early_frames in held:
+                        self.dispatch(early_sender, early_frames)
                 return
         peer = self.members.peers.get(sender)
         if peer is None:
+            if cmd == Cmd.COLL and not self.members.complete and len(self._held) < _HELD_LIMIT:
+                # a worker's collective before this worker asked for the workers' addresses: ask now,
+                # and take the message once they came (every member is authenticated by the transport)
+                self._held.append((sender, frames))
+                link.ask_workers()
+                return
             link.note_malformed(sender, ProtocolError(f"message {Cmd(cmd).name} from an unknown sender"))
             return
         try:

@@ -39,7 +39,7 @@ __all__ = ["FailureLatch", "SchedulerLink", "CONTROL_CMDS"]
 
 CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN,
-     Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED}
+     Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED, Cmd.PEERS_REPLY}
 )
 """What only the scheduler sends to a node."""
 
@@ -104,6 +104,8 @@ class SchedulerLink:
         self._next_heartbeat = 0.0
         self._waiters: dict[int, concurrent.futures.Future] = {}  # req_id -> barrier / finish future
         self._waiters_lock = threading.Lock()
+        self._workers_asked: concurrent.futures.Future | None = None  # the PEERS request, once asked
+        self._workers_lock = threading.Lock()
         self._req_ids = itertools.count(1 << 62)  # apart from the data requests' ids
         self.report: Callable[[], dict] | None = None  # the counters heartbeats carry (PSLAUNCH_STATS)
         self.timeline: Any = None  # this node's psnode.node.timeline.Timeline, if any
@@ -305,6 +307,12 @@ class SchedulerLink:
             if self.timeline is not None:
                 self.timeline.close()  # written out before the scheduler, which ends a timeline file, hears back
             self.send(Cmd.SHUTDOWN_ACK, req_id, body=None if self.report is None else {"s": self.report()})
+        elif cmd == Cmd.PEERS_REPLY:
+            with self._waiters_lock:
+                waiter = self._waiters.pop(req_id, None)
+            self._take_workers(unpack_json(frames[1]))
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
         elif cmd in (Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.RDV_VALUE):
             with self._waiters_lock:
                 waiter = self._waiters.pop(req_id, None)
@@ -322,6 +330,26 @@ class SchedulerLink:
                 else:
                     notes = unpack_json(frames[1]).get("notes", []) if len(frames) > 1 else []
                     waiter.set_result(notes if isinstance(notes, list) else [])
+
+    def ask_workers(self) -> concurrent.futures.Future:
+        """Ask the scheduler for every worker's record, once (a worker of a job with servers gets
+        the servers only at registration: ``Membership.complete``); the future is done once they
+        are in the book."""
+        with self._workers_lock:
+            if self._workers_asked is None and not self.members.complete:
+                self._workers_asked = self.ask(Cmd.PEERS)
+            asked = self._workers_asked
+        if asked is None:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        return asked
+
+    def _take_workers(self, body: Any) -> None:
+        if not isinstance(body, dict) or not isinstance(body.get("nodes"), list):
+            raise ProtocolError("a PEERS reply is not an object with a list of nodes")
+        self.members.take_workers(body["nodes"])
+        logger.info("%s %d learnt the %d workers' addresses", self.me.role, self.members.rank, len(self.members.workers))
 
     def note_malformed(self, sender: bytes, exc: BaseException) -> None:
         """Count and log a message this node could not use."""

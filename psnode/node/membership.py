@@ -121,6 +121,9 @@ class Membership:
         self.workers: list[PeerInfo] = []
         self.servers: list[PeerInfo] = []
         self.rejoined = False  # this worker took the rank of one that died (PSLAUNCH_RESTART_SCOPE=worker)
+        # False for a worker of a job with servers: its book holds the servers alone (the scheduler's
+        # books are O(nodes x servers) in all, not O(nodes^2)); the workers come on request (PEERS)
+        self.complete = True
 
     def apply(self, book: Any) -> list[PeerInfo]:
         """Take the scheduler's address book; return the peers this node connects to (workers to
@@ -141,10 +144,25 @@ class Membership:
             peers[peer.uid.encode()] = peer
         self.rank = rank
         self.rejoined = book.get("rejoined") is True
+        self.complete = book.get("workers") != "on-request"
         self.peers = peers
         self.workers = sorted((p for p in peers.values() if p.role == "worker"), key=lambda p: p.rank)
         self.servers = sorted((p for p in peers.values() if p.role == "server"), key=lambda p: p.rank)
         return self.servers if self.role == "worker" else self.workers
+
+    def take_workers(self, records: list) -> None:
+        """Add every worker's record (the scheduler's answer to PEERS) to a book that held none.
+
+        Raises:
+            ProtocolError: a malformed record, or not the job's workers by rank 0..n-1.
+        """
+        workers = sorted((PeerInfo.from_record(item) for item in records), key=lambda p: p.rank)
+        if any(p.role != "worker" or p.rank != i for i, p in enumerate(workers)):
+            raise ProtocolError("a PEERS reply that is not the job's workers, one per rank")
+        peers = dict(self.peers)
+        peers.update((p.uid.encode(), p) for p in workers)
+        # whole new objects: a thread reading the book meanwhile sees the old one or the new one
+        self.peers, self.workers, self.complete = peers, workers, True
 
     def replace_worker(self, old_uid: str, peer: PeerInfo) -> None:
         """A restarted worker ``peer`` took the rank of the worker whose identity was ``old_uid``.
@@ -152,6 +170,8 @@ class Membership:
         Raises:
             ProtocolError: ``peer`` is not a worker of a rank this book holds.
         """
+        if not self.complete:  # it knows no worker: the new one comes with the rest, on request
+            return
         if peer.role != "worker" or not 0 <= peer.rank < len(self.workers):
             raise ProtocolError(f"a rejoined {peer.role} of rank {peer.rank}, not one of the {len(self.workers)} workers")
         peers = dict(self.peers)

@@ -118,6 +118,8 @@ class Cmd(enum.IntEnum):
     RDV_SET = 41  # to the scheduler: {"key", "value"}, a rendezvous value (e.g. NCCL's unique id)
     RDV_GET = 42  # to the scheduler: {"key"}; answered by RDV_VALUE once the key is set
     RDV_VALUE = 43  # from the scheduler: {"value"} (or FLAG_ERROR and {"error"})
+    PEERS = 44  # a worker to the scheduler: send me every worker's record (its book held only the servers)
+    PEERS_REPLY = 45  # from the scheduler: {"nodes": [worker records]}
     CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
     CHECKPOINT_REPLY = 35  # JSON: the operation's result
 

@@ -64,6 +64,7 @@ class Scheduler:
         self.malformed = 0
         self._last_check = 0.0  # when _check_alive last ran
         self.job_report = JobReport(env, self.fingerprint)  # PSLAUNCH_STATS, PSLAUNCH_TIMELINE
+        self._books: dict[str, bytes | None] = {}  # encoded address book lists by role (``_book``)
 
     # ---- registration -------------------------------------------------------------------
     def register(self) -> None:
@@ -109,12 +110,33 @@ class Scheduler:
             raise
         for uid, member in roster.members.items():
             self.transport.connect(uid, endpoint_of(member.peer, self.transport, self.fingerprint, env.same_host))
-        nodes = [m.peer.as_record() for m in roster.members.values()]
         for uid, member in roster.members.items():
             member.last_seen = time.monotonic()
-            self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), pack_json({"rank": member.peer.rank, "nodes": nodes})])
+            self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), self._book(member)])
         self.job_report.registered()
         logger.info("scheduler: %d servers and %d workers registered", env.num_servers, env.num_workers)
+
+    def _book(self, member: Member, rejoined: bool = False) -> bytes:
+        """``member``'s address book: who it must reach. A server gets the workers (it answers and
+        connects to them); a worker the servers, and the other workers only in a job without
+        servers (its collectives are its work); in a job with servers a worker that runs
+        collectives asks for them (``PEERS``). So the books of a job hold O(nodes x servers)
+        records, not O(nodes^2). Each role's list is encoded once, not once per node."""
+        role = member.peer.role
+        if self._books.get(role) is None:
+            wanted = ("worker",) if role == "server" else ("server",) if self.env.num_servers else ("server", "worker")
+            self._books[role] = pack_json([m.peer.as_record() for m in self.roster.members.values()
+                                           if m.peer.role in wanted])
+        more = b',"workers":"on-request"' if role == "worker" and self.env.num_servers else b""
+        extra = b',"rejoined":true' if rejoined else b""
+        return b'{"rank":%d,"nodes":%s%s%s}' % (member.peer.rank, self._books[role], more, extra)
+
+    def _peers(self, sender: bytes, req_id: int) -> None:
+        """Answer a worker's PEERS: every worker's record (encoded once until a worker rejoins)."""
+        if self._books.get("workers") is None:
+            self._books["workers"] = pack_json({"nodes": [m.peer.as_record() for m in self.roster.members.values()
+                                                          if m.peer.role == "worker"]})
+        self.transport.send(sender, [pack_header(Cmd.PEERS_REPLY, req_id), self._books["workers"]])
 
     def _check_reachable(self) -> None:
         """Every node's advertised address must be reachable from here, or the address book would
@@ -192,6 +214,8 @@ class Scheduler:
             self._finished(sender, member, req_id)
         elif cmd in (Cmd.RDV_SET, Cmd.RDV_GET):
             self._rendezvous(sender, cmd, req_id, frames)
+        elif cmd == Cmd.PEERS and member.peer.role == "worker":
+            self._peers(sender, req_id)
         elif cmd == Cmd.NODE_DIED:
             try:
                 body = unpack_json(frames[1]) if len(frames) > 1 else {}
@@ -264,20 +288,19 @@ class Scheduler:
             logger.info("scheduler: %s", exc)
             return
         self.transport.connect(sender, endpoint_of(new.peer, self.transport, self.fingerprint, self.env.same_host))
-        nodes = [m.peer.as_record() for m in self.roster.members.values()]
-        self.transport.send(sender, [pack_header(Cmd.ADDRBOOK), pack_json({"rank": new.peer.rank, "nodes": nodes,
-                                                                            "rejoined": True})])
+        self._books.clear()  # a worker's address changed
+        self.transport.send(sender, [pack_header(Cmd.ADDRBOOK), self._book(new, rejoined=True)])
         note = pack_json({"old": old.peer.uid, "node": new.peer.as_record()})
         for uid in self.roster.of_roles(("server",)):
             self.transport.send(uid, [pack_header(Cmd.WORKER_REJOINED), note])
         old_uid = old.peer.uid.encode()
-        for group, waiting in list(self.barriers.waiting.items()):
-            self.barriers.waiting[group] = [w for w in waiting if w[0] != old_uid]
+        self.barriers.forget(old_uid)
         logger.info("scheduler: worker %d rejoined from %s:%d (pid %s)", new.peer.rank, new.peer.host, new.peer.port,
                     info.get("pid"))
 
     def _finished(self, sender: bytes, member: Member, req_id: int) -> None:
         member.finished = True
+        self.roster.any_finished = True
         self.transport.send(sender, [pack_header(Cmd.FINISH_ACK, req_id)])
         note = pack_json({"rank": member.peer.rank, "node": member.peer.describe()})
         # servers: rounds that still wait for this worker can never close; workers: nor can collectives.
@@ -319,9 +342,10 @@ class Scheduler:
             self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id, flags=FLAG_ERROR), pack_json({"error": error})])
             return
         self.job_report.barrier_arrived(group)
-        done = self.barriers.arrive(group, sender, req_id, self.roster.of_roles(GROUP_ROLES[Group(group)]), note)
+        done = self.barriers.arrive(group, sender, req_id, self.roster.size_of(GROUP_ROLES[Group(group)]), note)
         if done is None:
-            self._fail_blocked_barriers()
+            if self.roster.any_finished:  # only a finished member can block a barrier for good
+                self._fail_blocked_barriers()
             return
         waiters, notes = done
         self.job_report.barrier_done(group)
@@ -333,7 +357,7 @@ class Scheduler:
         """A barrier that waits for a finished node can never complete: say so instead of hanging."""
         members = self.roster.members
         for group, waiting in list(self.barriers.waiting.items()):
-            arrived = {u for u, _ in waiting}
+            arrived = self.barriers.arrived.get(group, set())
             gone = [members[u].peer for u in self.roster.of_roles(GROUP_ROLES[Group(group)])
                     if u not in arrived and members[u].finished]
             if not gone:
@@ -341,7 +365,7 @@ class Scheduler:
             message = f"barrier of {Group(group).name.lower()} can never complete: {', '.join(p.describe() for p in gone)} already finished"
             for uid, rid in waiting:
                 self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid, flags=FLAG_ERROR), pack_json({"error": message})])
-            del self.barriers.waiting[group]
+            self.barriers.drop(group)
             self.barriers.notes.pop(group, None)
 
     def _check_alive(self) -> None:

@@ -37,6 +37,7 @@ class Roster:
         self.job_id = job_id
         self.port = port
         self.members: dict[bytes, Member] = {}
+        self.any_finished = False  # a worker said it finished: a barrier may now wait for it in vain
 
     def count(self, role: str) -> int:
         """Registered nodes of ``role``."""
@@ -140,6 +141,10 @@ class Roster:
         """The identities of the members with one of ``roles``."""
         return [u for u, m in self.members.items() if m.peer.role in roles]
 
+    def size_of(self, roles: tuple[str, ...]) -> int:
+        """How many members have one of ``roles`` (every one expected: a barrier runs once all registered)."""
+        return sum(self.expected.get(role, 0) for role in roles)
+
     def all_workers_finished(self) -> bool:
         """True once every worker said it finished."""
         return all(m.finished for m in self.members.values() if m.peer.role == "worker")
@@ -147,20 +152,36 @@ class Roster:
 
 class Barriers:
     """The open barriers: who arrived in which group (with the note each left), answered once every
-    member did."""
+    member did. An arrival costs the same with 4 members as with 4,096 (the members who arrived are
+    a set, the group's size a count)."""
 
     def __init__(self) -> None:
         self.waiting: dict[int, list[tuple[bytes, int]]] = {}
+        self.arrived: dict[int, set[bytes]] = {}
         self.notes: dict[int, list] = {}
 
-    def arrive(self, group: int, sender: bytes, req_id: int, members: list[bytes], note: Any = None
+    def arrive(self, group: int, sender: bytes, req_id: int, size: int, note: Any = None
                ) -> tuple[list[tuple[bytes, int]], list] | None:
-        """Count ``sender``; ``(every waiter (uid, req_id), the notes)`` when the group is complete, else None."""
+        """Count ``sender`` in ``group`` of ``size`` members; ``(every waiter (uid, req_id), the
+        notes)`` when the group is complete, else None."""
         waiting = self.waiting.setdefault(group, [])
         waiting.append((sender, req_id))
+        arrived = self.arrived.setdefault(group, set())
+        arrived.add(sender)
         if note is not None:
             self.notes.setdefault(group, []).append(note)
-        if len({u for u, _ in waiting}) >= len(members):
-            del self.waiting[group]
+        if len(arrived) >= size:
+            self.drop(group)
             return waiting, self.notes.pop(group, [])
         return None
+
+    def forget(self, uid: bytes) -> None:
+        """A member that was replaced (a restarted worker) is no longer waited for, nor counted."""
+        for group, waiting in self.waiting.items():
+            self.waiting[group] = [w for w in waiting if w[0] != uid]
+            self.arrived.get(group, set()).discard(uid)
+
+    def drop(self, group: int) -> None:
+        """Forget ``group``'s open barrier (answered, or failed)."""
+        self.waiting.pop(group, None)
+        self.arrived.pop(group, None)

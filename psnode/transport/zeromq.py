@@ -29,6 +29,7 @@ listens on the address it is given, not on every interface.
 from __future__ import annotations
 
 import os
+import resource
 import struct
 import threading
 from typing import Any, Sequence
@@ -52,6 +53,7 @@ _HANDSHAKE_EVENTS = {
     int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "failed the security handshake (one side has a job key, the other not?)",
     int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "failed the security handshake",
 }
+_MAX_FILES = 1 << 20  # open files a node asks for at most (``_room_for_sockets``)
 _SOCKET_BUFFER = 4 << 20  # kernel buffer per connection: fewer wake-ups per big message (capped by the kernel)
 _JOINED = b"\x00PJ"  # starts a joined message; a message's first frame is a protocol header (b"PS...")
 _JOIN_MAX = 16384  # frames totalling more than this are sent one by one
@@ -96,6 +98,25 @@ def split_frames(view: memoryview) -> list[Frame] | None:
     return parts
 
 
+def _room_for_sockets(context: zmq.Context) -> None:
+    """Let ``context`` hold a socket per peer of a big job. A node keeps a DEALER per peer it sends to
+    (the scheduler one per node, a server one per worker), each with its connection's file
+    descriptor: ZeroMQ's default of 1,023 sockets per context, and the usual soft limit of 1,024
+    open files, would stop a scheduler at about a thousand nodes. Both go as high as the process's
+    hard limit allows (at most ZeroMQ's own socket limit)."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = _MAX_FILES if hard == resource.RLIM_INFINITY else min(hard, _MAX_FILES)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    except (ValueError, OSError):
+        return  # the limits stay: ZeroMQ's default then
+    room = min(_MAX_FILES if soft == resource.RLIM_INFINITY else soft, context.get(zmq.SOCKET_LIMIT))
+    if room > context.get(zmq.MAX_SOCKETS):
+        context.set(zmq.MAX_SOCKETS, room)
+
+
 def _batch_io_threads(context: zmq.Context) -> None:
     """Run the context's I/O threads (started with its first socket) under SCHED_BATCH.
 
@@ -123,6 +144,7 @@ class ZmqTransport(Transport):
                  max_message: int = -1) -> None:
         super().__init__(identity)
         self._context = zmq.Context(io_threads=io_threads)
+        _room_for_sockets(self._context)
         if io_sched == "batch":
             _batch_io_threads(self._context)
         self.security = security or _NO_SECURITY

@@ -62,6 +62,7 @@ class WorkerNode:
         self.conn = Connection(env, "worker", self._on_reply, transport,
                                on_worker_finished=lambda rank, node: self.collectives.peer_left(rank, node))
         self.collectives = Engine(self.conn)  # before registration: a peer's first message may come at once
+        self.collectives.await_workers = self._await_workers
         self.requests = RequestTable(self.conn.failure)
         self.outbox = Outbox(self.conn.transport, self.conn.members, self.requests.complete)
         self.receiver = Receiver(self.conn, self.outbox)
@@ -207,6 +208,11 @@ class WorkerNode:
             raise ClosedError(f"worker {self.rank} was closed")
 
     # ---- waiting -------------------------------------------------------------------------------
+    def _await_workers(self) -> None:
+        """Ask the scheduler for every worker's address (once) and wait for them: collectives in a job
+        with servers, whose book held the servers only."""
+        self._wait(self.conn.link.ask_workers(), self.env.register_timeout, "answer with the workers' addresses")
+
     def _wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:
         if not self.receiver.wait_for(future, limit):
             raise NodeTimeoutError(f"worker {self.rank}: no {what} within {limit:g} s")

@@ -91,3 +91,9 @@ def test_every_worker_takes_worker_0s_placement_whatever_it_passed_to_init(mode)
         for server, start, stop in parts:
             load[server] += (stop - start) * 4
     assert max(load) / (sum(load) / 3) <= 1.1, load  # 10 keys, a few big: by the hash rule 1.7
+
+
+def test_collectives_in_a_job_with_servers_learn_the_workers_addresses_on_first_use():
+    # a worker's book holds the servers alone (O(nodes x servers) records in all); worker 0 joins the
+    # collectives last, so the others' first messages come before it knows them: held, then taken
+    run_inproc_ok([str(SCRIPTS / "collectives_with_servers.py")], workers=3, servers=2)

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -120,25 +121,31 @@ def test_agents_with_a_wrong_key_another_job_or_another_command_are_refused_nami
     assert f"node1 did not join node 0 at {endpoint} within --rdzv-timeout 8 s; refused meanwhile:" in node0.stderr
 
 
-def test_ctrl_c_on_an_agent_ends_the_whole_job_on_every_node(tmp_path, key_env, marker):
-    with AgentJob(tmp_path, 3, _endpoint(), ["-n", "3", "-s", "2", "--timeout", "60", *_steps(marker, 100000)],
-                  env=key_env, marker=marker) as job:
+@contextmanager
+def _stepping(tmp_path, key_env, marker, endpoint=None):
+    """Three agents running a long kvcore job, once its worker 0 stepped ten times."""
+    with AgentJob(tmp_path, 3, endpoint or _endpoint(), ["-n", "3", "-s", "2", "--timeout", "60",
+                                                        *_steps(marker, 100000)], env=key_env, marker=marker) as job:
         job.start_all()
         job.wait_for(0, "[worker.0@node0] step 10", 30)
-        job.signal(2, signal.SIGINT)
+        yield job
+
+
+@pytest.mark.parametrize("node", [2, 0], ids=["on-an-agent", "on-node-0"])
+def test_ctrl_c_on_any_node_ends_the_whole_job_on_every_node(tmp_path, key_env, marker, node):
+    with _stepping(tmp_path, key_env, marker) as job:
+        job.signal(node, signal.SIGINT)
         results = job.wait(30)
+    assert {r: res.returncode for r, res in results.items()} == {0: 130, 1: 130, 2: 130}, job.report()
     for rank, result in results.items():
-        assert result.returncode == 130, job.report()
-        assert "root cause: pslaunch on node2 got SIGINT" in result.stderr, (rank, job.report())
+        said = "pslaunch got SIGINT" if rank == node == 0 else f"pslaunch on node{node} got SIGINT"
+        assert f"root cause: {said}" in result.stderr, (rank, job.report())
     assert wait_gone(marker, 10) == []
 
 
 def test_agents_that_lose_node_0_stop_their_processes_and_exit_255_naming_it(tmp_path, key_env, marker):
     endpoint = _endpoint()
-    with AgentJob(tmp_path, 3, endpoint, ["-n", "3", "-s", "2", "--timeout", "60", *_steps(marker, 100000)],
-                  env=key_env, marker=marker) as job:
-        job.start_all()
-        job.wait_for(0, "[worker.0@node0] step 10", 30)
+    with _stepping(tmp_path, key_env, marker, endpoint) as job:
         os.killpg(job.procs[0].pid, signal.SIGKILL)  # node 0's pslaunch and its processes, at once
         results = job.wait(30, [1, 2])
     for rank, result in results.items():
@@ -220,24 +227,8 @@ def test_launching_without_ssh_in_the_readme_names_the_flags_docs_launcher_md_de
                           cwd=str(REPO)).stdout.count("--rdzv-") == 2
 
 
-def test_ctrl_c_on_node_0_ends_every_agent_naming_node_0(tmp_path, key_env, marker):
-    with AgentJob(tmp_path, 3, _endpoint(), ["-n", "3", "-s", "2", "--timeout", "60", *_steps(marker, 100000)],
-                  env=key_env, marker=marker) as job:
-        job.start_all()
-        job.wait_for(0, "[worker.0@node0] step 10", 30)
-        job.signal(0, signal.SIGINT)
-        results = job.wait(30)
-    assert {r: res.returncode for r, res in results.items()} == {0: 130, 1: 130, 2: 130}, job.report()
-    assert "root cause: pslaunch got SIGINT" in results[0].stderr
-    assert "root cause: pslaunch on node0 got SIGINT" in results[1].stderr + results[2].stderr
-    assert wait_gone(marker, 10) == []
-
-
 def test_an_agent_killed_outright_is_its_nodes_loss_and_its_watchdog_stops_its_processes(tmp_path, key_env, marker):
-    with AgentJob(tmp_path, 3, _endpoint(), ["-n", "3", "-s", "2", "--timeout", "60", *_steps(marker, 100000)],
-                  env=key_env, marker=marker) as job:
-        job.start_all()
-        job.wait_for(0, "[worker.0@node0] step 10", 30)
+    with _stepping(tmp_path, key_env, marker) as job:
         job.signal(1, signal.SIGKILL)  # node 1's pslaunch alone: its processes are left to its watchdog
         results = job.wait(30, [0, 2])
     for rank, result in results.items():

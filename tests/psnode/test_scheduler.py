@@ -79,14 +79,21 @@ def registered(job, nodes):
     return [node.expect(Cmd.ADDRBOOK)[2] for node in nodes]
 
 
-def test_ranks_follow_worker_ids_then_host_and_port_and_every_node_gets_the_whole_book():
+def test_ranks_follow_worker_ids_then_host_and_port_and_each_node_gets_whom_it_must_reach():
     job = SchedulerThread(workers=3, servers=2)
     nodes = [job.node("worker", host="10.0.0.9"), job.node("worker", worker_id=0), job.node("worker", host="10.0.0.1"),
              job.node("server", host="10.0.0.5"), job.node("server", host="10.0.0.2")]
     books = registered(job, nodes)
     assert [book["rank"] for book in books] == [2, 0, 1, 1, 0]
-    assert all(len(book["nodes"]) == 5 for book in books)
-    assert {n["uid"]: n["rank"] for n in books[0]["nodes"]} == {n.uid: b["rank"] for n, b in zip(nodes, books)}
+    # a worker gets the servers (the workers on request: PEERS), a server the workers: O(nodes x servers) in all
+    assert all([n["role"] for n in b["nodes"]] == ["server", "server"] and b["workers"] == "on-request" for b in books[:3])
+    assert all([n["role"] for n in b["nodes"]] == ["worker"] * 3 and "workers" not in b for b in books[3:])
+    ranks = {n["uid"]: n["rank"] for n in books[0]["nodes"] + books[3]["nodes"]}
+    assert ranks == {n.uid: b["rank"] for n, b in zip(nodes, books)}
+    nodes[0].send(Cmd.PEERS, 7)
+    _, req_id, body = nodes[0].expect(Cmd.PEERS_REPLY)
+    assert req_id == 7 and sorted(n["rank"] for n in body["nodes"]) == [0, 1, 2]
+    nodes[3].send(Cmd.PEERS, 8)  # a server asks nothing of the kind: not answered
     for node in nodes[:3]:
         node.send(Cmd.FINISH, 1)
     for node in nodes[3:]:
