@@ -19,109 +19,15 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Mapping, Sequence
 
 from .config import LaunchConfig
-from .restarts import Attempt
+from .result import ProcessOutcome, RootCause, RunResult, result_of
 
 if TYPE_CHECKING:
-    from .backends.base import ProcessHandle
     from .plan import Plan
-    from .verdict import Failure
 
-__all__ = ["launch", "run", "plan_job", "RunResult", "ProcessOutcome", "RootCause"]
-
-
-@dataclass(frozen=True)
-class ProcessOutcome:
-    """One row of the summary table: how one process of the last attempt ended."""
-
-    name: str  # worker.1@host
-    role: str
-    rank: int
-    host: str
-    pid: int | None
-    exit_code: int | None  # None while running (never at the end) or when killed by a signal
-    signal: int | None  # the signal that ended it, else None
-    duration_s: float
-    note: str  # the table's note: root cause, ended: a peer failed, stopped by pslaunch, ...
-
-
-@dataclass(frozen=True)
-class RootCause:
-    """The first real failure: the sentence pslaunch prints, and the process with its last lines."""
-
-    reason: str
-    exit_code: int
-    process: str | None  # None when no process is to blame (a timeout, Ctrl-C, a lost host)
-    role: str | None
-    rank: int | None
-    host: str | None
-    pid: int | None
-    last_lines: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """How a job ended: pslaunch's exit code, the root cause, a row per process and the attempts."""
-
-    exit_code: int
-    root_cause: RootCause | None
-    processes: tuple[ProcessOutcome, ...]
-    attempts: tuple[Attempt, ...]  # with --max-restarts: each failure and what followed
-
-    @property
-    def ok(self) -> bool:
-        """True when every worker finished and nothing failed."""
-        return self.exit_code == 0
-
-    def check(self) -> "RunResult":
-        """This result when the job succeeded; else raise ``JobFailed`` naming the root cause (its
-        ``result`` attribute holds this result, its ``exit_code`` the job's)."""
-        if self.ok:
-            return self
-        from .errors import JobFailed
-
-        cause = self.root_cause
-        where = f" ({cause.process})" if cause is not None and cause.process else ""
-        error = JobFailed(f"the job failed with exit code {self.exit_code}: "
-                          f"{cause.reason if cause is not None else 'no root cause'}{where}", self.exit_code)
-        error.result = self
-        raise error
-
-    def process(self, name: str) -> ProcessOutcome:
-        """The row of process ``name`` (``worker.1`` or ``worker.1@host``). Raises KeyError."""
-        for outcome in self.processes:
-            if name in (outcome.name, outcome.name.split("@", 1)[0]):
-                return outcome
-        raise KeyError(f"no process {name!r} in this job; it has {', '.join(p.name for p in self.processes)}")
-
-
-def result_of(handles: "Sequence[ProcessHandle]", table_notes: dict[int, str], failure: "Failure | None",
-              last_lines, attempts: Sequence[Attempt]) -> RunResult:
-    """The ``RunResult`` of a supervised job: its ``handles`` (in table order), the table's notes by
-    handle id, the root cause and ``last_lines(name)`` of the printer."""
-    rows = []
-    for handle in handles:
-        status = handle.status
-        rows.append(ProcessOutcome(
-            name=handle.spec.name, role=handle.spec.role, rank=handle.spec.rank, host=handle.spec.host.label,
-            pid=handle.pid, exit_code=None if status is None or status.signal is not None else status.exit_code,
-            signal=None if status is None else status.signal, duration_s=round(handle.duration, 3),
-            note=table_notes.get(id(handle), "")))
-    root = None
-    if failure is not None:
-        culprit = failure.handle
-        root = RootCause(
-            reason=failure.reason, exit_code=failure.exit_code,
-            process=None if culprit is None else culprit.spec.name,
-            role=None if culprit is None else culprit.spec.role,
-            rank=None if culprit is None else culprit.spec.rank,
-            host=None if culprit is None else culprit.spec.host.label,
-            pid=None if culprit is None else culprit.pid,
-            last_lines=() if culprit is None else tuple(last_lines(culprit.spec.name)))
-    return RunResult(0 if failure is None else failure.exit_code, root, tuple(rows), tuple(attempts))
+__all__ = ["launch", "run", "plan_job", "RunResult", "ProcessOutcome", "RootCause", "result_of"]
 
 
 def plan_job(config: LaunchConfig, environ: Mapping[str, str]) -> tuple[LaunchConfig, "Plan"]:

@@ -29,7 +29,6 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from .backends.base import Backend, ProcessHandle
 from .config import LaunchConfig
@@ -37,11 +36,9 @@ from .errors import LaunchError
 from .output import Printer
 from .plan import Plan
 from .restarts import RestartLog
+from .result import RunResult, result_of
 from .terminal import in_foreground
 from .verdict import Failure, culprit, kind_of, notes, who
-
-if TYPE_CHECKING:
-    from .api import RunResult
 
 __all__ = ["Supervisor", "Failure", "EXIT_TIMEOUT", "CULPRIT_WAIT"]
 
@@ -349,8 +346,6 @@ class Supervisor:
 
     def result(self) -> "RunResult":
         """The job's outcome for a program (``launcher.api``): what ``_report`` prints, as data."""
-        from .api import result_of
-
         shown, table_notes = self._table()
         return result_of(shown, table_notes, self.failure, self.printer.last_lines, self.restarts.attempts)
 

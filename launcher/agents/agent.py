@@ -25,6 +25,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
 from pscontract import MARKER
@@ -36,6 +37,7 @@ from ..config import LaunchConfig, parse_endpoint
 from ..errors import SpawnError
 from ..output import Printer
 from ..plan import Plan
+from ..result import result_of
 from ..verdict import Failure
 from .backend import check_checkpoint_here
 from .hub import RendezvousError
@@ -284,8 +286,6 @@ class NodeAgent:
                 self._send({"t": "nostart", "g": generation, "name": name, "why": f"this node's plan has no {name}"})
                 continue
             if self._observe:
-                from dataclasses import replace
-
                 spec = replace(spec, env={**spec.env, **self._observe})
             self.printer.starting([spec.name])
             try:
@@ -334,11 +334,8 @@ class NodeAgent:
 
 def run_agent(config: LaunchConfig, plan: Plan, printer: Printer):
     """Run this node's agent; its ``RunResult`` (the rows of this node's processes)."""
-    from .. import api
-
     agent = NodeAgent(config, plan, printer)
     agent.run()
     handles = list(agent.handles.values())
-    notes = {id(h): "" for h in handles}
-    return api.result_of(handles, notes, agent.failure, printer.last_lines, ())
+    return result_of(handles, {id(h): "" for h in handles}, agent.failure, printer.last_lines, ())
 

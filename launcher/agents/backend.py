@@ -21,6 +21,7 @@ import os
 import signal
 import tempfile
 import time
+from dataclasses import replace
 
 import pscontract as ec
 
@@ -155,8 +156,6 @@ class AgentsBackend(Backend):
 
     @classmethod
     def dry_run_plan(cls, config, plan: Plan) -> Plan:
-        from dataclasses import replace
-
         return replace(plan, processes=share(plan, config.node_rank))
 
     @classmethod
