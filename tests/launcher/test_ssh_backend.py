@@ -284,7 +284,11 @@ def test_proxyjump_from_ssh_config_reaches_hosts_through_a_bastion(sshd, tmp_pat
         common = ["-i", sshd.key, "--known-hosts", sshd.known_hosts, "--ssh-config", str(config)]
         res = run_pslaunch(["-n", "1", "-s", "1", "-H", sshd.hostfile(tmp_path / "hosts", ["node-a"]), *common,
                             "--command-for-all-roles", "--shutdown-grace", "0.3", "--env-server", "SLEEP_server:forever",
-                            "--env-server", "SLEEP_scheduler:forever", sys.executable, helper("role.py"), str(out)])
+                            "--env-server", "SLEEP_scheduler:forever",
+                            # the worker ends only once the server (started through the bastion: the
+                            # slowest) wrote its record, which the shutdown grace would otherwise race
+                            "--env-worker", f"SLEEP_worker:until:{out / 'server.0.json'}",
+                            sys.executable, helper("role.py"), str(out)])
         assert res.returncode == 0, res.stderr
         assert "[worker.0@node-a] worker 0 started" in res.stdout
         assert sorted(_records(out)) == ["scheduler.0", "server.0", "worker.0"]
