@@ -20,12 +20,15 @@ Per N:
 * ``death_s``: one node stops heartbeating; the seconds until every other node has the NODE_DIED
   naming it, counted from its last heartbeat, beside the heartbeat timeout (``--death-timeout``).
 
-The simulator itself runs on the same machine's cores: on 2 cores its own work slows what it measures.
+The simulated nodes live in as few processes as the open-file limit allows (``NODES_PER_PROCESS``, 2,048:
+each node holds about five open files). The simulator runs on the same machine's cores: on 2 cores its
+own work slows what it measures.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -72,14 +75,15 @@ def _cpu(pid: int) -> float:
 
 
 class SimNodes:
-    """N simulated nodes in this process; see the module docstring."""
+    """The simulated nodes ``indices`` of a job (in one process); see the module docstring."""
 
-    def __init__(self, count: int, servers: int, port: int, job_id: str) -> None:
-        _more_files(6 * count + 1024)  # a ROUTER, a DEALER, their connections and ZeroMQ's mailboxes per node
+    def __init__(self, indices: range, servers: int, port: int, job_id: str, scheduler_pid: int) -> None:
+        _more_files(6 * len(indices) + 1024)  # a ROUTER, a DEALER, their connections and ZeroMQ's mailboxes per node
+        self.scheduler_pid = scheduler_pid
         self.ctx = zmq.Context(io_threads=1)
-        self.ctx.set(zmq.MAX_SOCKETS, 4 * count + 64)
+        self.ctx.set(zmq.MAX_SOCKETS, 4 * len(indices) + 64)
         self.nodes = []
-        for i in range(count):
+        for i in indices:
             role = "server" if i < servers else "worker"
             rank = i if role == "server" else i - servers
             uid = f"sim-{role}-{rank}".encode()
@@ -99,7 +103,7 @@ class SimNodes:
         for node in self.nodes:
             self.poller.register(node["router"], zmq.POLLIN)
         self.by_socket = {node["router"]: node for node in self.nodes}
-        self.scheduler: subprocess.Popen | None = None  # its early end fails a wait at once
+        self.watch_scheduler = True  # its end fails a wait at once (not once it named a dead node)
 
     def send(self, node: dict, cmd: int, body=None, req_id: int = 0, arg: int = 0) -> None:
         frames = [pack_header(cmd, req_id, arg)] + ([pack_json(body)] if body is not None else [])
@@ -112,9 +116,8 @@ class SimNodes:
         count = 0
         deadline = time.monotonic() + timeout
         while count < want:
-            if self.scheduler is not None and self.scheduler.poll() is not None:
-                raise RuntimeError(f"the scheduler exited with {self.scheduler.returncode}: "
-                                   f"{self.scheduler.communicate()[1][-1500:]}")
+            if self.watch_scheduler and not _alive(self.scheduler_pid):
+                raise RuntimeError("the scheduler ended")
             left = deadline - time.monotonic()
             if left <= 0:
                 if partial:
@@ -134,11 +137,146 @@ class SimNodes:
                     count += 1
         return got
 
+    # -- the phases, each run in every simulator process at once ----------------------------------------
+    def register(self, _: object) -> dict:
+        """Register every node; wait for the books (nodes holding theirs heartbeat meanwhile, as real
+        ones do). When the last REGISTER went out and the last book came (``time.monotonic``: one clock
+        for every process of the machine), the books' sizes, what else came."""
+        for node in self.nodes:
+            self.send(node, Cmd.REGISTER, node["info"])
+        sent = time.monotonic()
+        books: dict[bytes, list] = {}
+        beat = sent
+        while len(books) < len(self.nodes):
+            for uid, msgs in self.receive(len(self.nodes) - len(books), 0.5, partial=True).items():
+                books.setdefault(uid, []).extend(m for m in msgs if m[0] != Cmd.HEARTBEAT_ACK)
+            books = {uid: msgs for uid, msgs in books.items() if msgs}
+            if time.monotonic() - beat > 1.0:
+                beat = time.monotonic()
+                for node in self.nodes:
+                    if node["uid"] in books:
+                        self.send(node, Cmd.HEARTBEAT)
+            if time.monotonic() - sent > 600:
+                raise TimeoutError(f"{len(books)} of {len(self.nodes)} address books in 600 s")
+        messages = [m for msgs in books.values() for m in msgs]
+        odd = [bytes(frames[0])[:200] if frames else b"" for cmd, frames, _ in messages if cmd != Cmd.ADDRBOOK]
+        return {"sent": sent, "last": max(t for _, _, t in messages), "odd": odd,
+                "sizes": [sum(len(f) for f in frames) for _, frames, _ in messages]}
+
+    def barrier(self, round_: int) -> dict:
+        """Every worker here enters a barrier of the workers; when the last went in and the last came out."""
+        workers = [n for n in self.nodes if n["role"] == "worker"]
+        for node in workers:
+            self.send(node, Cmd.BARRIER, req_id=round_ + 1, arg=int(Group.WORKERS))
+        sent = time.monotonic()
+        done = self.receive(len(workers), 120) if workers else {}
+        return {"sent": sent, "done": max((t for msgs in done.values() for _, _, t in msgs), default=sent)}
+
+    def heartbeats(self, seconds: float) -> float:
+        """Every node heartbeats once a second for ``seconds``; the last round's start."""
+        start = tick = time.monotonic()
+        while time.monotonic() - start < seconds:
+            tick = time.monotonic()
+            for node in self.nodes:
+                self.send(node, Cmd.HEARTBEAT)
+            self.receive(len(self.nodes), 30)  # the acks
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
+        return tick
+
+    def death(self, args: tuple) -> dict:
+        """The node ``silent`` says nothing from now on, the others heartbeat; when each of them heard
+        of its death (``{uid: when}``), waiting at most ``limit`` seconds."""
+        silent, limit = args
+        others = [n for n in self.nodes if n["uid"] != silent]
+        self.watch_scheduler = False  # it ends after naming the dead node
+        told: dict[bytes, float] = {}
+        start = time.monotonic()
+        while len(told) < len(others) and time.monotonic() - start < limit:
+            tick = time.monotonic()
+            for node in others:
+                self.send(node, Cmd.HEARTBEAT)
+            for uid, msgs in self.receive(2 * len(others), 1.0, partial=True).items():
+                for cmd, frames, t in msgs:
+                    if cmd == Cmd.NODE_DIED and uid not in told:
+                        assert silent.decode().split("-")[-1] in json.dumps(unpack_json(frames[0]))
+                        told[uid] = t
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
+        return {"told": len(told), "of": len(others), "last": max(told.values(), default=None)}
+
     def close(self) -> None:
         for node in self.nodes:
             node["router"].close(0)
             node["dealer"].close(0)
         self.ctx.term()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+#: Nodes one simulator process holds at most: about 5 open files each, under a hard limit of 20,000.
+NODES_PER_PROCESS = 2048
+
+
+def _simulator(conn, indices: range, servers: int, port: int, job_id: str, scheduler_pid: int) -> None:
+    """A simulator process: run the phases its parent names, answer each one's result."""
+    sim = SimNodes(indices, servers, port, job_id, scheduler_pid)
+    conn.send("ready")
+    try:
+        while True:
+            phase, arg = conn.recv()
+            if phase == "close":
+                return
+            try:
+                conn.send(("ok", getattr(sim, phase)(arg)))
+            except Exception as exc:  # the parent reports it
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        sim.close()
+
+
+class Simulators:
+    """The simulated nodes of one job, ``NODES_PER_PROCESS`` per process at most."""
+
+    def __init__(self, count: int, servers: int, port: int, job_id: str, scheduler_pid: int) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.pipes, self.procs = [], []
+        for first in range(0, count, NODES_PER_PROCESS):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_simulator, args=(theirs, range(first, min(count, first + NODES_PER_PROCESS)),
+                                                       servers, port, job_id, scheduler_pid), daemon=True)
+            proc.start()
+            self.pipes.append(mine)
+            self.procs.append(proc)
+        for pipe in self.pipes:
+            assert pipe.recv() == "ready"
+
+    def run(self, phase: str, arg: object = None) -> list:
+        """Run ``phase`` in every simulator at once; their results in order."""
+        for pipe in self.pipes:
+            pipe.send((phase, arg))
+        results = []
+        for pipe in self.pipes:
+            status, value = pipe.recv()
+            if status != "ok":
+                raise RuntimeError(f"simulated nodes, phase {phase}: {value}")
+            results.append(value)
+        return results
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(("close", None))
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
 
 
 def run_one(count: int, servers_per: int, death_timeout: float, max_servers: int = 64) -> dict:
@@ -154,77 +292,38 @@ def run_one(count: int, servers_per: int, death_timeout: float, max_servers: int
     env.pop("PSLAUNCH_JOB_KEY", None)
     scheduler = subprocess.Popen([sys.executable, "-m", "psnode", "scheduler"], env=env, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
-    sim = SimNodes(count, servers, port, job_id)
-    sim.scheduler = scheduler
-    result: dict = {"nodes": count, "servers": servers, "workers": workers}
+    sims = Simulators(count, servers, port, job_id, scheduler.pid)
+    result: dict = {"nodes": count, "servers": servers, "workers": workers, "simulator_processes": len(sims.procs)}
     try:
         time.sleep(0.5)
-        for node in sim.nodes:
-            sim.send(node, Cmd.REGISTER, node["info"])
-        registered = time.monotonic()
-        books: dict[bytes, list] = {}
-        beat = time.monotonic()
-        while len(books) < count:  # nodes holding their book heartbeat meanwhile, as real ones do
-            for uid, msgs in sim.receive(count - len(books), 0.5, partial=True).items():
-                books.setdefault(uid, []).extend(m for m in msgs if m[0] != Cmd.HEARTBEAT_ACK)
-            if time.monotonic() - beat > 1.0:
-                beat = time.monotonic()
-                for node in sim.nodes:
-                    if node["uid"] in books:
-                        sim.send(node, Cmd.HEARTBEAT)
-            if time.monotonic() - registered > 600:
-                raise TimeoutError(f"{len(books)} of {count} address books in 600 s")
-        books = {uid: msgs for uid, msgs in books.items() if msgs}
-        last = max(t for msgs in books.values() for _, _, t in msgs)
-        sizes = [sum(len(f) for f in frames) for msgs in books.values() for _, frames, _ in msgs]
-        odd = [(cmd, frames[:1]) for msgs in books.values() for cmd, frames, _ in msgs if cmd != Cmd.ADDRBOOK]
+        books = sims.run("register")
+        odd = [o for b in books for o in b["odd"]]
         assert not odd, f"not an address book: {odd[:2]}"
-        result.update(book_s=last - registered, book_bytes_total=sum(sizes), book_bytes_max=max(sizes))
-        worker_nodes = [n for n in sim.nodes if n["role"] == "worker"]
+        sizes = [size for b in books for size in b["sizes"]]
+        result.update(book_s=max(b["last"] for b in books) - max(b["sent"] for b in books),
+                      book_bytes_total=sum(sizes), book_bytes_max=max(sizes))
         times = []
         for round_ in range(5):
-            for node in worker_nodes:
-                sim.send(node, Cmd.BARRIER, req_id=round_ + 1, arg=int(Group.WORKERS))
-            sent = time.monotonic()
-            done = sim.receive(len(worker_nodes), 120)
-            times.append(max(t for msgs in done.values() for _, _, t in msgs) - sent)
+            rounds = sims.run("barrier", round_)
+            times.append(max(r["done"] for r in rounds) - max(r["sent"] for r in rounds))
         result["barrier_ms"] = statistics.median(times) * 1000
         before, start = _cpu(scheduler.pid), time.monotonic()
-        while time.monotonic() - start < 10:  # every node, once a second
-            tick = time.monotonic()
-            for node in sim.nodes:
-                sim.send(node, Cmd.HEARTBEAT)
-            sim.receive(count, 30)  # the acks
-            time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
+        ticks = sims.run("heartbeats", 10.0)  # every node, once a second
         result["heartbeat_cpu"] = (_cpu(scheduler.pid) - before) / (time.monotonic() - start)
         result["rss_mib"] = _status(scheduler.pid, "VmHWM") / 1024
-        silent = sim.nodes[-1]
-        quiet_since = tick  # its last heartbeat went out in the last round above
-        others = [n for n in sim.nodes if n is not silent]
-        sim.scheduler = None  # it ends after naming the dead node
-        told: dict[bytes, float] = {}
-        while len(told) < len(others) and time.monotonic() - quiet_since < death_timeout * 3 + 30:
-            tick = time.monotonic()
-            for node in others:
-                sim.send(node, Cmd.HEARTBEAT)
-            got = sim.receive(2 * len(others), 1.0, partial=True)  # acks, and the news
-            for uid, msgs in got.items():
-                for cmd, frames, t in msgs:
-                    if cmd == Cmd.NODE_DIED and uid not in told:
-                        assert silent["uid"].decode().split("-")[-1] in json.dumps(unpack_json(frames[0]))
-                        told[uid] = t
-            time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
-        result["death_s"] = (max(told.values()) - quiet_since) if told else None
-        result["death_told"] = f"{len(told)} of {len(others)}"
+        silent = f"sim-worker-{workers - 1}".encode()  # the job's last node, in the last simulator
+        quiet_since = ticks[-1]  # its last heartbeat went out in that round
+        deaths = sims.run("death", (silent, death_timeout * 3 + 30))
+        told, of = sum(d["told"] for d in deaths), sum(d["of"] for d in deaths)
+        last = max((d["last"] for d in deaths if d["last"] is not None), default=None)
+        result["death_s"] = (last - quiet_since) if last is not None else None
+        result["death_told"] = f"{told} of {of}"
         result["death_timeout_s"] = death_timeout
     finally:
         scheduler.kill()
-        try:
-            err = scheduler.communicate()[1]
-        except ValueError:  # read already, by the error that ended the run
-            err = ""
-        sim.close()
-    if "death_s" not in result:
+        err = scheduler.communicate()[1]
+        sims.close()
+    if result.get("death_s") is None:
         result["scheduler_stderr"] = err[-2000:]
     return result
 

@@ -55,6 +55,7 @@ def test_the_scheduler_benchmark_measures_a_simulated_job_of_64_nodes(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = json.loads(out.read_text())
     assert row["nodes"] == 64 and row["servers"] == 8 and row["death_told"] == "63 of 63", row
+    assert row["simulator_processes"] == 1, row
     # every worker's book holds the 8 servers, every server's the 56 workers: 8 x 56 x 2 records in all
     assert row["book_bytes_total"] < 64 * 64 * 150, row
     for name in ("book_s", "barrier_ms", "heartbeat_cpu", "rss_mib", "death_s"):
