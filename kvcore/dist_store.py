@@ -71,7 +71,7 @@ from .errors import (
 from .handles import Handle
 from .node_handle import NodeHandle
 from .optim.base import Optimizer, Updater
-from .placement import Decision, KeyRequest, Placement
+from .placement import KeyRequest, Placement
 from .sharding import KeyLayout
 from .store_base import KeyMeta, KVStoreBase
 
@@ -318,7 +318,7 @@ class DistKVStore(KVStoreBase):
             self._placement.place(requests)
             self._take_layouts([self.layout_for(r.key, r.shape, r.dtype) for r in requests])
             return
-        note = None
+        note, layouts = None, None
         if self.rank == 0:
             decisions = self._placement.place(requests)
             layouts = [self.layout_for(r.key, r.shape, r.dtype) for r in requests]
@@ -328,7 +328,7 @@ class DistKVStore(KVStoreBase):
                 for part in lay.parts:
                     data = flat[part.start:part.stop] if lay.split else flat.reshape(lay.shape)
                     parts.append((part.server, part.id, key, data, lay.row_size or 1))
-            note = {"placed": [[key, *decision.as_note()] for key, decision in decisions.items()]}
+            note = {"placed": Placement.note_of(decisions)}
             try:
                 self.wait_for(self._worker.init(parts, self._sync))
             except DistributedError as exc:  # every rank must learn it: they would believe the keys exist
@@ -338,31 +338,11 @@ class DistKVStore(KVStoreBase):
         for note in notes:
             if isinstance(note, dict) and note.get("refusal") is not None:
                 raise _error_of(note["refusal"])
-        if self.rank != 0:
-            self._adopt(requests, notes)
-        self._take_layouts([self.layout_for(r.key, r.shape, r.dtype) for r in requests])
-
-    def _adopt(self, requests: list[KeyRequest], notes: list) -> None:
-        """Take worker 0's placement of this init call's keys (from its barrier note), also of the
-        keys this worker did not pass; a key worker 0 did not initialise keeps this worker's own
-        decision (the servers do not hold it: using it fails there, as it always did)."""
-        placed = next((n["placed"] for n in notes if isinstance(n, dict) and isinstance(n.get("placed"), list)), [])
-        theirs = {}
-        for entry in placed:
-            if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], (int, str)):
-                decision = Decision.from_note(entry[1:], self.num_servers)
-                if decision is not None:
-                    theirs[(type(entry[0]), entry[0])] = decision
-        mine = []
-        for request in requests:
-            decision = theirs.pop((type(request.key), request.key), None)
-            if decision is None:
-                mine.append(request)
-            else:
-                self._placement.adopt(request, decision)
-        self._placement.place(mine)
-        for (_, key), decision in theirs.items():  # keys worker 0 passed and this worker did not
-            self._placement.remember(key, decision)
+        if layouts is None:  # not worker 0: its decisions, from its note
+            placed = next((n["placed"] for n in notes if isinstance(n, dict) and "placed" in n), [])
+            self._placement.adopt_note(requests, placed)
+            layouts = [self.layout_for(r.key, r.shape, r.dtype) for r in requests]
+        self._take_layouts(layouts)
 
     def _take_layouts(self, layouts: list[KeyLayout]) -> None:
         for lay in layouts:

@@ -122,6 +122,33 @@ class Placement:
             self._carry(request, old, -1)
         self._take(request, decision)
 
+    @staticmethod
+    def note_of(decisions: dict[Hashable, Decision]) -> list:
+        """``decisions`` as worker 0's init barrier note carries them: ``[key, home, split]`` each."""
+        return [[key, *decision.as_note()] for key, decision in decisions.items()]
+
+    def adopt_note(self, requests: list[KeyRequest], placed: object) -> None:
+        """Take worker 0's decisions (``note_of``, from the wire: malformed entries are skipped) for
+        this init call's keys, and remember those of the keys this worker did not pass; a key worker
+        0 did not initialise keeps this worker's own decision (the servers do not hold it: using it
+        fails there, as it always did)."""
+        theirs = {}
+        for entry in placed if isinstance(placed, list) else []:
+            if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], (int, str)):
+                decision = Decision.from_note(entry[1:], self.num_servers)
+                if decision is not None:
+                    theirs[(type(entry[0]), entry[0])] = decision
+        mine = []
+        for request in requests:
+            decision = theirs.pop((type(request.key), request.key), None)
+            if decision is None:
+                mine.append(request)
+            else:
+                self.adopt(request, decision)
+        self.place(mine)
+        for (_, key), decision in theirs.items():
+            self.remember(key, decision)
+
     def remember(self, key: Hashable, decision: Decision) -> None:
         """Keep worker 0's decision for a key this worker has not passed to ``init`` yet (its shape
         unknown here: its bytes are not counted), so that a later init of it takes the same place."""
