@@ -1,6 +1,9 @@
-"""What a job costs as it grows: how evenly the servers are loaded, and a job of 128 real processes.
+"""What a job costs as it grows: every table of docs/scale.md, in one run.
 
-    python -m benchmarks.scale [--workers 96] [--servers 32] [--rounds 10] [--skip-job] [--json out.json]
+    python -m benchmarks.scale [--workers 96] [--servers 32] [--rounds 10] [--skip-job]
+                               [--scheduler-nodes 1024,4096] [--server-workers 64,256,1024] [--json out.json]
+
+(``--scheduler-nodes ''`` / ``--server-workers ''`` leave that table out.)
 
 * **Placement.** For ResNet-50, BERT-base and 100 keys of random sizes (``testkit.model_shapes``),
   the busiest server's bytes over the mean at 2, 4, 8 and 16 servers, by the key-hash rule
@@ -12,6 +15,9 @@
   processes of the role, from ``/proc/PID/status`` sampled every 0.2 s), pslaunch's own CPU seconds
   and peak RSS, and which of torch, sklearn, scipy, numpy and CuPy each role's processes mapped
   (``/proc/PID/maps``: a server must not pay for what only workers use).
+* **The scheduler with 1,024 and 4,096 nodes** (``benchmarks.scheduler_scale``, simulated nodes).
+* **One server with 64 to 1,024 workers** in rounds of a 1 MiB key (``benchmarks.server_scale``,
+  simulated workers): its CPU per byte, and its memory, with pushes by invitation.
 """
 
 from __future__ import annotations
@@ -183,9 +189,15 @@ def _heavy_libraries(pid: int) -> frozenset:
 @click.option("--workers", default=96, show_default=True)
 @click.option("--servers", default=32, show_default=True)
 @click.option("--rounds", default=10, show_default=True)
-@click.option("--skip-job", is_flag=True, help="Only the placement table.")
+@click.option("--skip-job", is_flag=True, help="Leave out the job of real processes.")
+@click.option("--scheduler-nodes", default="1024,4096", show_default=True,
+              help="Job sizes of the scheduler's table (benchmarks.scheduler_scale); '' leaves it out.")
+@click.option("--death-timeout", default=10.0, show_default=True, help="The scheduler table's heartbeat timeout.")
+@click.option("--server-workers", default="64,256,1024", show_default=True,
+              help="Worker counts of the server's table (benchmarks.server_scale); '' leaves it out.")
 @click.option("--json", "json_path", default=None)
-def main(workers: int, servers: int, rounds: int, skip_job: bool, json_path: str | None) -> None:
+def main(workers: int, servers: int, rounds: int, skip_job: bool, scheduler_nodes: str, death_timeout: float,
+         server_workers: str, json_path: str | None) -> None:
     sys.path.insert(0, str(REPO))
     report: dict = {"placement": placement_table()}
     print("busiest server's bytes / mean (hash rule -> by bytes; keys under the bound split)")
@@ -202,6 +214,16 @@ def main(workers: int, servers: int, rounds: int, skip_job: bool, json_path: str
         print(f"  pslaunch: {job['launcher_cpu_s']:.1f} CPU s, peak RSS {job['launcher_rss_mib']:.0f} MiB")
         print("  libraries mapped: " + "; ".join(f"{role} {', '.join(found) or 'none of them'}"
                                                  for role, found in sorted(job["libraries"].items())))
+    if scheduler_nodes:
+        from benchmarks import scheduler_scale
+
+        rows = report["scheduler"] = [scheduler_scale.run_one(int(n), 8, death_timeout) for n in scheduler_nodes.split(",")]
+        print("\nthe scheduler, simulated nodes (one server per 8 nodes, at most 64)\n" + scheduler_scale.table(rows))
+    if server_workers:
+        from benchmarks import server_scale
+
+        rows = report["server"] = [server_scale.run_one(int(n), 5, 1.0) for n in server_workers.split(",")]
+        print("\none server, simulated workers in dist_sync rounds of a 1 MiB key\n" + server_scale.table(rows))
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
 

@@ -328,6 +328,18 @@ def run_one(count: int, servers_per: int, death_timeout: float, max_servers: int
     return result
 
 
+def table(rows: list[dict]) -> str:
+    """The rows as the table ``benchmarks.scale`` and docs/scale.md show."""
+    lines = [f"{'nodes':>6} {'servers':>7} {'book s':>8} {'books MB':>9} {'max book KB':>11} {'barrier ms':>10} "
+             f"{'hb CPU':>7} {'RSS MiB':>8} {'death s':>8}"]
+    for r in rows:
+        death = (f"{r['death_s']:.1f} ({r['death_told']})" if r.get("death_s") is not None else "-")
+        lines.append(f"{r['nodes']:>6} {r['servers']:>7} {r['book_s']:>8.2f} {r['book_bytes_total'] / 1e6:>9.1f} "
+                     f"{r['book_bytes_max'] / 1e3:>11.1f} {r['barrier_ms']:>10.1f} {r['heartbeat_cpu'] * 100:>6.1f}% "
+                     f"{r['rss_mib']:>8.0f} {death:>8}")
+    return "\n".join(lines)
+
+
 @click.command()
 @click.option("--nodes", default="256,1024,4096", show_default=True)
 @click.option("--servers-per", default=8, show_default=True, help="One server per this many nodes.")
@@ -340,13 +352,7 @@ def main(nodes: str, servers_per: int, max_servers: int, death_timeout: float, j
         row = run_one(count, servers_per, death_timeout, max_servers)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{'nodes':>6} {'servers':>7} {'book s':>8} {'books MB':>9} {'max book KB':>11} {'barrier ms':>10} "
-          f"{'hb CPU':>7} {'RSS MiB':>8} {'death s':>8}")
-    for r in rows:
-        death = (f"{r['death_s']:.1f} ({r['death_told']})" if r.get("death_s") is not None else "-")
-        print(f"{r['nodes']:>6} {r['servers']:>7} {r['book_s']:>8.2f} {r['book_bytes_total'] / 1e6:>9.1f} "
-              f"{r['book_bytes_max'] / 1e3:>11.1f} {r['barrier_ms']:>10.1f} {r['heartbeat_cpu'] * 100:>6.1f}% "
-              f"{r['rss_mib']:>8.0f} {death:>8}")
+    print("\n" + table(rows))
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=2))
 

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_the_scale_benchmark_reports_the_placement_table_and_a_small_jobs_costs(tmp_path):
     out = tmp_path / "scale.json"
     argv = [sys.executable, "-m", "benchmarks.scale", "--workers", "3", "--servers", "2", "--rounds", "2",
-            "--json", str(out)]
+            "--scheduler-nodes", "32", "--death-timeout", "2", "--server-workers", "4", "--json", str(out)]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -29,6 +29,10 @@ def test_the_scale_benchmark_reports_the_placement_table_and_a_small_jobs_costs(
     assert job["rss_mib"]["worker"]["seen"] == 3 and job["rss_mib"]["server"]["seen"] == 2
     assert job["wall_s"] > 0 and job["launcher_rss_mib"] > 0
     assert "torch" not in job["libraries"]["server"] and "sklearn" not in job["libraries"]["server"]
+    (scheduler,) = report["scheduler"]
+    assert scheduler["nodes"] == 32 and scheduler["death_told"] == "31 of 31", scheduler
+    (server,) = report["server"]
+    assert server["workers"] == 4 and not server["offered"] and server["ns_per_byte"] >= 0, server
 
 
 @pytest.mark.netns
@@ -60,3 +64,16 @@ def test_the_scheduler_benchmark_measures_a_simulated_job_of_64_nodes(tmp_path):
     assert row["book_bytes_total"] < 64 * 64 * 150, row
     for name in ("book_s", "barrier_ms", "heartbeat_cpu", "rss_mib", "death_s"):
         assert row[name] > 0, (name, row)
+
+
+def test_the_server_benchmark_measures_rounds_sent_at_once_and_by_invitation(tmp_path):
+    out = tmp_path / "server.json"
+    # 8 workers x 1 MiB: over a 4 MiB window (offered), then under a 16 MiB one (sent at once)
+    for window in ("4", "16"):
+        argv = [sys.executable, "-m", "benchmarks.server_scale", "--workers", "8", "--rounds", "2", "--window-mib",
+                window, "--json", str(out)]
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        (row,) = json.loads(out.read_text())
+        assert row["workers"] == 8 and row["offered"] == (window == "4"), row
+        assert row["round_s"] > 0 and row["ns_per_byte"] >= 0 and row["rss_peak_mib"] > 0, row

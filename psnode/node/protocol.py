@@ -45,6 +45,7 @@ __all__ = [
     "FLAG_SYNC",
     "FLAG_ACKS",
     "FLAG_PULL",
+    "FLAG_OFFER",
     "ENTRY",
     "Group",
     "GROUP_ROLES",
@@ -81,6 +82,7 @@ FLAG_ERROR = 1  # the reply carries a JSON error {"error": message} instead of a
 FLAG_SYNC = 2  # init: the key is merged per round (dist_sync), else applied on arrival (dist_async)
 FLAG_ACKS = 4  # a reply whose last frame holds push acknowledgements: (req_id, parts) u64 pairs
 FLAG_PULL = 8  # a push whose last two frames are a whole pull message (header, meta), run right after it
+FLAG_OFFER = 16  # a push of one big part without its value: it follows once the server sends PUSH_INVITE
 
 
 class Cmd(enum.IntEnum):
@@ -120,6 +122,7 @@ class Cmd(enum.IntEnum):
     RDV_VALUE = 43  # from the scheduler: {"value"} (or FLAG_ERROR and {"error"})
     PEERS = 44  # a worker to the scheduler: send me every worker's record (its book held only the servers)
     PEERS_REPLY = 45  # from the scheduler: {"nodes": [worker records]}
+    PUSH_INVITE = 46  # server -> worker: req_id = an offered push's, arg = its part's index; send its value now
     CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
     CHECKPOINT_REPLY = 35  # JSON: the operation's result
 

@@ -28,6 +28,7 @@ from psnode.log import logger
 from psnode.node.connection import Connection
 from psnode.node.membership import PeerInfo
 from psnode.node.protocol import (
+    FLAG_OFFER,
     FLAG_PULL,
     FLAG_SYNC,
     IN_SHARED_MEMORY,
@@ -46,6 +47,7 @@ from psnode.node.protocol import (
 from psnode.node.stats import server_report
 from psnode.server.checkpoints import Checkpoints
 from psnode.server.groups import Groups
+from psnode.server.invitations import Invitations
 from psnode.server.replies import Replies
 from psnode.server.shard_memory import shard_memory
 from psnode.server.store import ServerStore, Shard, init_value
@@ -72,6 +74,7 @@ class ServerNode:
         self.replies = Replies(self.conn.transport, self.conn.members, memory, self.attached)
         self.conn.serve_with(after_batch=self.replies.after_batch, deferred=self.replies)
         self.groups = Groups(self.store, self.replies)
+        self.invitations = Invitations(env.push_window, self._invite)
         self.checkpoints = Checkpoints(self.store, self.groups, env.checkpoint_dir, env.num_servers, env.job_id,
                                        lambda: self.conn.rank, self.conn.link.beat)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
@@ -186,8 +189,10 @@ class ServerNode:
         answered with an error too, and returned (the caller counts it once the message is done).
         """
         try:
-            if cmd == Cmd.PUSH:
-                self._push(peer, frames)
+            if cmd == Cmd.PUSH and flags & FLAG_OFFER:  # a big part announced: its value comes when invited
+                self._offer(peer, req_id, frames)
+            elif cmd == Cmd.PUSH:
+                self._push(peer, req_id, frames)
                 if ack:
                     self.replies.ack(peer.rank, req_id, arg)
                 if self._deferred_rows:
@@ -257,15 +262,24 @@ class ServerNode:
                 raise self.store.wrong_size(shard, worker, nbytes)
             return np.frombuffer(data, dtype=shard.dtype, count=shard.size)
         try:
-            decoder = self.codecs.get(codec)
-            expected = decoder.encoded_nbytes(shard.size, shard.dtype)
-            if nbytes != expected:
-                raise RequestRefused(f"key {shard.user_key!r}: a {decoder.name} push of {nbytes} bytes, but the "
-                                     f"{shard.size} values held here take {expected} bytes in {decoder.name}")
+            decoder = self._check_encoded(shard, codec, nbytes)
             return decoder.decode(data, shard.dtype, shard.size)
         except RequestRefused:
             shard.round.count_refused(worker)  # its worker counted it: later pulls must not wait for it
             raise
+
+    def _check_encoded(self, shard: Shard, codec: int, nbytes: int) -> Any:
+        """The decoder of ``codec`` (not ``RAW``), once ``nbytes`` is what it makes of ``shard``'s values.
+
+        Raises:
+            RequestRefused: an unknown codec, or another size (the message names both).
+        """
+        decoder = self.codecs.get(codec)
+        expected = decoder.encoded_nbytes(shard.size, shard.dtype)
+        if nbytes != expected:
+            raise RequestRefused(f"key {shard.user_key!r}: a {decoder.name} push of {nbytes} bytes, but the "
+                                 f"{shard.size} values held here take {expected} bytes in {decoder.name}")
+        return decoder
 
     def _push_pull(self, peer: PeerInfo, buf: memoryview) -> None:
         """A ``PUSH_PULL`` frame: the push of one small part, then the pull of it (the small round
@@ -292,14 +306,48 @@ class ServerNode:
         except RequestRefused as exc:
             replies.refuse(peer, Cmd.PULL_REPLY, pull_req, str(exc))
 
-    def _push(self, peer: PeerInfo, frames: list) -> None:
+    def _offer(self, peer: PeerInfo, req_id: int, frames: list) -> None:
+        """An offer of one big push part (``invitations``): checked against the part it names, then queued.
+
+        Raises:
+            RequestRefused: no such key here, or a size its shard does not take (the push counts as
+                received, as a refused push does: the worker counted it).
+        """
+        entries = unpack_entries(frames[1]) if len(frames) == 2 else []
+        if len(entries) != 1:
+            raise ProtocolError(f"an offer of {len(frames)} frames and {len(entries)} parts, expected 2 and 1")
+        key, index, _, codec, _, nbytes, _ = entries[0]
+        shard = self._shard(key)
+        if codec == RAW and nbytes != shard.nbytes:
+            raise self.store.wrong_size(shard, peer.rank, nbytes)
+        if codec != RAW:
+            try:
+                self._check_encoded(shard, codec, nbytes)
+            except RequestRefused:
+                shard.round.count_refused(peer.rank)
+                raise
+        if not self.invitations.offers:
+            logger.info("server %d: the first offer, %d bytes of key %r from %s; pushes that pass a window of %d bytes "
+                        "come by invitation", self.rank, nbytes, shard.user_key, peer.describe(),
+                        self.conn.env.push_window)
+        self.invitations.offer(peer.rank, req_id, index, nbytes)
+
+    def _invite(self, worker: int, req_id: int, index: int) -> None:
+        """Ask ``worker`` for the value of the part it offered (``invitations``)."""
+        try:
+            self.conn.transport.send(self.conn.members.workers[worker].uid.encode(),
+                                     [pack_header(Cmd.PUSH_INVITE, req_id, index)])
+        except TransportError as exc:  # the worker is gone: the job fails on its death, not here
+            logger.info("server %d: the invitation to worker %d was not sent: %s", self.rank, worker, exc)
+
+    def _push(self, peer: PeerInfo, req_id: int, frames: list) -> None:
         data_frames = frames[2:]
         buffers = [f.buffer for f in data_frames]
         if self.groups.try_push(peer.rank, frames[1].buffer, buffers):
             return
         store, rank, answer = self.store, peer.rank, self.replies.answer
         refused: RequestRefused | None = None
-        for key, _, frame, codec, offset, nbytes, _ in unpack_entries(frames[1], [len(b) for b in buffers]):
+        for key, index, frame, codec, offset, nbytes, _ in unpack_entries(frames[1], [len(b) for b in buffers]):
             try:
                 shard = self._shard(key)
                 if frame == IN_SHARED_MEMORY:  # in the worker's shared memory: read it there, keep no reference
@@ -310,6 +358,8 @@ class ServerNode:
                 store.push(shard, rank, data, answer)
             except RequestRefused as exc:  # the other parts still count; the push fails with the first reason
                 refused = refused or exc
+            if self.invitations.invited:  # an invited part, merged or refused, leaves the window
+                self.invitations.arrived(rank, req_id, index)
         if refused is not None:
             raise refused
 
@@ -401,6 +451,7 @@ class ServerNode:
         """A restarted worker took rank ``rank`` back (``PSLAUNCH_RESTART_SCOPE=worker``, dist_async): it
         counts its pushes from zero, and nothing owed to its predecessor is sent to it."""
         self.store.worker_rejoined(rank)
+        self.invitations.forget_worker(rank)
         for group in self.groups.by_keys.values():
             group.round.received[rank] = 0
         self.replies.forget_worker(rank)

@@ -4,7 +4,9 @@ The calls speak in *parts*: ``(server rank, key id, array)``. Small parts of one
 server travel in one message, packed into one data frame; each part of 64 KiB or more travels in a
 message of its own (sent from its buffer without a copy), so the server merges and answers it while
 the next one is still arriving; parts of 1 MiB or more to a server on this host go through shared
-memory (``same_host.WorkerRegions``, owned here). A push held back by the outbox carries the next pull to
+memory (``same_host.WorkerRegions``, owned here). A part so big that the job's workers together could
+send more than the servers' push window of it is offered first and sent once its server invites it
+(``psnode.server.invitations``; ``offers`` keeps the messages until then). A push held back by the outbox carries the next pull to
 its server (``worker_outbox.Outbox``); every request is tracked in the ``RequestTable``, which
 writes the replies into the outs.
 
@@ -19,12 +21,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from psnode.compression.codecs import RAW
-from psnode.node.protocol import ENTRY_STRUCT, OWN_FRAME, PACK_LIMIT, Cmd, pack_entries, pack_header
+from psnode.errors import ProtocolError
+from psnode.node.protocol import ENTRY_STRUCT, FLAG_OFFER, OWN_FRAME, PACK_LIMIT, Cmd, pack_entries, pack_header
 from psnode.transport import same_host
 from psnode.worker.outbox import Outbox
 from psnode.worker.requests import RequestTable
 
 __all__ = ["DataPath"]
+
+_STALE_OFFERS = 256  # offers held before those of ended pushes are looked for
 
 
 
@@ -37,12 +42,20 @@ def _flat_bytes(value: np.ndarray) -> np.ndarray:
 
 class DataPath:
     """The push and pull of key parts (see the module docstring): ``requests`` tracks them,
-    ``outbox`` sends them, ``regions`` are this worker's shared memory for big same-host parts."""
+    ``outbox`` sends them, ``regions`` are this worker's shared memory for big same-host parts.
 
-    def __init__(self, requests: RequestTable, outbox: Outbox, regions: same_host.WorkerRegions) -> None:
+    ``num_workers`` and ``push_window`` (``PSLAUNCH_PUSH_WINDOW``, 0: none) decide which parts are
+    offered before they are sent: those of which the job's workers could together send more than the window.
+    """
+
+    def __init__(self, requests: RequestTable, outbox: Outbox, regions: same_host.WorkerRegions,
+                 num_workers: int = 1, push_window: int = 0) -> None:
         self.requests = requests
         self.outbox = outbox
         self.regions = regions
+        self.num_workers = num_workers
+        self.push_window = push_window
+        self.offers: dict[tuple[int, int, int], tuple[list, int]] = {}  # (server, req, index) -> (message, priority)
 
     # ---- push -----------------------------------------------------------------------------
     def push(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, copy: bool = True,
@@ -81,7 +94,13 @@ class DataPath:
                     flat = _flat_bytes(value)
                     buffer = outbox.copy_for_send((key_id, server), flat) if copy else flat
                     # its own message: the server merges and answers it while the next part arrives
-                    own = [pack_header(Cmd.PUSH, req, 1), ENTRY_STRUCT.pack(key_id, i, 1, codec, 0, nbytes, seq), b"", buffer]
+                    entry = ENTRY_STRUCT.pack(key_id, i, 1, codec, 0, nbytes, seq)
+                    own = [pack_header(Cmd.PUSH, req, 1), entry, b"", buffer]
+                    if self.push_window and nbytes * self.num_workers > self.push_window:
+                        if len(self.offers) > _STALE_OFFERS:
+                            self._drop_stale_offers()
+                        self.offers[(server, req, i)] = (own, priority)  # before the offer: its invitation may come at once
+                        own = [pack_header(Cmd.PUSH, req, 1, FLAG_OFFER), entry]
                     outbox.enqueue(server, own, priority, req)
                 else:
                     small.append(value)
@@ -95,6 +114,28 @@ class DataPath:
             outbox.enqueue(server, message, priority, req)
         outbox.pump()
         return future
+
+    def _drop_stale_offers(self) -> None:
+        """Forget the offers of pushes that ended without an invitation (a server refused the offer)."""
+        pending = self.requests.pending
+        for slot in [s for s in self.offers if s[1] not in pending]:
+            self.offers.pop(slot, None)
+
+    def invited(self, server: int, req: int, index: int) -> None:
+        """Server ``server`` invites the value of part ``index`` of push ``req``: send it (any thread).
+
+        Raises:
+            ProtocolError: nothing of that push was offered to that server (the message is counted as
+                malformed; no request fails).
+        """
+        offer = self.offers.pop((server, req, index), None)
+        if offer is None:
+            raise ProtocolError(f"an invitation of server {server} for part {index} of push {req}, "
+                                "which was not offered to it")
+        if req not in self.requests.pending:  # the push failed meanwhile: its value is not wanted
+            return
+        self.outbox.enqueue(server, offer[0], offer[1], req)
+        self.outbox.pump()
 
     def push_part(self, server: int, key_id: int, value: np.ndarray, priority: int = 0, future: Any = None,
                   codec: int = RAW) -> Any:

@@ -36,7 +36,7 @@ from psnode.collectives import Engine
 from psnode.collectives.watch import LEFT_GRACE
 from psnode.compression.codecs import RAW
 from psnode.env import NodeEnv
-from psnode.errors import ClosedError, NodeTimeoutError, PSNodeError
+from psnode.errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
 from psnode.node.connection import Connection
 from psnode.node.membership import PeerInfo
 from psnode.node.protocol import FLAG_SYNC, Cmd, Group, pack_codec_params, pack_header, pack_json
@@ -52,6 +52,7 @@ from psnode.worker.requests import RequestTable
 __all__ = ["WorkerNode"]
 
 _COLL = int(Cmd.COLL)
+_INVITE = int(Cmd.PUSH_INVITE)
 
 
 class WorkerNode:
@@ -66,7 +67,8 @@ class WorkerNode:
         self.requests = RequestTable(self.conn.failure)
         self.outbox = Outbox(self.conn.transport, self.conn.members, self.requests.complete)
         self.receiver = Receiver(self.conn, self.outbox)
-        self.data = DataPath(self.requests, self.outbox, same_host.WorkerRegions(env.job_id))
+        self.data = DataPath(self.requests, self.outbox, same_host.WorkerRegions(env.job_id), env.num_workers,
+                             env.push_window)
         self.closed = False
         self.conn.failure.on_failure(self.requests.fail_all)
         self.conn.failure.on_failure(self.collectives.fail_all)
@@ -349,6 +351,11 @@ class WorkerNode:
     def _on_reply(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
         if cmd == _COLL:  # another worker's collective: req_id and arg are its tag
             self.collectives.on_message(peer, req_id, arg, frames)
+            return
+        if cmd == _INVITE:  # a server asks for the value of a part offered to it
+            if peer.role != "server":
+                raise ProtocolError(f"an invitation from {peer.describe()}, which is no server")
+            self.data.invited(peer.rank, req_id, arg)
             return
         self.requests.take_reply(peer, cmd, flags, req_id, arg, frames)
         if self.outbox.queue:  # a reply may mean a connection has room again

@@ -334,3 +334,13 @@ def test_every_mxnet_dtype_and_zero_size_keys_work_others_are_refused_and_a_refu
     printed = run_inproc_ok(script("values.py"), 3, 2)
     refusals = {line.split(" ", 2)[2] for text in printed.values() for line in text.splitlines() if line.startswith("REFUSED")}
     assert len(refusals) == 1 and "key 'again' is already initialised" in refusals.pop()
+
+
+def test_big_pushes_go_by_invitation_over_tcp_when_a_small_push_window_is_set():
+    """``PSLAUNCH_PUSH_WINDOW`` set by hand in every process: 3 workers x the split key's 2.88 MB half
+    per server pass the 4 MiB window, so every push of it is offered first and sent when invited
+    (``psnode.server.invitations``), over TCP; every round still sums exactly."""
+    results = run_job_ok(script("sums.py"), 3, 2, env={"PSLAUNCH_PUSH_WINDOW": str(4 << 20), "PSLAUNCH_SAME_HOST": "tcp",
+                                                     "PS_VERBOSE": "1"}, timeout=90)
+    servers = [r.output for r in results if r.role == "server"]
+    assert len(servers) == 2 and all("come by invitation" in out for out in servers), servers
