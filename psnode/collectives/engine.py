@@ -113,8 +113,9 @@ class Engine:
 
     @property
     def size(self) -> int:
-        """Workers in the job."""
-        return len(self.conn.members.workers)
+        """Workers in the job (from the contract: in a job with servers the workers' addresses come
+        only on the first collective, after its arguments were checked against this)."""
+        return self.conn.env.num_workers
 
     @property
     def topology(self) -> Topology:

@@ -93,7 +93,9 @@ def test_every_worker_takes_worker_0s_placement_whatever_it_passed_to_init(mode)
     assert max(load) / (sum(load) / 3) <= 1.1, load  # 10 keys, a few big: by the hash rule 1.7
 
 
-def test_collectives_in_a_job_with_servers_learn_the_workers_addresses_on_first_use():
+@pytest.mark.parametrize("first", ["allreduce", "allgather-first"])
+def test_collectives_in_a_job_with_servers_learn_the_workers_addresses_on_first_use(first):
     # a worker's book holds the servers alone (O(nodes x servers) records in all); worker 0 joins the
-    # collectives last, so the others' first messages come before it knows them: held, then taken
-    run_inproc_ok([str(SCRIPTS / "collectives_with_servers.py")], workers=3, servers=2)
+    # collectives last, so the others' first messages come before it knows them: held, then taken.
+    # An allgather first checks its out's shape against the job's size before the addresses came.
+    run_inproc_ok([str(SCRIPTS / "collectives_with_servers.py"), first], workers=3, servers=2)
