@@ -28,7 +28,6 @@ own work slows what it measures.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ import zmq
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.simulators import Simulators  # noqa: E402
 from pscontract import contract_env, free_port  # noqa: E402
 from psnode.node.protocol import Cmd, Group, pack_header, pack_json, unpack_header, unpack_json  # noqa: E402
 from psnode.transport.zeromq import split_frames  # noqa: E402
@@ -222,63 +222,6 @@ def _alive(pid: int) -> bool:
 NODES_PER_PROCESS = 2048
 
 
-def _simulator(conn, indices: range, servers: int, port: int, job_id: str, scheduler_pid: int) -> None:
-    """A simulator process: run the phases its parent names, answer each one's result."""
-    sim = SimNodes(indices, servers, port, job_id, scheduler_pid)
-    conn.send("ready")
-    try:
-        while True:
-            phase, arg = conn.recv()
-            if phase == "close":
-                return
-            try:
-                conn.send(("ok", getattr(sim, phase)(arg)))
-            except Exception as exc:  # the parent reports it
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        sim.close()
-
-
-class Simulators:
-    """The simulated nodes of one job, ``NODES_PER_PROCESS`` per process at most."""
-
-    def __init__(self, count: int, servers: int, port: int, job_id: str, scheduler_pid: int) -> None:
-        ctx = multiprocessing.get_context("fork")
-        self.pipes, self.procs = [], []
-        for first in range(0, count, NODES_PER_PROCESS):
-            mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_simulator, args=(theirs, range(first, min(count, first + NODES_PER_PROCESS)),
-                                                       servers, port, job_id, scheduler_pid), daemon=True)
-            proc.start()
-            self.pipes.append(mine)
-            self.procs.append(proc)
-        for pipe in self.pipes:
-            assert pipe.recv() == "ready"
-
-    def run(self, phase: str, arg: object = None) -> list:
-        """Run ``phase`` in every simulator at once; their results in order."""
-        for pipe in self.pipes:
-            pipe.send((phase, arg))
-        results = []
-        for pipe in self.pipes:
-            status, value = pipe.recv()
-            if status != "ok":
-                raise RuntimeError(f"simulated nodes, phase {phase}: {value}")
-            results.append(value)
-        return results
-
-    def close(self) -> None:
-        for pipe in self.pipes:
-            try:
-                pipe.send(("close", None))
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-
-
 def run_one(count: int, servers_per: int, death_timeout: float, max_servers: int = 64) -> dict:
     servers = max(1, min(max_servers, count // servers_per))
     workers = count - servers
@@ -292,7 +235,8 @@ def run_one(count: int, servers_per: int, death_timeout: float, max_servers: int
     env.pop("PSLAUNCH_JOB_KEY", None)
     scheduler = subprocess.Popen([sys.executable, "-m", "psnode", "scheduler"], env=env, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
-    sims = Simulators(count, servers, port, job_id, scheduler.pid)
+    sims = Simulators(lambda indices: SimNodes(indices, servers, port, job_id, scheduler.pid), count,
+                      NODES_PER_PROCESS, "simulated nodes")
     result: dict = {"nodes": count, "servers": servers, "workers": workers, "simulator_processes": len(sims.procs)}
     try:
         time.sleep(0.5)

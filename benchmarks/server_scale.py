@@ -30,7 +30,6 @@ wall-clock figure, not in the server's CPU.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.scheduler_scale import _alive, _cpu, _more_files, _status  # noqa: E402
+from benchmarks.simulators import Simulators  # noqa: E402
 from pscontract import contract_env, free_port  # noqa: E402
 from psnode.node.protocol import (  # noqa: E402
     FLAG_ACKS,
@@ -204,70 +204,6 @@ class SimWorkers:
         self.ctx.term()
 
 
-def _simulator(conn, ranks: range, port: int, job_id: str, pids: tuple[int, int], values: int, workers: int,
-               window: int) -> None:
-    """A simulator process: run the phases its parent names, answer each one's result."""
-    sim = SimWorkers(ranks, port, job_id, pids, values, workers, window)
-    conn.send("ready")
-    try:
-        while True:
-            phase, arg = conn.recv()
-            if phase == "close":
-                return
-            try:
-                conn.send(("ok", getattr(sim, phase)(arg)))
-            except Exception as exc:  # the parent reports it
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        sim.close()
-
-
-class Simulators:
-    """The simulated workers of one job, ``WORKERS_PER_PROCESS`` per process at most."""
-
-    def __init__(self, workers: int, port: int, job_id: str, pids: tuple[int, int], values: int, window: int) -> None:
-        ctx = multiprocessing.get_context("fork")
-        self.pipes, self.procs = [], []
-        for first in range(0, workers, WORKERS_PER_PROCESS):
-            mine, theirs = ctx.Pipe()
-            ranks = range(first, min(workers, first + WORKERS_PER_PROCESS))
-            proc = ctx.Process(target=_simulator, args=(theirs, ranks, port, job_id, pids, values, workers, window),
-                               daemon=True)
-            proc.start()
-            self.pipes.append(mine)
-            self.procs.append(proc)
-        for pipe in self.pipes:
-            if not pipe.poll(120):
-                raise TimeoutError("a simulator did not start within 120 s")
-            assert pipe.recv() == "ready"
-
-    def run(self, phase: str, arg: object = None, only_first: bool = False) -> list:
-        """Run ``phase`` in every simulator at once (or the first only); their results in order."""
-        pipes = self.pipes[:1] if only_first else self.pipes
-        for pipe in pipes:
-            pipe.send((phase, arg))
-        results = []
-        for pipe in pipes:
-            if not pipe.poll(900):
-                raise TimeoutError(f"simulated workers, phase {phase}: no answer in 900 s")
-            status, value = pipe.recv()
-            if status != "ok":
-                raise RuntimeError(f"simulated workers, phase {phase}: {value}")
-            results.append(value)
-        return results
-
-    def close(self) -> None:
-        for pipe in self.pipes:
-            try:
-                pipe.send(("close", None))
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-
-
 def _node(role: str, port: int, workers: int, job_id: str, window: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO),
            **contract_env(role=role, root_uri="127.0.0.1", root_port=port, num_workers=workers, num_servers=1,
@@ -289,7 +225,9 @@ def run_one(workers: int, rounds: int, mib: float, window: int = 256 << 20) -> d
                     "window_mib": window / (1 << 20), "offered": window > 0 and workers * values * 4 > window}
     sims = None
     try:
-        sims = Simulators(workers, port, job_id, (scheduler.pid, server.pid), values, window)
+        pids = (scheduler.pid, server.pid)
+        sims = Simulators(lambda ranks: SimWorkers(ranks, port, job_id, pids, values, workers, window), workers,
+                          WORKERS_PER_PROCESS, "simulated workers")
         result["simulator_processes"] = len(sims.procs)
         sims.run("register")
         sims.run("init", only_first=True)

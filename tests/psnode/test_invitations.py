@@ -6,6 +6,7 @@ and offers or invitations that are wrong (refused, or counted as malformed, and 
 """
 
 import concurrent.futures
+import contextlib
 
 import numpy as np
 import pytest
@@ -89,12 +90,19 @@ def run_rounds(job: InProcJob, rounds: int) -> list[np.ndarray]:
     return pulled
 
 
-def test_pushes_whose_copies_would_pass_the_window_go_by_invitation_and_the_rounds_sum_right():
-    # 3 workers x 256 KiB = 768 KiB > 512 KiB: every worker offers; at most two pushes are let in at once
-    with InProcJob(num_workers=3, num_servers=1, settings={"PSLAUNCH_PUSH_WINDOW": str(512 << 10)}) as job:
+@contextlib.contextmanager
+def recorded_job(workers: int, window: int):
+    """A job of ``workers`` workers and one server holding key 7, every worker's messages recorded."""
+    with InProcJob(num_workers=workers, num_servers=1, settings={"PSLAUNCH_PUSH_WINDOW": str(window)}) as job:
         init_keys(job, {7: (0, np.zeros(VALUES, np.float32))})
         for worker in job.workers:
             worker.conn.transport.record = True
+        yield job
+
+
+def test_pushes_whose_copies_would_pass_the_window_go_by_invitation_and_the_rounds_sum_right():
+    # 3 workers x 256 KiB = 768 KiB > 512 KiB: every worker offers; at most two pushes are let in at once
+    with recorded_job(3, 512 << 10) as job:
         pulled = run_rounds(job, 3)
         for round_, outs in enumerate(pulled):
             for out in outs:  # no updater: a round's sum becomes the value
@@ -108,10 +116,7 @@ def test_pushes_whose_copies_would_pass_the_window_go_by_invitation_and_the_roun
 
 
 def test_pushes_whose_copies_fit_the_window_are_sent_at_once():
-    with InProcJob(num_workers=2, num_servers=1, settings={"PSLAUNCH_PUSH_WINDOW": str(512 << 10)}) as job:
-        init_keys(job, {7: (0, np.zeros(VALUES, np.float32))})
-        for worker in job.workers:
-            worker.conn.transport.record = True
+    with recorded_job(2, 512 << 10) as job:
         pulled = run_rounds(job, 2)
         assert np.all(pulled[1][0] == 2 + 3)  # round 1: ranks 0 and 1 push 2 and 3
         for worker in job.workers:
