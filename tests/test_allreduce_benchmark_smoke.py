@@ -41,3 +41,21 @@ def test_a_quick_run_reports_every_collective_row_with_measured_figures(tmp_path
     assert len(measures) == 10, measures
     assert sum("shared array" in m for m in measures) == 2, measures
     assert all(row["ratio"] is not None and row["ours"] > 0 and row["base"] > 0 for row in report["rows"]), report["rows"]
+
+
+def test_the_training_step_benchmark_runs_resnet20_under_every_system(tmp_path):
+    pytest.importorskip("torch", reason="the models and the DDP baseline need the torch extra")
+    out = tmp_path / "steps.json"
+    argv = [sys.executable, "-m", "benchmarks.train_step", "--model", "resnet20", "--quick", "--json", str(out),
+            "--log-dir", str(tmp_path / "logs"), "--job-timeout", "90"]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failures"] == [] and report["model"] == "resnet20"
+    rows = {row["system"]: row for row in report["rows"]}
+    from benchmarks.train_step import SYSTEMS
+
+    assert set(rows) == set(SYSTEMS), rows  # every worker checked its weights equal worker 0's, or its job failed
+    assert all(row["ms_per_step"] > 0 and row["images_per_s"] > 0 for row in rows.values()), rows
+    assert rows["trainer_allreduce"]["target"] == "<= 1x DDP" and rows["trainer_dist_sync"]["target"] == "<= 1.1x DDP"
+    assert set(report["hidden_share"]) == {"allreduce", "dist_sync"}

@@ -4,6 +4,7 @@ One worker with the local store runs now; the two-worker runs go through ``pslau
 with the bundled runtime and skip until both the launcher and the runtime are present.
 """
 
+import importlib.util
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +22,8 @@ LINE = re.compile(r"worker (\d+) epoch (\d+) test_accuracy ([0-9.]+)")
 FINAL = re.compile(r"worker (\d+) final test_accuracy ([0-9.]+) wall_time ([0-9.]+)")
 THRESHOLD = 0.95
 EPOCHS = 8
+RESNET_EPOCHS = 3
+RESNET_THRESHOLD = 0.5
 HAVE_RUNTIME_AND_LAUNCHER = (ROOT / "launcher" / "cli.py").is_file() and (ROOT / "psnode" / "__main__.py").is_file()
 needs_pslaunch = pytest.mark.skipif(
     not HAVE_RUNTIME_AND_LAUNCHER, reason="needs launcher/cli.py and psnode/__main__.py (the launcher and the runtime)"
@@ -131,11 +135,11 @@ def _job_processes(job_id):
     return pids
 
 
-def _pslaunch(script, workers, *args, timeout=240, servers=2):
+def _pslaunch(script, workers, *args, timeout=240, servers=2, epochs=EPOCHS):
     job_id = f"training-e2e-{uuid.uuid4().hex[:8]}"
     argv = [sys.executable, "-m", "launcher.cli", "--launcher", "local", "-n", str(workers), "-s", str(servers),
             "--job-id", job_id, "--timeout", str(timeout - 30),
-            "--", sys.executable, str(EXAMPLES / script), "--epochs", str(EPOCHS), *args]
+            "--", sys.executable, str(EXAMPLES / script), "--epochs", str(epochs), *args]
     try:
         out = _run(argv, timeout)
     finally:
@@ -145,7 +149,7 @@ def _pslaunch(script, workers, *args, timeout=240, servers=2):
     assert not leftovers, f"processes of job {job_id} outlived pslaunch: {leftovers}"
     curves = _accuracies(out)
     assert sorted(curves) == list(range(workers)), out
-    assert all(len(c) == EPOCHS for c in curves.values()), out
+    assert all(len(c) == epochs for c in curves.values()), out
     return curves
 
 
@@ -183,6 +187,63 @@ def test_torch_train_two_workers_through_pslaunch_with_and_without_servers():
         assert all(c[-1] >= THRESHOLD for c in curves.values()), curves
         assert curves[0] == curves[1], curves
     assert abs(with_servers[0][-1] - without[0][-1]) <= 0.01, (with_servers, without)
+
+
+def _synthetic_cifar():
+    """examples/synthetic_cifar.py as a module (the examples directory is not a package)."""
+    spec = importlib.util.spec_from_file_location("synthetic_cifar", EXAMPLES / "synthetic_cifar.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.unit
+def test_synthetic_cifar_is_a_pure_function_of_its_seed_with_balanced_classes():
+    load = _synthetic_cifar().load_synthetic_cifar
+    x_train, y_train, x_test, y_test = load(seed=3, train_size=200, test_size=50)
+    assert x_train.shape == (200, 3, 32, 32) and x_test.shape == (50, 3, 32, 32)
+    assert x_train.dtype == x_test.dtype == np.float32
+    assert y_train.dtype == y_test.dtype == np.int64
+    assert np.bincount(y_train, minlength=10).tolist() == [20] * 10
+    assert np.bincount(y_test, minlength=10).tolist() == [5] * 10
+    again = load(seed=3, train_size=200, test_size=50)
+    assert all(np.array_equal(a, b) for a, b in zip((x_train, y_train, x_test, y_test), again))
+    other = load(seed=4, train_size=200, test_size=50)
+    assert not np.array_equal(x_train, other[0])
+    with pytest.raises(ValueError, match="train_size must be a positive multiple of 10"):
+        load(train_size=205)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--compression", "2bit"], "--compression 2bit: Gradient compression is not supported for this type of "
+                                    "kvstore ('local')"),
+        (["--ddp"], "--ddp needs torchrun's variables"),
+        (["--train-size", "1005"], "train_size must be a positive multiple of 10"),
+    ],
+)
+def test_train_resnet_refuses_bad_flags_with_one_line_and_exit_code_2(args, message):
+    pytest.importorskip("torch", reason="the torch extra is not installed: pip install -e '.[torch]'")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_resnet.py"), "--epochs", "1", *args],
+                          cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@needs_pslaunch
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers", [2, 0], ids=["two-servers", "allreduce-no-servers"])
+def test_train_resnet_two_workers_learn_the_synthetic_images_through_pslaunch(servers):
+    pytest.importorskip("torch", reason="the torch extra is not installed: pip install -e '.[torch]'")
+    # A short run (3 epochs of 2,000 images, 93 steps): far from the example's final accuracy, far above chance (0.1).
+    curves = _pslaunch("train_resnet.py", 2, "--train-size", "2000", "--test-size", "500", servers=servers,
+                       epochs=RESNET_EPOCHS)
+    for worker, curve in curves.items():
+        assert curve[-1] >= RESNET_THRESHOLD, (worker, curve)
+        assert curve[-1] > curve[0], (worker, curve)
 
 
 def test_local_sum_example_prints_the_sums():
