@@ -56,7 +56,7 @@ import kvcore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synthetic_cifar import load_synthetic_cifar  # noqa: E402  (the examples directory is not a package)
-from training_cli import default_kvstore, report_final, training_parser, update_on_kvstore  # noqa: E402
+from training_cli import default_kvstore, report_epoch, report_final, training_parser, update_on_kvstore  # noqa: E402
 
 try:
     import torch
@@ -181,7 +181,7 @@ class DDPSync:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = training_parser(__doc__.split("\n\n")[0])
+    parser = training_parser(__doc__.split("\n\n")[0], hidden_layer=False)
     parser.set_defaults(epochs=8, batch_size=64, lr=0.05)
     parser.add_argument("--wd", type=float, default=5e-4, help="weight decay")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
@@ -206,15 +206,6 @@ def evaluate(model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor, batch
             logits = model(x_test[start:start + batch])
             correct += int((logits.argmax(dim=1) == y_test[start:start + batch]).sum())
     return correct / len(x_test)
-
-
-def report_epoch(rank: int, epoch: int, accuracy: float, loss_sum: float, samples: int, epoch_start: float,
-                 train_seconds: float) -> None:
-    """``training_cli.report_epoch``'s line with this worker's training throughput added."""
-    print(f"worker {rank} epoch {epoch} test_accuracy {accuracy:.4f} "
-          f"train_loss {loss_sum / max(1, samples):.4f} "
-          f"time {time.perf_counter() - epoch_start:.2f} "
-          f"images_per_s {samples / max(train_seconds, 1e-9):.1f}", flush=True)
 
 
 def main(argv=None) -> int:

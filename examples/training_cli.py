@@ -15,8 +15,11 @@ def default_kvstore(environ=os.environ) -> str:
     return "allreduce" if environ.get("DMLC_NUM_SERVER", "").strip() == "0" else "dist_sync"
 
 
-def training_parser(description: str) -> argparse.ArgumentParser:
-    """A parser with the flags every training example takes; an example adds its own after."""
+def training_parser(description: str, hidden_layer: bool = True) -> argparse.ArgumentParser:
+    """A parser with the flags every training example takes; an example adds its own after.
+
+    ``hidden_layer``: the model has a hidden layer whose width ``--hidden`` sets (the MLPs).
+    """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--kvstore", default=None,
                         help="store type (default: dist_sync under a launcher, allreduce when it started no "
@@ -25,7 +28,8 @@ def training_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch over all workers and devices")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--hidden", type=int, default=128, help="width of the hidden layer")
+    if hidden_layer:
+        parser.add_argument("--hidden", type=int, default=128, help="width of the hidden layer")
     parser.add_argument("--update-on", choices=["auto", "store", "worker"], default="auto",
                         help="where the optimizer runs (auto: in the store for dist_* stores)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the shuffles")
@@ -37,15 +41,19 @@ def update_on_kvstore(choice: str) -> bool | None:
     return {"auto": None, "store": True, "worker": False}[choice]
 
 
-def report_epoch(rank: int, epoch: int, accuracy: float, loss_sum: float, samples: int, epoch_start: float) -> None:
+def report_epoch(rank: int, epoch: int, accuracy: float, loss_sum: float, samples: int, epoch_start: float,
+                 train_seconds: float | None = None) -> None:
     """Print the line a worker prints after each epoch (the tests and the docs read this format).
 
     ``loss_sum`` is summed over the epoch's ``samples`` training samples of this worker;
-    ``epoch_start`` is the ``time.perf_counter()`` taken when the epoch began.
+    ``epoch_start`` is the ``time.perf_counter()`` taken when the epoch began. With
+    ``train_seconds`` (the epoch's training time, testing left out) the line ends with this worker's
+    ``images_per_s``.
     """
+    rate = "" if train_seconds is None else f" images_per_s {samples / max(train_seconds, 1e-9):.1f}"
     print(f"worker {rank} epoch {epoch} test_accuracy {accuracy:.4f} "
           f"train_loss {loss_sum / max(1, samples):.4f} "
-          f"time {time.perf_counter() - epoch_start:.2f}", flush=True)
+          f"time {time.perf_counter() - epoch_start:.2f}{rate}", flush=True)
 
 
 def report_final(rank: int, accuracy: float, started: float) -> None:
