@@ -33,7 +33,8 @@ from .hostfile import parse_hostfile
 __all__ = ["cli", "main", "build_config", "BACKEND_OPTIONS", "HELP_SECTIONS"]
 
 #: Flags that only one backend reads; that backend's ``options`` must name the ones it takes.
-BACKEND_OPTIONS = ("slurm_args", "sge_args", "sge_pe")
+BACKEND_OPTIONS = ("slurm_args", "sge_args", "sge_pe", "ray_address", "ray_strategy", "ray_worker_resources",
+                   "ray_server_resources", "ray_timeout")
 
 _EPILOG = """\b
 Examples:
@@ -43,6 +44,7 @@ Examples:
   pslaunch -n 2 --launcher mpi python train.py         one mpirun for every role
   pslaunch -n 8 -s 4 --launcher slurm train.py         one Slurm job step (salloc/sbatch or its own)
   pslaunch -n 8 -s 4 --launcher sge train.py           one SGE parallel-environment job
+  pslaunch -n 4 -s 2 --launcher ray train.py           on a Ray cluster (RAY_ADDRESS), one placement group
   pslaunch -n 2 --dry-run -H hosts train.py            print the plan, start nothing
 \b
 Exit codes: 0 success; the (last) root-cause process's code (128+signal; 1 when it is 2-5); 2 bad input;
@@ -60,6 +62,7 @@ HELP_SECTIONS = {
     "Hosts and ssh": ("hostfile", "sync_dst_dir", "ssh_port", "ssh_user", "identity", "ssh_config", "known_hosts",
                       "host_key_policy", "connect_timeout", "link_timeout"),
     "Batch systems": ("slurm_args", "sge_args", "sge_pe"),
+    "Ray clusters": ("ray_address", "ray_strategy", "ray_worker_resources", "ray_server_resources", "ray_timeout"),
     "Nodes without ssh": ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_timeout"),
     "Output": ("log_dir", "ranks", "timestamps", "verbose", "quiet", "dry_run"),
     "Ending and restarts": ("timeout", "stop_grace", "shutdown_grace", "max_restarts", "checkpoint_dir",
@@ -96,7 +99,7 @@ class _SectionedCommand(click.Command):
 @click.option("-H", "--hostfile", type=click.Path(dir_okay=False), default=None,
               help="Hosts to run on: `[user@]host[:sshport] [slots=N]` per line.")
 @click.option("--launcher", "backend", default=None, metavar="NAME",
-              help="Backend: local, ssh, mpi, slurm or sge [default: ssh with a hostfile, local without].")
+              help="Backend: local, ssh, mpi, slurm, sge or ray [default: ssh with a hostfile, local without].")
 @click.option("--command-for-all-roles", is_flag=True,
               help="Run COMMAND as scheduler and servers too (MXNet / ps-lite / BytePS programs) "
                    "instead of the bundled runtime `python -m psnode`.")
@@ -136,6 +139,20 @@ class _SectionedCommand(click.Command):
               help="qsub options: queue, resources, project, ... (--launcher sge).")
 @click.option("--sge-pe", default=None, metavar="NAME",
               help="SGE parallel environment the job asks slots of [default: smp] (--launcher sge).")
+@click.option("--ray-address", default=None, metavar="ADDRESS",
+              help="The Ray cluster to run on (--launcher ray) [default: $RAY_ADDRESS, then auto: the cluster this "
+                   "machine is a node of].")
+@click.option("--ray-strategy", type=click.Choice(["spread", "pack"]), default=None,
+              help="How the placement group spreads the processes over the nodes: spread (servers on distinct "
+                   "nodes when it can) or pack [default: spread] (--launcher ray).")
+@click.option("--ray-worker-resources", default=None, metavar="JSON",
+              help="""What each worker asks of Ray, e.g. '{"CPU": 1, "GPU": 1}' [default: {"CPU": 1}] """
+                   "(--launcher ray).")
+@click.option("--ray-server-resources", default=None, metavar="JSON",
+              help="""What each server asks of Ray [default: {"CPU": 1}] (--launcher ray).""")
+@click.option("--ray-timeout", default=None, metavar="SECONDS",
+              help="Seconds Ray has to place the job's placement group; then the missing resources are named "
+                   "[default: 60] (--launcher ray).")
 @click.option("--nnodes", type=int, default=None, metavar="N",
               help="Run as one of N per-node agents: the same command on every node, no ssh between them; node 0 "
                    "runs the scheduler and the job's table (-n and -s stay totals, spread over the nodes).")

@@ -6,8 +6,9 @@
 #                    directories (nothing in /etc is configured or changed for them),
 #                    tmux (a real terminal for the Ctrl-Z test), iproute2 (network namespaces for the
 #                    simulated cluster of the `netns` tests, and tc for a benchmark's capped link)
-#   Python: a virtual environment in .venv with pslaunch installed editable, plus the test extra and
-#           the torch extra (torch==2.13.0, the CPU build, for the PyTorch training example)
+#   Python: a virtual environment in .venv with pslaunch installed editable, plus the test extra, the
+#           torch extra (torch==2.13.0, the CPU build, for the PyTorch training example) and the ray
+#           extra (the `ray` tests start a two-node Ray cluster of their own)
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -k kvstore`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,5 +51,5 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,torch]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,torch,ray]'
 exec .venv/bin/python -m pytest "$@"

@@ -9,8 +9,9 @@
   parameter; ``mpi`` and ``netns`` are also marked by their modules and tests. ``pytest -m slurm``
   runs one group alone.
 - Under pytest-xdist (``-n``), each group that starts a session-wide cluster (Slurm, SGE, the
-  simulated network-namespace cluster) runs on one xdist worker (``--dist loadgroup``), so the
-  cluster is started once and no two of them share the machine's daemons' names.
+  simulated network-namespace cluster, the Ray cluster of ``ray``) runs on one xdist worker
+  (``--dist loadgroup``), so the cluster is started once and no two of them share the machine's
+  daemons' names.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 DAEMON_GROUPS = ("ssh", "mpi", "slurm", "sge")
 _FIXTURE_GROUPS = {"sshd": "ssh", "slurm": "slurm", "sge": "sge"}
 #: groups whose session fixture is a whole cluster: one xdist worker runs each
-_ONE_WORKER = ("slurm", "sge", "netns")
+_ONE_WORKER = ("slurm", "sge", "netns", "ray")
 
 
 def _groups(item: pytest.Item) -> set[str]:
@@ -31,7 +32,7 @@ def _groups(item: pytest.Item) -> set[str]:
     callspec = getattr(item, "callspec", None)
     if callspec is not None:
         found |= {value for value in callspec.params.values() if isinstance(value, str) and value in DAEMON_GROUPS}
-    found |= {group for group in (*DAEMON_GROUPS, "netns") if item.get_closest_marker(group) is not None}
+    found |= {group for group in (*DAEMON_GROUPS, "netns", "ray") if item.get_closest_marker(group) is not None}
     return found
 
 

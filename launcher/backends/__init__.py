@@ -1,8 +1,8 @@
-"""Launcher backends, chosen by name: ``local``, ``ssh``, ``mpi``, ``slurm``, ``sge``, and ``agents``
-(``--nnodes``: one pslaunch per node, ``launcher.agents``).
+"""Launcher backends, chosen by name: ``local``, ``ssh``, ``mpi``, ``slurm``, ``sge``, ``ray`` (an
+existing Ray cluster), and ``agents`` (``--nnodes``: one pslaunch per node, ``launcher.agents``).
 
 ``get_backend(name)`` imports the backend's module only when it is used (paramiko is only loaded
-for ``ssh``). A new backend is one more line in ``_BACKENDS``.
+for ``ssh``, Ray only for ``ray``). A new backend is one more line in ``_BACKENDS``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ _BACKENDS: dict[str, str] = {
     "mpi": "launcher.backends.mpi:MpiBackend",
     "slurm": "launcher.backends.slurm:SlurmBackend",
     "sge": "launcher.backends.sge.backend:SgeBackend",
+    "ray": "launcher.backends.ray.backend:RayBackend",
     "agents": "launcher.agents.backend:AgentsBackend",
 }
 

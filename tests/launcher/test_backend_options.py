@@ -12,7 +12,7 @@ from launcher.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
-BACKENDS = ("local", "ssh", "mpi", "slurm", "sge", "agents")
+BACKENDS = ("local", "ssh", "mpi", "slurm", "sge", "ray", "agents")
 #: What a backend needs to be chosen at all (the agents: --nnodes and its rendezvous).
 CHOSEN_BY = {"agents": ["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29400"]}
 
@@ -31,8 +31,14 @@ OPTIONS = {
     "--slurm-args": ["--slurm-args", "--partition=debug"],
     "--sge-args": ["--sge-args", "-q all.q"],
     "--sge-pe": ["--sge-pe", "mpi"],
+    "--ray-address": ["--ray-address", "10.0.0.1:6379"],
+    "--ray-strategy": ["--ray-strategy", "pack"],
+    "--ray-worker-resources": ["--ray-worker-resources", '{{"CPU": 2, "GPU": 1}}'],  # braces doubled: .format
+    "--ray-server-resources": ["--ray-server-resources", '{{"CPU": 2}}'],
+    "--ray-timeout": ["--ray-timeout", "30"],
     "--restart-scope worker": ["--restart-scope", "worker", "--max-restarts", "1", "--allow-restart-from-scratch"],
 }
+RAY_OPTIONS = ("--ray-address", "--ray-strategy", "--ray-worker-resources", "--ray-server-resources", "--ray-timeout")
 SSH_OPTIONS = ("--ssh-port", "--ssh-user", "-i", "--ssh-config", "--known-hosts", "--host-key-policy", "--link-timeout")
 
 # what each backend accepts; every other option of OPTIONS is refused
@@ -42,6 +48,7 @@ ACCEPTS = {
     "mpi": {"-H", "--sync-dst-dir", *SSH_OPTIONS, "--scheduler-host"},
     "slurm": {"--slurm-args", "--restart-scope worker"},
     "sge": {"--sge-args", "--sge-pe", "--restart-scope worker"},
+    "ray": {"--sync-dst-dir", *RAY_OPTIONS, "--restart-scope worker"},
     "agents": {"--link-timeout", "--restart-scope worker"},
 }
 

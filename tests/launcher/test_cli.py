@@ -26,7 +26,7 @@ def test_dry_run_prints_the_plan_with_hosts_argv_and_env_names_but_no_secret_val
 def test_unknown_backend_error_lists_the_known_ones_and_exits_2():
     res = run_pslaunch(["-n", "1", "--launcher", "yarn", "true"])
     assert res.returncode == 2
-    assert res.stderr.strip() == "pslaunch: error: unknown launcher backend 'yarn'; known backends: agents, local, mpi, sge, slurm, ssh"
+    assert res.stderr.strip() == "pslaunch: error: unknown launcher backend 'yarn'; known backends: agents, local, mpi, ray, sge, slurm, ssh"
 
 
 def test_hostfile_error_is_one_line_naming_file_and_line_and_exits_2(tmp_path):
