@@ -133,6 +133,9 @@ def main() -> int:
         first = checksum.clone()
         dist.broadcast(first, 0)
         same = bool(first == checksum)
+        # both ranks leave together: gloo aborts a process whose peer closed the connection while its
+        # own teardown still used it ("terminate called without an active exception", seen under load)
+        dist.barrier()
         dist.destroy_process_group()
     else:
         rows = kvcore.collectives.allgather(checksum.numpy())  # also between the workers of a job with servers
