@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import pscontract as ec
 
-from ..backends.base import Backend, ExitStatus, ProcessHandle, route_block
+from ..backends.base import Backend, ExitStatus, ProcessHandle, VerbHandle, route_block
 from ..backends.local import LocalSpawner
 from ..backends.remote.linkwatch import LinkWatch
 from ..backends.remote.scriptcheck import check_scripts_here
@@ -61,7 +61,7 @@ def check_checkpoint_here(directory: str | None, specs) -> None:
                           f"{exc.strerror or exc}") from None
 
 
-class AgentHandle(ProcessHandle):
+class AgentHandle(VerbHandle):
     """A process another node's agent runs for attempt ``generation``."""
 
     def __init__(self, spec: ProcessSpec, generation: int, backend: "AgentsBackend") -> None:
@@ -89,21 +89,6 @@ class AgentHandle(ProcessHandle):
         if not self.unreachable and self.backend.hub is not None:
             self.backend.hub.send(self.node, {"t": "signal", "g": self.generation, "name": self.spec.name,
                                               "what": what})
-
-    def terminate(self) -> None:
-        self._tell("TERM")
-
-    def kill(self) -> None:
-        self._tell("KILL")
-
-    def suspend(self) -> None:
-        self._tell("STOP")
-
-    def resume(self) -> None:
-        self._tell("CONT")
-
-    def request_end(self) -> None:
-        self._tell("END")
 
     def close(self, timeout: float = 2.0) -> None:
         # The agent reports an exit only after the process's output was read to its end and sent

@@ -29,7 +29,7 @@ from ..errors import ConfigError
 from ..output import LineSplitter, Printer
 from ..plan import Plan, ProcessSpec
 
-__all__ = ["Backend", "ProcessHandle", "ExitStatus", "pump", "drain", "route_block", "MARKER"]
+__all__ = ["Backend", "ProcessHandle", "GuardedHandle", "VerbHandle", "ExitStatus", "pump", "drain", "route_block", "MARKER"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,42 @@ class ProcessHandle(ABC):
     def duration(self) -> float:
         """Seconds from start to end (or to now while running)."""
         return (self.ended or time.monotonic()) - self.started
+
+
+class GuardedHandle(ProcessHandle):
+    """A process started under the remote guard (``launcher.backends.remote``), which reports the
+    process's pid as a ``PID n`` marker line."""
+
+    def on_marker(self, text: str) -> None:
+        """Control lines: ``PID n`` from the guard, the runtime's (``ProcessHandle.on_marker``)."""
+        verb, _, arg = text.strip().partition(" ")
+        if verb == "PID" and arg.isdigit():
+            self.pid = int(arg)
+        else:
+            super().on_marker(text)
+
+
+class VerbHandle(ProcessHandle):
+    """A process whose signals are sent elsewhere as verbs (``TERM``, ``KILL``, ``STOP``, ``CONT``,
+    ``END``: the last is SIGUSR1) to whatever started it there; ``_tell`` sends one, non-blocking."""
+
+    @abstractmethod
+    def _tell(self, verb: str) -> None: ...
+
+    def terminate(self) -> None:
+        self._tell("TERM")
+
+    def kill(self) -> None:
+        self._tell("KILL")
+
+    def suspend(self) -> None:
+        self._tell("STOP")
+
+    def resume(self) -> None:
+        self._tell("CONT")
+
+    def request_end(self) -> None:
+        self._tell("END")
 
 
 #: The flag of each ``LaunchConfig`` field a backend may refuse (``Backend.refuses``), for messages.

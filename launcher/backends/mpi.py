@@ -36,6 +36,7 @@ from ..mpi_rank import payload
 from ..network import check_plan_reachable
 from ..output import LineSplitter
 from ..plan import Plan, ProcessSpec
+from ..procfs import session_members
 from .base import Backend, ExitStatus, ProcessHandle, route_block
 from .local import READ_SIZE, LocalHandle, LocalSpawner, _launcher_root
 from .remote.checkpointdir import check_checkpoint_dir
@@ -288,7 +289,7 @@ class MpirunHandle(LocalHandle):
 
     def kill(self) -> None:
         super().kill()
-        for pid in _session_members(self.popen.pid):
+        for pid in session_members(self.popen.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -302,26 +303,6 @@ class MpirunHandle(LocalHandle):
                                       name=f"pslaunch-mpirun-{stream}", daemon=True)
             thread.start()
             self._threads.append(thread)
-
-
-def _session_members(sid: int) -> list[int]:
-    """The processes of session ``sid`` (from /proc; empty elsewhere)."""
-    found = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:
-            found.append(int(entry))
-    return found
 
 
 def _read_tagged(pipe, stream: str, ranks: list[ShimHandle], backend: MpiBackend, done: list) -> None:

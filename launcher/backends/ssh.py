@@ -19,7 +19,7 @@ from ..errors import SpawnError
 from ..hostfile import Host
 from ..network import check_plan_reachable
 from ..plan import Plan, ProcessSpec
-from .base import Backend, ExitStatus, ProcessHandle, pump
+from .base import Backend, ExitStatus, GuardedHandle, ProcessHandle, pump
 from .local import LocalSpawner
 from .remote.checkpointdir import check_checkpoint_dir
 from .remote.guard import env_payload, remote_command
@@ -34,7 +34,7 @@ __all__ = ["SshBackend", "SshHandle"]
 _CHANNELS_PER_CONNECTION = 8
 
 
-class SshHandle(ProcessHandle):
+class SshHandle(GuardedHandle):
     """A process running under the remote guard on one paramiko channel; ``watch`` says whether
     its host is still heard from (``launcher.backends.remote.linkwatch``)."""
 
@@ -44,14 +44,6 @@ class SshHandle(ProcessHandle):
         self.watch = watch
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-
-    def on_marker(self, text: str) -> None:
-        """Control lines: ``PID n`` from the guard, the runtime's (``ProcessHandle.on_marker``)."""
-        verb, _, arg = text.strip().partition(" ")
-        if verb == "PID" and arg.isdigit():
-            self.pid = int(arg)
-        else:
-            super().on_marker(text)
 
     def _poll(self) -> ExitStatus | None:
         transport = self.channel.get_transport()

@@ -29,7 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["RayCluster", "RayClusterError", "ray_usable", "session_pids"]
+from launcher.procfs import session_members
+from testkit.launcher.processes import cmdline
+
+__all__ = ["RayCluster", "RayClusterError", "ray_usable", "session_members"]
 
 #: Seconds a node has to say it started.
 START_TIMEOUT = 60.0
@@ -73,30 +76,6 @@ def ray_usable() -> str | None:
     from testkit.netns import usable
 
     return usable()
-
-
-def session_pids(sid: int) -> list[int]:
-    """Pids of the live processes of session ``sid``, from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != b"Z":
-            found.append(int(entry))
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode("utf-8", "replace")
-    except OSError:
-        return ""
 
 
 class RayCluster:
@@ -209,8 +188,8 @@ class RayCluster:
 
     def kill_raylet(self, node: str) -> int:
         """SIGKILL ``node``'s raylet (the node leaves the cluster); returns its pid."""
-        for pid in session_pids(self._nodes[node].pid):
-            if "/raylet" in _cmdline(pid).split(" ", 1)[0]:
+        for pid in session_members(self._nodes[node].pid):
+            if "/raylet" in cmdline(pid).split(" ", 1)[0]:
                 os.kill(pid, signal.SIGKILL)
                 return pid
         raise RayClusterError(f"no raylet found on {node}")
@@ -254,7 +233,7 @@ class RayCluster:
     def processes(self, node: str) -> list[int]:
         """Pids of ``node``'s Ray processes (and what they started)."""
         proc = self._nodes.get(node)
-        return session_pids(proc.pid) if proc is not None else []
+        return session_members(proc.pid) if proc is not None else []
 
     def close(self) -> None:
         """SIGKILL every process of every node this cluster started (by pid, by session), then remove
@@ -283,7 +262,7 @@ class RayCluster:
         if proc is None:
             return
         for _ in range(50):
-            pids = session_pids(proc.pid)
+            pids = session_members(proc.pid)
             if not pids:
                 break
             for pid in pids:

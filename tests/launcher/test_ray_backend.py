@@ -209,7 +209,11 @@ def test_ctrl_c_while_ray_cannot_place_the_group_ends_at_once_and_removes_it(ray
     proc = _started(ray_cluster, ["-n", "2", "-s", "1", "--ray-worker-resources", '{"GPU": 1}', "--ray-timeout", "120",
                                   "examples/train_mlp.py"], tmp_path)
     try:
-        time.sleep(4)  # connected, the group pending
+        deadline = time.monotonic() + 60
+        while not ray_cluster.left()["placement_groups"]:  # connected, the group made and pending
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()
+            assert time.monotonic() < deadline, f"no placement group after 60 s: {(tmp_path / 'stderr').read_text()}"
+            time.sleep(0.1)
         assert proc.poll() is None, (tmp_path / "stderr").read_text()
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(30) == 130, (tmp_path / "stderr").read_text()

@@ -33,7 +33,7 @@ from ...errors import ConfigError, PlacementError, PreflightError, SpawnError, S
 from ...network import parse_interface
 from ...output import LineSplitter
 from ...plan import Plan, ProcessSpec
-from ..base import Backend, ExitStatus, ProcessHandle, route_block
+from ..base import Backend, ExitStatus, GuardedHandle, ProcessHandle, VerbHandle, route_block
 from ..remote.scriptcheck import check_scripts_here
 from .placement import PENDING_HOST, assign_bundles, place
 from .settings import STRATEGIES, RaySettings, bundles_for, shortfall
@@ -59,7 +59,7 @@ def _ray():
     return ray
 
 
-class RayHandle(ProcessHandle):
+class RayHandle(GuardedHandle, VerbHandle):
     """A process a ``ProcessActor`` runs on its node; see the module docstring."""
 
     def __init__(self, spec: ProcessSpec, actor, printer) -> None:
@@ -75,14 +75,6 @@ class RayHandle(ProcessHandle):
     def follow(self) -> None:
         """Start reading the actor's output (once the actor started the process)."""
         self._thread.start()
-
-    def on_marker(self, text: str) -> None:
-        """Control lines: ``PID n`` from the guard, the runtime's (``ProcessHandle.on_marker``)."""
-        verb, _, arg = text.strip().partition(" ")
-        if verb == "PID" and arg.isdigit():
-            self.pid = int(arg)
-        else:
-            super().on_marker(text)
 
     def _follow(self) -> None:
         splitters = {stream: LineSplitter(lambda block, s=stream: route_block(self, s, self._printer, block))
@@ -143,21 +135,6 @@ class RayHandle(ProcessHandle):
             self.actor.tell.remote(verb)
         except Exception:  # noqa: BLE001 - Ray refuses calls to a dead actor; nothing runs there to signal
             pass
-
-    def terminate(self) -> None:
-        self._tell("TERM")
-
-    def kill(self) -> None:
-        self._tell("KILL")
-
-    def suspend(self) -> None:
-        self._tell("STOP")
-
-    def resume(self) -> None:
-        self._tell("CONT")
-
-    def request_end(self) -> None:
-        self._tell("END")
 
     def close(self, timeout: float = 2.0) -> None:
         if self._thread.is_alive():
