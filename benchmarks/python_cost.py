@@ -105,6 +105,8 @@ class _StandIn(Transport):
                 self._reply(SCHEDULER, protocol.pack_header(protocol.Cmd.ADDRBOOK), protocol.pack_json({"rank": 0, "nodes": nodes}))
             elif cmd == protocol.Cmd.BARRIER:
                 self._reply(SCHEDULER, protocol.pack_header(protocol.Cmd.BARRIER_DONE, req))
+            elif cmd == protocol.Cmd.LEDGER_APPEND:  # worker 0 tells where it placed the key
+                self._reply(SCHEDULER, protocol.pack_header(protocol.Cmd.LEDGER_ACK, req))
             elif cmd == protocol.Cmd.HEARTBEAT and len(frames) > 1:  # a timeline's clock probe
                 probe = protocol.unpack_json(frames[1]).get("clock")
                 self._reply(SCHEDULER, protocol.pack_header(protocol.Cmd.HEARTBEAT_ACK, req),
@@ -115,8 +117,8 @@ class _StandIn(Transport):
             self._reply(peer, protocol.pack_value(req, 0, self.value))
         elif cmd == protocol.Cmd.PUSH:  # before the network thread parks, pushes leave on their own
             self._reply(peer, protocol.pack_header(protocol.Cmd.PUSH_ACK, 0, 1), np.array([[req, arg]], np.uint64).tobytes())
-        elif cmd == protocol.Cmd.INIT:
-            self.value = bytes(frames[2])
+        elif cmd == protocol.Cmd.INIT:  # the 4-float value, packed at the start of its first data frame
+            self.value = bytes(frames[2])[:16]
             self._reply(peer, protocol.pack_header(protocol.Cmd.INIT_ACK, req, arg))
         elif cmd not in (protocol.Cmd.VALUE, protocol.Cmd.PULL_REPLY):
             raise SystemExit(f"python_cost: the node sent {protocol.Cmd(cmd).name}, not the small round trip's frame")

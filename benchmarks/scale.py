@@ -1,9 +1,11 @@
 """What a job costs as it grows: every table of docs/scale.md, in one run.
 
     python -m benchmarks.scale [--workers 96] [--servers 32] [--rounds 10] [--skip-job]
-                               [--scheduler-nodes 1024,4096] [--server-workers 64,256,1024] [--json out.json]
+                               [--scheduler-nodes 1024,4096] [--server-workers 64,256,1024]
+                               [--many-keys 1000000] [--per-call-servers 2,4,8,16] [--json out.json]
 
-(``--scheduler-nodes ''`` / ``--server-workers ''`` leave that table out.)
+(``--scheduler-nodes ''`` / ``--server-workers ''`` / ``--many-keys 0`` / ``--per-call-servers ''``
+leave that table out.)
 
 * **Placement.** For ResNet-50, BERT-base and 100 keys of random sizes (``testkit.model_shapes``),
   the busiest server's bytes over the mean at 2, 4, 8 and 16 servers, by the key-hash rule
@@ -15,6 +17,9 @@
   processes of the role, from ``/proc/PID/status`` sampled every 0.2 s), pslaunch's own CPU seconds
   and peak RSS, and which of torch, sklearn, scipy, numpy and CuPy each role's processes mapped
   (``/proc/PID/maps``: a server must not pay for what only workers use).
+* **Placement in real jobs** (``benchmarks.placement_jobs``): a million keys in one init call (each
+  call's seconds, the scheduler's and the workers' peak RSS), and the balance when each worker inits
+  one key per call, the two in opposite orders.
 * **The scheduler with 1,024 and 4,096 nodes** (``benchmarks.scheduler_scale``, simulated nodes).
 * **One server with 64 to 1,024 workers** in rounds of a 1 MiB key (``benchmarks.server_scale``,
   simulated workers): its CPU per byte, and its memory, with pushes by invitation.
@@ -24,17 +29,16 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
-import time
 from pathlib import Path
 
 import click
 import numpy as np
+
+from benchmarks import placement_jobs
+from benchmarks.job_watch import psnode_role, watch_job
 
 REPO = Path(__file__).resolve().parent.parent
 BOUND = 1_000_000
@@ -78,40 +82,6 @@ def placement_table() -> list[dict]:
     return rows
 
 
-def _status(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            return dict(line.rstrip("\n").split(":\t", 1) for line in fh if ":\t" in line)
-    except OSError:
-        return {}
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _of_job(pid: int, job_id: str) -> bool:
-    """Whether process ``pid`` belongs to job ``job_id`` (its ``PSLAUNCH_JOB_ID``)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            return f"PSLAUNCH_JOB_ID={job_id}".encode() in fh.read().split(b"\0")
-    except OSError:
-        return False
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except OSError:
-        return 0.0
-
-
 def big_job(workers: int, servers: int, rounds: int) -> dict:
     tag = f"scale-{os.getpid()}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,69 +90,12 @@ def big_job(workers: int, servers: int, rounds: int) -> dict:
         env = {**os.environ, "PYTHONPATH": str(REPO), "ROUNDS": str(rounds)}
         argv = [sys.executable, "-m", "launcher.cli", "-n", str(workers), "-s", str(servers), "--launcher", "local",
                 "--env", "ROUNDS", "--job-id", tag, "--timeout", "900", "--no-dashboard", sys.executable, str(script)]
-        peaks: dict[int, tuple[str, int]] = {}
-        loaded: dict[int, tuple[str, frozenset]] = {}  # pid -> (role, heavy libraries mapped)
-        launcher = {"cpu_s": 0.0, "rss_kib": 0}
-        start = time.monotonic()
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        done = threading.Event()
-
-        def sample() -> None:
-            looks = 0
-            while not done.is_set():
-                status = _status(proc.pid)
-                if status:
-                    launcher["rss_kib"] = max(launcher["rss_kib"], int(status.get("VmHWM", "0 kB").split()[0]))
-                    launcher["cpu_s"] = max(launcher["cpu_s"], _cpu_seconds(proc.pid))
-                for entry in os.listdir("/proc"):
-                    if not entry.isdigit() or int(entry) == proc.pid:
-                        continue
-                    cmd = _cmdline(int(entry))
-                    role = ("worker" if str(script) in cmd else "server" if "psnode server" in cmd
-                            else "scheduler" if "psnode scheduler" in cmd else None)
-                    if role is None or not _of_job(int(entry), tag):  # another job's, on a busy machine
-                        continue
-                    hwm = int(_status(int(entry)).get("VmHWM", "0 kB").split()[0] or 0)
-                    peaks[int(entry)] = (role, max(hwm, peaks.get(int(entry), (role, 0))[1]))
-                    if looks % 5 == 0 or int(entry) not in loaded:  # what it mapped so far (it imports as it goes)
-                        seen = loaded.get(int(entry), (role, frozenset()))[1]
-                        loaded[int(entry)] = (role, seen | _heavy_libraries(int(entry)))
-                looks += 1
-                done.wait(0.2)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        out, err = proc.communicate(timeout=1200)
-        wall = time.monotonic() - start
-        done.set()
-        sampler.join()
-    if proc.returncode != 0:
-        raise RuntimeError(f"the {workers} x {servers} job failed ({proc.returncode}):\n{err[-3000:]}")
-    roles: dict[str, list[int]] = {}
-    for role, kib in peaks.values():
-        roles.setdefault(role, []).append(kib)
-    libraries: dict[str, set] = {}
-    for role, found in loaded.values():
-        libraries.setdefault(role, set()).update(found)
-    return {"workers": workers, "servers": servers, "rounds": rounds, "wall_s": wall,
-            "rss_mib": {role: {"max": max(v) / 1024, "median": statistics.median(v) / 1024, "seen": len(v)}
-                        for role, v in roles.items()},
-            "launcher_cpu_s": launcher["cpu_s"], "launcher_rss_mib": launcher["rss_kib"] / 1024,
-            "libraries": {role: sorted(found) for role, found in libraries.items()}}
-
-
-#: Libraries a process may load whose cost a server must not pay (what they map, by path piece).
-_HEAVY = {"torch": "/torch/", "sklearn": "/sklearn/", "scipy": "/scipy/", "numpy": "/numpy/", "cupy": "/cupy"}
-
-
-def _heavy_libraries(pid: int) -> frozenset:
-    """Which of ``_HEAVY`` process ``pid`` has mapped (read from ``/proc/PID/maps``)."""
-    try:
-        with open(f"/proc/{pid}/maps") as fh:
-            maps = fh.read()
-    except OSError:
-        return frozenset()
-    return frozenset(name for name, piece in _HEAVY.items() if piece in maps)
+        watch = watch_job(argv, env, tag, psnode_role(str(script)))
+    if watch.returncode != 0:
+        raise RuntimeError(f"the {workers} x {servers} job failed ({watch.returncode}):\n{watch.stderr[-3000:]}")
+    return {"workers": workers, "servers": servers, "rounds": rounds, "wall_s": watch.wall_s,
+            "rss_mib": watch.rss_mib(), "launcher_cpu_s": watch.launcher_cpu_s,
+            "launcher_rss_mib": watch.launcher_rss_kib / 1024, "libraries": watch.libraries_by_role()}
 
 
 @click.command()
@@ -195,9 +108,13 @@ def _heavy_libraries(pid: int) -> frozenset:
 @click.option("--death-timeout", default=10.0, show_default=True, help="The scheduler table's heartbeat timeout.")
 @click.option("--server-workers", default="64,256,1024", show_default=True,
               help="Worker counts of the server's table (benchmarks.server_scale); '' leaves it out.")
+@click.option("--many-keys", default=1_000_000, show_default=True,
+              help="Keys of the one-init-call job (benchmarks.placement_jobs); 0 leaves it out.")
+@click.option("--per-call-servers", default="2,4,8,16", show_default=True,
+              help="Server counts of the one-key-per-call table (benchmarks.placement_jobs); '' leaves it out.")
 @click.option("--json", "json_path", default=None)
 def main(workers: int, servers: int, rounds: int, skip_job: bool, scheduler_nodes: str, death_timeout: float,
-         server_workers: str, json_path: str | None) -> None:
+         server_workers: str, many_keys: int, per_call_servers: str, json_path: str | None) -> None:
     sys.path.insert(0, str(REPO))
     report: dict = {"placement": placement_table()}
     print("busiest server's bytes / mean (hash rule -> by bytes; keys under the bound split)")
@@ -206,6 +123,14 @@ def main(workers: int, servers: int, rounds: int, skip_job: bool, scheduler_node
         cells = [f"{r['hash']:.2f} -> {r['by_bytes']:.3f} ({r['split_under_bound']})"
                  for r in report["placement"] if r["model"] == model]
         print(f"{model:18s} " + "  ".join(f"{c:16s}" for c in cells))
+    if per_call_servers:
+        report["per_call"] = placement_jobs.per_call_table([int(n) for n in per_call_servers.split(",")])
+        print()
+        placement_jobs.print_per_call(report["per_call"])
+    if many_keys:
+        report["many_keys"] = placement_jobs.many_keys(many_keys)
+        print()
+        placement_jobs.print_many_keys(report["many_keys"])
     if not skip_job:
         job = report["job"] = big_job(workers, servers, rounds)
         print(f"\n{workers} workers x {servers} servers, {rounds} rounds, --launcher local: {job['wall_s']:.1f} s")

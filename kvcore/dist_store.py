@@ -8,7 +8,12 @@ distributed store of the process (``kvcore.runtime`` holds it; a test hands one 
 
 Semantics (MXNet's dist KVStore):
 
-- ``init`` sends rank 0's value (the others' are ignored) and returns once every worker may pull it.
+- ``init`` keeps rank 0's value (the others' are ignored). Worker 0 decides where each key goes
+  (``kvcore.placement``): its init records the keys with a copy of each value, and they are placed
+  together and sent before its next call that reaches the servers (``kvcore.deferred_init``); then
+  it tells every worker where they went (``kvcore.placement_book``). Another worker's init returns
+  once worker 0 has put its keys on the servers, so every worker may pull them at once. Workers may
+  init in any order, grouping and subset of keys: no barrier has to match.
 - ``push`` returns a ``Handle`` at once, without waiting for the servers; the caller may change its
   arrays as soon as push returns (small values are packed, big ones copied into a send buffer kept
   per key). A list of values for one key is summed on the worker first: on the host for
@@ -28,7 +33,8 @@ Semantics (MXNet's dist KVStore):
   on the servers.
 - ``priority``: higher goes first when sends queue up.
 - A worker pslaunch started again alone (``--restart-scope worker``, ``dist_async`` only) joins the
-  running job with its rank: its ``init``, ``set_optimizer`` and ``set_gradient_compression`` only
+  running job with its rank: its ``init`` learns where worker 0 placed the keys (a restarted worker
+  0 places only keys never placed before), ``set_optimizer`` and ``set_gradient_compression`` only
   set it up locally (the servers hold the keys, the optimizer and its state), and it goes on pushing.
 - ``set_gradient_compression(params)`` (every worker calls it; rank 0 sends the threshold to every
   server, at full float32 precision; all return after a barrier): from then on each worker
@@ -61,21 +67,20 @@ from . import arrays, runtime
 from .dist_errors import maps_runtime_errors, runtime_errors
 from .errors import (
     DistributedError,
-    DistTimeoutError,
     DTypeMismatchError,
-    NodeDiedError,
     OptimizerError,
-    ServerError,
     ShapeMismatchError,
 )
 from .handles import Handle
+from .key_init import KeyInit
 from .node_handle import NodeHandle
 from .optim.base import Optimizer, Updater
-from .placement import KeyRequest, Placement
+from .placement import KeyRequest
 from .sharding import KeyLayout
 from .store_base import KeyMeta, KVStoreBase
 
 __all__ = ["DistKVStore", "create"]
+
 
 class DistKVStore(KVStoreBase):
     """A KVStore whose values live on the job's servers (see the module docstring)."""
@@ -100,8 +105,8 @@ class DistKVStore(KVStoreBase):
         self._merge_buffers: dict[Hashable, Any] = {}  # dist_device_sync: key -> its sum's buffer on the GPU
         self._merge_lock = threading.Lock()
         self._layouts: dict[Hashable, KeyLayout] = {}
-        self._placement = Placement(self.num_servers, self._worker.env.bigarray_bound)  # where keys go, by bytes
         self._whole: dict[Hashable, tuple[int, int]] = {}  # key -> (server, key id) for unsplit keys
+        self._keys = KeyInit(self._worker, self._sync, self._take_layouts)  # where keys go, and how they get there
         self._has_updater = False
         self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
         self._trace_calls(self._worker.timeline)
@@ -135,11 +140,13 @@ class DistKVStore(KVStoreBase):
         Raises:
             NodeDiedError: a node died meanwhile.
         """
+        self._settle()
         self._worker.barrier(Group.WORKERS)
 
     @maps_runtime_errors
     def close(self) -> None:
         """Finish this worker's part of the job (also done at exit): waits for requests in flight."""
+        self._settle()
         self._worker.close()
 
     # ---- what checkpoints use (kvcore.elastic) --------------------------------------------------
@@ -157,12 +164,14 @@ class DistKVStore(KVStoreBase):
     @maps_runtime_errors
     def wait_pushes(self) -> None:
         """Block until every push of this worker reached its servers."""
+        self._settle()
         self._worker.wait_pushes()
 
     @maps_runtime_errors
     def barrier_with_note(self, note: Any = None) -> list[Any]:
         """A barrier of the workers at which each leaves ``note`` (a JSON value, or None); returns
         every worker's note, by rank: how worker 0 tells the others its outcome."""
+        self._settle()
         return self._worker.barrier(Group.WORKERS, note=note)
 
     @maps_runtime_errors
@@ -170,6 +179,7 @@ class DistKVStore(KVStoreBase):
         """Send checkpoint request ``bodies[server]`` (``psnode.server.checkpoints``) to each server;
         returns the future, done once every one answered (failed with the first refusal), and the
         list that gathers the ``(server, reply)`` pairs. Wait with ``wait_for``."""
+        self._settle()
         return self._worker.checkpoint(bodies)
 
     def wait_for(self, future: concurrent.futures.Future) -> None:
@@ -218,6 +228,7 @@ class DistKVStore(KVStoreBase):
                 f"the updater {updater!r} cannot be pickled, so it cannot run on the servers: {exc}; "
                 "use a module-level class or function"
             ) from exc
+        self._settle()  # the updater's init_key sees every key initialised before it
         if not self._worker.rejoined:  # a restarted worker: the servers hold the updater and its state
             if self.rank == 0:
                 self.wait_for(self._worker.set_updater(updater))
@@ -240,6 +251,7 @@ class DistKVStore(KVStoreBase):
             CompressionError: parameters MXNet would refuse (nothing is sent then).
             ServerError: a server refused the parameters (naming the value).
         """
+        self._settle()  # keys initialised before are split for the old parameters' words
         super().set_gradient_compression(compression_params)
         params = self._compression.params
         if self._worker.rejoined:  # a restarted worker: the servers have the parameters
@@ -290,10 +302,11 @@ class DistKVStore(KVStoreBase):
     def layout_for(self, key: Hashable, shape: tuple[int, ...], dtype: Any) -> KeyLayout:
         """Where ``key`` lives on the servers: its layout once initialised, else the one its placement
         decision gives (``kvcore.placement``), else the hash rule's."""
+        self._settle()
         known = self._layouts.get(key)
         if known is not None:
             return known
-        return self._placement.layout(self._request(key, shape, dtype))
+        return self._keys.placement.layout(self._request(key, shape, dtype))
 
     def _request(self, key: Hashable, shape: Any, dtype: Any) -> KeyRequest:
         dtype = np.dtype(dtype)
@@ -304,7 +317,8 @@ class DistKVStore(KVStoreBase):
     def place(self, keys: list[tuple[Hashable, tuple[int, ...], Any]]) -> None:
         """Decide where the keys ``(key, shape, dtype)`` of one call go (worker 0, before it
         restores a checkpoint's keys on the servers; ``kvcore.placement``)."""
-        self._placement.place([self._request(key, shape, dtype) for key, shape, dtype in keys])
+        self._settle()
+        self._keys.placement.place([self._request(key, shape, dtype) for key, shape, dtype in keys])
 
     def _init_keys(self, pairs: list[tuple[Hashable, Any]]) -> None:
         for key, value in pairs:  # a restored key keeps the checkpoint's value: it must fit (every rank checks)
@@ -313,36 +327,12 @@ class DistKVStore(KVStoreBase):
                 kind = ShapeMismatchError if tuple(value.shape) != meta.shape else DTypeMismatchError
                 raise kind(f"key {key!r} is initialised with shape {tuple(value.shape)} and dtype {np.dtype(value.dtype)}, "
                            f"but the checkpoint restored holds shape {meta.shape} and dtype {meta.dtype} for it")
-        requests = [self._request(key, value.shape, value.dtype) for key, value in pairs]
-        if self._worker.rejoined:  # a restarted worker: the servers hold the keys; its init calls are worker 0's
-            self._placement.place(requests)
-            self._take_layouts([self.layout_for(r.key, r.shape, r.dtype) for r in requests])
-            return
-        note, layouts = None, None
-        if self.rank == 0:
-            decisions = self._placement.place(requests)
-            layouts = [self.layout_for(r.key, r.shape, r.dtype) for r in requests]
-            parts = []
-            for lay, (key, value) in zip(layouts, pairs):
-                flat = np.ascontiguousarray(arrays.asnumpy(value)).reshape(-1)
-                for part in lay.parts:
-                    data = flat[part.start:part.stop] if lay.split else flat.reshape(lay.shape)
-                    parts.append((part.server, part.id, key, data, lay.row_size or 1))
-            note = {"placed": Placement.note_of(decisions)}
-            try:
-                self.wait_for(self._worker.init(parts, self._sync))
-            except DistributedError as exc:  # every rank must learn it: they would believe the keys exist
-                note["refusal"] = {"kind": type(exc).__name__, "message": str(exc)}
-        with runtime_errors():
-            notes = self._worker.barrier(Group.WORKERS, note=note)
-        for note in notes:
-            if isinstance(note, dict) and note.get("refusal") is not None:
-                raise _error_of(note["refusal"])
-        if layouts is None:  # not worker 0: its decisions, from its note
-            placed = next((n["placed"] for n in notes if isinstance(n, dict) and "placed" in n), [])
-            self._placement.adopt_note(requests, placed)
-            layouts = [self.layout_for(r.key, r.shape, r.dtype) for r in requests]
-        self._take_layouts(layouts)
+        self._keys.init([self._request(key, value.shape, value.dtype) for key, value in pairs],
+                        [value for _, value in pairs])
+
+    def _settle(self) -> None:
+        """Worker 0: its init calls recorded so far go to the servers first (``KeyInit.settle``)."""
+        self._keys.settle()
 
     def _take_layouts(self, layouts: list[KeyLayout]) -> None:
         for lay in layouts:
@@ -352,6 +342,7 @@ class DistKVStore(KVStoreBase):
 
     @maps_runtime_errors
     def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+        self._settle()
         if not self._sync and not self._has_updater:
             raise OptimizerError(
                 f"dist_async applies every push on the servers as it arrives, so it needs an optimizer: "
@@ -425,6 +416,7 @@ class DistKVStore(KVStoreBase):
 
     @maps_runtime_errors
     def _pull_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+        self._settle()
         parts = []
         copies: list[tuple[np.ndarray, list[Any]]] = []
         whole = self._whole
@@ -458,6 +450,7 @@ class DistKVStore(KVStoreBase):
 
     @maps_runtime_errors
     def _pull_rows(self, requests: list[tuple[Hashable, np.ndarray]], priority: int) -> list[Any]:
+        self._settle()
         parts = []
         results = []
         dense: list[tuple[int, KeyLayout, np.ndarray]] = []
@@ -491,15 +484,6 @@ class DistKVStore(KVStoreBase):
             results[i] = results[i].reshape(lay.shape)[rows]
         return results
 
-    # ---- plumbing ----------------------------------------------------------------------------
-
-
-def _error_of(note: Any) -> DistributedError:
-    """The error rank 0 met, from its barrier note (a class of kvcore's distributed errors, by name)."""
-    kinds = {cls.__name__: cls for cls in (DistributedError, ServerError, DistTimeoutError, NodeDiedError)}
-    if not isinstance(note, dict):
-        return DistributedError(f"worker 0 could not initialise the keys: {note!r}")
-    return kinds.get(str(note.get("kind")), DistributedError)(str(note.get("message")))
 
 
 def create(name: str) -> DistKVStore:

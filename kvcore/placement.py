@@ -14,16 +14,20 @@ one ``kv.init`` call at a time (the Trainer inits every parameter in one call):
    (BERT-base on 16 servers: 48 keys of 2.25 MiB fill every server equally; its 1.5 MiB position
    table would tip one over by 5%: it is split.)
 
-The decision is worker 0's: it places the keys of its ``init`` call, initialises them on the servers
-with that layout, and hands its decisions to the other workers with the init barrier, so every
-worker agrees however its own calls were ordered or which keys it passed. A worker restarted alone
-(``--restart-scope worker``) makes its script's init calls again and decides by the same rule from
-them. A restore from a checkpoint places the checkpoint's keys as one call (the servers re-shard from
-any earlier layout). Decisions are ``(home, split)`` per key, small enough for a barrier note.
+The decision is worker 0's alone: it places the keys of its init calls (gathered, so a model
+initialised one parameter per call is placed as one call: ``kvcore.deferred_init``), initialises
+them on the servers with that layout, and then tells every worker where they went through the
+scheduler's ledger (``kvcore.placement_book``). Every other worker learns a key's place from there
+before its first use of it, so the workers agree whatever order, grouping or subset of keys each
+passes to ``init``. A worker restarted alone reads the same decisions. A restore from a checkpoint
+places the checkpoint's keys as one call (the servers re-shard from any earlier layout).
 """
 
 from __future__ import annotations
 
+import functools
+import heapq
+import math
 from dataclasses import dataclass
 from typing import Hashable, Iterable
 
@@ -48,12 +52,10 @@ class Decision:
     home: int
     split: bool
 
-    def as_note(self) -> list:
-        return [self.home, self.split]
-
     @classmethod
     def from_note(cls, value: object, num_servers: int) -> "Decision | None":
-        """The decision a barrier note carries, or None when it is malformed."""
+        """The decision ``[home, split]`` from the wire (``kvcore.placement_book``), or None when it
+        is malformed."""
         if (isinstance(value, list) and len(value) == 2 and isinstance(value[0], int) and not isinstance(value[0], bool)
                 and 0 <= value[0] < num_servers and isinstance(value[1], bool)):
             return cls(value[0], value[1])
@@ -69,13 +71,13 @@ class KeyRequest:
     dtype: np.dtype
     word: int = 1
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return self.size * np.dtype(self.dtype).itemsize
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 class Placement:
@@ -87,6 +89,7 @@ class Placement:
         self.bigarray_bound = bigarray_bound
         self.load = [0] * num_servers
         self.decisions: dict[Hashable, Decision] = {}
+        self._counted: set[Hashable] = set()  # keys whose bytes ``load`` holds
 
     def layout(self, request: KeyRequest) -> KeyLayout:
         """The layout of a key by its decision (by the hash rule when there is none yet)."""
@@ -108,57 +111,41 @@ class Placement:
                                                 self.bigarray_bound, request.word).parts[0].server, True))
         mean = (sum(self.load) + sum(r.nbytes for r in whole)) / self.num_servers
         judged = len(whole) >= self.num_servers > 1
+        lightest = [(load, server) for server, load in enumerate(self.load)]  # a heap: the least loaded first
+        heapq.heapify(lightest)
         for request in whole:
-            home = min(range(self.num_servers), key=lambda s: (self.load[s], s))
-            over = self.load[home] + request.nbytes > mean * (1 + SLACK)
+            load, home = lightest[0]
+            over = load + request.nbytes > mean * (1 + SLACK)
             split = judged and over and request.nbytes >= SPLIT_MIN_BYTES and request.size >= self.num_servers
             self._take(request, Decision(home, split))
+            if split:  # its parts went to every server
+                lightest = [(load, server) for server, load in enumerate(self.load)]
+                heapq.heapify(lightest)
+            else:
+                heapq.heapreplace(lightest, (self.load[home], home))
         return {r.key: self.decisions[r.key] for r in requests}
 
     def adopt(self, request: KeyRequest, decision: Decision) -> None:
-        """Take another party's decision for ``request`` (worker 0's, from the init barrier)."""
-        old = self.decisions.get(request.key)
-        if old is not None:
-            self._carry(request, old, -1)
+        """Take worker 0's decision for ``request``, counting its bytes (a restarted worker 0 decides
+        later keys knowing what the servers carry)."""
+        if request.key in self._counted:
+            self._carry(request, self.decisions[request.key], -1)
         self._take(request, decision)
 
-    @staticmethod
-    def note_of(decisions: dict[Hashable, Decision]) -> list:
-        """``decisions`` as worker 0's init barrier note carries them: ``[key, home, split]`` each."""
-        return [[key, *decision.as_note()] for key, decision in decisions.items()]
-
-    def adopt_note(self, requests: list[KeyRequest], placed: object) -> None:
-        """Take worker 0's decisions (``note_of``, from the wire: malformed entries are skipped) for
-        this init call's keys, and remember those of the keys this worker did not pass; a key worker
-        0 did not initialise keeps this worker's own decision (the servers do not hold it: using it
-        fails there, as it always did)."""
-        theirs = {}
-        for entry in placed if isinstance(placed, list) else []:
-            if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], (int, str)):
-                decision = Decision.from_note(entry[1:], self.num_servers)
-                if decision is not None:
-                    theirs[(type(entry[0]), entry[0])] = decision
-        mine = []
-        for request in requests:
-            decision = theirs.pop((type(request.key), request.key), None)
-            if decision is None:
-                mine.append(request)
-            else:
-                self.adopt(request, decision)
-        self.place(mine)
-        for (_, key), decision in theirs.items():
-            self.remember(key, decision)
-
     def remember(self, key: Hashable, decision: Decision) -> None:
-        """Keep worker 0's decision for a key this worker has not passed to ``init`` yet (its shape
-        unknown here: its bytes are not counted), so that a later init of it takes the same place."""
-        self.decisions.setdefault(key, decision)
+        """Keep worker 0's decision for a key (learnt from the placement book; its shape unknown
+        here, so its bytes are counted only by ``adopt``, once this worker inits it)."""
+        self.decisions[key] = decision
 
     def _take(self, request: KeyRequest, decision: Decision) -> None:
         self.decisions[request.key] = decision
+        self._counted.add(request.key)
         self._carry(request, decision, 1)
 
     def _carry(self, request: KeyRequest, decision: Decision, sign: int) -> None:
+        if not decision.split:  # whole on its home
+            self.load[decision.home] += sign * request.nbytes
+            return
         lay = layout(request.key, request.shape, request.dtype, self.num_servers, self.bigarray_bound, request.word,
                      decision.home, decision.split)
         itemsize = np.dtype(request.dtype).itemsize

@@ -82,7 +82,7 @@ def layout(key: Hashable, shape: tuple[int, ...], dtype: np.dtype, num_servers: 
     ``split``: split the key over the servers, or keep it whole (default: split at ``bigarray_bound``
     elements). ``kvcore.placement`` chooses both so that the servers carry equal bytes."""
     kid = key_id(key)
-    size = int(np.prod(shape, dtype=np.int64))
+    size = math.prod(shape)
     rows = shape[0] if shape else 1
     row_size = size // rows if rows else 0
     home = mix64(kid) % num_servers if home is None else home

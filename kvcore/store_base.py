@@ -15,6 +15,7 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
+from psnode.node.bulk import gc_paused
 from psnode.node.values import VALUE_DTYPES
 
 from . import arrays
@@ -121,6 +122,10 @@ class KVStoreBase(abc.ABC):
             DuplicateKeyError: a key is already initialised (the message names it).
             KeyTypeError, ValueCountError: malformed keys or value lists.
         """
+        with gc_paused():  # a call of many keys makes many objects that all live on
+            self._init(key, value)
+
+    def _init(self, key: Any, value: Any) -> None:
         groups = group(key, value, "value", self._kinds)
         seen: set[Hashable] = set()
         for k, _ in groups:

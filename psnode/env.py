@@ -59,6 +59,7 @@ class NodeEnv:
     register_timeout: float = 60.0
     bigarray_bound: int = 1_000_000
     push_window: int = 256 << 20
+    placement_timeout: float = 600.0
     server_device: str = "cpu"
     same_host: str = "shm"
     io_sched: str = "batch"
@@ -256,6 +257,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         register_timeout=register_timeout,
         bigarray_bound=_int("PSLAUNCH_BIGARRAY_BOUND", _get(env, "PSLAUNCH_BIGARRAY_BOUND") or "1000000", 1),
         push_window=_int("PSLAUNCH_PUSH_WINDOW", _get(env, "PSLAUNCH_PUSH_WINDOW") or str(256 << 20), 0),
+        placement_timeout=_float("PSLAUNCH_PLACEMENT_TIMEOUT", _get(env, "PSLAUNCH_PLACEMENT_TIMEOUT") or "600", 0.001),
         server_device=device,
         same_host=same_host,
         io_sched=io_sched,

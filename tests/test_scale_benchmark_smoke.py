@@ -18,13 +18,19 @@ REPO = Path(__file__).resolve().parent.parent
 def test_the_scale_benchmark_reports_the_placement_table_and_a_small_jobs_costs(tmp_path):
     out = tmp_path / "scale.json"
     argv = [sys.executable, "-m", "benchmarks.scale", "--workers", "3", "--servers", "2", "--rounds", "2",
-            "--scheduler-nodes", "32", "--death-timeout", "2", "--server-workers", "4", "--json", str(out)]
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+            "--scheduler-nodes", "32", "--death-timeout", "2", "--server-workers", "4", "--many-keys", "5000",
+            "--per-call-servers", "4", "--json", str(out)]
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert {(r["model"], r["servers"]) for r in report["placement"]} == {
         (m, s) for m in ("ResNet-50", "BERT-base", "100 random keys") for s in (2, 4, 8, 16)}
     assert all(r["by_bytes"] <= 1.05 < r["hash"] or r["hash"] <= 1.05 for r in report["placement"])
+    assert {(r["model"], r["servers"]) for r in report["per_call"]} == {("ResNet-50", 4), ("100 random keys", 4)}
+    assert all(r["balance"] <= 1.05 and len(r["held_bytes"]) == 4 for r in report["per_call"]), report["per_call"]
+    many = report["many_keys"]
+    assert many["keys"] == 5000 and set(many["calls_s"]) == {"0", "1"}, many
+    assert many["rss_mib"]["scheduler"] > 0 and many["rss_mib"]["worker 0"] > 0 and len(many["rss_mib"]["servers"]) == 2
     job = report["job"]
     assert job["rss_mib"]["worker"]["seen"] == 3 and job["rss_mib"]["server"]["seen"] == 2
     assert job["wall_s"] > 0 and job["launcher_rss_mib"] > 0

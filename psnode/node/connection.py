@@ -36,6 +36,7 @@ __all__ = ["Connection", "Deferred", "DataHandler"]
 
 _IDLE_DELAY = 0.0002  # how long deferred work waits for a message to ride along with before it runs
 _BATCH = 256  # messages handled between two heartbeat checks
+_BATCH_SECONDS = 0.5  # and at most this long: a batch of heavy messages (an init of 4,096 keys each) must not starve them
 _HELD_LIMIT = 4096  # collective messages kept while the workers' addresses are asked for
 
 DataHandler = Callable[[PeerInfo, int, int, int, int, list], None]
@@ -181,10 +182,13 @@ class Connection:
         try:
             # drain what is queued, but let heartbeats run between batches; a caller waiting for
             # ``until`` returns once it is done
+            ends = now + _BATCH_SECONDS
             for _ in range(_BATCH):
                 sender, frames = transport.recv()
                 self.dispatch(sender, frames)
                 if failure.error is not None or (until is not None and is_done(until)) or not transport.poll(0):
+                    break
+                if time.monotonic() > ends:
                     break
         finally:
             if self._after_batch is not None:
@@ -205,7 +209,7 @@ class Connection:
             link.heard()
             if cmd in CONTROL_CMDS:
                 try:
-                    link.handle(cmd, flags, req_id, frames)
+                    link.handle(cmd, flags, req_id, frames, arg)
                 except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
                     link.note_malformed(sender, exc)
                 if cmd == Cmd.PEERS_REPLY and self._held:  # the workers are known now: what they sent

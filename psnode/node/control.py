@@ -19,6 +19,7 @@ import concurrent.futures
 import itertools
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from psnode.env import NodeEnv
@@ -35,15 +36,43 @@ from psnode.node.membership import SCHEDULER, Membership, PeerInfo, endpoint_of
 from psnode.node.protocol import FLAG_ERROR, Cmd, pack_header, pack_json, unpack_header, unpack_json
 from psnode.transport.base import Transport
 
-__all__ = ["FailureLatch", "SchedulerLink", "CONTROL_CMDS"]
+__all__ = ["FailureLatch", "SchedulerLink", "LedgerPage", "CONTROL_CMDS"]
 
 CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN,
-     Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED, Cmd.PEERS_REPLY}
+     Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED, Cmd.PEERS_REPLY, Cmd.LEDGER_ACK,
+     Cmd.LEDGER_ENTRIES}
 )
 """What only the scheduler sends to a node."""
 
 _EARLY_LIMIT = 10000  # messages from peers kept while the address book is still on its way
+
+
+@dataclass(frozen=True)
+class LedgerPage:
+    """A ledger read's answer (``psnode.scheduler.ledger``): the entries from index ``start`` on,
+    and whether the log ended there (worker 0 finished: nothing more will come)."""
+
+    start: int
+    entries: list[bytes]
+    end: bool
+
+
+def _ledger_result(cmd: int, flags: int, arg: int, frames: list) -> "int | LedgerPage":
+    """The result a ledger answer carries: an append's index, or a read's page.
+
+    Raises:
+        PSNodeError: the scheduler refused the request (its sentence); ProtocolError: a malformed answer.
+    """
+    if flags & FLAG_ERROR:
+        body = unpack_json(frames[1]) if len(frames) > 1 else None
+        raise PSNodeError(str(body.get("error") if isinstance(body, dict) else body))
+    if cmd == Cmd.LEDGER_ACK:
+        return arg
+    body = unpack_json(frames[1]) if len(frames) > 1 else None
+    if not isinstance(body, dict) or not isinstance(body.get("end"), bool):
+        raise ProtocolError("a ledger answer without its 'end' flag")
+    return LedgerPage(arg, [bytes(f.buffer if hasattr(f, "buffer") else f) for f in frames[2:]], body["end"])
 
 
 class FailureLatch:
@@ -252,20 +281,23 @@ class SchedulerLink:
         self._last_heard = time.monotonic()
 
     # ---- messages ----------------------------------------------------------------------------
-    def send(self, cmd: int, req_id: int = 0, arg: int = 0, body: Any = None) -> None:
-        """Send a control message to the scheduler (thread-safe); a closed transport drops it."""
+    def send(self, cmd: int, req_id: int = 0, arg: int = 0, body: Any = None, data: tuple = ()) -> None:
+        """Send a control message to the scheduler (thread-safe), its ``data`` frames after the body;
+        a closed transport drops it."""
         frames = [pack_header(cmd, req_id, arg)]
         if body is not None:
             frames.append(pack_json(body))
+        frames.extend(data)
         try:
             self.transport.send(SCHEDULER, frames)
         except ClosedError:
             pass
 
-    def ask(self, cmd: int, arg: int = 0, body: Any = None) -> concurrent.futures.Future:
-        """Send ``cmd`` (a barrier, finish or rendezvous request) and return the future the
+    def ask(self, cmd: int, arg: int = 0, body: Any = None, data: tuple = ()) -> concurrent.futures.Future:
+        """Send ``cmd`` (a barrier, finish, rendezvous or ledger request) and return the future the
         scheduler's answer completes: a barrier's holds the notes its members left
-        (``Connection.ask_barrier``), a rendezvous value's the value."""
+        (``Connection.ask_barrier``), a rendezvous value's the value, a ledger append's the entry's
+        index, a ledger read's ``LedgerPage``."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         req_id = next(self._req_ids)
         with self._waiters_lock:
@@ -273,10 +305,10 @@ class SchedulerLink:
                 future.set_exception(self.failure.error)
                 return future
             self._waiters[req_id] = future
-        self.send(cmd, req_id, arg, body)
+        self.send(cmd, req_id, arg, body, data)
         return future
 
-    def handle(self, cmd: int, flags: int, req_id: int, frames: list) -> None:
+    def handle(self, cmd: int, flags: int, req_id: int, frames: list, arg: int = 0) -> None:
         """Handle a control message from the scheduler.
 
         Raises:
@@ -313,6 +345,14 @@ class SchedulerLink:
             self._take_workers(unpack_json(frames[1]))
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
+        elif cmd in (Cmd.LEDGER_ACK, Cmd.LEDGER_ENTRIES):
+            with self._waiters_lock:
+                waiter = self._waiters.pop(req_id, None)
+            if waiter is not None and not waiter.done():
+                try:
+                    waiter.set_result(_ledger_result(cmd, flags, arg, frames))
+                except PSNodeError as exc:  # a refusal, or a malformed answer: the asker must not wait on
+                    waiter.set_exception(exc)
         elif cmd in (Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.RDV_VALUE):
             with self._waiters_lock:
                 waiter = self._waiters.pop(req_id, None)

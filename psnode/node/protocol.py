@@ -69,6 +69,7 @@ __all__ = [
     "IN_SHARED_MEMORY",
     "MAX_DATA_FRAMES",
     "PACK_LIMIT",
+    "MAX_ENTRIES",
     "OWN_FRAME",
     "pack_codec_params",
     "unpack_codec_params",
@@ -123,6 +124,10 @@ class Cmd(enum.IntEnum):
     PEERS = 44  # a worker to the scheduler: send me every worker's record (its book held only the servers)
     PEERS_REPLY = 45  # from the scheduler: {"nodes": [worker records]}
     PUSH_INVITE = 46  # server -> worker: req_id = an offered push's, arg = its part's index; send its value now
+    LEDGER_APPEND = 47  # worker 0 to the scheduler: {"log"} and one entry frame (psnode.scheduler.ledger)
+    LEDGER_ACK = 48  # from the scheduler: arg = the appended entry's index (or FLAG_ERROR and {"error"})
+    LEDGER_READ = 49  # a worker to the scheduler: arg = the first index wanted, {"log", "wait"}
+    LEDGER_ENTRIES = 50  # from the scheduler: arg = the first index, {"end"}, then one frame per entry
     CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
     CHECKPOINT_REPLY = 35  # JSON: the operation's result
 
@@ -173,6 +178,9 @@ returned must include.
 MAX_DATA_FRAMES = IN_SHARED_MEMORY - 1  # frame numbers a message can use
 
 PACK_LIMIT = 4 << 20
+#: The most part records one message's meta frame holds (2.5 MiB of them): a push or pull of more
+#: key parts travels in further messages, so a call of a million keys stays far below the frame limit.
+MAX_ENTRIES = 65536
 #: A value of at least this many bytes travels in a frame of its own (a push: in a message of its
 #: own; a pull reply: straight from the stored array, not copied into a packed frame).
 OWN_FRAME = 65536

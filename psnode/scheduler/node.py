@@ -35,6 +35,7 @@ from psnode.node.protocol import (
     unpack_json,
 )
 from psnode.node.stats import check_body
+from psnode.scheduler.ledger import Answer, Ledger
 from psnode.scheduler.rendezvous import Rendezvous
 from psnode.scheduler.report import JobReport
 from psnode.scheduler.roster import Barriers, Member, Roster
@@ -61,6 +62,7 @@ class Scheduler:
         self.roster = Roster(env.num_workers, env.num_servers, env.job_id, env.root_port)
         self.barriers = Barriers()
         self.rendezvous = Rendezvous()
+        self.ledger = Ledger()
         self.malformed = 0
         self._last_check = 0.0  # when _check_alive last ran
         self.job_report = JobReport(env, self.fingerprint)  # PSLAUNCH_STATS, PSLAUNCH_TIMELINE
@@ -214,6 +216,8 @@ class Scheduler:
             self._finished(sender, member, req_id)
         elif cmd in (Cmd.RDV_SET, Cmd.RDV_GET):
             self._rendezvous(sender, cmd, req_id, frames)
+        elif cmd in (Cmd.LEDGER_APPEND, Cmd.LEDGER_READ):
+            self._ledger(sender, member, cmd, req_id, arg, frames)
         elif cmd == Cmd.PEERS and member.peer.role == "worker":
             self._peers(sender, req_id)
         elif cmd == Cmd.NODE_DIED:
@@ -268,6 +272,40 @@ class Scheduler:
             return
         for uid, rid in answer:
             self.transport.send(uid, [pack_header(Cmd.RDV_VALUE, rid), pack_json({"value": value})])
+
+    def _ledger(self, sender: bytes, member: Member, cmd: int, req_id: int, arg: int, frames: list) -> None:
+        """Append to a ledger log (worker 0 only; answering the reads parked on it) or answer / park
+        a read of one (``psnode.scheduler.ledger``). A refusal is answered, never dropped: the asker waits."""
+        reply = Cmd.LEDGER_ACK if cmd == Cmd.LEDGER_APPEND else Cmd.LEDGER_ENTRIES
+        try:
+            peer = member.peer
+            if peer.role != "worker":
+                raise ProtocolError(f"{peer.describe()} asked the ledger; only workers keep one")
+            body = unpack_json(frames[1]) if len(frames) > 1 else None
+            if cmd == Cmd.LEDGER_APPEND:
+                if peer.rank != 0:
+                    raise ProtocolError(f"{peer.describe()} may not append to the ledger; worker 0 writes it")
+                if len(frames) != 3:
+                    raise ProtocolError(f"a ledger append of {len(frames)} frames, expected 3 (header, body, entry)")
+                index, answers = self.ledger.append(body, frames[2].buffer)
+                self.transport.send(sender, [pack_header(Cmd.LEDGER_ACK, req_id, index)])
+            else:
+                answer = self.ledger.read(sender, req_id, body, arg)
+                answers = [] if answer is None else [answer]
+        except ProtocolError as exc:
+            self.malformed += 1
+            self.transport.send(sender, [pack_header(reply, req_id, flags=FLAG_ERROR), pack_json({"error": str(exc)})])
+            return
+        self._answer_reads(answers)
+
+    def _answer_reads(self, answers: list[Answer]) -> None:
+        for answer in answers:
+            try:
+                self.transport.send(answer.node, [pack_header(Cmd.LEDGER_ENTRIES, answer.req_id, answer.start),
+                                                  pack_json({"end": answer.end}), *answer.entries])
+            except TransportError as exc:  # the reader is gone: its death is told on its own
+                logger.info("scheduler could not answer a ledger read: %s", exc)
+
     def _rejoin(self, sender: bytes, frames: list) -> None:
         """``PSLAUNCH_RESTART_SCOPE=worker``: a worker started again after it died takes its rank back.
 
@@ -319,6 +357,8 @@ class Scheduler:
             except TransportError:
                 pass
         logger.info("scheduler: %s finished", member.peer.describe())
+        if member.peer.role == "worker" and member.peer.rank == 0:  # the ledger's writer: reads waiting for more get its end
+            self._answer_reads(self.ledger.end())
         self._fail_blocked_barriers()
 
     def _barrier(self, sender: bytes, member: Member, req_id: int, group: int, frames: list) -> None:

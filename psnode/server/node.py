@@ -25,6 +25,7 @@ from psnode.compression.codecs import RAW, CodecTable
 from psnode.env import NodeEnv
 from psnode.errors import ClosedError, ProtocolError, RequestRefused, TransportError
 from psnode.log import logger
+from psnode.node.bulk import gc_paused
 from psnode.node.connection import Connection
 from psnode.node.membership import PeerInfo
 from psnode.node.protocol import (
@@ -398,9 +399,10 @@ class ServerNode:
         data_frames = frames[2:]
         if not isinstance(specs, list):
             raise ProtocolError(f"INIT's specs are a {type(specs).__name__}, not a list")
-        values = [init_value(spec, data_frames) for spec in specs]  # every spec checked before any is stored
-        for key, user_key, value, row_size in values:
-            self.store.init(key, user_key, value, sync, row_size)
+        with gc_paused():  # thousands of shards that live on
+            values = [init_value(spec, data_frames) for spec in specs]  # every spec checked before any is stored
+            for key, user_key, value, row_size in values:
+                self.store.init(key, user_key, value, sync, row_size)
 
     def _set_updater(self, peer: PeerInfo, frames: list) -> None:
         if peer.rank != 0:  # unpickling runs the sender's code: only the job's first worker ships it

@@ -29,7 +29,9 @@ from psnode.node.protocol import (
     FLAG_ACKS,
     FLAG_ERROR,
     IN_SHARED_MEMORY,
+    MAX_ENTRIES,
     OWN_FRAME,
+    PACK_LIMIT,
     Cmd,
     pack_entries,
     pack_header,
@@ -42,6 +44,8 @@ from psnode.transport import same_host
 from psnode.transport.base import Transport
 
 __all__ = ["Replies", "ACK_HOLD", "pull_reply"]
+
+_OWN_FRAMES = 1024  # big values (a frame each) in one reply message
 
 ACK_HOLD = 0.002  # longest a push acknowledgement waits for a pull reply of its worker to ride along
 
@@ -125,6 +129,21 @@ class Replies:
             self._send_parts(worker, req_id, parts)
 
     def _send_parts(self, worker: int, req_id: int, parts: list[tuple[int, Shard]]) -> None:
+        """Reply with ``parts``: in messages of at most ``MAX_ENTRIES`` parts and ``PACK_LIMIT`` bytes
+        of small values each (the parts of several pull messages of one request may be answered in
+        one flush), big values in frames of their own."""
+        start, size, frames = 0, 0, 0
+        for end, (_, shard) in enumerate(parts):
+            own = shard.nbytes >= OWN_FRAME
+            small = 0 if own else shard.nbytes
+            if end > start and (end - start >= MAX_ENTRIES or size + small > PACK_LIMIT or frames + own > _OWN_FRAMES):
+                self._send_message(worker, req_id, parts[start:end])
+                start, size, frames = end, 0, 0
+            size += small
+            frames += own
+        self._send_message(worker, req_id, parts[start:])
+
+    def _send_message(self, worker: int, req_id: int, parts: list[tuple[int, Shard]]) -> None:
         host = self.memory.host
         entries = []
         small: list[np.ndarray] = []

@@ -22,7 +22,16 @@ import numpy as np
 
 from psnode.compression.codecs import RAW
 from psnode.errors import ProtocolError
-from psnode.node.protocol import ENTRY_STRUCT, FLAG_OFFER, OWN_FRAME, PACK_LIMIT, Cmd, pack_entries, pack_header
+from psnode.node.protocol import (
+    ENTRY_STRUCT,
+    FLAG_OFFER,
+    MAX_ENTRIES,
+    OWN_FRAME,
+    PACK_LIMIT,
+    Cmd,
+    pack_entries,
+    pack_header,
+)
 from psnode.transport import same_host
 from psnode.worker.outbox import Outbox
 from psnode.worker.requests import RequestTable
@@ -81,7 +90,8 @@ class DataPath:
             for i, (_, key_id, value) in enumerate(items):
                 nbytes = value.nbytes
                 seq = requests.next_push(key_id, server, nbytes)
-                if small and offset + nbytes > PACK_LIMIT:  # the receiver's frame limit: start another message
+                if entries and (len(entries) >= MAX_ENTRIES or (small and offset + nbytes > PACK_LIMIT)):
+                    # the receiver's frame limit: start another message
                     outbox.enqueue(server, _packed_push(req, entries, small), priority, req)
                     entries, small, offset, packed = [], [], 0, packed + 1
                 region = (self.regions.region((key_id, server, 0), nbytes)
@@ -246,17 +256,19 @@ class DataPath:
         requests = self.requests
         targets = [_writable_bytes(out) for _, _, _, out in parts]
         req = requests.track(future, len(parts), targets, "row_sparse_pull", tuple(part[0] for part in parts))
-        for server, items in _by_server(parts, indexed=True).items():
-            entries = []
-            chunks, offset = [], 0
-            for index, (_, key_id, rows, out) in items:
-                rows = np.ascontiguousarray(rows, dtype=np.int64)
-                entries.append((key_id, index, 0, RAW, offset, rows.nbytes, requests.pushes(key_id, server)))
-                offset += rows.nbytes
-                chunks.append(rows)
-            payload = np.concatenate(chunks) if chunks else b""
-            self.outbox.enqueue(server, [pack_header(Cmd.ROWS, req, len(items)), pack_entries(entries), payload],
-                                priority, req)
+        for server, all_items in _by_server(parts, indexed=True).items():
+            for first in range(0, len(all_items), MAX_ENTRIES):
+                items = all_items[first:first + MAX_ENTRIES]
+                entries = []
+                chunks, offset = [], 0
+                for index, (_, key_id, rows, out) in items:
+                    rows = np.ascontiguousarray(rows, dtype=np.int64)
+                    entries.append((key_id, index, 0, RAW, offset, rows.nbytes, requests.pushes(key_id, server)))
+                    offset += rows.nbytes
+                    chunks.append(rows)
+                payload = np.concatenate(chunks) if chunks else b""
+                self.outbox.enqueue(server, [pack_header(Cmd.ROWS, req, len(items)), pack_entries(entries), payload],
+                                    priority, req)
         self.outbox.pump()
         return future
 
@@ -274,11 +286,12 @@ def _packed_push(req: int, entries: list, small: list) -> list:
 
 
 def _reply_sized(entries: list) -> list[list]:
-    """``entries`` of one pull cut into runs whose values fit one reply frame (``PACK_LIMIT``)."""
+    """``entries`` of one pull cut into runs whose values fit one reply frame (``PACK_LIMIT``), of at
+    most ``MAX_ENTRIES`` parts each."""
     chunks, chunk, size = [], [], 0
     for entry in entries:
         nbytes = entry[5] if entry[2] != same_host.IN_SHARED_MEMORY else 0  # values in shared memory take no frame
-        if chunk and size + nbytes > PACK_LIMIT:
+        if chunk and (size + nbytes > PACK_LIMIT or len(chunk) >= MAX_ENTRIES):
             chunks.append(chunk)
             chunk, size = [], 0
         chunk.append(entry)

@@ -28,7 +28,7 @@ import atexit
 import concurrent.futures
 import pickle
 import time
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -37,9 +37,10 @@ from psnode.collectives.watch import LEFT_GRACE
 from psnode.compression.codecs import RAW
 from psnode.env import NodeEnv
 from psnode.errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
+from psnode.node.bulk import batches
 from psnode.node.connection import Connection
 from psnode.node.membership import PeerInfo
-from psnode.node.protocol import FLAG_SYNC, Cmd, Group, pack_codec_params, pack_header, pack_json
+from psnode.node.protocol import FLAG_SYNC, OWN_FRAME, PACK_LIMIT, Cmd, Group, pack_codec_params, pack_header, pack_json
 from psnode.node.stats import worker_report
 from psnode.transport import same_host
 from psnode.transport.base import Transport
@@ -70,6 +71,7 @@ class WorkerNode:
         self.data = DataPath(self.requests, self.outbox, same_host.WorkerRegions(env.job_id), env.num_workers,
                              env.push_window)
         self.closed = False
+        self._before_close: list[Callable[[], None]] = []  # what must reach the servers before this worker finishes
         self.conn.failure.on_failure(self.requests.fail_all)
         self.conn.failure.on_failure(self.collectives.fail_all)
         self.timeline = self.receiver.timeline = self.conn.timeline  # PSLAUNCH_TIMELINE; kvcore names its calls too
@@ -90,6 +92,12 @@ class WorkerNode:
         if network_thread:
             self.receiver.start(f"psnode-worker-{conn.rank}")
         return self
+
+    def before_close(self, send: Callable[[], None]) -> None:
+        """Call ``send()`` when this worker closes, before it waits for its requests and finishes (a
+        store sends what it still holds back: ``kvcore.deferred_init``). An error it raises is
+        raised by ``close`` once the worker is closed."""
+        self._before_close.append(send)
 
     def watch_process(self) -> "WorkerNode":
         """Make this process's end the worker's (``worker_process.watch``): close at exit, and an
@@ -137,6 +145,13 @@ class WorkerNode:
         """
         if self.closed:
             return
+        error: BaseException | None = None
+        if self.conn.failure.error is None:
+            for send in self._before_close:
+                try:
+                    send()
+                except Exception as exc:  # raised once the worker is closed
+                    error = error or exc
         self.outbox.release_held()
         self.outbox.pump()
         self.closed = True
@@ -147,7 +162,6 @@ class WorkerNode:
             pass
         env, failure = self.env, self.conn.failure
         limit = timeout if timeout is not None else max(60.0, env.heartbeat_timeout)
-        error: BaseException | None = None
         try:
             if failure.error is None and self.rank >= 0:  # registered: the scheduler expects a finish
                 self.requests.wait_idle(limit, lambda: failure.error is not None, f"worker {self.rank}")
@@ -245,22 +259,36 @@ class WorkerNode:
         self._wait(future, timeout, what)
         return future.result() or []
 
+    # ---- the ledger: records worker 0 leaves for every worker (``psnode.scheduler.ledger``) -----
+    def ledger_append(self, log: str, entry: bytes) -> concurrent.futures.Future:
+        """Append ``entry`` to the scheduler's ledger log ``log`` (worker 0 only); returns at once:
+        the future holds the entry's index, or fails with the scheduler's refusal."""
+        self._check()
+        return self.conn.link.ask(Cmd.LEDGER_APPEND, body={"log": log}, data=(entry,))
+
+    def ledger_read(self, log: str, start: int, wait: bool) -> concurrent.futures.Future:
+        """Read the ledger log ``log`` from index ``start``; returns at once: the future holds a
+        ``LedgerPage`` (with ``wait``, once there is at least one entry from ``start`` on, or the log
+        ended because worker 0 finished). A dead node fails it (liveness is checked)."""
+        self._check()
+        return self.conn.link.ask(Cmd.LEDGER_READ, arg=start, body={"log": log, "wait": wait})
+
     # ---- the API: init and updater -------------------------------------------------------------
     def init(self, parts: Sequence[tuple[int, int, Hashable, np.ndarray, int]], sync: bool, future: Any = None) -> Any:
-        """Send initial values ``(server, key id, user key, value, row_size)``; the future is done when stored."""
+        """Send initial values ``(server, key id, user key, value, row_size)``; the future is done when
+        every server stored them. A server's parts travel in messages of at most ``INIT_PARTS`` specs
+        and about ``PACK_LIMIT`` bytes, small values packed into the message's first frame, so a call
+        of a million keys sends no message that grows with it."""
         future = future or concurrent.futures.Future()
         by_server: dict[int, list] = {}
         for part in parts:
             by_server.setdefault(part[0], []).append(part)
-        req = self.requests.track(future, len(by_server), None, "init", frozenset(by_server))
-        for server, items in by_server.items():
-            specs, frames = [], []
-            for i, (_, key_id, user_key, value, row_size) in enumerate(items):
-                value = np.ascontiguousarray(value)
-                specs.append({"key": key_id, "user_key": user_key, "shape": list(value.shape), "dtype": value.dtype.str,
-                              "row_size": row_size, "frame": i, "offset": 0})
-                frames.append(value)
-            msg = [pack_header(Cmd.INIT, req, 1, FLAG_SYNC if sync else 0), pack_json(specs)] + frames
+        messages = [(server, batch) for server, items in by_server.items()
+                    for batch in batches(items, INIT_PARTS, PACK_LIMIT, lambda part: part[3].nbytes)]
+        req = self.requests.track(future, len(messages), None, "init", frozenset(by_server))
+        flags = FLAG_SYNC if sync else 0
+        for server, batch in messages:
+            msg = [pack_header(Cmd.INIT, req, 1, flags), *_init_frames(batch)]
             self.outbox.enqueue(server, msg, 0, req)
         self.outbox.pump()
         return future
@@ -360,3 +388,29 @@ class WorkerNode:
         self.requests.take_reply(peer, cmd, flags, req_id, arg, frames)
         if self.outbox.queue:  # a reply may mean a connection has room again
             self.outbox.pump()
+
+
+INIT_PARTS = 4096  # specs in one INIT message (each is a small JSON object the server checks)
+
+
+def _init_frames(batch: list) -> list:
+    """An INIT message's body and data frames: values under ``OWN_FRAME`` bytes packed into frame 0,
+    each at an 8-byte aligned offset; bigger ones in frames of their own."""
+    specs, small, own, packed_size = [], [], [], 0
+    for _, key_id, user_key, value, row_size in batch:
+        value = np.ascontiguousarray(value)
+        spec = {"key": key_id, "user_key": user_key, "shape": list(value.shape), "dtype": value.dtype.str,
+                "row_size": row_size}
+        if value.nbytes >= OWN_FRAME:
+            own.append(value)
+            spec.update(frame=len(own), offset=0)
+        else:
+            spec.update(frame=0, offset=packed_size)
+            small.append((packed_size, value))
+            packed_size += value.nbytes + (-value.nbytes % 8)
+        specs.append(spec)
+    packed = np.zeros(packed_size, np.uint8)
+    for offset, value in small:
+        packed[offset:offset + value.nbytes] = value.reshape(-1).view(np.uint8)
+    return [pack_json(specs), packed, *own]
+

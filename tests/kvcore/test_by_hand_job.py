@@ -23,6 +23,7 @@ from testkit import free_port, reap
 
 REPO = Path(__file__).resolve().parents[2]
 SUMS = str(REPO / "tests" / "kvcore" / "dist_scripts" / "sums.py")
+PLACEMENT_CALLS = str(REPO / "tests" / "kvcore" / "dist_scripts" / "placement_calls.py")
 NO_KEY_WARNING = "no job key (PSLAUNCH_JOB_KEY): this job is unauthenticated"
 # MXNet's launch.py order for the local launcher starts servers and workers and the scheduler last;
 # a scheduler started first is the other order a hand-written script may use.
@@ -168,3 +169,15 @@ def test_a_keyed_job_started_by_hand_across_two_simulated_hosts_runs(tmp_path, h
     assert_formed(results, workers=3)
     for role, _, out in results:
         assert NO_KEY_WARNING not in out, f"{role}:\n{out}"
+
+
+@pytest.mark.parametrize("mode", ["one-call-vs-per-call", "subset"])
+def test_worker_0_inits_40_keys_in_one_call_and_worker_1_one_at_a_time_in_reverse_and_sums_are_exact(hand_job, mode):
+    # worker 1's 40 init calls once met worker 0's single call at init barriers that never matched:
+    # every process waited until it was killed. "subset": worker 1 inits only every other key.
+    port = free_port()
+    job = hand_job()
+    for role in ["scheduler", "server", "server", "worker", "worker"]:
+        job.start(role, [sys.executable, PLACEMENT_CALLS, mode, "ones:40"],
+                  by_hand_env(role, "127.0.0.1", port, servers=2, workers=2))
+    assert_formed(job.finish(timeout=90), workers=2)

@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from kvcore_testkit import run_inproc_ok
 
+from kvcore.deferred_init import DeferredInits
+from kvcore.errors import ServerError
 from kvcore.placement import Decision, KeyRequest, Placement
+from kvcore.placement_book import RECORD_KEYS, decode, encode_placed, encode_refused
 from kvcore.sharding import layout
 from testkit.model_shapes import MODELS
 
@@ -99,3 +103,83 @@ def test_collectives_in_a_job_with_servers_learn_the_workers_addresses_on_first_
     # collectives last, so the others' first messages come before it knows them: held, then taken.
     # An allgather first checks its out's shape against the job's size before the addresses came.
     run_inproc_ok([str(SCRIPTS / "collectives_with_servers.py"), first], workers=3, servers=2)
+
+
+# ---- the placement book: worker 0's decisions as every worker reads them ------------------------
+
+def test_decisions_travel_in_records_of_bounded_size_and_read_back_equal():
+    decisions = {k: Decision(k % 7, k % 3 == 0) for k in range(RECORD_KEYS + 10)}
+    decisions.update({"a str key": Decision(2, False), 1 << 70: Decision(6, True), -5: Decision(1, False)})
+    records = encode_placed(decisions)
+    assert len(records) == 2 and max(len(r) for r in records) < 2 << 20
+    read = {}
+    for record in records:
+        placed, refused, error = decode(record, 7)
+        assert refused == [] and error is None
+        read.update(placed)
+    assert read == decisions and {type(k) for k in read} == {int, str}
+
+
+def test_a_refusal_record_names_its_keys_and_carries_the_error_kind():
+    [record] = encode_refused(["w1", 7], ServerError("key 'w1' is already initialised on this server"))
+    placed, refused, error = decode(record, 2)
+    assert placed == {} and refused == ["w1", 7]
+    assert type(error) is ServerError and "already initialised" in str(error)
+
+
+def _raw(head, tail: bytes = b"") -> bytes:
+    text = head if isinstance(head, bytes) else json.dumps(head).encode()
+    return len(text).to_bytes(4, "little") + text + tail
+
+
+@pytest.mark.parametrize("record, words", [
+    (b"", "a record of 0 bytes"),
+    (_raw(b"{nope"), "head is not JSON"),
+    (_raw([]), "head is a list"),
+    (_raw({"kind": "placed", "ints": 2, "others": []}, b"\0" * 11), "2 int keys with 11 bytes"),
+    (_raw({"kind": "placed", "ints": 1, "others": []}, b"\0" * 8 + b"\x09\0\0"), "on server 9 of 4"),
+    (_raw({"kind": "placed", "ints": 1, "others": []}, b"\0" * 10 + b"\x02"), "split flags other than 0 and 1"),
+    (_raw({"kind": "placed", "ints": 0, "others": [[1, 0]]}), "malformed decision [1, 0]"),
+    (_raw({"kind": "placed", "ints": 0, "others": [[True, 0, False]]}), "malformed decision"),
+    (_raw({"kind": "refused", "keys": []}), "without its keys and error"),
+    (_raw({"kind": "refused", "keys": [[1]], "error": {}}), "keys are not ints or strs"),
+    (_raw({"kind": "unknown!"}), "of kind 'unknown!'"),
+])
+def test_a_malformed_record_is_refused_naming_what_is_wrong(record, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        decode(record, 4)
+
+
+def test_worker_0s_init_calls_are_sent_together_after_a_quiet_spell_or_at_once_when_flushed():
+    sent = []
+    deferred = DeferredInits(sent.append, quiet=0.05)
+    deferred.add([1, 2])
+    deferred.add([3])
+    assert sent == [] and deferred
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent == [[1, 2, 3]]
+    deferred.add([4])
+    deferred.flush()  # at once, on this thread
+    assert sent == [[1, 2, 3], [4]] and not deferred
+
+
+def test_an_error_of_a_send_in_the_background_is_raised_by_worker_0s_next_call():
+    def refuse(items):
+        raise ServerError(f"refused {items}")
+
+    deferred = DeferredInits(refuse, quiet=0.01)
+    deferred.add(["k"])
+    deadline = time.monotonic() + 10
+    while deferred._items and time.monotonic() < deadline:  # the background send took them
+        time.sleep(0.01)
+    with pytest.raises(ServerError, match=r"refused \['k'\]"):
+        deferred.flush()
+    deferred.flush()  # raised once
+
+
+@pytest.mark.parametrize("mode", ["timeout", "finished"])
+def test_a_worker_waits_for_a_key_worker_0_never_places_and_then_fails_naming_it(mode):
+    run_inproc_ok([str(SCRIPTS / "placement_waits.py"), mode], workers=2, servers=1,
+                  settings={"PSLAUNCH_PLACEMENT_TIMEOUT": "0.5"})

@@ -110,18 +110,22 @@ def test_when_restarts_are_exhausted_the_job_exits_with_the_last_root_causes_cod
         (12, "gave up: no restart left (--max-restarts 2)")]
 
 
-def test_restart_scope_worker_restarts_a_failed_async_worker_alone_while_the_others_never_stop(tmp_path):
+@pytest.mark.parametrize("failing", [1, 0])
+def test_restart_scope_worker_restarts_a_failed_async_worker_alone_while_the_others_never_stop(tmp_path, failing):
+    # worker 0 too: it placed the keys; its replacement learns their places, as the others do
     res = run_pslaunch(["-n", "2", "-s", "2", "--max-restarts", "1", "--restart-scope", "worker",
-                        "--allow-restart-from-scratch", "--timeout", "150", helper("rejoin_async.py"), str(tmp_path)],
-                       timeout=200)
+                        "--allow-restart-from-scratch", "--timeout", "150", "--env", f"FAIL_RANK:{failing}",
+                        helper("rejoin_async.py"), str(tmp_path)], timeout=200)
     assert not wait_gone(str(tmp_path))
     assert res.returncode == 0, res.stderr
-    done, total, expected, pid = (tmp_path / "worker0.txt").read_text().split()
-    assert total == expected and int(done) > 0  # every push of worker 0 and of both runs of worker 1, once
+    stepping = 1 - failing
+    done, total, expected, pid = (tmp_path / f"worker{stepping}.txt").read_text().split()
+    assert total == expected and int(done) > 0  # every push of the stepping worker and of both runs of the other, once
     rows = re.findall(r"^\| (worker|server|scheduler) +\| +(\d) \| [^|]+\| +(\d+) \| (\S+) +\| +[\d.]+s \| (.*?) *\|$",
                       res.stderr, re.M)
-    assert [r for r in rows if r[:2] == ("worker", "0")] == [("worker", "0", pid, "0", "")]  # one process, all along
-    assert [(r[3], r[4]) for r in rows if r[:2] == ("worker", "1")] == [("1", "failed; restarted alone"), ("0", "")]
+    assert [r for r in rows if r[:2] == ("worker", str(stepping))] == [("worker", str(stepping), pid, "0", "")]
+    assert [(r[3], r[4]) for r in rows if r[:2] == ("worker", str(failing))] == [("1", "failed; restarted alone"),
+                                                                                 ("0", "")]
     assert all(r[3] == "0" for r in rows if r[0] != "worker")
     assert "restarting it alone (restart 1 of 1, PSLAUNCH_RESTART_COUNT=1); the other processes go on" in res.stderr
 

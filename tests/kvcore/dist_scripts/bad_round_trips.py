@@ -19,7 +19,8 @@ assert kv.num_workers == 1
 value, out = np.ones(4, np.float32), np.zeros(4, np.float32)
 kv.init(3, value)
 node = kv._worker
-server, key_id = kv._whole[3]
+placed = kv.layout_for(3, value.shape, value.dtype)
+server, key_id = placed.parts[0].server, placed.id
 uid = node.servers[server].uid.encode()
 
 transport = node.conn.transport

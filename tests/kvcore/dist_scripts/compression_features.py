@@ -35,9 +35,9 @@ for key, shape in SHAPES.items():
     kv.init(key, np.zeros(shape, np.float32))
 kv.init("half", np.zeros(4, np.float16))
 for key in ("split", "rows"):  # split on whole 2bit words: every part but the last holds 16k values
-    parts = kv._layouts[key].parts
+    parts = kv.layout_for(key, SHAPES[key], np.float32).parts
     assert len(parts) > 1 and all(p.start % 16 == 0 for p in parts), (key, parts)
-assert kv._layouts["rows"].row_size == 30  # on rows that are word boundaries too: row pulls stay per server
+assert kv.layout_for("rows", SHAPES["rows"], np.float32).row_size == 30  # on rows that are word boundaries too: row pulls stay per server
 if not sync:
     kv.set_optimizer(kvcore.optim.Test(rescale_grad=1))
 
