@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from typing import Any, Callable, Iterator, TypeVar
 
 from psnode import errors as ps
 
-from .errors import DistributedError, DistTimeoutError, NodeDiedError, ServerError, WorkerMismatchError
+from .errors import DistributedError, DistTimeoutError, EnvContractError, NodeDiedError, ServerError, WorkerMismatchError
 
 __all__ = ["translate", "runtime_errors", "maps_runtime_errors"]
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 _TABLE: tuple[tuple[type[BaseException], Callable[[BaseException], BaseException]], ...] = (
+    (ps.EnvError, lambda e: EnvContractError(str(e))),
     (ps.PeerDiedError, lambda e: NodeDiedError(str(e), e.role, e.rank, e.host)),
     (ps.RemoteError, lambda e: ServerError(str(e))),
     (ps.MismatchError, lambda e: WorkerMismatchError(str(e))),
@@ -32,13 +34,34 @@ _TABLE: tuple[tuple[type[BaseException], Callable[[BaseException], BaseException
 
 
 def translate(exc: BaseException) -> BaseException:
-    """The kvcore error for a psnode error, with it as ``__cause__``; any other error as it is."""
+    """The kvcore error for a psnode error, with it as ``__cause__``; any other error as it is. An
+    ``EnvContractError`` that nobody catches ends the process with its one line (``_one_line``)."""
     for kind, make in _TABLE:
         if isinstance(exc, kind):
             new = make(exc)
             new.__cause__ = exc
+            if isinstance(new, EnvContractError):
+                _one_line_when_uncaught()
             return new
     return exc
+
+
+def _one_line_when_uncaught() -> None:
+    """Have an uncaught ``EnvContractError`` print ``kvcore: error: <message>`` instead of a traceback
+    (once installed, any other exception goes to the hook that was there before)."""
+    if getattr(sys.excepthook, "_kvcore_one_line", False):
+        return
+    before = sys.excepthook
+
+    def hook(kind: type, value: BaseException, tb: Any) -> None:
+        if isinstance(value, EnvContractError):
+            where = "" if "docs/env.md" in str(value) else " (docs/env.md)"
+            print(f"kvcore: error: {value}{where}", file=sys.stderr, flush=True)
+            return
+        before(kind, value, tb)
+
+    hook._kvcore_one_line = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 @contextlib.contextmanager

@@ -15,6 +15,8 @@ The tree::
     ├── KVTimeoutError             a wait on a handle ran past its timeout (also TimeoutError)
     ├── CompressionError           bad gradient compression parameters, or a store that cannot compress
     └── DistributedError           the distributed runtime failed (the psnode error is its __cause__)
+        ├── EnvContractError       a DMLC_* / PS_* / PSLAUNCH_* variable is missing or malformed (also a
+        │                          ValueError); uncaught, it ends the process with its one line
         ├── NodeDiedError          a node of the job died or left: .role, .rank, .host name it
         ├── ServerError            a server refused or failed a request (e.g. the updater raised)
         ├── WorkerMismatchError    workers passed one collective different shapes or dtypes (also a ValueError)
@@ -41,6 +43,7 @@ __all__ = [
     "KVTimeoutError",
     "CompressionError",
     "DistributedError",
+    "EnvContractError",
     "NodeDiedError",
     "ServerError",
     "WorkerMismatchError",
@@ -102,6 +105,12 @@ class CompressionError(KVStoreError, ValueError):
 
 class DistributedError(KVStoreError):
     """The distributed runtime (psnode) failed; the psnode error is the ``__cause__``."""
+
+
+class EnvContractError(DistributedError, ValueError):
+    """The job's environment (docs/env.md) lacks a variable or holds a malformed one; the message names
+    it and its value. Uncaught, it ends the process with that one line (``kvcore.dist_errors``), as
+    pslaunch's own errors do: a traceback would bury it."""
 
 
 class NodeDiedError(DistributedError):

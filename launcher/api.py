@@ -10,8 +10,10 @@
 Its keywords are the command's options by their long names (``num_workers``, ``hostfile``,
 ``max_restarts``, ``log_dir``, ...; ``launcher`` for ``--launcher``, ``env`` for ``--env``). An error
 before anything starts (a bad option, a hostfile line, an unreachable host) raises the
-``LauncherError`` subclass the command line reports; a job that runs and fails returns a result
-with ``ok`` False. Nothing is printed unless ``quiet=False`` (then as the command prints).
+``LauncherError`` subclass the command line reports (a value of the wrong kind, ``timeout="abc"``,
+a ``ConfigError`` naming it); a job that runs and fails returns a result with ``ok`` False.
+``dry_run=True`` starts nothing: the result's ``plan`` is what ``--dry-run`` prints. Nothing is
+printed unless ``quiet=False`` (then as the command prints).
 ``run(config)`` is the same for a ``LaunchConfig`` (what the command line calls).
 """
 
@@ -94,36 +96,82 @@ def launch(command: Sequence[str] | str, *, num_workers: int = 2, num_servers: i
     of the command by its long name with ``_`` for ``-`` (``hostfile="hosts"``, ``max_restarts=2``,
     ``env_worker=["A:1"]``).
 
-    Raises ``TypeError`` for a keyword the command does not have, and the ``LauncherError``
-    subclasses for what pslaunch refuses before starting (``ConfigError``, ``HostfileError``,
-    ``PreflightError``, ...).
+    Raises ``TypeError`` for a keyword the command does not have (naming the nearest one), and the
+    ``LauncherError`` subclasses for what pslaunch refuses before starting (``ConfigError`` for a
+    value of the wrong kind too, ``HostfileError``, ``PreflightError``, ...).
     """
     import shlex
 
     from .cli import build_config, cli
 
     # every option's value as the command line leaves it when not given (click fills them in)
-    defaults = {name: value for name, value in cli.make_context("pslaunch", ["-n", "1", "true"]).params.items()
-                if name != "command"}
-    renamed = {"launcher": "backend"}
-    unknown = sorted(name for name in options if name not in defaults or name in ("backend", "dry_run"))
+    context = cli.make_context("pslaunch", ["-n", "1", "true"])
+    defaults = {name: value for name, value in context.params.items() if name != "command"}
+    unknown = sorted(name for name in options if name not in defaults or name == "backend")
     if unknown:
-        raise TypeError(f"launch() has no option {', '.join(unknown)}; it takes the command's options: "
-                        f"{', '.join(sorted(n for n in defaults if n not in ('backend', 'dry_run')))}")
+        raise TypeError(_no_such_option(unknown, [n for n in defaults if n != "backend"]))
     given = dict(defaults)
-    given.update(options)
-    for name, value in list(given.items()):  # click's multiple options default to tuples
-        if isinstance(value, list):
-            given[name] = tuple(value)
-    given.update(num_workers=num_workers, num_servers=num_servers, quiet=quiet, dry_run=False,
-                 dashboard=options.get("dashboard", False), command=tuple(shlex.split(command) if isinstance(
-                     command, str) else command))
-    given[renamed["launcher"]] = launcher
+    given.update(_checked(context, {**options, "num_workers": num_workers, "num_servers": num_servers}))
+    given.update(quiet=quiet, dashboard=options.get("dashboard", False),
+                 command=tuple(shlex.split(command) if isinstance(command, str) else command))
+    given["backend"] = launcher
     if env is not None:
         texts = [f"{k}={v}" for k, v in env.items()] if isinstance(env, Mapping) else list(env)
         given["env_all"] = tuple(given.get("env_all") or ()) + tuple(texts)
     config = build_config(given, dict(os.environ))
+    if config.dry_run:
+        return _dry_run(config, quiet)
     if quiet:  # nothing on this process's streams; --log-dir keeps its files
         with open(os.devnull, "w") as sink:
             return run(config, out=sink, err=sink)
     return run(config, out=sys.stdout, err=sys.stderr)
+
+
+def _no_such_option(unknown: list[str], known: list[str]) -> str:
+    """``launch()``'s refusal of keywords it does not have, with the nearest option named."""
+    import difflib
+
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known + ["launcher", "env"], n=1, cutoff=0.6)
+        hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return (f"launch() has no option {', '.join(hints)}; it takes the command's options by their long names: "
+            f"{', '.join(sorted(known + ['launcher', 'env']))}")
+
+
+def _checked(context: Any, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` as the command line would read them (``"2"`` for ``num_workers`` is 2, a list of a
+    repeatable option a tuple), or ``ConfigError`` naming the keyword and the value."""
+    import click
+
+    from .errors import ConfigError
+
+    params = {param.name: param for param in context.command.params}
+    out = {}
+    for name, value in values.items():
+        param = params[name]
+        if value is None:
+            out[name] = None
+            continue
+        if param.multiple and isinstance(value, (str, bytes)):
+            value = (value,)
+        try:
+            out[name] = param.type_cast_value(context, value)
+        except click.BadParameter as exc:
+            raise ConfigError(f"launch({name}={value!r}): {exc.message}") from None
+    return out
+
+
+def _dry_run(config: LaunchConfig, quiet: bool) -> RunResult:
+    """``dry_run=True``: the checks and the plan a real run makes, nothing started; the plan's text is
+    the result's ``plan`` (and printed unless ``quiet``)."""
+    from .backends import get_backend
+    from .plan import format_plan
+
+    resolved, plan = plan_job(config, dict(os.environ))
+    backend = get_backend(config.backend)
+    backend.check_without_starting(resolved, plan)
+    text = "\n".join([format_plan(backend.dry_run_plan(resolved, plan)), *backend.dry_run_notes(resolved)])
+    if not quiet:
+        print(text)
+    return RunResult(0, None, (), (), plan=text)

@@ -8,6 +8,7 @@ error is a ``LaunchError`` (or click's own) and is printed here, once, as one li
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 
@@ -34,7 +35,7 @@ __all__ = ["cli", "main", "build_config", "BACKEND_OPTIONS", "HELP_SECTIONS"]
 
 #: Flags that only one backend reads; that backend's ``options`` must name the ones it takes.
 BACKEND_OPTIONS = ("slurm_args", "sge_args", "sge_pe", "ray_address", "ray_strategy", "ray_worker_resources",
-                   "ray_server_resources", "ray_timeout")
+                   "ray_server_resources", "ray_timeout", "ray_exclude")
 
 _EPILOG = """\b
 Examples:
@@ -62,7 +63,8 @@ HELP_SECTIONS = {
     "Hosts and ssh": ("hostfile", "sync_dst_dir", "ssh_port", "ssh_user", "identity", "ssh_config", "known_hosts",
                       "host_key_policy", "connect_timeout", "link_timeout"),
     "Batch systems": ("slurm_args", "sge_args", "sge_pe"),
-    "Ray clusters": ("ray_address", "ray_strategy", "ray_worker_resources", "ray_server_resources", "ray_timeout"),
+    "Ray clusters": ("ray_address", "ray_strategy", "ray_worker_resources", "ray_server_resources", "ray_timeout",
+                     "ray_exclude"),
     "Nodes without ssh": ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_timeout"),
     "Output": ("log_dir", "ranks", "timestamps", "verbose", "quiet", "dry_run"),
     "Ending and restarts": ("timeout", "stop_grace", "shutdown_grace", "max_restarts", "checkpoint_dir",
@@ -152,7 +154,12 @@ class _SectionedCommand(click.Command):
               help="""What each server asks of Ray [default: {"CPU": 1}] (--launcher ray).""")
 @click.option("--ray-timeout", default=None, metavar="SECONDS",
               help="Seconds Ray has to place the job's placement group; then the missing resources are named "
-                   "[default: 60] (--launcher ray).")
+                   "[default: 60; without it a group the cluster's own resources can never hold is refused at "
+                   "once] (--launcher ray).")
+@click.option("--ray-exclude", multiple=True, metavar="PATTERN",
+              help="Leave what PATTERN matches (a .gitignore line) out of the working directory Ray uploads to "
+                   "every node; repeatable. Past Ray's 512 MiB package limit pslaunch refuses before zipping "
+                   "anything, naming the biggest entries (--launcher ray).")
 @click.option("--nnodes", type=int, default=None, metavar="N",
               help="Run as one of N per-node agents: the same command on every node, no ssh between them; node 0 "
                    "runs the scheduler and the job's table (-n and -s stay totals, spread over the nodes).")
@@ -218,6 +225,9 @@ def cli(**options) -> None:
 
     environ = dict(os.environ)
     config = build_config(options, environ)
+    if not config.quiet:
+        for advice in config.advice():
+            click.echo(f"pslaunch: warning: {advice}", err=True)
     if config.dry_run:
         resolved, plan = plan_job(config, environ)
         get_backend(config.backend).check_without_starting(resolved, plan)  # what a real run would refuse
@@ -225,7 +235,10 @@ def cli(**options) -> None:
         for line in get_backend(config.backend).dry_run_notes(resolved):
             click.echo(line)
         return
-    sys.exit(run(config).exit_code)
+    code = run(config).exit_code
+    # the job has ended and been reported: a Ctrl-C more must not turn the exit code into a signal's
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
 
 
 def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
@@ -244,7 +257,7 @@ def build_config(options: dict, environ: dict[str, str]) -> LaunchConfig:
                               f"itself; it does not combine with --launcher {options['backend']}")
         backend = "agents"
     backend_cls = get_backend(backend)  # an unknown name fails here, listing the known ones
-    backend_options = tuple((name, options[name]) for name in BACKEND_OPTIONS if options.get(name) is not None)
+    backend_options = tuple((name, options[name]) for name in BACKEND_OPTIONS if options.get(name) not in (None, ()))
     for name, _ in backend_options:
         if name not in backend_cls.options:
             raise ConfigError(f"--{name.replace('_', '-')} is not an option of --launcher {backend}")
@@ -376,11 +389,59 @@ def _isatty(stream) -> bool:
         return False
 
 
+#: torchrun's flags (by their dashed names), each with what pslaunch says to it: the pslaunch
+#: way, or why it is not needed. ``{value}`` is the flag's value when it was given.
+TORCHRUN_FLAGS = {
+    "--nproc-per-node": "it counts processes per node, and pslaunch's -n counts every worker of the job (spread "
+                        "over the hosts): did you mean -n {value}? (a plain torch script needs no servers: "
+                        "-n {value} -s 0)",
+    "--standalone": "pslaunch needs no rendezvous on one machine: drop --standalone (pslaunch -n N -s 0 train.py runs "
+                    "N workers here)",
+    "--rdzv-backend": "pslaunch's per-node agents meet at node 0 themselves, with no rendezvous backend: drop "
+                      "--rdzv-backend and give every node --nnodes N --node-rank R --rdzv-endpoint NODE0:PORT",
+    "--rdzv-id": "the job's id is --job-id in pslaunch (every agent derives the same one from --rdzv-endpoint)",
+    "--rdzv-conf": "pslaunch's agents take no rendezvous configuration: --rdzv-timeout S is how long they wait",
+    "--master-addr": "pslaunch sets MASTER_ADDR and MASTER_PORT for every worker itself (worker 0's host, a free "
+                     "port): drop it (--scheduler-host places the scheduler)",
+    "--master-port": "pslaunch sets MASTER_ADDR and MASTER_PORT for every worker itself (worker 0's host, a free "
+                     "port): drop it",
+    "--tee": "pslaunch shows every process's output, each line prefixed with its process: drop --tee "
+             "(--log-dir DIR also keeps a file per process)",
+    "--redirects": "pslaunch keeps each process's output apart already: --log-dir DIR writes a file per process",
+    "--log-dir": None,  # the same option in pslaunch
+    "--no-python": "pslaunch runs COMMAND as given: a .py file or python ... runs under --python, anything else "
+                   "as it is: drop --no-python",
+    "--run-path": "pslaunch runs a script by its path: give the file (python path/to/train.py) as COMMAND",
+    "--module": "pslaunch runs any COMMAND: write python -m MODULE as COMMAND",
+    "-m": "pslaunch runs any COMMAND: write python -m MODULE as COMMAND",
+    "--start-method": "pslaunch starts every worker as a process of its own (as torchrun's spawn): drop it",
+    "--monitor-interval": "pslaunch watches the processes all the time: drop it",
+    "--local-ranks-filter": "pslaunch's --ranks LIST shows only these workers' lines (e.g. --ranks 0,3-5)",
+    "--role": "pslaunch's roles are the scheduler, the servers and the workers: drop --role",
+    "--max-restarts": None,  # the same option in pslaunch
+    "--nnodes": None,
+    "--node-rank": None,
+    "--rdzv-endpoint": None,
+}
+
+_TORCHRUN_VALUELESS = {"--standalone", "--no-python", "--run-path", "--module"}
+
+
+def _flag_of(token: str) -> tuple[str, str | None]:
+    """``--nproc_per_node=2`` -> ``("--nproc-per-node", "2")``: the flag by its dashed name, and its
+    ``=`` value."""
+    name, _, value = token.partition("=")
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name, value if "=" in token else None
+
+
 def habit_hint(argv: list[str]) -> str | None:
-    """What to say to a flag another launcher taught the user, found among pslaunch's own options
-    (before COMMAND); None when there is none. click would read ``-np 4`` as ``-n p``."""
-    takes_value = {name for param in cli.params if isinstance(param, click.Option) and not param.is_flag
-                   and not param.count for name in param.opts}
+    """What to say to a flag another launcher taught the user (mpirun's ``-np``, torchrun's flags,
+    an option spelt with underscores), found among pslaunch's own options (before COMMAND); None when
+    there is none. click would read ``-np 4`` as ``-n p`` and answer ``--nproc-per-node`` with
+    ``--gpus-per-worker``."""
+    options = [param for param in cli.params if isinstance(param, click.Option)]
+    takes_value = {name for param in options if not param.is_flag and not param.count for name in param.opts}
+    known = {name for param in options for name in param.opts + param.secondary_opts}
     index = 0
     while index < len(argv):
         token = argv[index]
@@ -389,6 +450,13 @@ def habit_hint(argv: list[str]) -> str | None:
         if token == "-np" or token.startswith("-np="):
             count = token[4:] if "=" in token else (argv[index + 1] if index + 1 < len(argv) else "N")
             return f"-np is mpirun's; pslaunch counts workers with -n: did you mean -n {count}?"
+        name, value = _flag_of(token)
+        if name not in known and name in TORCHRUN_FLAGS and TORCHRUN_FLAGS[name] is not None:
+            if value is None and name not in _TORCHRUN_VALUELESS:
+                value = argv[index + 1] if index + 1 < len(argv) and not argv[index + 1].startswith("-") else "N"
+            return f"{token.partition('=')[0]} is torchrun's; " + TORCHRUN_FLAGS[name].format(value=value or "N")
+        if token.startswith("--") and token.partition("=")[0] not in known and name in known:
+            return f"{token.partition('=')[0]} is spelt {name} in pslaunch"
         index += 2 if token in takes_value else 1
     return None
 

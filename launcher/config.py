@@ -172,7 +172,7 @@ class LaunchConfig:
     summary_json: str | None = None
     timeline: str | None = None
     gpus_per_worker: int | None = None  # --gpus-per-worker: CUDA_VISIBLE_DEVICES by local rank
-    master_port: int | None = None  # a job without servers: torch's MASTER_PORT on worker 0's host (resolved)
+    master_port: int | None = None  # torch's MASTER_PORT on worker 0's host (resolved)
     # Per-node agents (launcher.agents): the same command on every node, no ssh between them.
     nnodes: int | None = None  # --nnodes: None without agents
     node_rank: int = 0  # --node-rank (PSLAUNCH_NODE_RANK, JOB_COMPLETION_INDEX)
@@ -187,6 +187,14 @@ class LaunchConfig:
     #: Options only one backend reads (``--slurm-args``, ...): ``(name, value)`` pairs, checked by
     #: that backend (``Backend.options`` lists the names it takes).
     backend_options: tuple[tuple[str, str], ...] = ()
+
+    def advice(self) -> list[str]:
+        """What pslaunch warns about in a config it runs anyway: more servers than workers."""
+        if self.num_servers > self.num_workers:
+            return [f"-s {self.num_servers} starts more servers than there are workers (-n {self.num_workers}): a "
+                    "server holds a share of every key and answers every worker, so servers beyond the workers add "
+                    "processes and messages, rarely speed; -s defaults to -n"]
+        return []
 
     def option(self, name: str) -> str | None:
         """The value of backend option ``name``, None when it was not given."""
@@ -219,10 +227,13 @@ class LaunchConfig:
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.max_restarts and not self.checkpoint_dir and not self.allow_restart_from_scratch:
+            where = ("a directory every server host reaches) so that the job resumes from its last checkpoint"
+                     if self.num_servers else "a directory every worker reaches, given to them as PSLAUNCH_CHECKPOINT_DIR) "
+                     "where the script saves its checkpoints and finds them again when TORCHELASTIC_RESTART_COUNT or "
+                     "PSLAUNCH_RESTART_COUNT says it was restarted")
             raise ConfigError(
                 f"--max-restarts {self.max_restarts} without --checkpoint-dir: every restart would begin the training "
-                "from scratch; give --checkpoint-dir DIR (a directory every server host reaches) so that the job "
-                "resumes from its last checkpoint, or --allow-restart-from-scratch")
+                f"from scratch; give --checkpoint-dir DIR ({where}, or --allow-restart-from-scratch")
         if self.restart_scope not in RESTART_SCOPES:
             raise ConfigError(f"--restart-scope must be {' or '.join(RESTART_SCOPES)}, got {self.restart_scope!r}")
         if self.restart_scope == "worker" and not self.max_restarts:

@@ -67,6 +67,9 @@ class Host:
 LOCAL_HOST = Host("localhost")
 
 
+_BAD_SHOWN = 20  # malformed lines one error names
+
+
 def _fail(source: str, lineno: int, text: str, why: str) -> HostfileError:
     return HostfileError(f"{source}:{lineno}: {text.strip()!r}: {why}")
 
@@ -117,25 +120,19 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
     """Parse hostfile ``text``; ``source`` names it in errors. Returns the hosts in file order.
 
     Lines naming the same (user, host, port) are merged and their slots added. Raises
-    ``HostfileError`` for a malformed line or a file without any host.
+    ``HostfileError`` naming every malformed line (the first 20), or for a file without any host.
     """
     hosts: dict[tuple[str | None, str, int | None], Host] = {}
+    bad: list[str] = []  # every malformed line is named, not just the first
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        tokens = line.split()
-        user, host, port = _parse_address(source, lineno, raw, tokens[0])
-        slots = None
-        for extra in tokens[1:]:
-            key, sep, value = extra.partition("=")
-            if key not in ("slots", "max_slots") or not sep:
-                raise _fail(source, lineno, raw, f"unexpected {extra!r}; {_EXPECTED}")
-            if not value.isdigit() or int(value) < 1:
-                raise _fail(source, lineno, raw, f"slots must be a whole number >= 1, got {value!r}")
-            if slots is not None:
-                raise _fail(source, lineno, raw, "slots given twice")
-            slots = int(value)
+        try:
+            user, host, port, slots = _parse_line(source, lineno, raw, line)
+        except HostfileError as exc:
+            bad.append(str(exc))
+            continue
         key = (user, host, port)
         if key in hosts:
             old = hosts[key]
@@ -143,9 +140,31 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
             hosts[key] = Host(host, user, port, merged, old.where)
         else:
             hosts[key] = Host(host, user, port, slots, f"{source}:{lineno}")
+    if len(bad) == 1:
+        raise HostfileError(bad[0])
+    if bad:
+        shown = bad[:_BAD_SHOWN] + ([f"and {len(bad) - _BAD_SHOWN} more"] if len(bad) > _BAD_SHOWN else [])
+        raise HostfileError(f"{source}: {len(bad)} malformed lines: " + "; ".join(shown))
     if not hosts:
         raise HostfileError(f"{source}: no hosts in the file ({_EXPECTED}, one per line)")
     return list(hosts.values())
+
+
+def _parse_line(source: str, lineno: int, raw: str, line: str) -> tuple[str | None, str, int | None, int | None]:
+    """``(user, host, port, slots)`` of one hostfile line (comments stripped). Raises ``HostfileError``."""
+    tokens = line.split()
+    user, host, port = _parse_address(source, lineno, raw, tokens[0])
+    slots = None
+    for extra in tokens[1:]:
+        key, sep, value = extra.partition("=")
+        if key not in ("slots", "max_slots") or not sep:
+            raise _fail(source, lineno, raw, f"unexpected {extra!r}; {_EXPECTED}")
+        if not value.isdigit() or int(value) < 1:
+            raise _fail(source, lineno, raw, f"slots must be a whole number >= 1, got {value!r}")
+        if slots is not None:
+            raise _fail(source, lineno, raw, "slots given twice")
+        slots = int(value)
+    return user, host, port, slots
 
 
 def parse_hostfile(path: str | Path) -> list[Host]:

@@ -229,13 +229,13 @@ def resolve(config: LaunchConfig, real_names: list[tuple[str, str]] | None = Non
     if port is None:
         port = 9091 if config.scheduler_host else free_port(address if _loopback_name(address) else "0.0.0.0")
     resolved = replace(config, launch_address=address, scheduler_port=port)
-    if config.num_servers == 0 and config.master_port is None:
+    if config.master_port is None:
         resolved = replace(resolved, master_port=_torch_master_port(resolved))
     return resolved
 
 
 def _torch_master_port(config: LaunchConfig) -> int:
-    """torch's ``MASTER_PORT`` for a job without servers: free on worker 0's host when that is this
+    """torch's ``MASTER_PORT`` (every worker gets it, whatever ``-s``): free on worker 0's host when that is this
     machine (a loopback address of it, or the launch address); on another host, where pslaunch
     cannot probe, a random port below Linux's ephemeral range (32768), which that host's kernel
     never hands to an outgoing connection."""

@@ -225,7 +225,7 @@ def summary_document(job_id: str, rows: list[Row], notes: dict[int, str], failur
             by_name[name]["note"] = note
     root = None
     if failure is not None:
-        root = {"reason": failure.reason, "process": None, "last_lines": []}
+        root = {"reason": failure.final_reason, "process": None, "last_lines": []}
         if failure.handle is not None:
             name = failure.handle.spec.name
             root["process"] = name

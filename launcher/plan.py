@@ -226,7 +226,7 @@ def make_plan(config: LaunchConfig) -> Plan:
         settings[ec.PSLAUNCH_RESTART_SCOPE] = config.restart_scope
     # torch.distributed's env:// rendezvous, for a job without servers: worker 0's host and a port
     master = None
-    if config.num_servers == 0 and config.master_port is not None:
+    if config.master_port is not None:
         master = (torch_master_address(config, next(h for r, _, h in placed if r == "worker")), config.master_port)
     from .backends import get_backend  # here: the backends import this module
 
@@ -271,7 +271,8 @@ def make_plan(config: LaunchConfig) -> Plan:
         if role == "worker":  # a plain torch script runs as under torchrun
             env.update(ec.torch_env(rank=rank, world_size=config.num_workers, local_rank=local_rank,
                                     local_world_size=sizes[(role, host)], master=master,
-                                    gpus_per_worker=config.gpus_per_worker))
+                                    gpus_per_worker=config.gpus_per_worker, max_restarts=config.max_restarts,
+                                    run_id=config.job_id))
         # Python children write to pipes, which block-buffer print(): lines would arrive at exit.
         env["PYTHONUNBUFFERED"] = config.python_unbuffered
         processes.append(
@@ -312,6 +313,9 @@ def format_plan(plan: Plan) -> str:
         if p.cwd:
             lines.append(f"    cwd:  {p.cwd}")
         lines.append("    env:  " + " ".join(f"{k}={shlex.quote(v)}" for k, v in p.env.items()))
-        if p.user_env:
-            lines.append("    --env (values hidden): " + " ".join(v.name for v in p.user_env))
+        named = [v.name for v in p.user_env if v.name != ec.PSLAUNCH_JOB_KEY]
+        if named:
+            lines.append("    --env (values hidden): " + " ".join(named))
+        if len(named) < len(p.user_env):
+            lines.append(f"    the job key: on a file descriptor ({ec.PSLAUNCH_JOB_KEY_FD}), in no argv or environment")
     return "\n".join(lines)

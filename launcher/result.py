@@ -6,6 +6,7 @@ that fill it in and the API that returns it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -46,6 +47,19 @@ class RootCause:
     pid: int | None
     last_lines: tuple[str, ...]
 
+    @property
+    def error_line(self) -> str | None:
+        """The line of the process's last lines that names the exception it died of (``ValueError:
+        ...``, the last such line of a Python traceback), or None."""
+        for line in reversed(self.last_lines):
+            if _EXCEPTION_LINE.match(line.strip()):
+                return line.strip()
+        return None
+
+
+#: The last line of a Python traceback: the exception's (dotted) class name, then its message.
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure|Failed|Warning)\b(: .*)?$")
+
 
 @dataclass(frozen=True)
 class RunResult:
@@ -55,6 +69,7 @@ class RunResult:
     root_cause: RootCause | None
     processes: tuple[ProcessOutcome, ...]
     attempts: tuple[Attempt, ...]  # with --max-restarts: each failure and what followed
+    plan: str | None = None  # ``launch(dry_run=True)``: the plan --dry-run prints (nothing ran)
 
     @property
     def ok(self) -> bool:
@@ -70,8 +85,9 @@ class RunResult:
 
         cause = self.root_cause
         where = f" ({cause.process})" if cause is not None and cause.process else ""
+        raised = f": {cause.error_line}" if cause is not None and cause.error_line else ""
         error = JobFailed(f"the job failed with exit code {self.exit_code}: "
-                          f"{cause.reason if cause is not None else 'no root cause'}{where}", self.exit_code)
+                          f"{cause.reason if cause is not None else 'no root cause'}{where}{raised}", self.exit_code)
         error.result = self
         raise error
 
@@ -99,7 +115,7 @@ def result_of(handles: "Sequence[ProcessHandle]", table_notes: dict[int, str], f
     if failure is not None:
         culprit = failure.handle
         root = RootCause(
-            reason=failure.reason, exit_code=failure.exit_code,
+            reason=failure.final_reason, exit_code=failure.exit_code,
             process=None if culprit is None else culprit.spec.name,
             role=None if culprit is None else culprit.spec.role,
             rank=None if culprit is None else culprit.spec.rank,

@@ -37,4 +37,5 @@ def render_summary(handles: "list[ProcessHandle]", notes: dict[int, str], colour
             f"{h.duration:.1f}s", note, style="red" if note.startswith(_RED) else None,
         )
     console.print(table)
-    return buffer.getvalue()
+    # rich pads the title to the table's width: no line ends in spaces (a log, a diff, a terminal copy)
+    return "".join(line.rstrip() + "\n" for line in buffer.getvalue().splitlines())

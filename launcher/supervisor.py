@@ -115,28 +115,31 @@ class Supervisor:
         self._plan = plan
         ended: tuple[int, str | None] = (1, "pslaunch on node 0 ended before the job did")
         try:
-            self._attempt(plan, start, prepare=True)
-            while self.restarts.can_restart(self.failure) and not self._signals:
-                assert self.failure is not None
-                count = self.restarts.restart(self.failure, "the job")
-                self._report(f"restarting the job (restart {count} of {self.restarts.max_restarts}, "
-                             f"PSLAUNCH_RESTART_COUNT={count})")
-                self.handles, self._replaced, self._stopped, self.failure = [], [], set(), None
-                self._attempt(self._plan.restarted(count), start)
-            if self.restarts.max_restarts:
-                self.restarts.finish(self.failure)
-            ended = (0, None) if self.failure is None else (self.failure.exit_code, self.failure.reason)
-        except LaunchError as exc:
-            ended = (exc.exit_code, f"the job could not start: {exc}")
-            raise
-        finally:
             try:
-                self.backend.job_ended(*ended)
+                self._attempt(plan, start, prepare=True)
+                while self.restarts.can_restart(self.failure) and not self._signals:
+                    assert self.failure is not None
+                    count = self.restarts.restart(self.failure, "the job")
+                    self._report(f"restarting the job (restart {count} of {self.restarts.max_restarts}, "
+                                 f"PSLAUNCH_RESTART_COUNT={count})")
+                    self.handles, self._replaced, self._stopped, self.failure = [], [], set(), None
+                    self._attempt(self._plan.restarted(count), start)
+                if self.restarts.max_restarts:
+                    self.restarts.finish(self.failure)
+                ended = (0, None) if self.failure is None else (self.failure.exit_code, self.failure.final_reason)
+            except LaunchError as exc:
+                ended = (exc.exit_code, f"the job could not start: {exc}")
+                raise
             finally:
-                self.backend.close()
+                try:
+                    self.backend.job_ended(*ended)
+                finally:
+                    self.backend.close()
+            self._report()
+        finally:
+            # only now: a Ctrl-C more while the job is torn down and reported must not cut the table off
             for sig, handler in old.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
-        self._report()
         return 0 if self.failure is None else self.failure.exit_code
 
     def _attempt(self, plan: Plan, start: float, prepare: bool = False) -> None:
@@ -365,7 +368,8 @@ class Supervisor:
             else:
                 self.printer.raw(table)
         if self.failure is not None:
-            self.printer.note(f"root cause: {self.failure.reason}")
+            # a restart follows: pslaunch does not exit, so its exit code's note would mislead
+            self.printer.note(f"root cause: {self.failure.reason if then is not None else self.failure.final_reason}")
             if self.failure.handle is not None:
                 name = self.failure.handle.spec.name
                 lines = self.printer.last_lines(name)

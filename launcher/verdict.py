@@ -40,6 +40,12 @@ class Failure:
     reason: str
     exit_code: int
     handle: "ProcessHandle | None" = None
+    exit_note: str = ""  # why pslaunch's exit code is not the process's: said only when the job ends with it
+
+    @property
+    def final_reason(self) -> str:
+        """The root-cause sentence of a job that ends with this failure (with its exit-code note)."""
+        return self.reason + self.exit_note
 
 
 def kind_of(handle: "ProcessHandle", stopped: set[int]) -> str:
@@ -93,7 +99,7 @@ def culprit(handles: "list[ProcessHandle]", stopped: set[int]) -> Failure | None
         was_stopped = id(first) in stopped
         if status is not None and not status.ok and not was_stopped:
             code, note = job_exit_code(status.exit_code)
-            return Failure(f"{who(first)} failed first: {status.describe()}{note}", code, first)
+            return Failure(f"{who(first)} failed first: {status.describe()}", code, first, note)
         if status is None:
             then = ""
         elif was_stopped:

@@ -42,6 +42,9 @@ __all__ = [
     "MARKER_TRACE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
     "PSLAUNCH_BIGARRAY_BOUND",
     "PSLAUNCH_PUSH_WINDOW",
     "PSLAUNCH_PLACEMENT_TIMEOUT",
@@ -188,7 +191,12 @@ MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 #: ``--gpus-per-worker K``: the GPUs of one worker, by its local rank.
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-TORCH = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CUDA_VISIBLE_DEVICES)
+#: torchrun's restart names, which torch scripts read to resume (the count is ``PSLAUNCH_RESTART_COUNT``).
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+TORCH = (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CUDA_VISIBLE_DEVICES,
+         TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID)
 
 #: The three roles, in the order the launcher starts them.
 ROLES = ("scheduler", "server", "worker")
@@ -215,9 +223,12 @@ WRITTEN = REQUIRED + (
 
 
 def with_restart_count(env: Mapping[str, str], count: int) -> dict[str, str]:
-    """A copy of one process's contract ``env`` for its start after ``count`` restarts of the job."""
+    """A copy of one process's contract ``env`` for its start after ``count`` restarts of the job
+    (a worker's torchrun name too)."""
     out = dict(env)
     out[PSLAUNCH_RESTART_COUNT] = str(count)
+    if TORCHELASTIC_RESTART_COUNT in out:
+        out[TORCHELASTIC_RESTART_COUNT] = str(count)
     return out
 
 
@@ -294,14 +305,17 @@ def contract_env(
 
 
 def torch_env(*, rank: int, world_size: int, local_rank: int, local_world_size: int,
-              master: tuple[str, int] | None = None, gpus_per_worker: int | None = None) -> dict[str, str]:
+              master: tuple[str, int] | None = None, gpus_per_worker: int | None = None,
+              max_restarts: int = 0, run_id: str = "") -> dict[str, str]:
     """torch.distributed's variables of one worker (torchrun's meaning): its ``RANK`` among the
     ``WORLD_SIZE`` workers, its ``LOCAL_RANK`` among the ``LOCAL_WORLD_SIZE`` workers of its host;
-    with ``master`` (a job without servers) ``MASTER_ADDR`` and ``MASTER_PORT``, where worker 0's
-    process group listens; with ``gpus_per_worker`` K, ``CUDA_VISIBLE_DEVICES`` = the K GPUs from
-    ``local_rank * K``. Pure."""
+    with ``master`` ``MASTER_ADDR`` and ``MASTER_PORT``, where worker 0's process group listens (every
+    worker gets them, whatever ``-s``: a plain torch script runs with servers too); with ``gpus_per_worker`` K, ``CUDA_VISIBLE_DEVICES`` = the K GPUs from
+    ``local_rank * K``; torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 on the first start),
+    ``TORCHELASTIC_MAX_RESTARTS`` and ``TORCHELASTIC_RUN_ID`` (the job id). Pure."""
     env = {RANK: str(rank), WORLD_SIZE: str(world_size), LOCAL_RANK: str(local_rank),
-           LOCAL_WORLD_SIZE: str(local_world_size)}
+           LOCAL_WORLD_SIZE: str(local_world_size), TORCHELASTIC_RESTART_COUNT: "0",
+           TORCHELASTIC_MAX_RESTARTS: str(max_restarts), TORCHELASTIC_RUN_ID: run_id}
     if master is not None:
         env[MASTER_ADDR], env[MASTER_PORT] = master[0], str(master[1])
     if gpus_per_worker:
@@ -451,15 +465,22 @@ def _ephemeral_low() -> int:
     return low if low > 2048 else 32768
 
 
+#: The names of this machine's loopback that a by-hand job may spell its scheduler's address with.
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback", "127.0.0.1", "::1"})
+
+
 def shared_job_id(root_uri: str, root_port: int | str) -> str:
     """The job id every process of a job started without ``PSLAUNCH_JOB_ID`` derives alike.
 
     What all of them share is the scheduler's address and port, so the id is a digest of those:
     ``job-`` and 8 hex digits of the SHA-256 of ``uri:port`` (the uri trimmed and lower-cased, so
-    ``Node1`` and ``node1`` agree). Two by-hand jobs on different scheduler ports get different ids.
+    ``Node1`` and ``node1`` agree, and the loopback's names, ``localhost``, ``127.0.0.1`` and ``::1``,
+    all read ``127.0.0.1``). Two by-hand jobs on different scheduler ports get different ids.
     """
-    where = f"{root_uri.strip().lower()}:{root_port}"
-    return "job-" + hashlib.sha256(where.encode()).hexdigest()[:8]
+    uri = root_uri.strip().lower()
+    if uri in _LOOPBACK_NAMES:
+        uri = "127.0.0.1"
+    return "job-" + hashlib.sha256(f"{uri}:{root_port}".encode()).hexdigest()[:8]
 
 
 _INTERFACE_NAME = r"[A-Za-z0-9_.:-]{1,15}"  # Linux's IFNAMSIZ less the NUL; ASCII only

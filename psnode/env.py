@@ -54,6 +54,7 @@ class NodeEnv:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     job_id: str = ""
+    job_id_from: str = ""  # the scheduler's address as given, when the job id was derived from it
     local_rank: int = 0
     local_size: int = 1
     register_timeout: float = 60.0
@@ -252,6 +253,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         heartbeat_interval=interval,
         heartbeat_timeout=timeout,
         job_id=_get(env, "PSLAUNCH_JOB_ID") or shared_job_id(root_uri, root_port),
+        job_id_from="" if _get(env, "PSLAUNCH_JOB_ID") else f"{root_uri}:{root_port}",
         local_rank=_int("PSLAUNCH_LOCAL_RANK", _get(env, "PSLAUNCH_LOCAL_RANK") or "0", 0),
         local_size=_int("PSLAUNCH_LOCAL_SIZE", _get(env, "PSLAUNCH_LOCAL_SIZE") or "1", 1),
         register_timeout=register_timeout,

@@ -172,7 +172,7 @@ class Hub:
             if not 1 <= rank < (self.config.nnodes or 1):
                 return refuse(f"node rank {rank} is not an agent's rank of --nnodes {self.config.nnodes} "
                               f"(1..{(self.config.nnodes or 1) - 1}; node 0 is this one)")
-            diffs = differences(self._mine, hello.get("command"))
+            diffs = differences(self._mine, hello.get("command"), rank)
             if diffs:
                 return refuse(f"its command differs from node 0's: {'; '.join(diffs)}")
             with self._lock:

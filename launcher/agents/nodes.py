@@ -9,8 +9,8 @@ then only says which processes to start for which attempt (``attempt_specs``).
 Placement (docs/launcher.md, "Launching without ssh"): the nodes are hosts ``node0`` ...
 ``nodeN-1`` in rank order, so the hostfile's rule holds: the scheduler on node 0, server ``r`` on
 node ``r mod N``, worker ``r`` on node ``r mod N``. The scheduler listens at the rendezvous host,
-port ``PORT+1`` (or ``--scheduler-port``), and with ``-s 0`` torch's ``MASTER_ADDR:MASTER_PORT``
-is the rendezvous host, port ``PORT+2`` (worker 0 is on node 0): every node knows both without
+port ``PORT+1`` (or ``--scheduler-port``), and torch's ``MASTER_ADDR:MASTER_PORT`` is the
+rendezvous host, port ``PORT+2`` (worker 0 is on node 0): every node knows both without
 asking. Each process advertises its own interface toward the scheduler (or ``--interface``'s).
 """
 
@@ -44,8 +44,8 @@ def node_config(config: LaunchConfig) -> LaunchConfig:
     assert config.nnodes is not None and config.rdzv_endpoint is not None
     host, port = parse_endpoint(config.rdzv_endpoint)
     scheduler_port = config.scheduler_port or port + 1
-    master_port = port + 2 if config.num_servers == 0 else None
-    if max(scheduler_port, master_port or 0) > 65535:
+    master_port = port + 2
+    if max(scheduler_port, master_port) > 65535:
         raise ConfigError(f"--rdzv-endpoint {config.rdzv_endpoint}: the scheduler listens at port {port + 1} and "
                           "torch's master at the one after; choose a rendezvous port below 65534")
     nodes = tuple(Host(node_label(rank)) for rank in range(config.nnodes))
@@ -99,15 +99,16 @@ def command_fields(config: LaunchConfig) -> dict[str, object]:
     return fields
 
 
-def differences(mine: dict[str, object], theirs: object) -> list[str]:
-    """Where an agent's ``command_fields`` (``theirs``, from the wire) differ from node 0's, as
-    ``FLAG X there, Y here`` phrases; a malformed ``theirs`` is one difference."""
+def differences(mine: dict[str, object], theirs: object, rank: int) -> list[str]:
+    """Where the ``command_fields`` of the agent of node ``rank`` (``theirs``, from the wire) differ from
+    node 0's (``mine``), as ``FLAG X on node1, Y on node 0`` phrases, which read the same on either
+    node; a malformed ``theirs`` is one difference."""
     if not isinstance(theirs, dict):
         return ["its command's options were not sent"]
     out = []
     for flag, value in mine.items():
         if theirs.get(flag) != value:
-            out.append(f"{flag} {_shown(theirs.get(flag))} there, {_shown(value)} here")
+            out.append(f"{flag} {_shown(theirs.get(flag))} on {node_label(rank)}, {_shown(value)} on node 0")
     return out
 
 

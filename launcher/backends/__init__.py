@@ -23,6 +23,8 @@ _BACKENDS: dict[str, str] = {
     "ray": "launcher.backends.ray.backend:RayBackend",
     "agents": "launcher.agents.backend:AgentsBackend",
 }
+#: Backends that ``--launcher`` does not choose: the per-node agents are what ``--nnodes`` selects.
+_NOT_BY_FLAG = {"agents": "--nnodes N runs pslaunch as per-node agents"}
 
 
 def default_backend(hosts: object) -> str:
@@ -31,8 +33,8 @@ def default_backend(hosts: object) -> str:
 
 
 def known_backends() -> list[str]:
-    """The backend names, sorted."""
-    return sorted(_BACKENDS)
+    """The names ``--launcher`` takes, sorted."""
+    return sorted(name for name in _BACKENDS if name not in _NOT_BY_FLAG)
 
 
 def get_backend(name: str) -> type[Backend]:
@@ -41,7 +43,8 @@ def get_backend(name: str) -> type[Backend]:
         target = _BACKENDS[name]
     except KeyError:
         raise UnknownBackendError(
-            f"unknown launcher backend {name!r}; known backends: {', '.join(known_backends())}"
+            f"unknown launcher backend {name!r}; --launcher takes {', '.join(known_backends())} ("
+            + "; ".join(_NOT_BY_FLAG.values()) + ")"
         ) from None
     module, _, cls = target.partition(":")
     return getattr(importlib.import_module(module), cls)

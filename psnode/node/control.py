@@ -153,7 +153,8 @@ class SchedulerLink:
         """
         env, me = self.env, self.me
         self.transport.connect(SCHEDULER, f"tcp://{env.root_uri}:{env.root_port}", watch=True)
-        info = {**me.as_record(), "worker_id": env.worker_id if me.role == "worker" else None, "job_id": env.job_id}
+        info = {**me.as_record(), "worker_id": env.worker_id if me.role == "worker" else None, "job_id": env.job_id,
+                "job_from": env.job_id_from or None}
         del info["rank"]
         self.send(Cmd.REGISTER, body=info)
         logger.info("%s registering with the scheduler at %s", me.uid, env.root_address)
@@ -173,7 +174,10 @@ class SchedulerLink:
                 if why is not None:
                     raise RefusedError(
                         f"the scheduler at {env.root_address} {why}: this {me.role} is of job {env.job_id!r}; "
-                        "is another job using that port, or are the processes' PSLAUNCH_JOB_KEY different?")
+                        "is another job using that port, or are the processes' PSLAUNCH_JOB_KEY different?"
+                        + (f" Without PSLAUNCH_JOB_ID each process derives the job id from the scheduler's address as "
+                           f"it is given (here {env.job_id_from!r}): every process must name it alike"
+                           if env.job_id_from else ""))
                 continue
             sender, frames = self.transport.recv()
             if sender != SCHEDULER:

@@ -59,7 +59,7 @@ class Scheduler:
         self.transport = transport or node_transport(env, SCHEDULER)
         self.transport.bind(env.root_port, None, None if env.bind_all else resolve_host(env.root_uri, "DMLC_PS_ROOT_URI"))
         self.fingerprint = host_fingerprint()
-        self.roster = Roster(env.num_workers, env.num_servers, env.job_id, env.root_port)
+        self.roster = Roster(env.num_workers, env.num_servers, env.job_id, env.root_port, env.job_id_from)
         self.barriers = Barriers()
         self.rendezvous = Rendezvous()
         self.ledger = Ledger()

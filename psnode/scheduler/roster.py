@@ -15,6 +15,7 @@ from psnode.node.membership import PeerInfo
 __all__ = ["Member", "Roster", "Barriers"]
 
 _ROLES = ("server", "worker")
+_REFUSALS_KEPT = 10  # refusals a timeout message counts (the first is quoted)
 
 
 @dataclass
@@ -32,10 +33,12 @@ class Member:
 class Roster:
     """The registered nodes and their ranks (see ``Scheduler``)."""
 
-    def __init__(self, num_workers: int, num_servers: int, job_id: str = "", port: int = 0) -> None:
+    def __init__(self, num_workers: int, num_servers: int, job_id: str = "", port: int = 0, job_from: str = "") -> None:
         self.expected = {"server": num_servers, "worker": num_workers}
         self.job_id = job_id
+        self.job_from = job_from  # the scheduler's address as it was given, when the job id was derived from it
         self.port = port
+        self.refusals: list[str] = []  # the first registrations refused, for the timeout's message
         self.members: dict[bytes, Member] = {}
         self.any_finished = False  # a worker said it finished: a barrier may now wait for it in vain
 
@@ -52,7 +55,28 @@ class Roster:
         got = ", ".join(f"{self.count(r)} of {n} {r}s" for r, n in self.expected.items())
         short = [f"{n - self.count(r)} {r}{'s' if n - self.count(r) > 1 else ''}"
                  for r, n in self.expected.items() if self.count(r) < n]
-        return f"{got} registered {where}; missing: {', '.join(short)}"
+        refused = ""
+        if self.refusals:
+            refused = (f"; {len(self.refusals)}{'+' if len(self.refusals) >= _REFUSALS_KEPT else ''} registration"
+                       f"{'s' if len(self.refusals) > 1 else ''} refused, the first: {self.refusals[0]}")
+        return f"{got} registered {where}; missing: {', '.join(short)}{refused}"
+
+    def _refused(self, why: str) -> str:
+        if len(self.refusals) < _REFUSALS_KEPT:
+            self.refusals.append(why)
+        return why
+
+    def _other_job(self, peer: PeerInfo, info: dict, job: Any) -> str:
+        """Why a node of job ``job`` may not join; when both ids were derived from the scheduler's
+        address (no ``PSLAUNCH_JOB_ID``), the two spellings of it that made them differ."""
+        theirs = info.get("job_from")
+        if isinstance(theirs, str) and self.job_from and len(theirs) <= 300:
+            return (f"a {peer.role} at {peer.host}:{peer.port} derived job id {job!r} from the scheduler address it "
+                    f"was given, {theirs!r}, and this scheduler derived {self.job_id!r} from {self.job_from!r}: a job "
+                    "started without PSLAUNCH_JOB_ID needs every process to name the scheduler alike "
+                    "(DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT), or PSLAUNCH_JOB_ID set alike in all")
+        return (f"a {peer.role} of job {job!r} at {peer.host}:{peer.port} tried to join; port {self.port} belongs "
+                f"to job {self.job_id!r}")
 
     def add(self, sender: bytes, info: Any) -> str | None:
         """Register ``sender`` from its REGISTER body; the refusal sentence when the job is full.
@@ -70,12 +94,12 @@ class Roster:
             raise ProtocolError(f"registration with worker_id {worker_id!r}, not an integer")
         job = info.get("job_id")
         if self.job_id and job is not None and job != self.job_id:
-            return (f"a {peer.role} of job {job!r} at {peer.host}:{peer.port} tried to join; port {self.port} belongs "
-                    f"to job {self.job_id!r}")
+            return self._refused(self._other_job(peer, info, job))
         expected = self.expected[peer.role]
         if self.count(peer.role) >= expected:
-            return (f"a {peer.role} at {peer.host}:{peer.port} registered, but the job already has all {expected} "
-                    f"{peer.role}s (DMLC_NUM_{'WORKER' if peer.role == 'worker' else 'SERVER'}={expected})")
+            return self._refused(f"a {peer.role} at {peer.host}:{peer.port} registered, but the job already has all "
+                                 f"{expected} {peer.role}s (DMLC_NUM_{'WORKER' if peer.role == 'worker' else 'SERVER'}"
+                                 f"={expected})")
         self.members[sender] = Member(info, peer)
         return None
 
@@ -93,8 +117,7 @@ class Roster:
             raise ProtocolError(f"a late registration of role {peer.role!r} with uid {peer.uid!r} from {sender[:64]!r}")
         job = info.get("job_id")
         if self.job_id and job is not None and job != self.job_id:
-            raise PSNodeError(f"a worker of job {job!r} at {peer.host}:{peer.port} tried to join; port {self.port} "
-                              f"belongs to job {self.job_id!r}")
+            raise PSNodeError(self._other_job(peer, info, job))
         if not isinstance(worker_id, int) or not 0 <= worker_id < self.expected["worker"]:
             raise PSNodeError(f"a worker at {peer.host}:{peer.port} registered after the job started without a "
                               f"DMLC_WORKER_ID of 0..{self.expected['worker'] - 1} ({worker_id!r}); only a restarted "

@@ -181,3 +181,29 @@ def test_worker_0_inits_40_keys_in_one_call_and_worker_1_one_at_a_time_in_revers
         job.start(role, [sys.executable, PLACEMENT_CALLS, mode, "ones:40"],
                   by_hand_env(role, "127.0.0.1", port, servers=2, workers=2))
     assert_formed(job.finish(timeout=90), workers=2)
+
+
+def test_a_worker_that_names_the_scheduler_localhost_joins_the_others_that_name_it_127_0_0_1(hand_job):
+    # each process derives the job id from DMLC_PS_ROOT_URI as it is written: once "localhost" made
+    # another job's id, and the worker was refused ("port ... belongs to job ...")
+    port = free_port()
+    job = hand_job()
+    for role, root in [("scheduler", "127.0.0.1"), ("server", "127.0.0.1"), ("worker", "localhost"),
+                       ("worker", "127.0.0.1")]:
+        job.start(role, [sys.executable, SUMS], by_hand_env(role, root, port, servers=1, workers=2))
+    assert_formed(job.finish(timeout=90), workers=2)
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("DMLC_NUM_WORKER", "two", "environment variable DMLC_NUM_WORKER='two' is not an integer"),
+    ("DMLC_PS_ROOT_PORT", "", "environment variable DMLC_PS_ROOT_PORT is not set; it is required"),
+])
+def test_a_malformed_contract_variable_ends_a_worker_with_one_line_naming_it(hand_job, name, value, words):
+    # once a 38-line chained traceback with the sentence at its end
+    job = hand_job()
+    env = by_hand_env("worker", "127.0.0.1", free_port(), servers=1, workers=2)
+    env[name] = value
+    job.start("worker", [sys.executable, SUMS], env)
+    [(_, code, out)] = job.finish(timeout=30)
+    assert code == 1 and len(out.splitlines()) == 1, out
+    assert out.startswith(f"kvcore: error: {words}") and "docs/env.md" in out, out

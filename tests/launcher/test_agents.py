@@ -115,7 +115,8 @@ def test_agents_with_a_wrong_key_another_job_or_another_command_are_refused_nami
     assert refused_job.returncode == 3, refused_job.stderr
     assert "refused this agent: it belongs to job 'another-job', node 0 runs job 'job-" in refused_job.stderr
     assert refused_command.returncode == 3, refused_command.stderr
-    assert "refused this agent: its command differs from node 0's: -n 4 there, 2 here" in refused_command.stderr
+    # said on node 1: its own value first, named by node (once "there" and "here", from node 0's side)
+    assert "refused this agent: its command differs from node 0's: -n 4 on node1, 2 on node 0" in refused_command.stderr
     assert node0.returncode == 3, node0.stderr
     assert "refused an agent at 127.0.0.1 (node rank 1): wrong job key" in node0.stderr
     assert f"node1 did not join node 0 at {endpoint} within --rdzv-timeout 8 s; refused meanwhile:" in node0.stderr

@@ -34,7 +34,7 @@ def test_a_failed_job_is_a_result_naming_the_failing_worker_with_its_own_last_li
     assert cause.pid == result.process("worker.1").pid and cause.process.startswith("worker.1@")
     assert any("RuntimeError: worker 1 fails at step 3" in line for line in cause.last_lines), cause.last_lines
     assert result.process("worker.1").note.startswith("root cause")
-    with pytest.raises(JobFailed, match=r"exit code 1: .*worker\.1@") as failed:
+    with pytest.raises(JobFailed, match=r"exit code 1: .*worker\.1@.*: RuntimeError: worker 1 fails at step 3$") as failed:
         result.check()
     assert failed.value.result is result and failed.value.exit_code == 1
     assert capfd.readouterr() == ("", "")
@@ -47,6 +47,45 @@ def test_what_pslaunch_refuses_before_starting_is_raised_and_unknown_keywords_ar
         launch(["true"], num_workers=1, ssh_user="bob")
     with pytest.raises(TypeError, match="launch\\(\\) has no option num_wokers"):
         launch(["true"], num_wokers=1)
+
+
+@pytest.mark.parametrize("keyword, words", [
+    ({"num_server": 1}, "launch() has no option num_server (did you mean num_servers?)"),
+    ({"max_restart": 1}, "launch() has no option max_restart (did you mean max_restarts?)"),
+    ({"hostfle": "h"}, "launch() has no option hostfle (did you mean hostfile?)"),
+])
+def test_a_misspelt_keyword_is_named_with_the_nearest_option(keyword, words):
+    with pytest.raises(TypeError) as refused:
+        launch(["true"], num_workers=1, **keyword)
+    assert str(refused.value).startswith(words), refused.value
+
+
+@pytest.mark.parametrize("keyword, words", [
+    ({"timeout": "abc"}, "launch(timeout='abc'): 'abc' is not a valid float."),  # once: '<' between str and int
+    ({"num_workers": "two"}, "launch(num_workers='two'): 'two' is not a valid integer."),
+    ({"restart_scope": "node"}, "launch(restart_scope='node'): 'node' is not one of 'job', 'worker'."),
+])
+def test_a_value_of_the_wrong_kind_is_refused_naming_the_keyword_and_the_value(keyword, words):
+    with pytest.raises(ConfigError) as refused:
+        launch(["true"], **{"num_workers": 1, **keyword})
+    assert str(refused.value) == words
+
+
+def test_numbers_given_as_text_are_read_as_the_command_line_reads_them(tmp_path):
+    result = launch(["true"], num_workers="2", num_servers="0", timeout="30", dry_run=True)
+    assert result.ok and result.plan is not None and result.processes == ()
+    assert "worker.1@" in result.plan and "server." not in result.plan
+
+
+def test_a_dry_run_starts_nothing_and_returns_the_plan_the_command_line_prints(capfd, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    result = launch([sys.executable, str(script)], num_workers=2, num_servers=1, dry_run=True, quiet=False)
+    assert result.ok and result.exit_code == 0 and result.root_cause is None
+    out, _ = capfd.readouterr()
+    assert result.plan in out and "scheduler.0@" in result.plan and "worker.1@" in result.plan
+    with pytest.raises(ConfigError, match="COMMAND's script is missing"):  # what a real run refuses, a dry run too
+        launch(["python", str(tmp_path / "missing.py")], num_workers=1, dry_run=True)
 
 
 def test_a_timeout_is_a_result_without_a_process_to_blame():

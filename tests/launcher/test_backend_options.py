@@ -36,9 +36,11 @@ OPTIONS = {
     "--ray-worker-resources": ["--ray-worker-resources", '{{"CPU": 2, "GPU": 1}}'],  # braces doubled: .format
     "--ray-server-resources": ["--ray-server-resources", '{{"CPU": 2}}'],
     "--ray-timeout": ["--ray-timeout", "30"],
+    "--ray-exclude": ["--ray-exclude", "data/", "--ray-exclude", "*.ckpt"],
     "--restart-scope worker": ["--restart-scope", "worker", "--max-restarts", "1", "--allow-restart-from-scratch"],
 }
-RAY_OPTIONS = ("--ray-address", "--ray-strategy", "--ray-worker-resources", "--ray-server-resources", "--ray-timeout")
+RAY_OPTIONS = ("--ray-address", "--ray-strategy", "--ray-worker-resources", "--ray-server-resources", "--ray-timeout",
+               "--ray-exclude")
 SSH_OPTIONS = ("--ssh-port", "--ssh-user", "-i", "--ssh-config", "--known-hosts", "--host-key-policy", "--link-timeout")
 
 # what each backend accepts; every other option of OPTIONS is refused

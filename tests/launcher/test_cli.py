@@ -23,10 +23,12 @@ def test_dry_run_prints_the_plan_with_hosts_argv_and_env_names_but_no_secret_val
     assert "worker-secret" not in res.stdout + res.stderr
 
 
-def test_unknown_backend_error_lists_the_known_ones_and_exits_2():
+def test_unknown_backend_error_lists_the_names_launcher_takes_and_exits_2():
     res = run_pslaunch(["-n", "1", "--launcher", "yarn", "true"])
     assert res.returncode == 2
-    assert res.stderr.strip() == "pslaunch: error: unknown launcher backend 'yarn'; known backends: agents, local, mpi, ray, sge, slurm, ssh"
+    # the per-node agents are no --launcher name (that one is refused): --nnodes selects them
+    assert res.stderr.strip() == ("pslaunch: error: unknown launcher backend 'yarn'; --launcher takes local, mpi, ray, "
+                                  "sge, slurm, ssh (--nnodes N runs pslaunch as per-node agents)")
 
 
 def test_hostfile_error_is_one_line_naming_file_and_line_and_exits_2(tmp_path):
@@ -76,6 +78,32 @@ def test_mpiruns_np_is_answered_with_did_you_mean_n(args, count):
     assert res.returncode == 2
     assert res.stderr == (f"pslaunch: error: -np is mpirun's; pslaunch counts workers with -n: did you mean -n {count}? "
                           "(pslaunch --help lists every option)\n")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--nproc-per-node", "2", "train.py"], "--nproc-per-node is torchrun's; it counts processes per node, and "
+     "pslaunch's -n counts every worker of the job (spread over the hosts): did you mean -n 2? (a plain torch script "
+     "needs no servers: -n 2 -s 0)"),
+    (["--nproc_per_node=4", "train.py"], "--nproc_per_node is torchrun's; it counts processes per node, and pslaunch's "
+     "-n counts every worker of the job (spread over the hosts): did you mean -n 4?"),
+    (["--standalone", "--nproc-per-node", "2", "train.py"], "--standalone is torchrun's; pslaunch needs no rendezvous "
+     "on one machine: drop --standalone (pslaunch -n N -s 0 train.py runs N workers here)"),
+    (["-n", "2", "--tee", "3", "train.py"], "--tee is torchrun's; pslaunch shows every process's output"),
+    (["-n", "2", "--redirects", "3", "train.py"], "--redirects is torchrun's; pslaunch keeps each process's output "
+     "apart already: --log-dir DIR writes a file per process"),
+    (["-n", "2", "--no-python", "train"], "--no-python is torchrun's; pslaunch runs COMMAND as given"),
+    (["-n", "2", "--run-path", "train.py"], "--run-path is torchrun's; pslaunch runs a script by its path"),
+    (["-n", "2", "--rdzv-backend", "c10d", "train.py"], "--rdzv-backend is torchrun's; pslaunch's per-node agents meet "
+     "at node 0 themselves, with no rendezvous backend"),
+    (["-n", "2", "--rdzv_endpoint", "h:29400", "train.py"], "--rdzv_endpoint is spelt --rdzv-endpoint in pslaunch"),
+])
+def test_torchruns_flags_get_the_pslaunch_way_or_why_none_is_needed(args, words):
+    # click once answered --nproc-per-node with "Did you mean '--gpus-per-worker'?", and the others with
+    # "No such option"
+    res = run_pslaunch(args)
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"pslaunch: error: {words}") and len(res.stderr.splitlines()) == 1, res.stderr
+    assert "gpus-per-worker" not in res.stderr
 
 
 def test_np_after_the_command_is_the_commands_own(tmp_path):
@@ -133,3 +161,11 @@ def test_dry_run_refuses_what_a_real_run_refuses_a_missing_script_and_mpis_worke
         assert dry.returncode == real.returncode == 2, (dry, real)
         assert dry.stderr == real.stderr, (dry.stderr, real.stderr)  # the same refusal, word for word
         assert "script is missing" in dry.stderr or "--restart-scope worker cannot be used" in dry.stderr, dry.stderr
+
+
+def test_more_servers_than_workers_is_warned_about_once_and_still_runs(tmp_path):
+    res = run_pslaunch(["-n", "2", "-s", "5", "--dry-run", "true"])
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("pslaunch: warning: -s 5 starts more servers than there are workers (-n 2)") == 1
+    assert "warning" not in run_pslaunch(["-n", "2", "-s", "2", "--dry-run", "true"]).stderr
+    assert "warning" not in run_pslaunch(["-n", "2", "-s", "5", "-q", "--dry-run", "true"]).stderr

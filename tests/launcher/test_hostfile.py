@@ -58,6 +58,18 @@ def test_bad_line_error_names_file_line_number_text_and_expectation(tmp_path, li
     assert expected in message
 
 
+def test_every_malformed_line_is_named_not_only_the_first(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_text("good-host\nnode1 cpus=4\nnode2:70000\nnode3 slots=2\nno/slash\n")
+    with pytest.raises(HostfileError) as info:
+        parse_hostfile(path)
+    expected = "expected '[user@]host[:sshport] [slots=N]'"
+    assert str(info.value) == (
+        f"{path}: 3 malformed lines: {path}:2: 'node1 cpus=4': unexpected 'cpus=4'; {expected}; "
+        f"{path}:3: 'node2:70000': ssh port '70000' is not a number in 1..65535; "
+        f"{path}:5: 'no/slash': 'no/slash' is not a host name or address; {expected}")
+
+
 def test_empty_hostfile_and_missing_file_are_errors_naming_the_path(tmp_path):
     empty = tmp_path / "empty"
     empty.write_text("# nothing\n\n")

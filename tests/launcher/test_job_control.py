@@ -157,3 +157,30 @@ def test_a_sigcont_that_follows_sigint_as_timeouts_does_says_nothing_of_continui
     assert "pslaunch: root cause: pslaunch got SIGINT" in proc.stderr, proc.stderr
     assert "job continued" not in proc.stderr + proc.stdout, proc.stderr
     assert wait_gone(marker, 5) == []
+
+
+def test_ctrl_c_pressed_again_and_again_while_the_job_stops_still_ends_with_the_table_and_the_root_cause(tmp_path, marker):
+    # the first Ctrl-C stops the job; the others hurry it along (no grace period) but must not cut off
+    # the summary table (a Ctrl-C landing after pslaunch gave its signals back once ended it with none)
+    slow = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0))); " \
+           "print('up', flush=True); time.sleep(60)"
+    out = tmp_path / "stderr"
+    with open(out, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "-n", "2", "-s", "1", "--stop-grace", "5",
+                                 "python", "-c", slow, marker], cwd=REPO, stdout=subprocess.PIPE, stderr=err,
+                                start_new_session=True)
+    try:
+        assert proc.stdout.readline().endswith(b"up\n")
+        while proc.poll() is None:  # Ctrl-C every 20 ms until pslaunch has ended
+            os.kill(proc.pid, signal.SIGINT)
+            time.sleep(0.02)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = out.read_text()
+    assert proc.returncode == 130, text
+    assert "| role" in text and text.count("| worker ") == 2, text
+    assert "pslaunch: root cause: pslaunch got SIGINT" in text and "pslaunch: interrupted" not in text, text
+    assert wait_gone(marker, 10) == []

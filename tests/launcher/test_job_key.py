@@ -55,8 +55,13 @@ def test_dry_run_names_the_key_but_never_shows_it(tmp_path):
     res = run_pslaunch(["-n", "2", "-s", "1", "--dry-run", "--encrypt", "python", "train.py"], timeout=30,
                        cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
-    assert "--env (values hidden): PSLAUNCH_JOB_KEY" in res.stdout and "PSLAUNCH_ENCRYPT=curve" in res.stdout
+    # no --env was given: the key is not listed among them, but where the processes get it
+    assert "--env (values hidden)" not in res.stdout and "PSLAUNCH_ENCRYPT=curve" in res.stdout
+    assert res.stdout.count("the job key: on a file descriptor (PSLAUNCH_JOB_KEY_FD), in no argv or environment") == 4
     assert not re.search(r"[0-9a-f]{64}", res.stdout), res.stdout
+    res = run_pslaunch(["-n", "1", "-s", "0", "--dry-run", "--env", "SECRET_TOKEN:zz-top-secret", "python", "train.py"],
+                       timeout=30, cwd=str(tmp_path))
+    assert "--env (values hidden): SECRET_TOKEN\n" in res.stdout and "zz-top-secret" not in res.stdout
 
 
 def test_an_encrypted_job_runs(marker):

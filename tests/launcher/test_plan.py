@@ -214,7 +214,10 @@ def test_the_master_of_a_job_on_this_machine_is_a_loopback_address_with_a_free_p
     on_loopback_hosts = resolve(_config(backend="ssh", hosts=(Host("127.0.0.3"), Host("127.0.0.2")), num_servers=0),
                                 real_names=[("127.0.0.3", "127.0.0.3"), ("127.0.0.2", "127.0.0.2")])
     assert make_plan(on_loopback_hosts).by_role("worker")[0].env["MASTER_ADDR"] == "127.0.0.3"
-    assert resolve(_config(num_servers=1)).master_port is None
+    # with servers too: a plain torch script gets MASTER_ADDR and MASTER_PORT whatever -s is
+    with_servers = resolve(_config(num_servers=1, scheduler_port=None))
+    assert with_servers.master_port not in (None, with_servers.scheduler_port)
+    assert make_plan(with_servers).by_role("worker")[1].env["MASTER_PORT"] == str(with_servers.master_port)
     # worker 0 on this machine, another host remote: the remote workers dial this machine's address
     mixed = _config(backend="ssh", hosts=(Host("localhost"), Host("node2")), num_servers=0, master_port=29500,
                     launch_address="10.0.0.9")

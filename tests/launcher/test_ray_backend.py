@@ -119,16 +119,42 @@ def test_sync_dst_dir_puts_the_working_directory_there_on_each_node_and_processe
     _nothing_left(ray_cluster)
 
 
-def test_a_working_directory_ray_refuses_is_an_error_before_anything_starts(ray_cluster, tmp_path):
-    (tmp_path / "blob.bin").write_bytes(os.urandom(300_000))  # random: the zip stays as big
+def test_a_working_directory_past_rays_limit_is_refused_before_anything_is_zipped(ray_cluster, tmp_path):
+    (tmp_path / "blob.bin").write_bytes(os.urandom(300_000))
     (tmp_path / "w.py").write_text("print('never runs')\n")
     env = ray_cluster.driver_env()
     env.update(PYTHONPATH=str(REPO), RAY_max_grpc_message_size="100000")  # Ray's package limit, lowered to 100 kB
     res = run_pslaunch(["--launcher", "ray", "-n", "1", "-s", "0", "w.py"], timeout=60, cwd=str(tmp_path), env=env)
     assert res.returncode == 4, res.stdout + res.stderr
-    assert re.search(rf"pslaunch: error: Ray could not take the working directory {re.escape(str(tmp_path))} as the "
-                     r"job's runtime_env: .*Package size \(0\.\d+MiB\) exceeds the maximum size", res.stderr), res.stderr
+    assert (f"pslaunch: error: Ray would upload the working directory {tmp_path} to every node, and it holds 293.0 KiB "
+            "after .gitignore, .rayignore and --ray-exclude (Ray's package limit is 97.7 KiB); the biggest: blob.bin "
+            "293.0 KiB, w.py") in res.stderr, res.stderr
     assert "never runs" not in res.stdout and "Traceback" not in res.stderr
+    _nothing_left(ray_cluster)
+
+
+def test_a_data_set_in_the_working_directory_is_named_at_once_and_runs_once_left_out(ray_cluster, tmp_path):
+    # 48 GB beside the code once went to Ray's zip for minutes and filled the disk; a Ray session
+    # folder in the directory (its temp dir) is never uploaded at all
+    with open(tmp_path / "dataset.bin", "wb") as fh:
+        fh.truncate(48 << 30)  # sparse: no disk taken
+    session = tmp_path / "raytmp" / "session_2026-12-06_00-00-00_000000_1"
+    (session / "logs").mkdir(parents=True)
+    (session / "sockets").mkdir()
+    with open(session / "logs" / "raylet.out", "wb") as fh:
+        fh.truncate(4 << 30)
+    (tmp_path / "w.py").write_text("print('ran from', __import__('os').getcwd())\n")
+    env = ray_cluster.driver_env()
+    env["PYTHONPATH"] = str(REPO)
+    started = time.monotonic()
+    res = run_pslaunch(["--launcher", "ray", "-n", "1", "-s", "0", "w.py"], timeout=60, cwd=str(tmp_path), env=env)
+    assert res.returncode == 4 and time.monotonic() - started < 30, res.stdout + res.stderr
+    assert "holds 48.0 GiB after .gitignore, .rayignore and --ray-exclude" in res.stderr, res.stderr
+    assert "the biggest: dataset.bin 48.0 GiB, w.py" in res.stderr and "raytmp" not in res.stderr
+    res = run_pslaunch(["--launcher", "ray", "-n", "1", "-s", "0", "--ray-exclude", "*.bin", "-v", "w.py"], timeout=90,
+                       cwd=str(tmp_path), env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "ran from" in res.stdout and "Ray's own folders left out: raytmp" in res.stderr
     _nothing_left(ray_cluster)
 
 
@@ -167,12 +193,24 @@ def test_the_job_key_is_in_no_command_line_environment_or_ray_log(ray_cluster, t
 
 
 def test_a_placement_group_the_cluster_cannot_hold_is_an_error_naming_what_is_missing(ray_cluster):
-    started = time.monotonic()
+    started = time.monotonic()  # --ray-timeout given: waited for (a cluster may grow), then named
     res = _ray(ray_cluster, ["-n", "4", "-s", "1", "--ray-worker-resources", '{"CPU": 1, "GPU": 1}', "--ray-timeout",
                              "2", "examples/train_mlp.py"], timeout=60)
     assert res.returncode == 2, res.stdout + res.stderr
     assert ("pslaunch: error: Ray could not place the job's 6 bundles within --ray-timeout 2 s: needs 4 GPU, "
             "cluster has 0") in res.stderr, res.stderr
+    assert time.monotonic() - started < 30
+    _nothing_left(ray_cluster)
+
+
+def test_without_ray_timeout_a_group_bigger_than_the_cluster_is_refused_at_once(ray_cluster):
+    # 2 servers, 4 workers and the scheduler need 7 CPUs of a cluster of 6: no waiting the default 60 s
+    started = time.monotonic()
+    res = _ray(ray_cluster, ["-n", "4", "-s", "2", "examples/train_mlp.py"], timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert ("pslaunch: error: Ray cannot place the job's 7 bundles: needs 7 CPU, cluster has 6 (the cluster's own "
+            "resources, so pslaunch does not wait; on a cluster that grows on demand give --ray-timeout S to wait "
+            "for it)") in res.stderr, res.stderr
     assert time.monotonic() - started < 30
     _nothing_left(ray_cluster)
 

@@ -130,6 +130,25 @@ def test_restart_scope_worker_restarts_a_failed_async_worker_alone_while_the_oth
     assert "restarting it alone (restart 1 of 1, PSLAUNCH_RESTART_COUNT=1); the other processes go on" in res.stderr
 
 
+def test_a_torch_script_reads_torchruns_restart_count_and_the_restart_line_speaks_of_no_exit_code():
+    # an allreduce job (-s 0): worker 1 exits 3, a code pslaunch keeps for itself (it would exit 1), on the
+    # first attempt; the job is restarted and ends 0, so no line may say what pslaunch would have exited with
+    res = run_pslaunch(["-n", "2", "-s", "0", "--max-restarts", "1", "--allow-restart-from-scratch", "python",
+                        helper("torch_restart.py")], timeout=90)
+    assert res.returncode == 0, res.stderr
+    seen = set(re.findall(r"rank \d attempt \d of \d restarts", res.stdout))
+    assert {"rank 0 attempt 1 of 1 restarts", "rank 1 attempt 1 of 1 restarts"} <= seen, res.stdout
+    assert "rank 1 attempt 0 of 1 restarts" not in seen, res.stdout
+    assert re.search(r"root cause: worker\.1@\S+ \(worker rank 1 on \S+, pid \d+\) failed first: exit code 3\n", res.stderr)
+    assert "pslaunch exits 1" not in res.stderr, res.stderr
+
+
+def test_restarts_of_a_job_without_servers_ask_for_a_directory_the_workers_reach():
+    res = run_pslaunch(["-n", "2", "-s", "0", "--max-restarts", "1", "python", "train.py"], timeout=30)
+    assert res.returncode == 2
+    assert "give --checkpoint-dir DIR (a directory every worker reaches" in res.stderr and "server" not in res.stderr
+
+
 def test_restart_scope_worker_refuses_dist_sync_naming_the_reason(tmp_path):
     res = _train(tmp_path, "--max-restarts", "1", "--restart-scope", "worker", "--allow-restart-from-scratch")
     assert res.returncode == 1

@@ -45,6 +45,7 @@ def test_local_job_without_servers_sums_among_the_workers_and_the_summary_says_s
     res = _run_sum_job(tmp_path, "-s", "0", "--launcher", "local")
     assert "server" not in "".join(line for line in res.stderr.splitlines() if line.startswith("|"))
     assert "allreduce: no servers" in res.stderr and "stopped by pslaunch" not in res.stderr
+    assert [line for line in res.stderr.splitlines() if line != line.rstrip()] == []  # the title once was padded
 
 
 @pytest.mark.mpi

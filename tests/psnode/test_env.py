@@ -15,7 +15,8 @@ BASE = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9091", "DMLC_NUM_
 
 def test_a_complete_environment_gives_the_documented_defaults():
     env = read_env(BASE)
-    assert env == NodeEnv(role="worker", root_uri="127.0.0.1", root_port=9091, num_workers=2, num_servers=1, job_id=env.job_id)
+    assert env == NodeEnv(role="worker", root_uri="127.0.0.1", root_port=9091, num_workers=2, num_servers=1, job_id=env.job_id,
+                          job_id_from="127.0.0.1:9091")  # no PSLAUNCH_JOB_ID: derived from the address as given
     assert (env.heartbeat_interval, env.heartbeat_timeout, env.register_timeout) == (1.0, 10.0, 60.0)
     assert (env.bigarray_bound, env.server_device, env.verbose, env.local) == (1_000_000, "cpu", 0, False)
     assert (env.same_host, env.io_sched) == ("shm", "batch")

@@ -4,12 +4,13 @@ import threading
 
 import pytest
 
-from pscontract import contract_env
+from pscontract import contract_env, shared_job_id
 from psnode.env import read_env
 from psnode.errors import PeerDiedError, RegistrationTimeoutError
 from psnode.node.membership import SCHEDULER
 from psnode.node.protocol import FLAG_ERROR, Cmd, pack_header, pack_json, unpack_header, unpack_json
 from psnode.scheduler.node import Scheduler
+from psnode.scheduler.roster import Roster
 from psnode.transport.inproc import InProcHub, InProcTransport
 
 pytestmark = pytest.mark.unit
@@ -223,3 +224,22 @@ def test_a_node_whose_advertised_address_does_not_answer_is_found_with_why_and_s
         beside = PeerInfo("worker", 0, "127.0.0.1", closed.getsockname()[1], "w0", "here", "w0")
         assert unreachable([up, down, beside], "here", "shm", 5) == [(down, "Connection refused")]
         assert unreachable([beside], "here", "tcp", 5) == [(beside, "Connection refused")]
+
+
+def test_a_node_that_derived_another_job_id_from_another_spelling_of_the_address_is_told_both_spellings():
+    # a job started by hand without PSLAUNCH_JOB_ID: each process derives the id from the address it was given
+    roster = Roster(num_workers=2, num_servers=0, job_id=shared_job_id("10.0.0.7", 9395), port=9395,
+                    job_from="10.0.0.7:9395")
+    info = {"role": "worker", "host": "10.0.0.8", "port": 4000, "uid": "worker@10.0.0.8:4000", "fingerprint": "f",
+            "local_name": "n", "worker_id": None, "job_id": shared_job_id("node7", 9395), "job_from": "node7:9395"}
+    why = roster.add(b"worker@10.0.0.8:4000", info)
+    assert why == (f"a worker at 10.0.0.8:4000 derived job id {shared_job_id('node7', 9395)!r} from the scheduler "
+                   f"address it was given, 'node7:9395', and this scheduler derived {roster.job_id!r} from "
+                   "'10.0.0.7:9395': a job started without PSLAUNCH_JOB_ID needs every process to name the scheduler "
+                   "alike (DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT), or PSLAUNCH_JOB_ID set alike in all")
+    assert roster.missing("with the scheduler").endswith(f"missing: 2 workers; 1 registration refused, the first: {why}")
+
+
+@pytest.mark.parametrize("spelling", ["localhost", "LOCALHOST", "::1", "127.0.0.1"])
+def test_the_loopbacks_names_derive_one_job_id(spelling):
+    assert shared_job_id(spelling, 9395) == shared_job_id("127.0.0.1", 9395) != shared_job_id("127.0.0.1", 9396)

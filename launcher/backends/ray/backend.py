@@ -36,7 +36,8 @@ from ...plan import Plan, ProcessSpec
 from ..base import Backend, ExitStatus, GuardedHandle, ProcessHandle, VerbHandle, route_block
 from ..remote.scriptcheck import check_scripts_here
 from .placement import PENDING_HOST, assign_bundles, place
-from .settings import STRATEGIES, RaySettings, bundles_for, shortfall
+from .settings import STRATEGIES, RaySettings, bundles_for, never_fits, shortfall
+from .upload import check_working_dir
 
 __all__ = ["RayBackend", "RayHandle", "READ_WAIT"]
 
@@ -47,7 +48,7 @@ DOUBT_AFTER = 3.0
 #: Seconds the actors have to start on their nodes (a new Python worker each, the working directory
 #: unpacked) and to answer a start.
 START_WAIT = 120.0
-_OPTIONS = ("ray_address", "ray_strategy", "ray_worker_resources", "ray_server_resources", "ray_timeout")
+_OPTIONS = ("ray_address", "ray_strategy", "ray_worker_resources", "ray_server_resources", "ray_timeout", "ray_exclude")
 
 
 def _ray():
@@ -189,9 +190,7 @@ class RayBackend(Backend):
         # Ports on nodes pslaunch cannot probe before placement: below Linux's ephemeral range (32768),
         # which no node's kernel hands to an outgoing connection; ``prepare`` checks them on the node.
         scheduler_port = config.scheduler_port or random.randrange(16384, 32768)
-        master_port = None
-        if config.num_servers == 0:
-            master_port = config.master_port or random.choice([p for p in range(16384, 32768) if p != scheduler_port])
+        master_port = config.master_port or random.choice([p for p in range(16384, 32768) if p != scheduler_port])
         return replace(config, hosts=(PENDING_HOST,), scheduler_host=PENDING_HOST.name, launch_address=PENDING_HOST.name,
                        scheduler_port=scheduler_port, master_port=master_port)
 
@@ -199,6 +198,7 @@ class RayBackend(Backend):
     def check_without_starting(cls, config, plan) -> None:
         # the script is looked for here: Ray copies this directory (to --sync-dst-dir too)
         check_scripts_here([replace(spec, cwd=None) for spec in plan.processes], config.cwd)
+        check_working_dir(config.sync_src_dir, RaySettings.from_config(config, os.environ).excludes)
 
     @classmethod
     def dry_run_notes(cls, config):
@@ -236,6 +236,12 @@ class RayBackend(Backend):
         from ray.util.placement_group import placement_group
 
         bundles = bundles_for([spec.role for spec in plan.processes], self.settings)
+        if not self.settings.timeout_given:  # no waiting for what the cluster can never hold
+            never = self._never_fits(ray, bundles)
+            if never is not None:
+                raise PlacementError(f"Ray cannot place the job's {len(bundles)} bundles: {never} (the cluster's own "
+                                     "resources, so pslaunch does not wait; on a cluster that grows on demand give "
+                                     "--ray-timeout S to wait for it)")
         strategy = STRATEGIES[self.settings.strategy]
         self._group = placement_group(bundles, strategy=strategy, name=f"pslaunch-{self.config.job_id}")
         try:
@@ -290,7 +296,13 @@ class RayBackend(Backend):
         return chosen
 
     def _connect(self, ray) -> None:
-        runtime_env = {"working_dir": self.config.sync_src_dir}
+        size = check_working_dir(self.config.sync_src_dir, self.settings.excludes)
+        excludes = [*self.settings.excludes, *(f"/{folder}" for folder in size.left_out)]
+        if self.config.verbose:
+            left = f"; Ray's own folders left out: {', '.join(size.left_out)}" if size.left_out else ""
+            self.printer.note(f"ray: the working directory {self.config.sync_src_dir} holds {size.total} bytes to "
+                              f"upload{left}")
+        runtime_env = {"working_dir": self.config.sync_src_dir, **({"excludes": excludes} if excludes else {})}
         try:
             ray.init(address=self.settings.address, runtime_env=runtime_env, namespace=f"pslaunch-{self.config.job_id}",
                      log_to_driver=False, logging_level=logging.ERROR, configure_logging=True)
@@ -342,6 +354,13 @@ class RayBackend(Backend):
         if bundle.get("memory"):
             options["memory"] = bundle["memory"]
         return ray.remote(ProcessActor).options(**options).remote()
+
+    def _never_fits(self, ray, bundles) -> str | None:
+        try:
+            nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+            return never_fits(bundles, ray.cluster_resources(), nodes)
+        except Exception:  # noqa: BLE001 - Ray did not say: wait for the group as before
+            return None
 
     def _shortfall(self, ray, bundles) -> str:
         try:

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 from ...config import LaunchConfig
 from ...errors import ConfigError
 
-__all__ = ["RaySettings", "bundles_for", "shortfall", "DEFAULT_RAY_TIMEOUT", "SCHEDULER_BUNDLE", "STRATEGIES"]
+__all__ = ["RaySettings", "bundles_for", "shortfall", "never_fits", "DEFAULT_RAY_TIMEOUT", "SCHEDULER_BUNDLE", "STRATEGIES"]
 
 #: Seconds the placement group has to be placed before pslaunch names what is missing.
 DEFAULT_RAY_TIMEOUT = 60.0
@@ -37,6 +37,8 @@ class RaySettings:
     worker_resources: tuple[tuple[str, float], ...]
     server_resources: tuple[tuple[str, float], ...]
     timeout: float
+    timeout_given: bool = False  # --ray-timeout was given: wait for an autoscaling cluster to grow
+    excludes: tuple[str, ...] = ()  # --ray-exclude: patterns left out of the working directory's upload
 
     @classmethod
     def from_config(cls, config: LaunchConfig, environ: Mapping[str, str]) -> "RaySettings":
@@ -59,7 +61,8 @@ class RaySettings:
         return cls(address=address, strategy=strategy,
                    worker_resources=_parse_resources("--ray-worker-resources", config.option("ray_worker_resources")),
                    server_resources=_parse_resources("--ray-server-resources", config.option("ray_server_resources")),
-                   timeout=timeout)
+                   timeout=timeout, timeout_given=timeout_text is not None,
+                   excludes=tuple(config.option("ray_exclude") or ()))
 
 
 def _parse_resources(flag: str, text: str | None) -> tuple[tuple[str, float], ...]:
@@ -96,24 +99,40 @@ def _amount(value: float) -> str:
     return f"{value:g}" if value < 1e6 else f"{value / 2**30:.1f} GiB"
 
 
-def shortfall(bundles: Sequence[Mapping[str, float]], total: Mapping[str, float], available: Mapping[str, float],
-              nodes: Sequence[Mapping[str, float]], strategy: str) -> str:
-    """Why ``bundles`` did not fit a cluster with ``total`` resources (``available`` of them free,
-    ``nodes``: each live node's total), as a phrase: ``needs 4 GPU, cluster has 2``; a bundle no
-    node can hold; resources others use; else the strategy's constraint."""
+def _needs(bundles: Sequence[Mapping[str, float]]) -> dict[str, float]:
     need: dict[str, float] = {}
     for bundle in bundles:
         for name, amount in bundle.items():
             need[name] = need.get(name, 0.0) + amount
+    return need
+
+
+def never_fits(bundles: Sequence[Mapping[str, float]], total: Mapping[str, float],
+               nodes: Sequence[Mapping[str, float]]) -> str | None:
+    """Why a cluster of ``total`` resources (``nodes``: each live node's total) can never hold
+    ``bundles``, however long it is waited for, as a phrase (``needs 4 GPU, cluster has 2``; a bundle
+    no node can hold); None when it could once other jobs free what they hold."""
     lacking = [f"needs {_amount(amount)} {name}, cluster has {_amount(total.get(name, 0.0))}"
-               for name, amount in sorted(need.items()) if amount > total.get(name, 0.0) + 1e-9]
+               for name, amount in sorted(_needs(bundles).items()) if amount > total.get(name, 0.0) + 1e-9]
     if lacking:
         return "; ".join(lacking)
     for bundle in bundles:
         if not any(all(node.get(name, 0.0) + 1e-9 >= amount for name, amount in bundle.items()) for node in nodes):
             shown = json.dumps({name: amount for name, amount in bundle.items()})
             return f"no node of the cluster can hold a bundle of {shown} (the largest node has " + ", ".join(
-                f"{_amount(max(node.get(name, 0.0) for node in nodes))} {name}" for name in bundle) + ")"
+                f"{_amount(max((node.get(name, 0.0) for node in nodes), default=0.0))} {name}" for name in bundle) + ")"
+    return None
+
+
+def shortfall(bundles: Sequence[Mapping[str, float]], total: Mapping[str, float], available: Mapping[str, float],
+              nodes: Sequence[Mapping[str, float]], strategy: str) -> str:
+    """Why ``bundles`` did not fit a cluster with ``total`` resources (``available`` of them free,
+    ``nodes``: each live node's total), as a phrase: what it can never hold (``never_fits``);
+    resources others use; else the strategy's constraint."""
+    never = never_fits(bundles, total, nodes)
+    if never is not None:
+        return never
+    need = _needs(bundles)
     busy = [f"needs {_amount(amount)} {name}, {_amount(available.get(name, 0.0))} of the cluster's "
             f"{_amount(total.get(name, 0.0))} are free" for name, amount in sorted(need.items())
             if amount > available.get(name, 0.0) + 1e-9]
