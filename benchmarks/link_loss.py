@@ -47,7 +47,7 @@ def _left(cluster, host: str) -> list[str]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if re.search(r"pslaunch-guard|psnode|steps_worker|sleeper|mpi_rank|orted", cmd):
+        if re.search(r"pslaunch-guard|psnode|steps_worker|sleeper|rank_shim|orted", cmd):
             found.append(cmd)
     return found
 
@@ -91,8 +91,8 @@ def one(cluster, case: str, link_timeout: float) -> dict:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(link_timeout: float, reps: int, json_path: Path | None) -> None:
     """Measure the time to detect a lost host and to clean up behind it; print a table."""
-    from testkit.netns import usable
     from testkit.launcher import start_cluster
+    from testkit.netns import usable
 
     why = usable()
     if why is not None:

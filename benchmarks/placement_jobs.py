@@ -7,7 +7,7 @@
   (checked exactly): the seconds of each call as the workers measure them, the job's wall time, and
   the peak RSS of the scheduler, each server and each worker (``/proc``, ``benchmarks.job_watch``).
   Worker 0 copies the values it inits, places the keys, sends them and writes its decisions into the
-  scheduler's ledger (``kvcore.placement_book``); worker 1 reads them.
+  scheduler's ledger (``kvcore.stores.placement_book``); worker 1 reads them.
 * **One key per call.** For ResNet-50 and 100 keys of random sizes (``testkit.model_shapes``) at
   each server count: ``pslaunch -n 2 -s S``, every worker inits one key per call, worker 0 in the
   model's order and worker 1 in reverse, then one push and pull of every key (checked exactly); the

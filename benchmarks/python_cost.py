@@ -128,7 +128,7 @@ class _StandIn(Transport):
 def worker_rounds() -> tuple[object, Callable[[int], None]]:
     """A dist_sync store on a real ``WorkerNode`` whose transport is the stand-in, and ``rounds(n)``
     running ``n`` push + pull rounds of one 4-float key (stop it with ``stop_worker``)."""
-    from kvcore.dist_store import DistKVStore
+    from kvcore.stores.distributed import DistKVStore
 
     stand_in = _StandIn([_peer("server", 0)])
     node = WorkerNode(_env("worker", 1), transport=stand_in).start()  # parks as in a job

@@ -9,7 +9,7 @@ leave that table out.)
 
 * **Placement.** For ResNet-50, BERT-base and 100 keys of random sizes (``testkit.model_shapes``),
   the busiest server's bytes over the mean at 2, 4, 8 and 16 servers, by the key-hash rule
-  (``kvcore.sharding``, what every key got before) and by bytes (``kvcore.placement``, the Trainer's
+  (``kvcore.stores.sharding``, what every key got before) and by bytes (``kvcore.stores.placement``, the Trainer's
   one init call), with how many keys under the big-array bound the placement split. Pure arithmetic.
 * **A big local job.** ``pslaunch -n 96 -s 32 --launcher local`` of a dist_sync job of ``--rounds``
   rounds (one push and pull of a 64 KiB key per worker and round, a key per server), on this
@@ -61,8 +61,8 @@ WORKER = textwrap.dedent("""
 
 
 def placement_table() -> list[dict]:
-    from kvcore.placement import KeyRequest, Placement
-    from kvcore.sharding import layout
+    from kvcore.stores.placement import KeyRequest, Placement
+    from kvcore.stores.sharding import layout
     from testkit.model_shapes import MODELS
 
     rows = []

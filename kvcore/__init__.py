@@ -1,16 +1,30 @@
 """kvcore: what training code imports.
 
-``kvcore.create(name)`` returns a KVStore with MXNet's semantics (``local``, ``device``; the
-distributed stores ``dist_*`` keep values on servers, ``allreduce`` sums among the workers of a job
-without servers). ``kvcore.collectives`` holds the workers' collectives (allreduce, allgather,
-broadcast, barrier, broadcast_parameters), imported on first use. ``kvcore.optim`` holds the optimizers,
-``kvcore.arrays`` the numpy/CuPy array backend and device helpers, ``kvcore.compression`` MXNet's
-2bit/1bit gradient compression (``kv.set_gradient_compression``). ``kvcore.shared_model`` holds the
-mshadow-ps style asynchronous shared model (``create_shared_model``), ``kvcore.elastic`` the
-checkpoints a training script resumes from (``State``).
+What a training script uses is imported from here (``__all__`` lists it):
+
+- ``kvcore.create(name)``: a KVStore with MXNet's semantics (``local``, ``device``; the distributed
+  stores ``dist_sync``, ``dist_async``, ``dist_device_sync`` keep values on servers, ``allreduce``
+  sums among the workers of a job without servers); ``register_store`` adds one.
+- ``Trainer`` and ``Parameter``: one optimizer step of data-parallel training through a store.
+- the errors (``KVStoreError`` and the tree under it), ``Handle`` and ``wait_all``, ``RowSparseArray``,
+  the devices (``cpu``, ``gpu``, ``num_gpus``) and the data helpers (``split_and_load``, ``SplitSampler``);
+- ``create_shared_model`` and ``SharedModel``: mshadow-ps's asynchronous shared model.
+
+and these modules: ``kvcore.collectives`` (allreduce, allgather, broadcast, barrier,
+broadcast_parameters; imported on first use, it joins the job), ``kvcore.optim`` (the optimizers),
+``kvcore.arrays`` (the numpy/CuPy array backend), ``kvcore.compression`` (2bit/1bit gradient
+compression), ``kvcore.elastic`` (``State``: the checkpoints a script resumes from),
+``kvcore.shared_model`` and ``kvcore.errors``. ``PUBLIC_MODULES`` names these and the modules of the names
+above.
+
+Everything else is kvcore's own and may change (``INTERNAL_MODULES``): the stores' implementations
+(``kvcore.stores``: one module per store, key normalisation, placement of keys on servers), the link
+to this process's worker node (``runtime``, ``worker_collectives``, ``node_handle``, ``dist_errors``),
+the Trainer's parts (``parameters``, ``torch_adapter``, ``trainer_handoff``) and MXNet's
+start-as-any-role rule (``_role``).
 """
 
-from . import arrays, compression, elastic, optim
+from . import arrays, compression, elastic, optim, shared_model
 from .arrays import Device, cpu, gpu, num_gpus
 from .dataparallel import SplitSampler, split_and_load
 from .errors import (
@@ -26,8 +40,8 @@ from .errors import (
     KVTimeoutError,
     NodeDiedError,
     OptimizerError,
-    ServerError,
     OutShapeError,
+    ServerError,
     ShapeMismatchError,
     UninitializedKeyError,
     UnknownStoreError,
@@ -35,12 +49,18 @@ from .errors import (
     WorkerMismatchError,
 )
 from .handles import Handle, wait_all
-from .registry import create, register_store, store_names
-from .sparse import RowSparseArray
-from .store_base import KVStoreBase
-from .trainer import Parameter, Trainer
-from . import shared_model
 from .shared_model import ModelUpdater, SharedModel, create_shared_model
+from .sparse import RowSparseArray
+from .stores.base import KVStoreBase
+from .stores.registry import create, register_store, store_names
+from .trainer import Parameter, Trainer
+
+#: The modules training code imports (``import kvcore.collectives as C``, ``kvcore.elastic.State``).
+PUBLIC_MODULES = ("arrays", "collectives", "compression", "dataparallel", "elastic", "errors", "handles", "optim",
+                  "shared_model", "sparse", "trainer")
+#: kvcore's own modules: what they hold is reached through the names above; they may change.
+INTERNAL_MODULES = ("_role", "dist_errors", "node_handle", "parameters", "runtime", "torch_adapter", "trainer_handoff",
+                    "worker_collectives", "stores")
 
 __all__ = [
     "arrays",

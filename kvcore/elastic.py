@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CheckpointError, DTypeMismatchError, KVStoreError, ServerError, ShapeMismatchError
-from .store_base import KeyMeta
+from .stores.base import KeyMeta
 
 __all__ = ["State"]
 
@@ -139,7 +139,7 @@ class State:
             return {"id": None}
         manifest = self._ask(0, {"op": "read", "id": newest})["manifest"]
         parts: dict[int, list] = {s: [] for s in range(kv.num_servers)}
-        # the checkpoint's keys not initialised yet are placed as one call (kvcore.placement); their
+        # the checkpoint's keys not initialised yet are placed as one call (kvcore.stores.placement); their
         # init later keeps that placement, and the servers read each range from wherever it was
         kv.place([(e["key"], tuple(e["shape"]), np.dtype(e["dtype"])) for e in manifest["keys"]])
         for entry in manifest["keys"]:
@@ -321,8 +321,8 @@ class State:
 
 def _store_of(store: Any) -> tuple[Any, Any]:
     """``(shared model or None, distributed KVStore)`` behind ``store``."""
-    from .dist_store import DistKVStore
     from .shared_model import SharedModel
+    from .stores.distributed import DistKVStore
 
     if isinstance(store, DistKVStore):
         return None, store

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from psnode import errors as ps_errors
 from psnode.env import read_env
@@ -26,9 +26,7 @@ from psnode.worker.node import WorkerNode
 
 from .dist_errors import runtime_errors
 from .errors import DistributedError
-
-if TYPE_CHECKING:
-    from .collectives import Collectives
+from .worker_collectives import Collectives
 
 __all__ = ["worker", "joined", "num_servers", "collectives", "use"]
 
@@ -88,15 +86,13 @@ def num_servers() -> int:
         return read_env(default_role="worker").num_servers
 
 
-def collectives(of: WorkerNode | None = None) -> "Collectives":
+def collectives(of: WorkerNode | None = None) -> Collectives:
     """The collectives of worker ``of`` (default: ``worker()``), made once per worker."""
     global _last
     node = of if of is not None else worker()
     last_node, last = _last
     if last_node is node:  # each module-level collective asks: answered without a lock or a lookup
         return last
-    from .collectives import Collectives  # here: kvcore.collectives imports this module
-
     with _lock:
         found = _collectives.get(node)
         if found is None:

@@ -30,8 +30,8 @@ from . import arrays
 from .errors import DTypeMismatchError, ShapeMismatchError
 from .optim.base import Optimizer, Updater, create as create_optimizer
 from .parameters import Parameter, as_list, from_framework, normalise_params
-from .registry import create as create_store
-from .store_base import KVStoreBase
+from .stores.base import KVStoreBase
+from .stores.registry import create as create_store
 from .trainer_handoff import HandOff
 
 __all__ = ["Parameter", "Trainer"]  # Parameter lives in kvcore.parameters

@@ -24,26 +24,20 @@ import sys
 from typing import IO, TYPE_CHECKING, Any, Mapping, Sequence
 
 from .config import LaunchConfig
-from .result import ProcessOutcome, RootCause, RunResult, result_of
+from .supervision.result import ProcessOutcome, RootCause, RunResult, result_of
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .planning.plan import Plan
 
 __all__ = ["launch", "run", "plan_job", "RunResult", "ProcessOutcome", "RootCause", "result_of"]
 
 
 def plan_job(config: LaunchConfig, environ: Mapping[str, str]) -> tuple[LaunchConfig, "Plan"]:
-    """What every launch does before anything starts, ``--dry-run`` included: refuse the options its
-    backend has no use for (a ``LaunchConfig`` made in Python too), resolve the addresses and ports,
-    let the backend fill in what it knows, and plan. Raises ``LaunchError``."""
+    """What every launch does before anything starts, ``--dry-run`` included: its backend's
+    ``planned`` (refuse the options it has no use for, resolve, configure, plan). Raises ``LaunchError``."""
     from .backends import get_backend
-    from .network import resolve
-    from .plan import make_plan
 
-    backend = get_backend(config.backend)
-    backend.refuse_unused(config)
-    config = backend.configure(config if backend.resolves_itself else resolve(config), environ)
-    return config, make_plan(config)
+    return get_backend(config.backend).planned(config, environ)
 
 
 def run(config: LaunchConfig, out: IO[str] | None = None, err: IO[str] | None = None) -> RunResult:
@@ -54,15 +48,15 @@ def run(config: LaunchConfig, out: IO[str] | None = None, err: IO[str] | None = 
     """
     from .backends import get_backend
     from .errors import LaunchError
-    from .observe import JobObserver
-    from .output import Printer
-    from .supervisor import Supervisor
+    from .observe.observer import JobObserver
+    from .observe.output import Printer
+    from .supervision.supervisor import Supervisor
 
     config, plan = plan_job(config, dict(os.environ))
     printer = Printer(out=out, err=err, quiet=config.quiet, log_dir=config.log_dir, ranks=config.ranks,
                       timestamps=config.timestamps)
-    if config.nnodes is not None and config.node_rank > 0:  # an agent: node 0 supervises the job
-        from .agents.agent import run_agent
+    if config.agents.nnodes is not None and config.agents.node_rank > 0:  # an agent: node 0 supervises the job
+        from .supervision.agent import run_agent
 
         try:
             return run_agent(config, plan, printer)
@@ -102,16 +96,15 @@ def launch(command: Sequence[str] | str, *, num_workers: int = 2, num_servers: i
     """
     import shlex
 
-    from .cli import build_config, cli
+    from .options import build_config, defaults, read_value
 
-    # every option's value as the command line leaves it when not given (click fills them in)
-    context = cli.make_context("pslaunch", ["-n", "1", "true"])
-    defaults = {name: value for name, value in context.params.items() if name != "command"}
-    unknown = sorted(name for name in options if name not in defaults or name == "backend")
+    known = defaults()
+    unknown = sorted(name for name in options if name not in known or name == "backend")
     if unknown:
-        raise TypeError(_no_such_option(unknown, [n for n in defaults if n != "backend"]))
-    given = dict(defaults)
-    given.update(_checked(context, {**options, "num_workers": num_workers, "num_servers": num_servers}))
+        raise TypeError(_no_such_option(unknown, [n for n in known if n != "backend"]))
+    given = dict(known)
+    given.update({name: read_value(name, value)
+                  for name, value in {**options, "num_workers": num_workers, "num_servers": num_servers}.items()})
     given.update(quiet=quiet, dashboard=options.get("dashboard", False),
                  command=tuple(shlex.split(command) if isinstance(command, str) else command))
     given["backend"] = launcher
@@ -139,34 +132,11 @@ def _no_such_option(unknown: list[str], known: list[str]) -> str:
             f"{', '.join(sorted(known + ['launcher', 'env']))}")
 
 
-def _checked(context: Any, values: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` as the command line would read them (``"2"`` for ``num_workers`` is 2, a list of a
-    repeatable option a tuple), or ``ConfigError`` naming the keyword and the value."""
-    import click
-
-    from .errors import ConfigError
-
-    params = {param.name: param for param in context.command.params}
-    out = {}
-    for name, value in values.items():
-        param = params[name]
-        if value is None:
-            out[name] = None
-            continue
-        if param.multiple and isinstance(value, (str, bytes)):
-            value = (value,)
-        try:
-            out[name] = param.type_cast_value(context, value)
-        except click.BadParameter as exc:
-            raise ConfigError(f"launch({name}={value!r}): {exc.message}") from None
-    return out
-
-
 def _dry_run(config: LaunchConfig, quiet: bool) -> RunResult:
     """``dry_run=True``: the checks and the plan a real run makes, nothing started; the plan's text is
     the result's ``plan`` (and printed unless ``quiet``)."""
     from .backends import get_backend
-    from .plan import format_plan
+    from .planning.plan import format_plan
 
     resolved, plan = plan_job(config, dict(os.environ))
     backend = get_backend(config.backend)

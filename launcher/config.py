@@ -1,21 +1,29 @@
 """The launch configuration: everything the CLI parsed, as one frozen value.
 
-``LaunchConfig`` is what ``launcher.plan.make_plan`` turns into a plan. It holds no open files,
+``LaunchConfig`` is what ``launcher.planning.plan.make_plan`` turns into a plan. It holds no open files,
 sockets or processes; ``resolve`` fills in the few values that need a look at the machine (a free
 scheduler port, the launching host's address) so that planning itself stays pure.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 
 from pscontract import RESTART_SCOPES, free_port
 
 from .errors import ConfigError
-from .hostfile import Host
 
 __all__ = [
+    "SshOptions",
+    "SlurmOptions",
+    "SgeOptions",
+    "RayOptions",
+    "AgentOptions",
+    "OPTION_GROUPS",
+    "Host",
+    "LOCAL_HOST",
     "EnvVar",
     "LaunchConfig",
     "parse_env_option",
@@ -39,6 +47,51 @@ DEFAULT_SHUTDOWN_GRACE = 10.0
 DEFAULT_LINK_TIMEOUT = 15.0
 #: Seconds the per-node agents have to find each other (``--rdzv-timeout``).
 DEFAULT_RDZV_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of the job.
+
+    ``name`` is what ssh connects to (an address or a name, possibly an alias of ~/.ssh/config);
+    ``user`` and ``port`` are None when the hostfile leaves them to ssh's defaults / --ssh-user /
+    --ssh-port; ``slots`` is None for "no limit".
+    """
+
+    name: str
+    user: str | None = None
+    port: int | None = None
+    slots: int | None = None
+    #: ``FILE:LINE`` of the hostfile line that named the host first, for errors (None: not from a file)
+    where: str | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        """The host as shown in output prefixes and tables (the name, IPv6 in brackets)."""
+        return f"[{self.name}]" if ":" in self.name else self.name
+
+    @property
+    def is_ip(self) -> bool:
+        """True when ``name`` is an IPv4 or IPv6 literal."""
+        try:
+            ipaddress.ip_address(self.name)
+        except ValueError:
+            return False
+        return True
+
+    @property
+    def is_loopback(self) -> bool:
+        """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+        if self.name == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.name).is_loopback
+        except ValueError:
+            return False
+
+
+#: The host pslaunch runs on (scheduler placement, the local backend).
+LOCAL_HOST = Host("localhost")
 
 
 @dataclass(frozen=True)
@@ -123,8 +176,67 @@ def parse_metrics_option(text: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
+class SshOptions:
+    """How pslaunch reaches hosts over ssh (``--launcher ssh``; ``mpi``'s daemons use them too)."""
+
+    port: int | None = None  # --ssh-port: for hosts whose line gives none
+    user: str | None = None  # --ssh-user
+    identity: str | None = None  # -i/--identity: a private key file (absolute)
+    config: str | None = None  # --ssh-config (default ~/.ssh/config)
+    known_hosts: str | None = None  # --known-hosts
+    host_key_policy: str = "accept-new"  # --host-key-policy accept-new|strict|ignore
+    connect_timeout: float = 10.0  # --connect-timeout: seconds for each host's pre-flight check
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """``--launcher slurm``'s options."""
+
+    args: str | None = None  # --slurm-args: options of the allocation or job step (shell syntax)
+
+
+@dataclass(frozen=True)
+class SgeOptions:
+    """``--launcher sge``'s options."""
+
+    args: str | None = None  # --sge-args: qsub options
+    pe: str | None = None  # --sge-pe: the parallel environment (default smp)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """``--launcher ray``'s options, as given (``launcher.backends.ray.settings`` checks them)."""
+
+    address: str | None = None  # --ray-address
+    strategy: str | None = None  # --ray-strategy spread|pack
+    worker_resources: str | None = None  # --ray-worker-resources JSON
+    server_resources: str | None = None  # --ray-server-resources JSON
+    timeout: str | None = None  # --ray-timeout SECONDS
+    exclude: tuple[str, ...] = ()  # --ray-exclude PATTERN...
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """The per-node agents' options (``--nnodes``: the same command on every node, no ssh between them)."""
+
+    nnodes: int | None = None  # --nnodes: None without agents
+    node_rank: int = 0  # --node-rank (PSLAUNCH_NODE_RANK, JOB_COMPLETION_INDEX)
+    rdzv_endpoint: str | None = None  # --rdzv-endpoint HOST:PORT: where node 0 listens for the agents
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT  # --rdzv-timeout
+
+
+#: The option groups of ``LaunchConfig``, by the field that holds each: a backend names those it takes.
+OPTION_GROUPS = {"ssh": SshOptions, "slurm": SlurmOptions, "sge": SgeOptions, "ray": RayOptions, "agents": AgentOptions}
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
-    """Everything a launch needs, as parsed from the command line. See ``pslaunch --help``."""
+    """Everything a launch needs, as parsed from the command line. See ``pslaunch --help``.
+
+    The job's shape and what every backend reads lie flat; what only some backends read is in a
+    typed group of its own (``ssh``, ``slurm``, ``sge``, ``ray``, ``agents``), which a backend names
+    in ``Backend.takes`` (any other group given is refused before anything starts).
+    """
 
     command: tuple[str, ...]
     num_workers: int
@@ -139,13 +251,6 @@ class LaunchConfig:
     scheduler_port: int | None = None
     launch_address: str = "127.0.0.1"
     interface: str | None = None
-    ssh_port: int | None = None
-    ssh_user: str | None = None
-    identity: str | None = None
-    ssh_config: str | None = None
-    known_hosts: str | None = None
-    host_key_policy: str = "accept-new"
-    connect_timeout: float = 10.0
     link_timeout: float = DEFAULT_LINK_TIMEOUT
     sync_dst_dir: str | None = None
     sync_src_dir: str = "."
@@ -173,20 +278,17 @@ class LaunchConfig:
     timeline: str | None = None
     gpus_per_worker: int | None = None  # --gpus-per-worker: CUDA_VISIBLE_DEVICES by local rank
     master_port: int | None = None  # torch's MASTER_PORT on worker 0's host (resolved)
-    # Per-node agents (launcher.agents): the same command on every node, no ssh between them.
-    nnodes: int | None = None  # --nnodes: None without agents
-    node_rank: int = 0  # --node-rank (PSLAUNCH_NODE_RANK, JOB_COMPLETION_INDEX)
-    rdzv_endpoint: str | None = None  # --rdzv-endpoint HOST:PORT: where node 0 listens for the agents
-    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    ssh: SshOptions = SshOptions()
+    slurm: SlurmOptions = SlurmOptions()
+    sge: SgeOptions = SgeOptions()
+    ray: RayOptions = RayOptions()
+    agents: AgentOptions = AgentOptions()
 
     @property
     def wants_stats(self) -> bool:
         """Whether pslaunch needs the runtime's counters (``PSLAUNCH_STATS``): for the dashboard,
         the metrics endpoint or the summary JSON."""
         return self.dashboard or self.metrics_port is not None or self.summary_json is not None
-    #: Options only one backend reads (``--slurm-args``, ...): ``(name, value)`` pairs, checked by
-    #: that backend (``Backend.options`` lists the names it takes).
-    backend_options: tuple[tuple[str, str], ...] = ()
 
     def advice(self) -> list[str]:
         """What pslaunch warns about in a config it runs anyway: more servers than workers."""
@@ -195,10 +297,6 @@ class LaunchConfig:
                     "server holds a share of every key and answers every worker, so servers beyond the workers add "
                     "processes and messages, rarely speed; -s defaults to -n"]
         return []
-
-    def option(self, name: str) -> str | None:
-        """The value of backend option ``name``, None when it was not given."""
-        return dict(self.backend_options).get(name)
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -217,7 +315,7 @@ class LaunchConfig:
         if self.timeout is not None and self.timeout <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
         for flag, value in (("--stop-grace", self.stop_grace), ("--shutdown-grace", self.shutdown_grace),
-                            ("--connect-timeout", self.connect_timeout), ("--link-timeout", self.link_timeout)):
+                            ("--connect-timeout", self.ssh.connect_timeout), ("--link-timeout", self.link_timeout)):
             if value < 0:
                 raise ConfigError(f"{flag} must be >= 0 seconds, got {value}")
         if self.gpus_per_worker is not None and self.gpus_per_worker < 1:
@@ -242,19 +340,19 @@ class LaunchConfig:
         if self.restart_scope == "worker" and self.user_command_for_all_roles:
             raise ConfigError("--restart-scope worker needs the bundled runtime, which lets a restarted worker rejoin; "
                               "with --command-for-all-roles use --restart-scope job")
-        if self.nnodes is not None:
-            if self.nnodes < 1:
-                raise ConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
-            if not 0 <= self.node_rank < self.nnodes:
-                raise ConfigError(f"--node-rank {self.node_rank} is not a node of --nnodes {self.nnodes}: "
-                                  f"ranks are 0..{self.nnodes - 1}")
-            if not self.rdzv_endpoint:
-                raise ConfigError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, the address of node 0 "
+        if self.agents.nnodes is not None:
+            if self.agents.nnodes < 1:
+                raise ConfigError(f"--nnodes must be >= 1, got {self.agents.nnodes}")
+            if not 0 <= self.agents.node_rank < self.agents.nnodes:
+                raise ConfigError(f"--node-rank {self.agents.node_rank} is not a node of --nnodes {self.agents.nnodes}: "
+                                  f"ranks are 0..{self.agents.nnodes - 1}")
+            if not self.agents.rdzv_endpoint:
+                raise ConfigError(f"--nnodes {self.agents.nnodes} needs --rdzv-endpoint HOST:PORT, the address of node 0 "
                                   "that every node reaches (node 0 listens there)")
-            parse_endpoint(self.rdzv_endpoint)
-            if self.rdzv_timeout <= 0:
-                raise ConfigError(f"--rdzv-timeout must be > 0 seconds, got {self.rdzv_timeout}")
-        if self.host_key_policy not in ("accept-new", "strict", "ignore"):
-            raise ConfigError(f"--host-key-policy must be accept-new, strict or ignore, got {self.host_key_policy!r}")
+            parse_endpoint(self.agents.rdzv_endpoint)
+            if self.agents.rdzv_timeout <= 0:
+                raise ConfigError(f"--rdzv-timeout must be > 0 seconds, got {self.agents.rdzv_timeout}")
+        if self.ssh.host_key_policy not in ("accept-new", "strict", "ignore"):
+            raise ConfigError(f"--host-key-policy must be accept-new, strict or ignore, got {self.ssh.host_key_policy!r}")
 
 

@@ -119,7 +119,7 @@ PSLAUNCH_SERVER_DEVICE = "PSLAUNCH_SERVER_DEVICE"
 PSLAUNCH_BIGARRAY_BOUND = "PSLAUNCH_BIGARRAY_BOUND"
 #: Bytes of big pushes a server lets in at once (``psnode.server.invitations``); 0: no limit.
 PSLAUNCH_PUSH_WINDOW = "PSLAUNCH_PUSH_WINDOW"
-#: Seconds a worker waits for worker 0 to place a key it inits (``kvcore.placement_book``).
+#: Seconds a worker waits for worker 0 to place a key it inits (``kvcore.stores.placement_book``).
 PSLAUNCH_PLACEMENT_TIMEOUT = "PSLAUNCH_PLACEMENT_TIMEOUT"
 PSLAUNCH_TRANSPORT = "PSLAUNCH_TRANSPORT"
 PSLAUNCH_ENCRYPT = "PSLAUNCH_ENCRYPT"

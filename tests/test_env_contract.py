@@ -95,7 +95,7 @@ def test_the_launcher_and_the_runtime_accept_the_same_interface_specs(text):
     # One parser (pscontract.parse_interface_spec) for --interface and DMLC_INTERFACE: a spec the
     # launcher passes on is one every node accepts, and one refused is refused by both, naming it.
     from launcher.errors import ConfigError
-    from launcher.network import parse_interface
+    from launcher.planning.network import parse_interface
 
     outcomes = []
     for parse, error in ((parse_interface, ConfigError), (node_env._interface_spec, node_env.EnvError)):

@@ -5,9 +5,9 @@ subclasses ``Optimizer`` and registers itself with ``@register``.
 """
 
 from .adam import Adam
+from .additive import Test
 from .base import Optimizer, Updater, create, get_updater, register, registered_names
 from .sgd import SGD
-from .test_rule import Test
 
 __all__ = [
     "Optimizer",

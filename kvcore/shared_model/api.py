@@ -205,7 +205,7 @@ class SharedModel(PullSide):
 
     def _make_bridge(self) -> Any:
         from ..errors import UnknownStoreError
-        from ..registry import create
+        from ..stores.registry import create
         from .level2 import Level2Bridge
 
         store, owned = self._store, False

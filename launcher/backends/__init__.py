@@ -1,8 +1,11 @@
 """Launcher backends, chosen by name: ``local``, ``ssh``, ``mpi``, ``slurm``, ``sge``, ``ray`` (an
-existing Ray cluster), and ``agents`` (``--nnodes``: one pslaunch per node, ``launcher.agents``).
+existing Ray cluster), and ``agents`` (``--nnodes``: one pslaunch per node, ``launcher.backends.agents``).
 
 ``get_backend(name)`` imports the backend's module only when it is used (paramiko is only loaded
-for ``ssh``, Ray only for ``ray``). A new backend is one more line in ``_BACKENDS``.
+for ``ssh``, Ray only for ``ray``). A new backend is its module (copy ``local``, the smallest: a
+``Backend`` and its ``ProcessHandle`` from ``base``), its options (a group in ``launcher.config``,
+rows in ``launcher.options``) and one more line in ``_BACKENDS``. ``batch`` and ``shim`` hold what
+the mpi, slurm and sge backends share, ``checks`` what backends check on hosts before starting.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ __all__ = ["Backend", "ExitStatus", "ProcessHandle", "get_backend", "known_backe
 
 _BACKENDS: dict[str, str] = {
     "local": "launcher.backends.local:LocalBackend",
-    "ssh": "launcher.backends.ssh:SshBackend",
+    "ssh": "launcher.backends.ssh.backend:SshBackend",
     "mpi": "launcher.backends.mpi:MpiBackend",
     "slurm": "launcher.backends.slurm:SlurmBackend",
-    "sge": "launcher.backends.sge.backend:SgeBackend",
+    "sge": "launcher.backends.sge:SgeBackend",
     "ray": "launcher.backends.ray.backend:RayBackend",
-    "agents": "launcher.agents.backend:AgentsBackend",
+    "agents": "launcher.backends.agents.backend:AgentsBackend",
 }
 #: Backends that ``--launcher`` does not choose: the per-node agents are what ``--nnodes`` selects.
 _NOT_BY_FLAG = {"agents": "--nnodes N runs pslaunch as per-node agents"}

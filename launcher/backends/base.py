@@ -5,16 +5,17 @@ pre-flight, rsync, the script's presence) or asks a batch scheduler for the job'
 returns the plan made for them), and ``launch`` starts every process of a plan, returning one
 ``ProcessHandle`` per ``ProcessSpec``. Before planning, the class's ``configure`` checks the
 options only that backend takes and fills in what it knows (the nodes of a Slurm allocation). The
-supervisor only talks to handles: ``poll`` for an ``ExitStatus``, ``terminate`` (SIGTERM and
-SIGCONT to the process's group), ``kill`` (SIGKILL), ``suspend`` / ``resume`` (Ctrl-Z),
-``request_end`` (SIGUSR1 to a bundled node), ``close``. Output is read by the backend's own threads
+supervisor only talks to handles: ``poll`` for an ``ExitStatus``, the five verbs of
+``launcher.on_node.process_groups`` (``terminate``: SIGTERM and SIGCONT to the process's group,
+``kill``, ``suspend`` / ``resume`` for Ctrl-Z, ``request_end``: SIGUSR1 to a bundled node), each
+backend's handle carrying them its way (``_tell``), and ``close``. A handle whose host is lost
+(``_lost``) ends with exit 255 and takes no verb. Output is read by the backend's own threads
 and goes to the printer in blocks of lines; marker lines (``MARKER``...) from wrappers and the
 runtime go to the handle instead.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import threading
 import time
@@ -25,11 +26,12 @@ from typing import Callable, Mapping
 from pscontract import MARKER
 
 from ..config import LaunchConfig
-from ..errors import ConfigError
-from ..output import LineSplitter, Printer
-from ..plan import Plan, ProcessSpec
+from ..observe.output import LineSplitter, Printer
+from ..on_node.process_groups import VERBS
+from ..planning.network import resolve
+from ..planning.plan import Plan, ProcessSpec, make_plan
 
-__all__ = ["Backend", "ProcessHandle", "GuardedHandle", "VerbHandle", "ExitStatus", "pump", "drain", "route_block", "MARKER"]
+__all__ = ["Backend", "ProcessHandle", "GuardedHandle", "ExitStatus", "Interruption", "pump", "drain", "route_block", "MARKER"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,15 @@ class ExitStatus:
         else:
             text = f"exit code {self.code}"
         return f"{text} ({self.detail})" if self.detail else text
+
+
+@dataclass(frozen=True)
+class Interruption:
+    """Why a backend ends the job from outside pslaunch (a per-node agent's Ctrl-C): the sentence of
+    the root cause and the exit code."""
+
+    reason: str
+    exit_code: int
 
 
 def _signame(num: int) -> str:
@@ -122,26 +133,52 @@ class ProcessHandle(ABC):
     @abstractmethod
     def _poll(self) -> ExitStatus | None: ...
 
-    @abstractmethod
+    def _lost(self, detail: str, last_heard: float | None = None) -> ExitStatus:
+        """The status of a process whose host pslaunch lost (``detail`` says how): exit 255, as ssh's;
+        no signal reaches it any more. ``last_heard``: the host's last sign of life, which orders the
+        failures (default: now)."""
+        self.unreachable = True
+        if last_heard is not None:
+            self.ended = last_heard
+        return ExitStatus(code=255, detail=detail, lost=True)
+
+    # ---- the five verbs (``launcher.on_node.process_groups``) ------------------------------------
+    def tell(self, verb: str) -> None:
+        """Do ``verb`` (``TERM``, ``KILL``, ``STOP``, ``CONT`` or ``END``) to the process and its process
+        group, wherever it runs; nothing once its host is lost. Non-blocking.
+
+        Raises:
+            ValueError: not one of the verbs.
+        """
+        if verb not in VERBS:
+            raise ValueError(f"unknown verb {verb!r}; the verbs are {', '.join(VERBS)}")
+        if not self.unreachable:
+            self._tell(verb)
+
+    def _tell(self, verb: str) -> None:
+        """Carry ``verb`` to the process: a signal to its group here, a line to its guard, a frame to
+        its node's agent, a request to its launcher. Every backend's handle says how."""
+        raise NotImplementedError(f"{type(self).__name__} cannot carry {verb}: it defines no _tell")
+
     def terminate(self) -> None:
-        """Ask the process and everything in its process group to stop: SIGTERM, then SIGCONT so
-        that a stopped process gets it at once. Non-blocking."""
+        """Ask the process and its group to stop: SIGTERM, then SIGCONT so that a stopped group gets it."""
+        self.tell("TERM")
 
-    @abstractmethod
     def kill(self) -> None:
-        """Kill the process and its process group (SIGKILL). Non-blocking."""
+        """Kill the process and its process group (SIGKILL)."""
+        self.tell("KILL")
 
-    @abstractmethod
     def suspend(self) -> None:
-        """Stop the process group (SIGSTOP), for Ctrl-Z of pslaunch. Non-blocking."""
+        """Stop the process group (SIGSTOP), for Ctrl-Z of pslaunch."""
+        self.tell("STOP")
 
-    @abstractmethod
     def resume(self) -> None:
-        """Continue a suspended process group (SIGCONT). Non-blocking."""
+        """Continue a suspended process group (SIGCONT)."""
+        self.tell("CONT")
 
-    @abstractmethod
     def request_end(self) -> None:
-        """Ask a ``ready`` bundled node to end normally (SIGUSR1): the job is over. Non-blocking."""
+        """Ask a ``ready`` bundled node to end normally (SIGUSR1): the job is over."""
+        self.tell("END")
 
     def close(self, timeout: float = 2.0) -> None:
         """Release pipes, channels and reader threads (waiting up to ``timeout`` for late output)."""
@@ -153,7 +190,7 @@ class ProcessHandle(ABC):
 
 
 class GuardedHandle(ProcessHandle):
-    """A process started under the remote guard (``launcher.backends.remote``), which reports the
+    """A process started under the remote guard (``launcher.backends.checks``), which reports the
     process's pid as a ``PID n`` marker line."""
 
     def on_marker(self, text: str) -> None:
@@ -165,67 +202,41 @@ class GuardedHandle(ProcessHandle):
             super().on_marker(text)
 
 
-class VerbHandle(ProcessHandle):
-    """A process whose signals are sent elsewhere as verbs (``TERM``, ``KILL``, ``STOP``, ``CONT``,
-    ``END``: the last is SIGUSR1) to whatever started it there; ``_tell`` sends one, non-blocking."""
-
-    @abstractmethod
-    def _tell(self, verb: str) -> None: ...
-
-    def terminate(self) -> None:
-        self._tell("TERM")
-
-    def kill(self) -> None:
-        self._tell("KILL")
-
-    def suspend(self) -> None:
-        self._tell("STOP")
-
-    def resume(self) -> None:
-        self._tell("CONT")
-
-    def request_end(self) -> None:
-        self._tell("END")
-
-
-#: The flag of each ``LaunchConfig`` field a backend may refuse (``Backend.refuses``), for messages.
-_FLAGS = {"hosts": "-H/--hostfile", "sync_dst_dir": "--sync-dst-dir", "ssh_port": "--ssh-port", "ssh_user": "--ssh-user",
-          "identity": "-i/--identity", "ssh_config": "--ssh-config", "known_hosts": "--known-hosts",
-          "host_key_policy": "--host-key-policy", "link_timeout": "--link-timeout",
-          "scheduler_host": "--scheduler-host"}
-
-
 class Backend(ABC):
     """Starts the processes of a plan on some kind of machines. Not thread-safe."""
 
     #: The name ``--launcher`` selects it by.
     name = "base"
-    #: Names of the ``LaunchConfig.backend_options`` this backend takes; any other one is refused.
-    options: tuple[str, ...] = ()
-    #: General options this backend has no use for, with why: given on the command line, each is
-    #: refused before anything starts (``--dry-run`` too) instead of being ignored.
-    refuses: tuple[tuple[str, str], ...] = ()
-    #: ``-H/--hostfile`` is required (the hosts it reaches come from it).
-    needs_hostfile = False
-    #: Every process, this machine's too, is started through the backend's own launcher (mpirun),
-    #: never as a child of pslaunch.
-    through_its_launcher = False
-    #: ``configure`` finds the scheduler's address and ports itself (``launcher.network.resolve``,
-    #: which looks at this machine, is not run before it).
-    resolves_itself = False
+    #: Options this backend has no use for, with why, by option name (``launcher.options``) or
+    #: option group (``ssh``: each of its options): given, each is refused before anything starts
+    #: (``--dry-run`` too) instead of being ignored. The ``slurm``, ``sge``, ``ray`` and ``agents``
+    #: groups are refused to every backend but the one of that name without being listed.
+    refuses: Mapping[str, str] = {}
 
     def __init__(self, config: LaunchConfig, printer: Printer) -> None:
         self.config = config
         self.printer = printer
 
     @classmethod
-    def refuse_unused(cls, config: LaunchConfig) -> None:
-        """Raise ``ConfigError`` for an option ``config`` was given that this backend has no use for
-        (``refuses``: a field that differs from its default), naming the backend, the option and why."""
-        defaults = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
-        for field_name, why in cls.refuses:
-            if getattr(config, field_name) != defaults[field_name]:
-                raise ConfigError(f"{_FLAGS[field_name]} is not an option of --launcher {config.backend}: {why}")
+    def planned(cls, config: LaunchConfig, environ: Mapping[str, str]) -> tuple[LaunchConfig, Plan]:
+        """What every launch does before anything starts, ``--dry-run`` included: resolve the
+        addresses and ports (``resolve``), fill in what the backend knows (``configure``) and plan
+        (``make_plan``). Raises ``LaunchError``."""
+        config = cls.configure(cls.resolve(config), environ)
+        return config, cls.make_plan(config)
+
+    @classmethod
+    def resolve(cls, config: LaunchConfig) -> LaunchConfig:
+        """The scheduler's address and ports, from a look at this machine
+        (``launcher.planning.network.resolve``, with the hosts' names as given). A backend whose
+        hosts have other names (ssh config), or that learns the addresses where the processes run
+        (Ray, the per-node agents), says so here."""
+        return resolve(config)
+
+    @classmethod
+    def make_plan(cls, config: LaunchConfig) -> Plan:
+        """The plan of ``config`` (``launcher.planning.plan.make_plan``). Pure."""
+        return make_plan(config)
 
     @classmethod
     def configure(cls, config: LaunchConfig, environ: Mapping[str, str]) -> LaunchConfig:
@@ -267,8 +278,8 @@ class Backend(ABC):
         On error the processes already started are stopped before raising.
         """
 
-    def interruption(self):
-        """A ``launcher.verdict.Failure`` that ends the job from outside this process (a per-node
+    def interruption(self) -> Interruption | None:
+        """An ``Interruption`` that ends the job from outside this process (a per-node
         agent's Ctrl-C), else None. Non-blocking; the supervisor asks at every turn. Default None."""
         return None
 

@@ -3,7 +3,7 @@
 A batch scheduler, not a hostfile, decides where a job runs, and often only once it starts the
 job. So these backends plan on a placeholder host until the scheduler has granted the job
 (``with_hosts`` then gives the config to plan with: its hosts, the scheduler on the first), start
-every process through ``launcher.mpi_rank`` (``launcher.backends.shim``: pid and exit status arrive
+every process through ``launcher.on_node.rank_shim`` (``launcher.backends.shim``: pid and exit status arrive
 as marker lines, requests go to the whole job) under one launcher process (``BatchBackend``), and
 run the scheduler's client tools (``run_tool``) with an environment that holds none of the ``--env``
 values (``tool_environ``): those reach the job's processes only, never the scheduler.
@@ -21,10 +21,11 @@ from typing import Callable, Sequence
 
 from ..config import LaunchConfig
 from ..errors import ConfigError, SpawnError
-from ..hostfile import Host
-from ..plan import ProcessSpec
+from ..on_node.children import child_environ
+from ..planning.hostfile import Host
+from ..planning.plan import ProcessSpec
 from .base import Backend
-from .local import LocalHandle, LocalSpawner, child_environ
+from .local import LocalHandle, LocalSpawner
 from .shim import ShimJob
 
 __all__ = ["BatchBackend", "with_hosts", "split_args", "refuse_host_flags", "run_tool",
@@ -47,9 +48,8 @@ class BatchBackend(Backend):
     """
 
     # the batch scheduler starts the processes on its nodes; pslaunch reaches none of them by ssh
-    refuses = tuple((option, "the batch scheduler starts the processes on its nodes; pslaunch does not ssh to them")
-                    for option in ("ssh_port", "ssh_user", "identity", "ssh_config", "known_hosts", "host_key_policy",
-                                   "link_timeout"))
+    refuses = {"ssh": "the batch scheduler starts the processes on its nodes; pslaunch does not ssh to them",
+               "link_timeout": "the batch scheduler starts the processes on its nodes; pslaunch does not ssh to them"}
 
     #: How handles name the launcher process in their details (``srun``, ``the SGE job``).
     launcher_name = "the job"
@@ -111,13 +111,12 @@ def refuse_host_flags(config: LaunchConfig, backend: str, who: str) -> None:
                           "pslaunch's directory")
 
 
-def split_args(config: LaunchConfig, name: str) -> list[str]:
-    """The words of backend option ``name`` (shell syntax). Raises ``ConfigError`` naming it."""
-    text = config.option(name) or ""
+def split_args(flag: str, text: str | None) -> list[str]:
+    """The words of option ``flag``'s ``text`` (shell syntax). Raises ``ConfigError`` naming it."""
     try:
-        return shlex.split(text)
+        return shlex.split(text or "")
     except ValueError as exc:
-        raise ConfigError(f"--{name.replace('_', '-')} {text!r}: {exc}") from None
+        raise ConfigError(f"{flag} {text!r}: {exc}") from None
 
 
 def tool_environ(config: LaunchConfig) -> dict[str, str]:

@@ -1,14 +1,13 @@
 """The local backend: every process a child of pslaunch on this machine.
 
 Each process starts in its own session, hence its own process group, so stopping it reaches
-everything it started. A watchdog process (``launcher.watchdog``) holds a pipe to pslaunch and
+everything it started. A watchdog process (``launcher.on_node.watchdog``) holds a pipe to pslaunch and
 kills the registered groups when pslaunch dies, even by SIGKILL. ``LocalSpawner`` is shared with
 the ssh backend (scheduler on the launching host) and the mpi backend (``mpirun`` itself).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
@@ -17,41 +16,17 @@ import sys
 import threading
 from typing import Sequence
 
-import pscontract as ec
 from pscontract import hand_key_over
 
 from ..errors import SpawnError
-from ..plan import Plan, ProcessSpec
+from ..on_node.children import READ_SIZE, child_environ, widen_pipe
+from ..on_node.process_groups import send_verb, signal_group
+from ..planning.plan import Plan, ProcessSpec
 from .base import Backend, ExitStatus, ProcessHandle, pump
-from .remote.checkpointdir import check_checkpoint_dir
-from .remote.scriptcheck import check_scripts_here
+from .checks.checkpoint_dir import check_checkpoint_dir
+from .checks.script import check_scripts_here
 
 __all__ = ["LocalBackend", "LocalSpawner", "LocalHandle", "child_environ", "widen_pipe", "READ_SIZE"]
-
-# Inherited values of these would contradict the plan (a stale DMLC_WORKER_ID, say); a key file
-# pslaunch's own environment names would make the runtime refuse the key pslaunch hands over.
-_CONTRACT_NAMES = set(ec.WRITTEN) | {ec.DMLC_WORKER_ID, ec.PSLAUNCH_JOB_KEY_FILE}
-
-#: Bytes a reader takes from a child's pipe at once.
-READ_SIZE = 1 << 20
-_F_SETPIPE_SZ = 1031  # Linux fcntl
-
-
-def widen_pipe(fd: int, size: int = READ_SIZE) -> None:
-    """Give a child's output pipe ``size`` bytes of buffer (Linux; 64 KiB otherwise): a chatty
-    process then writes while the reader is busy, and each read takes more at once."""
-    try:
-        fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
-    except OSError:
-        pass  # over /proc/sys/fs/pipe-max-size for this user: the default still works
-
-
-def child_environ(env: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
-    """pslaunch's environment without stale contract variables, updated with ``env``."""
-    out = {k: v for k, v in (os.environ if base is None else base).items() if k not in _CONTRACT_NAMES}
-    out.update(env)
-    return out
-
 
 class LocalHandle(ProcessHandle):
     """A child process of pslaunch, leader of its own process group."""
@@ -66,30 +41,10 @@ class LocalHandle(ProcessHandle):
         rc = self.popen.poll()
         return None if rc is None else ExitStatus.from_returncode(rc)
 
-    def _signal(self, *signals: int) -> None:
-        for sig in signals:
-            try:
-                os.killpg(self.popen.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                return
-
-    def terminate(self) -> None:
-        self._signal(signal.SIGTERM, signal.SIGCONT)
-
-    def kill(self) -> None:
-        self._signal(signal.SIGKILL)
-
-    def suspend(self) -> None:
-        if self.popen.poll() is None:
-            self._signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        if self.popen.poll() is None:
-            self._signal(signal.SIGCONT)
-
-    def request_end(self) -> None:
-        if self.popen.poll() is None:
-            self._signal(signal.SIGUSR1)
+    def _tell(self, verb: str) -> None:
+        # a stopped or ended group of an ended leader still gets TERM and KILL: its members may linger
+        if verb in ("TERM", "KILL") or self.popen.poll() is None:
+            send_verb(self.popen.pid, verb)
 
     def close(self, timeout: float = 2.0) -> None:
         for thread in self._threads:
@@ -110,7 +65,7 @@ class LocalSpawner:
     def _tell(self, line: str) -> None:
         if self._watchdog is None:
             self._watchdog = subprocess.Popen(
-                [sys.executable, "-m", "launcher.watchdog", str(self._grace)],
+                [sys.executable, "-m", "launcher.on_node.watchdog", str(self._grace)],
                 stdin=subprocess.PIPE,
                 start_new_session=True,
                 env=child_environ({"PYTHONPATH": _launcher_root()}),
@@ -176,11 +131,8 @@ class LocalSpawner:
 
     def close(self) -> None:
         """Kill every group still alive and stop the watchdog (it would do the same on EOF)."""
-        for pgid in self._groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        for pgid in self._groups:  # stopped already (the teardown's TERM, grace, KILL): what lingers
+            signal_group(pgid, signal.SIGKILL)
         if self._watchdog is not None:
             try:
                 for pgid in self._groups:
@@ -209,9 +161,8 @@ class LocalBackend(Backend):
     """Runs every process of the plan on this machine (``--launcher local``)."""
 
     name = "local"
-    refuses = tuple((option, "the local backend runs every process on this machine, without ssh")
-                    for option in ("hosts", "sync_dst_dir", "ssh_port", "ssh_user", "identity", "ssh_config",
-                                   "known_hosts", "host_key_policy", "link_timeout", "scheduler_host"))
+    refuses = dict.fromkeys(("hostfile", "sync_dst_dir", "ssh", "link_timeout", "scheduler_host"),
+                            "the local backend runs every process on this machine, without ssh")
 
     def __init__(self, config, printer) -> None:
         super().__init__(config, printer)
@@ -225,7 +176,7 @@ class LocalBackend(Backend):
         """Refuse a COMMAND whose script is not there, or a ``--checkpoint-dir`` that cannot be
         written (``ConfigError``), before anything starts."""
         self.check_without_starting(self.config, plan)
-        check_checkpoint_dir(plan, self.config.checkpoint_dir, {}, self.config.connect_timeout)
+        check_checkpoint_dir(plan, self.config.checkpoint_dir, {}, self.config.ssh.connect_timeout)
 
     def launch(self, plan: Plan) -> list[ProcessHandle]:
         handles: list[ProcessHandle] = []

@@ -1,23 +1,23 @@
 """The mpi backend: one ``mpirun`` (Open MPI) starts every role of the job.
 
 Ranks are laid out host by host in plan order, and ``--host h1:k1,h2:k2`` gives mpirun the same
-layout (mpirun fills a host's slots before the next). Each rank runs ``launcher.mpi_rank``, which
+layout (mpirun fills a host's slots before the next). Each rank runs ``launcher.on_node.rank_shim``, which
 finds its process of the plan by rank. The plan travels in the ``PSLAUNCH_MPI_PLAN`` variable and
 ``--env`` values as ``PSLAUNCH_ENV_<i>`` variables, all exported with ``-x NAME`` — names on the
 command line, never values.
 
 mpirun runs with ``--tag-output``; ``TagDemux`` splits its output back into each rank's stdout and
 stderr (untagged lines are mpirun's own, shown as ``[mpirun]``), and reads the pid / exit status
-markers ``mpi_rank`` writes (``ShimHandle``). ``mpi_rank`` exits 0 once its marker is out, so mpirun
+markers ``rank_shim`` writes (``ShimHandle``). ``rank_shim`` exits 0 once its marker is out, so mpirun
 never aborts the job by itself; pslaunch decides. Signals reach the ranks only through mpirun, and
 each is sent once for the whole job (``ShimJob``), and only signals mpirun passes to every rank's
-``mpi_rank`` and that to its process group: stopping is SIGALRM, which ``mpi_rank`` turns into
+``rank_shim`` and that to its process group: stopping is SIGALRM, which ``rank_shim`` turns into
 SIGTERM (mpirun's own SIGTERM aborts the job, killing the ranks a second later with their exit
 statuses unsaid; SIGKILL of mpirun's session after the grace), Ctrl-Z is SIGUSR2 / SIGCONT and the
-end request SIGUSR1. ``mpi_rank`` also dies with its parent.
+end request SIGUSR1. ``rank_shim`` also dies with its parent.
 
-Link liveness (``launcher.backends.remote.linkwatch``): mpirun's daemons notice no network partition, so pslaunch
-sends mpirun a SIGCONT every few seconds, which it passes to every rank; ``mpi_rank`` on a remote
+Link liveness (``launcher.backends.ssh.linkwatch``): mpirun's daemons notice no network partition, so pslaunch
+sends mpirun a SIGCONT every few seconds, which it passes to every rank; ``rank_shim`` on a remote
 host answers each with a ``PONG`` marker and stops its process group once none came for
 ``--link-timeout`` seconds; a host none of whose ranks was heard from for that long is lost.
 """
@@ -31,18 +31,20 @@ import signal
 import threading
 
 from ..errors import ConfigError, SpawnError
-from ..hostfile import Host
-from ..mpi_rank import payload
-from ..network import check_plan_reachable
-from ..output import LineSplitter
-from ..plan import Plan, ProcessSpec
-from ..procfs import session_members
+from ..observe.output import LineSplitter
+from ..on_node.process_groups import SHIM_SIGNALS
+from ..on_node.procfs import session_members
+from ..on_node.rank_shim import payload
+from ..planning.hostfile import Host
+from ..planning.plan import Plan, ProcessSpec, make_plan
 from .base import Backend, ExitStatus, ProcessHandle, route_block
+from .checks.checkpoint_dir import check_checkpoint_dir
+from .checks.script import check_scripts_here, check_scripts_remote
 from .local import READ_SIZE, LocalHandle, LocalSpawner, _launcher_root
-from .remote.checkpointdir import check_checkpoint_dir
-from .remote.linkwatch import LinkWatch, PongFilter
-from .remote.scriptcheck import check_scripts_here, check_scripts_remote
 from .shim import ShimHandle, ShimJob
+from .ssh.connection import resolve_over_ssh
+from .ssh.linkwatch import LinkWatch, PongFilter
+from .ssh.reach import check_plan_reachable
 
 __all__ = ["MpiBackend", "TagDemux", "mpirun_argv"]
 
@@ -66,9 +68,7 @@ class MpiRankHandle(ShimHandle):
         watch = self._backend.watch
         # before mpirun's end: mpirun aborts once it loses a host's daemon, yet the host is the news
         if self._backend.pinging and watch.lost(self.spec.host):
-            self.unreachable = True
-            self.ended = watch.last_heard(self.spec.host)
-            return ExitStatus(code=255, detail=f"no answer for {watch.timeout:g} s", lost=True)
+            return self._lost(f"no answer for {watch.timeout:g} s", watch.last_heard(self.spec.host))
         return super()._poll()
 
     def in_doubt(self) -> bool:
@@ -151,7 +151,7 @@ def mpirun_argv(plan: Plan, python: str, exported: list[str], ssh_args: list[str
         argv += ["--mca", "plm_rsh_agent", "ssh", "--mca", "plm_rsh_args", " ".join(ssh_args)]
     for name in exported:
         argv += ["-x", name]
-    argv += [python, "-m", "launcher.mpi_rank"]
+    argv += [python, "-m", "launcher.on_node.rank_shim"]
     return argv
 
 
@@ -159,7 +159,14 @@ class MpiBackend(Backend):
     """Starts the whole plan with one mpirun (``--launcher mpi``). Not thread-safe."""
 
     name = "mpi"
-    through_its_launcher = True
+
+    @classmethod
+    def resolve(cls, config):
+        return resolve_over_ssh(config)
+
+    @classmethod
+    def make_plan(cls, config):
+        return make_plan(config, all_through_launcher=True)  # one mpirun starts every rank, this machine's too
 
     @classmethod
     def configure(cls, config, environ):
@@ -188,10 +195,10 @@ class MpiBackend(Backend):
         check_scripts_here(local, self.config.cwd)
         remote = [h for h in plan.remote_hosts if h.name != "localhost"]
         if not remote:
-            check_checkpoint_dir(plan, self.config.checkpoint_dir, {}, self.config.connect_timeout)
+            check_checkpoint_dir(plan, self.config.checkpoint_dir, {}, self.config.ssh.connect_timeout)
             return
-        from .remote.rsync import sync_all
-        from .remote.sshconn import SshConnector
+        from .ssh.connection import SshConnector
+        from .ssh.rsync import sync_all
 
         connector = SshConnector(self.config)
         clients: dict = {}
@@ -201,8 +208,8 @@ class MpiBackend(Backend):
                 sync_all(connector, remote, self.config.sync_src_dir, self.config.sync_dst_dir, clients,
                          self.printer, self.config)
             check_scripts_remote([spec for spec in plan.processes if spec.host.name != "localhost"], clients,
-                                 self.config.connect_timeout)
-            check_checkpoint_dir(plan, self.config.checkpoint_dir, clients, self.config.connect_timeout)
+                                 self.config.ssh.connect_timeout)
+            check_checkpoint_dir(plan, self.config.checkpoint_dir, clients, self.config.ssh.connect_timeout)
             check_plan_reachable(plan, clients, self.config, self.printer)
             self._ssh_config = connector.write_openssh_config(remote)
         finally:
@@ -211,8 +218,8 @@ class MpiBackend(Backend):
             connector.close()
 
     def _deliver(self, verb: str) -> None:
-        """One signal to mpirun, which passes it to every rank's ``mpi_rank`` (SIGKILL goes to
-        mpirun's whole process group). Ranks never make mpirun abort by itself (``mpi_rank`` exits
+        """One signal to mpirun, which passes it to every rank's ``rank_shim`` (SIGKILL goes to
+        mpirun's whole process group). Ranks never make mpirun abort by itself (``rank_shim`` exits
         0), and a second SIGTERM while it stops its job could crash it (Open MPI 4.1): ``ShimJob``
         sends each request once."""
         mpirun = self.shim.launcher
@@ -220,10 +227,10 @@ class MpiBackend(Backend):
         if verb == "KILL":
             mpirun.kill()
             return
-        # Only signals mpirun passes on: mpi_rank turns SIGUSR2 into SIGSTOP of its process group and
+        # Only signals mpirun passes on: rank_shim turns SIGUSR2 into SIGSTOP of its process group and
         # SIGALRM into SIGTERM. On a SIGTERM of its own mpirun aborts the job: it SIGKILLs every
-        # mpi_rank 1 s later and drops their output, exit statuses included.
-        sig = {"TERM": signal.SIGALRM, "STOP": signal.SIGUSR2, "CONT": signal.SIGCONT, "END": signal.SIGUSR1}[verb]
+        # rank_shim 1 s later and drops their output, exit statuses included.
+        sig = SHIM_SIGNALS[verb]
         try:
             mpirun.popen.send_signal(sig)
         except ProcessLookupError:
@@ -287,13 +294,14 @@ class MpirunHandle(LocalHandle):
     each daemon's ssh and each local rank in a process group of its own, in its session: killing it
     kills that whole session."""
 
-    def kill(self) -> None:
-        super().kill()
-        for pid in session_members(self.popen.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+    def _tell(self, verb: str) -> None:
+        super()._tell(verb)
+        if verb == "KILL":
+            for pid in session_members(self.popen.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def attach(self, backend: MpiBackend, ranks: list[ShimHandle]) -> None:
         """Start the threads that split mpirun's output into the ranks' lines."""

@@ -1,8 +1,8 @@
-"""Processes started by ``launcher.mpi_rank`` under one launcher process: mpirun's ranks, the tasks
+"""Processes started by ``launcher.on_node.rank_shim`` under one launcher process: mpirun's ranks, the tasks
 of a Slurm step, the processes of an SGE job.
 
 pslaunch holds no process of such a job itself, only the launcher process (``mpirun``, ``srun``,
-``qsub -sync y``). ``mpi_rank`` reports each process's pid and exit status as marker lines that
+``qsub -sync y``). ``rank_shim`` reports each process's pid and exit status as marker lines that
 reach pslaunch through the launcher's output, and signals reach the processes only through the
 launcher, all of them at once. So a ``ShimHandle`` learns its status from those markers (failing
 them, from the launcher's end) and hands every request to its ``ShimJob``, which sends each
@@ -17,14 +17,12 @@ import threading
 import time
 from typing import Callable
 
-from ..plan import ProcessSpec
+from ..planning.plan import ProcessSpec
 from .base import ExitStatus, ProcessHandle
 from .local import LocalHandle
 
-__all__ = ["ShimJob", "ShimHandle", "VERBS"]
+__all__ = ["ShimJob", "ShimHandle"]
 
-#: What ``ShimJob`` asks its backend to deliver to every process of the job.
-VERBS = ("TERM", "KILL", "STOP", "CONT", "END")
 
 
 class ShimJob:
@@ -32,7 +30,7 @@ class ShimJob:
 
     The backend sets ``launcher`` once it started it, ``handles`` once it made them, appends the
     launcher's own last line to ``last_line`` and sets ``output_done`` once the launcher's output
-    (or the job's files) is read to the end. ``deliver(verb)`` (one of ``VERBS``) reaches every
+    (or the job's files) is read to the end. ``deliver(verb)`` (a verb of ``process_groups``) reaches every
     process of the job; it is called outside any lock, only while the launcher runs, and at most
     once per request. Thread-safe.
     """
@@ -109,7 +107,7 @@ class ShimJob:
 
 
 class ShimHandle(ProcessHandle):
-    """One process of a ``ShimJob``: its pid and exit status come from ``mpi_rank``'s marker lines;
+    """One process of a ``ShimJob``: its pid and exit status come from ``rank_shim``'s marker lines;
     a request to it goes to the whole job (``ShimJob``)."""
 
     def __init__(self, spec: ProcessSpec, job: ShimJob) -> None:
@@ -118,7 +116,7 @@ class ShimHandle(ProcessHandle):
         self._marked: ExitStatus | None = None
 
     def on_marker(self, text: str) -> None:
-        """``PID n``, ``EXIT n`` or ``SIGNAL n`` from ``launcher.mpi_rank``; the runtime's markers."""
+        """``PID n``, ``EXIT n`` or ``SIGNAL n`` from ``launcher.on_node.rank_shim``; the runtime's markers."""
         verb, _, arg = text.strip().partition(" ")
         if verb not in ("PID", "EXIT", "SIGNAL"):
             super().on_marker(text)
@@ -141,17 +139,13 @@ class ShimHandle(ProcessHandle):
         detail = f"no exit status from this process; {self._job.name} ended with {code}"
         return ExitStatus(code=code or 255, detail=f"{detail}: {last}" if last else detail)
 
-    def terminate(self) -> None:
-        self._job.stop()
-
-    def kill(self) -> None:
-        self._job.kill()
-
-    def suspend(self) -> None:
-        self._job.suspend(True)
-
-    def resume(self) -> None:
-        self._job.suspend(False)
-
-    def request_end(self) -> None:
-        self._job.end()
+    def _tell(self, verb: str) -> None:
+        job = self._job  # every request goes to the whole job, once
+        if verb == "TERM":
+            job.stop()
+        elif verb == "KILL":
+            job.kill()
+        elif verb in ("STOP", "CONT"):
+            job.suspend(verb == "STOP")
+        else:
+            job.end()

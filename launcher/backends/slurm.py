@@ -9,20 +9,20 @@ node's). ``scontrol show job -d`` gives the nodes and each node's CPUs; a node's
 CPUs divided by the CPUs per task. Placement then follows the usual rules.
 
 **One step.** ``srun --jobid J -n N --distribution=arbitrary --overcommit --label ... python -m
-launcher.mpi_rank --rank-from SLURM_PROCID`` with ``SLURM_HOSTFILE`` naming the node of each task,
-in plan order: task i is process i of the plan, on the node the plan gave it. ``mpi_rank`` finds its
+launcher.on_node.rank_shim --rank-from SLURM_PROCID`` with ``SLURM_HOSTFILE`` naming the node of each task,
+in plan order: task i is process i of the plan, on the node the plan gave it. ``rank_shim`` finds its
 process by ``SLURM_PROCID`` as it does by MPI rank under mpirun. The plan and the ``--env`` values
 travel in srun's environment (Slurm's environment propagation, ``--export=ALL``), never on a
 command line; ``salloc``, ``squeue``, ``scancel`` and ``scontrol`` get none of the ``--env`` values.
 
 **Output.** ``--label`` prefixes every line with its task number; the backend sends each line to
-its process and reads ``mpi_rank``'s pid and exit-status markers. srun's own per-task exit lines
+its process and reads ``rank_shim``'s pid and exit-status markers. srun's own per-task exit lines
 are shown with ``-v`` only (pslaunch reports failures itself).
 
 **Signals.** Slurm signals every process of a step (each task's process tree with
-proctrack/linuxproc, the step's cgroup with proctrack/cgroup), so ``mpi_rank`` runs with
+proctrack/linuxproc, the step's cgroup with proctrack/cgroup), so ``rank_shim`` runs with
 ``--no-forward``: it passes nothing on, it only times the grace period. Stopping is ``scancel
---signal=TERM J.S`` (srun's own reaction to SIGTERM would kill the step at once), ``mpi_rank``
+--signal=TERM J.S`` (srun's own reaction to SIGTERM would kill the step at once), ``rank_shim``
 SIGKILLs its process group after the grace period, ``--signal=KILL`` follows; Ctrl-Z is
 ``--signal=STOP`` and ``fg`` ``--signal=CONT``; the end of the bundled nodes is ``--signal=USR1``.
 At the end pslaunch cancels its step if it still runs and the allocation if it made it, and waits
@@ -37,15 +37,18 @@ import queue
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import threading
 import time
 
 from ..errors import LaunchError, PlacementError, SpawnError
-from ..hostfile import Host
-from ..mpi_rank import payload
-from ..output import LineSplitter
-from ..plan import Plan, make_plan
+from ..observe.output import LineSplitter
+from ..on_node.children import READ_SIZE, child_environ
+from ..on_node.process_groups import GROUP_SIGNALS
+from ..on_node.rank_shim import payload
+from ..planning.hostfile import Host
+from ..planning.plan import Plan, make_plan
 from .base import ProcessHandle, drain, route_block
 from .batch import (
     BatchBackend,
@@ -58,7 +61,7 @@ from .batch import (
     tool_environ,
     with_hosts,
 )
-from .local import READ_SIZE, LocalHandle, _launcher_root, child_environ
+from .local import LocalHandle, _launcher_root
 from .shim import ShimHandle
 
 __all__ = ["SlurmBackend", "salloc_argv", "srun_argv", "parse_job_nodes", "PENDING_HOST"]
@@ -95,7 +98,7 @@ def srun_argv(job: str, plan: Plan, name: str, python: str, user_args: list[str]
     nodes = {spec.host.name for spec in plan.processes}
     return ["srun", "--jobid", job, "-J", name, *user_args, "-n", str(len(plan.processes)), "-N", str(len(nodes)),
             "--distribution=arbitrary", "--overcommit", "--label", "--kill-on-bad-exit=0", "--export=ALL",
-            "--mpi=none", "--cpu-bind=none", python, "-m", "launcher.mpi_rank", "--rank-from", "SLURM_PROCID",
+            "--mpi=none", "--cpu-bind=none", python, "-m", "launcher.on_node.rank_shim", "--rank-from", "SLURM_PROCID",
             "--no-forward"]
 
 
@@ -120,7 +123,6 @@ class SlurmBackend(BatchBackend):
     thread-safe, except the methods the handles call (``BatchBackend``)."""
 
     name = "slurm"
-    options = ("slurm_args",)
     launcher_name = "srun"
 
     def __init__(self, config, printer) -> None:
@@ -135,7 +137,7 @@ class SlurmBackend(BatchBackend):
     @classmethod
     def configure(cls, config, environ):
         refuse_host_flags(config, "slurm", "Slurm")
-        split_args(config, "slurm_args")  # a quoting error shows before anything runs
+        split_args("--slurm-args", config.slurm.args)  # a quoting error shows before anything runs
         job = environ.get("SLURM_JOB_ID")
         if not job:
             return with_hosts(config, [PENDING_HOST])
@@ -152,7 +154,7 @@ class SlurmBackend(BatchBackend):
     def dry_run_notes(cls, config):
         count = 1 + config.num_servers + config.num_workers
         name = f"pslaunch-{config.job_id}"
-        args = split_args(config, "slurm_args")
+        args = split_args("--slurm-args", config.slurm.args)
         if config.hosts == (PENDING_HOST,):
             return [f"slurm: outside an allocation, pslaunch asks for one: {shlex.join(salloc_argv(count, name, args))}",
                     f"slurm: then places the processes on the nodes Slurm grants as above ({PENDING_HOST.name} "
@@ -174,7 +176,7 @@ class SlurmBackend(BatchBackend):
         return make_plan(with_hosts(self.config, job_hosts(self.job, self.env)))
 
     def _allocate(self, count: int) -> str:
-        args = split_args(self.config, "slurm_args")
+        args = split_args("--slurm-args", self.config.slurm.args)
         argv = salloc_argv(count, f"pslaunch-{self.config.job_id}", args)
         self._allocator = self.start_tool(argv, self.env)
         lines: queue.Queue[str] = queue.Queue()
@@ -240,7 +242,7 @@ class SlurmBackend(BatchBackend):
             fh.write("".join(f"{spec.host.name}\n" for spec in plan.processes))
         env = payload(plan.processes, self.config.stop_grace, os.environ.get("PYTHONPATH", ""))
         env.update({"PYTHONPATH": _launcher_root(), "SLURM_HOSTFILE": hostfile})
-        step_args = [] if self.own_job else split_args(self.config, "slurm_args")
+        step_args = [] if self.own_job else split_args("--slurm-args", self.config.slurm.args)
         argv = srun_argv(self.job, plan, f"pslaunch-{self.config.job_id}", self.config.python, step_args)
         handles = [ShimHandle(spec, self.shim) for spec in plan.processes]
         self.shim.handles = handles
@@ -317,7 +319,7 @@ class SlurmBackend(BatchBackend):
     def _deliver(self, verb: str) -> None:
         """``scancel --signal`` on the step: Slurm signals every process of the step (the process
         tree of each task with proctrack/linuxproc, the step's cgroup with proctrack/cgroup), so
-        ``mpi_rank`` passes nothing on (``--no-forward``) and Ctrl-Z is SIGSTOP itself."""
+        ``rank_shim`` passes nothing on (``--no-forward``) and Ctrl-Z is SIGSTOP itself."""
         srun = self.shim.launcher
         assert srun is not None
         step = self._step_id()
@@ -327,7 +329,7 @@ class SlurmBackend(BatchBackend):
             elif verb == "TERM":
                 srun.terminate()
             return
-        sig = {"TERM": "TERM", "KILL": "KILL", "STOP": "STOP", "CONT": "CONT", "END": "USR1"}[verb]
+        sig = signal.Signals(GROUP_SIGNALS[verb][0]).name[3:]  # scancel --signal takes TERM, USR1, ...
         run_tool(["scancel", f"--signal={sig}", step], self.env)
 
     # -- the end -------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ the answer, ``LEDGER_ACK``, carries the entry's index); any worker reads from an
 (``Cmd.LEDGER_READ``) and is answered with the entries from there (``LEDGER_ENTRIES``), at once when
 there are some, else once one is appended, or with ``end`` once worker 0 has finished (nothing more
 will come). It is how worker 0 tells every worker, however many and whenever they ask, where it
-placed each key (``kvcore.placement``): a record per batch of keys, so no single message grows with
+placed each key (``kvcore.stores.placement``): a record per batch of keys, so no single message grows with
 the model, and a worker restarted alone reads the same records as the others did.
 
 Every field comes from the network, so everything is bounded and checked: names are strings of at

@@ -44,7 +44,7 @@ from psnode.transport.security import secure_or_loopback
 
 __all__ = ["Scheduler", "Roster", "Barriers"]
 
-_NOTE_LIMIT = 256 << 10  # bytes of JSON a member's barrier note may take: worker 0's key placement (kvcore.placement) rides in one
+_NOTE_LIMIT = 256 << 10  # bytes of JSON a member's barrier note may take: worker 0's key placement (kvcore.stores.placement) rides in one
 
 class Scheduler:
     """One job's scheduler. ``run()`` returns the process exit code (0: every worker finished)."""

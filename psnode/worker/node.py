@@ -1,7 +1,7 @@
 """A worker node: sends key parts to servers and completes futures when the replies arrive.
 
 The worker's API speaks in *parts*: ``(server rank, key id, array)``. Which parts a user key becomes
-is decided above (``kvcore.sharding``). Every call returns at once with a
+is decided above (``kvcore.stores.sharding``). Every call returns at once with a
 ``concurrent.futures.Future`` (or completes the one it is given). How pushes and pulls become
 messages is ``worker_data.DataPath``'s.
 
@@ -95,7 +95,7 @@ class WorkerNode:
 
     def before_close(self, send: Callable[[], None]) -> None:
         """Call ``send()`` when this worker closes, before it waits for its requests and finishes (a
-        store sends what it still holds back: ``kvcore.deferred_init``). An error it raises is
+        store sends what it still holds back: ``kvcore.stores.deferred_init``). An error it raises is
         raised by ``close`` once the worker is closed."""
         self._before_close.append(send)
 

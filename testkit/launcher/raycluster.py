@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher.procfs import session_members
+from launcher.on_node.procfs import session_members
 from testkit.launcher.processes import cmdline
 
 __all__ = ["RayCluster", "RayClusterError", "ray_usable", "session_members"]

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from kvcore_testkit import run_job_ok
+
 from testkit import LocalJob
 
 SCRIPTS = Path(__file__).parent / "allreduce_scripts"
@@ -115,8 +115,8 @@ def test_without_shared_memory_the_store_keeps_big_keys_in_private_memory(monkey
 
     import numpy as np
 
-    from kvcore import allreduce_store
     from kvcore.collectives import Collectives
+    from kvcore.stores import allreduce as allreduce_store
     from psnode.collectives.local import SharedRegions
 
     def refused(*args):

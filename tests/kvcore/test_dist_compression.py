@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from kvcore.sharding import layout
 from kvcore_testkit import run_inproc_ok
+
+from kvcore.stores.sharding import layout
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Placement by bytes (``kvcore.placement``): the servers carry equal bytes on real models, every
+"""Placement by bytes (``kvcore.stores.placement``): the servers carry equal bytes on real models, every
 worker agrees on where each key lives, and the rule is worker 0's."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from kvcore_testkit import run_inproc_ok
 
-from kvcore.deferred_init import DeferredInits
 from kvcore.errors import ServerError
-from kvcore.placement import Decision, KeyRequest, Placement
-from kvcore.placement_book import RECORD_KEYS, decode, encode_placed, encode_refused
-from kvcore.sharding import layout
+from kvcore.stores.deferred_init import DeferredInits
+from kvcore.stores.placement import Decision, KeyRequest, Placement
+from kvcore.stores.placement_book import RECORD_KEYS, decode, encode_placed, encode_refused
+from kvcore.stores.sharding import layout
 from testkit.model_shapes import MODELS
 
 pytestmark = pytest.mark.unit

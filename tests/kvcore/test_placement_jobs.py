@@ -1,7 +1,7 @@
 """Placement by bytes in real jobs (processes, ZeroMQ over TCP): any number of keys in one init
 call, any order and grouping of init calls on each worker, any subset of keys per worker; every
 worker agrees on each key's server, every sum is exact, and the servers carry even bytes as
-``--summary-json`` reports them (``kvcore.placement``, ``kvcore.placement_book``)."""
+``--summary-json`` reports them (``kvcore.stores.placement``, ``kvcore.stores.placement_book``)."""
 
 from __future__ import annotations
 

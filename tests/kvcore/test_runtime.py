@@ -10,8 +10,8 @@ import pytest
 
 import kvcore
 from kvcore import runtime
-from kvcore.allreduce_store import AllreduceKVStore
-from kvcore.dist_store import DistKVStore
+from kvcore.stores.allreduce import AllreduceKVStore
+from kvcore.stores.distributed import DistKVStore
 from testkit import InProcJob
 
 pytestmark = pytest.mark.unit

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvcore_testkit import run_device_threads
 
 from kvcore.shared_model import ConfigError, SharedModel, SumUpdater
-
-from kvcore_testkit import run_device_threads
 
 pytestmark = pytest.mark.unit
 
 
 def _store_and_count():
-    from kvcore.local_store import LocalKVStore
+    from kvcore.stores.local import LocalKVStore
 
     class Counting(LocalKVStore):
         """The local store, counting what crosses into it."""

@@ -2,12 +2,11 @@
 
 import numpy as np
 import pytest
+from kvcore_testkit import DEVICE_KINDS
 
 import kvcore
 from kvcore import Parameter, Trainer, arrays
-from kvcore.local_store import LocalKVStore
-
-from kvcore_testkit import DEVICE_KINDS
+from kvcore.stores.local import LocalKVStore
 
 pytestmark = pytest.mark.unit
 

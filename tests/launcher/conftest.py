@@ -15,6 +15,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+
 from testkit.launcher import Cluster, SimCluster, Sshd, start_cluster, start_sge, start_slurm, start_sshd
 
 

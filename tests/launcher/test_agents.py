@@ -29,7 +29,16 @@ def key_env(tmp_path):
 
 
 def _endpoint() -> str:
-    return f"127.0.0.1:{free_port()}"
+    """A rendezvous endpoint whose port and the next (node 0's scheduler listens at PORT + 1) are free."""
+    for _ in range(64):
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue  # the scheduler's port is taken: another pair
+        return f"127.0.0.1:{port}"
+    raise AssertionError("no two free ports in a row on 127.0.0.1")
 
 
 def _steps(marker: str, steps: int = 30) -> list[str]:

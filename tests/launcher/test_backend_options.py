@@ -90,3 +90,22 @@ def test_a_refusal_says_why():
     with pytest.raises(ConfigError, match=r"-H/--hostfile is not an option of --launcher local: the local backend "
                                           r"runs every process on this machine"):
         _configure("local", ["-H", "/etc/hostname"])
+
+
+@pytest.mark.parametrize("backend_cls", [get_backend(name) for name in BACKENDS], ids=BACKENDS)
+def test_the_ssh_pre_flight_timeout_is_an_option_of_the_backends_that_use_ssh_only(backend_cls):
+    # --connect-timeout is one of the ssh group's options (LaunchConfig.ssh): the backends that reach
+    # no host over ssh refuse it with the others of the group, naming why
+    backend = backend_cls.name
+    args = ["--connect-timeout", "3"] + (["-H", "/etc/hostname"] if backend in ("ssh", "mpi") else [])
+    if backend in ("ssh", "mpi"):
+        assert _configure(backend, args).ssh.connect_timeout == 3
+    else:
+        with pytest.raises(ConfigError, match=rf"--connect-timeout is not an option of --launcher {backend}: \w"):
+            _configure(backend, args)
+
+
+def test_an_option_of_another_backends_group_names_the_backend_that_reads_it():
+    with pytest.raises(ConfigError, match="--sge-pe is not an option of --launcher slurm: it is read by --launcher "
+                                          "sge only"):
+        _configure("slurm", ["--sge-pe", "mpi"])

@@ -87,7 +87,7 @@ def test_every_role_runs_with_its_env_exact_arguments_and_a_forwarded_secret(clu
         assert r["checked"]["PSLAUNCH_MPI_PLAN"] is None  # the launcher's transport does not leak
     assert f"[worker.1@{cluster.node}] worker 1 started" in stdout.decode()
     listing = (out / "worker.1.ps").read_text()
-    assert "launcher.mpi_rank" in listing and SECRET not in listing
+    assert "launcher.on_node.rank_shim" in listing and SECRET not in listing
     assert cluster.wait_no_jobs() == []
     assert list(tmp_path.glob(".pslaunch-*")) == []
 
@@ -273,7 +273,7 @@ def _plan_with_secret(backend: str):
 
 
 def test_scheduler_command_lines_hold_names_and_paths_never_values():
-    from launcher.backends.sge.backend import qsub_argv
+    from launcher.backends.sge import qsub_argv
     from launcher.backends.slurm import salloc_argv, srun_argv
 
     _, plan = _plan_with_secret("slurm")
@@ -281,10 +281,10 @@ def test_scheduler_command_lines_hold_names_and_paths_never_values():
                                                              "pslaunch-j1"]
     srun = srun_argv("12", plan, "pslaunch-j1", "/py", [])
     assert srun[:4] == ["srun", "--jobid", "12", "-J"] and "--distribution=arbitrary" in srun and "--label" in srun
-    assert srun[-6:] == ["/py", "-m", "launcher.mpi_rank", "--rank-from", "SLURM_PROCID", "--no-forward"]
+    assert srun[-6:] == ["/py", "-m", "launcher.on_node.rank_shim", "--rank-from", "SLURM_PROCID", "--no-forward"]
     qsub = qsub_argv("pslaunch-j1", "smp", 4, "/d", "/py", "/repo", ["-q", "all.q"])
     assert qsub[qsub.index("-pe"):qsub.index("-pe") + 3] == ["-pe", "smp", "4"]
-    assert qsub[-11:] == ["-v", "PYTHONPATH=/repo", "-q", "all.q", "-b", "y", "/py", "-m", "launcher.backends.sge.job",
+    assert qsub[-11:] == ["-v", "PYTHONPATH=/repo", "-q", "all.q", "-b", "y", "/py", "-m", "launcher.on_node.sge_job",
                           "master", "/d"]
     assert qsub[qsub.index("-v") + 1] == "PYTHONPATH=/repo"
     assert "-V" not in qsub and [a for a in qsub if a.startswith("PSLAUNCH")] == []
@@ -338,8 +338,8 @@ def test_dry_run_inside_an_allocation_places_processes_on_its_nodes(slurm, tmp_p
 
 
 def test_job_nodes_and_pe_hosts_are_read_from_the_schedulers_own_formats():
-    from launcher.backends.sge.job import read_pe_hostfile
     from launcher.backends.slurm import parse_job_nodes
+    from launcher.on_node.sge_job import read_pe_hostfile
 
     text = ("JobId=7 JobName=x NumNodes=3 NumCPUs=10 NumTasks=5 CPUs/Task=2 ReqB:S:C:T=0:0:*:*   "
             "Nodes=n[1-2] CPU_IDs=0-3 Mem=0 GRES= Nodes=n3 CPU_IDs=0,2 Mem=0 GRES= MinCPUsNode=2")
@@ -351,7 +351,7 @@ def test_job_nodes_and_pe_hosts_are_read_from_the_schedulers_own_formats():
 def test_the_watchdog_runs_cleanup_commands_when_pslaunch_dies_unless_cleared(tmp_path):
     for clear, expected in ((False, True), (True, False)):
         flag = tmp_path / f"ran-{clear}"
-        watchdog = subprocess.Popen([sys.executable, "-m", "launcher.watchdog", "1"], stdin=subprocess.PIPE, cwd=REPO)
+        watchdog = subprocess.Popen([sys.executable, "-m", "launcher.on_node.watchdog", "1"], stdin=subprocess.PIPE, cwd=REPO)
         lines = f'run ["touch", "{flag}"]\nrun not-json\n' + ("clear\n" if clear else "")
         watchdog.communicate(lines.encode(), timeout=30)  # EOF: what pslaunch's death looks like
         assert flag.exists() is expected

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from testkit.launcher import REPO, run_pslaunch
 
 
@@ -46,7 +47,7 @@ def test_missing_num_workers_is_a_usage_error():
 
 
 def test_importing_the_cli_loads_neither_runtime_nor_zmq_numpy_nor_paramiko():
-    code = ("import sys, launcher.cli, launcher.plan, launcher.supervisor, launcher.backends.local;"
+    code = ("import sys, launcher.cli, launcher.planning.plan, launcher.supervision.supervisor, launcher.backends.local;"
             "bad = [m for m in ('psnode', 'kvcore', 'zmq', 'numpy', 'paramiko') if m in sys.modules];"
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30)

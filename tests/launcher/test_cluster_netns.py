@@ -129,7 +129,7 @@ def _job_processes(cluster, host: str) -> list[str]:
     pids = subprocess.run(["ip", "netns", "pids", cluster.net.namespace(host)], capture_output=True, text=True,
                           timeout=10).stdout.split()
     found = [f"{pid}: {cmdline(int(pid))}" for pid in pids]
-    return [line for line in found if re.search(r"pslaunch-guard|psnode|steps_worker|sleeper|mpi_rank|orted", line)]
+    return [line for line in found if re.search(r"pslaunch-guard|psnode|steps_worker|sleeper|rank_shim|orted", line)]
 
 
 @pytest.mark.parametrize(("backend", "kind"), [("ssh", "kvcore"), ("ssh", "plain"), ("mpi", "plain")])
@@ -162,7 +162,7 @@ def test_a_link_dropped_mid_job_fails_it_naming_the_host_and_leaves_nothing_runn
     assert rows["server.1@node2"] == (lost, "root cause, unreachable"), stderr
     assert rows["worker.1@node2"] == (lost, "unreachable"), stderr
     assert "did not end after SIGKILL" not in stderr
-    # the guards on node2 (mpi: mpi_rank) stopped their processes when pslaunch went quiet, and once
+    # the guards on node2 (mpi: the rank shim) stopped their processes when pslaunch went quiet, and once
     # the link is back nothing is left anywhere (mpirun's daemon there ends when it finds mpirun gone)
     deadline = time.monotonic() + link_timeout + 10
     while (_job_processes(cluster, "h2") or processes_with(marker)) and time.monotonic() < deadline:

@@ -51,7 +51,7 @@ def test_a_stopped_process_gets_sigcont_with_sigterm_so_teardown_does_not_wait_o
     assert "root cause: worker.1@" in res.stderr
     row = next(line for line in res.stderr.splitlines() if line.startswith("| worker    |    0 |"))
     assert "stopped by pslaunch" in row and "SIGKILL" not in row, res.stderr
-    # mpirun (and Slurm's step, through mpi_rank) may continue a stopped process before its
+    # mpirun (and Slurm's step, through the rank shim) may continue a stopped process before its
     # SIGTERM arrives: the worker may finish its own run first
     assert "SIGTERM" in row or (backend in ("mpi", "slurm") and "| 0 " in row), res.stderr
     assert wait_gone(marker, 10) == []

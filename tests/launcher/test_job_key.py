@@ -27,8 +27,8 @@ def _check(res, workers: int, environs: str = r"\[\]") -> None:
     assert not re.search(r"\b[0-9a-f]{64}\b", context), context  # nor does pslaunch's own output
 
 
-# under mpi the key travels in mpirun's environment and its ranks' (launcher.mpi_rank), never further
-_MPI_ONLY = r"\[('(mpirun|\S+ -m launcher\.mpi_rank)[^']*',? ?)+\]"
+# under mpi the key travels in mpirun's environment and its ranks' (launcher.on_node.rank_shim), never further
+_MPI_ONLY = r"\[('(mpirun|\S+ -m launcher\.on_node\.rank_shim)[^']*',? ?)+\]"
 # under a batch scheduler: in the scheduler's launcher (srun, the SGE job's own steps) and the ranks
 _BATCH_ONLY = r"\[('(srun|slurmstepd|sge_shepherd|\S+ -m launcher\.\S+|-sh -c \S+ -m launcher\.)[^']*',? ?)*\]"
 

@@ -14,15 +14,15 @@ import urllib.request
 import pytest
 
 from launcher.backends.base import ExitStatus, ProcessHandle
-from launcher.dashboard import Dashboard, render_table
 from launcher.errors import ConfigError
-from launcher.hostfile import LOCAL_HOST
-from launcher.jobstats import STARTING_SECONDS, JobStats
-from launcher.metrics import MetricsServer, render_metrics
-from launcher.observe import summary_document
-from launcher.plan import ProcessSpec
-from launcher.tracefile import TraceFile
-from launcher.verdict import Failure
+from launcher.observe.dashboard import Dashboard, render_table
+from launcher.observe.jobstats import STARTING_SECONDS, JobStats
+from launcher.observe.metrics import MetricsServer, render_metrics
+from launcher.observe.observer import summary_document
+from launcher.observe.timeline import TraceFile
+from launcher.planning.hostfile import LOCAL_HOST
+from launcher.planning.plan import ProcessSpec
+from launcher.supervision.verdict import Failure
 
 pytestmark = pytest.mark.unit
 

@@ -16,8 +16,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable
 
-from launcher.backends.remote.guard import PING, PONG, env_payload, remote_command
-from launcher.backends.remote.linkwatch import LinkWatch, PongFilter
+from launcher.backends.ssh.linkwatch import LinkWatch, PongFilter
+from launcher.on_node.guard import PING, PONG, env_payload, remote_command
 from testkit.launcher import helper, processes_with, wait_gone
 
 

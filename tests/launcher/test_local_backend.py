@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from testkit.launcher import (helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_for_records,
-                              wait_gone)
+from testkit.launcher import helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_for_records, wait_gone
 
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "ü"]
 ROLE = helper("role.py")

@@ -50,7 +50,7 @@ def test_one_mpirun_starts_every_role_with_its_contract_env_and_exact_arguments(
         assert r["checked"]["PSLAUNCH_MPI_PLAN"] is None  # the launcher's transport does not leak
     assert "[worker.1@localhost] worker 1 started" in res.stdout
     listing = (out / "worker.1.ps").read_text()
-    assert "launcher.mpi_rank" in listing and "mpirun" in listing
+    assert "launcher.on_node.rank_shim" in listing and "mpirun" in listing
     assert "tok-value" not in listing
 
 
@@ -70,7 +70,7 @@ def test_mpirun_command_line_holds_variable_names_never_values(tmp_path):
     plan = make_plan(LaunchConfig(command=("x",), num_workers=2, num_servers=1, scheduler_port=1, backend="mpi"))
     argv = mpirun_argv(plan, "/py", ["PSLAUNCH_MPI_PLAN", "PSLAUNCH_ENV_0"], None, False, as_root=True)
     assert argv[:6] == ["mpirun", "--allow-run-as-root", "--oversubscribe", "--tag-output", "-np", "4"]
-    assert argv[-7:] == ["-x", "PSLAUNCH_MPI_PLAN", "-x", "PSLAUNCH_ENV_0", "/py", "-m", "launcher.mpi_rank"]
+    assert argv[-7:] == ["-x", "PSLAUNCH_MPI_PLAN", "-x", "PSLAUNCH_ENV_0", "/py", "-m", "launcher.on_node.rank_shim"]
     assert "--allow-run-as-root" not in mpirun_argv(plan, "/py", [], None, False, as_root=False)
 
 

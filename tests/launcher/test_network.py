@@ -8,7 +8,7 @@ import ipaddress
 import pytest
 
 from launcher.errors import ConfigError
-from launcher.network import choose_scheduler_address, parse_interface, route_source
+from launcher.planning.network import choose_scheduler_address, parse_interface, route_source
 from pscontract import interface_address
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,7 @@ import pytest
 from launcher.backends.mpi import TagDemux
 from launcher.config import parse_ranks_option
 from launcher.errors import ConfigError
-from launcher.output import RANK_COLOURS, LineSplitter, Printer
+from launcher.observe.output import RANK_COLOURS, LineSplitter, Printer
 
 pytestmark = pytest.mark.unit
 

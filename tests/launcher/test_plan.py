@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from launcher import EnvVar, Host, LaunchConfig, PlacementError, format_plan, make_plan
 import pscontract as ec
+from launcher import EnvVar, Host, LaunchConfig, PlacementError, format_plan, make_plan
 from launcher.config import ConfigError, parse_env_option
 
 pytestmark = pytest.mark.unit
@@ -103,7 +103,7 @@ def test_too_many_workers_for_the_slots_is_an_error_naming_counts_and_hosts():
 
 
 def test_scheduler_host_places_the_scheduler_there_and_every_node_dials_its_real_name():
-    from launcher.network import resolve
+    from launcher.planning.network import resolve
 
     hosts = (Host("a", "u", 2200), Host("b"))
     config = resolve(_config(backend="ssh", hosts=hosts, scheduler_host="a"), real_names=[("a", "10.0.0.7"), ("b", "b")])
@@ -173,7 +173,7 @@ def test_config_rejects_bad_counts_naming_the_flag_and_value():
 
 
 def test_resolve_picks_a_free_local_port_and_never_a_loopback_address_for_a_remote_host():
-    from launcher.network import resolve
+    from launcher.planning.network import resolve
 
     local = resolve(_config(scheduler_port=None))
     assert 1 <= local.scheduler_port <= 65535 and local.launch_address == "127.0.0.1"
@@ -206,7 +206,7 @@ def test_every_worker_gets_torchruns_rank_variables_and_only_a_job_without_serve
 
 
 def test_the_master_of_a_job_on_this_machine_is_a_loopback_address_with_a_free_port():
-    from launcher.network import resolve
+    from launcher.planning.network import resolve
 
     local = resolve(_config(num_servers=0, scheduler_port=None))
     worker0 = make_plan(local).by_role("worker")[0].env

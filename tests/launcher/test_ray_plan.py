@@ -12,12 +12,12 @@ import pytest
 
 import pscontract as ec
 from launcher.backends import get_backend
-from launcher.backends.ray.actor import OutputBuffer
 from launcher.backends.ray.placement import PENDING_HOST, assign_bundles, place
 from launcher.backends.ray.settings import RaySettings, bundles_for, shortfall
 from launcher.cli import build_config, cli, main
 from launcher.errors import ConfigError
-from launcher.plan import make_plan
+from launcher.on_node.ray_actor import OutputBuffer
+from launcher.planning.plan import make_plan
 
 pytestmark = pytest.mark.unit
 

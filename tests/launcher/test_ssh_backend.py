@@ -8,8 +8,18 @@ import signal
 import subprocess
 import sys
 
-from testkit.launcher import (ancestors, cmdline, helper, processes_with, reaped, run_pslaunch, start_pslaunch,
-                              start_sshd, wait_for_records, wait_gone)
+from testkit.launcher import (
+    ancestors,
+    cmdline,
+    helper,
+    processes_with,
+    reaped,
+    run_pslaunch,
+    start_pslaunch,
+    start_sshd,
+    wait_for_records,
+    wait_gone,
+)
 
 MULTI = "two\nlines with 'quotes' \"dq\" $HOME `cmd` \\ end\n"
 TRICKY = ["--lr", "0.1 x", "it's", 'say "hi"', "$HOME", "back\\slash", "*", "", "new\nline", "ü"]

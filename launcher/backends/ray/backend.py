@@ -30,11 +30,11 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from ...errors import ConfigError, PlacementError, PreflightError, SpawnError, SyncError
-from ...network import parse_interface
-from ...output import LineSplitter
-from ...plan import Plan, ProcessSpec
-from ..base import Backend, ExitStatus, GuardedHandle, ProcessHandle, VerbHandle, route_block
-from ..remote.scriptcheck import check_scripts_here
+from ...observe.output import LineSplitter
+from ...planning.network import parse_interface
+from ...planning.plan import Plan, ProcessSpec
+from ..base import Backend, ExitStatus, GuardedHandle, ProcessHandle, route_block
+from ..checks.script import check_scripts_here
 from .placement import PENDING_HOST, assign_bundles, place
 from .settings import STRATEGIES, RaySettings, bundles_for, never_fits, shortfall
 from .upload import check_working_dir
@@ -48,7 +48,6 @@ DOUBT_AFTER = 3.0
 #: Seconds the actors have to start on their nodes (a new Python worker each, the working directory
 #: unpacked) and to answer a start.
 START_WAIT = 120.0
-_OPTIONS = ("ray_address", "ray_strategy", "ray_worker_resources", "ray_server_resources", "ray_timeout", "ray_exclude")
 
 
 def _ray():
@@ -60,7 +59,7 @@ def _ray():
     return ray
 
 
-class RayHandle(GuardedHandle, VerbHandle):
+class RayHandle(GuardedHandle):
     """A process a ``ProcessActor`` runs on its node; see the module docstring."""
 
     def __init__(self, spec: ProcessSpec, actor, printer) -> None:
@@ -99,9 +98,9 @@ class RayHandle(GuardedHandle, VerbHandle):
                 time.sleep(READ_WAIT)  # unreachable for now: in doubt until it answers or dies
                 continue
             except ray.exceptions.RayActorError as exc:
-                return self._lost(exc)
+                return self._lost_actor(exc)
             except Exception as exc:  # noqa: BLE001 - Ray's connection ended under the reader
-                return None if self._closing else self._lost(exc)
+                return None if self._closing else self._lost_actor(exc)
             self._heard, self._asked_at = time.monotonic(), None
             for stream, data in answer["out"].items():
                 splitters[stream].feed(data)
@@ -110,9 +109,7 @@ class RayHandle(GuardedHandle, VerbHandle):
                 return ExitStatus(code=code) if code >= 0 else ExitStatus(signal=-code)
         return None
 
-    def _lost(self, exc: Exception) -> ExitStatus:
-        self.unreachable = True
-        self.ended = self._heard  # its last sign of life orders the failures
+    def _lost_actor(self, exc: Exception) -> ExitStatus:
         node = self.spec.host.label
         if not isinstance(exc, _ray().exceptions.RayActorError):
             why = f"pslaunch lost its connection to the Ray cluster ({type(exc).__name__}: {_first_line(exc)})"
@@ -120,7 +117,7 @@ class RayHandle(GuardedHandle, VerbHandle):
             why = f"its Ray actor died ({type(exc).__name__})"
         else:
             why = f"its Ray node {node} left the cluster"
-        return ExitStatus(code=255, detail=why, lost=True)
+        return self._lost(why, self._heard)  # its last sign of life orders the failures
 
     def _poll(self) -> ExitStatus | None:
         return self._exit
@@ -130,7 +127,7 @@ class RayHandle(GuardedHandle, VerbHandle):
         return self.status is None and asked is not None and time.monotonic() - asked > READ_WAIT + DOUBT_AFTER
 
     def _tell(self, verb: str) -> None:
-        if self.unreachable or self._exit is not None and verb != "KILL":
+        if self._exit is not None and verb != "KILL":
             return
         try:
             self.actor.tell.remote(verb)
@@ -156,17 +153,10 @@ class RayBackend(Backend):
     """Runs the job on a Ray cluster (``--launcher ray``); see the module docstring. Not thread-safe."""
 
     name = "ray"
-    options = _OPTIONS
-    resolves_itself = True
-    refuses = (("hosts", "Ray places the processes on its nodes (the placement group is the hostfile)"),
-               ("scheduler_host", "Ray places the scheduler with the other processes"),
-               ("ssh_port", "Ray starts the processes; pslaunch uses no ssh"),
-               ("ssh_user", "Ray starts the processes; pslaunch uses no ssh"),
-               ("identity", "Ray starts the processes; pslaunch uses no ssh"),
-               ("ssh_config", "Ray starts the processes; pslaunch uses no ssh"),
-               ("known_hosts", "Ray starts the processes; pslaunch uses no ssh"),
-               ("host_key_policy", "Ray starts the processes; pslaunch uses no ssh"),
-               ("link_timeout", "Ray tells pslaunch when a node leaves the cluster"))
+    refuses = {"hostfile": "Ray places the processes on its nodes (the placement group is the hostfile)",
+               "scheduler_host": "Ray places the scheduler with the other processes",
+               "ssh": "Ray starts the processes; pslaunch uses no ssh",
+               "link_timeout": "Ray tells pslaunch when a node leaves the cluster"}
 
     def __init__(self, config, printer) -> None:
         super().__init__(config, printer)
@@ -178,6 +168,10 @@ class RayBackend(Backend):
         self._ray_printing = None  # Ray's own printer of the cluster's errors, while pslaunch holds it
 
     # -- before anything starts ----------------------------------------------------------------------
+    @classmethod
+    def resolve(cls, config):
+        return config  # Ray's nodes hold the processes: the addresses and ports are found there (``configure``, ``prepare``)
+
     @classmethod
     def configure(cls, config, environ):
         RaySettings.from_config(config, environ)
@@ -343,7 +337,7 @@ class RayBackend(Backend):
     def _actor(self, ray, index: int, bundle: dict[str, float]):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .actor import ProcessActor
+        from ...on_node.ray_actor import ProcessActor
 
         others = {name: amount for name, amount in bundle.items() if name not in ("CPU", "GPU", "memory")}
         options = {"num_cpus": bundle.get("CPU", 0.0), "num_gpus": bundle.get("GPU", 0.0), "max_concurrency": 4,

@@ -18,8 +18,8 @@ from typing import Mapping, Sequence
 import pscontract as ec
 
 from ...config import LaunchConfig
-from ...hostfile import Host
-from ...plan import Plan
+from ...planning.hostfile import Host
+from ...planning.plan import Plan
 
 __all__ = ["PENDING_HOST", "place", "assign_bundles"]
 

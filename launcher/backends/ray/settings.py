@@ -44,12 +44,12 @@ class RaySettings:
     def from_config(cls, config: LaunchConfig, environ: Mapping[str, str]) -> "RaySettings":
         """The options of ``config`` (``--ray-address`` defaults to ``RAY_ADDRESS``, then ``auto``:
         the cluster this machine is a node of). Raises ``ConfigError`` naming the option and value."""
-        address = (config.option("ray_address") or environ.get("RAY_ADDRESS", "") or "auto").strip()
-        strategy = (config.option("ray_strategy") or "spread").strip().lower()
+        address = (config.ray.address or environ.get("RAY_ADDRESS", "") or "auto").strip()
+        strategy = (config.ray.strategy or "spread").strip().lower()
         if strategy not in STRATEGIES:
-            raise ConfigError(f"--ray-strategy {config.option('ray_strategy')!r}: expected spread (servers on distinct "
+            raise ConfigError(f"--ray-strategy {config.ray.strategy!r}: expected spread (servers on distinct "
                               "nodes when there are enough) or pack (as few nodes as possible)")
-        timeout_text = config.option("ray_timeout")
+        timeout_text = config.ray.timeout
         timeout = DEFAULT_RAY_TIMEOUT
         if timeout_text is not None:
             try:
@@ -59,10 +59,10 @@ class RaySettings:
             if not timeout > 0 or math.isinf(timeout):
                 raise ConfigError(f"--ray-timeout {timeout_text!r}: expected a number of seconds > 0")
         return cls(address=address, strategy=strategy,
-                   worker_resources=_parse_resources("--ray-worker-resources", config.option("ray_worker_resources")),
-                   server_resources=_parse_resources("--ray-server-resources", config.option("ray_server_resources")),
+                   worker_resources=_parse_resources("--ray-worker-resources", config.ray.worker_resources),
+                   server_resources=_parse_resources("--ray-server-resources", config.ray.server_resources),
                    timeout=timeout, timeout_given=timeout_text is not None,
-                   excludes=tuple(config.option("ray_exclude") or ()))
+                   excludes=tuple(config.ray.exclude or ()))
 
 
 def _parse_resources(flag: str, text: str | None) -> tuple[tuple[str, float], ...]:

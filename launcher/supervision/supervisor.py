@@ -1,0 +1,387 @@
+"""Supervision: run a plan through a backend, watch every process, stop everything at the end.
+
+Rules (docs/launcher.md, "Failures"):
+
+* a process that fails on its own (non-zero exit other than 75, a signal, or the runtime's report
+  of its uncaught error) ends the job: every other process is stopped (SIGTERM and SIGCONT, a
+  grace period, SIGKILL) and the root cause is named (``launcher.supervision.verdict``);
+* a process that exits 75 ended because another one failed: pslaunch waits up to
+  ``CULPRIT_WAIT`` seconds for the process that failed on its own before it stops the rest, so
+  that the root cause is the culprit, not the first bystander to notice (and longer while a host
+  has gone quiet, until it is heard from again or lost: ``--link-timeout``);
+* a scheduler or server that exits, even with 0, before every worker has finished fails the job
+  (exit code 1 when it exited 0; after exit 0 the workers get ``shutdown_grace`` seconds to
+  finish too, since the runtime may end a moment before the workers' interpreters do);
+* when every worker has exited 0, each bundled scheduler and server (those that wrote the READY
+  marker) is asked to end (SIGUSR1) and exits 0 at once; others get ``shutdown_grace`` seconds to
+  exit by themselves and are then stopped; the job succeeded;
+* ``--max-restarts N``: after a failure of a process the job is started again (or, with
+  ``--restart-scope worker``, a failed worker alone) while restarts are left (``launcher.supervision.restarts``);
+  the summary lists each attempt, its root cause and what followed;
+* ``--timeout`` bounds the whole job (exit 124); SIGINT / SIGTERM / SIGHUP stop it (exit 128+n),
+  a second one skips the grace period; SIGTSTP (Ctrl-Z) stops every process and pslaunch, SIGCONT
+  continues them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from ..backends.base import Backend, ProcessHandle
+from ..config import LaunchConfig
+from ..errors import LaunchError
+from ..observe.output import Printer
+from ..observe.terminal import in_foreground
+from ..on_node.process_groups import stop
+from ..planning.plan import Plan
+from .restarts import RestartLog
+from .result import RunResult, result_of
+from .verdict import Failure, culprit, kind_of, notes, who
+
+__all__ = ["Supervisor", "Failure", "EXIT_TIMEOUT", "CULPRIT_WAIT"]
+
+#: pslaunch's exit code when ``--timeout`` ran out (as timeout(1)).
+EXIT_TIMEOUT = 124
+#: Seconds pslaunch waits, once a process ended because of a peer, for the one that failed itself.
+CULPRIT_WAIT = 5.0
+_TICK = 0.05
+_STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: What ``_watch`` returns when processes failed: the verdict comes once output is read.
+_PROCESS_FAILED = Failure("a process failed", 1)
+
+
+class Supervisor:
+    """Runs one job. ``run`` blocks until the job is over and returns pslaunch's exit code.
+
+    Must be used from the main thread (it installs signal handlers while running).
+    """
+
+    def __init__(self, config: LaunchConfig, backend: Backend, printer: Printer, observer=None) -> None:
+        self.config = config
+        self.backend = backend
+        self.printer = printer
+        self.observer = observer  # launcher.observe.observer.JobObserver: the dashboard, metrics, timeline, summary
+        self.handles: list[ProcessHandle] = []
+        self.failure: Failure | None = None
+        self._signals: list[int] = []
+        self._raise_on_signal = True
+        self._stopped: set[int] = set()
+        self._suspend_asked = False
+        self._resume_asked = False
+        self._suspended = False  # the job's processes were stopped by Ctrl-Z and not continued yet
+        self._paused = 0.0  # seconds the job spent stopped by Ctrl-Z (not counted by --timeout)
+        self.restarts = RestartLog(config.max_restarts, config.restart_scope)
+        self._plan: Plan | None = None
+        self._replaced: list[ProcessHandle] = []  # workers restarted alone (--restart-scope worker)
+
+    # -- signals -------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame) -> None:  # noqa: ARG002
+        if signum == signal.SIGTSTP:
+            self._suspend_asked = True
+            return
+        if signum == signal.SIGCONT:
+            self._resume_asked = True
+            return
+        self._signals.append(signum)
+        if self._raise_on_signal:
+            self._raise_on_signal = False
+            raise _Interrupted(signum)
+
+    def _install(self) -> dict[int, object]:
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (*_STOPPING, signal.SIGTSTP, signal.SIGCONT):
+                old[sig] = signal.signal(sig, self._on_signal)
+        return old
+
+    # -- the job -------------------------------------------------------------------------------
+    def run(self, plan: Plan) -> int:
+        """Prepare, launch and supervise ``plan``, restarting it while ``--max-restarts`` allows
+        (``launcher.supervision.restarts``); returns the exit code (the last root cause's). Raises
+        ``LaunchError`` from the backend's preparation (pre-flight, rsync, the script check) and
+        from starting processes."""
+        old = self._install()
+        start = time.monotonic()
+        self._plan = plan
+        ended: tuple[int, str | None] = (1, "pslaunch on node 0 ended before the job did")
+        try:
+            try:
+                self._attempt(plan, start, prepare=True)
+                while self.restarts.can_restart(self.failure) and not self._signals:
+                    assert self.failure is not None
+                    count = self.restarts.restart(self.failure, "the job")
+                    self._report(f"restarting the job (restart {count} of {self.restarts.max_restarts}, "
+                                 f"PSLAUNCH_RESTART_COUNT={count})")
+                    self.handles, self._replaced, self._stopped, self.failure = [], [], set(), None
+                    self._attempt(self._plan.restarted(count), start)
+                if self.restarts.max_restarts:
+                    self.restarts.finish(self.failure)
+                ended = (0, None) if self.failure is None else (self.failure.exit_code, self.failure.final_reason)
+            except LaunchError as exc:
+                ended = (exc.exit_code, f"the job could not start: {exc}")
+                raise
+            finally:
+                try:
+                    self.backend.job_ended(*ended)
+                finally:
+                    self.backend.close()
+            self._report()
+        finally:
+            # only now: a Ctrl-C more while the job is torn down and reported must not cut the table off
+            for sig, handler in old.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+        return 0 if self.failure is None else self.failure.exit_code
+
+    def _attempt(self, plan: Plan, start: float, prepare: bool = False) -> None:
+        """Launch ``plan`` (after the backend's preparation) and watch it to its end; ``failure``
+        then says why it failed (None: it succeeded)."""
+        try:
+            try:
+                if prepare:  # a batch scheduler's hosts are known now: the plan of every attempt has them
+                    plan = self._plan = self.backend.prepare(plan) or plan
+                self.printer.starting(spec.name for spec in plan.processes)
+                self.handles = self.backend.launch(plan)
+                if self.observer is not None:
+                    self.observer.attach(self.handles)
+                self._raise_on_signal = False
+                if self._signals:
+                    raise _Interrupted(self._signals[0])
+            except _Interrupted as exc:
+                self.failure = Failure(f"pslaunch got {signal.Signals(exc.signum).name}", 128 + exc.signum)
+            else:
+                self.failure = self._watch(start)
+            self._teardown()
+        finally:
+            for handle in self._replaced + self.handles:
+                handle.close()  # reader threads finish: every marker and last line is in
+        if self.failure is _PROCESS_FAILED:
+            self.failure = culprit(self.handles, self._stopped) or Failure("a process failed", 1)
+
+    def _check_signal_or_timeout(self, start: float) -> Failure | None:
+        if self._signals:
+            sig = self._signals[0]
+            return Failure(f"pslaunch got {signal.Signals(sig).name}", 128 + sig)
+        outside = self.backend.interruption()
+        if outside is not None:
+            return Failure(outside.reason, outside.exit_code)
+        if self.config.timeout is not None and time.monotonic() - start - self._paused > self.config.timeout:
+            return Failure(f"the job ran longer than --timeout {self.config.timeout:g} s", EXIT_TIMEOUT)
+        return None
+
+    def _watch(self, start: float) -> Failure | None:
+        seen: set[int] = set()
+        asked: set[int] = set()
+        end_deadline: float | None = None
+        blamed_at: float | None = None  # a process blamed a peer, or reported its own error
+        # A scheduler or server that exits 0 while workers still run may just be quicker than the
+        # workers' interpreter teardown (the runtime ends once every worker said goodbye): the
+        # workers get the shutdown grace period to end too before this counts as a failure.
+        early: tuple[ProcessHandle, float] | None = None
+        while True:
+            self._job_control()
+            failure = self._check_signal_or_timeout(start)
+            if failure:
+                return failure
+            self._restart_failed_workers()
+            workers = [h for h in self.handles if h.spec.role == "worker"]
+            others = [h for h in self.handles if h.spec.role != "worker"]
+            now = time.monotonic()
+            for handle in self.handles:
+                status = handle.poll()
+                if handle.failed_at is not None and blamed_at is None and not self._rejoins(handle):
+                    blamed_at = handle.failed_at
+                if status is None or id(handle) in seen:
+                    continue
+                seen.add(id(handle))
+                kind = kind_of(handle, self._stopped)
+                if kind == "own" and self._rejoins(handle):
+                    continue  # restarted alone at the next turn
+                if kind == "own":
+                    if early is not None and handle.spec.role == "worker":
+                        return self._early_failure(early[0], f"; then {handle.spec.name} failed: {status.describe()}")
+                    if any(h.in_doubt() for h in self.handles):
+                        # A host went quiet: this end may be its news (mpirun kills every rank once it
+                        # loses a host's daemon). The host's verdict, soon, names the first to fail.
+                        blamed_at = blamed_at or now
+                        continue
+                    return _PROCESS_FAILED
+                if kind in ("peer", "stopped"):
+                    blamed_at = blamed_at or now
+                elif handle.spec.role != "worker" and end_deadline is None and early is None:
+                    early = (handle, now + self.config.shutdown_grace)
+            if blamed_at is not None:
+                # A host pslaunch has stopped hearing from may be the culprit: wait for that verdict.
+                waited = now - blamed_at > CULPRIT_WAIT and not any(h.in_doubt() for h in self.handles)
+                if waited or all(h.status is not None for h in self.handles):
+                    return _PROCESS_FAILED
+            elif end_deadline is None and all(h.status is not None for h in workers):
+                end_deadline = now + self.config.shutdown_grace
+                if self.config.verbose:
+                    self.printer.note("every worker exited 0; asking scheduler and servers to end")
+            elif early is not None and now > early[1]:
+                return self._early_failure(early[0], "")
+            if end_deadline is not None and blamed_at is None:
+                running = [h for h in others if h.status is None]
+                if not running:
+                    return None
+                for handle in running:
+                    if handle.ready and id(handle) not in asked:
+                        asked.add(id(handle))
+                        handle.request_end()
+                if now > end_deadline:
+                    if self.config.verbose:
+                        self.printer.note(
+                            "stopping " + ", ".join(h.spec.name for h in running)
+                            + f" after the {self.config.shutdown_grace:g} s shutdown grace period"
+                        )
+                    return None
+            time.sleep(_TICK)
+
+    def _rejoins(self, handle: ProcessHandle) -> bool:
+        """True when ``handle`` is a worker that is restarted alone if it fails (``--restart-scope
+        worker`` with a restart left)."""
+        return (handle.spec.role == "worker" and self.restarts.scope == "worker"
+                and self.restarts.used < self.restarts.max_restarts)
+
+    def _restart_failed_workers(self) -> None:
+        """``--restart-scope worker``: start a worker that failed on its own and has ended again,
+        alone, with its rank; the other processes go on (the runtime lets it rejoin)."""
+        for i, handle in enumerate(self.handles):
+            if not self._rejoins(handle) or handle.poll() is None or kind_of(handle, self._stopped) != "own":
+                continue
+            assert handle.status is not None and self._plan is not None
+            failure = Failure(f"{who(handle)} failed: {handle.status.describe()}", handle.status.exit_code, handle)
+            count = self.restarts.restart(failure, f"{handle.spec.name} alone")
+            self.printer.note(f"{failure.reason}; restarting it alone (restart {count} of {self.restarts.max_restarts}, "
+                              f"PSLAUNCH_RESTART_COUNT={count}); the other processes go on")
+            self._replaced.append(handle)
+            self.printer.starting([handle.spec.name])
+            self.handles[i] = self.backend.launch(self._plan.restarted(count, (handle.spec,)))[0]
+            if self.observer is not None:
+                self.observer.attach(self.handles)
+
+    def _early_failure(self, handle: ProcessHandle, then: str) -> Failure:
+        running = [h.spec.name for h in self.handles if h.spec.role == "worker" and h.status is None]
+        still = f" ({', '.join(running)} still running)" if running else ""
+        return Failure(f"{who(handle)} exited with code 0 before the workers finished{still}{then}", 1, handle)
+
+    def _job_control(self) -> None:
+        """Ctrl-Z: stop every process, then pslaunch itself; SIGCONT: continue them."""
+        if self._suspend_asked:
+            self._suspend_asked = False
+            # The table leaves the screen first: a shell that ran pslaunch from a script has its
+            # prompt out as soon as the script stopped, and the table must be gone before that.
+            if self.observer is not None:
+                self.observer.pause()
+            running = [h for h in self.handles if h.poll() is None]
+            for handle in running:
+                handle.suspend()
+            self._suspended = True
+            self.printer.note(f"stopped {len(running)} process(es) of the job (SIGTSTP); `fg` or SIGCONT continues it")
+            self.printer.flush()
+            paused_at = time.monotonic()
+            previous = signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+            try:
+                # SIGTSTP lets the shell's job control see a stopped job; without a terminal
+                # (an orphaned process group) the kernel would ignore it, so SIGSTOP there.
+                os.kill(os.getpid(), signal.SIGTSTP if in_foreground() else signal.SIGSTOP)
+            finally:
+                signal.signal(signal.SIGTSTP, previous)
+            self._paused += time.monotonic() - paused_at
+        if self._resume_asked:
+            self._resume_asked = False
+            if not self._suspended:  # SIGCONT alone (timeout(1) sends one after its signal): nothing stopped
+                return
+            self._suspended = False
+            for handle in self.handles:
+                if handle.poll() is None:
+                    handle.resume()
+            if self.observer is not None:
+                self.observer.resume()
+            self.printer.note("job continued")
+
+    def _teardown(self) -> None:
+        """TERM (and CONT) everything still running, wait the grace period, KILL what is left."""
+        for handle in self.handles:
+            if handle.status is None:
+                self._stopped.add(id(handle))
+        hurry = len(self._signals)  # another Ctrl-C skips the grace period
+        # every handle: exited leaders may leave group members behind
+        running = stop(self.handles, terminate=lambda h: h.terminate(), kill=lambda h: h.kill(),
+                       alive=lambda h: h.poll() is None, grace=self.config.stop_grace,
+                       hurry=lambda: len(self._signals) > hurry, tick=_TICK)
+        deadline = time.monotonic() + max(2.0, self.config.stop_grace)
+        while running and time.monotonic() < deadline:
+            time.sleep(_TICK)
+            running = [h for h in running if h.poll() is None]
+        for handle in running:
+            if handle.in_doubt():  # its host went quiet: the signals may never have got there
+                handle.unreachable = True
+                self.printer.note(f"{who(handle)} is unreachable: no word from its host for a while "
+                                  f"(its guard stops it there after --link-timeout {self.config.link_timeout:g} s)")
+            else:
+                self.printer.note(f"{who(handle)} did not end after SIGKILL")
+
+    # -- reporting -----------------------------------------------------------------------------
+    def _table(self) -> tuple[list[ProcessHandle], dict[int, str]]:
+        """The summary table's processes (a worker restarted alone: its earlier runs first) and notes."""
+        shown: list[ProcessHandle] = []
+        for handle in self.handles:
+            shown += [r for r in self._replaced if r.spec.name == handle.spec.name]
+            shown.append(handle)
+        table_notes = notes(shown, self._stopped, self.failure)
+        table_notes.update({id(r): "failed; restarted alone" for r in self._replaced})
+        return shown, table_notes
+
+    def result(self) -> "RunResult":
+        """The job's outcome for a program (``launcher.api``): what ``_report`` prints, as data."""
+        shown, table_notes = self._table()
+        return result_of(shown, table_notes, self.failure, self.printer.last_lines, self.restarts.attempts)
+
+    def _report(self, then: str | None = None) -> None:
+        """The summary table, the root cause and its last lines; ``then``: the job goes on (a restart),
+        else the attempts (with restarts) and the exit code end it."""
+        if self.observer is not None and then is None:
+            by_id = notes(self.handles, self._stopped, self.failure)
+            self.observer.finish({h.spec.name: by_id.get(id(h), "") for h in self.handles}, self.failure,
+                                 0 if self.failure is None else self.failure.exit_code, self.restarts.attempts)
+        if self.handles and (not self.config.quiet or self.config.log_dir):  # quiet: the log dir's copy only
+            from .summary import render_summary
+
+            table = render_summary(*self._table(), self.printer.colour)
+            if self.config.quiet:
+                self.printer.record(table)
+            else:
+                self.printer.raw(table)
+        if self.failure is not None:
+            # a restart follows: pslaunch does not exit, so its exit code's note would mislead
+            self.printer.note(f"root cause: {self.failure.reason if then is not None else self.failure.final_reason}")
+            if self.failure.handle is not None:
+                name = self.failure.handle.spec.name
+                lines = self.printer.last_lines(name)
+                if lines:
+                    self.printer.note(f"last lines of {name}:")
+                    for text in lines:
+                        self.printer.note(f"  | {text}")
+                else:
+                    self.printer.note(f"{name} printed nothing")
+        if then is not None:
+            self.printer.note(then)
+        else:
+            if self.restarts.used:
+                for line in self.restarts.render():
+                    self.printer.note(line)
+            if self.failure is not None:
+                self.printer.note(f"exit code {self.failure.exit_code}")
+        self.printer.flush()
