@@ -23,5 +23,6 @@ loss.backward()  # DDP averages the gradients of every rank
 expected = sum(2.0 * (r + 1) for r in range(world)) / world
 assert torch.allclose(model.module.weight.grad, torch.full((1, 4), expected)), model.module.weight.grad
 
+dist.barrier()  # no rank tears gloo down while its peer still talks to it (an abort at exit otherwise)
 dist.destroy_process_group()
 print("OK", rank, world, os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"], flush=True)
