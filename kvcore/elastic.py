@@ -23,8 +23,12 @@ number of servers gets the keys re-sharded. Checkpoints live in ``PSLAUNCH_CHECK
 (``pslaunch --checkpoint-dir DIR``); without one, ``restore`` finds nothing and ``commit`` keeps
 nothing (with a warning). Details: docs/checkpoints.md.
 
-A worker pslaunch restarted alone (``--restart-scope worker``, ``dist_async``) restores only the
-scalars of the newest checkpoint: the servers, which never stopped, hold newer values.
+A worker pslaunch restarted alone (``--restart-scope worker``) does not load a checkpoint: the
+servers, which never stopped, hold newer values. In ``dist_sync`` (and ``dist_device_sync``) it is a
+replacement in place: setting a scalar marks the worker's place (sent to the servers before its
+next push, no round trip), and a replacement's ``restore()`` returns the scalars its predecessor set
+last, from where it redoes the steps exactly (no checkpoint directory needed). In ``dist_async`` it
+restores the scalars of the newest checkpoint.
 
 ``State`` works with a ``dist_sync`` / ``dist_async`` / ``dist_device_sync`` KVStore and with a
 'dist' shared model (``create_shared_model('dist')``, after ``model.init(devices)``; call
@@ -80,7 +84,13 @@ class State:
         self.checkpoint_id: int | None = None
         """The id of the checkpoint restored or committed last (None before either)."""
         for name, value in scalars.items():
-            setattr(self, name, value)
+            object.__setattr__(self, name, value)
+        kv.note_scalars(self.scalars)  # the starting place: a replacement that finds no later mark begins here
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in self.__dict__.get("_names", ()):  # a scalar: where a replacement in place would resume
+            self._kv.note_scalars(self.scalars)
 
     @property
     def scalars(self) -> dict[str, Any]:
@@ -98,7 +108,9 @@ class State:
 
         Blocking and collective: every worker calls it (before its first push). Returns True when a
         checkpoint was restored, False when there is none (the first start) or no checkpoint
-        directory.
+        directory. A worker replaced in place (``dist_sync`` under ``--restart-scope worker``) loads
+        no checkpoint: it takes the scalars its predecessor set last (True; False when it set none)
+        and redoes its steps from there, alone.
 
         Raises:
             ShapeMismatchError, DTypeMismatchError: a key initialised here differs from the
@@ -106,6 +118,15 @@ class State:
                 loaded (the message names the file and why). Every worker raises the same error.
         """
         kv = self._kv
+        if kv.rejoined and kv.type != "dist_async":  # replaced in place: its predecessor's last mark
+            resumed = kv.resumed_scalars()
+            if resumed is None:
+                return False
+            for name, value in resumed.items():
+                if name in self._names:
+                    setattr(self, name, value)
+            kv.resume_barriers()  # from here on it is where its predecessor was
+            return True
         if kv.job.checkpoint_dir is None:
             return False
         if kv.rejoined:  # restarted alone: the servers hold newer values; only the scalars come back
@@ -202,7 +223,9 @@ class State:
         kv.wait_pushes()
         kv.barrier()  # every worker's pushes are in
         note = None
-        if kv.rank == 0:
+        # worker 0 writes the checkpoint, unless it is a replacement in place redoing a commit its
+        # predecessor completed (the servers hold later values now): the outcome barrier has its note
+        if kv.rank == 0 and not kv.outcome_known():
             note = self._guarded(lambda: self._commit_on_servers(scalars, wait))
         self.checkpoint_id = self._agree(note)["id"]
         return self.checkpoint_id

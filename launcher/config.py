@@ -324,7 +324,8 @@ class LaunchConfig:
             raise ConfigError(f"--metrics-port must be in 1..65535, got {self.metrics_port}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.max_restarts and not self.checkpoint_dir and not self.allow_restart_from_scratch:
+        if (self.max_restarts and not self.checkpoint_dir and not self.allow_restart_from_scratch
+                and self.restart_scope != "worker"):  # a worker replaced in place needs no checkpoint
             where = ("a directory every server host reaches) so that the job resumes from its last checkpoint"
                      if self.num_servers else "a directory every worker reaches, given to them as PSLAUNCH_CHECKPOINT_DIR) "
                      "where the script saves its checkpoints and finds them again when TORCHELASTIC_RESTART_COUNT or "

@@ -36,8 +36,10 @@ __all__ = [
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "MARKER",
+    "MARKER_CAUGHT_UP",
     "MARKER_FAILED",
     "MARKER_READY",
+    "MARKER_RESUMED",
     "MARKER_STATS",
     "MARKER_TRACE",
     "MASTER_ADDR",
@@ -176,6 +178,11 @@ MARKER = "\x1fPSLAUNCH-"
 MARKER_READY = MARKER + "READY"
 #: A worker printed the traceback of its own uncaught error.
 MARKER_FAILED = MARKER + "FAILED"
+#: A worker replaced in place found its predecessor's last mark (``--restart-scope worker``,
+#: ``dist_sync``): a JSON object follows, ``{"mark": id or null, "scalars": {...} or null}``.
+MARKER_RESUMED = MARKER + "RESUMED"
+#: That replacement sent its first push its predecessor had not: the rounds it owed go on.
+MARKER_CAUGHT_UP = MARKER + "CAUGHT-UP"
 #: The scheduler's periodic line of the job's counters (``PSLAUNCH_STATS``): a JSON object follows.
 MARKER_STATS = MARKER + "STATS"
 #: Timeline events of a node (``PSLAUNCH_TIMELINE=-``): a JSON array of trace events follows.

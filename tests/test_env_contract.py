@@ -45,6 +45,7 @@ def test_launcher_and_runtime_agree_on_the_way_back():
     assert pscontract.MARKER_FAILED == node_env.MARKER_FAILED
     assert pscontract.MARKER_STATS == node_env.MARKER_STATS
     assert pscontract.MARKER_TRACE == node_env.MARKER_TRACE
+    assert (pscontract.MARKER_RESUMED, pscontract.MARKER_CAUGHT_UP) == (node_env.MARKER_RESUMED, node_env.MARKER_CAUGHT_UP)
     assert pscontract.TIMELINE_TO_LAUNCHER == node_env.TIMELINE_TO_LAUNCHER
     assert f"| `{pscontract.EXIT_PEER_FAILED}` |" in DOC
 

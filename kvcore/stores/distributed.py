@@ -32,10 +32,14 @@ Semantics (MXNet's dist KVStore):
   split across the servers, and the updater then sees flat 1-D shards of them. Optimizer states live
   on the servers.
 - ``priority``: higher goes first when sends queue up.
-- A worker pslaunch started again alone (``--restart-scope worker``, ``dist_async`` only) joins the
-  running job with its rank: its ``init`` learns where worker 0 placed the keys (a restarted worker
-  0 places only keys never placed before), ``set_optimizer`` and ``set_gradient_compression`` only
-  set it up locally (the servers hold the keys, the optimizer and its state), and it goes on pushing.
+- A worker pslaunch started again alone (``--restart-scope worker``) joins the running job with its
+  rank: its ``init`` learns where worker 0 placed the keys (a restarted worker 0 places only keys
+  never placed before), ``set_optimizer`` and ``set_gradient_compression`` only set it up locally
+  (the servers hold the keys, the optimizer and its state), and it goes on pushing. In ``dist_sync``
+  and ``dist_device_sync`` it is a replacement in place: it resumes at its predecessor's last mark
+  (``psnode.server.marks``; the scalars of ``kvcore.elastic.State``, which this store sends before
+  its next push whenever the script sets them), and redoes the steps since then exactly: the
+  servers drop the pushes they took already and answer its pulls with what its predecessor pulled.
 - ``set_gradient_compression(params)`` (every worker calls it; rank 0 sends the threshold to every
   server, at full float32 precision; all return after a barrier): from then on each worker
   quantizes a key's value after its local reduce, with a residual per (key, part), and pushes the
@@ -50,6 +54,7 @@ node) with the psnode error as ``__cause__``, mapped in one place (``kvcore.dist
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import pickle
 import threading
 from typing import Any, Hashable
@@ -60,7 +65,7 @@ from psnode.compression import values_per_word
 from psnode.compression.codecs import codec_id
 from psnode.env import NodeEnv
 from psnode.node.futures import chain
-from psnode.node.protocol import Group
+from psnode.node.protocol import MAX_MARK_SCALARS, Group
 from psnode.worker.node import WorkerNode
 
 from .. import arrays, runtime
@@ -95,12 +100,15 @@ class DistKVStore(KVStoreBase):
                 "(DMLC_NUM_SERVER=0, as pslaunch -s 0 starts it); use kvcore.create('allreduce'), whose "
                 "workers sum among themselves, or start the job with servers (pslaunch -s N)")
         self._worker = worker if worker is not None else runtime.worker()
-        if self._worker.env.restart_scope == "worker" and store_type != "dist_async":
-            raise DistributedError(
-                f"{store_type} cannot run under --restart-scope worker (PSLAUNCH_RESTART_SCOPE=worker): a worker "
-                "started again alone cannot rejoin a synchronous round exactly (the servers cannot tell which of its "
-                "pushes the open rounds hold); use dist_async, or --restart-scope job")
         self._sync = store_type != "dist_async"
+        # replacement in place (PSLAUNCH_RESTART_SCOPE=worker): a synchronous store marks where it is
+        self._marks = self._sync and self._worker.env.restart_scope == "worker"
+        self._pending_mark: dict[str, Any] | None = None  # scalars to mark before the next push
+        self._resumed = None
+        if self._marks:
+            self._worker.number_barriers()
+            with runtime_errors():
+                self._resumed = self._worker.resume()  # a replacement: before any push or pull
         self._merge_on_device = store_type == "dist_device_sync"
         self._merge_buffers: dict[Hashable, Any] = {}  # dist_device_sync: key -> its sum's buffer on the GPU
         self._merge_lock = threading.Lock()
@@ -160,6 +168,43 @@ class DistKVStore(KVStoreBase):
     def rejoined(self) -> bool:
         """True in a worker pslaunch started again alone, which joined the running job."""
         return self._worker.rejoined
+
+    def resumed_scalars(self) -> dict[str, Any] | None:
+        """A replacement in place: the scalars of the mark it resumed from (None: none, or no replacement)."""
+        return self._resumed
+
+    def resume_barriers(self) -> None:
+        """A replacement in place resumed its scalars: its barriers count on from its predecessor's mark."""
+        self._worker.resume_barriers()
+
+    def outcome_known(self) -> bool:
+        """True when the workers' next barrier completed already: a replacement in place redoing a
+        step its predecessor passed (``State.commit`` does not write that checkpoint again)."""
+        return self._marks and self._worker.barrier_done_already(Group.WORKERS)
+
+    def note_scalars(self, scalars: dict[str, Any]) -> None:
+        """The script set its resume scalars (``kvcore.elastic.State``): mark this worker's place with
+        them before its next push (``psnode.server.marks``), when a replacement in place could use it.
+
+        Raises:
+            TypeError: a scalar is not a JSON value; ValueError: they take more than 64 KiB as JSON.
+        """
+        if not self._marks:
+            return
+        try:
+            text = json.dumps(scalars)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"State's scalars must be JSON values (numbers, strings, booleans, lists, dicts): "
+                            f"{scalars!r}: {exc}") from None
+        if len(text) > MAX_MARK_SCALARS:
+            raise ValueError(f"State's scalars take {len(text)} bytes as JSON, more than a mark holds ({MAX_MARK_SCALARS})")
+        self._pending_mark = dict(scalars)
+
+    def _send_mark(self) -> None:
+        pending = self._pending_mark
+        if pending is not None:
+            self._pending_mark = None
+            self._worker.mark(pending)
 
     @maps_runtime_errors
     def wait_pushes(self) -> None:
@@ -229,9 +274,10 @@ class DistKVStore(KVStoreBase):
                 "use a module-level class or function"
             ) from exc
         self._settle()  # the updater's init_key sees every key initialised before it
-        if not self._worker.rejoined:  # a restarted worker: the servers hold the updater and its state
-            if self.rank == 0:
-                self.wait_for(self._worker.set_updater(updater))
+        rejoined = self._worker.rejoined  # a restarted worker: the servers hold the updater and its state,
+        if self.rank == 0:  # unless worker 0 died before they got it: they keep one they hold (redo)
+            self.wait_for(self._worker.set_updater(updater, redo=rejoined))
+        if not rejoined or self._marks:  # a replacement in place redoes the barrier (answered at once)
             self.barrier()
         self._updater = updater
         self._has_updater = True
@@ -254,18 +300,21 @@ class DistKVStore(KVStoreBase):
         self._settle()  # keys initialised before are split for the old parameters' words
         super().set_gradient_compression(compression_params)
         params = self._compression.params
-        if self._worker.rejoined:  # a restarted worker: the servers have the parameters
+        rejoined = self._worker.rejoined  # a restarted worker: the servers have the parameters
+        if rejoined and not self._marks:
             return
         self._worker.wait_pushes()
         self.barrier()  # no push encoded with the old parameters is still on its way to a server
-        if self.rank == 0:
+        if self.rank == 0 and not rejoined:
             self.wait_for(self._worker.set_codec(codec_id(params.type), {"threshold": float(params.threshold)}))
-        self.barrier()
+        self.barrier()  # (a replacement in place redoes both barriers: answered at once)
 
     # ---- the common case without the general normalisation ------------------------------------
     @maps_runtime_errors
     def push(self, key: Any, value: Any, priority: int = 0) -> Handle:
         """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
+        if self._pending_mark is not None:
+            self._send_mark()
         if type(value) is np.ndarray and (self._sync or self._has_updater) and self._compression is None:
             target = self._whole_target(key, value)
             if target is not None:
@@ -343,6 +392,8 @@ class DistKVStore(KVStoreBase):
     @maps_runtime_errors
     def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
         self._settle()
+        if self._pending_mark is not None:
+            self._send_mark()
         if not self._sync and not self._has_updater:
             raise OptimizerError(
                 f"dist_async applies every push on the servers as it arrives, so it needs an optimizer: "

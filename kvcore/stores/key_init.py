@@ -117,7 +117,8 @@ class KeyInit:
                     parts.append((part.server, part.id, lay.key, data, lay.row_size or 1))
             try:
                 with runtime_errors():
-                    future = self.worker.init(parts, self.sync)
+                    # a worker 0 started again alone redoes an init its predecessor may have sent
+                    future = self.worker.init(parts, self.sync, redo=self.worker.rejoined)
                     self.worker.wait_for(future)
                     future.result()
             except DistributedError as exc:  # every rank must learn it: they would believe the keys exist

@@ -16,6 +16,7 @@ runtime go to the handle instead.
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -89,13 +90,27 @@ def _signame(num: int) -> str:
         return str(num)
 
 
+def _resumed_scalars(text: str) -> dict | None:
+    """The scalars of a ``RESUMED`` marker's JSON (``{"mark", "scalars"}``); None when it names none or
+    does not parse (the process's own output may imitate a marker: it only loses the scalars)."""
+    try:
+        body = json.loads(text[:1 << 17])
+    except ValueError:
+        return None
+    scalars = body.get("scalars") if isinstance(body, dict) else None
+    return scalars if isinstance(scalars, dict) else None
+
+
 class ProcessHandle(ABC):
     """A started process of the job. Methods never block longer than a network round trip.
 
     Besides its exit status a handle learns from marker lines (``on_marker``): ``ready`` (a
-    bundled node that ends normally on ``request_end``) and ``failed_at`` (the process reported its
-    own uncaught error, the time pslaunch read that). ``unreachable``: pslaunch lost the process's
-    host, so its status is ``lost`` and signals cannot reach it.
+    bundled node that ends normally on ``request_end``), ``failed_at`` (the process reported its
+    own uncaught error, the time pslaunch read that), and of a worker replaced in place
+    ``resumed_at`` / ``resumed_from`` (it found its predecessor's last mark, and its scalars) and
+    ``caught_up_at`` (its first push its predecessor had not sent: ``launcher.supervision.replacements``).
+    ``unreachable``: pslaunch lost the process's host, so its status is ``lost`` and signals cannot
+    reach it.
     """
 
     def __init__(self, spec: ProcessSpec) -> None:
@@ -106,6 +121,9 @@ class ProcessHandle(ABC):
         self.status: ExitStatus | None = None
         self.ready = False
         self.failed_at: float | None = None
+        self.resumed_at: float | None = None
+        self.resumed_from: dict | None = None
+        self.caught_up_at: float | None = None
         self.unreachable = False
 
     def poll(self) -> ExitStatus | None:
@@ -119,11 +137,16 @@ class ProcessHandle(ABC):
 
     def on_marker(self, text: str) -> None:
         """A control line the process (or its wrapper) wrote; ``text`` is what follows ``MARKER``."""
-        verb = text.strip().partition(" ")[0]
+        verb, _, rest = text.strip().partition(" ")
         if verb == "READY":
             self.ready = True
         elif verb == "FAILED" and self.failed_at is None:
             self.failed_at = time.monotonic()
+        elif verb == "RESUMED" and self.resumed_at is None:
+            self.resumed_from = _resumed_scalars(rest)
+            self.resumed_at = time.monotonic()
+        elif verb == "CAUGHT-UP" and self.caught_up_at is None:
+            self.caught_up_at = time.monotonic()
 
     def in_doubt(self) -> bool:
         """Whether the process is running on a host pslaunch has not heard from for a while (it may

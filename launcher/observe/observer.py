@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..config import LaunchConfig
 from ..errors import ConfigError, LaunchError
 from ..planning.plan import Plan
 from .jobstats import JobStats, Row
 from .output import Printer
-from .watched import AttemptRecord, JobEnd, WatchedProcess
+from .watched import AttemptRecord, JobEnd, ReplacementRecord, WatchedProcess
 
 __all__ = ["JobObserver", "summary_document"]
 
@@ -41,6 +41,8 @@ class JobObserver:
         self.metrics = None
         self.trace = None
         self.started = time.monotonic()
+        # the workers replaced in place so far (``launcher.supervision.replacements``): the supervisor plugs it in
+        self.replacements: Callable[[], Sequence[ReplacementRecord]] = tuple
 
     @classmethod
     def start(cls, config: LaunchConfig, plan: Plan, printer: Printer) -> "JobObserver | None":
@@ -118,6 +120,9 @@ class JobObserver:
         late = [r.name for r in rows if r.late]
         if late:
             text += f"; late heartbeat: {', '.join(late)}"
+        replaced = self.replacements()
+        if replaced:
+            text += "; " + replaced_text(replaced, clock)
         return text
 
     def draw(self, width: int, max_lines: int) -> str:
@@ -144,10 +149,11 @@ class JobObserver:
             self.dashboard.resume()
 
     def finish(self, notes: dict[int, str], failure: "JobEnd | None", exit_code: int,
-               attempts: "Sequence[AttemptRecord]" = ()) -> None:
+               attempts: "Sequence[AttemptRecord]" = (), replacements: "Sequence[ReplacementRecord]" = ()) -> None:
         """The job is over (every reader thread finished): take the dashboard off the screen, end the
         timeline, write the summary JSON (with ``attempts``: each failure a restart followed, and the
-        end, ``launcher.supervision.restarts``). Problems are printed as notes; none of them fails the job."""
+        end, ``launcher.supervision.restarts``; ``replacements``: each worker replaced in place).
+        Problems are printed as notes; none of them fails the job."""
         if self.dashboard is not None:
             self.printer.flush()
             self.printer.divert(None)
@@ -159,7 +165,7 @@ class JobObserver:
                 self.printer.note(problem)
         if self.config.summary_json:
             document = summary_document(self.plan.job_id, self.rows(), notes, failure, exit_code,
-                                        time.monotonic() - self.started, self.printer, attempts)
+                                        time.monotonic() - self.started, self.printer, attempts, replacements)
             problem = _write_json(self.config.summary_json, document)
             if problem:
                 self.printer.note(problem)
@@ -193,10 +199,12 @@ class JobObserver:
 
 def summary_document(job_id: str, rows: list[Row], notes: dict[int, str], failure: "JobEnd | None", exit_code: int,
                      duration: float, printer: Printer | None = None,
-                     attempts: "Sequence[AttemptRecord]" = ()) -> dict[str, Any]:
+                     attempts: "Sequence[AttemptRecord]" = (),
+                     replacements: "Sequence[ReplacementRecord]" = ()) -> dict[str, Any]:
     """The ``--summary-json`` document: the job's outcome and one entry per process (its exit,
-    duration, bytes and counters, the summary table's note; the last lines of the root cause), and
-    with ``--max-restarts`` one entry per attempt (``launcher.supervision.restarts``)."""
+    duration, bytes and counters, the summary table's note; the last lines of the root cause), with
+    ``--max-restarts`` one entry per attempt (``launcher.supervision.restarts``) and one per worker
+    replaced in place (``launcher.supervision.replacements``)."""
     processes = []
     by_name = {}
     for row in rows:
@@ -228,7 +236,23 @@ def summary_document(job_id: str, rows: list[Row], notes: dict[int, str], failur
             root["last_lines"] = printer.last_lines(name) if printer is not None else []
     return {"version": 1, "job_id": job_id, "exit_code": exit_code, "ok": failure is None,
             "duration_s": round(duration, 3), "root_cause": root, "processes": processes,
-            "attempts": [{"reason": a.reason, "exit_code": a.exit_code, "action": a.action} for a in attempts]}
+            "attempts": [{"reason": a.reason, "exit_code": a.exit_code, "action": a.action} for a in attempts],
+            "replacements": [r.as_dict() for r in replacements]}
+
+
+def replaced_text(replaced: "Sequence[ReplacementRecord]", clock: Callable[[float], str]) -> str:
+    """The live table's words on the workers replaced in place: how many, and the newest: who, when,
+    and whether it is still redoing its predecessor's steps or how long the others waited for it."""
+    last = replaced[-1]
+    name = last.process.split("@", 1)[0]
+    if last.waited_s is not None:
+        state = f"the others waited {last.waited_s:.1f} s"
+    elif last.resumed_s is not None:
+        state = "redoing its steps"
+    else:
+        state = "starting"
+    count = f"{len(replaced)} replaced, last " if len(replaced) > 1 else "replaced: "
+    return f"{count}{name} at {clock(last.ended_s)} ({state})"
 
 
 def _write_json(path: str, document: dict) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-__all__ = ["WatchedProcess", "JobEnd", "AttemptRecord"]
+__all__ = ["WatchedProcess", "JobEnd", "AttemptRecord", "ReplacementRecord"]
 
 
 class WatchedProcess(Protocol):
@@ -38,3 +38,16 @@ class AttemptRecord(Protocol):
     reason: str
     exit_code: int
     action: str
+
+
+class ReplacementRecord(Protocol):
+    """A worker replaced in place (``launcher.supervision.replacements.Replacement``)."""
+
+    process: str
+    ended_s: float
+    resumed_s: float | None
+
+    @property
+    def waited_s(self) -> float | None: ...
+
+    def as_dict(self) -> dict[str, Any]: ...

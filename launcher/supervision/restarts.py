@@ -4,7 +4,9 @@ With ``--restart-scope job`` a failure stops every process as usual; while resta
 whole job is started again, each process told how many restarts came before
 (``PSLAUNCH_RESTART_COUNT``). With ``--restart-scope worker`` a worker that failed on its own is
 started again alone, with its rank, while the other processes go on; any other failure is handled
-as with ``job``. Either way one budget counts every restart. Only failures of the job's processes
+as with ``job``, but only with ``--checkpoint-dir`` (or ``--allow-restart-from-scratch``): a job
+that lost a server and has no checkpoint would begin the training again. One budget counts every
+restart. Only failures of the job's processes
 restart it: not ``--timeout`` (it bounds every attempt together) nor a signal to pslaunch.
 
 ``RestartLog`` keeps one ``Attempt`` per failure and the end, for the summary (``render``).
@@ -31,15 +33,27 @@ class Attempt:
 class RestartLog:
     """How many restarts the job may still make, and what happened so far. Not thread-safe."""
 
-    def __init__(self, max_restarts: int, scope: str) -> None:
+    def __init__(self, max_restarts: int, scope: str, whole_job: bool = True) -> None:
         self.max_restarts = max_restarts
         self.scope = scope
+        self.whole_job = whole_job  # the job may be started again as a whole (a checkpoint, or from scratch allowed)
         self.used = 0
         self.attempts: list[Attempt] = []
 
     def can_restart(self, failure: Failure | None) -> bool:
-        """True when ``failure`` is a process's (not a timeout or signal) and a restart is left."""
-        return failure is not None and failure.handle is not None and self.used < self.max_restarts
+        """True when the job may be started again after ``failure``: a process's (not a timeout or
+        signal), a restart is left, and whole-job restarts are allowed."""
+        return (failure is not None and failure.handle is not None and self.used < self.max_restarts
+                and self.whole_job)
+
+    def held_back(self, failure: Failure | None) -> str | None:
+        """Why the job is not started again after ``failure`` although restarts are left: whole-job
+        restarts need a checkpoint (``--restart-scope worker`` without ``--checkpoint-dir``); else None."""
+        if failure is None or failure.handle is None or self.whole_job or self.used >= self.max_restarts:
+            return None
+        return (f"{failure.reason}: without --checkpoint-dir only a failed worker is restarted (alone, "
+                "--restart-scope worker); the job is not started again, which would begin the training anew "
+                "(give --checkpoint-dir DIR to survive a server's failure too)")
 
     def restart(self, failure: Failure, what: str) -> int:
         """Count a restart after ``failure`` (``what`` restarts: "the job", "worker.1@h alone"); returns
@@ -53,6 +67,9 @@ class RestartLog:
         """Record how the last attempt ended."""
         if failure is None:
             self.attempts.append(Attempt("every worker finished", 0, "none: the job succeeded"))
+        elif failure.handle is not None and self.max_restarts and not self.whole_job:
+            self.attempts.append(Attempt(failure.reason, failure.exit_code, "stopped: without --checkpoint-dir only a "
+                                         "failed worker is restarted (alone); the job is not started again"))
         elif failure.handle is not None and self.max_restarts:
             self.attempts.append(Attempt(failure.reason, failure.exit_code,
                                          f"gave up: no restart left (--max-restarts {self.max_restarts})"))

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from .replacements import Replacement
 from .restarts import Attempt
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class RunResult:
     processes: tuple[ProcessOutcome, ...]
     attempts: tuple[Attempt, ...]  # with --max-restarts: each failure and what followed
     plan: str | None = None  # ``launch(dry_run=True)``: the plan --dry-run prints (nothing ran)
+    replacements: tuple[Replacement, ...] = ()  # --restart-scope worker: each worker replaced in place
 
     @property
     def ok(self) -> bool:
@@ -100,9 +102,9 @@ class RunResult:
 
 
 def result_of(handles: "Sequence[ProcessHandle]", table_notes: dict[int, str], failure: "Failure | None",
-              last_lines, attempts: Sequence[Attempt]) -> RunResult:
+              last_lines, attempts: Sequence[Attempt], replacements: Sequence[Replacement] = ()) -> RunResult:
     """The ``RunResult`` of a supervised job: its ``handles`` (in table order), the table's notes by
-    handle id, the root cause and ``last_lines(name)`` of the printer."""
+    handle id, the root cause, ``last_lines(name)`` of the printer, the attempts and the replacements."""
     rows = []
     for handle in handles:
         status = handle.status
@@ -122,4 +124,5 @@ def result_of(handles: "Sequence[ProcessHandle]", table_notes: dict[int, str], f
             host=None if culprit is None else culprit.spec.host.label,
             pid=None if culprit is None else culprit.pid,
             last_lines=() if culprit is None else tuple(last_lines(culprit.spec.name)))
-    return RunResult(0 if failure is None else failure.exit_code, root, tuple(rows), tuple(attempts))
+    return RunResult(0 if failure is None else failure.exit_code, root, tuple(rows), tuple(attempts),
+                     replacements=tuple(replacements))

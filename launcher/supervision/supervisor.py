@@ -17,7 +17,8 @@ Rules (docs/launcher.md, "Failures"):
   exit by themselves and are then stopped; the job succeeded;
 * ``--max-restarts N``: after a failure of a process the job is started again (or, with
   ``--restart-scope worker``, a failed worker alone) while restarts are left (``launcher.supervision.restarts``);
-  the summary lists each attempt, its root cause and what followed;
+  the summary lists each attempt, its root cause and what followed, and each worker replaced in
+  place: when, and how long the others waited for it (``launcher.supervision.replacements``);
 * ``--timeout`` bounds the whole job (exit 124); SIGINT / SIGTERM / SIGHUP stop it (exit 128+n),
   a second one skips the grace period; SIGTSTP (Ctrl-Z) stops every process and pslaunch, SIGCONT
   continues them.
@@ -37,6 +38,7 @@ from ..observe.output import Printer
 from ..observe.terminal import in_foreground
 from ..on_node.process_groups import stop
 from ..planning.plan import Plan
+from .replacements import ReplacementLog
 from .restarts import RestartLog
 from .result import RunResult, result_of
 from .verdict import Failure, culprit, kind_of, notes, who
@@ -81,9 +83,11 @@ class Supervisor:
         self._resume_asked = False
         self._suspended = False  # the job's processes were stopped by Ctrl-Z and not continued yet
         self._paused = 0.0  # seconds the job spent stopped by Ctrl-Z (not counted by --timeout)
-        self.restarts = RestartLog(config.max_restarts, config.restart_scope)
+        self.restarts = RestartLog(config.max_restarts, config.restart_scope,
+                                   bool(config.checkpoint_dir or config.allow_restart_from_scratch))
         self._plan: Plan | None = None
         self._replaced: list[ProcessHandle] = []  # workers restarted alone (--restart-scope worker)
+        self.replacements = ReplacementLog(time.monotonic())  # every attempt's: the job's start counts from run()
 
     # -- signals -------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame) -> None:  # noqa: ARG002
@@ -114,6 +118,9 @@ class Supervisor:
         old = self._install()
         start = time.monotonic()
         self._plan = plan
+        self.replacements = ReplacementLog(start)
+        if self.observer is not None:
+            self.observer.replacements = self.replacements.records
         ended: tuple[int, str | None] = (1, "pslaunch on node 0 ended before the job did")
         try:
             try:
@@ -125,6 +132,9 @@ class Supervisor:
                                  f"PSLAUNCH_RESTART_COUNT={count})")
                     self.handles, self._replaced, self._stopped, self.failure = [], [], set(), None
                     self._attempt(self._plan.restarted(count), start)
+                held_back = self.restarts.held_back(self.failure)
+                if held_back is not None:
+                    self.printer.note(held_back)
                 if self.restarts.max_restarts:
                     self.restarts.finish(self.failure)
                 ended = (0, None) if self.failure is None else (self.failure.exit_code, self.failure.final_reason)
@@ -268,6 +278,7 @@ class Supervisor:
             self._replaced.append(handle)
             self.printer.starting([handle.spec.name])
             self.handles[i] = self.backend.launch(self._plan.restarted(count, (handle.spec,)))[0]
+            self.replacements.add(handle, self.handles[i], count)
             if self.observer is not None:
                 self.observer.attach(self.handles)
 
@@ -342,12 +353,18 @@ class Supervisor:
             shown.append(handle)
         table_notes = notes(shown, self._stopped, self.failure)
         table_notes.update({id(r): "failed; restarted alone" for r in self._replaced})
+        waited = {record.new_pid: record.waited_s for record in self.replacements.records()}
+        for handle in shown:
+            if handle.pid in waited and not table_notes.get(id(handle)):
+                wait = waited[handle.pid]
+                table_notes[id(handle)] = "replacement" + ("" if wait is None else f"; the others waited {wait:.1f}s")
         return shown, table_notes
 
     def result(self) -> "RunResult":
         """The job's outcome for a program (``launcher.api``): what ``_report`` prints, as data."""
         shown, table_notes = self._table()
-        return result_of(shown, table_notes, self.failure, self.printer.last_lines, self.restarts.attempts)
+        return result_of(shown, table_notes, self.failure, self.printer.last_lines, self.restarts.attempts,
+                         self.replacements.records())
 
     def _report(self, then: str | None = None) -> None:
         """The summary table, the root cause and its last lines; ``then``: the job goes on (a restart),
@@ -355,7 +372,8 @@ class Supervisor:
         if self.observer is not None and then is None:
             by_id = notes(self.handles, self._stopped, self.failure)
             self.observer.finish({h.spec.name: by_id.get(id(h), "") for h in self.handles}, self.failure,
-                                 0 if self.failure is None else self.failure.exit_code, self.restarts.attempts)
+                                 0 if self.failure is None else self.failure.exit_code, self.restarts.attempts,
+                                 self.replacements.records())
         if self.handles and (not self.config.quiet or self.config.log_dir):  # quiet: the log dir's copy only
             from .summary import render_summary
 
@@ -382,6 +400,8 @@ class Supervisor:
             if self.restarts.used:
                 for line in self.restarts.render():
                     self.printer.note(line)
+            for line in self.replacements.lines():
+                self.printer.note(line)
             if self.failure is not None:
                 self.printer.note(f"exit code {self.failure.exit_code}")
         self.printer.flush()

@@ -38,6 +38,7 @@ _IDLE_DELAY = 0.0002  # how long deferred work waits for a message to ride along
 _BATCH = 256  # messages handled between two heartbeat checks
 _BATCH_SECONDS = 0.5  # and at most this long: a batch of heavy messages (an init of 4,096 keys each) must not starve them
 _HELD_LIMIT = 4096  # collective messages kept while the workers' addresses are asked for
+_EARLY_LIMIT = 256  # messages of workers started again alone, kept until the scheduler says who they are
 
 DataHandler = Callable[[PeerInfo, int, int, int, int, list], None]
 """``handle(peer, cmd, flags, req_id, arg, frames)``: a data message from a peer of the job.
@@ -101,6 +102,7 @@ class Connection:
         self._deferred = deferred
         self._next_heartbeat = 0.0
         self._held: list[tuple[bytes, list]] = []  # collectives of workers not in the book yet (``dispatch``)
+        self._early: list[tuple[float, bytes, list]] = []  # a restarted worker's, before its WORKER_REJOINED came
 
     def _open_lanes(self, role: str, host: str, uid: str) -> Lanes | None:
         """A worker's lanes for big collective messages (``psnode.transport.lanes``), or None: not a worker, lanes
@@ -216,6 +218,8 @@ class Connection:
                     held, self._held = self._held, []
                     for early_sender, early_frames in held:
                         self.dispatch(early_sender, early_frames)
+                if cmd == Cmd.WORKER_REJOINED and self._early:
+                    self._take_early()
                 return
         peer = self.members.peers.get(sender)
         if peer is None:
@@ -225,6 +229,11 @@ class Connection:
                 self._held.append((sender, frames))
                 link.ask_workers()
                 return
+            if self.env.restart_scope == "worker" and sender.startswith(b"worker@") and len(self._early) < _EARLY_LIMIT:
+                # A worker started again alone gets its address book while this node gets WORKER_REJOINED
+                # (both leave the scheduler at once): its first request may come first. Kept until then.
+                self._early.append((time.monotonic(), sender, frames))
+                return
             link.note_malformed(sender, ProtocolError(f"message {Cmd(cmd).name} from an unknown sender"))
             return
         try:
@@ -233,6 +242,20 @@ class Connection:
             raise
         except Exception as exc:  # a message from the network must never end the node: count it, go on
             link.note_malformed(sender, exc)
+
+    def _take_early(self) -> None:
+        """A worker rejoined: handle what it sent before this node knew it; keep what other senders
+        sent a while longer (their notices may be on the way), and drop what waited a heartbeat
+        timeout, as messages from an unknown sender."""
+        early, self._early = self._early, []
+        now, limit = time.monotonic(), max(5.0, self.env.heartbeat_timeout)
+        for since, sender, frames in early:
+            if self.members.peers.get(sender) is not None:
+                self.dispatch(sender, frames)
+            elif now - since < limit:
+                self._early.append((since, sender, frames))
+            else:
+                self.link.note_malformed(sender, ProtocolError("a message from an unknown sender"))
 
     def ask_barrier(self, group: "Group | int | str", note: Any = None) -> tuple[concurrent.futures.Future, str]:
         """Enter a barrier of ``group`` (workers, servers or all): the future its end completes, and
@@ -249,7 +272,11 @@ class Connection:
         if self.me.role not in GROUP_ROLES[group]:
             raise PSNodeError(f"{self.describe()} is not in the barrier group {group.name.lower()}")
         self.failure.check()
-        body = None if note is None else {"note": note}
+        body: dict[str, Any] | None = None if note is None else {"note": note}
+        if self.link.number_barriers:  # a replacement in place redoes some: numbered, they are answered at once
+            number = self.link.barrier_counts.get(int(group), 0) + 1
+            self.link.barrier_counts[int(group)] = number
+            body = {**(body or {}), "n": number}
         return self.link.ask(Cmd.BARRIER, int(group), body), f"end of the {group.name.lower()} barrier"
 
     def wait(self, future: concurrent.futures.Future, limit: float | None, what: str) -> None:

@@ -128,6 +128,13 @@ class SchedulerLink:
         self.on_worker_rejoined = on_worker_rejoined
         self.shutdown_requested = False
         self.malformed = 0
+        # Barriers numbered by group (a dist_sync worker under PSLAUNCH_RESTART_SCOPE=worker): how many this node
+        # entered, and how many of the group the scheduler said were complete in its last answer. A
+        # replacement in place counts on from its predecessor's mark, so the barriers it redoes are
+        # answered at once (psnode.scheduler.roster.Barriers).
+        self.number_barriers = False  # set by a store whose worker may be replaced in place (kvcore)
+        self.barrier_counts: dict[int, int] = {}
+        self.barriers_completed: dict[int, int] = {}
         self._last_heard = time.monotonic()
         self._last_tick = 0.0  # when tick last ran: a long gap means this process was stopped
         self._next_heartbeat = 0.0
@@ -372,7 +379,12 @@ class SchedulerLink:
                         waiter.set_exception(ProtocolError(
                             f"the scheduler answered a rendezvous request with a {type(value).__name__}, not a string"))
                 else:
-                    notes = unpack_json(frames[1]).get("notes", []) if len(frames) > 1 else []
+                    body = unpack_json(frames[1]) if len(frames) > 1 else {}
+                    notes = body.get("notes", []) if isinstance(body, dict) else []
+                    if cmd == Cmd.BARRIER_DONE and isinstance(body, dict):
+                        group, completed = body.get("group"), body.get("completed")
+                        if type(group) is int and type(completed) is int:
+                            self.barriers_completed[group] = max(completed, self.barriers_completed.get(group, 0))
                     waiter.set_result(notes if isinstance(notes, list) else [])
 
     def ask_workers(self) -> concurrent.futures.Future:

@@ -46,6 +46,7 @@ __all__ = [
     "FLAG_ACKS",
     "FLAG_PULL",
     "FLAG_OFFER",
+    "FLAG_REDO",
     "ENTRY",
     "Group",
     "GROUP_ROLES",
@@ -73,6 +74,9 @@ __all__ = [
     "OWN_FRAME",
     "pack_codec_params",
     "unpack_codec_params",
+    "MARK_COUNT",
+    "MAX_MARK_SCALARS",
+    "pack_counts",
 ]
 
 HEADER = struct.Struct("<2sBBHHQq")
@@ -84,6 +88,10 @@ FLAG_SYNC = 2  # init: the key is merged per round (dist_sync), else applied on 
 FLAG_ACKS = 4  # a reply whose last frame holds push acknowledgements: (req_id, parts) u64 pairs
 FLAG_PULL = 8  # a push whose last two frames are a whole pull message (header, meta), run right after it
 FLAG_OFFER = 16  # a push of one big part without its value: it follows once the server sends PUSH_INVITE
+# init / set-updater from a worker 0 started again alone, redoing what its predecessor may have done
+# before it died: a key already there alike (key, dtype, size) counts as initialised, an updater
+# already installed stays (with its state)
+FLAG_REDO = 32
 
 
 class Cmd(enum.IntEnum):
@@ -128,6 +136,9 @@ class Cmd(enum.IntEnum):
     LEDGER_ACK = 48  # from the scheduler: arg = the appended entry's index (or FLAG_ERROR and {"error"})
     LEDGER_READ = 49  # a worker to the scheduler: arg = the first index wanted, {"log", "wait"}
     LEDGER_ENTRIES = 50  # from the scheduler: arg = the first index, {"end"}, then one frame per entry
+    MARK = 51  # worker -> server, no answer: JSON {"id", "scalars"} and its push counts (psnode.server.marks)
+    MARKS = 52  # a replaced worker to a server: its predecessor's kept marks, please
+    MARKS_REPLY = 53  # from the server: JSON [{"id", "scalars", "complete"}], each mark's counts frame, the taken counts
     CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
     CHECKPOINT_REPLY = 35  # JSON: the operation's result
 
@@ -314,6 +325,22 @@ def unpack_codec_params(frame: Any) -> tuple[int, dict[str, Any]]:
         if len(name) > 64 or not isinstance(value, _PARAM_TYPES) or (isinstance(value, str) and len(value) > 256):
             raise ProtocolError(f"SET_CODEC parameter {name[:64]!r} = {str(value)[:80]!r} is not a short number, string or boolean")
     return codec, params
+
+
+#: Bytes of JSON a ``MARK``'s scalars may take.
+MAX_MARK_SCALARS = 64 << 10
+#: A ``MARK``'s push counts, one record per key part: its key id and the pushes of it the worker
+#: had issued (``psnode.server.marks``).
+MARK_COUNT = np.dtype([("key", "<u8"), ("seq", "<u8")])
+
+
+def pack_counts(counts: dict[int, int]) -> bytes:
+    """``{key id: pushes}`` as a ``MARK``'s counts frame (``MARK_COUNT`` records)."""
+    out = np.empty(len(counts), MARK_COUNT)
+    if counts:
+        out["key"] = np.fromiter(counts.keys(), np.uint64, len(counts))
+        out["seq"] = np.fromiter(counts.values(), np.uint64, len(counts))
+    return out.tobytes()
 
 
 def pack_entries(rows: list[tuple[int, int, int, int, int, int, int]]) -> bytes:

@@ -33,7 +33,7 @@ from psnode.env import MARKER_STATS
 from psnode.errors import ProtocolError
 from psnode.node.protocol import unpack_json
 
-__all__ = ["WORKER_FIELDS", "SERVER_FIELDS", "REPORT_LIMIT", "check_report", "check_body", "process_usage", "worker_report",
+__all__ = ["stderr_line", "WORKER_FIELDS", "SERVER_FIELDS", "REPORT_LIMIT", "check_report", "check_body", "process_usage", "worker_report",
            "server_report", "StatsLine"]
 
 #: Fields every report has: node uptime (s), process CPU time (s), resident memory (bytes), and
@@ -149,7 +149,7 @@ class StatsLine:
         self.interval = interval
         self.started = time.monotonic()
         self.next_at = 0.0
-        self._write = write or _stderr_line
+        self._write = write or stderr_line
 
     def due(self, now: float) -> bool:
         """True when a line is due at monotonic time ``now``."""
@@ -165,7 +165,8 @@ class StatsLine:
         self._write(f"{MARKER_STATS} {json.dumps(body, separators=(',', ':'))}")
 
 
-def _stderr_line(text: str) -> None:
+def stderr_line(text: str) -> None:
+    """Write ``text`` as one line on stderr, for pslaunch (a marker line; nothing when stderr is gone)."""
     try:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()

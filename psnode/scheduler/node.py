@@ -365,6 +365,7 @@ class Scheduler:
         """Count ``sender`` in ``group``'s barrier; answer everyone once every member arrived."""
         error = None
         note = None
+        number = 0  # a worker's barriers are numbered under PSLAUNCH_RESTART_SCOPE=worker
         if len(frames) > 1:
             if len(frames[1].buffer) > _NOTE_LIMIT:
                 error = f"a barrier note of {len(frames[1].buffer)} bytes; notes take at most {_NOTE_LIMIT}"
@@ -372,6 +373,8 @@ class Scheduler:
                 try:
                     body = unpack_json(frames[1])
                     note = body.get("note") if isinstance(body, dict) else None
+                    n = body.get("n") if isinstance(body, dict) else None
+                    number = n if type(n) is int and 0 < n < 1 << 62 else 0
                 except ProtocolError as exc:
                     error = f"a malformed barrier note: {exc}"
         if error is None and group not in GROUP_ROLES:
@@ -381,6 +384,13 @@ class Scheduler:
         if error is not None:
             self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id, flags=FLAG_ERROR), pack_json({"error": error})])
             return
+        numbered = number and self.env.restart_scope == "worker"
+        if numbered:
+            replayed = self.barriers.replayed(group, number)
+            if replayed is not None:  # a replacement redoing a barrier its predecessor passed
+                self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id), pack_json(
+                    {"notes": replayed, "group": group, "completed": self.barriers.completed.get(group, 0)})])
+                return
         self.job_report.barrier_arrived(group)
         done = self.barriers.arrive(group, sender, req_id, self.roster.size_of(GROUP_ROLES[Group(group)]), note)
         if done is None:
@@ -389,7 +399,10 @@ class Scheduler:
             return
         waiters, notes = done
         self.job_report.barrier_done(group)
-        body = [pack_json({"notes": notes})] if notes else []
+        if self.env.restart_scope == "worker":  # how many are complete: a replacement learns what it redoes
+            body = [pack_json({"notes": notes, "group": group, "completed": self.barriers.completed.get(group, 0)})]
+        else:
+            body = [pack_json({"notes": notes})] if notes else []
         for uid, rid in waiters:
             self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid), *body])
 

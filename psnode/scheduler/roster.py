@@ -176,12 +176,21 @@ class Roster:
 class Barriers:
     """The open barriers: who arrived in which group (with the note each left), answered once every
     member did. An arrival costs the same with 4 members as with 4,096 (the members who arrived are
-    a set, the group's size a count)."""
+    a set, the group's size a count).
+
+    Each group counts its completed barriers (``completed``) and keeps the notes of the last
+    ``KEPT_NOTES``: a worker replaced in place (``PSLAUNCH_RESTART_SCOPE=worker``) numbers its
+    barriers on from its predecessor's mark, and one it redoes that completed already is answered at
+    once with that barrier's notes (``replayed``)."""
+
+    KEPT_NOTES = 4
 
     def __init__(self) -> None:
         self.waiting: dict[int, list[tuple[bytes, int]]] = {}
         self.arrived: dict[int, set[bytes]] = {}
         self.notes: dict[int, list] = {}
+        self.completed: dict[int, int] = {}
+        self._past_notes: dict[int, dict[int, list]] = {}  # group -> {barrier number: its notes}
 
     def arrive(self, group: int, sender: bytes, req_id: int, size: int, note: Any = None
                ) -> tuple[list[tuple[bytes, int]], list] | None:
@@ -195,8 +204,20 @@ class Barriers:
             self.notes.setdefault(group, []).append(note)
         if len(arrived) >= size:
             self.drop(group)
-            return waiting, self.notes.pop(group, [])
+            notes = self.notes.pop(group, [])
+            number = self.completed[group] = self.completed.get(group, 0) + 1
+            past = self._past_notes.setdefault(group, {})
+            past[number] = notes
+            past.pop(number - self.KEPT_NOTES, None)
+            return waiting, notes
         return None
+
+    def replayed(self, group: int, number: int) -> list | None:
+        """The notes of ``group``'s barrier ``number`` when it completed already (a replacement redoing
+        it: answered at once; ``[]`` when its notes are no longer kept), else None."""
+        if number > self.completed.get(group, 0):
+            return None
+        return self._past_notes.get(group, {}).get(number, [])
 
     def forget(self, uid: bytes) -> None:
         """A member that was replaced (a restarted worker) is no longer waited for, nor counted."""

@@ -130,8 +130,9 @@ class Groups:
         self.timeline: Any = None  # PSLAUNCH_TIMELINE: a group's merge and update are one event each
 
     def try_push(self, worker: int, meta: Any, data_frames: list) -> bool:
-        """Handle a push through a group when its layout allows; False: use the per-key path."""
-        if len(meta) < MIN_GROUP * ENTRY.itemsize or len(data_frames) != 1:
+        """Handle a push through a group when its layout allows; False: use the per-key path (always
+        under replay: a group's round is not versioned)."""
+        if len(meta) < MIN_GROUP * ENTRY.itemsize or len(data_frames) != 1 or self.store.replay:
             return False
         entries = entries_of(meta)
         keys = entries["key"].tobytes()

@@ -31,6 +31,7 @@ from psnode.node.membership import PeerInfo
 from psnode.node.protocol import (
     FLAG_OFFER,
     FLAG_PULL,
+    FLAG_REDO,
     FLAG_SYNC,
     IN_SHARED_MEMORY,
     PUSH_PULL,
@@ -49,6 +50,7 @@ from psnode.node.stats import server_report
 from psnode.server.checkpoints import Checkpoints
 from psnode.server.groups import Groups
 from psnode.server.invitations import Invitations
+from psnode.server.marks import read_mark
 from psnode.server.replies import Replies
 from psnode.server.shard_memory import shard_memory
 from psnode.server.store import ServerStore, Shard, init_value
@@ -57,7 +59,7 @@ from psnode.transport.base import Transport
 
 __all__ = ["ServerNode"]
 
-_REPLY_TO = {Cmd.PULL: Cmd.PULL_REPLY, Cmd.PUSH: Cmd.PUSH_ACK, Cmd.INIT: Cmd.INIT_ACK, Cmd.ROWS: Cmd.ROWS_REPLY,
+_REPLY_TO = {Cmd.MARKS: Cmd.MARKS_REPLY, Cmd.PULL: Cmd.PULL_REPLY, Cmd.PUSH: Cmd.PUSH_ACK, Cmd.INIT: Cmd.INIT_ACK, Cmd.ROWS: Cmd.ROWS_REPLY,
              Cmd.SET_UPDATER: Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC: Cmd.SET_CODEC_ACK,
              Cmd.CHECKPOINT: Cmd.CHECKPOINT_REPLY}
 
@@ -68,6 +70,7 @@ class ServerNode:
     def __init__(self, env: NodeEnv, transport: Transport | None = None) -> None:
         memory = shard_memory(env.server_device)
         self.store = ServerStore(env.num_workers, memory)
+        self.store.replay = env.restart_scope == "worker"  # a dist_sync worker may be replaced in place
         self.codecs = CodecTable()
         self.attached = same_host.Attachments(same_host.job_tag(env.job_id))
         self.conn = Connection(env, "server", self._handle, transport, on_worker_finished=self._worker_finished,
@@ -163,6 +166,9 @@ class ServerNode:
             if self.replies.answers:  # the round closed: reply now rather than after the batch
                 self.replies.flush()
             return
+        if cmd == Cmd.MARK:  # no answer: a mark costs its worker no round trip
+            self.store.add_mark(peer.rank, read_mark(frames[1:], max(len(self.store.shards), 1)))
+            return
         reply = _REPLY_TO.get(cmd)
         if reply is None:
             raise ProtocolError(f"a server does not accept {Cmd(cmd).name}")
@@ -202,13 +208,16 @@ class ServerNode:
                         self._rows(*args)
             elif cmd == Cmd.PULL:
                 self._pull(peer, req_id, frames)
+            elif cmd == Cmd.MARKS:
+                listed, counts = self.store.worker_marks(peer.rank)
+                self.conn.transport.send(peer.uid.encode(), [pack_header(reply, req_id, arg), pack_json(listed), *counts])
             elif cmd == Cmd.ROWS:
                 self._rows(peer, req_id, frames)
             elif cmd == Cmd.INIT:
-                self._init(frames, bool(flags & FLAG_SYNC))
+                self._init(frames, bool(flags & FLAG_SYNC), bool(flags & FLAG_REDO))
                 self.replies.reply(peer, reply, req_id, arg)
             elif cmd == Cmd.SET_UPDATER:
-                self._set_updater(peer, frames)
+                self._set_updater(peer, frames, bool(flags & FLAG_REDO))
                 self.replies.reply(peer, reply, req_id, arg)
             elif cmd == Cmd.SET_CODEC:
                 self._set_codec(frames)
@@ -299,7 +308,7 @@ class ServerNode:
             replies.refuse(peer, Cmd.PULL_REPLY, pull_req, str(exc))
             return
         try:
-            self.store.push(shard, rank, data, replies.answer)
+            self.store.push(shard, rank, data, replies.answer, seq=seq)
         except RequestRefused as exc:
             replies.refuse(peer, Cmd.PUSH_ACK, push_req, str(exc))
         try:
@@ -348,15 +357,15 @@ class ServerNode:
             return
         store, rank, answer = self.store, peer.rank, self.replies.answer
         refused: RequestRefused | None = None
-        for key, index, frame, codec, offset, nbytes, _ in unpack_entries(frames[1], [len(b) for b in buffers]):
+        for key, index, frame, codec, offset, nbytes, seq in unpack_entries(frames[1], [len(b) for b in buffers]):
             try:
                 shard = self._shard(key)
                 if frame == IN_SHARED_MEMORY:  # in the worker's shared memory: read it there, keep no reference
                     data = self._decode(shard, rank, codec, self._shared(peer, offset, nbytes), nbytes)
-                    store.push(shard, rank, data, answer, borrowed=codec == RAW)
+                    store.push(shard, rank, data, answer, borrowed=codec == RAW, seq=seq)
                     continue
                 data = self._decode(shard, rank, codec, buffers[frame][offset:offset + nbytes], nbytes)
-                store.push(shard, rank, data, answer)
+                store.push(shard, rank, data, answer, seq=seq)
             except RequestRefused as exc:  # the other parts still count; the push fails with the first reason
                 refused = refused or exc
             if self.invitations.invited:  # an invited part, merged or refused, leaves the window
@@ -394,7 +403,7 @@ class ServerNode:
             raise RequestRefused(f"server {self.rank} cannot use shared memory fd {fd} of process {pid} from "
                                  f"{peer.describe()}: {exc}") from exc
 
-    def _init(self, frames: list, sync: bool) -> None:
+    def _init(self, frames: list, sync: bool, redo: bool = False) -> None:
         specs = unpack_json(frames[1])
         data_frames = frames[2:]
         if not isinstance(specs, list):
@@ -402,11 +411,15 @@ class ServerNode:
         with gc_paused():  # thousands of shards that live on
             values = [init_value(spec, data_frames) for spec in specs]  # every spec checked before any is stored
             for key, user_key, value, row_size in values:
+                if redo and self.store.holds_alike(key, user_key, value):
+                    continue  # the replaced worker 0's predecessor initialised it before it died
                 self.store.init(key, user_key, value, sync, row_size)
 
-    def _set_updater(self, peer: PeerInfo, frames: list) -> None:
+    def _set_updater(self, peer: PeerInfo, frames: list, redo: bool = False) -> None:
         if peer.rank != 0:  # unpickling runs the sender's code: only the job's first worker ships it
             raise RequestRefused(f"{peer.describe()} may not set the updater; worker 0 ships it for the job")
+        if redo and self.store.updater is not None:  # its predecessor's arrived: it keeps its state
+            return
         try:
             updater = pickle.loads(frames[1].bytes)
         except Exception as exc:  # unpickling runs the sender's code: any error is possible
@@ -462,6 +475,7 @@ class ServerNode:
         """Fail the pulls that wait for a round this worker will never push to (instead of hanging)."""
         store = self.store
         store.finished[rank] = node
+        store.marks.forget(rank)
         failed: dict[tuple[int, int], str] = {}
         rounds = [(s.user_key, s.round) for s in store.shards.values()]
         rounds += [(g.shards[0].user_key, g.round) for g in self.groups.by_keys.values()]

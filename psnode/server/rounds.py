@@ -15,6 +15,11 @@ A pull carries how many pushes of the value its worker has issued (``seq``). It 
 of them were received and none of them sits in an open round, so it never misses the worker's own
 pushes; until then it waits in the round (``wait``/``release``).
 
+A *versioned* round (``dist_sync`` under ``PSLAUNCH_RESTART_SCOPE=worker``: a worker may be replaced
+in place and redo its last steps) answers a pull of ``seq`` pushes with the value after round
+``seq`` exactly (``closed`` counts the rounds applied; the store keeps the values a redo may ask
+for), and ``duplicate`` tells a push that a replaced worker's predecessor already made.
+
 States, per round: *open* (``count`` pushes merged, fewer than the quorum) -> *full* -> ``close``
 applies it -> *open* with ``count`` 0 (plus any backlog merged at once). A round is *stuck* when a
 worker that finished the job never pushed to it (``stuck_on``).
@@ -35,7 +40,8 @@ class Round:
     ``add2`` and ``load`` write the merge buffer ``merge``.
     """
 
-    __slots__ = ("quorum", "memory", "merge", "count", "pushed", "received", "backlog", "first", "waiting")
+    __slots__ = ("quorum", "memory", "merge", "count", "pushed", "received", "backlog", "first", "waiting", "closed",
+                 "versioned")
 
     def __init__(self, num_workers: int, quorum: int, memory: Any, merge: Any) -> None:
         self.quorum = quorum
@@ -47,6 +53,8 @@ class Round:
         self.backlog: deque = deque()  # (worker, data): pushes that belong to a later round
         self.first: Any = None  # the open round's only push so far, a view of its message
         self.waiting: list = []  # (worker, seq, item): pulls not answerable yet
+        self.closed = 0  # rounds applied: the value is the one after round ``closed``
+        self.versioned = False  # pulls are answered with the value after their round (see the module docstring)
 
     # ---- pushes ----------------------------------------------------------------------------
     def push(self, worker: int, data: Any, borrowed: bool = False) -> bool:
@@ -66,6 +74,11 @@ class Round:
         else:
             self._merge(worker, data)
         return self.count == self.quorum
+
+    def duplicate(self, worker: int, seq: int) -> bool:
+        """True when ``worker``'s push number ``seq`` (from 1) was received already: a versioned round's
+        replaced worker redoing a push its predecessor made. It is not taken again."""
+        return self.versioned and 0 < seq <= self.received[worker]
 
     def count_refused(self, worker: int) -> None:
         """Count ``worker``'s refused push (a wrong size) as received.
@@ -99,6 +112,7 @@ class Round:
         """
         while self.count == self.quorum:
             apply(owner, self)
+            self.closed += 1
             self.count = 0
             self.pushed.clear()
             self.first = None
@@ -113,6 +127,8 @@ class Round:
     # ---- pulls -----------------------------------------------------------------------------
     def ready_for(self, worker: int, seq: int) -> bool:
         """True when a pull of ``worker`` that must include its ``seq`` pushes can be answered now."""
+        if self.versioned:  # answered with the value after round ``seq``, once that round closed
+            return self.closed >= seq
         if self.received[worker] < seq:
             return False
         if not self.count:
@@ -157,6 +173,8 @@ class Round:
         part.pushed = set(self.pushed)
         part.received = list(self.received)
         part.first = None if self.first is None else self.first[lo:hi]
+        part.closed = self.closed
+        part.versioned = self.versioned
         part.backlog = deque((w, d[lo:hi]) for w, d in self.backlog)
         return part
 

@@ -9,6 +9,12 @@ stored value.
 Values sent to workers are never changed under ZeroMQ's feet: when a reply may still be reading a
 stored array, the next update writes a fresh copy instead (copy on write).
 
+*Replay* (``dist_sync`` under ``PSLAUNCH_RESTART_SCOPE=worker``): a worker that died is replaced in
+place and redoes its steps since its last mark (``psnode.server.marks``). Its rounds are versioned
+(``rounds``): a push its predecessor made already is dropped, and a pull is answered with the value
+after its round, from ``Shard.history`` when later rounds closed meanwhile. An update keeps the value
+it replaces while a replacement may ask for it (at or above the marks' floor).
+
 Everything here runs on the server's one thread; nothing is locked. Refusals raise
 ``RequestRefused``, whose message goes back to the worker that asked. The store also counts what
 heartbeats report (``held_bytes``, ``pushed_bytes``, ``updates``: plain integers).
@@ -22,11 +28,13 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from psnode.errors import ProtocolError, RequestRefused
+from psnode.node.protocol import pack_counts
 from psnode.node.values import MAX_DIMS, VALUE_DTYPES, dtype_of, is_int, is_shape
+from psnode.server.marks import Mark, Marks, marks_reply
 from psnode.server.rounds import Round, run_updater
 from psnode.server.shard_memory import HostMemory
 
-__all__ = ["Shard", "ServerStore", "Answer", "init_value"]
+__all__ = ["Shard", "ServerStore", "Answer", "PastValue", "init_value"]
 
 def init_value(spec: Any, data_frames: list) -> tuple[int, Hashable, np.ndarray, int]:
     """``(key id, user key, value, row size)`` of one INIT spec (a JSON object from the network),
@@ -74,7 +82,7 @@ class Shard:
     """One key part held by this server: its stored value, its round, and what replies still read."""
 
     __slots__ = ("key_id", "user_key", "shape", "dtype", "nbytes", "row_size", "sync", "stored", "round",
-                 "trackers", "error", "group")
+                 "trackers", "error", "group", "history")
 
     def __init__(self, key_id: int, user_key: Hashable, shape: tuple, stored: Any, round_: Round, sync: bool,
                  row_size: int) -> None:
@@ -90,11 +98,27 @@ class Shard:
         self.trackers: list = []  # sends that may still read ``stored``
         self.error: str | None = None  # why the last round's updater failed, for the key's pullers
         self.group: Any = None  # the server_groups.Group handling this key, if any
+        self.history: dict[int, Any] = {}  # replay: round number -> the value after it (older than ``stored``)
 
     @property
     def size(self) -> int:
         """Elements held."""
         return self.nbytes // self.dtype.itemsize
+
+
+class PastValue:
+    """What a pull of an earlier round is answered with: a shard's value after round ``version``,
+    kept in its history (``replies`` reads the same fields as of a ``Shard``; nothing writes it)."""
+
+    __slots__ = ("key_id", "user_key", "nbytes", "stored", "error", "trackers")
+
+    def __init__(self, shard: Shard, stored: Any) -> None:
+        self.key_id = shard.key_id
+        self.user_key = shard.user_key
+        self.nbytes = shard.nbytes
+        self.stored = stored
+        self.error = None
+        self.trackers: list = []
 
 
 class ServerStore:
@@ -116,6 +140,9 @@ class ServerStore:
         self.pending: dict[int, tuple[Hashable, np.ndarray]] = {}
         self.restored: set[int] = set()
         self.restored_state: dict | None = None
+        self.replay = False  # dist_sync keys get versioned rounds (PSLAUNCH_RESTART_SCOPE=worker)
+        self.marks = Marks()  # every worker's newest marks (replay)
+        self.kept_bytes = 0  # bytes of values kept for replay (``Shard.history``)
 
     def trace(self, timeline: Any) -> None:
         """Record each push's merge and each round's update as timeline events (``psnode.node.timeline``):
@@ -125,10 +152,11 @@ class ServerStore:
         self.push = self._traced_push  # type: ignore[method-assign]
         self._apply = self._traced_apply  # type: ignore[method-assign]
 
-    def _traced_push(self, shard: "Shard", worker: int, data: Any, answer: "Answer", borrowed: bool = False) -> None:
+    def _traced_push(self, shard: "Shard", worker: int, data: Any, answer: "Answer", borrowed: bool = False,
+                     seq: int = 0) -> None:
         start = time.monotonic_ns()
         try:
-            ServerStore.push(self, shard, worker, data, answer, borrowed)
+            ServerStore.push(self, shard, worker, data, answer, borrowed, seq)
         finally:
             self.timeline.add("merge", shard.user_key, start, time.monotonic_ns())
 
@@ -140,6 +168,21 @@ class ServerStore:
             self.timeline.add("update", shard.user_key, start, time.monotonic_ns())
 
     # ---- init / updater ------------------------------------------------------------------
+    def holds_alike(self, key_id: int, user_key: Hashable, value: np.ndarray) -> bool:
+        """True when key part ``key_id`` is here already, of ``user_key`` with ``value``'s dtype and size
+        (an init that a worker 0 replaced in place redoes); False when it is not here.
+
+        Raises:
+            RequestRefused: it is here, but of another key, dtype or size.
+        """
+        shard = self.shards.get(key_id)
+        if shard is None:
+            return False
+        if shard.user_key != user_key or shard.dtype != value.dtype or shard.size != value.size:
+            raise RequestRefused(f"key {user_key!r} is initialised again with {value.size} values of {value.dtype}, "
+                                 f"but this server holds {shard.size} values of {shard.dtype} of key {shard.user_key!r}")
+        return True
+
     def init(self, key_id: int, user_key: Hashable, value: np.ndarray, sync: bool, row_size: int) -> None:
         """Create a shard from its initial value.
 
@@ -162,6 +205,7 @@ class ServerStore:
         stored = memory.place(value.reshape(-1))  # kept flat; the updater gets ``shape`` views
         quorum = self.num_workers if sync else 1
         round_ = Round(self.num_workers, quorum, memory, memory.empty_like(stored))
+        round_.versioned = self.replay and sync
         shard = Shard(key_id, user_key, tuple(value.shape), stored, round_, sync, row_size)
         self.shards[key_id] = shard
         self.held_bytes += shard.nbytes
@@ -207,12 +251,37 @@ class ServerStore:
         self.take_restored_state(self.restored_state)
 
     def worker_rejoined(self, rank: int) -> None:
-        """Worker ``rank`` was started again: it counts its pushes from zero. Its predecessor's pushes
-        were applied on arrival (dist_async, where every round is one push), so none is pending."""
+        """Worker ``rank`` was started again. In ``dist_async`` it counts its pushes from zero: its
+        predecessor's were applied on arrival (every round is one push), so none is pending. A
+        versioned (``dist_sync``) round keeps its predecessor's count: the replacement counts on from
+        a mark, and the pushes it redoes are dropped. Pulls its predecessor left waiting go."""
         self.finished.pop(rank, None)
         for shard in self.shards.values():
-            shard.round.received[rank] = 0
+            if not shard.round.versioned:
+                shard.round.received[rank] = 0
             shard.round.waiting = [w for w in shard.round.waiting if w[0] != rank]
+
+    def add_mark(self, worker: int, mark: Mark) -> None:
+        """Keep ``worker``'s newest mark; values below the new floor are let go at their next update."""
+        self.marks.add(worker, mark)
+
+    def worker_marks(self, worker: int) -> tuple[list[dict], list[bytes]]:
+        """``worker``'s kept marks for a ``MARKS_REPLY`` (``marks.marks_reply``), and last the pushes of
+        each versioned key part this server took from it (``MARK_COUNT`` records): a replacement's
+        first push past them is the first its predecessor had not sent (``CAUGHT-UP``)."""
+        shards = self.shards
+        taken = {key_id: shard.round.received[worker] for key_id, shard in shards.items()
+                 if shard.round.versioned and shard.round.received[worker]}
+
+        def received(key_id: int) -> int:
+            shard = shards.get(key_id)
+            return shard.round.received[worker] if shard is not None else 0
+
+        def versioned(key_id: int) -> bool:
+            shard = shards.get(key_id)
+            return shard is not None and shard.round.versioned
+        listed, frames = marks_reply(self.marks.of(worker), received, versioned)
+        return listed, [*frames, pack_counts(taken)]
 
     def shard(self, key_id: int) -> Shard:
         """The shard of ``key_id``.
@@ -226,8 +295,9 @@ class ServerStore:
         return shard
 
     # ---- push ----------------------------------------------------------------------------
-    def push(self, shard: Shard, worker: int, data: Any, answer: Answer, borrowed: bool = False) -> None:
-        """Take one worker's (decoded) push of ``shard``; pulls it releases go to ``answer``.
+    def push(self, shard: Shard, worker: int, data: Any, answer: Answer, borrowed: bool = False, seq: int = 0) -> None:
+        """Take one worker's (decoded) push of ``shard``, its number ``seq`` (from 1; 0: not given);
+        pulls it releases go to ``answer``.
 
         ``borrowed``: ``data`` lives in the worker's shared memory, which it reuses once this
         message is acknowledged, so nothing may keep a reference to it.
@@ -235,6 +305,9 @@ class ServerStore:
         Raises:
             RequestRefused: dist_async without an updater.
         """
+        round_ = shard.round
+        if round_.versioned and round_.duplicate(worker, seq):  # a replacement redoing its predecessor's push
+            return
         if not shard.sync and self.updater is None:
             shard.round.count_refused(worker)
             raise RequestRefused(
@@ -242,12 +315,11 @@ class ServerStore:
                 "set_optimizer(); call kv.set_optimizer(...) before the first push"
             )
         self.pushed_bytes += shard.nbytes
-        round_ = shard.round
         if round_.push(worker, data, borrowed):
             round_.close(self._apply, shard)
             if round_.waiting:
-                for waiter, (req_id, index) in round_.release():
-                    answer(waiter, req_id, index, shard)
+                for waiter, item in round_.release():
+                    answer(waiter, item[0], item[1], self.value_after(shard, item[2]) if round_.versioned else shard)
 
     def wrong_size(self, shard: Shard, worker: int, nbytes: int) -> RequestRefused:
         """Refuse ``worker``'s push of ``nbytes`` (decoded) bytes to ``shard``: the error to send back.
@@ -261,6 +333,46 @@ class ServerStore:
         self.updates += 1
         busy = bool(shard.trackers) and any(not t.done for t in shard.trackers)
         shard.trackers = []
+        before = shard.stored
+        kept = full.versioned and self._keep(shard, full.closed)
+        busy = busy or kept  # the value after round ``closed`` stays as it is, in the history
+        try:
+            self._update(shard, full, busy)
+        finally:
+            if kept:
+                shard.history[full.closed] = before
+                self.kept_bytes += shard.nbytes
+
+    def _keep(self, shard: Shard, version: int) -> bool:
+        """Whether the value after round ``version`` must be kept as the next round replaces it: a
+        replacement may pull it (at or above the marks' floor). Lets go of older kept values."""
+        floor = self.marks.floor(shard.key_id, (w for w in range(self.num_workers) if w not in self.finished))
+        history = shard.history
+        if history and (floor is None or min(history) < floor):
+            for old in [v for v in history if floor is None or v < floor]:
+                del history[old]
+                self.kept_bytes -= shard.nbytes
+        return floor is not None and version >= floor
+
+    def value_after(self, shard: Shard, version: int) -> "Shard | PastValue":
+        """What a pull of round ``version`` is answered with: the shard itself when that is its last
+        round, else the value kept after that round.
+
+        Raises:
+            RequestRefused: that value was let go (no mark of the worker's reached back to it).
+        """
+        if version >= shard.round.closed:
+            return shard
+        past = shard.history.get(version)
+        if past is None:
+            kept = f"rounds {min(shard.history)}..{shard.round.closed}" if shard.history else f"round {shard.round.closed}"
+            raise RequestRefused(
+                f"key {shard.user_key!r}: a pull of round {version} cannot be answered exactly, this server keeps "
+                f"{kept} only: a worker replaced in place resumes from its last mark (the scalars of "
+                "kvcore.elastic.State, set after each step), and no mark reached back to that round")
+        return PastValue(shard, past)
+
+    def _update(self, shard: Shard, full: Round, busy: bool) -> None:
         memory = self.memory
         with memory.context():
             if self.updater is None:
@@ -288,12 +400,12 @@ class ServerStore:
         """
         round_ = shard.round
         if round_.ready_for(worker, seq):
-            answer(worker, req_id, index, shard)
+            answer(worker, req_id, index, self.value_after(shard, seq) if round_.versioned else shard)
             return
         stuck = self.stuck(shard.user_key, round_)
         if stuck:
             raise RequestRefused(stuck)
-        round_.wait(worker, seq, (req_id, index))
+        round_.wait(worker, seq, (req_id, index, seq))
 
     def stuck(self, key: Hashable, round_: Round) -> str | None:
         """Why the open round of ``key`` can never close (a finished worker did not push), or None."""

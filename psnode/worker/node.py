@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import json
 import pickle
 import time
 from typing import Any, Callable, Hashable, Sequence
@@ -35,13 +36,25 @@ import numpy as np
 from psnode.collectives import Engine
 from psnode.collectives.watch import LEFT_GRACE
 from psnode.compression.codecs import RAW
-from psnode.env import NodeEnv
+from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv
 from psnode.errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
 from psnode.node.bulk import batches
 from psnode.node.connection import Connection
 from psnode.node.membership import PeerInfo
-from psnode.node.protocol import FLAG_SYNC, OWN_FRAME, PACK_LIMIT, Cmd, Group, pack_codec_params, pack_header, pack_json
-from psnode.node.stats import worker_report
+from psnode.node.protocol import (
+    FLAG_REDO,
+    FLAG_SYNC,
+    MARK_COUNT,
+    OWN_FRAME,
+    PACK_LIMIT,
+    Cmd,
+    Group,
+    pack_codec_params,
+    pack_counts,
+    pack_header,
+    pack_json,
+)
+from psnode.node.stats import stderr_line, worker_report
 from psnode.transport import same_host
 from psnode.transport.base import Transport
 from psnode.worker.data_path import DataPath
@@ -71,7 +84,12 @@ class WorkerNode:
         self.data = DataPath(self.requests, self.outbox, same_host.WorkerRegions(env.job_id), env.num_workers,
                              env.push_window)
         self.closed = False
+        self._mark_id = 0  # the id of this worker's last mark (``mark``)
+        self._resumed: tuple[dict[str, Any] | None] | None = None  # a replacement's mark, once looked up
+        self._resumed_barriers: dict[int, int] | None = None  # its barrier counts, until the script resumes
         self._before_close: list[Callable[[], None]] = []  # what must reach the servers before this worker finishes
+        # a marker line for pslaunch (``RESUMED``, ``CAUGHT-UP``); a seam for tests, nothing unsupervised
+        self.tell_launcher: Callable[[str], None] = stderr_line if env.supervised else (lambda text: None)
         self.conn.failure.on_failure(self.requests.fail_all)
         self.conn.failure.on_failure(self.collectives.fail_all)
         self.timeline = self.receiver.timeline = self.conn.timeline  # PSLAUNCH_TIMELINE; kvcore names its calls too
@@ -164,6 +182,7 @@ class WorkerNode:
         limit = timeout if timeout is not None else max(60.0, env.heartbeat_timeout)
         try:
             if failure.error is None and self.rank >= 0:  # registered: the scheduler expects a finish
+                self.requests.caught_up()  # a replacement that redid its steps to the end pushes nothing new
                 self.requests.wait_idle(limit, lambda: failure.error is not None, f"worker {self.rank}")
                 self.collectives.wait_idle(limit)
                 if self.timeline is not None:
@@ -259,6 +278,85 @@ class WorkerNode:
         self._wait(future, timeout, what)
         return future.result() or []
 
+    # ---- marks: where a replacement of this worker resumes (``psnode.server.marks``) ---------------
+    def mark(self, scalars: dict[str, Any]) -> None:
+        """Leave a mark with every server: the next id, ``scalars`` (a JSON object: what the script
+        resumes from), the barriers this worker entered and how many pushes of each of the server's
+        key parts it issued so far. Sent after what is queued, answered by nothing: it costs no
+        round trip."""
+        self._check()
+        self._mark_id += 1
+        barriers = {str(group): count for group, count in self.conn.link.barrier_counts.items()}
+        body = pack_json({"id": self._mark_id, "scalars": scalars, "barriers": barriers})
+        by_server: dict[int, dict[int, int]] = {server: {} for server in range(self.num_servers)}
+        for (key_id, server), seq in list(self.requests.push_counts.items()):
+            by_server[server][key_id] = seq
+        for server, counts in by_server.items():
+            self.outbox.enqueue(server, [pack_header(Cmd.MARK), body, pack_counts(counts)], _LAST, -1)
+        self.outbox.pump()
+
+    def number_barriers(self) -> None:
+        """Number this worker's barriers from now on (a store whose worker may be replaced in place:
+        its replacement redoes barriers by number, ``resume_barriers``)."""
+        self.conn.link.number_barriers = True
+
+    def resume(self) -> dict[str, Any] | None:
+        """A worker started in place of one that died (``rejoined``): where its predecessor was. Asks
+        every server for the predecessor's kept marks, takes the newest that every server holds and
+        took every counted push of, counts this worker's pushes on from it (the servers drop the
+        pushes it redoes and answer its pulls with what its predecessor pulled) and returns its
+        scalars; None when there is none (the replacement starts from the beginning). Looked up
+        once, before the first push or pull; a worker that did not rejoin has nothing to resume.
+
+        Raises:
+            PSNodeError: a server did not answer (dead, or the worker failed), or answered malformed.
+        """
+        if self._resumed is not None:
+            return self._resumed[0]
+        if not self.rejoined:
+            self._resumed = (None,)
+            return None
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        replies: list = []
+        servers = range(self.num_servers)
+        req = self.requests.track(future, self.num_servers, replies, "marks", frozenset(servers))
+        for server in servers:
+            self.outbox.enqueue(server, [pack_header(Cmd.MARKS, req, 1)], 0, req)
+        self.outbox.pump()
+        self._wait(future, max(60.0, self.env.heartbeat_timeout), "answer with the marks of its predecessor")
+        chosen = common_mark([(server, listed, frames[:-1]) for server, listed, frames in replies], self.num_servers)
+        scalars = mark_id = None
+        if chosen is not None:
+            mark_id, scalars, barriers, counts = chosen
+            self._mark_id = mark_id
+            self._resumed_barriers = {int(group): count for group, count in barriers.items()}
+            for server, records in counts.items():
+                for key_id, seq in zip(records["key"].tolist(), records["seq"].tolist()):
+                    self.requests.push_counts[(key_id, server)] = seq
+        self.requests.redo_until(taken_counts(replies), self._caught_up)
+        self._resumed = (scalars,)
+        self.tell_launcher(f"{MARKER_RESUMED} {json.dumps({'mark': mark_id, 'scalars': scalars})}")
+        return scalars
+
+    def _caught_up(self) -> None:
+        self.tell_launcher(MARKER_CAUGHT_UP)
+
+    def resume_barriers(self) -> None:
+        """A replacement reached the point its predecessor's mark was left at (the script restored
+        its scalars): number its barriers on from the mark's, so that those it redoes are answered at
+        once (``psnode.scheduler.roster.Barriers``). Its earlier barriers (the set-up before the mark)
+        were numbered from 1, which the scheduler answered at once as well."""
+        if self._resumed_barriers is not None:
+            self.conn.link.barrier_counts.update(self._resumed_barriers)
+            self._resumed_barriers = None
+
+    def barrier_done_already(self, group: "Group | int" = Group.WORKERS, ahead: int = 1) -> bool:
+        """True when this worker's barrier ``ahead`` barriers on (of ``group``) completed already: a
+        replacement redoing a step its predecessor passed (``State.commit`` then leaves the
+        checkpoint its predecessor wrote as it is)."""
+        link = self.conn.link
+        return link.barrier_counts.get(int(group), 0) + ahead <= link.barriers_completed.get(int(group), 0)
+
     # ---- the ledger: records worker 0 leaves for every worker (``psnode.scheduler.ledger``) -----
     def ledger_append(self, log: str, entry: bytes) -> concurrent.futures.Future:
         """Append ``entry`` to the scheduler's ledger log ``log`` (worker 0 only); returns at once:
@@ -274,11 +372,13 @@ class WorkerNode:
         return self.conn.link.ask(Cmd.LEDGER_READ, arg=start, body={"log": log, "wait": wait})
 
     # ---- the API: init and updater -------------------------------------------------------------
-    def init(self, parts: Sequence[tuple[int, int, Hashable, np.ndarray, int]], sync: bool, future: Any = None) -> Any:
+    def init(self, parts: Sequence[tuple[int, int, Hashable, np.ndarray, int]], sync: bool, future: Any = None,
+             redo: bool = False) -> Any:
         """Send initial values ``(server, key id, user key, value, row_size)``; the future is done when
         every server stored them. A server's parts travel in messages of at most ``INIT_PARTS`` specs
         and about ``PACK_LIMIT`` bytes, small values packed into the message's first frame, so a call
-        of a million keys sends no message that grows with it."""
+        of a million keys sends no message that grows with it. ``redo``: a worker 0 started again
+        alone, whose predecessor may have initialised some of them (``FLAG_REDO``)."""
         future = future or concurrent.futures.Future()
         by_server: dict[int, list] = {}
         for part in parts:
@@ -286,20 +386,21 @@ class WorkerNode:
         messages = [(server, batch) for server, items in by_server.items()
                     for batch in batches(items, INIT_PARTS, PACK_LIMIT, lambda part: part[3].nbytes)]
         req = self.requests.track(future, len(messages), None, "init", frozenset(by_server))
-        flags = FLAG_SYNC if sync else 0
+        flags = (FLAG_SYNC if sync else 0) | (FLAG_REDO if redo else 0)
         for server, batch in messages:
             msg = [pack_header(Cmd.INIT, req, 1, flags), *_init_frames(batch)]
             self.outbox.enqueue(server, msg, 0, req)
         self.outbox.pump()
         return future
 
-    def set_updater(self, updater: Any, future: Any = None) -> Any:
-        """Ship a picklable updater to every server; the future is done when all installed it."""
+    def set_updater(self, updater: Any, future: Any = None, redo: bool = False) -> Any:
+        """Ship a picklable updater to every server; the future is done when all installed it.
+        ``redo``: a worker 0 started again alone: a server that has one keeps it (``FLAG_REDO``)."""
         future = future or concurrent.futures.Future()
         blob = pickle.dumps(updater, protocol=pickle.HIGHEST_PROTOCOL)
         req = self.requests.track(future, self.num_servers, None, "set_updater", frozenset(range(self.num_servers)))
         for server in range(self.num_servers):
-            self.outbox.enqueue(server, [pack_header(Cmd.SET_UPDATER, req, 1), blob], 0, req)
+            self.outbox.enqueue(server, [pack_header(Cmd.SET_UPDATER, req, 1, FLAG_REDO if redo else 0), blob], 0, req)
         self.outbox.pump()
         return future
 
@@ -391,6 +492,50 @@ class WorkerNode:
 
 
 INIT_PARTS = 4096  # specs in one INIT message (each is a small JSON object the server checks)
+_LAST = -(1 << 62)  # a mark's priority: after every message queued before it
+
+
+def taken_counts(replies: list) -> dict[tuple[int, int], int]:
+    """``(key id, server) -> pushes the server took`` from the last frame of each ``MARKS_REPLY``
+    ``(server, listed, frames)``.
+
+    Raises:
+        ProtocolError: a last frame that is not ``MARK_COUNT`` records.
+    """
+    taken: dict[tuple[int, int], int] = {}
+    for server, _, frames in replies:
+        if len(frames[-1]) % MARK_COUNT.itemsize:
+            raise ProtocolError(f"server {server} sent taken counts of {len(frames[-1])} bytes, not MARK_COUNT records")
+        records = np.frombuffer(frames[-1], MARK_COUNT)
+        for key_id, seq in zip(records["key"].tolist(), records["seq"].tolist()):
+            taken[(key_id, server)] = seq
+    return taken
+
+
+def common_mark(replies: list, num_servers: int
+                ) -> tuple[int, dict[str, Any], dict[str, int], dict[int, np.ndarray]] | None:
+    """The newest mark every server listed as complete, from ``MARKS_REPLY`` answers ``(server,
+    listed, count frames)``: ``(id, scalars, barrier counts, {server: MARK_COUNT records})``, or None
+    when there is none.
+
+    Raises:
+        ProtocolError: an answer that is not a list of marks with their count frames.
+    """
+    complete: dict[int, dict[int, tuple[dict, np.ndarray]]] = {}
+    for server, listed, frames in replies:
+        for entry, frame in zip(listed, frames):
+            if not isinstance(entry, dict) or not isinstance(entry.get("id"), int) or len(frame) % MARK_COUNT.itemsize:
+                raise ProtocolError(f"server {server} listed a malformed mark: {str(entry)[:100]}")
+            barriers = entry.get("barriers", {})
+            if entry.get("complete") is True and isinstance(entry.get("scalars"), dict) and isinstance(barriers, dict):
+                complete.setdefault(entry["id"], {})[server] = (entry["scalars"], barriers,
+                                                                np.frombuffer(frame, MARK_COUNT))
+    for mark_id in sorted(complete, reverse=True):
+        by_server = complete[mark_id]
+        if len(by_server) == num_servers:
+            scalars, barriers, _ = next(iter(by_server.values()))
+            return mark_id, scalars, barriers, {server: counts for server, (_, _, counts) in by_server.items()}
+    return None
 
 
 def _init_frames(batch: list) -> list:

@@ -74,6 +74,10 @@ class RequestTable:
         self._refused: str | None = None  # why no request may start any more (the worker closed)
         self.pending: dict[int, Request] = {}
         self.push_counts: dict[tuple[int, int], int] = {}  # (key id, server) -> pushes sent
+        # a replacement in place redoing its predecessor's steps: (key id, server) -> the pushes the
+        # servers took from the predecessor; its first push past them calls _on_caught_up (``redo_until``)
+        self._redoing: dict[tuple[int, int], int] | None = None
+        self._on_caught_up: Any = None
         # Counters for heartbeats: written by one thread each (pushes by the caller, pulls by the
         # receiving thread), read by the heartbeat; a caller pushing from several threads at once
         # may lose an increment, which a rate on a dashboard can afford.
@@ -120,7 +124,21 @@ class RequestTable:
         self.pushed_bytes += nbytes
         if seq > self.rounds:
             self.rounds = seq
+        if self._redoing is not None and seq > self._redoing.get(slot, 0):
+            self.caught_up()
         return seq
+
+    def redo_until(self, taken: dict[tuple[int, int], int], on_caught_up: Any) -> None:
+        """A replacement in place redoes its predecessor's steps: call ``on_caught_up()`` once, at its
+        first push past ``taken`` (the pushes of each ``(key id, server)`` the servers took from the
+        predecessor), the first that a round waited for; or at ``caught_up()``."""
+        self._redoing, self._on_caught_up = dict(taken), on_caught_up
+
+    def caught_up(self) -> None:
+        """The redo is over (its first new push, or the worker finished without one): tell, once."""
+        callback, self._redoing, self._on_caught_up = self._on_caught_up, None, None
+        if callback is not None:
+            callback()
 
     def pushes(self, key_id: int, server: int) -> int:
         """Pushes of part ``key_id`` sent to ``server`` so far: what a pull must include."""
@@ -253,6 +271,14 @@ class RequestTable:
             if len(frames) != 2 or request.targets is None or request.what != "checkpoint":
                 raise ProtocolError(f"a CHECKPOINT_REPLY of {len(frames)} frames for a {request.what}")
             request.targets.append((peer_rank, unpack_json(frames[1])))
+            request.remaining -= 1
+        elif cmd == Cmd.MARKS_REPLY:  # a server's kept marks of this rank: the JSON list, a counts frame each, taken
+            if request.targets is None or request.what != "marks" or len(frames) < 3:
+                raise ProtocolError(f"a MARKS_REPLY of {len(frames)} frames for a {request.what}")
+            listed = unpack_json(frames[1])
+            if not isinstance(listed, list) or len(listed) != len(frames) - 3:
+                raise ProtocolError(f"a MARKS_REPLY listing {str(listed)[:80]} with {len(frames) - 3} count frames")
+            request.targets.append((peer_rank, listed, [bytes(f.buffer) for f in frames[2:]]))
             request.remaining -= 1
         else:
             raise ProtocolError(f"a worker does not accept {Cmd(cmd).name}")

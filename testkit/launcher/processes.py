@@ -11,7 +11,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HELPERS", "REPO", "PSLAUNCH", "Result", "ancestors", "cmdline", "processes_with", "wait_gone",
+__all__ = ["HELPERS", "REPO", "PSLAUNCH", "Result", "LiveProcess", "ancestors", "cmdline", "live_processes",
+           "processes_with", "wait_gone",
            "start_pslaunch", "wait_for_records", "reaped", "run_pslaunch", "helper"]
 
 HELPERS = Path(__file__).resolve().parents[2] / "tests" / "launcher" / "helpers"
@@ -41,22 +42,48 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def processes_with(text: str) -> list[str]:
-    """Command lines of live (non-zombie) processes whose argv contains ``text``, from /proc."""
+@dataclass(frozen=True)
+class LiveProcess:
+    """A process /proc listed, not a zombie: its pid, its parent's and its argv."""
+
+    pid: int
+    ppid: int
+    argv: tuple[bytes, ...]
+
+    @property
+    def command(self) -> str:
+        return b" ".join(self.argv).decode("utf-8", "replace")
+
+    def environ(self) -> dict[bytes, bytes]:
+        """Its environment as it started (empty once it is gone)."""
+        try:
+            with open(f"/proc/{self.pid}/environ", "rb") as fh:
+                return dict(item.partition(b"=")[::2] for item in fh.read().split(b"\0") if item)
+        except OSError:
+            return {}
+
+
+def live_processes() -> list[LiveProcess]:
+    """Every live (non-zombie) process but this one, from /proc."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode("utf-8", "replace")
+                argv = tuple(fh.read().split(b"\0")[:-1])
             with open(f"/proc/{entry}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[0]
+                fields = fh.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue
-        if text in cmd and state != b"Z":
-            found.append(f"{entry}: {cmd}")
+        if fields[0] != b"Z":
+            found.append(LiveProcess(int(entry), int(fields[1]), argv))
     return found
+
+
+def processes_with(text: str) -> list[str]:
+    """Command lines of live (non-zombie) processes whose argv contains ``text``, from /proc."""
+    return [f"{p.pid}: {p.command} " for p in live_processes() if text in p.command + " "]
 
 
 def wait_gone(text: str, timeout: float = 10.0) -> list[str]:

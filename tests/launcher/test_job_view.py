@@ -282,3 +282,26 @@ def test_the_summary_names_the_root_cause_with_its_last_lines_and_each_process_w
     assert workers["worker.1@localhost"]["note"] == "root cause" and workers["worker.1@localhost"]["exit_code"] == 1
     assert workers["worker.0@localhost"]["pushed_bytes"] == 8e6 and workers["worker.0@localhost"]["rounds"] == 20
     json.dumps(document)  # plain JSON
+
+
+def test_a_replacements_markers_are_read_and_a_malformed_one_loses_only_its_scalars():
+    from launcher.supervision.replacements import ReplacementLog
+
+    old, new, other = Handle("worker", 1, 103), Handle("worker", 1, 203), Handle("worker", 0, 204)
+    old.status, old.ended = ExitStatus(code=None, signal=9), old.started + 2.0
+    new.started = old.ended + 0.1
+    log = ReplacementLog(old.started)
+    log.add(old, new, 1)
+    log.add(Handle("worker", 0, 104), other, 2)
+    new.on_marker('RESUMED {"mark": 3, "scalars": {"step": 5}}')
+    other.on_marker("RESUMED {not json")
+    other.on_marker("RESUMED [1, 2]")  # only the first counts
+    first, second = log.records()
+    assert (first.resumed_from, first.caught_up_s, first.waited_s) == ({"step": 5}, None, None)
+    assert second.resumed_from is None and second.resumed_s is not None
+    new.on_marker("CAUGHT-UP")
+    first = log.records()[0]
+    assert first.waited_s == round(first.caught_up_s - first.ended_s, 3) and first.ended_s == 2.0
+    assert first.describe().startswith("worker.1@localhost replaced in place at 2.0 s (signal SIGKILL; pid 103 -> 203, "
+                                       "restart 1): resumed from its predecessor's last mark (step=5) ")
+    assert "resumed from the beginning (no mark)" in log.records()[1].describe()

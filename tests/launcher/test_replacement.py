@@ -1,0 +1,275 @@
+"""A dist_sync worker replaced in place (``--restart-scope worker``): the worker that dies is started
+again alone, with its rank, resumes at its last mark (the scalars of kvcore.elastic.State) and redoes
+its steps since then, while the scheduler, the servers and the other workers keep running. The
+model's gradients depend on the weights each worker pulled, so the final weights equal those of an
+uninterrupted run bit for bit only when every redone push is dropped, none is lost, and every
+redone pull returns what the predecessor pulled (tests/launcher/helpers/replace_sync.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from launcher import launch
+from testkit.launcher import REPO, helper, live_processes, reaped, run_pslaunch, wait_gone
+from testkit.launcher.processes import start_pslaunch
+
+HELPER = helper("replace_sync.py")
+ENV = ["--env", "PSLAUNCH_BIGARRAY_BOUND:1000"]  # key 0 is split over both servers
+REPLACE = ["--max-restarts", "8", "--restart-scope", "worker"]  # no --checkpoint-dir: none is needed
+
+
+def _job(out, *args, env=(), steps=12, timeout=120):
+    env_args = [a for item in env for a in ("--env", item)]
+    res = run_pslaunch(["-n", "2", "-s", "2", "--no-dashboard", *ENV, "--env", f"STEPS:{steps}", *env_args, *args,
+                        "--timeout", str(timeout - 20), "python", HELPER, str(out)], timeout=timeout)
+    assert not wait_gone(str(out)), f"processes of the job in {out} outlived it"
+    return res
+
+
+def _weights(out):
+    with np.load(out / "weights.npz") as data:
+        return {k: data[k].copy() for k in data.files}
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def _starts(out):
+    """``(rank, restart count, resumed step)`` of every worker start, in order."""
+    return [tuple(int(x) for x in line.split()) for line in (out / "starts.txt").read_text().splitlines()]
+
+
+def _rows(stderr):
+    """The summary table's ``(role, rank, pid, exit, note)`` rows."""
+    return re.findall(r"^\| (worker|server|scheduler) +\| +(\d) \| [^|]+\| +(\d+) \| (\S+(?: \S+)?) +\| +[\d.]+s \| (.*?) *\|$",
+                      stderr, re.M)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The weights of uninterrupted runs, by number of steps."""
+    found = {}
+
+    def of(steps=12):
+        if steps not in found:
+            out = tmp_path_factory.mktemp(f"uninterrupted{steps}")
+            res = _job(out, steps=steps)
+            assert res.returncode == 0, res.stderr
+            found[steps] = _weights(out)
+        return found[steps]
+    return of
+
+
+def _resumed_as_expected(out, kills: str) -> None:
+    """Each kill ``rank:step:phase`` was followed by a start of that rank that resumed at that step or
+    the one before: a worker marks its place (``state.step = step + 1``) with its next push, so a mark
+    may not have left when it died (its replacement then redoes one step more)."""
+    restarts = [s for s in _starts(out) if s[1] > 0]
+    assert sorted(count for _, count, _ in restarts) == list(range(1, len(kills.split(",")) + 1)), restarts
+    for rank in (0, 1):
+        resumed = [step for r, _, step in sorted(restarts, key=lambda s: s[1]) if r == rank]
+        killed = [int(k.split(":")[1]) for k in kills.split(",") if k.startswith(f"{rank}:")]
+        # killed in the set-up (step -1): its replacement begins at step 0
+        assert len(resumed) == len(killed) and all(k - 1 <= s <= max(k, 0) for s, k in zip(resumed, killed)), \
+            (restarts, kills)
+
+
+@pytest.mark.parametrize("kills", [
+    "1:4:push",  # mid-push: half of the step's keys reached the servers
+    "0:0:compute",  # worker 0, before its first push: it placed the keys and shipped the optimizer
+    "0:5:pulled,1:7:pull",  # after the pulls, before the mark; mid-pull
+    "0:2:marked,0:3:pushed,1:9:pull",  # the mark never left; twice in a row
+    "1:6:pushed,0:6:pushed",  # both workers in one step
+    "0:11:marked",  # the last step: the replacement redoes it
+    "0:-1:init",  # worker 0 before its init or optimizer reached the servers: its replacement sends them
+    "0:-1:optimizer,1:-1:first-pull",  # both in the set-up, before any mark
+], ids=["mid-push", "worker-0-first-step", "two-workers", "three-kills", "same-step", "last-step", "worker-0-init",
+        "set-up"])
+def test_a_killed_dist_sync_worker_is_replaced_alone_and_the_weights_are_bit_equal(tmp_path, reference, kills):
+    res = _job(tmp_path, *REPLACE, env=[f"KILLS:{kills}"])
+    assert res.returncode == 0, res.stderr
+    assert _same(_weights(tmp_path), reference()), "the weights differ from the uninterrupted run's"
+    _resumed_as_expected(tmp_path, kills)
+    resumed = kills.split(",")
+    rows = _rows(res.stderr)
+    # the scheduler, the servers: one run each, never restarted; a killed worker's runs end in SIGKILL
+    assert sorted((r[0], r[1]) for r in rows if r[0] != "worker") == [("scheduler", "0"), ("server", "0"), ("server", "1")]
+    assert all(r[3] == "0" and r[4] == "" for r in rows if r[0] != "worker"), rows
+    for rank in ("0", "1"):
+        runs = [r for r in rows if r[:2] == ("worker", rank)]
+        assert [r[3] for r in runs] == ["signal SIGKILL"] * (len(runs) - 1) + ["0"], rows
+    assert res.stderr.count("the other processes go on") == len(resumed)
+
+
+def test_barriers_and_commits_a_replacement_redoes_are_answered_at_once_and_no_checkpoint_is_written_twice(
+        tmp_path, reference):
+    # worker 0 dies right after a commit (its mark is sent with its next push, so it redoes the step and
+    # the commit: the checkpoint its predecessor wrote stays, written once); worker 1 after a barrier
+    ckpt = tmp_path / "ckpt"
+    res = _job(tmp_path, *REPLACE, "--checkpoint-dir", str(ckpt),
+               env=["COMMIT_EVERY:3", "BARRIER_EVERY:2", "KILLS:0:2:commit,1:3:barrier,1:8:commit"])
+    assert res.returncode == 0, res.stderr
+    assert _same(_weights(tmp_path), reference())
+    _resumed_as_expected(tmp_path, "0:2:commit,1:3:barrier,1:8:commit")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-00000003", "ckpt-00000004"]  # 4 commits, each once
+    manifest = json.loads((ckpt / "ckpt-00000004" / "MANIFEST.json").read_text())
+    assert manifest["scalars"] == {"step": 12}
+
+
+def test_workers_killed_from_outside_at_random_moments_end_with_the_uninterrupted_weights(tmp_path, reference):
+    # SIGKILL from outside, at random moments of a running job (mid-push, mid-pull, between steps: wherever
+    # it lands), four times, any rank; the seed is in the failure message
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    steps = 40
+    proc = start_pslaunch(["-n", "2", "-s", "2", "--no-dashboard", *ENV, *REPLACE, "--env", f"STEPS:{steps}",
+                           "--env", "STEP_SLEEP:0.02", "--timeout", "100", "python", HELPER, str(tmp_path)])
+    killed = []
+    with reaped(proc, str(tmp_path)):
+        deadline = time.monotonic() + 60
+        while len(killed) < 4 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(rng.uniform(0.15, 0.6))
+            workers = _worker_pids(str(tmp_path))
+            if len(workers) == 2:  # both running: neither is a replacement still starting
+                pid = rng.choice(workers)
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        _, err = proc.communicate(timeout=110)
+    stderr = err.decode()
+    assert not wait_gone(str(tmp_path))
+    assert proc.returncode == 0, f"seed {seed}, killed {killed}:\n{stderr}"
+    assert len(killed) >= 2, f"seed {seed}: the job ended before the kills ({killed})"
+    assert _same(_weights(tmp_path), reference(steps)), f"seed {seed}, killed {killed}: the weights differ\n{stderr}"
+    assert stderr.count("the other processes go on") == len(killed), stderr
+
+
+def _worker_pids(marker: str) -> list[int]:
+    """The pids of the job's live worker processes (the helper's, with ``marker`` in their argv)."""
+    # python HELPER OUTDIR: not pslaunch, whose argv holds them too
+    return [p.pid for p in live_processes() if list(p.argv[1:3]) == [HELPER.encode(), marker.encode()]]
+
+
+def test_without_a_checkpoint_a_lost_server_ends_the_job_instead_of_starting_it_from_scratch(tmp_path):
+    # --restart-scope worker needs no checkpoint directory; a server's failure then cannot be survived
+    # (the servers hold the model): the job stops, naming why, rather than training again from step 0
+    proc = start_pslaunch(["-n", "2", "-s", "2", "--no-dashboard", *ENV, *REPLACE, "--env", "STEPS:400",
+                           "--env", "STEP_SLEEP:0.02", "--timeout", "60", "python", HELPER, str(tmp_path)])
+    with reaped(proc, str(tmp_path)):
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "starts.txt").exists() or len(_starts(tmp_path)) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "the job did not start"
+            time.sleep(0.1)
+        servers = [pid for pid, argv in _children(proc.pid) if b"server" in argv and b"psnode" in argv]
+        assert len(servers) == 2, _children(proc.pid)
+        os.kill(servers[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    stderr = err.decode()
+    assert proc.returncode == 137, stderr  # the server's own end is the exit code
+    assert re.search(r"pslaunch: server\.0@\S+ \(server rank 0 .*\) failed first: signal SIGKILL: without "
+                     r"--checkpoint-dir only a failed worker is restarted \(alone, --restart-scope worker\); the job is "
+                     r"not started again", stderr), stderr
+    assert "restarting the job" not in stderr
+    assert not wait_gone(str(tmp_path))
+
+
+def _children(parent: int) -> list[tuple[int, list[bytes]]]:
+    """``(pid, argv)`` of ``parent``'s live child processes."""
+    return [(p.pid, list(p.argv)) for p in live_processes() if p.ppid == parent]
+
+
+def test_a_script_that_marks_nothing_cannot_be_redone_exactly_and_its_replacement_says_why(tmp_path):
+    res = _job(tmp_path, "--max-restarts", "1", "--restart-scope", "worker", env=["NO_STATE:1", "KILLS:1:4:push"])
+    assert res.returncode == 1, res.stderr
+    assert re.search(r"a pull of round 0 cannot be answered exactly, this server keeps round \d+ only: a worker "
+                     r"replaced in place resumes from its last mark \(the scalars of kvcore.elastic.State", res.stderr)
+
+
+def test_each_replacement_is_in_the_run_result_the_summary_json_the_table_and_the_summary_lines(tmp_path):
+    # through the Python API as a user calls it: which process, when, from which mark, how long the others waited
+    summary = tmp_path / "summary.json"
+    result = launch([sys.executable, HELPER, str(tmp_path)], num_workers=2, num_servers=2, max_restarts=4,
+                    restart_scope="worker", summary_json=str(summary), timeout=60, quiet=False,
+                    env={"PSLAUNCH_BIGARRAY_BOUND": "1000", "STEPS": "12", "STEP_SLEEP": "0.02",
+                         "KILLS": "1:4:push,0:7:pulled"})
+    assert result.ok, result.root_cause
+    assert not wait_gone(str(tmp_path))
+    first, second = result.replacements
+    assert (first.process, first.rank, second.process, second.rank) == ("worker.1@localhost", 1, "worker.0@localhost", 0)
+    starts = {(rank, count): step for rank, count, step in _starts(tmp_path)}
+    for record in (first, second):
+        runs = [p for p in result.processes if p.name == record.process]
+        assert [(p.pid, p.signal, p.exit_code) for p in runs] == [(record.old_pid, signal.SIGKILL, None),
+                                                                 (record.new_pid, None, 0)], result.processes
+        assert record.ended == "signal SIGKILL" and record.restart in (1, 2)
+        # the scalars it resumed from are those the script restored (its starts.txt line)
+        assert record.resumed_from == {"step": starts[(record.rank, record.restart)]}, (record, starts)
+        assert 0 < record.ended_s <= record.started_s <= record.resumed_s <= record.caught_up_s, record
+        assert record.waited_s == round(record.caught_up_s - record.ended_s, 3) and 0 < record.waited_s < 20, record
+        note = next(p.note for p in result.processes if p.pid == record.new_pid)
+        assert note == f"replacement; the others waited {record.waited_s:.1f}s", result.processes
+    assert first.ended_s < second.ended_s and [first.restart, second.restart] == [1, 2]
+    document = json.loads(summary.read_text())
+    assert document["ok"] and document["replacements"] == [first.as_dict(), second.as_dict()], document
+    assert document["replacements"][0]["waited_s"] == first.waited_s
+
+
+def test_the_replacement_lines_end_the_commands_report(tmp_path):
+    res = _job(tmp_path, *REPLACE, env=["KILLS:1:3:pulled"])
+    assert res.returncode == 0, res.stderr
+    line = re.search(r"^pslaunch: worker\.1@localhost replaced in place at ([\d.]+) s \(signal SIGKILL; pid (\d+) -> "
+                     r"(\d+), restart 1\): resumed from its predecessor's last mark \(step=(\d)\) ([\d.]+) s after the "
+                     r"end; the others waited ([\d.]+) s for it$", res.stderr, re.M)
+    assert line, res.stderr
+    rows = [r for r in _rows(res.stderr) if r[:2] == ("worker", "1")]
+    assert [(r[2], r[3]) for r in rows] == [(line[2], "signal SIGKILL"), (line[3], "0")], rows
+    assert rows[1][4] == f"replacement; the others waited {float(line[6]):.1f}s"
+    assert int(line[4]) in (2, 3)
+
+
+def test_the_live_table_in_a_terminal_names_the_replaced_worker_and_how_long_the_others_waited(tmp_path, marker):
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is missing: run scripts/test.sh (it installs tmux)")
+    socket_name = f"pslaunch-{marker}"
+    script = tmp_path / "job.sh"
+    out = tmp_path / marker
+    out.mkdir()
+    script.write_text(
+        f"cd {REPO}\nexport PYTHONPATH={REPO}\n"
+        f"{sys.executable} -m launcher.cli -n 2 -s 2 {' '.join(ENV)} {' '.join(REPLACE)} --env STEPS:60 "
+        f"--env STEP_SLEEP:0.1 --env KILLS:1:5:push --timeout 90 {sys.executable} {HELPER} {out}\necho EXIT=$?\n")
+    tmux = ["tmux", "-L", socket_name]
+    subprocess.run([*tmux, "new-session", "-d", "-s", "job", "-x", "160", "-y", "30", "bash --norc --noprofile"],
+                   check=True, timeout=10)
+    screen = ""
+    try:
+        subprocess.run([*tmux, "send-keys", "-t", "job", f"bash {script}", "Enter"], check=True, timeout=10)
+        deadline = time.monotonic() + 60
+        seen = None
+        while time.monotonic() < deadline and seen is None:
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "job"], capture_output=True, text=True,
+                                    check=True, timeout=10).stdout
+            seen = re.search(r"replaced: worker\.1 at 0:0\d \(the others waited (\d+\.\d) s\)", " ".join(screen.split()))
+            assert "EXIT=" not in screen, screen
+            time.sleep(0.3)
+        assert seen, f"the live table never named the replacement:\n{screen}"
+        while "EXIT=" not in screen and time.monotonic() < deadline + 60:
+            time.sleep(0.5)
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-S", "-200", "-t", "job"], capture_output=True,
+                                    text=True, check=True, timeout=10).stdout
+        assert "EXIT=0" in screen, screen
+        assert f"the others waited {seen[1]} s for it" in " ".join(screen.split()), screen
+    finally:
+        subprocess.run([*tmux, "kill-server"], timeout=10)
+    assert not wait_gone(str(out))
