@@ -40,6 +40,13 @@ epoch's time and how many training images per second it went through (evaluation
 
 and at the end ``worker 0 final test_accuracy 0.9711 wall_time 2.31``. Needs the torch extra:
 ``pip install 'pslaunch[torch]'`` (a CPU build of torch is enough).
+
+Under pslaunch the kvcore loop is resumable (``kvcore.elastic.State``, scalars ``epoch`` and
+``step``): with ``--checkpoint-dir`` it commits at the end of each epoch and a restarted job resumes
+from the last commit; with ``--restart-scope worker`` a worker that dies is replaced in place and
+redoes its steps exactly: the weights and the optimizer's state end as an uninterrupted run's (the
+running batch-norm statistics, a worker's own buffers, start afresh in a replacement, as after any
+restart). ``--save-weights PATH``: worker 0 writes the final parameters.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ import kvcore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synthetic_cifar import load_synthetic_cifar  # noqa: E402  (the examples directory is not a package)
-from training_cli import default_kvstore, report_epoch, report_final, training_parser, update_on_kvstore  # noqa: E402
+from training_cli import (  # noqa: E402
+    commit_if_kept, default_kvstore, report_epoch, report_final, resumable, save_weights, training_parser,
+    update_on_kvstore)
 
 try:
     import torch
@@ -143,7 +152,9 @@ class KVCoreSync:
         # Raises CompressionError here, before any step, for a store that cannot compress.
         self.trainer = kvcore.Trainer(model, optimizer, kvstore=self.kv, compression_params=compression,
                                       update_on_kvstore=update_on_kvstore(args.update_on))
-        self.trainer.sync_params()  # every worker starts from rank 0's weights
+        self.state = resumable(self.kv, epoch=0, step=0)  # where a restart resumes
+        self.state.restore()  # a restarted job: the last commit; a worker replaced in place: its predecessor's place
+        self.trainer.sync_params()  # every worker starts from rank 0's weights (or the restored ones)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, labels, reduction="sum")  # the Trainer divides by the global batch
@@ -166,6 +177,7 @@ class DDPSync:
                                          weight_decay=args.wd)
         self.learning_rate = linear_decay(args.lr, total_steps)
         self.updates = 0
+        self.state = resumable(None, epoch=0, step=0)  # kept nowhere: DDP restarts from the beginning
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, labels)  # DDP averages these means over the ranks
@@ -246,13 +258,15 @@ def main(argv=None) -> int:
     sampler = kvcore.SplitSampler(len(x_train), num_workers, rank, seed=args.seed, drop_last=True)
     steps = len(sampler) // worker_batch  # equal on every worker: a synchronous step needs every worker
     accuracy = 0.0
-    for epoch in range(args.epochs):
+    state = sync.state
+    for epoch in range(state.epoch, args.epochs):
         epoch_start = time.perf_counter()
         sampler.set_epoch(epoch)
         order = torch.from_numpy(sampler.indices())
         loss_sum = 0.0
         model.train()
-        for step in range(steps):
+        first = state.step  # 0, but in the epoch a restart resumes in
+        for step in range(first, steps):
             batch = order[step * worker_batch:(step + 1) * worker_batch]
             model.zero_grad()
             logits = sync.model(x_train[batch])
@@ -261,10 +275,14 @@ def main(argv=None) -> int:
             # Summed over this worker's samples whichever way it synchronises (DDP's loss is a mean).
             loss_sum += float(F.cross_entropy(logits.detach(), y_train[batch], reduction="sum"))
             sync.step(args.batch_size)
+            state.step = step + 1  # marks the place (no round trip): sent with the next push
         train_seconds = time.perf_counter() - epoch_start
         accuracy = evaluate(model, x_test, y_test)
-        report_epoch(rank, epoch, accuracy, loss_sum, steps * worker_batch, epoch_start, train_seconds)
+        report_epoch(rank, epoch, accuracy, loss_sum, (steps - first) * worker_batch, epoch_start, train_seconds)
+        state.epoch, state.step = epoch + 1, 0
+        commit_if_kept(state)
     report_final(rank, accuracy, started)
+    save_weights(args.save_weights, rank, {n: p.detach().numpy().copy() for n, p in model.named_parameters()})
     sync.close()
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any
 
 
 def default_kvstore(environ=os.environ) -> str:
@@ -33,7 +34,54 @@ def training_parser(description: str, hidden_layer: bool = True) -> argparse.Arg
     parser.add_argument("--update-on", choices=["auto", "store", "worker"], default="auto",
                         help="where the optimizer runs (auto: in the store for dist_* stores)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the shuffles")
+    parser.add_argument("--save-weights", default=None, metavar="PATH",
+                        help="worker 0 writes the final weights there (numpy .npz, one array per parameter)")
     return parser
+
+
+class _Unkept:
+    """The face of ``kvcore.elastic.State`` for a store that keeps nothing (local, allreduce, DDP):
+    the scalars as attributes; ``restore`` finds nothing, ``commit`` keeps nothing."""
+
+    def __init__(self, **scalars: Any) -> None:
+        self.__dict__.update(scalars)
+
+    def restore(self) -> bool:
+        return False
+
+    def commit(self) -> None:
+        return None
+
+
+def resumable(kv: Any, **scalars: Any) -> Any:
+    """Where training is (``scalars``, e.g. ``epoch=0, step=0``), kept so that a restart resumes there.
+
+    For a distributed store (``dist_sync``, ``dist_async``, ``dist_device_sync``) a
+    ``kvcore.elastic.State``: under ``pslaunch --checkpoint-dir`` a restarted job restores the last
+    commit (``commit_if_kept``), and under ``--restart-scope worker`` a ``dist_sync`` worker replaced in
+    place resumes where its predecessor last set the scalars (docs/failures.md). For any other
+    store (or None: torch DDP) the same face, keeping nothing.
+    """
+    if kv is not None and getattr(kv, "type", "").startswith("dist"):
+        import kvcore
+
+        return kvcore.elastic.State(kv, **scalars)
+    return _Unkept(**scalars)
+
+
+def commit_if_kept(state: Any, environ=os.environ) -> None:
+    """``state.commit()`` when the job keeps checkpoints (``pslaunch --checkpoint-dir`` set
+    ``PSLAUNCH_CHECKPOINT_DIR``); without one a commit would keep nothing (and warn)."""
+    if environ.get("PSLAUNCH_CHECKPOINT_DIR"):
+        state.commit()
+
+
+def save_weights(path: str | None, rank: int, weights: dict[str, Any]) -> None:
+    """Worker 0 writes ``weights`` (name -> numpy array) to ``path`` (``--save-weights``)."""
+    if path and rank == 0:
+        import numpy as np
+
+        np.savez(path, **weights)
 
 
 def update_on_kvstore(choice: str) -> bool | None:

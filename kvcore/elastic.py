@@ -21,7 +21,7 @@ checkpoint into the servers and its scalars into ``state``. A key restored keeps
 value also when ``kv.init`` comes after ``restore`` (shape and dtype must match); a job with another
 number of servers gets the keys re-sharded. Checkpoints live in ``PSLAUNCH_CHECKPOINT_DIR``
 (``pslaunch --checkpoint-dir DIR``); without one, ``restore`` finds nothing and ``commit`` keeps
-nothing (with a warning). Details: docs/checkpoints.md.
+nothing (with a warning). Details: docs/failures.md.
 
 A worker pslaunch restarted alone (``--restart-scope worker``) does not load a checkpoint: the
 servers, which never stopped, hold newer values. In ``dist_sync`` (and ``dist_device_sync``) it is a

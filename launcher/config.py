@@ -338,6 +338,10 @@ class LaunchConfig:
         if self.restart_scope == "worker" and not self.max_restarts:
             raise ConfigError("--restart-scope worker restarts a failed worker alone, which needs --max-restarts N "
                               "(N > 0)")
+        if self.restart_scope == "worker" and self.num_servers == 0:
+            raise ConfigError("--restart-scope worker with -s 0: a job without servers keeps its model on the workers "
+                              "(a ring, or torch's process group), which a worker started again alone cannot rejoin; "
+                              "use --restart-scope job with --checkpoint-dir, or give the job servers (-s N)")
         if self.restart_scope == "worker" and self.user_command_for_all_roles:
             raise ConfigError("--restart-scope worker needs the bundled runtime, which lets a restarted worker rejoin; "
                               "with --command-for-all-roles use --restart-scope job")

@@ -278,7 +278,9 @@ class DistKVStore(KVStoreBase):
         if self.rank == 0:  # unless worker 0 died before they got it: they keep one they hold (redo)
             self.wait_for(self._worker.set_updater(updater, redo=rejoined))
         if not rejoined or self._marks:  # a replacement in place redoes the barrier (answered at once)
-            self.barrier()
+            self._settle()
+            with runtime_errors():
+                self._worker.setup_barrier("set_optimizer")
         self._updater = updater
         self._has_updater = True
 
@@ -304,10 +306,11 @@ class DistKVStore(KVStoreBase):
         if rejoined and not self._marks:
             return
         self._worker.wait_pushes()
-        self.barrier()  # no push encoded with the old parameters is still on its way to a server
+        # first: no push encoded with the old parameters is still on its way to a server
+        self._worker.setup_barrier("set_gradient_compression:drained")
         if self.rank == 0 and not rejoined:
             self.wait_for(self._worker.set_codec(codec_id(params.type), {"threshold": float(params.threshold)}))
-        self.barrier()  # (a replacement in place redoes both barriers: answered at once)
+        self._worker.setup_barrier("set_gradient_compression:set")  # (a replacement in place redoes both: at once)
 
     # ---- the common case without the general normalisation ------------------------------------
     @maps_runtime_errors

@@ -257,7 +257,8 @@ class Connection:
             else:
                 self.link.note_malformed(sender, ProtocolError("a message from an unknown sender"))
 
-    def ask_barrier(self, group: "Group | int | str", note: Any = None) -> tuple[concurrent.futures.Future, str]:
+    def ask_barrier(self, group: "Group | int | str", note: Any = None,
+                    number: int | None = None) -> tuple[concurrent.futures.Future, str]:
         """Enter a barrier of ``group`` (workers, servers or all): the future its end completes, and
         what to call it in a timeout message. ``note`` (a small JSON value) reaches every member: the
         future's result is the list of the members' notes that are not None.
@@ -274,8 +275,9 @@ class Connection:
         self.failure.check()
         body: dict[str, Any] | None = None if note is None else {"note": note}
         if self.link.number_barriers:  # a replacement in place redoes some: numbered, they are answered at once
-            number = self.link.barrier_counts.get(int(group), 0) + 1
-            self.link.barrier_counts[int(group)] = number
+            if number is None:  # the next; else a set-up barrier redone by its predecessor's number
+                number = self.link.barrier_counts.get(int(group), 0) + 1
+                self.link.barrier_counts[int(group)] = number
             body = {**(body or {}), "n": number}
         return self.link.ask(Cmd.BARRIER, int(group), body), f"end of the {group.name.lower()} barrier"
 

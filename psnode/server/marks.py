@@ -4,8 +4,10 @@ Under ``PSLAUNCH_RESTART_SCOPE=worker`` a ``dist_sync`` worker that dies is repl
 process takes its rank and redoes the steps since its predecessor's last *mark*. A script marks its
 place by setting the scalars of ``kvcore.elastic.State`` (``state.step = s + 1`` after a step's pulls);
 the worker then sends every server, with its next push, a ``MARK``: an id counting up, the scalars
-(JSON), how many barriers of each group it had entered and, for each key part of that server, how
-many pushes of it the worker had issued. No answer is awaited, so a mark costs no round trip.
+(JSON), how many barriers of each group it had entered, the numbers of the barriers its set-up calls
+had (``set_optimizer``, which a Trainer makes at its first step, after the scalars are restored: a
+replacement redoes such a call by that number, not the next) and, for each key part of that server,
+how many pushes of it the worker had issued. No answer is awaited, so a mark costs no round trip.
 
 A server keeps each worker's newest ``KEPT`` marks. A replacement asks every server for its
 predecessor's (``MARKS``), takes the newest one that every server holds and received every counted
@@ -31,18 +33,22 @@ __all__ = ["Mark", "Marks", "KEPT", "read_mark", "marks_reply"]
 
 #: Marks kept per worker: the newest, and the one before it in case the newest did not reach every server.
 KEPT = 2
+#: Set-up barriers a mark may name (``set_optimizer`` and ``set_gradient_compression`` calls).
+MAX_SETUP_BARRIERS = 64
 
 
 class Mark:
     """One mark of one worker: ``id``, ``scalars`` (JSON text) and its push counts, by key id."""
 
-    __slots__ = ("id", "scalars", "barriers", "keys", "seqs")
+    __slots__ = ("id", "scalars", "barriers", "setup", "keys", "seqs")
 
-    def __init__(self, mark_id: int, scalars: str, counts: np.ndarray, barriers: dict[str, int] | None = None) -> None:
+    def __init__(self, mark_id: int, scalars: str, counts: np.ndarray, barriers: dict[str, int] | None = None,
+                 setup: dict[str, int] | None = None) -> None:
         order = np.argsort(counts["key"], kind="stable")
         self.id = mark_id
         self.scalars = scalars
         self.barriers = barriers or {}  # barrier group (as text) -> barriers of it the worker had entered
+        self.setup = setup or {}  # a set-up call's barrier ("set_optimizer#0:0") -> the number it had
         self.keys = counts["key"][order]
         self.seqs = counts["seq"][order]
 
@@ -113,6 +119,12 @@ def read_mark(frames: list, max_parts: int) -> Mark:
     if (not isinstance(barriers, dict) or len(barriers) > 3
             or not all(k in ("1", "2", "3") and type(v) is int and 0 <= v < 1 << 62 for k, v in barriers.items())):
         raise ProtocolError(f"a MARK's barrier counts {str(barriers)[:80]} are not a count per group (1, 2, 3)")
+    setup = head.get("setup", {})
+    if (not isinstance(setup, dict) or len(setup) > MAX_SETUP_BARRIERS
+            or not all(isinstance(k, str) and len(k) <= 80 and type(v) is int and 0 < v < 1 << 62
+                       for k, v in setup.items())):
+        raise ProtocolError(f"a MARK's set-up barriers {str(setup)[:80]} are not at most {MAX_SETUP_BARRIERS} "
+                            "names with their numbers")
     raw = frames[1].buffer
     if len(raw) % MARK_COUNT.itemsize or len(raw) // MARK_COUNT.itemsize > max_parts:
         raise ProtocolError(f"a MARK's counts of {len(raw)} bytes are not at most {max_parts} records of "
@@ -120,7 +132,7 @@ def read_mark(frames: list, max_parts: int) -> Mark:
     counts = np.frombuffer(raw, MARK_COUNT).copy()
     if len(counts) and int(counts["seq"].max()) >= 1 << 62:
         raise ProtocolError("a MARK counts more than 2**62 pushes of a key part")
-    return Mark(mark_id, json.dumps(scalars), counts, barriers)
+    return Mark(mark_id, json.dumps(scalars), counts, barriers, setup)
 
 
 def marks_reply(marks: list[Mark], received: Callable[[int], int],
@@ -134,7 +146,7 @@ def marks_reply(marks: list[Mark], received: Callable[[int], int],
         keep = np.fromiter((versioned(int(k)) for k in mark.keys), bool, len(mark.keys))
         keys, seqs = mark.keys[keep], mark.seqs[keep]
         complete = all(received(int(k)) >= int(s) for k, s in zip(keys, seqs))
-        listed.append({"id": mark.id, "scalars": json.loads(mark.scalars), "barriers": mark.barriers,
+        listed.append({"id": mark.id, "scalars": json.loads(mark.scalars), "barriers": mark.barriers, "setup": mark.setup,
                        "complete": complete})
         out = np.empty(len(keys), MARK_COUNT)
         out["key"], out["seq"] = keys, seqs

@@ -29,7 +29,7 @@ import concurrent.futures
 import json
 import pickle
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -87,6 +87,11 @@ class WorkerNode:
         self._mark_id = 0  # the id of this worker's last mark (``mark``)
         self._resumed: tuple[dict[str, Any] | None] | None = None  # a replacement's mark, once looked up
         self._resumed_barriers: dict[int, int] | None = None  # its barrier counts, until the script resumes
+        # set-up barriers (``setup_barrier``): this process's calls so far by name, the numbers they
+        # had, and those of its predecessor's mark (a replacement in place redoes them by number)
+        self._setup_calls: dict[str, int] = {}
+        self._setup_barriers: dict[str, int] = {}
+        self._redone_setup: dict[str, int] = {}
         self._before_close: list[Callable[[], None]] = []  # what must reach the servers before this worker finishes
         # a marker line for pslaunch (``RESUMED``, ``CAUGHT-UP``); a seam for tests, nothing unsupervised
         self.tell_launcher: Callable[[str], None] = stderr_line if env.supervised else (lambda text: None)
@@ -278,6 +283,34 @@ class WorkerNode:
         self._wait(future, timeout, what)
         return future.result() or []
 
+    def setup_barrier(self, call: str, barriers: int = 1) -> None:
+        """The ``barriers`` workers' barriers of a set-up call (``set_optimizer``,
+        ``set_gradient_compression``), one after the other. Where barriers are numbered (a worker that
+        may be replaced in place), each keeps its number in the marks, and a replacement redoes one
+        its predecessor's mark names by that number: answered at once, wherever its script calls it
+        (a Trainer sets its optimizer at its first step, after the scalars are restored), while one
+        the mark does not name is the next, as its predecessor's was.
+
+        Raises:
+            as ``barrier``.
+        """
+        link = self.conn.link
+        occurrence = self._setup_calls.get(call, 0)
+        self._setup_calls[call] = occurrence + 1
+        for i in range(barriers):
+            if not link.number_barriers:
+                self.barrier(Group.WORKERS)
+                continue
+            name = f"{call}#{occurrence}:{i}"
+            number = self._redone_setup.get(name)
+            if number is None:
+                number = link.barrier_counts.get(int(Group.WORKERS), 0) + 1
+                link.barrier_counts[int(Group.WORKERS)] = number
+            self._setup_barriers[name] = number
+            self._check()
+            future, what = self.conn.ask_barrier(Group.WORKERS, number=number)
+            self._wait(future, None, what)
+
     # ---- marks: where a replacement of this worker resumes (``psnode.server.marks``) ---------------
     def mark(self, scalars: dict[str, Any]) -> None:
         """Leave a mark with every server: the next id, ``scalars`` (a JSON object: what the script
@@ -287,7 +320,7 @@ class WorkerNode:
         self._check()
         self._mark_id += 1
         barriers = {str(group): count for group, count in self.conn.link.barrier_counts.items()}
-        body = pack_json({"id": self._mark_id, "scalars": scalars, "barriers": barriers})
+        body = pack_json({"id": self._mark_id, "scalars": scalars, "barriers": barriers, "setup": self._setup_barriers})
         by_server: dict[int, dict[int, int]] = {server: {} for server in range(self.num_servers)}
         for (key_id, server), seq in list(self.requests.push_counts.items()):
             by_server[server][key_id] = seq
@@ -327,10 +360,11 @@ class WorkerNode:
         chosen = common_mark([(server, listed, frames[:-1]) for server, listed, frames in replies], self.num_servers)
         scalars = mark_id = None
         if chosen is not None:
-            mark_id, scalars, barriers, counts = chosen
+            mark_id, scalars = chosen.id, chosen.scalars
             self._mark_id = mark_id
-            self._resumed_barriers = {int(group): count for group, count in barriers.items()}
-            for server, records in counts.items():
+            self._resumed_barriers = {int(group): count for group, count in chosen.barriers.items()}
+            self._redone_setup = dict(chosen.setup)
+            for server, records in chosen.counts.items():
                 for key_id, seq in zip(records["key"].tolist(), records["seq"].tolist()):
                     self.requests.push_counts[(key_id, server)] = seq
         self.requests.redo_until(taken_counts(replies), self._caught_up)
@@ -512,29 +546,38 @@ def taken_counts(replies: list) -> dict[tuple[int, int], int]:
     return taken
 
 
-def common_mark(replies: list, num_servers: int
-                ) -> tuple[int, dict[str, Any], dict[str, int], dict[int, np.ndarray]] | None:
+class ChosenMark(NamedTuple):
+    """The mark a replacement resumes from (``common_mark``)."""
+
+    id: int
+    scalars: dict[str, Any]
+    barriers: dict[str, int]  # barrier group (as text) -> barriers of it its predecessor had entered
+    setup: dict[str, int]  # a set-up call's barrier -> its number (``WorkerNode.setup_barrier``)
+    counts: dict[int, np.ndarray]  # server -> MARK_COUNT records: pushes of each key part issued
+
+
+def common_mark(replies: list, num_servers: int) -> ChosenMark | None:
     """The newest mark every server listed as complete, from ``MARKS_REPLY`` answers ``(server,
-    listed, count frames)``: ``(id, scalars, barrier counts, {server: MARK_COUNT records})``, or None
-    when there is none.
+    listed, count frames)``, or None when there is none.
 
     Raises:
         ProtocolError: an answer that is not a list of marks with their count frames.
     """
-    complete: dict[int, dict[int, tuple[dict, np.ndarray]]] = {}
+    complete: dict[int, dict[int, tuple[dict, dict, dict, np.ndarray]]] = {}
     for server, listed, frames in replies:
         for entry, frame in zip(listed, frames):
             if not isinstance(entry, dict) or not isinstance(entry.get("id"), int) or len(frame) % MARK_COUNT.itemsize:
                 raise ProtocolError(f"server {server} listed a malformed mark: {str(entry)[:100]}")
-            barriers = entry.get("barriers", {})
-            if entry.get("complete") is True and isinstance(entry.get("scalars"), dict) and isinstance(barriers, dict):
-                complete.setdefault(entry["id"], {})[server] = (entry["scalars"], barriers,
+            barriers, setup = entry.get("barriers", {}), entry.get("setup", {})
+            if (entry.get("complete") is True and isinstance(entry.get("scalars"), dict) and isinstance(barriers, dict)
+                    and isinstance(setup, dict)):
+                complete.setdefault(entry["id"], {})[server] = (entry["scalars"], barriers, setup,
                                                                 np.frombuffer(frame, MARK_COUNT))
     for mark_id in sorted(complete, reverse=True):
         by_server = complete[mark_id]
         if len(by_server) == num_servers:
-            scalars, barriers, _ = next(iter(by_server.values()))
-            return mark_id, scalars, barriers, {server: counts for server, (_, _, counts) in by_server.items()}
+            scalars, barriers, setup, _ = next(iter(by_server.values()))
+            return ChosenMark(mark_id, scalars, barriers, setup, {server: item[3] for server, item in by_server.items()})
     return None
 
 

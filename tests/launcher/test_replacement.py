@@ -113,6 +113,17 @@ def test_a_killed_dist_sync_worker_is_replaced_alone_and_the_weights_are_bit_equ
     assert res.stderr.count("the other processes go on") == len(resumed)
 
 
+@pytest.mark.parametrize("kills", ["1:3:pulled,0:5:push", "0:-1:optimizer"])
+def test_a_replacement_that_sets_its_optimizer_after_restoring_redoes_that_barrier_by_its_predecessors_number(
+        tmp_path, reference, kills):
+    # kvcore.Trainer sets the optimizer at its first step: after state.restore(), so after the barrier
+    # counts jumped to the mark's; its barrier is redone by the number its predecessor's had (once, it hung)
+    res = _job(tmp_path, *REPLACE, env=["OPTIMIZER_LATE:1", f"KILLS:{kills}"], timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert _same(_weights(tmp_path), reference())
+    _resumed_as_expected(tmp_path, kills)
+
+
 def test_barriers_and_commits_a_replacement_redoes_are_answered_at_once_and_no_checkpoint_is_written_twice(
         tmp_path, reference):
     # worker 0 dies right after a commit (its mark is sent with its next push, so it redoes the step and

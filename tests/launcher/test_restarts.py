@@ -158,6 +158,8 @@ def test_restarts_of_a_job_without_servers_ask_for_a_directory_the_workers_reach
      "--restart-scope worker cannot be used with --launcher mpi"),
     (["--max-restarts", "1", "--allow-restart-from-scratch", "--restart-scope", "worker", "--command-for-all-roles"],
      "with --command-for-all-roles use --restart-scope job"),
+    (["-s", "0", "--max-restarts", "1", "--restart-scope", "worker"],
+     "--restart-scope worker with -s 0: a job without servers keeps its model on the workers"),
 ])
 def test_restart_flags_that_cannot_work_are_refused_before_anything_starts(args, message):
     res = run_pslaunch(["-n", "1", *args, helper("sleeper.py")], timeout=30)

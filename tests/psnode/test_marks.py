@@ -31,8 +31,10 @@ def mark_frames(head, counts: dict[int, int] | bytes):
 
 
 def test_a_mark_reads_back_its_id_scalars_barriers_and_counts():
-    mark = read_mark(mark_frames({"id": 3, "scalars": {"step": 7}, "barriers": {"1": 2}}, {9: 4, 2: 5}), 10)
-    assert (mark.id, json.loads(mark.scalars), mark.barriers) == (3, {"step": 7}, {"1": 2})
+    mark = read_mark(mark_frames({"id": 3, "scalars": {"step": 7}, "barriers": {"1": 2},
+                                  "setup": {"set_optimizer#0:0": 1}}, {9: 4, 2: 5}), 10)
+    assert (mark.id, json.loads(mark.scalars), mark.barriers, mark.setup) == (3, {"step": 7}, {"1": 2},
+                                                                             {"set_optimizer#0:0": 1})
     assert (mark.count(2), mark.count(9), mark.count(5)) == (5, 4, 0)
 
 
@@ -46,6 +48,9 @@ def test_a_mark_reads_back_its_id_scalars_barriers_and_counts():
     (mark_frames({"id": 1, "scalars": [1]}, {}), r"a MARK's scalars are a list, not an object"),
     (mark_frames({"id": 1, "scalars": {}, "barriers": {"9": 1}}, {}), r"barrier counts .* are not a count per group"),
     (mark_frames({"id": 1, "scalars": {}, "barriers": {"1": -1}}, {}), r"barrier counts .* are not a count per group"),
+    (mark_frames({"id": 1, "scalars": {}, "setup": {"x": 0}}, {}), r"set-up barriers .* are not at most 64 names"),
+    (mark_frames({"id": 1, "scalars": {}, "setup": {str(i): 1 for i in range(65)}}, {}), r"set-up barriers"),
+    (mark_frames({"id": 1, "scalars": {}, "setup": {"x" * 81: 1}}, {}), r"set-up barriers"),
     (mark_frames({"id": 1, "scalars": {}}, b"\x00" * 15), r"counts of 15 bytes are not at most 4 records of 16 bytes"),
     (mark_frames({"id": 1, "scalars": {}}, {k: 1 for k in range(5)}), r"counts of 80 bytes are not at most 4 records"),
     (mark_frames({"id": 1, "scalars": {}}, {1: 1 << 63}), r"counts more than 2\*\*62 pushes"),
@@ -93,11 +98,13 @@ def test_a_servers_answer_lists_versioned_counts_only_and_whether_every_counted_
 
 def test_a_replacement_takes_the_newest_mark_every_server_holds_complete():
     def listing(*marks):
-        return [{"id": i, "scalars": {"step": i}, "barriers": {"1": i}, "complete": complete} for i, complete in marks]
+        return [{"id": i, "scalars": {"step": i}, "barriers": {"1": i}, "setup": {"set_optimizer#0:0": 1},
+                 "complete": complete} for i, complete in marks]
     counts = pack_counts({7: 1})
     replies = [(0, listing((3, True), (4, True)), [counts, counts]), (1, listing((3, True), (4, False)), [counts, counts])]
-    mark_id, scalars, barriers, by_server = common_mark(replies, 2)
-    assert (mark_id, scalars, barriers, sorted(by_server)) == (3, {"step": 3}, {"1": 3}, [0, 1])
+    chosen = common_mark(replies, 2)
+    assert (chosen.id, chosen.scalars, chosen.barriers, chosen.setup, sorted(chosen.counts)) == (
+        3, {"step": 3}, {"1": 3}, {"set_optimizer#0:0": 1}, [0, 1])
     assert common_mark([(0, listing((3, True)), [counts])], 2) is None  # a server without it: none in common
     with pytest.raises(ProtocolError, match="server 0 listed a malformed mark"):
         common_mark([(0, [{"id": "x"}], [counts])], 1)

@@ -18,7 +18,9 @@ marker file in OUTDIR remembers it happened). The phases:
   ``restored`` (after ``state.restore()``), ``first-pull`` (after the pull of the weights).
 
 $STEP_SLEEP seconds pass in each step's compute (default 0), so that a test can kill workers from
-outside at random moments. With $NO_STATE=1 the script keeps no ``State``: it marks nothing.
+outside at random moments. With $NO_STATE=1 the script keeps no ``State``: it marks nothing. With
+$OPTIMIZER_LATE=1 it sets the optimizer after restoring its scalars and pulling the weights, as a
+``kvcore.Trainer`` does at its first step.
 
 Keys: 0 is split over the servers (more than $PSLAUNCH_BIGARRAY_BOUND elements), the others whole.
 Each step's gradient is a function of the weights the worker pulled, its rank and the step, so a
@@ -43,6 +45,7 @@ barrier_every = int(os.environ.get("BARRIER_EVERY", "0"))
 commit_every = int(os.environ.get("COMMIT_EVERY", "0"))
 step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
 no_state = os.environ.get("NO_STATE") == "1"
+optimizer_late = os.environ.get("OPTIMIZER_LATE") == "1"
 SHAPES = {0: (3000,), 1: (7,), 2: (64, 3), 3: (5,), 4: (1,)}
 
 
@@ -60,8 +63,9 @@ keys = sorted(SHAPES)
 kv.init(keys, [np.linspace(-1, 1, int(np.prod(SHAPES[k])), dtype=np.float32).reshape(SHAPES[k]) * (k + 1)
                for k in keys])
 maybe_die(-1, "init")
-kv.set_optimizer(kvcore.optim.SGD(learning_rate=0.05, momentum=0.9))
-maybe_die(-1, "optimizer")
+if not optimizer_late:
+    kv.set_optimizer(kvcore.optim.SGD(learning_rate=0.05, momentum=0.9))
+    maybe_die(-1, "optimizer")
 
 class NoState:
     step = 0
@@ -83,6 +87,9 @@ with open(os.path.join(out, "starts.txt"), "a") as fh:
 weights = {k: np.empty(SHAPES[k], np.float32) for k in keys}
 kv.pull(keys, out=[weights[k] for k in keys])
 maybe_die(-1, "first-pull")
+if optimizer_late:  # as kvcore.Trainer does, at its first step: after the scalars are restored
+    kv.set_optimizer(kvcore.optim.SGD(learning_rate=0.05, momentum=0.9))
+    maybe_die(-1, "optimizer")
 
 for step in range(state.step, steps):
     grads = {k: (np.sin(weights[k] * (rank + 1) + step) * 0.1).astype(np.float32) for k in keys}

@@ -1,0 +1,239 @@
+"""What failures cost a training job: each run's wall time against an uninterrupted run's, in one run.
+
+    python -m benchmarks.failures [--models mlp,resnet20] [--kills 5] [--quick] [--json out.json]
+        [--log-dir DIR]
+
+For each model (the digits MLP, ``examples/train_mlp.py``, and ResNet-20, ``examples/train_resnet.py``;
+2 workers, 2 servers, ``dist_sync``, each example resumable through ``kvcore.elastic.State``):
+
+- **uninterrupted**: the job as it is; its wall time is the reference;
+- **worker, replaced in place**: ``--restart-scope worker --max-restarts K`` with no checkpoint
+  directory; ``--kills`` times a worker (rank 1, 0, 1, ...) is killed with SIGKILL from outside, at
+  evenly spaced moments of the reference's wall time, each once that worker has run ``--min-age``
+  seconds (a worker still starting is not hit); the replacements redo their steps from their marks
+  while the others go on;
+- **job, from a checkpoint**: the same kills under ``--restart-scope job --checkpoint-dir`` (the
+  example commits at the end of each epoch): every kill stops the job and starts it again from the
+  last checkpoint (torchrun's and Ray Train's model).
+- **server, with a replica**: ``--server-replicas 1`` is not built yet (issue "Failures that stop no
+  one", item 2); the row says so.
+
+Each row gives the wall time, its ratio to the uninterrupted run's, the kills that landed and the
+seconds each cost (the wall time over the uninterrupted run's, per kill), how long the others
+waited for each replacement (pslaunch's ``RunResult.replacements``) and whether the final weights
+equal the uninterrupted run's bit for bit (worker 0 saves them, ``--save-weights``). A kill that
+would land after the job ended is not made; the row counts those that did.
+
+Exit status: 0 when every job succeeded, 1 otherwise, 2 for bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from testkit.launcher import live_processes
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+EXAMPLES = ROOT / "examples"
+
+#: Each model's example and its arguments (full, and ``--quick``).
+MODELS = {
+    "mlp": ("train_mlp.py", ["--epochs", "120", "--hidden", "2048"], ["--epochs", "20", "--hidden", "512"]),
+    "resnet20": ("train_resnet.py", ["--epochs", "3", "--train-size", "2000", "--test-size", "500"],
+                 ["--epochs", "1", "--train-size", "600", "--test-size", "100"]),
+}
+
+
+class Killer(threading.Thread):
+    """Kills a worker of the job whose command line holds ``tag`` at each of ``moments`` (seconds
+    after ``start``), ranks 1, 0, 1, ... in turn; waits for that worker to have run ``min_age``
+    seconds first (a replacement, or a restarted job, training again: not one still starting).
+    ``whole_job``: each kill restarts the job, so the next one waits for a worker of the next
+    attempt (``PSLAUNCH_RESTART_COUNT``), not one of the attempt being stopped."""
+
+    def __init__(self, tag: str, moments: list[float], start: float, min_age: float, whole_job: bool) -> None:
+        super().__init__(daemon=True)
+        self.tag, self.moments, self.start_at, self.min_age = tag, moments, start, min_age
+        self.whole_job = whole_job
+        self.killed: list[tuple[float, int, int]] = []  # (seconds after start, rank, pid)
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        for i, moment in enumerate(self.moments):
+            rank = (i + 1) % 2
+            while not self.stopped.is_set() and time.monotonic() - self.start_at < moment:
+                time.sleep(0.01)
+            while not self.stopped.is_set():
+                attempt = len(self.killed) if self.whole_job else None
+                pid = _worker_pid(self.tag, rank, self.min_age, attempt)
+                if pid is not None:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue
+                    self.killed.append((round(time.monotonic() - self.start_at, 2), rank, pid))
+                    break
+                time.sleep(0.02)
+            if self.stopped.is_set():
+                return
+
+
+def _worker_pid(tag: str, rank: int, min_age: float, attempt: int | None) -> int | None:
+    """The pid of worker ``rank`` of the job tagged ``tag`` (its script's arguments) once it has run
+    ``min_age`` seconds (started, registered, training), of restart ``attempt`` when given; else None."""
+    for proc in live_processes():
+        if tag.encode() not in proc.argv or b"launcher.cli" in proc.argv:
+            continue
+        environ = proc.environ()
+        if (environ.get(b"DMLC_ROLE") == b"worker" and environ.get(b"DMLC_WORKER_ID") == str(rank).encode()
+                and (attempt is None or environ.get(b"PSLAUNCH_RESTART_COUNT") == str(attempt).encode())
+                and _age(proc.pid) >= min_age):
+            return proc.pid
+    return None
+
+
+def _age(pid: int) -> float:
+    """Seconds since process ``pid`` started (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            started = int(fh.read().rsplit(b")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime", "rb") as fh:
+            return float(fh.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def run_case(model: str, case: str, args: argparse.Namespace, work: Path, reference_s: float | None) -> dict:
+    """One job of ``model`` under ``case`` (``uninterrupted``, ``worker``, ``job``); its row."""
+    from launcher import launch
+
+    script, full, quick = MODELS[model]
+    out = work / f"{model}-{case}"
+    out.mkdir()
+    weights = out / "weights.npz"
+    options: dict = {}
+    if case == "worker":
+        options = dict(max_restarts=args.kills, restart_scope="worker")
+    elif case == "job":
+        options = dict(max_restarts=args.kills, restart_scope="job", checkpoint_dir=str(out / "ckpt"))
+    if args.log_dir is not None:
+        options["log_dir"] = str(args.log_dir / f"{model}-{case}")
+    argv = [sys.executable, str(EXAMPLES / script), *(quick if args.quick else full), "--save-weights", str(weights)]
+    killer = None
+    start = time.monotonic()
+    if case != "uninterrupted":
+        assert reference_s is not None
+        moments = [reference_s * (i + 1) / (args.kills + 1) for i in range(args.kills)]
+        killer = Killer(str(weights), moments, start, args.min_age, whole_job=case == "job")
+        killer.start()
+    try:
+        result = launch(argv, num_workers=2, num_servers=2, timeout=args.job_timeout, env={"OMP_NUM_THREADS": "1"},
+                        **options)
+    finally:
+        wall = time.monotonic() - start
+        if killer is not None:
+            killer.stopped.set()
+            killer.join(5)
+    if result.exit_code in (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP):
+        raise SystemExit(result.exit_code)  # pslaunch stopped the job for a signal meant for this run: stop here
+    row: dict = {"model": model, "case": case, "wall_s": round(wall, 2), "ok": result.ok,
+                 "kills": [] if killer is None else killer.killed, "weights": str(weights)}
+    if not result.ok:
+        cause = result.root_cause
+        row["error"] = f"exit code {result.exit_code}: {cause.reason if cause else 'no root cause'}"
+    if reference_s:
+        row["vs_uninterrupted"] = round(wall / reference_s, 3)
+        if row["kills"]:
+            row["seconds_per_kill"] = round((wall - reference_s) / len(row["kills"]), 2)
+    row["replacements"] = [{"process": r.process, "waited_s": r.waited_s, "resumed_from": r.resumed_from}
+                           for r in result.replacements]
+    row["restarts_of_the_job"] = sum(1 for a in result.attempts if a.action.startswith("restarted the job"))
+    return row
+
+
+def same_weights(a: Path, b: Path) -> bool | None:
+    """Whether two saved weight files hold equal arrays, bit for bit (None when one is missing)."""
+    if not (a.exists() and b.exists()):
+        return None
+    with np.load(a) as x, np.load(b) as y:
+        return x.files == y.files and all(np.array_equal(x[k], y[k]) for k in x.files)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mlp,resnet20", help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--kills", type=int, default=5, help="worker kills per run")
+    parser.add_argument("--quick", action="store_true", help="small runs (a smoke test)")
+    parser.add_argument("--min-age", type=float, default=3.0,
+                        help="seconds a worker runs before it may be killed (its start: imports, registering)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep every process's output here")
+    parser.add_argument("--job-timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        parser.error(f"--models {args.models!r}: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"the models are {', '.join(MODELS)}")
+    if args.kills < 1:
+        parser.error(f"--kills {args.kills}: at least 1")
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwinds: jobs reaped, files removed
+    report: dict = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+                    "python": platform.python_version(), "cpus": os.cpu_count(), "kills": args.kills,
+                    "quick": args.quick, "rows": []}
+    failed = False
+    print("| model | case | wall | vs uninterrupted | kills | s per kill | job restarts | the others waited (each) "
+          "| weights equal |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    with tempfile.TemporaryDirectory(prefix="pslaunch-failures-") as tmp:
+        work = Path(tmp)
+        for model in models:
+            reference = run_case(model, "uninterrupted", args, work, None)
+            rows = [reference]
+            if reference["ok"]:
+                for case in ("worker", "job"):
+                    rows.append(run_case(model, case, args, work, reference["wall_s"]))
+            for row in rows:
+                row["weights_equal"] = same_weights(Path(row["weights"]), Path(reference["weights"])) \
+                    if row is not reference else None
+                failed = failed or not row["ok"]
+                report["rows"].append(row)
+                print(_line(row), flush=True)
+            report["rows"].append({"model": model, "case": "server", "skipped": "--server-replicas is not built yet"})
+            print(f"| {model} | server, with a replica | - | - | - | - | - | - | not built yet (--server-replicas) |",
+                  flush=True)
+            shutil.rmtree(work / f"{model}-job" / "ckpt", ignore_errors=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 1 if failed else 0
+
+
+_CASES = {"uninterrupted": "uninterrupted", "worker": "worker, replaced in place", "job": "job, from a checkpoint"}
+
+
+def _line(row: dict) -> str:
+    if not row["ok"]:
+        return f"| {row['model']} | {_CASES[row['case']]} | FAILED: {row['error'][:300]} | | | | | | |"
+    waits = ", ".join(f"{r['waited_s']:.2f}" for r in row["replacements"] if r["waited_s"] is not None) or "-"
+    equal = {None: "-", True: "yes", False: "no"}[row["weights_equal"]]
+    ratio = f"{row['vs_uninterrupted']:.2f}x" if "vs_uninterrupted" in row else "1x"
+    per_kill = f"{row['seconds_per_kill']:.2f}" if "seconds_per_kill" in row else "-"
+    return (f"| {row['model']} | {_CASES[row['case']]} | {row['wall_s']:.1f} s | {ratio} | {len(row['kills'])} | "
+            f"{per_kill} | {row['restarts_of_the_job']} | {waits} | {equal} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The failures benchmark runs: a quick pass on the MLP example gives an uninterrupted row, one with a
+worker replaced in place and one with the job restarted from its checkpoint, each kill landed and the
+final weights equal.
+
+No timing is asserted (the figures live in docs/benchmarks.md and docs/failures.md); this checks that
+``python -m benchmarks.failures`` kills what it says, reaps every job and writes a complete report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testkit.launcher import wait_gone
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_a_quick_run_kills_replaces_and_restarts_with_the_uninterrupted_weights(tmp_path):
+    out = tmp_path / "out.json"
+    argv = [sys.executable, "-m", "benchmarks.failures", "--models", "mlp", "--quick", "--kills", "2", "--min-age",
+            "1.5", "--json", str(out), "--job-timeout", "120"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=280)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stdout
+    rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"uninterrupted", "worker", "job", "server"}, rows
+    replaced, restarted = rows["worker"], rows["job"]
+    assert len(replaced["kills"]) >= 1 and len(replaced["replacements"]) == len(replaced["kills"]), replaced
+    assert all(r["waited_s"] is not None and r["waited_s"] > 0 for r in replaced["replacements"]), replaced
+    assert restarted["restarts_of_the_job"] == len(restarted["kills"]) >= 1, restarted
+    assert replaced["weights_equal"] is True and restarted["weights_equal"] is True, rows
+    assert "| mlp | worker, replaced in place |" in stdout and "not built yet (--server-replicas)" in stdout, stdout
+    assert not wait_gone("pslaunch-failures-")
