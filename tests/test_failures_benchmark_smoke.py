@@ -9,15 +9,13 @@ No timing is asserted (the figures live in docs/benchmarks.md and docs/failures.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from testkit.launcher import wait_gone
+from testkit.launcher import reaped, wait_gone
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,12 +28,8 @@ def test_a_quick_run_kills_replaces_and_restarts_with_the_uninterrupted_weights(
             "1.5", "--json", str(out), "--job-timeout", "120"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    try:
+    with reaped(proc, "pslaunch-failures-"):  # its jobs' processes carry their folder's name
         stdout, _ = proc.communicate(timeout=280)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     assert proc.returncode == 0, stdout
     rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"uninterrupted", "worker", "job", "server"}, rows
