@@ -7,6 +7,8 @@ For each model (the digits MLP, ``examples/train_mlp.py``, and ResNet-20, ``exam
 2 workers, 2 servers, ``dist_sync``, each example resumable through ``kvcore.elastic.State``):
 
 - **uninterrupted**: the job as it is; its wall time is the reference;
+- **ready to replace, no kill**: the same under ``--restart-scope worker``: what being ready costs (the
+  marks, and the earlier values the servers keep, given against the model's bytes they hold);
 - **worker, replaced in place**: ``--restart-scope worker --max-restarts K`` with no checkpoint
   directory; ``--kills`` times a worker (rank 1, 0, 1, ...) is killed with SIGKILL from outside, at
   evenly spaced moments of the reference's wall time, each once that worker has run ``--min-age``
@@ -20,7 +22,9 @@ For each model (the digits MLP, ``examples/train_mlp.py``, and ResNet-20, ``exam
 
 Each row gives the wall time, its ratio to the uninterrupted run's, the kills that landed and the
 seconds each cost (the wall time over the uninterrupted run's, per kill), how long the others
-waited for each replacement (pslaunch's ``RunResult.replacements``) and whether the final weights
+waited for each replacement (pslaunch's ``RunResult.replacements``), the earlier values the servers
+keep for replacements against the model's bytes (``--summary-json``'s ``kept_bytes`` and
+``held_bytes``, as last reported) and whether the final weights
 equal the uninterrupted run's bit for bit (worker 0 saves them, ``--save-weights``). A kill that
 would land after the job ended is not made; the row counts those that did.
 
@@ -118,24 +122,27 @@ def _age(pid: int) -> float:
 
 
 def run_case(model: str, case: str, args: argparse.Namespace, work: Path, reference_s: float | None) -> dict:
-    """One job of ``model`` under ``case`` (``uninterrupted``, ``worker``, ``job``); its row."""
+    """One job of ``model`` under ``case`` (``uninterrupted``, ``ready``, ``worker``, ``job``); its row."""
     from launcher import launch
 
     script, full, quick = MODELS[model]
     out = work / f"{model}-{case}"
     out.mkdir()
     weights = out / "weights.npz"
-    options: dict = {}
-    if case == "worker":
-        options = dict(max_restarts=args.kills, restart_scope="worker")
+    summary = out / "summary.json"
+    options: dict = {"summary_json": str(summary)}
+    if case == "ready":  # no kill: what being ready for replacements costs (marks, the values servers keep)
+        options.update(max_restarts=1, restart_scope="worker")
+    elif case == "worker":
+        options.update(max_restarts=args.kills, restart_scope="worker")
     elif case == "job":
-        options = dict(max_restarts=args.kills, restart_scope="job", checkpoint_dir=str(out / "ckpt"))
+        options.update(max_restarts=args.kills, restart_scope="job", checkpoint_dir=str(out / "ckpt"))
     if args.log_dir is not None:
         options["log_dir"] = str(args.log_dir / f"{model}-{case}")
     argv = [sys.executable, str(EXAMPLES / script), *(quick if args.quick else full), "--save-weights", str(weights)]
     killer = None
     start = time.monotonic()
-    if case != "uninterrupted":
+    if case in ("worker", "job"):
         assert reference_s is not None
         moments = [reference_s * (i + 1) / (args.kills + 1) for i in range(args.kills)]
         killer = Killer(str(weights), moments, start, args.min_age, whole_job=case == "job")
@@ -162,6 +169,10 @@ def run_case(model: str, case: str, args: argparse.Namespace, work: Path, refere
     row["replacements"] = [{"process": r.process, "waited_s": r.waited_s, "resumed_from": r.resumed_from}
                            for r in result.replacements]
     row["restarts_of_the_job"] = sum(1 for a in result.attempts if a.action.startswith("restarted the job"))
+    if summary.exists():
+        servers = [p for p in json.loads(summary.read_text())["processes"] if p["role"] == "server"]
+        row["held_bytes"] = sum(p.get("held_bytes") or 0 for p in servers)
+        row["kept_bytes"] = sum(p.get("kept_bytes") or 0 for p in servers)
     return row
 
 
@@ -197,14 +208,15 @@ def main(argv: list[str] | None = None) -> int:
                     "quick": args.quick, "rows": []}
     failed = False
     print("| model | case | wall | vs uninterrupted | kills | s per kill | job restarts | the others waited (each) "
-          "| weights equal |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+          "| servers keep (x the model) | weights equal |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+          flush=True)
     with tempfile.TemporaryDirectory(prefix="pslaunch-failures-") as tmp:
         work = Path(tmp)
         for model in models:
             reference = run_case(model, "uninterrupted", args, work, None)
             rows = [reference]
             if reference["ok"]:
-                for case in ("worker", "job"):
+                for case in ("ready", "worker", "job"):
                     rows.append(run_case(model, case, args, work, reference["wall_s"]))
             for row in rows:
                 row["weights_equal"] = same_weights(Path(row["weights"]), Path(reference["weights"])) \
@@ -213,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["rows"].append(row)
                 print(_line(row), flush=True)
             report["rows"].append({"model": model, "case": "server", "skipped": "--server-replicas is not built yet"})
-            print(f"| {model} | server, with a replica | - | - | - | - | - | - | not built yet (--server-replicas) |",
+            print(f"| {model} | server, with a replica | - | - | - | - | - | - | - | not built yet (--server-replicas) |",
                   flush=True)
             shutil.rmtree(work / f"{model}-job" / "ckpt", ignore_errors=True)
     if args.json is not None:
@@ -221,18 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-_CASES = {"uninterrupted": "uninterrupted", "worker": "worker, replaced in place", "job": "job, from a checkpoint"}
+_CASES = {"uninterrupted": "uninterrupted", "ready": "ready to replace, no kill", "worker": "worker, replaced in place",
+          "job": "job, from a checkpoint"}
 
 
 def _line(row: dict) -> str:
     if not row["ok"]:
-        return f"| {row['model']} | {_CASES[row['case']]} | FAILED: {row['error'][:300]} | | | | | | |"
+        return f"| {row['model']} | {_CASES[row['case']]} | FAILED: {row['error'][:300]} | | | | | | | |"
     waits = ", ".join(f"{r['waited_s']:.2f}" for r in row["replacements"] if r["waited_s"] is not None) or "-"
     equal = {None: "-", True: "yes", False: "no"}[row["weights_equal"]]
     ratio = f"{row['vs_uninterrupted']:.2f}x" if "vs_uninterrupted" in row else "1x"
     per_kill = f"{row['seconds_per_kill']:.2f}" if "seconds_per_kill" in row else "-"
+    # the servers' memory for replacements: the earlier values they keep beside the model
+    kept = f"{row['kept_bytes'] / row['held_bytes']:.1f}x" if row.get("held_bytes") else "-"
     return (f"| {row['model']} | {_CASES[row['case']]} | {row['wall_s']:.1f} s | {ratio} | {len(row['kills'])} | "
-            f"{per_kill} | {row['restarts_of_the_job']} | {waits} | {equal} |")
+            f"{per_kill} | {row['restarts_of_the_job']} | {waits} | {kept} | {equal} |")
 
 
 if __name__ == "__main__":

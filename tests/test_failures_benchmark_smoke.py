@@ -32,7 +32,8 @@ def test_a_quick_run_kills_replaces_and_restarts_with_the_uninterrupted_weights(
         stdout, _ = proc.communicate(timeout=280)
     assert proc.returncode == 0, stdout
     rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"uninterrupted", "worker", "job", "server"}, rows
+    assert set(rows) == {"uninterrupted", "ready", "worker", "job", "server"}, rows
+    assert rows["ready"]["kept_bytes"] > 0 and rows["uninterrupted"]["kept_bytes"] == 0, rows
     replaced, restarted = rows["worker"], rows["job"]
     assert len(replaced["kills"]) >= 1 and len(replaced["replacements"]) == len(replaced["kills"]), replaced
     assert all(r["waited_s"] is not None and r["waited_s"] > 0 for r in replaced["replacements"]), replaced

@@ -229,7 +229,7 @@ class JobStats:
             span = newest["t"] - oldest["t"]
             if span > 0:
                 row.rates = {name: max(0.0, newest[name] - oldest.get(name, 0.0)) / span
-                             for name in newest if name not in ("t", "rss", "lr", "keys", "held_b", "queued", "waiting")}
+                             for name in newest if name not in ("t", "rss", "lr", "keys", "held_b", "kept_b", "queued", "waiting")}
                 if "cpu" in row.rates:
                     row.cpu_percent = 100.0 * row.rates["cpu"]
                 if "wait_s" in row.rates:

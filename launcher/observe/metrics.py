@@ -47,6 +47,8 @@ METRICS: list[tuple[str, str, str, Callable[[Row], float | None]]] = [
      lambda r: float(r.straggler) if r.role == "worker" and not r.exited else None),
     ("pslaunch_server_keys", "gauge", "Key parts a server holds.", lambda r: r.counters.get("keys")),
     ("pslaunch_server_held_bytes", "gauge", "Bytes of values a server holds.", lambda r: r.counters.get("held_b")),
+    ("pslaunch_server_kept_bytes", "gauge", "Bytes of earlier values a server keeps for replacements in place.",
+     lambda r: r.counters.get("kept_b")),
     ("pslaunch_server_received_bytes_total", "counter", "Bytes of pushes a server received.",
      lambda r: r.counters.get("push_b") if r.role == "server" else None),
     ("pslaunch_server_updates_total", "counter", "Key updates (rounds applied) of a server.",

@@ -219,7 +219,7 @@ def summary_document(job_id: str, rows: list[Row], notes: dict[int, str], failur
                          rounds=counters.get("rounds"), wait_s=counters.get("wait_s"))
         elif row.role == "server":
             entry.update(received_bytes=counters.get("push_b"), updates=counters.get("updates"),
-                         keys=counters.get("keys"), held_bytes=counters.get("held_b"))
+                         keys=counters.get("keys"), held_bytes=counters.get("held_b"), kept_bytes=counters.get("kept_b"))
         if "cpu" in counters:
             entry["cpu_s"] = counters["cpu"]
         processes.append(entry)

@@ -234,6 +234,17 @@ def test_each_replacement_is_in_the_run_result_the_summary_json_the_table_and_th
     document = json.loads(summary.read_text())
     assert document["ok"] and document["replacements"] == [first.as_dict(), second.as_dict()], document
     assert document["replacements"][0]["waited_s"] == first.waited_s
+    # what being ready for replacements costs the servers: the values since the oldest kept mark
+    servers = [p for p in document["processes"] if p["role"] == "server"]
+    assert all(0 < p["kept_bytes"] <= 3 * p["held_bytes"] for p in servers), servers
+
+
+def test_a_job_without_replacements_keeps_no_earlier_values(tmp_path):
+    summary = tmp_path / "summary.json"
+    res = _job(tmp_path, "--summary-json", str(summary))
+    assert res.returncode == 0, res.stderr
+    servers = [p for p in json.loads(summary.read_text())["processes"] if p["role"] == "server"]
+    assert [p["kept_bytes"] for p in servers] == [0, 0] and all(p["held_bytes"] > 0 for p in servers), servers
 
 
 def test_the_replacement_lines_end_the_commands_report(tmp_path):
