@@ -124,6 +124,14 @@ def test_a_replacement_that_sets_its_optimizer_after_restoring_redoes_that_barri
     _resumed_as_expected(tmp_path, kills)
 
 
+def test_a_dist_device_sync_worker_is_replaced_in_place_too(tmp_path, reference):
+    # merged on the device (CuPy, or numpy where there is no GPU) before the push: the same rounds
+    res = _job(tmp_path, *REPLACE, env=["STORE:dist_device_sync", "KILLS:1:3:push,0:6:pulled"])
+    assert res.returncode == 0, res.stderr
+    assert _same(_weights(tmp_path), reference())
+    _resumed_as_expected(tmp_path, "1:3:push,0:6:pulled")
+
+
 def test_barriers_and_commits_a_replacement_redoes_are_answered_at_once_and_no_checkpoint_is_written_twice(
         tmp_path, reference):
     # worker 0 dies right after a commit (its mark is sent with its next push, so it redoes the step and

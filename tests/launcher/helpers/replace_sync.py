@@ -20,7 +20,7 @@ marker file in OUTDIR remembers it happened). The phases:
 $STEP_SLEEP seconds pass in each step's compute (default 0), so that a test can kill workers from
 outside at random moments. With $NO_STATE=1 the script keeps no ``State``: it marks nothing. With
 $OPTIMIZER_LATE=1 it sets the optimizer after restoring its scalars and pulling the weights, as a
-``kvcore.Trainer`` does at its first step.
+``kvcore.Trainer`` does at its first step. $STORE is the store type (default ``dist_sync``).
 
 Keys: 0 is split over the servers (more than $PSLAUNCH_BIGARRAY_BOUND elements), the others whole.
 Each step's gradient is a function of the weights the worker pulled, its rank and the step, so a
@@ -57,7 +57,7 @@ def maybe_die(step: int, phase: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-kv = kvcore.create("dist_sync")
+kv = kvcore.create(os.environ.get("STORE", "dist_sync"))
 rank = kv.rank
 keys = sorted(SHAPES)
 kv.init(keys, [np.linspace(-1, 1, int(np.prod(SHAPES[k])), dtype=np.float32).reshape(SHAPES[k]) * (k + 1)
