@@ -15,7 +15,8 @@ import pytest
 
 from testkit.launcher import BATCH_BACKENDS, Launch, backend_launch, helper, run_pslaunch, wait_gone
 
-RUNS = 20
+RUNS = 20  # each (rank, step) pair twice: the exits race differently run after run
+RUNS_REMOTE = 10  # each pair once where a job costs seconds more (ssh, mpirun)
 _TABLE_ROW = re.compile(r"^\| (scheduler|server|worker) +\| +(\d+) \| ([^|]+?) +\| +[-\d]+ \| ([^|]+?) +\| +[\d.]+s \| ([^|]*?) *\|$",
                         re.M)
 
@@ -57,7 +58,8 @@ def _run_failing_jobs(launch: Launch, marker: str, python: list[str], runs: int 
 
 @pytest.mark.parametrize("backend", ["local", "ssh", "mpi"])
 def test_a_worker_raising_at_step_k_is_the_root_cause_with_its_traceback_every_run(backend, request, tmp_path, marker):
-    _run_failing_jobs(backend_launch(backend, request, tmp_path), marker, ["python"])
+    _run_failing_jobs(backend_launch(backend, request, tmp_path), marker, ["python"],
+                      runs=RUNS if backend == "local" else RUNS_REMOTE)
 
 
 @pytest.mark.parametrize("backend", BATCH_BACKENDS)
