@@ -28,7 +28,7 @@ from .base import Backend
 from .local import LocalHandle, LocalSpawner
 from .shim import ShimJob
 
-__all__ = ["BatchBackend", "with_hosts", "split_args", "refuse_host_flags", "run_tool",
+__all__ = ["BatchBackend", "with_hosts", "split_args", "refuse_host_flags", "refuse_worker_scope", "run_tool",
            "tool_environ", "read_lines", "require_tools", "private_dir", "TOOL_TIMEOUT", "GONE_WAIT"]
 
 #: Seconds a scheduler client command (scontrol, qconf, scancel, ...) may take.
@@ -109,6 +109,17 @@ def refuse_host_flags(config: LaunchConfig, backend: str, who: str) -> None:
     if config.sync_dst_dir:
         raise ConfigError(f"--sync-dst-dir is for the ssh and mpi backends; under {who} the job's hosts share "
                           "pslaunch's directory")
+
+
+def refuse_worker_scope(config, name: str, label: str) -> None:
+    """``--restart-scope worker`` under a batch scheduler: refused (``ConfigError``). Every process is a
+    task of the one job pslaunch asked for, holding its slots: a task started again alone would need
+    slots of its own, which the scheduler keeps pending while the job runs, and the job's launcher
+    (srun, the SGE job) reports for its tasks by index, not for a task added later."""
+    if config.restart_scope == "worker":
+        raise ConfigError(f"--restart-scope worker cannot be used with --launcher {name}: every process is a task of "
+                          f"one {label} job holding its slots, and a task started again alone would wait for slots "
+                          "the job holds; use --restart-scope job with --checkpoint-dir")
 
 
 def split_args(flag: str, text: str | None) -> list[str]:

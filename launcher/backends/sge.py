@@ -50,6 +50,7 @@ from .batch import (
     private_dir,
     read_lines,
     refuse_host_flags,
+    refuse_worker_scope,
     require_tools,
     run_tool,
     split_args,
@@ -104,6 +105,7 @@ class SgeBackend(BatchBackend):
     @classmethod
     def configure(cls, config, environ):
         refuse_host_flags(config, "sge", "SGE")
+        refuse_worker_scope(config, "sge", "SGE")
         args = split_args("--sge-args", config.sge.args)
         if "-V" in args:
             raise ConfigError("--sge-args -V would store pslaunch's whole environment, --env values included, in the "

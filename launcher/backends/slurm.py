@@ -55,6 +55,7 @@ from .batch import (
     private_dir,
     read_lines,
     refuse_host_flags,
+    refuse_worker_scope,
     require_tools,
     run_tool,
     split_args,
@@ -137,6 +138,7 @@ class SlurmBackend(BatchBackend):
     @classmethod
     def configure(cls, config, environ):
         refuse_host_flags(config, "slurm", "Slurm")
+        refuse_worker_scope(config, "slurm", "Slurm")
         split_args("--slurm-args", config.slurm.args)  # a quoting error shows before anything runs
         job = environ.get("SLURM_JOB_ID")
         if not job:

@@ -48,8 +48,8 @@ ACCEPTS = {
     "local": {"--restart-scope worker"},
     "ssh": {"-H", "--sync-dst-dir", *SSH_OPTIONS, "--scheduler-host", "--restart-scope worker"},
     "mpi": {"-H", "--sync-dst-dir", *SSH_OPTIONS, "--scheduler-host"},
-    "slurm": {"--slurm-args", "--restart-scope worker"},
-    "sge": {"--sge-args", "--sge-pe", "--restart-scope worker"},
+    "slurm": {"--slurm-args"},
+    "sge": {"--sge-args", "--sge-pe"},
     "ray": {"--sync-dst-dir", *RAY_OPTIONS, "--restart-scope worker"},
     "agents": {"--link-timeout", "--restart-scope worker"},
 }

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from launcher import launch
-from testkit.launcher import REPO, helper, live_processes, reaped, run_pslaunch, wait_gone
+from testkit.launcher import REPO, backend_launch, helper, live_processes, reaped, run_pslaunch, wait_gone
 from testkit.launcher.processes import start_pslaunch
 
 HELPER = helper("replace_sync.py")
@@ -303,3 +303,28 @@ def test_the_live_table_in_a_terminal_names_the_replaced_worker_and_how_long_the
     finally:
         subprocess.run([*tmux, "kill-server"], timeout=10)
     assert not wait_gone(str(out))
+
+
+def test_a_worker_is_replaced_in_place_on_its_own_host_over_ssh(request, tmp_path, reference):
+    # the replacement starts on its own host (127.0.0.3), through its guard; the servers, the scheduler
+    # and the other worker go on
+    launch = backend_launch("ssh", request, tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    res = launch.run(["-n", "2", "-s", "2", "--no-dashboard", *launch.args, *ENV, *REPLACE, "--env", "STEPS:12",
+                      "--env", "KILLS:1:4:push,0:7:pulled", "--timeout", "100", sys.executable, HELPER, str(out)],
+                     timeout=150)
+    assert res.returncode == 0, res.stderr
+    assert _same(_weights(out), reference()), "the weights differ from the uninterrupted run's"
+    _resumed_as_expected(out, "1:4:push,0:7:pulled")
+    assert res.stderr.count("the other processes go on") == 2, res.stderr
+    assert not wait_gone(str(out))
+
+
+@pytest.mark.parametrize("backend", ["slurm", "sge"])
+def test_a_batch_scheduler_refuses_replacement_in_place_before_anything_starts(backend, request, tmp_path):
+    # every process is a task of one job holding its slots: a task started again alone would wait for them
+    launch = backend_launch(backend, request, tmp_path)
+    res = launch.run(["-n", "2", "-s", "1", *launch.args, *REPLACE, "python", HELPER, str(tmp_path)], timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert f"--restart-scope worker cannot be used with --launcher {backend}: every process is a task of one" in res.stderr
