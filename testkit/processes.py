@@ -13,7 +13,11 @@ __all__ = ["reap", "signal_group"]
 
 def signal_group(popen: subprocess.Popen, sig: int) -> None:
     """Send ``sig`` to ``popen``'s process group (its own: started with ``start_new_session``); a
-    group already gone is no error."""
+    group already gone is no error. Once its leader was reaped the id names the group only while
+    members remain: a live process with the leader's pid is then a stranger that took the number (on
+    a busy machine, another test's), and gets nothing."""
+    if popen.returncode is not None and process_groups.leader_start(popen.pid) is not None:
+        return
     process_groups.signal_group(popen.pid, sig)
 
 

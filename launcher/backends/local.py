@@ -20,7 +20,7 @@ from pscontract import hand_key_over
 
 from ..errors import SpawnError
 from ..on_node.children import READ_SIZE, child_environ, widen_pipe
-from ..on_node.process_groups import send_verb, signal_group
+from ..on_node.process_groups import Group
 from ..planning.plan import Plan, ProcessSpec
 from .base import Backend, ExitStatus, ProcessHandle, pump
 from .checks.checkpoint_dir import check_checkpoint_dir
@@ -31,10 +31,12 @@ __all__ = ["LocalBackend", "LocalSpawner", "LocalHandle", "child_environ", "wide
 class LocalHandle(ProcessHandle):
     """A child process of pslaunch, leader of its own process group."""
 
-    def __init__(self, spec: ProcessSpec, popen: subprocess.Popen, threads: list[threading.Thread]) -> None:
+    def __init__(self, spec: ProcessSpec, popen: subprocess.Popen, threads: list[threading.Thread],
+                 group: Group | None = None) -> None:
         super().__init__(spec)
         self.popen = popen
         self.pid = popen.pid
+        self.group = group or Group.of(popen.pid)  # its group; signals never reach a stranger that took the id
         self._threads = threads
 
     def _poll(self) -> ExitStatus | None:
@@ -44,7 +46,7 @@ class LocalHandle(ProcessHandle):
     def _tell(self, verb: str) -> None:
         # a stopped or ended group of an ended leader still gets TERM and KILL: its members may linger
         if verb in ("TERM", "KILL") or self.popen.poll() is None:
-            send_verb(self.popen.pid, verb)
+            self.group.verb(verb)
 
     def close(self, timeout: float = 2.0) -> None:
         for thread in self._threads:
@@ -60,7 +62,7 @@ class LocalSpawner:
     def __init__(self, grace: float) -> None:
         self._grace = grace
         self._watchdog: subprocess.Popen | None = None
-        self._groups: list[int] = []
+        self._groups: list[Group] = []
 
     def _tell(self, line: str) -> None:
         if self._watchdog is None:
@@ -74,9 +76,9 @@ class LocalSpawner:
         self._watchdog.stdin.write(f"{line}\n".encode())
         self._watchdog.stdin.flush()
 
-    def _watch(self, pgid: int) -> None:
-        self._groups.append(pgid)
-        self._tell(f"add {pgid}")
+    def _watch(self, group: Group) -> None:
+        self._groups.append(group)
+        self._tell(f"add {group.pgid}" + ("" if group.started is None else f" {group.started}"))
 
     def on_death(self, argv: Sequence[str]) -> None:
         """Have the watchdog run ``argv`` after stopping the groups if pslaunch dies before
@@ -115,8 +117,9 @@ class LocalSpawner:
         finally:
             if key_pipe is not None:
                 os.close(key_pipe)
-        self._watch(popen.pid)
-        handle = handle_cls(spec, popen, [])
+        group = Group.of(popen.pid)  # read now: the child exists until it is reaped
+        self._watch(group)
+        handle = handle_cls(spec, popen, [], group)
         assert popen.stdout is not None and popen.stderr is not None
         for pipe in (popen.stdout, popen.stderr):
             widen_pipe(pipe.fileno())
@@ -131,12 +134,12 @@ class LocalSpawner:
 
     def close(self) -> None:
         """Kill every group still alive and stop the watchdog (it would do the same on EOF)."""
-        for pgid in self._groups:  # stopped already (the teardown's TERM, grace, KILL): what lingers
-            signal_group(pgid, signal.SIGKILL)
+        for group in self._groups:  # stopped already (the teardown's TERM, grace, KILL): what lingers
+            group.signal(signal.SIGKILL)  # not a stranger that took the id of a group long gone
         if self._watchdog is not None:
             try:
-                for pgid in self._groups:
-                    self._watchdog.stdin.write(f"del {pgid}\n".encode())  # type: ignore[union-attr]
+                for group in self._groups:
+                    self._watchdog.stdin.write(f"del {group.pgid}\n".encode())  # type: ignore[union-attr]
                 self._watchdog.stdin.write(b"clear\n")  # type: ignore[union-attr]
                 self._watchdog.stdin.close()  # type: ignore[union-attr]
             except OSError:

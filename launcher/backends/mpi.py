@@ -296,7 +296,7 @@ class MpirunHandle(LocalHandle):
 
     def _tell(self, verb: str) -> None:
         super()._tell(verb)
-        if verb == "KILL":
+        if verb == "KILL" and self.group.ours():  # its session's id, not a stranger's that took the number
             for pid in session_members(self.popen.pid):
                 try:
                     os.kill(pid, signal.SIGKILL)

@@ -14,6 +14,11 @@ what is left; ``stop_groups`` is it for process groups. pslaunch's teardown, a p
 watchdog, a rank shim and the test kit all stop through it; the remote guard, a POSIX shell script
 that must run where pslaunch's Python may not, writes the same sequence in shell (``guard``).
 
+A group id is its leader's pid, and once every process of a group has ended the system may give
+that number to a new, unrelated process (a busy machine wraps around its pids in minutes). So a
+group pslaunch started is held as a ``Group``: its id and when its leader started; signals go to
+the id only while it is still that group (``Group.ours``), never to a stranger that took the number.
+
 Standard library only, as everything in ``launcher.on_node``.
 """
 
@@ -22,10 +27,11 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
 
-__all__ = ["VERBS", "GROUP_SIGNALS", "SHIM_SIGNALS", "signal_group", "group_alive", "send_verb", "stop",
-           "stop_groups"]
+__all__ = ["VERBS", "GROUP_SIGNALS", "SHIM_SIGNALS", "Group", "leader_start", "signal_group", "group_alive",
+           "send_verb", "stop", "stop_groups"]
 
 _Item = TypeVar("_Item")
 
@@ -76,6 +82,51 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def leader_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc's ``starttime``), or None: no such
+    process, or no /proc to ask."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group this program started: ``pgid`` (its leader's pid) and ``started``, when the
+    leader started (None where /proc cannot say: the id is then trusted as before)."""
+
+    pgid: int
+    started: int | None
+
+    @classmethod
+    def of(cls, leader: int) -> "Group":
+        """The group of ``leader``, a child just started in a session of its own (not reaped yet)."""
+        return cls(leader, leader_start(leader))
+
+    def ours(self) -> bool:
+        """Whether the id still names this group: its leader lives (or is a zombie), or is gone while
+        the id stays taken by members left behind (the system does not hand out a pid that is a
+        live group's id). False when another process, started later, holds the number now."""
+        if self.started is None:
+            return True
+        now = leader_start(self.pgid)
+        return now is None or now == self.started
+
+    def signal(self, *signals: int) -> bool:
+        """``signal_group`` while the group is ours; False when it is gone or the id is another's."""
+        return self.ours() and signal_group(self.pgid, *signals)
+
+    def verb(self, verb: str) -> bool:
+        """``send_verb`` while the group is ours."""
+        return self.signal(*GROUP_SIGNALS[verb])
+
+    def alive(self) -> bool:
+        """Whether a process of this group is still there."""
+        return self.ours() and group_alive(self.pgid)
+
+
 def stop(items: Iterable[_Item], *, terminate: Callable[[_Item], object], kill: Callable[[_Item], object],
          alive: Callable[[_Item], bool], grace: float, hurry: Callable[[], bool] = lambda: False,
          tick: float = 0.05) -> list[_Item]:
@@ -95,7 +146,8 @@ def stop(items: Iterable[_Item], *, terminate: Callable[[_Item], object], kill: 
     return running
 
 
-def stop_groups(pgids: Iterable[int], grace: float, tick: float = 0.05) -> list[int]:
-    """``stop`` for process groups: TERM (and CONT), ``grace`` seconds, KILL."""
-    return stop(pgids, terminate=lambda g: send_verb(g, "TERM"), kill=lambda g: send_verb(g, "KILL"),
-                alive=group_alive, grace=grace, tick=tick)
+def stop_groups(groups: Iterable[Group], grace: float, tick: float = 0.05) -> list[Group]:
+    """``stop`` for process groups: TERM (and CONT), ``grace`` seconds, KILL; a group whose id another
+    process took meanwhile is left alone."""
+    return stop(groups, terminate=lambda g: g.verb("TERM"), kill=lambda g: g.verb("KILL"),
+                alive=lambda g: g.alive(), grace=grace, tick=tick)

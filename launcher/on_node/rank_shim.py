@@ -40,7 +40,7 @@ import time
 
 from pscontract import hand_key_over
 
-from .process_groups import GROUP_SIGNALS, SHIM_SIGNALS, signal_group, stop
+from .process_groups import GROUP_SIGNALS, SHIM_SIGNALS, Group, stop
 
 __all__ = ["main", "payload", "PLAN_VARIABLE", "ENV_PREFIX", "rank_from_environ"]
 
@@ -202,10 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         if key_pipe is not None:
             os.close(key_pipe)
     _say(f"PID {child.pid}")
+    group = Group.of(child.pid)  # signals never reach a stranger that took the id once the group ended
     stopping: list[int] = []
 
     def to_group(*signals: int) -> None:
-        signal_group(child.pid, *signals)
+        group.signal(*signals)
 
     def forward(signum, frame):  # noqa: ARG001
         stopping.append(signum)
@@ -243,15 +244,15 @@ def main(argv: list[str] | None = None) -> int:
         if (os.getppid() != parent or link.lost()) and not stopping:
             forward(signal.SIGTERM, None)  # parent gone without PDEATHSIG (not Linux), or pslaunch unheard of
         if stopping:  # the TERM went out (``forward``): the grace period, then KILL, as every stop does
-            stop([child.pid], terminate=lambda pgid: None, kill=lambda pgid: signal_group(pgid, signal.SIGKILL),
-                 alive=lambda pgid: child.poll() is None, grace=grace, tick=0.2)
+            stop([group], terminate=lambda g: None, kill=lambda g: g.signal(signal.SIGKILL),
+                 alive=lambda g: child.poll() is None, grace=grace, tick=0.2)
             rc = child.wait()
             break
     # mpirun passes later signals to every rank, this one too: they must not kill it on its way
     # out (Python puts default handlers back while it shuts down), mpirun would call that a failure.
     for sig in (*passed, terming):
         signal.signal(sig, signal.SIG_IGN)
-    signal_group(child.pid, signal.SIGKILL)  # leftovers of its group
+    group.signal(signal.SIGKILL)  # leftovers of its group
     status = f"SIGNAL {-rc}" if rc < 0 else f"EXIT {rc}"
     _say(status)
     # pslaunch has the real status from the marker. Exiting 0 keeps mpirun from aborting the job

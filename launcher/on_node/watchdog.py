@@ -1,7 +1,8 @@
 """A tiny process that kills the job's process groups when pslaunch dies.
 
 pslaunch starts it (``python -m launcher.on_node.watchdog GRACE``) in its own session with a pipe on its
-stdin and writes ``add PGID`` / ``del PGID`` lines. When the pipe reaches EOF — pslaunch exited,
+stdin and writes ``add PGID [STARTED]`` / ``del PGID`` lines (``STARTED``: when the group's leader
+started, so that an id a stranger took since is left alone, ``process_groups.Group``). When the pipe reaches EOF — pslaunch exited,
 also by SIGKILL, which no signal handler can catch — the watchdog sends SIGTERM to every group
 still registered (and SIGCONT, for groups that are stopped), waits up to GRACE seconds, sends
 SIGKILL to the rest, then runs each command registered with a ``run ["argv", ...]`` line (a JSON
@@ -19,7 +20,7 @@ import signal
 import subprocess
 import sys
 
-from .process_groups import group_alive, stop_groups
+from .process_groups import Group, stop_groups
 
 __all__ = ["main"]
 
@@ -35,14 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     # alive until pslaunch has gone, so it ignores the signals meant for the foreground group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    groups: set[int] = set()
+    groups: dict[int, Group] = {}
     commands: list[list[str]] = []
     for raw in sys.stdin.buffer:
         verb, _, arg = raw.decode("utf-8", "replace").strip().partition(" ")
-        if verb == "add" and arg.isdigit():
-            groups.add(int(arg))
+        words = arg.split()
+        if verb == "add" and 1 <= len(words) <= 2 and all(w.isdigit() for w in words):
+            groups[int(words[0])] = Group(int(words[0]), int(words[1]) if len(words) == 2 else None)
         elif verb == "del" and arg.isdigit():
-            groups.discard(int(arg))
+            groups.pop(int(arg), None)
         elif verb == "run":
             try:
                 commands.append([str(word) for word in json.loads(arg)])
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                 pass  # not from pslaunch: keep guarding the groups
         elif verb == "clear":
             commands.clear()
-    stop_groups([g for g in groups if group_alive(g)], grace)
+    stop_groups([g for g in groups.values() if g.alive()], grace)
     for argv in commands:
         try:
             subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections import defaultdict
 
 import pytest
@@ -105,7 +106,9 @@ def observed_ssh_job(sshd, tmp_path_factory):
     """One job over ssh (workers on 127.0.0.2 and .3, servers round-robin, the scheduler here) with
     --metrics-port, --timeline and --summary-json; the metrics are read while it runs."""
     tmp = tmp_path_factory.mktemp("observed")
-    marker = f"pslaunch-test-observed-{tmp.name}"
+    # unique across the suite's processes: each builds this fixture once, in a folder of the same name,
+    # and the end of one run kills what carries its marker (another's job, once)
+    marker = f"pslaunch-test-observed-{uuid.uuid4().hex[:10]}"
     hosts = sshd.hostfile(tmp / "hosts", ["127.0.0.2", "127.0.0.3"])
     port = free_port()
     timeline, summary = tmp / "trace.json", tmp / "summary.json"
@@ -131,6 +134,7 @@ def _sample(text: str, metric: str, process: str) -> float | None:
     return None if match is None else float(match[1])
 
 
+@pytest.mark.xdist_group("observed_ssh_job")  # one job for the three, on one of the suite's processes
 def test_the_metrics_endpoint_answers_during_the_job_with_every_workers_and_servers_counters(observed_ssh_job):
     job = observed_ssh_job
     assert job["code"] == 0, job["stderr"]
@@ -150,6 +154,7 @@ def test_the_metrics_endpoint_answers_during_the_job_with_every_workers_and_serv
     assert "# TYPE pslaunch_worker_wait_seconds_total counter" in text
 
 
+@pytest.mark.xdist_group("observed_ssh_job")  # one job for the three, on one of the suite's processes
 def test_the_timeline_loads_as_json_with_nested_events_of_every_worker_and_server_over_ssh(observed_ssh_job):
     job = observed_ssh_job
     assert job["code"] == 0, job["stderr"]
@@ -181,6 +186,7 @@ def test_the_timeline_loads_as_json_with_nested_events_of_every_worker_and_serve
     assert any(p[:2] == w[:2] and p[2] <= w[2] and w[3] <= p[3] for p in pulls for w in waits)  # a pull waited
 
 
+@pytest.mark.xdist_group("observed_ssh_job")  # one job for the three, on one of the suite's processes
 def test_the_summary_json_has_each_processs_exit_duration_and_bytes(observed_ssh_job):
     job = observed_ssh_job
     assert job["code"] == 0, job["stderr"]
