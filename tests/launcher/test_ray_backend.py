@@ -284,6 +284,24 @@ def test_a_killed_server_restarts_the_job_which_resumes_to_the_uninterrupted_wei
     _nothing_left(ray_cluster, str(faulty))
 
 
+def test_a_dist_sync_worker_killed_on_ray_is_replaced_in_place_with_the_uninterrupted_weights(ray_cluster, tmp_path):
+    # --restart-scope worker: the replacement is a new actor with the worker's rank; the scheduler,
+    # the servers and the other worker go on (tests/launcher/test_replacement.py has the local runs).
+    # Before the raylet test below: the job's 5 bundles need both nodes
+    job = ["-n", "2", "-s", "2", "--env", "PSLAUNCH_BIGARRAY_BOUND:1000", "--env", "STEPS:12", "--timeout", "100"]
+    plain, killed = tmp_path / "plain", tmp_path / "killed"
+    plain.mkdir(), killed.mkdir()
+    res = run_pslaunch(["--launcher", "local", *job, sys.executable, helper("replace_sync.py"), str(plain)], timeout=120)
+    assert res.returncode == 0, res.stderr
+    res = _ray(ray_cluster, [*job, "--max-restarts", "2", "--restart-scope", "worker", "--env", "KILLS:1:4:push,0:7:pulled",
+                             sys.executable, helper("replace_sync.py"), str(killed)], timeout=150)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stderr.count("the other processes go on") == 2, res.stderr
+    with np.load(plain / "weights.npz") as a, np.load(killed / "weights.npz") as b:
+        assert a.files == b.files and all(np.array_equal(a[k], b[k]) for k in a.files), "the weights differ"
+    _nothing_left(ray_cluster, str(killed))
+
+
 def test_a_node_whose_raylet_is_killed_is_the_root_cause_with_exit_255(ray_cluster, tmp_path, marker):
     proc = _started(ray_cluster, ["-n", "2", "-s", "2", "--env", "STEPS:100000", "--env", "STEP_SLEEP:0.02",
                                   sys.executable, helper("steps_worker.py"), marker], tmp_path)
@@ -303,20 +321,3 @@ def test_a_node_whose_raylet_is_killed_is_the_root_cause_with_exit_255(ray_clust
                      rf"pslaunch could not reach \S+@{re.escape(node)}", err), err
     assert "Raylet is terminated" not in err + (tmp_path / "stdout").read_text()  # Ray's own report stays out
     _nothing_left(ray_cluster, marker)
-
-
-def test_a_dist_sync_worker_killed_on_ray_is_replaced_in_place_with_the_uninterrupted_weights(ray_cluster, tmp_path):
-    # --restart-scope worker: the replacement is a new actor with the worker's rank; the scheduler,
-    # the servers and the other worker go on (tests/launcher/test_replacement.py has the local runs)
-    job = ["-n", "2", "-s", "2", "--env", "PSLAUNCH_BIGARRAY_BOUND:1000", "--env", "STEPS:12", "--timeout", "100"]
-    plain, killed = tmp_path / "plain", tmp_path / "killed"
-    plain.mkdir(), killed.mkdir()
-    res = run_pslaunch(["--launcher", "local", *job, sys.executable, helper("replace_sync.py"), str(plain)], timeout=120)
-    assert res.returncode == 0, res.stderr
-    res = _ray(ray_cluster, [*job, "--max-restarts", "2", "--restart-scope", "worker", "--env", "KILLS:1:4:push,0:7:pulled",
-                             sys.executable, helper("replace_sync.py"), str(killed)], timeout=150)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stderr.count("the other processes go on") == 2, res.stderr
-    with np.load(plain / "weights.npz") as a, np.load(killed / "weights.npz") as b:
-        assert a.files == b.files and all(np.array_equal(a[k], b[k]) for k in a.files), "the weights differ"
-    _nothing_left(ray_cluster, str(killed))
