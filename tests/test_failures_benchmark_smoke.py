@@ -23,9 +23,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_a_quick_run_kills_replaces_and_restarts_with_the_uninterrupted_weights(tmp_path):
+    # the kill lands mid-run (half the uninterrupted run's time, on a worker 0.5 s old): a worker killed
+    # after it finished its part is replaced and the job then fails (a known gap, docs/failures.md)
     out = tmp_path / "out.json"
     argv = [sys.executable, "-m", "benchmarks.failures", "--models", "mlp", "--quick", "--kills", "1", "--min-age",
-            "1", "--json", str(out), "--job-timeout", "120"]
+            "0.5", "--json", str(out), "--job-timeout", "120"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     with reaped(proc, "pslaunch-failures-"):  # its jobs' processes carry their folder's name
