@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from testkit.launcher import live_processes
+from testkit.launcher import job_worker
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -83,7 +83,7 @@ class Killer(threading.Thread):
                 time.sleep(0.01)
             while not self.stopped.is_set():
                 attempt = len(self.killed) if self.whole_job else None
-                pid = _worker_pid(self.tag, rank, self.min_age, attempt)
+                pid = job_worker(self.tag, rank, self.min_age, attempt)
                 if pid is not None:
                     try:
                         os.kill(pid, signal.SIGKILL)
@@ -94,31 +94,6 @@ class Killer(threading.Thread):
                 time.sleep(0.02)
             if self.stopped.is_set():
                 return
-
-
-def _worker_pid(tag: str, rank: int, min_age: float, attempt: int | None) -> int | None:
-    """The pid of worker ``rank`` of the job tagged ``tag`` (its script's arguments) once it has run
-    ``min_age`` seconds (started, registered, training), of restart ``attempt`` when given; else None."""
-    for proc in live_processes():
-        if tag.encode() not in proc.argv or b"launcher.cli" in proc.argv:
-            continue
-        environ = proc.environ()
-        if (environ.get(b"DMLC_ROLE") == b"worker" and environ.get(b"DMLC_WORKER_ID") == str(rank).encode()
-                and (attempt is None or environ.get(b"PSLAUNCH_RESTART_COUNT") == str(attempt).encode())
-                and _age(proc.pid) >= min_age):
-            return proc.pid
-    return None
-
-
-def _age(pid: int) -> float:
-    """Seconds since process ``pid`` started (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            started = int(fh.read().rsplit(b")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        with open("/proc/uptime", "rb") as fh:
-            return float(fh.read().split()[0]) - started
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def run_case(model: str, case: str, args: argparse.Namespace, work: Path, reference_s: float | None) -> dict:

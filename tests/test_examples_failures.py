@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testkit.launcher import PSLAUNCH, live_processes, reaped, wait_gone
+from testkit.launcher import PSLAUNCH, job_worker, reaped, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = [str(ROOT / "examples" / "train_mlp.py"), "--epochs", "12", "--hidden", "1024"]
@@ -31,16 +31,6 @@ def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "PS_", "PSLAUNCH_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
-
-
-def _worker(tag: str, rank: int) -> int | None:
-    """The pid of the running worker ``rank`` of the job whose script's arguments hold ``tag``."""
-    for proc in live_processes():
-        if tag.encode() in proc.argv and b"launcher.cli" not in proc.argv:
-            environ = proc.environ()
-            if environ.get(b"DMLC_ROLE") == b"worker" and environ.get(b"DMLC_WORKER_ID") == str(rank).encode():
-                return proc.pid
-    return None
 
 
 def _run(tmp_path: Path, name: str, options: list[str], kills: dict[str, int]) -> tuple[str, Path]:
@@ -60,7 +50,7 @@ def _run(tmp_path: Path, name: str, options: list[str], kills: dict[str, int]) -
                 if re.search(pattern, line):
                     del pending[pattern]
                     deadline = time.monotonic() + 10
-                    while (pid := _worker(str(weights), rank)) is None and time.monotonic() < deadline:
+                    while (pid := job_worker(str(weights), rank)) is None and time.monotonic() < deadline:
                         time.sleep(0.02)
                     if pid is not None:
                         os.kill(pid, signal.SIGKILL)

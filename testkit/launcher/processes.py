@@ -11,9 +11,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HELPERS", "REPO", "PSLAUNCH", "Result", "LiveProcess", "ancestors", "cmdline", "live_processes",
-           "processes_with", "wait_gone",
-           "start_pslaunch", "wait_for_records", "reaped", "run_pslaunch", "helper"]
+from launcher.on_node.process_groups import leader_start
+
+__all__ = ["HELPERS", "REPO", "PSLAUNCH", "Result", "LiveProcess", "ancestors", "cmdline", "job_worker",
+           "live_processes", "processes_with", "wait_gone", "start_pslaunch", "wait_for_records", "reaped",
+           "run_pslaunch", "helper"]
 
 HELPERS = Path(__file__).resolve().parents[2] / "tests" / "launcher" / "helpers"
 REPO = Path(__file__).resolve().parents[2]
@@ -79,6 +81,32 @@ def live_processes() -> list[LiveProcess]:
         if fields[0] != b"Z":
             found.append(LiveProcess(int(entry), int(fields[1]), argv))
     return found
+
+
+def job_worker(tag: str, rank: int, min_age: float = 0.0, attempt: int | None = None) -> int | None:
+    """The pid of the live worker ``rank`` of the job whose script's arguments hold ``tag`` (an
+    argument itself, not pslaunch's), once it has run ``min_age`` seconds and, when ``attempt`` is
+    given, of that restart of the job (``PSLAUNCH_RESTART_COUNT``); else None."""
+    for proc in live_processes():
+        if tag.encode() not in proc.argv or b"launcher.cli" in proc.argv:
+            continue
+        environ = proc.environ()
+        if (environ.get(b"DMLC_ROLE") == b"worker" and environ.get(b"DMLC_WORKER_ID") == str(rank).encode()
+                and (attempt is None or environ.get(b"PSLAUNCH_RESTART_COUNT") == str(attempt).encode())
+                and (min_age <= 0 or _age(proc.pid) >= min_age)):
+            return proc.pid
+    return None
+
+
+def _age(pid: int) -> float:
+    """Seconds since process ``pid`` started (0 once it is gone)."""
+    started = leader_start(pid)
+    try:
+        with open("/proc/uptime", "rb") as fh:
+            uptime = float(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return 0.0 if started is None else uptime - started / os.sysconf("SC_CLK_TCK")
 
 
 def processes_with(text: str) -> list[str]:
