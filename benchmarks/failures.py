@@ -143,6 +143,8 @@ def run_case(model: str, case: str, args: argparse.Namespace, work: Path, refere
             row["seconds_per_kill"] = round((wall - reference_s) / len(row["kills"]), 2)
     row["replacements"] = [{"process": r.process, "waited_s": r.waited_s, "resumed_from": r.resumed_from}
                            for r in result.replacements]
+    # a kill that landed after the worker's finish (a quick run's end): nothing to replace or restart
+    row["ended_after_their_part"] = [p.name for p in result.processes if p.note == "ended after its part was done"]
     row["restarts_of_the_job"] = sum(1 for a in result.attempts if a.action.startswith("restarted the job"))
     if summary.exists():
         servers = [p for p in json.loads(summary.read_text())["processes"] if p["role"] == "server"]

@@ -38,6 +38,7 @@ __all__ = [
     "MARKER",
     "MARKER_CAUGHT_UP",
     "MARKER_FAILED",
+    "MARKER_FINISHED",
     "MARKER_READY",
     "MARKER_RESUMED",
     "MARKER_STATS",
@@ -183,6 +184,9 @@ MARKER_FAILED = MARKER + "FAILED"
 MARKER_RESUMED = MARKER + "RESUMED"
 #: That replacement sent its first push its predecessor had not: the rounds it owed go on.
 MARKER_CAUGHT_UP = MARKER + "CAUGHT-UP"
+#: The scheduler took a worker's finish: its part of the training is done (its pushes and pulls are
+#: all in). A worker killed after this is not replaced: the job's rounds no longer wait for it.
+MARKER_FINISHED = MARKER + "FINISHED"
 #: The scheduler's periodic line of the job's counters (``PSLAUNCH_STATS``): a JSON object follows.
 MARKER_STATS = MARKER + "STATS"
 #: Timeline events of a node (``PSLAUNCH_TIMELINE=-``): a JSON array of trace events follows.

@@ -22,6 +22,7 @@ from pscontract import (
     EXIT_PEER_FAILED,
     MARKER_CAUGHT_UP,
     MARKER_FAILED,
+    MARKER_FINISHED,
     MARKER_READY,
     MARKER_RESUMED,
     MARKER_STATS,
@@ -37,7 +38,7 @@ from psnode.errors import EnvError
 from psnode.transport import security
 
 __all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host", "shared_job_id", "EXIT_PEER_FAILED", "MARKER_READY", "MARKER_FAILED",
-           "MARKER_RESUMED", "MARKER_CAUGHT_UP", "MARKER_STATS", "MARKER_TRACE", "TIMELINE_TO_LAUNCHER"]
+           "MARKER_RESUMED", "MARKER_CAUGHT_UP", "MARKER_FINISHED", "MARKER_STATS", "MARKER_TRACE", "TIMELINE_TO_LAUNCHER"]
 
 @dataclass(frozen=True)
 class NodeEnv:

@@ -23,8 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_a_quick_run_kills_replaces_and_restarts_with_the_uninterrupted_weights(tmp_path):
-    # the kill lands mid-run (half the uninterrupted run's time, on a worker 0.5 s old): a worker killed
-    # after it finished its part is replaced and the job then fails (a known gap, docs/failures.md)
+    # the kill lands mid-run (half the uninterrupted run's time, on a worker 0.5 s old)
     out = tmp_path / "out.json"
     argv = [sys.executable, "-m", "benchmarks.failures", "--models", "mlp", "--quick", "--kills", "1", "--min-age",
             "0.5", "--json", str(out), "--job-timeout", "120"]
@@ -37,10 +36,11 @@ def test_a_quick_run_kills_replaces_and_restarts_with_the_uninterrupted_weights(
     assert set(rows) == {"uninterrupted", "ready", "worker", "job", "server"}, rows
     assert rows["ready"]["kept_bytes"] > 0 and rows["uninterrupted"]["kept_bytes"] == 0, rows
     replaced, restarted = rows["worker"], rows["job"]
-    # a quick run may end before a kill lands (timing is the machine's): what landed is accounted for
-    assert len(replaced["replacements"]) == len(replaced["kills"]), replaced
+    # a quick run may end before a kill lands, or the kill may land after the worker's finish (nothing then
+    # waits for it: it is neither replaced nor a failure); timing is the machine's, what landed is accounted for
+    assert len(replaced["replacements"]) + len(replaced["ended_after_their_part"]) == len(replaced["kills"]), replaced
     assert all(r["waited_s"] is not None and r["waited_s"] > 0 for r in replaced["replacements"]), replaced
-    assert restarted["restarts_of_the_job"] == len(restarted["kills"]), restarted
+    assert restarted["restarts_of_the_job"] + len(restarted["ended_after_their_part"]) == len(restarted["kills"]), restarted
     assert replaced["weights_equal"] is True and restarted["weights_equal"] is True, rows
     assert "| mlp | worker, replaced in place |" in stdout and "not built yet (--server-replicas)" in stdout, stdout
     assert not wait_gone("pslaunch-failures-")

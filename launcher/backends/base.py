@@ -83,6 +83,10 @@ class Interruption:
     exit_code: int
 
 
+#: The signals that end a process from outside (a person, a preemption, the OOM killer's SIGKILL).
+_ENDED_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
 def _signame(num: int) -> str:
     try:
         return signal.Signals(num).name
@@ -124,7 +128,10 @@ class ProcessHandle(ABC):
         self.resumed_at: float | None = None
         self.resumed_from: dict | None = None
         self.caught_up_at: float | None = None
+        self.finished_at: float | None = None
         self.unreachable = False
+        self._threads: list[threading.Thread] = []  # the readers of its output, where pslaunch reads it
+        self._settled = False
 
     def poll(self) -> ExitStatus | None:
         """The exit status once the process ended, else None. Non-blocking."""
@@ -147,6 +154,30 @@ class ProcessHandle(ABC):
             self.resumed_at = time.monotonic()
         elif verb == "CAUGHT-UP" and self.caught_up_at is None:
             self.caught_up_at = time.monotonic()
+        elif verb == "FINISHED" and self.finished_at is None:
+            self.finished_at = time.monotonic()
+
+    def settle_output(self, timeout: float = 0.5) -> None:
+        """Wait up to ``timeout`` for the readers of an ended process's output to reach its end, so
+        that its last marker lines (``FINISHED``) are in before pslaunch judges how it ended."""
+        if self._settled:
+            return
+        self._settled = True  # once: readers held open by a leftover child must not cost every call
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def ended_after_its_part(self) -> bool:
+        """A worker ended from outside (SIGKILL, SIGTERM, SIGINT, SIGHUP) after the scheduler took its
+        finish: the training's rounds had all its pushes and pulls, so nothing waits for a
+        replacement. Its own error, or a crash (SIGSEGV, SIGABRT), is still a failure."""
+        status = self.status
+        if self.finished_at is None or self.failed_at is not None or status is None:
+            return False
+        # a remote guard reports a signal the shell's way, as 128 + its number
+        number = status.signal if status.signal is not None else (status.code or 0) - 128
+        return number in _ENDED_FROM_OUTSIDE
 
     def in_doubt(self) -> bool:
         """Whether the process is running on a host pslaunch has not heard from for a while (it may

@@ -214,7 +214,13 @@ class Supervisor:
                 if status is None or id(handle) in seen:
                     continue
                 seen.add(id(handle))
+                if not status.ok:
+                    handle.settle_output()  # its last markers (FINISHED) decide what its end means
                 kind = kind_of(handle, self._stopped)
+                if kind == "done":
+                    self.printer.note(f"{who(handle)} ended after its part was done ({status.describe()}): the "
+                                      "scheduler had its finish, so nothing waits for it and it is not replaced")
+                    continue
                 if kind == "own" and self._rejoins(handle):
                     continue  # restarted alone at the next turn
                 if kind == "own":
@@ -228,7 +234,9 @@ class Supervisor:
                     return _PROCESS_FAILED
                 if kind in ("peer", "stopped"):
                     blamed_at = blamed_at or now
-                elif handle.spec.role != "worker" and end_deadline is None and early is None:
+                elif (handle.spec.role != "worker" and end_deadline is None and early is None
+                      and any(w.status is None and w.finished_at is None for w in workers)):
+                    # a worker that had its finish may still be in its teardown: no cause to wait for
                     early = (handle, now + self.config.shutdown_grace)
             if blamed_at is not None:
                 # A host pslaunch has stopped hearing from may be the culprit: wait for that verdict.
@@ -260,15 +268,20 @@ class Supervisor:
 
     def _rejoins(self, handle: ProcessHandle) -> bool:
         """True when ``handle`` is a worker that is restarted alone if it fails (``--restart-scope
-        worker`` with a restart left)."""
-        return (handle.spec.role == "worker" and self.restarts.scope == "worker"
+        worker`` with a restart left) before its part is done: after its finish the rounds are over,
+        and a replacement would find the job ending."""
+        return (handle.spec.role == "worker" and self.restarts.scope == "worker" and handle.finished_at is None
                 and self.restarts.used < self.restarts.max_restarts)
 
     def _restart_failed_workers(self) -> None:
         """``--restart-scope worker``: start a worker that failed on its own and has ended again,
         alone, with its rank; the other processes go on (the runtime lets it rejoin)."""
         for i, handle in enumerate(self.handles):
-            if not self._rejoins(handle) or handle.poll() is None or kind_of(handle, self._stopped) != "own":
+            status = handle.poll()
+            if not self._rejoins(handle) or status is None or status.ok:
+                continue
+            handle.settle_output()  # a FINISHED marker still in its pipe: it needs no replacement
+            if kind_of(handle, self._stopped) != "own" or not self._rejoins(handle):
                 continue
             assert handle.status is not None and self._plan is not None
             failure = Failure(f"{who(handle)} failed: {handle.status.describe()}", handle.status.exit_code, handle)

@@ -9,6 +9,8 @@ Every process that ended falls into one kind (``kind_of``):
 * ``peer``: it exited with ``EXIT_PEER_FAILED`` (75): it ended because another process failed, or
   because the job was torn down;
 * ``stopped``: pslaunch stopped it (teardown);
+* ``done``: a worker ended from outside (SIGKILL, SIGTERM, ...) after the scheduler took its finish
+  (``ProcessHandle.ended_after_its_part``): the training had all of it, so it is no failure;
 * ``ok``: it exited 0.
 
 The root cause (``culprit``) is the ``own`` process that failed first (by when pslaunch learned
@@ -49,7 +51,7 @@ class Failure:
 
 
 def kind_of(handle: "ProcessHandle", stopped: set[int]) -> str:
-    """``own``, ``peer``, ``stopped``, ``ok`` or ``running`` (see the module docstring)."""
+    """``own``, ``peer``, ``stopped``, ``done``, ``ok`` or ``running`` (see the module docstring)."""
     if handle.failed_at is not None:
         return "own"
     status = handle.status
@@ -59,6 +61,8 @@ def kind_of(handle: "ProcessHandle", stopped: set[int]) -> str:
         return "ok"
     if id(handle) in stopped:
         return "stopped"
+    if handle.ended_after_its_part:
+        return "done"
     if status.signal is None and status.code == EXIT_PEER_FAILED:
         return "peer"
     return "own"
@@ -129,6 +133,8 @@ def notes(handles: "list[ProcessHandle]", stopped: set[int], failure: Failure | 
             out[id(h)] = "failed"
         elif kind == "peer":
             out[id(h)] = "ended: a peer failed"
+        elif kind == "done":
+            out[id(h)] = "ended after its part was done"
         elif id(h) in stopped:
             out[id(h)] = "stopped by pslaunch"
         elif kind == "running":

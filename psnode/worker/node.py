@@ -36,7 +36,7 @@ import numpy as np
 from psnode.collectives import Engine
 from psnode.collectives.watch import LEFT_GRACE
 from psnode.compression.codecs import RAW
-from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv
+from psnode.env import MARKER_CAUGHT_UP, MARKER_FINISHED, MARKER_RESUMED, NodeEnv
 from psnode.errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
 from psnode.node.bulk import batches
 from psnode.node.connection import Connection
@@ -195,6 +195,7 @@ class WorkerNode:
                 report = self.conn.link.report
                 finished = self.conn.link.ask(Cmd.FINISH, body=None if report is None else {"s": report()})
                 self._wait(finished, min(limit, max(5.0, env.heartbeat_timeout)), "the scheduler's answer to finish")
+                self.tell_launcher(MARKER_FINISHED)  # killed from here on, this worker needs no replacement
                 self._flush_collectives()
         except PSNodeError as exc:
             error = exc

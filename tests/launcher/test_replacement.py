@@ -174,6 +174,30 @@ def test_workers_killed_from_outside_at_random_moments_end_with_the_uninterrupte
     assert stderr.count("the other processes go on") == len(killed), stderr
 
 
+@pytest.mark.parametrize("restarts", [REPLACE, []], ids=["restart-scope-worker", "no-restarts"])
+def test_a_worker_killed_after_its_part_was_done_is_not_replaced_and_the_job_succeeds(tmp_path, reference, restarts):
+    # SIGKILL once kv.close() returned: the scheduler had its finish, so no round waits for it and a
+    # replacement would find the job ending (once, it was started and the job failed "scheduler exited 0")
+    res = _job(tmp_path, *restarts, env=["KILLS:1:12:closed"])
+    assert res.returncode == 0, res.stderr
+    assert _same(_weights(tmp_path), reference())
+    assert sorted(_starts(tmp_path)) == [(0, 0, 0), (1, 0, 0)], "a worker was started again"
+    assert re.search(r"pslaunch: worker\.1@\S+ \(worker rank 1 .*\) ended after its part was done \(signal SIGKILL\): "
+                     r"the scheduler had its finish, so nothing waits for it and it is not replaced", res.stderr), res.stderr
+    rows = _rows(res.stderr)
+    assert [r for r in rows if r[:2] == ("worker", "1")][0][3:] == ("signal SIGKILL", "ended after its part was done"), rows
+    assert "root cause" not in res.stderr and "restarting" not in res.stderr
+
+
+def test_a_worker_error_after_its_part_was_done_is_still_the_jobs_failure(tmp_path):
+    # its own error is no kill from outside: what the script does after kv.close() failed, and the job says so
+    res = _job(tmp_path, *REPLACE, env=["FAIL_AFTER_CLOSE:1"])
+    assert res.returncode == 1, res.stderr
+    assert re.search(r"root cause: worker\.1@\S+ \(worker rank 1 .*\) failed first", res.stderr), res.stderr
+    assert "RuntimeError: worker 1 failed after its part was done" in res.stderr
+    assert "restarting it alone" not in res.stderr and len(_starts(tmp_path)) == 2
+
+
 def _worker_pids(marker: str) -> list[int]:
     """The pids of the job's live worker processes (the helper's, with ``marker`` in their argv)."""
     # python HELPER OUTDIR: not pslaunch, whose argv holds them too

@@ -42,7 +42,6 @@ class SshHandle(GuardedHandle):
         super().__init__(spec)
         self.channel = channel
         self.watch = watch
-        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def _poll(self) -> ExitStatus | None:

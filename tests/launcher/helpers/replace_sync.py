@@ -14,6 +14,7 @@ marker file in OUTDIR remembers it happened). The phases:
 - ``barrier``: after the step's barrier ($BARRIER_EVERY > 0: ``kv.barrier()`` every that many steps);
 - ``commit``: after the step's commit ($COMMIT_EVERY > 0: ``state.commit()`` every that many steps,
   which keeps nothing without a checkpoint directory);
+- at step $STEPS, ``closed``: after ``kv.close()``, once the scheduler took the worker's finish;
 - at step -1, the set-up: ``init`` (after ``kv.init``), ``optimizer`` (after ``set_optimizer``),
   ``restored`` (after ``state.restore()``), ``first-pull`` (after the pull of the weights).
 
@@ -21,6 +22,7 @@ $STEP_SLEEP seconds pass in each step's compute (default 0), so that a test can 
 outside at random moments. With $NO_STATE=1 the script keeps no ``State``: it marks nothing. With
 $OPTIMIZER_LATE=1 it sets the optimizer after restoring its scalars and pulling the weights, as a
 ``kvcore.Trainer`` does at its first step. $STORE is the store type (default ``dist_sync``).
+$FAIL_AFTER_CLOSE=rank: that worker raises an error of its own after ``kv.close()``.
 
 Keys: 0 is split over the servers (more than $PSLAUNCH_BIGARRAY_BOUND elements), the others whole.
 Each step's gradient is a function of the weights the worker pulled, its rank and the step, so a
@@ -120,3 +122,7 @@ if commit_every:
 if rank == 0:
     np.savez(os.path.join(out, "weights.npz"), **{str(k): weights[k] for k in keys})
 print(f"worker {rank} finished {steps} steps", flush=True)
+kv.close()
+maybe_die(steps, "closed")
+if os.environ.get("FAIL_AFTER_CLOSE") == str(rank):
+    raise RuntimeError(f"worker {rank} failed after its part was done")
