@@ -17,8 +17,11 @@ For each model (the digits MLP, ``examples/train_mlp.py``, and ResNet-20, ``exam
 - **job, from a checkpoint**: the same kills under ``--restart-scope job --checkpoint-dir`` (the
   example commits at the end of each epoch): every kill stops the job and starts it again from the
   last checkpoint (torchrun's and Ray Train's model).
-- **server, with a replica**: ``--server-replicas 1`` is not built yet (issue "Failures that stop no
-  one", item 2); the row says so.
+- **server, its replica takes over**: ``--server-replicas 1`` and no restart: one server (not a
+  replica) is killed with SIGKILL from outside halfway through the reference's wall time; its
+  replica serves its keys from then on and no process is started again;
+- **server, job from a checkpoint**: the same kill under ``--restart-scope job --checkpoint-dir``
+  (today's way without replicas): the job starts again from the last checkpoint.
 
 Each row gives the wall time, its ratio to the uninterrupted run's, the kills that landed and the
 seconds each cost (the wall time over the uninterrupted run's, per kill), how long the others
@@ -48,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from testkit.launcher import job_worker
+from testkit.launcher import job_server, job_worker
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -69,10 +72,11 @@ class Killer(threading.Thread):
     ``whole_job``: each kill restarts the job, so the next one waits for a worker of the next
     attempt (``PSLAUNCH_RESTART_COUNT``), not one of the attempt being stopped."""
 
-    def __init__(self, tag: str, moments: list[float], start: float, min_age: float, whole_job: bool) -> None:
+    def __init__(self, tag: str, moments: list[float], start: float, min_age: float, whole_job: bool,
+                 role: str = "worker") -> None:
         super().__init__(daemon=True)
         self.tag, self.moments, self.start_at, self.min_age = tag, moments, start, min_age
-        self.whole_job = whole_job
+        self.whole_job, self.role = whole_job, role
         self.killed: list[tuple[float, int, int]] = []  # (seconds after start, rank, pid)
         self.stopped = threading.Event()
 
@@ -83,7 +87,8 @@ class Killer(threading.Thread):
                 time.sleep(0.01)
             while not self.stopped.is_set():
                 attempt = len(self.killed) if self.whole_job else None
-                pid = job_worker(self.tag, rank, self.min_age, attempt)
+                pid = (job_server(self.tag, self.min_age) if self.role == "server"
+                       else job_worker(self.tag, rank, self.min_age, attempt))
                 if pid is not None:
                     try:
                         os.kill(pid, signal.SIGKILL)
@@ -112,6 +117,10 @@ def run_case(model: str, case: str, args: argparse.Namespace, work: Path, refere
         options.update(max_restarts=args.kills, restart_scope="worker")
     elif case == "job":
         options.update(max_restarts=args.kills, restart_scope="job", checkpoint_dir=str(out / "ckpt"))
+    elif case == "server":  # a replica of each server's keys, and no restart at all
+        options.update(server_replicas=1)
+    elif case == "server-job":
+        options.update(max_restarts=1, restart_scope="job", checkpoint_dir=str(out / "ckpt"))
     if args.log_dir is not None:
         options["log_dir"] = str(args.log_dir / f"{model}-{case}")
     argv = [sys.executable, str(EXAMPLES / script), *(quick if args.quick else full), "--save-weights", str(weights)]
@@ -122,9 +131,15 @@ def run_case(model: str, case: str, args: argparse.Namespace, work: Path, refere
         moments = [reference_s * (i + 1) / (args.kills + 1) for i in range(args.kills)]
         killer = Killer(str(weights), moments, start, args.min_age, whole_job=case == "job")
         killer.start()
+    elif case in ("server", "server-job"):  # one server, mid-run
+        assert reference_s is not None
+        killer = Killer(str(weights), [reference_s / 2], start, args.min_age, whole_job=case == "server-job",
+                        role="server")
+        killer.start()
     try:
-        result = launch(argv, num_workers=2, num_servers=2, timeout=args.job_timeout, env={"OMP_NUM_THREADS": "1"},
-                        **options)
+        # every process carries the tag: the killer finds the job's servers by it
+        result = launch(argv, num_workers=2, num_servers=2, timeout=args.job_timeout,
+                        env={"OMP_NUM_THREADS": "1", "PSLAUNCH_BENCH_TAG": str(weights)}, **options)
     finally:
         wall = time.monotonic() - start
         if killer is not None:
@@ -147,7 +162,7 @@ def run_case(model: str, case: str, args: argparse.Namespace, work: Path, refere
     row["ended_after_their_part"] = [p.name for p in result.processes if p.note == "ended after its part was done"]
     row["restarts_of_the_job"] = sum(1 for a in result.attempts if a.action.startswith("restarted the job"))
     if summary.exists():
-        servers = [p for p in json.loads(summary.read_text())["processes"] if p["role"] == "server"]
+        servers = [p for p in json.loads(summary.read_text())["processes"] if p["role"] in ("server", "replica")]
         row["held_bytes"] = sum(p.get("held_bytes") or 0 for p in servers)
         row["kept_bytes"] = sum(p.get("kept_bytes") or 0 for p in servers)
     return row
@@ -193,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             reference = run_case(model, "uninterrupted", args, work, None)
             rows = [reference]
             if reference["ok"]:
-                for case in ("ready", "worker", "job"):
+                for case in ("ready", "worker", "job", "server", "server-job"):
                     rows.append(run_case(model, case, args, work, reference["wall_s"]))
             for row in rows:
                 row["weights_equal"] = same_weights(Path(row["weights"]), Path(reference["weights"])) \
@@ -201,17 +216,16 @@ def main(argv: list[str] | None = None) -> int:
                 failed = failed or not row["ok"]
                 report["rows"].append(row)
                 print(_line(row), flush=True)
-            report["rows"].append({"model": model, "case": "server", "skipped": "--server-replicas is not built yet"})
-            print(f"| {model} | server, with a replica | - | - | - | - | - | - | - | not built yet (--server-replicas) |",
-                  flush=True)
-            shutil.rmtree(work / f"{model}-job" / "ckpt", ignore_errors=True)
+            for case in ("job", "server-job"):
+                shutil.rmtree(work / f"{model}-{case}" / "ckpt", ignore_errors=True)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
     return 1 if failed else 0
 
 
 _CASES = {"uninterrupted": "uninterrupted", "ready": "ready to replace, no kill", "worker": "worker, replaced in place",
-          "job": "job, from a checkpoint"}
+          "job": "job, from a checkpoint", "server": "server, its replica takes over",
+          "server-job": "server, job from a checkpoint"}
 
 
 def _line(row: dict) -> str:

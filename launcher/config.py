@@ -268,6 +268,7 @@ class LaunchConfig:
     checkpoint_dir: str | None = None  # absolute
     allow_restart_from_scratch: bool = False
     restart_scope: str = "job"
+    server_replicas: int = 0  # --server-replicas: processes that hold a copy of each server's keys
     verbose: int = 0
     quiet: bool = False
     dry_run: bool = False
@@ -345,6 +346,14 @@ class LaunchConfig:
         if self.restart_scope == "worker" and self.user_command_for_all_roles:
             raise ConfigError("--restart-scope worker needs the bundled runtime, which lets a restarted worker rejoin; "
                               "with --command-for-all-roles use --restart-scope job")
+        if not 0 <= self.server_replicas <= 8:
+            raise ConfigError(f"--server-replicas must be between 0 and 8, got {self.server_replicas}")
+        if self.server_replicas and self.num_servers == 0:
+            raise ConfigError(f"--server-replicas {self.server_replicas} keeps copies of the servers' keys, but -s 0 "
+                              "starts no servers (the workers hold the model)")
+        if self.server_replicas and self.user_command_for_all_roles:
+            raise ConfigError("--server-replicas needs the bundled runtime's servers; with --command-for-all-roles "
+                              "the servers are the command's")
         if self.agents.nnodes is not None:
             if self.agents.nnodes < 1:
                 raise ConfigError(f"--nnodes must be >= 1, got {self.agents.nnodes}")

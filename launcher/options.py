@@ -148,6 +148,7 @@ OPTIONS: tuple[Option, ...] = (
     Option('checkpoint_dir', ('--checkpoint-dir',), 'text', metavar='DIR', section='Ending and restarts', help='Where the servers keep checkpoints (kvcore.elastic.State); every server host must reach it.'),
     Option('allow_restart_from_scratch', ('--allow-restart-from-scratch',), 'flag', section='Ending and restarts', help='Allow --max-restarts without --checkpoint-dir: a restarted job begins from scratch.'),
     Option('restart_scope', ('--restart-scope',), 'choice', default='job', show_default=True, choices=('job', 'worker'), section='Ending and restarts', help='What a restart starts again: every process, or only a failed worker (dist_async), while the others go on.'),
+    Option('server_replicas', ('--server-replicas',), 'int', default=0, metavar='K', show_default=True, section='Ending and restarts', help="Keep each server's keys on K more server processes (replicas, placed on other hosts): a lost server's replica takes its place and the job goes on, exactly (dist_sync, dist_device_sync)."),
     # -- Security
     Option('encrypt', ('--encrypt',), 'flag', section='Security', help="Encrypt every connection of the job (CurveZMQ, keys from the job's key); slower, for networks others can read."),
     # -- Observability
@@ -292,6 +293,7 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str]) -> Laun
         checkpoint_dir=os.path.abspath(os.path.expanduser(options["checkpoint_dir"])) if options["checkpoint_dir"] else None,
         allow_restart_from_scratch=options["allow_restart_from_scratch"],
         restart_scope=options["restart_scope"],
+        server_replicas=options["server_replicas"],
         verbose=options["verbose"],
         quiet=options["quiet"],
         dry_run=options["dry_run"],

@@ -65,6 +65,8 @@ __all__ = [
     "PSLAUNCH_REGISTER_TIMEOUT",
     "PSLAUNCH_RESTART_COUNT",
     "PSLAUNCH_RESTART_SCOPE",
+    "PSLAUNCH_SERVER_REPLICA",
+    "PSLAUNCH_SERVER_REPLICAS",
     "PSLAUNCH_SAME_HOST",
     "PSLAUNCH_SERVER_DEVICE",
     "PSLAUNCH_STATS",
@@ -137,6 +139,10 @@ PSLAUNCH_CHECKPOINT_DIR = "PSLAUNCH_CHECKPOINT_DIR"
 PSLAUNCH_RESTART_SCOPE = "PSLAUNCH_RESTART_SCOPE"
 #: How many times pslaunch restarted the job (or this worker) before this start: 0 on the first.
 PSLAUNCH_RESTART_COUNT = "PSLAUNCH_RESTART_COUNT"
+#: How many other servers' processes hold a copy of each server's keys (0: none): ``--server-replicas``.
+PSLAUNCH_SERVER_REPLICAS = "PSLAUNCH_SERVER_REPLICAS"
+#: ``1`` on a server process that is a replica (it holds another server's keys until that one is lost).
+PSLAUNCH_SERVER_REPLICA = "PSLAUNCH_SERVER_REPLICA"
 #: The values ``PSLAUNCH_RESTART_SCOPE`` takes.
 RESTART_SCOPES = ("job", "worker")
 #: The job's secret: passed like a secret ``--env`` value (never in a plan's printed environment).
@@ -168,6 +174,7 @@ SETTINGS = (
     PSLAUNCH_TIMELINE,
     PSLAUNCH_CHECKPOINT_DIR,
     PSLAUNCH_RESTART_SCOPE,
+    PSLAUNCH_SERVER_REPLICAS,
 )
 PSLAUNCH_SUPERVISED = "PSLAUNCH_SUPERVISED"
 

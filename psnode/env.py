@@ -80,6 +80,8 @@ class NodeEnv:
     malloc_tuning: bool = True
     restart_scope: str = "job"
     lanes: bool = True
+    server_replicas: int = 0  # PSLAUNCH_SERVER_REPLICAS: copies of each server's keys on other server processes
+    replica: bool = False  # PSLAUNCH_SERVER_REPLICA=1: this server process is one of those copies
 
     @property
     def root_address(self) -> str:
@@ -233,6 +235,17 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     restart_scope = (_get(env, "PSLAUNCH_RESTART_SCOPE") or "job").lower()
     if restart_scope not in ("job", "worker"):
         raise EnvError(f"environment variable PSLAUNCH_RESTART_SCOPE={restart_scope!r} must be job or worker")
+    server_replicas = _int("PSLAUNCH_SERVER_REPLICAS", _get(env, "PSLAUNCH_SERVER_REPLICAS") or "0", 0, 8)
+    replica_text = _get(env, "PSLAUNCH_SERVER_REPLICA") or "0"
+    if replica_text not in ("0", "1"):
+        raise EnvError(f"environment variable PSLAUNCH_SERVER_REPLICA={replica_text!r} must be 0 or 1")
+    if replica_text == "1" and (role != "server" or not server_replicas):
+        raise EnvError(f"PSLAUNCH_SERVER_REPLICA=1 names a replica of a server's keys, but this process is a {role} "
+                       f"of a job with PSLAUNCH_SERVER_REPLICAS={server_replicas}; a replica is a server of a job "
+                       "with PSLAUNCH_SERVER_REPLICAS of 1 or more")
+    if server_replicas and not num_servers:
+        raise EnvError(f"PSLAUNCH_SERVER_REPLICAS={server_replicas} keeps copies of the servers' keys, but the job has "
+                       "no servers (DMLC_NUM_SERVER=0)")
     checkpoint_dir = _get(env, "PSLAUNCH_CHECKPOINT_DIR")
     if checkpoint_dir is not None:
         if "\0" in checkpoint_dir:
@@ -278,6 +291,8 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         restart_count=restart_count,
         checkpoint_dir=checkpoint_dir,
         restart_scope=restart_scope,
+        server_replicas=server_replicas,
+        replica=replica_text == "1",
         malloc_tuning=malloc_text == "on",
         lanes=lanes_text == "on",
     )

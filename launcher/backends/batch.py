@@ -49,7 +49,9 @@ class BatchBackend(Backend):
 
     # the batch scheduler starts the processes on its nodes; pslaunch reaches none of them by ssh
     refuses = {"ssh": "the batch scheduler starts the processes on its nodes; pslaunch does not ssh to them",
-               "link_timeout": "the batch scheduler starts the processes on its nodes; pslaunch does not ssh to them"}
+               "link_timeout": "the batch scheduler starts the processes on its nodes; pslaunch does not ssh to them",
+               "server_replicas": "every process is a task of one batch job, which the batch scheduler may end as a "
+                                  "whole when one task is lost"}
 
     #: How handles name the launcher process in their details (``srun``, ``the SGE job``).
     launcher_name = "the job"

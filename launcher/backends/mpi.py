@@ -159,6 +159,8 @@ class MpiBackend(Backend):
     """Starts the whole plan with one mpirun (``--launcher mpi``). Not thread-safe."""
 
     name = "mpi"
+    refuses = {"server_replicas": "one mpirun runs every rank and ends them all when one is lost, so no replica "
+                                  "could take a lost server's place"}
 
     @classmethod
     def resolve(cls, config):

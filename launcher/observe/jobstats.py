@@ -44,7 +44,7 @@ RATE_WINDOW = 5.0
 #: user code (loading data before ``kvcore.create``, or a program that never joins the runtime).
 STARTING_SECONDS = 2.0
 _STANDS_OUT = 1.25
-_NODE_ROLES = ("server", "worker")
+_NODE_ROLES = ("server", "worker", "replica")
 _STATES = ("registered", "running", "rejoining", "finished")  # rejoining: a dead worker awaiting its restart
 _MAX = float(1 << 62)
 
@@ -170,6 +170,11 @@ class JobStats:
         pid, else (workers) by its rank, which pslaunch fixed (``DMLC_WORKER_ID``)."""
         role = node["role"]
         launch_rank = node["s"].get("lr")
+        if role == "server" and isinstance(launch_rank, int):
+            # a replica that took a lost server's place reports as that server: its pid says which process it is
+            for handle in handles:
+                if handle.spec.role == "replica" and handle.pid is not None and handle.pid == node.get("pid"):
+                    return "replica", handle.spec.rank
         if isinstance(launch_rank, int):
             return role, launch_rank
         for handle in handles:

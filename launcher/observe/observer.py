@@ -217,11 +217,13 @@ def summary_document(job_id: str, rows: list[Row], notes: dict[int, str], failur
         if row.role == "worker":
             entry.update(pushed_bytes=counters.get("push_b"), pulled_bytes=counters.get("pull_b"),
                          rounds=counters.get("rounds"), wait_s=counters.get("wait_s"))
-        elif row.role == "server":
+        elif row.role in ("server", "replica"):
             entry.update(received_bytes=counters.get("push_b"), updates=counters.get("updates"),
                          keys=counters.get("keys"), held_bytes=counters.get("held_b"), kept_bytes=counters.get("kept_b"))
         if "cpu" in counters:
             entry["cpu_s"] = counters["cpu"]
+        if "rss" in counters:
+            entry["rss_bytes"] = counters["rss"]
         processes.append(entry)
         by_name[row.name] = entry
     for name, note in notes.items():

@@ -204,6 +204,10 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
     placed: list[tuple[str, int, Host]] = [("scheduler", 0, sched_host)]
     placed += [("server", r, hosts[r % len(hosts)]) for r in range(config.num_servers)]
     placed += [("worker", r, h) for r, h in enumerate(_place_workers(hosts, config.num_workers))]
+    # --server-replicas: replica i starts beside server i mod S; the scheduler gives it the keys of a
+    # server on another host where there is one (a lost host then loses no server's keys)
+    placed += [("replica", r, hosts[(r % config.num_servers) % len(hosts)])
+               for r in range(config.server_replicas * config.num_servers)]
 
     sizes: dict[tuple[str, Host], int] = {}
     for role, _, host in placed:
@@ -227,6 +231,8 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
         settings[ec.PSLAUNCH_CHECKPOINT_DIR] = config.checkpoint_dir
     if config.restart_scope != "job":
         settings[ec.PSLAUNCH_RESTART_SCOPE] = config.restart_scope
+    if config.server_replicas:
+        settings[ec.PSLAUNCH_SERVER_REPLICAS] = str(config.server_replicas)
     # torch.distributed's env:// rendezvous, for a job without servers: worker 0's host and a port
     master = None
     if config.master_port is not None:
@@ -237,11 +243,12 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
         seen[(role, host)] = local_rank + 1
         on_launcher = (local_only or host is LOCAL_HOST) and not all_through_launcher
         script = None
+        node_role = "server" if role == "replica" else role  # a replica is a server process (DMLC_ROLE=server)
         if role == "worker" or config.user_command_for_all_roles:
             argv = user_argv
             script = script_of(config.command)
         else:
-            argv = runtime_argv(role, config.python)
+            argv = runtime_argv(node_role, config.python)
         # Otherwise each node advertises its interface toward the scheduler (or --interface's),
         # found on its own host: an address of the hostfile may be on another network.
         node_host = None
@@ -251,7 +258,7 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
             elif host.is_loopback and host.is_ip:
                 node_host = host.name  # 127.0.0.2, 127.0.0.3: distinct hosts on one machine
         env = ec.contract_env(
-            role=role,
+            role=node_role,
             root_uri=root_uri,
             root_port=config.scheduler_port,
             num_workers=config.num_workers,
@@ -271,6 +278,8 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
                                     local_world_size=sizes[(role, host)], master=master,
                                     gpus_per_worker=config.gpus_per_worker, max_restarts=config.max_restarts,
                                     run_id=config.job_id))
+        if role == "replica":
+            env[ec.PSLAUNCH_SERVER_REPLICA] = "1"
         # Python children write to pipes, which block-buffer print(): lines would arrive at exit.
         env["PYTHONUNBUFFERED"] = config.python_unbuffered
         processes.append(
@@ -280,7 +289,7 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
                 host=host,
                 argv=argv,
                 env=env,
-                user_env=tuple(v for v in config.env if v.applies_to(role)) + secrets,
+                user_env=tuple(v for v in config.env if v.applies_to(node_role)) + secrets,
                 local_rank=local_rank,
                 local_size=sizes[(role, host)],
                 cwd=_cwd(config, host, on_launcher, remote_cwd),

@@ -87,6 +87,7 @@ class Supervisor:
                                    bool(config.checkpoint_dir or config.allow_restart_from_scratch))
         self._plan: Plan | None = None
         self._replaced: list[ProcessHandle] = []  # workers restarted alone (--restart-scope worker)
+        self._lost_holders: set[int] = set()  # servers and replicas lost while a replica held their keys
         self.replacements = ReplacementLog(time.monotonic())  # every attempt's: the job's start counts from run()
 
     # -- signals -------------------------------------------------------------------------------
@@ -131,6 +132,7 @@ class Supervisor:
                     self._report(f"restarting the job (restart {count} of {self.restarts.max_restarts}, "
                                  f"PSLAUNCH_RESTART_COUNT={count})")
                     self.handles, self._replaced, self._stopped, self.failure = [], [], set(), None
+                    self._lost_holders = set()
                     self._attempt(self._plan.restarted(count), start)
                 held_back = self.restarts.held_back(self.failure)
                 if held_back is not None:
@@ -176,7 +178,7 @@ class Supervisor:
             for handle in self._replaced + self.handles:
                 handle.close()  # reader threads finish: every marker and last line is in
         if self.failure is _PROCESS_FAILED:
-            self.failure = culprit(self.handles, self._stopped) or Failure("a process failed", 1)
+            self.failure = self._root_cause() or Failure("a process failed", 1)
 
     def _check_signal_or_timeout(self, start: float) -> Failure | None:
         if self._signals:
@@ -223,6 +225,13 @@ class Supervisor:
                     continue
                 if kind == "own" and self._rejoins(handle):
                     continue  # restarted alone at the next turn
+                if kind == "own" and self._held_elsewhere(handle):
+                    self._lost_holders.add(id(handle))
+                    then = ("its server goes on without it" if handle.spec.role == "replica"
+                            else "a replica holds its keys and serves in its place")
+                    self.printer.note(f"{who(handle)} failed: {status.describe()}; the job goes on "
+                                      f"(--server-replicas {self.config.server_replicas}: {then})")
+                    continue
                 if kind == "own":
                     if early is not None and handle.spec.role == "worker":
                         return self._early_failure(early[0], f"; then {handle.spec.name} failed: {status.describe()}")
@@ -266,6 +275,12 @@ class Supervisor:
                     return None
             time.sleep(_TICK)
 
+    def _held_elsewhere(self, handle: ProcessHandle) -> bool:
+        """``--server-replicas``: a server's or replica's end is not the job's failure. The runtime gives
+        a lost server's keys to a replica, or, when none is left, fails the job itself (its nodes then
+        end naming it, and the lost server is the root cause)."""
+        return self.config.server_replicas > 0 and handle.spec.role in ("server", "replica")
+
     def _rejoins(self, handle: ProcessHandle) -> bool:
         """True when ``handle`` is a worker that is restarted alone if it fails (``--restart-scope
         worker`` with a restart left) before its part is done: after its finish the rounds are over,
@@ -294,6 +309,17 @@ class Supervisor:
             self.replacements.add(handle, self.handles[i], count)
             if self.observer is not None:
                 self.observer.attach(self.handles)
+
+    def _root_cause(self) -> Failure | None:
+        """The first real failure: a lost server whose replica took its place is none, unless the job
+        then failed for want of keys (its nodes ended, blaming a peer): then the last server or
+        replica lost is, the one whose keys no process held any more."""
+        lost = [h for h in self.handles if id(h) in self._lost_holders]
+        first = culprit([h for h in self.handles if id(h) not in self._lost_holders], self._stopped)
+        if lost and (first is None or kind_of(first.handle, self._stopped) == "peer"):
+            last = max(lost, key=lambda h: h.ended or 0.0)
+            return culprit([last], self._stopped) or first
+        return first
 
     def _early_failure(self, handle: ProcessHandle, then: str) -> Failure:
         running = [h.spec.name for h in self.handles if h.spec.role == "worker" and h.status is None]
@@ -366,6 +392,10 @@ class Supervisor:
             shown.append(handle)
         table_notes = notes(shown, self._stopped, self.failure)
         table_notes.update({id(r): "failed; restarted alone" for r in self._replaced})
+        for handle in shown:
+            if id(handle) in self._lost_holders and (self.failure is None or self.failure.handle is not handle):
+                table_notes[id(handle)] = ("failed; its server went on" if handle.spec.role == "replica"
+                                           else "failed; a replica took its place")
         waited = {record.new_pid: record.waited_s for record in self.replacements.records()}
         for handle in shown:
             if handle.pid in waited and not table_notes.get(id(handle)):

@@ -41,7 +41,7 @@ __all__ = ["FailureLatch", "SchedulerLink", "LedgerPage", "CONTROL_CMDS"]
 CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN,
      Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED, Cmd.PEERS_REPLY, Cmd.LEDGER_ACK,
-     Cmd.LEDGER_ENTRIES}
+     Cmd.LEDGER_ENTRIES, Cmd.SERVER_LOST}
 )
 """What only the scheduler sends to a node."""
 
@@ -126,6 +126,10 @@ class SchedulerLink:
         self.failure = failure
         self.on_worker_finished = on_worker_finished
         self.on_worker_rejoined = on_worker_rejoined
+        # ``on_server_lost(rank, lost uid, taking-over uid or None)``: a server's process (or a replica) of
+        # the job is gone (PSLAUNCH_SERVER_REPLICAS); it updates the book and drops the lost peer's
+        # connection (without it the connection is dropped here)
+        self.on_server_lost: Callable[[int, str, str | None], None] | None = None
         self.shutdown_requested = False
         self.malformed = 0
         # Barriers numbered by group (a dist_sync worker under PSLAUNCH_RESTART_SCOPE=worker): how many this node
@@ -345,6 +349,8 @@ class SchedulerLink:
                         peer.port)
             if self.on_worker_rejoined is not None:
                 self.on_worker_rejoined(peer.rank)
+        elif cmd == Cmd.SERVER_LOST:
+            self._server_lost(unpack_json(frames[1]))
         elif cmd == Cmd.SHUTDOWN:
             self.shutdown_requested = True
             if self.timeline is not None:
@@ -386,6 +392,19 @@ class SchedulerLink:
                         if type(group) is int and type(completed) is int:
                             self.barriers_completed[group] = max(completed, self.barriers_completed.get(group, 0))
                     waiter.set_result(notes if isinstance(notes, list) else [])
+
+    def _server_lost(self, info: Any) -> None:
+        """The scheduler says a server's process is lost (``Cmd.SERVER_LOST``); the body is checked."""
+        if not isinstance(info, dict):
+            raise ProtocolError(f"a SERVER_LOST body that is a {type(info).__name__}, not an object")
+        rank, lost, by = info.get("rank"), info.get("lost"), info.get("by")
+        if type(rank) is not int or not isinstance(lost, str) or not (by is None or isinstance(by, str)):
+            raise ProtocolError(f"a SERVER_LOST of rank {rank!r}, lost {str(lost)[:80]!r}, by {str(by)[:80]!r}")
+        logger.info("%s %d: %s", self.me.role, self.members.rank, str(info.get("message", "a server was lost"))[:500])
+        if self.on_server_lost is not None:  # a worker: its book and its requests in flight change together
+            self.on_server_lost(rank, lost, by)
+        else:
+            self.transport.disconnect(lost.encode())
 
     def ask_workers(self) -> concurrent.futures.Future:
         """Ask the scheduler for every worker's record, once (a worker of a job with servers gets

@@ -120,6 +120,9 @@ class Membership:
         self.peers: dict[bytes, PeerInfo] = {}
         self.workers: list[PeerInfo] = []
         self.servers: list[PeerInfo] = []
+        # a server's replicas by its rank (PSLAUNCH_SERVER_REPLICAS): they hold copies of its keys; one
+        # takes its place in ``servers`` once it is lost (``server_lost``)
+        self.replicas: dict[int, list[PeerInfo]] = {}
         self.rejoined = False  # this worker took the rank of one that died (PSLAUNCH_RESTART_SCOPE=worker)
         # False for a worker of a job with servers: its book holds the servers alone (the scheduler's
         # books are O(nodes x servers) in all, not O(nodes^2)); the workers come on request (PEERS)
@@ -148,7 +151,41 @@ class Membership:
         self.peers = peers
         self.workers = sorted((p for p in peers.values() if p.role == "worker"), key=lambda p: p.rank)
         self.servers = sorted((p for p in peers.values() if p.role == "server"), key=lambda p: p.rank)
-        return self.servers if self.role == "worker" else self.workers
+        replicas: dict[int, list[PeerInfo]] = {}
+        for peer in sorted((p for p in peers.values() if p.role == "replica"), key=lambda p: p.uid):
+            if not 0 <= peer.rank < len(self.servers):
+                raise ProtocolError(f"the address book lists a replica of server {peer.rank}, but the job has "
+                                    f"{len(self.servers)} servers")
+            replicas.setdefault(peer.rank, []).append(peer)
+        self.replicas = replicas
+        if self.role == "worker":
+            return self.servers + [p for held in replicas.values() for p in held]
+        return self.workers
+
+    def server_lost(self, rank: int, lost: str, by: str | None) -> PeerInfo | None:
+        """Server ``rank``'s process ``lost`` (its uid: the server, or one of its replicas) is gone; ``by``,
+        one of its replicas, serves its keys from now on (as a server of that rank); None: a replica
+        was lost and the server stays. Returns the lost peer as the book had it (None: unknown).
+
+        Raises:
+            ProtocolError: ``by`` is not a replica of server ``rank`` in this book.
+        """
+        peers = dict(self.peers)
+        gone = peers.pop(lost.encode(), None)
+        replicas = {r: [p for p in held if p.uid != lost] for r, held in self.replicas.items()}
+        servers = list(self.servers)
+        if by is not None:
+            taking = next((p for p in replicas.get(rank, []) if p.uid == by), None)
+            if taking is None or not 0 <= rank < len(servers):
+                raise ProtocolError(f"server {rank} is said to be replaced by {by!r}, which is no replica of it here")
+            replicas[rank] = [p for p in replicas[rank] if p.uid != by]
+            promoted = PeerInfo("server", rank, taking.host, taking.port, taking.uid, taking.fingerprint,
+                                taking.local_name, taking.shm_probe, taking.pid, taking.lane_port)
+            peers[by.encode()] = promoted
+            servers[rank] = promoted
+        # whole new objects: a thread reading the book meanwhile sees the old one or the new one
+        self.peers, self.replicas, self.servers = peers, replicas, servers
+        return gone
 
     def take_workers(self, records: list) -> None:
         """Add every worker's record (the scheduler's answer to PEERS) to a book that held none.

@@ -47,6 +47,7 @@ __all__ = [
     "FLAG_PULL",
     "FLAG_OFFER",
     "FLAG_REDO",
+    "FLAG_MIRROR",
     "ENTRY",
     "Group",
     "GROUP_ROLES",
@@ -67,6 +68,7 @@ __all__ = [
     "pack_value",
     "peek",
     "peek_req_id",
+    "peek_arg",
     "IN_SHARED_MEMORY",
     "MAX_DATA_FRAMES",
     "PACK_LIMIT",
@@ -92,6 +94,9 @@ FLAG_OFFER = 16  # a push of one big part without its value: it follows once the
 # before it died: a key already there alike (key, dtype, size) counts as initialised, an updater
 # already installed stays (with its state)
 FLAG_REDO = 32
+# a worker's copy, for a replica, of what it sends a server (PSLAUNCH_SERVER_REPLICAS): the replica
+# takes it as the server does and answers nothing (the server answers)
+FLAG_MIRROR = 64
 
 
 class Cmd(enum.IntEnum):
@@ -139,6 +144,10 @@ class Cmd(enum.IntEnum):
     MARK = 51  # worker -> server, no answer: JSON {"id", "scalars"} and its push counts (psnode.server.marks)
     MARKS = 52  # a replaced worker to a server: its predecessor's kept marks, please
     MARKS_REPLY = 53  # from the server: JSON [{"id", "scalars", "complete"}], each mark's counts frame, the taken counts
+    # scheduler -> nodes, JSON {"rank", "lost": uid, "by": uid or null, "message"}: a server (or a replica,
+    # "replica": true) of that rank is lost; "by", a replica, holds its keys from now on (a worker sends it
+    # what it sent the lost server and got no answer to)
+    SERVER_LOST = 54
     CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
     CHECKPOINT_REPLY = 35  # JSON: the operation's result
 
@@ -281,6 +290,11 @@ def unpack_push_pull(buf: Any) -> tuple[int, int, int, int, int, int, int]:
 def peek(header: bytes) -> tuple[int, int]:
     """``(cmd, flags)`` of a header this node packed itself (no checks: for its own outgoing frames)."""
     return header[3], int.from_bytes(header[4:6], "little")
+
+
+def peek_arg(header: bytes) -> int:
+    """The ``arg`` of a header this node packed itself (a request's parts in the message)."""
+    return int.from_bytes(header[16:24], "little", signed=True)
 
 
 def peek_req_id(header: bytes) -> int:

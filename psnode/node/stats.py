@@ -45,7 +45,7 @@ WORKER_FIELDS = COMMON_FIELDS | {"push_b", "pull_b", "rounds", "wait_s", "queued
 #: A server's counters: keys held, bytes held, bytes of pushes received, key updates applied, pulls
 #: waiting for a round to close.
 SERVER_FIELDS = COMMON_FIELDS | {"keys", "held_b", "kept_b", "push_b", "updates", "waiting"}
-_FIELDS = {"worker": WORKER_FIELDS, "server": SERVER_FIELDS}
+_FIELDS = {"worker": WORKER_FIELDS, "server": SERVER_FIELDS, "replica": SERVER_FIELDS}
 
 #: Bytes a heartbeat's JSON body may take (a report is about 150).
 REPORT_LIMIT = 1024

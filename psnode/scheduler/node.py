@@ -44,6 +44,12 @@ from psnode.transport.security import secure_or_loopback
 
 __all__ = ["Scheduler", "Roster", "Barriers"]
 
+#: The roles that hold keys: servers, and their replicas (PSLAUNCH_SERVER_REPLICAS).
+_HOLDERS = ("server", "replica")
+#: Seconds a server's (or replica's) connection stays closed before it counts as lost: a process that
+#: died closes its sockets at once, and a connection that only blinked comes back within ZeroMQ's
+#: reconnect interval (0.1 s).
+_LOST_AFTER = 0.3
 _NOTE_LIMIT = 256 << 10  # bytes of JSON a member's barrier note may take: worker 0's key placement (kvcore.stores.placement) rides in one
 
 class Scheduler:
@@ -59,7 +65,8 @@ class Scheduler:
         self.transport = transport or node_transport(env, SCHEDULER)
         self.transport.bind(env.root_port, None, None if env.bind_all else resolve_host(env.root_uri, "DMLC_PS_ROOT_URI"))
         self.fingerprint = host_fingerprint()
-        self.roster = Roster(env.num_workers, env.num_servers, env.job_id, env.root_port, env.job_id_from)
+        self.roster = Roster(env.num_workers, env.num_servers, env.job_id, env.root_port, env.job_id_from,
+                             env.server_replicas)
         self.barriers = Barriers()
         self.rendezvous = Rendezvous()
         self.ledger = Ledger()
@@ -112,6 +119,8 @@ class Scheduler:
             raise
         for uid, member in roster.members.items():
             self.transport.connect(uid, endpoint_of(member.peer, self.transport, self.fingerprint, env.same_host))
+            if env.server_replicas and member.peer.role in _HOLDERS:
+                self.transport.watch_liveness(uid)  # its end is seen at once (``_lost_servers``), not after heartbeats
         for uid, member in roster.members.items():
             member.last_seen = time.monotonic()
             self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), self._book(member)])
@@ -126,7 +135,8 @@ class Scheduler:
         records, not O(nodes^2). Each role's list is encoded once, not once per node."""
         role = member.peer.role
         if self._books.get(role) is None:
-            wanted = ("worker",) if role == "server" else ("server",) if self.env.num_servers else ("server", "worker")
+            wanted = (("worker",) if role in _HOLDERS else ("server", "replica") if self.env.num_servers
+                      else ("server", "worker"))
             self._books[role] = pack_json([m.peer.as_record() for m in self.roster.members.values()
                                            if m.peer.role in wanted])
         more = b',"workers":"on-request"' if role == "worker" and self.env.num_servers else b""
@@ -180,6 +190,8 @@ class Scheduler:
         """
         env = self.env
         tick = 0.5 if env.heartbeat_interval <= 0 else min(0.5, env.heartbeat_interval / 2)
+        if env.server_replicas:  # a lost server is looked for every tick: its replica takes over that much sooner
+            tick = min(tick, 0.05)
         self._last_check = time.monotonic()
         while not self.roster.all_workers_finished():
             self.job_report.tell(self.roster.members.values())
@@ -189,6 +201,8 @@ class Scheduler:
                     self._dispatch(sender, frames)
                     if not self.transport.poll(0):
                         break
+            if env.server_replicas:
+                self._lost_servers()
             if env.heartbeat_interval > 0:
                 self._check_alive()
         self._shutdown_servers()
@@ -329,7 +343,7 @@ class Scheduler:
         self._books.clear()  # a worker's address changed
         self.transport.send(sender, [pack_header(Cmd.ADDRBOOK), self._book(new, rejoined=True)])
         note = pack_json({"old": old.peer.uid, "node": new.peer.as_record()})
-        for uid in self.roster.of_roles(("server",)):
+        for uid in self.roster.of_roles(_HOLDERS):
             self.transport.send(uid, [pack_header(Cmd.WORKER_REJOINED), note])
         old_uid = old.peer.uid.encode()
         self.barriers.forget(old_uid)
@@ -346,7 +360,7 @@ class Scheduler:
         # waits for no answer from a worker that finished (``WorkerNode._flush_collectives``). One may
         # be gone already: its note is dropped rather than queued (never waited for).
         frames = [pack_header(Cmd.WORKER_FINISHED), note]
-        for uid in self.roster.of_roles(("server", "worker")):
+        for uid in self.roster.of_roles(("server", "replica", "worker")):
             if uid == sender:
                 continue
             if not self.roster.members[uid].finished:
@@ -448,8 +462,54 @@ class Scheduler:
                     f"(PS_HEARTBEAT_TIMEOUT={self.env.heartbeat_timeout:g})",
                 )
 
+    def _lost_servers(self) -> None:
+        """Servers and replicas whose connection ended and stayed closed (``_LOST_AFTER``): lost."""
+        for uid in self.transport.gone(_LOST_AFTER):
+            member = self.roster.members.get(uid)
+            if member is not None and member.peer.role in _HOLDERS:
+                self._announce_death(member, f"{member.peer.describe()} (pid {member.info.get('pid')}) is gone: its "
+                                             f"connection closed and stayed closed for {_LOST_AFTER:g} s")
+
+    def _server_lost(self, lost: Member, message: str) -> bool:
+        """PSLAUNCH_SERVER_REPLICAS: a server or replica ``lost``. A replica of a lost server's rank
+        takes its place and the job goes on (True); every node hears of it (``SERVER_LOST``). False
+        when a server had no replica left (the job cannot go on without its keys)."""
+        peer = lost.peer
+        if peer.role == "server" and not any(m.peer.role == "replica" and m.peer.rank == peer.rank
+                                             for m in self.roster.members.values()):
+            return False
+        taking = self.roster.server_lost(peer.uid.encode())
+        self._books.clear()
+        self.barriers.forget(peer.uid.encode())
+        by = None if taking is None else taking.peer.uid
+        said = (f"{message}; replica {by} holds its keys and serves as server {peer.rank} from now on" if by else
+                f"{message}; server {peer.rank} goes on without this replica")
+        logger.warning("scheduler: %s", said)
+        body = pack_json({"rank": peer.rank, "lost": peer.uid, "by": by, "replica": peer.role == "replica",
+                          "message": said})
+        for uid, member in self.roster.members.items():
+            if not member.finished or member.peer.role != "worker":
+                try:
+                    self.transport.send(uid, [pack_header(Cmd.SERVER_LOST), body])
+                except PSNodeError:
+                    pass
+        try:  # a process cut off rather than dead must not serve on: it is told the job went on without it
+            self.transport.send(peer.uid.encode(), [pack_header(Cmd.NODE_DIED), pack_json(
+                {"message": f"{said} (this process was given up for lost)", "role": peer.role, "rank": peer.rank,
+                 "host": peer.host})], block=False)
+        except PSNodeError:
+            pass
+        self.transport.disconnect(peer.uid.encode())
+        return True
+
     def _announce_death(self, dead: Member, message: str, final: bool = False) -> None:
         peer = dead.peer
+        if peer.role in _HOLDERS and self.env.server_replicas:
+            if self._server_lost(dead, message):
+                return
+            message += "; no replica of its keys is left (--server-replicas), so the job cannot go on"
+        if peer.role == "replica":  # not one of the job's servers: the first thing a lost one's book names
+            message += f" (a replica of server {peer.rank})"
         if peer.role == "worker" and self.env.restart_scope == "worker" and not final:
             # pslaunch starts it again alone once it has ended; the others go on, and its rank waits
             # for it one heartbeat timeout (a worker that hangs instead of ending is not restarted)
@@ -467,7 +527,7 @@ class Scheduler:
         raise PeerDiedError(message, peer.role, peer.rank, peer.host)
 
     def _shutdown_servers(self) -> None:
-        servers = set(self.roster.of_roles(("server",)))
+        servers = set(self.roster.of_roles(_HOLDERS))
         for uid in servers:
             self.transport.send(uid, [pack_header(Cmd.SHUTDOWN)])
         deadline = time.monotonic() + max(5.0, self.env.heartbeat_timeout)

@@ -14,7 +14,7 @@ from psnode.node.membership import PeerInfo
 
 __all__ = ["Member", "Roster", "Barriers"]
 
-_ROLES = ("server", "worker")
+_ROLES = ("server", "worker", "replica")
 _REFUSALS_KEPT = 10  # refusals a timeout message counts (the first is quoted)
 
 
@@ -33,8 +33,11 @@ class Member:
 class Roster:
     """The registered nodes and their ranks (see ``Scheduler``)."""
 
-    def __init__(self, num_workers: int, num_servers: int, job_id: str = "", port: int = 0, job_from: str = "") -> None:
+    def __init__(self, num_workers: int, num_servers: int, job_id: str = "", port: int = 0, job_from: str = "",
+                 replicas: int = 0) -> None:
         self.expected = {"server": num_servers, "worker": num_workers}
+        if replicas:  # PSLAUNCH_SERVER_REPLICAS: that many replicas of each server register too
+            self.expected["replica"] = replicas * num_servers
         self.job_id = job_id
         self.job_from = job_from  # the scheduler's address as it was given, when the job id was derived from it
         self.port = port
@@ -87,7 +90,7 @@ class Roster:
         if sender in self.members:
             return None
         peer = PeerInfo.from_record({**info, "rank": -1}) if isinstance(info, dict) else PeerInfo.from_record(info)
-        if peer.role not in _ROLES or sender != peer.uid.encode():
+        if peer.role not in self.expected or sender != peer.uid.encode():
             raise ProtocolError(f"registration of role {peer.role!r} with uid {peer.uid!r} from {sender[:64]!r}")
         worker_id = info.get("worker_id")
         if worker_id is not None and not isinstance(worker_id, int):
@@ -97,9 +100,10 @@ class Roster:
             return self._refused(self._other_job(peer, info, job))
         expected = self.expected[peer.role]
         if self.count(peer.role) >= expected:
+            variable = {"worker": "DMLC_NUM_WORKER", "server": "DMLC_NUM_SERVER"}.get(
+                peer.role, "PSLAUNCH_SERVER_REPLICAS x DMLC_NUM_SERVER")
             return self._refused(f"a {peer.role} at {peer.host}:{peer.port} registered, but the job already has all "
-                                 f"{expected} {peer.role}s (DMLC_NUM_{'WORKER' if peer.role == 'worker' else 'SERVER'}"
-                                 f"={expected})")
+                                 f"{expected} {peer.role}s ({variable}={expected})")
         self.members[sender] = Member(info, peer)
         return None
 
@@ -155,10 +159,29 @@ class Roster:
         for member in sorted(workers, key=lambda m: (m.peer.host, m.peer.port)):
             if id(member) not in ranks:
                 ranks[id(member)] = next(free)
-        for rank, member in enumerate(sorted(servers, key=lambda m: (m.peer.host, m.peer.port))):
+        ordered = sorted(servers, key=lambda m: (m.peer.host, m.peer.port))
+        for rank, member in enumerate(ordered):
             ranks[id(member)] = rank
-        for member in workers + servers:
+        replicas = sorted((m for m in self.members.values() if m.peer.role == "replica"),
+                          key=lambda m: (m.peer.host, m.peer.port))
+        for member, rank in zip(replicas, _replica_ranks([m.peer.host for m in ordered],
+                                                          [m.peer.host for m in replicas])):
+            ranks[id(member)] = rank
+        for member in workers + servers + replicas:
             member.peer = replace(member.peer, rank=ranks[id(member)])
+
+    def server_lost(self, uid: bytes) -> Member | None:
+        """Server (or replica) ``uid`` is lost: forget it, and when it was a server, make the first
+        replica of its rank the server of that rank; that replica's member (None: a replica was
+        lost, or the server had none left)."""
+        lost = self.members.pop(uid)
+        if lost.peer.role != "server":
+            return None
+        taking = next((m for m in self.members.values()
+                       if m.peer.role == "replica" and m.peer.rank == lost.peer.rank), None)
+        if taking is not None:
+            taking.peer = replace(taking.peer, role="server")
+        return taking
 
     def of_roles(self, roles: tuple[str, ...]) -> list[bytes]:
         """The identities of the members with one of ``roles``."""
@@ -171,6 +194,30 @@ class Roster:
     def all_workers_finished(self) -> bool:
         """True once every worker said it finished."""
         return all(m.finished for m in self.members.values() if m.peer.role == "worker")
+
+
+def _replica_ranks(server_hosts: list[str], replica_hosts: list[str]) -> list[int]:
+    """The server rank each replica holds the keys of: every server gets ``len(replica_hosts) //
+    len(server_hosts)`` replicas, each on another host than the server's where one is free (a host
+    lost then loses no server's keys), the others in order."""
+    count = len(server_hosts)
+    if not count:
+        return []
+    per_server = len(replica_hosts) // count
+    wanted = {rank: per_server for rank in range(count)}
+    ranks: list[int | None] = [None] * len(replica_hosts)
+    for strict in (True, False):
+        for i, host in enumerate(replica_hosts):
+            if ranks[i] is not None:
+                continue
+            # the rank after this replica's position first, so replicas spread over the servers
+            for step in range(count):
+                rank = (i + 1 + step) % count
+                if wanted[rank] and not (strict and server_hosts[rank] == host):
+                    ranks[i] = rank
+                    wanted[rank] -= 1
+                    break
+    return [r if r is not None else i % count for i, r in enumerate(ranks)]
 
 
 class Barriers:

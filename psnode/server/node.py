@@ -29,6 +29,7 @@ from psnode.node.bulk import gc_paused
 from psnode.node.connection import Connection
 from psnode.node.membership import PeerInfo
 from psnode.node.protocol import (
+    FLAG_MIRROR,
     FLAG_OFFER,
     FLAG_PULL,
     FLAG_REDO,
@@ -70,11 +71,16 @@ class ServerNode:
     def __init__(self, env: NodeEnv, transport: Transport | None = None) -> None:
         memory = shard_memory(env.server_device)
         self.store = ServerStore(env.num_workers, memory)
-        self.store.replay = env.restart_scope == "worker"  # a dist_sync worker may be replaced in place
+        # versioned rounds: a dist_sync worker may be replaced in place, or a replica answer for a lost
+        # server (the value after the round a pull names, and a repeated push taken once)
+        self.store.replay = env.restart_scope == "worker" or env.server_replicas > 0
+        self.store.replicated = env.server_replicas > 0
         self.codecs = CodecTable()
         self.attached = same_host.Attachments(same_host.job_tag(env.job_id))
-        self.conn = Connection(env, "server", self._handle, transport, on_worker_finished=self._worker_finished,
-                               on_worker_rejoined=self._worker_rejoined)
+        # a replica (PSLAUNCH_SERVER_REPLICA=1) registers as one: it takes the workers' copies of what they
+        # send its server (``_mirrored``) and serves as that server once the scheduler says it is lost
+        self.conn = Connection(env, "replica" if env.replica else "server", self._handle, transport,
+                               on_worker_finished=self._worker_finished, on_worker_rejoined=self._worker_rejoined)
         self.replies = Replies(self.conn.transport, self.conn.members, memory, self.attached)
         self.conn.serve_with(after_batch=self.replies.after_batch, deferred=self.replies)
         self.groups = Groups(self.store, self.replies)
@@ -159,6 +165,9 @@ class ServerNode:
             raise ProtocolError(why) from exc
 
     def _serve(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
+        if flags & FLAG_MIRROR:
+            self._mirrored(peer, cmd, flags, req_id, frames)
+            return
         if cmd == Cmd.PUSH_PULL:
             if len(frames) != 1:
                 raise ProtocolError(f"PUSH_PULL of {len(frames)} frames")
@@ -239,6 +248,29 @@ class ServerNode:
             self.replies.refuse(peer, reply, req_id, why)
             return ProtocolError(why)
         return None
+
+    def _mirrored(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, frames: list) -> None:
+        """A worker's copy of what it sent this replica's server: taken as the server takes it, and
+        answered by no one here (the server answers; a refusal there is the worker's error). Raises
+        ProtocolError for anything else marked as a copy (counted as malformed)."""
+        if not self.conn.env.replica:
+            raise ProtocolError(f"a copy of a {Cmd(cmd).name} for a replica, but this server is none")
+        try:
+            if cmd == Cmd.PUSH and not flags & (FLAG_PULL | FLAG_OFFER):
+                self._push(peer, req_id, frames)
+            elif cmd == Cmd.INIT:
+                self._init(frames, bool(flags & FLAG_SYNC), bool(flags & FLAG_REDO))
+            elif cmd == Cmd.SET_UPDATER:
+                self._set_updater(peer, frames, bool(flags & FLAG_REDO))
+            elif cmd == Cmd.SET_CODEC:
+                self._set_codec(frames)
+            elif cmd == Cmd.MARK:
+                self.store.add_mark(peer.rank, read_mark(frames[1:], max(len(self.store.shards), 1)))
+            else:
+                raise ProtocolError(f"a copy of a {Cmd(cmd).name} for a replica, which takes pushes, init, the "
+                                    "optimizer, codecs and marks only")
+        except RequestRefused as exc:  # refused by the server too, which tells the worker
+            logger.info("replica of server %d: %s", self.rank, exc)
 
     def _answer_checkpoint(self, peer: PeerInfo, reply: int, req_id: int, arg: int) -> Callable[[bool, Any], None]:
         """How checkpoint request ``req_id`` of ``peer`` is answered: now, or later from ``run``'s loop."""

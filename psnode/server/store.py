@@ -141,6 +141,10 @@ class ServerStore:
         self.restored: set[int] = set()
         self.restored_state: dict | None = None
         self.replay = False  # dist_sync keys get versioned rounds (PSLAUNCH_RESTART_SCOPE=worker)
+        # PSLAUNCH_SERVER_REPLICAS: every value is also held by replicas, fed round for round by the
+        # workers; only dist_sync keys (versioned) can be, and each key keeps its value before the
+        # last round, for a pull a lost server left unanswered and its replica answers a round later
+        self.replicated = False
         self.marks = Marks()  # every worker's newest marks (replay)
         self.kept_bytes = 0  # bytes of values kept for replay (``Shard.history``)
 
@@ -191,6 +195,9 @@ class ServerStore:
         """
         if key_id in self.shards:
             raise RequestRefused(f"key {user_key!r} is already initialised on this server")
+        if self.replicated and not sync:
+            raise RequestRefused(f"key {user_key!r} of a dist_async store cannot be replicated: replicas "
+                                 "(--server-replicas, PSLAUNCH_SERVER_REPLICAS) hold dist_sync and dist_device_sync keys")
         restored = self.pending.get(key_id)
         if restored is not None:  # the checkpoint's value wins over the initial one
             if restored[0] != user_key or restored[1].dtype != value.dtype or restored[1].size != value.size:
@@ -347,6 +354,8 @@ class ServerStore:
         """Whether the value after round ``version`` must be kept as the next round replaces it: a
         replacement may pull it (at or above the marks' floor). Lets go of older kept values."""
         floor = self.marks.floor(shard.key_id, (w for w in range(self.num_workers) if w not in self.finished))
+        if self.replicated:  # the value after the round that closes now stays: a replica's late pull
+            floor = version if floor is None else min(floor, version)
         history = shard.history
         if history and (floor is None or min(history) < floor):
             for old in [v for v in history if floor is None or v < floor]:

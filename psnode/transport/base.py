@@ -76,6 +76,18 @@ class Transport(abc.ABC):
         """Why ``peer`` (connected with ``watch=True``) refused this node's handshake, or None."""
         return None
 
+    def watch_liveness(self, peer: bytes) -> None:
+        """Watch the connection to ``peer`` (already connected) for its end: ``gone`` reports it. A
+        transport that cannot see a connection end reports nothing (heartbeats still find the peer)."""
+
+    def gone(self, grace: float) -> list[bytes]:
+        """The watched peers whose connection ended ``grace`` seconds ago or more and has not come
+        back (a process that died closes its sockets; its port then refuses). Each is reported once."""
+        return []
+
+    def disconnect(self, peer: bytes) -> None:
+        """Drop the connection to ``peer`` and what is queued for it (a peer that is lost)."""
+
     @abc.abstractmethod
     def send(self, peer: bytes, frames: Sequence[Any], track: bool = False, block: bool = True) -> Any:
         """Queue ``frames`` for ``peer`` and return at once; buffers are not copied.

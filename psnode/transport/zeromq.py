@@ -32,6 +32,7 @@ import os
 import resource
 import struct
 import threading
+import time
 from typing import Any, Sequence
 
 import zmq
@@ -151,6 +152,8 @@ class ZmqTransport(Transport):
         self._max_message = max_message
         self._zap = ZapHandler(self._context, self.security) if self.security.mode != "none" else None
         self._monitors: dict[bytes, zmq.Socket] = {}  # watched peers' handshake events
+        self._liveness: dict[bytes, zmq.Socket] = {}  # peers whose connection's end is watched (``gone``)
+        self._down_since: dict[bytes, float] = {}
         self._router: zmq.Socket | None = None
         self._dealers: dict[bytes, tuple[zmq.Socket, threading.Lock]] = {}
         self._connect_lock = threading.Lock()
@@ -294,6 +297,55 @@ class ZmqTransport(Transport):
             if kind in _HANDSHAKE_EVENTS:
                 return _HANDSHAKE_EVENTS[kind]
 
+    def watch_liveness(self, peer: bytes) -> None:
+        entry = self._dealers.get(peer)
+        if entry is None or peer in self._liveness:
+            return
+        with entry[1]:
+            self._liveness[peer] = entry[0].get_monitor_socket(int(zmq.EVENT_DISCONNECTED) | int(zmq.EVENT_CONNECTED))
+
+    def gone(self, grace: float) -> list[bytes]:
+        from zmq.utils.monitor import recv_monitor_message
+
+        now = time.monotonic()
+        for peer, monitor in list(self._liveness.items()):
+            while True:
+                try:
+                    event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                except zmq.ZMQError:  # zmq.Again too: nothing more now
+                    break
+                if int(event["event"]) == int(zmq.EVENT_DISCONNECTED):
+                    self._down_since.setdefault(peer, now)
+                else:  # connected again: a blip, not an end
+                    self._down_since.pop(peer, None)
+        lost = [peer for peer, since in self._down_since.items() if now - since >= grace]
+        for peer in lost:
+            self._down_since.pop(peer, None)
+            self._stop_liveness(peer)
+        return lost
+
+    def _stop_liveness(self, peer: bytes) -> None:
+        monitor = self._liveness.pop(peer, None)
+        if monitor is None:
+            return
+        entry = self._dealers.get(peer)
+        if entry is not None:
+            try:
+                entry[0].disable_monitor()
+            except zmq.ZMQError:
+                pass
+        monitor.close(0)
+
+    def disconnect(self, peer: bytes) -> None:
+        self._stop_liveness(peer)
+        self._down_since.pop(peer, None)
+        self._unwatch(peer)
+        with self._connect_lock:
+            entry = self._dealers.pop(peer, None)
+        if entry is not None:
+            with entry[1]:
+                entry[0].close(0)
+
     def _unwatch(self, peer: bytes) -> None:
         monitor = self._monitors.pop(peer, None)
         if monitor is None:
@@ -356,6 +408,8 @@ class ZmqTransport(Transport):
         self._closed = True
         for peer in list(self._monitors):
             self._unwatch(peer)
+        for peer in list(self._liveness):
+            self._stop_liveness(peer)
         with self._connect_lock:
             dealers = list(self._dealers.values())
             self._dealers.clear()

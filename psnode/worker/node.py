@@ -81,8 +81,15 @@ class WorkerNode:
         self.requests = RequestTable(self.conn.failure)
         self.outbox = Outbox(self.conn.transport, self.conn.members, self.requests.complete)
         self.receiver = Receiver(self.conn, self.outbox)
+        replicated = env.server_replicas > 0
+        # with replicas (PSLAUNCH_SERVER_REPLICAS) a push goes to a server and its replicas as one
+        # message each: no offers (a replica would never invite) and no shared memory (a copy per reader)
         self.data = DataPath(self.requests, self.outbox, same_host.WorkerRegions(env.job_id), env.num_workers,
-                             env.push_window)
+                             0 if replicated else env.push_window)
+        if replicated:
+            self.requests.replicated = self.outbox.replicated = True
+            self.outbox.on_sent = self.requests.note_sent
+            self.conn.link.on_server_lost = lambda rank, lost, by: self.outbox.server_lost(rank, lost, by, self.requests)
         self.closed = False
         self._mark_id = 0  # the id of this worker's last mark (``mark``)
         self._resumed: tuple[dict[str, Any] | None] | None = None  # a replacement's mark, once looked up
@@ -110,7 +117,7 @@ class WorkerNode:
         """
         conn = self.conn
         conn.register()
-        if self.env.same_host == "shm":
+        if self.env.same_host == "shm" and not self.outbox.replicated:
             self.data.regions.find_servers(conn.members.servers, conn.me.fingerprint)
         if network_thread:
             self.receiver.start(f"psnode-worker-{conn.rank}")

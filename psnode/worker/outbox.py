@@ -18,6 +18,14 @@ pull travels in the same message and both are answered by one reply::
 So a held push leaves before anything sent after it, and within the network thread's hand-back
 delay at the latest (``worker_receiver``).
 
+*Replicas* (``PSLAUNCH_SERVER_REPLICAS``): what changes a server's keys (pushes, init, the
+optimizer, codec parameters, marks) also goes, as it leaves for the server, to each replica of that
+server, marked ``FLAG_MIRROR`` (the replica takes it and answers nothing); so a replica holds what
+its server holds, round for round. Nothing is held back then (a held push would carry a pull the
+replica must not get). When a server is lost (``server_lost``), its rank's messages go to the replica
+that takes its place: the ones queued as they are, and the unanswered ones it got that a replica
+has no copy of (pulls) again.
+
 Thread-safety: every method may be called from any thread. The heap is only pushed by callers and
 popped under the send lock; ``HeldPush`` has its own lock, which is also the one the network thread
 parks on.
@@ -28,13 +36,25 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 
 from psnode.errors import PSNodeError, WouldBlock
+from psnode.log import logger
 from psnode.node.membership import Membership
-from psnode.node.protocol import ENTRY_STRUCT, FLAG_PULL, Cmd, pack_push_pull, peek, unpack_entries, with_flags
+from psnode.node.protocol import (
+    ENTRY_STRUCT,
+    FLAG_MIRROR,
+    FLAG_OFFER,
+    FLAG_PULL,
+    Cmd,
+    pack_push_pull,
+    peek,
+    unpack_entries,
+    with_flags,
+)
 from psnode.transport.base import Transport
 
 __all__ = ["Outbox", "HeldPush"]
@@ -45,6 +65,23 @@ class _Unsent:
 
 
 _UNSENT = _Unsent()
+
+#: What a replica gets a copy of: the messages that change a server's keys.
+MIRRORED = frozenset({int(Cmd.PUSH), int(Cmd.INIT), int(Cmd.SET_UPDATER), int(Cmd.SET_CODEC), int(Cmd.MARK)})
+_MIRROR_WAIT = 60.0  # seconds a replica's full queue may hold a copy up before the copy is dropped
+
+
+class _Both:
+    """The trackers of a message sent to a server and to its replicas: done once all are."""
+
+    __slots__ = ("trackers",)
+
+    def __init__(self, trackers: list) -> None:
+        self.trackers = trackers
+
+    @property
+    def done(self) -> bool:
+        return all(t.done for t in self.trackers)
 
 
 class HeldPush:
@@ -107,6 +144,10 @@ class Outbox:
         self._order = itertools.count()
         self._lock = threading.Lock()
         self._buffers: dict[tuple[int, int], tuple[np.ndarray, Any]] = {}  # (key id, server) -> (buffer, tracker)
+        # PSLAUNCH_SERVER_REPLICAS (see the module docstring); ``on_sent(req, server, frames, mirrored)``
+        # hears of each message that left (the request table keeps what a lost server leaves to redo)
+        self.replicated = False
+        self.on_sent: Callable[[int, int, list, bool], None] | None = None
 
     # ---- sending -----------------------------------------------------------------------------
     def send(self, server: int, frames: list, priority: int, req: int) -> None:
@@ -115,7 +156,10 @@ class Outbox:
             try:
                 if not self.queue:
                     try:
-                        self.transport.send(self.members.servers[server].uid.encode(), frames, block=False)
+                        if self.replicated:
+                            self._deliver(server, frames, False, req)
+                        else:
+                            self.transport.send(self.members.servers[server].uid.encode(), frames, block=False)
                         return
                     except WouldBlock:
                         pass
@@ -138,7 +182,7 @@ class Outbox:
 
     def hold(self, server: int, frames: list, priority: int, req: int) -> bool:
         """Hold a small push for the caller's next pull (see ``HeldPush``); True when held."""
-        if self.queue:
+        if self.queue or self.replicated:
             return False
         return self.held.hold((-priority, next(self._order), server, frames, req))
 
@@ -210,7 +254,10 @@ class Outbox:
             # a push with big values in frames of their own: know when ZeroMQ is done with them
             track = len(frames) > 3 and cmd == Cmd.PUSH and not flags & FLAG_PULL
             try:
-                tracker = self.transport.send(servers[server].uid.encode(), frames, track=track, block=False)
+                if self.replicated:
+                    tracker = self._deliver(server, frames, track, req)
+                else:
+                    tracker = self.transport.send(servers[server].uid.encode(), frames, track=track, block=False)
             except WouldBlock:
                 heapq.heappush(queue, item)  # same sort key: it keeps its place
                 return True
@@ -220,6 +267,65 @@ class Outbox:
             if tracker is not None:
                 self._remember_tracker(server, frames, tracker)
         return False
+
+    # ---- replicas ----------------------------------------------------------------------------
+    def _deliver(self, server: int, frames: list, track: bool, req: int) -> Any:
+        """Send a message to ``server`` and, when it changes the server's keys, a copy to each of its
+        replicas; the tracker of all (when ``track``). Call with the send lock held.
+
+        Raises:
+            WouldBlock: the server's queue is full (nothing was sent).
+            PSNodeError: the send to the server failed.
+        """
+        members = self.members
+        tracker = self.transport.send(members.servers[server].uid.encode(), frames, track=track, block=False)
+        cmd, flags = peek(frames[0])
+        replicas = members.replicas.get(server)
+        mirrored = bool(replicas) and cmd in MIRRORED and not flags & (FLAG_PULL | FLAG_OFFER)
+        if mirrored:
+            copy = [with_flags(frames[0], FLAG_MIRROR), *frames[1:]]
+            trackers = [tracker] if tracker is not None else []
+            for replica in replicas:
+                sent = self._mirror(server, replica.uid, copy, track)
+                if sent is not None:
+                    trackers.append(sent)
+            tracker = _Both(trackers) if track and trackers else tracker
+        if self.on_sent is not None:
+            self.on_sent(req, server, frames, mirrored)
+        return tracker
+
+    def _mirror(self, server: int, uid: str, frames: list, track: bool) -> Any:
+        """Send a replica its copy; waits while its queue is full (a replica must not fall behind the
+        server), as long as it is still one of ``server``'s replicas."""
+        peer = uid.encode()
+        deadline = None
+        while True:
+            try:
+                return self.transport.send(peer, frames, track=track, block=False)
+            except WouldBlock:
+                now = time.monotonic()
+                deadline = deadline or now + _MIRROR_WAIT
+                if now > deadline or all(p.uid != uid for p in self.members.replicas.get(server, ())):
+                    logger.warning("a copy of a message for server %d was not sent to its replica %s: its queue stayed "
+                                   "full for %g s", server, uid, _MIRROR_WAIT)
+                    return None
+                time.sleep(0.001)
+            except PSNodeError as exc:  # the replica is gone: the scheduler tells the job
+                logger.info("a copy of a message for server %d was not sent to its replica %s: %s", server, uid, exc)
+                return None
+
+    def server_lost(self, rank: int, lost: str, by: str | None, requests: Any) -> None:
+        """Server ``rank``'s process ``lost`` is gone, and ``by`` (a replica) takes its place (None: a
+        replica was lost). The book changes, the lost peer's connection is dropped and, for a
+        server, what ``requests`` says must go to the replica again is queued; all under the send
+        lock, so no message leaves for a peer that is no longer there."""
+        with self._lock:
+            self.members.server_lost(rank, lost, by)
+            self.transport.disconnect(lost.encode())
+            if by is not None:
+                for req, frames in requests.server_lost(rank):
+                    heapq.heappush(self.queue, (0, next(self._order), rank, frames, req))
+        self.pump()
 
     # ---- send buffers ----------------------------------------------------------------------------
     def copy_for_send(self, slot: tuple[int, int], flat: np.ndarray) -> np.ndarray:

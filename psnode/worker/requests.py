@@ -37,6 +37,7 @@ from psnode.node.protocol import (
     HEADER,
     IN_SHARED_MEMORY,
     Cmd,
+    peek_arg,
     unpack_entries,
     unpack_json,
 )
@@ -48,7 +49,7 @@ __all__ = ["Request", "RequestTable"]
 class Request:
     """One request in flight."""
 
-    __slots__ = ("future", "remaining", "targets", "what", "regions", "carried", "servers")
+    __slots__ = ("future", "remaining", "targets", "what", "regions", "carried", "servers", "by_rank", "answered")
 
     def __init__(self, future: concurrent.futures.Future, remaining: int, targets: list | None, what: str,
                  servers: Any = -1) -> None:
@@ -60,6 +61,10 @@ class Request:
         self.servers = servers
         self.regions: dict[int, same_host.Region] | None = None  # pull: index -> shared-memory region of the reply
         self.carried: int | None = None  # pull: the push that carried it, done by this pull's reply
+        # with replicas (``RequestTable.replicated``): per server rank [parts sent, parts answered, the
+        # messages a replica must be sent again if that server is lost], and a pull's answered parts
+        self.by_rank: dict[int, list] | None = None
+        self.answered: set[int] | None = None
 
 
 class RequestTable:
@@ -87,6 +92,9 @@ class RequestTable:
         self._ids = itertools.count(1)  # next() on a count is atomic: no lock needed
         self._idle = threading.Condition()
         self._idle_waiters = 0  # threads in wait_idle (only they need a notify when the table empties)
+        # PSLAUNCH_SERVER_REPLICAS: each request keeps per server what was sent and answered, so that
+        # a lost server's part of it goes on with the replica that takes its place (``server_lost``)
+        self.replicated = False
 
     # ---- starting and ending requests ----------------------------------------------------------
     def refuse_new(self, reason: str) -> None:
@@ -111,7 +119,11 @@ class RequestTable:
         if remaining == 0:
             future.set_result(None)
             return req
-        self.pending[req] = Request(future, remaining, targets, what, servers)
+        request = self.pending[req] = Request(future, remaining, targets, what, servers)
+        if self.replicated:
+            request.by_rank = {}
+            if targets is not None and what != "checkpoint" and what != "marks":
+                request.answered = set()
         if self._failure.error is not None:  # failed between the check and now: do not leave it hanging
             self.complete(req, self._failure.error)
         return req
@@ -139,6 +151,44 @@ class RequestTable:
         callback, self._redoing, self._on_caught_up = self._on_caught_up, None, None
         if callback is not None:
             callback()
+
+    def note_sent(self, req: int, server: int, frames: list, mirrored: bool) -> None:
+        """With replicas: message ``frames`` of request ``req`` left for ``server`` (``mirrored``: its
+        replicas got a copy, so they hold what it carries; any other message is sent again to the
+        replica that takes the server's place, should it be lost before it answers)."""
+        request = self.pending.get(req)
+        if request is None or request.by_rank is None:
+            return
+        entry = request.by_rank.get(server)
+        if entry is None:
+            entry = request.by_rank[server] = [0, 0, []]
+        entry[0] += peek_arg(frames[0])
+        if not mirrored:
+            entry[2].append(frames)
+
+    def server_lost(self, rank: int) -> list[tuple[int, list]]:
+        """Server ``rank`` is lost and a replica takes its place: what of each request went there goes
+        on with the replica. Parts of mirrored messages (pushes, init, the optimizer, codecs) count as
+        answered, since the replica got its copy as the server did; the other messages (pulls,
+        checkpoint and mark requests) that the server did not answer in full are returned as
+        ``(req, frames)``, to be sent to the replica (a part answered twice is taken once)."""
+        again: list[tuple[int, list]] = []
+        done: list[int] = []
+        for req, request in list(self.pending.items()):
+            entry = None if request.by_rank is None else request.by_rank.pop(rank, None)
+            if entry is None:
+                continue
+            sent, answered, direct = entry
+            if direct:
+                if answered < sent:
+                    again += [(req, frames) for frames in direct]
+                continue
+            request.remaining -= sent - answered
+            if request.remaining <= 0:
+                done.append(req)
+        for req in done:
+            self.complete(req)
+        return again
 
     def pushes(self, key_id: int, server: int) -> int:
         """Pushes of part ``key_id`` sent to ``server`` so far: what a pull must include."""
@@ -219,7 +269,10 @@ class RequestTable:
             self.complete(req_id, RemoteError(f"{request.what} failed on {peer.describe()}: {message}"))
             return
         try:
-            self._take_values(request, cmd, arg, frames, peer.rank)
+            if request.by_rank is None:
+                self._take_values(request, cmd, arg, frames, peer.rank)
+            else:
+                self._take_values_once(request, cmd, arg, frames, peer.rank)
         except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
             self.complete(req_id, ProtocolError(f"{request.what}: malformed reply from {peer.describe()}: {exc}"))
             raise  # and the message is counted as malformed
@@ -236,6 +289,8 @@ class RequestTable:
             request = pending.get(rid)
             if request is not None and _sent_to(request, peer):
                 request.remaining -= count
+                if request.by_rank is not None:
+                    _count_answered(request, peer.rank, count)
                 if request.remaining <= 0:
                     self.complete(rid)
 
@@ -282,6 +337,36 @@ class RequestTable:
             request.remaining -= 1
         else:
             raise ProtocolError(f"a worker does not accept {Cmd(cmd).name}")
+
+
+    def _take_values_once(self, request: Request, cmd: int, arg: int, frames: list, peer_rank: int) -> None:
+        """``_take_values`` with replicas: a part answered before (by a lost server, then by the replica
+        it was sent to again) is not taken twice, and the parts each server answered are counted."""
+        before = request.remaining
+        answered = request.answered
+        if answered is not None and cmd in (Cmd.VALUE, Cmd.PULL_REPLY, Cmd.ROWS_REPLY):
+            indexes = _reply_indexes(cmd, arg, frames)
+            if indexes & answered:
+                if indexes <= answered:
+                    return
+                raise ProtocolError(f"a reply that answers parts {sorted(indexes & answered)} again, with others")
+            answered |= indexes
+        self._take_values(request, cmd, arg, frames, peer_rank)
+        _count_answered(request, peer_rank, before - request.remaining)
+
+
+def _reply_indexes(cmd: int, arg: int, frames: list) -> set[int]:
+    """The part indexes a pull reply answers."""
+    if cmd == Cmd.VALUE:
+        return {arg}
+    return {entry[1] for entry in unpack_entries(frames[1])}
+
+
+def _count_answered(request: Request, rank: int, parts: int) -> None:
+    entry = request.by_rank.get(rank) if request.by_rank is not None else None
+    if entry is None:
+        entry = request.by_rank[rank] = [0, 0, []]
+    entry[1] += parts
 
 
 def _sent_to(request: Request, peer: PeerInfo) -> bool:

@@ -17,6 +17,7 @@ from .processes import (
     ancestors,
     cmdline,
     helper,
+    job_server,
     job_worker,
     live_processes,
     processes_with,
@@ -29,7 +30,7 @@ from .processes import (
 from .simcluster import SimCluster, start_cluster
 from .sshd import LOOPBACK_HOSTS, Sshd, start_sshd
 
-__all__ = ["HELPERS", "PSLAUNCH", "REPO", "LiveProcess", "Result", "ancestors", "cmdline", "helper", "job_worker",
+__all__ = ["HELPERS", "PSLAUNCH", "REPO", "LiveProcess", "Result", "ancestors", "cmdline", "helper", "job_server", "job_worker",
            "live_processes", "processes_with", "reaped",
            "run_pslaunch", "start_pslaunch", "wait_for_records", "wait_gone", "LOOPBACK_HOSTS", "Sshd", "start_sshd",
            "SimCluster", "start_cluster", "Cluster", "start_sge", "start_slurm", "BATCH_BACKENDS", "Launch", "backend_launch"]

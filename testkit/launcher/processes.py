@@ -98,6 +98,21 @@ def job_worker(tag: str, rank: int, min_age: float = 0.0, attempt: int | None = 
     return None
 
 
+def job_server(tag: str, min_age: float = 0.0, replica: bool = False) -> int | None:
+    """The pid of a live server (``replica``: a replica, ``--server-replicas``) of the job whose every
+    process has ``PSLAUNCH_BENCH_TAG=tag`` in its environment (``--env``), once it has run ``min_age``
+    seconds; else None."""
+    for proc in live_processes():
+        if b"psnode" not in proc.argv:
+            continue
+        environ = proc.environ()
+        if (environ.get(b"PSLAUNCH_BENCH_TAG") == tag.encode() and environ.get(b"DMLC_ROLE") == b"server"
+                and (environ.get(b"PSLAUNCH_SERVER_REPLICA") == b"1") == replica
+                and (min_age <= 0 or _age(proc.pid) >= min_age)):
+            return proc.pid
+    return None
+
+
 def _age(pid: int) -> float:
     """Seconds since process ``pid`` started (0 once it is gone)."""
     started = leader_start(pid)

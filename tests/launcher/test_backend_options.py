@@ -38,6 +38,7 @@ OPTIONS = {
     "--ray-timeout": ["--ray-timeout", "30"],
     "--ray-exclude": ["--ray-exclude", "data/", "--ray-exclude", "*.ckpt"],
     "--restart-scope worker": ["--restart-scope", "worker", "--max-restarts", "1", "--allow-restart-from-scratch"],
+    "--server-replicas": ["--server-replicas", "1"],
 }
 RAY_OPTIONS = ("--ray-address", "--ray-strategy", "--ray-worker-resources", "--ray-server-resources", "--ray-timeout",
                "--ray-exclude")
@@ -45,13 +46,13 @@ SSH_OPTIONS = ("--ssh-port", "--ssh-user", "-i", "--ssh-config", "--known-hosts"
 
 # what each backend accepts; every other option of OPTIONS is refused
 ACCEPTS = {
-    "local": {"--restart-scope worker"},
-    "ssh": {"-H", "--sync-dst-dir", *SSH_OPTIONS, "--scheduler-host", "--restart-scope worker"},
+    "local": {"--restart-scope worker", "--server-replicas"},
+    "ssh": {"-H", "--sync-dst-dir", *SSH_OPTIONS, "--scheduler-host", "--restart-scope worker", "--server-replicas"},
     "mpi": {"-H", "--sync-dst-dir", *SSH_OPTIONS, "--scheduler-host"},
     "slurm": {"--slurm-args"},
     "sge": {"--sge-args", "--sge-pe"},
-    "ray": {"--sync-dst-dir", *RAY_OPTIONS, "--restart-scope worker"},
-    "agents": {"--link-timeout", "--restart-scope worker"},
+    "ray": {"--sync-dst-dir", *RAY_OPTIONS, "--restart-scope worker", "--server-replicas"},
+    "agents": {"--link-timeout", "--restart-scope worker", "--server-replicas"},
 }
 
 
