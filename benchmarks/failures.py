@@ -17,6 +17,8 @@ For each model (the digits MLP, ``examples/train_mlp.py``, and ResNet-20, ``exam
 - **job, from a checkpoint**: the same kills under ``--restart-scope job --checkpoint-dir`` (the
   example commits at the end of each epoch): every kill stops the job and starts it again from the
   last checkpoint (torchrun's and Ray Train's model).
+- **replicas kept, no kill**: ``--server-replicas 1`` alone: what keeping replicas costs a job that
+  loses nothing (a copy of every push for the replicas, no shared memory on one host);
 - **server, its replica takes over**: ``--server-replicas 1`` and no restart: one server (not a
   replica) is killed with SIGKILL from outside halfway through the reference's wall time; its
   replica serves its keys from then on and no process is started again;
@@ -117,7 +119,7 @@ def run_case(model: str, case: str, args: argparse.Namespace, work: Path, refere
         options.update(max_restarts=args.kills, restart_scope="worker")
     elif case == "job":
         options.update(max_restarts=args.kills, restart_scope="job", checkpoint_dir=str(out / "ckpt"))
-    elif case == "server":  # a replica of each server's keys, and no restart at all
+    elif case in ("server", "replicas"):  # a replica of each server's keys, and no restart at all
         options.update(server_replicas=1)
     elif case == "server-job":
         options.update(max_restarts=1, restart_scope="job", checkpoint_dir=str(out / "ckpt"))
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             reference = run_case(model, "uninterrupted", args, work, None)
             rows = [reference]
             if reference["ok"]:
-                for case in ("ready", "worker", "job", "server", "server-job"):
+                for case in ("ready", "worker", "job", "replicas", "server", "server-job"):
                     rows.append(run_case(model, case, args, work, reference["wall_s"]))
             for row in rows:
                 row["weights_equal"] = same_weights(Path(row["weights"]), Path(reference["weights"])) \
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _CASES = {"uninterrupted": "uninterrupted", "ready": "ready to replace, no kill", "worker": "worker, replaced in place",
-          "job": "job, from a checkpoint", "server": "server, its replica takes over",
+          "job": "job, from a checkpoint", "replicas": "replicas kept, no kill", "server": "server, its replica takes over",
           "server-job": "server, job from a checkpoint"}
 
 

@@ -33,7 +33,7 @@ def test_a_quick_run_kills_replaces_and_restarts_with_the_uninterrupted_weights(
         stdout, _ = proc.communicate(timeout=280)
     assert proc.returncode == 0, stdout
     rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"uninterrupted", "ready", "worker", "job", "server", "server-job"}, rows
+    assert set(rows) == {"uninterrupted", "ready", "worker", "job", "replicas", "server", "server-job"}, rows
     assert rows["ready"]["kept_bytes"] > 0 and rows["uninterrupted"]["kept_bytes"] == 0, rows
     replaced, restarted = rows["worker"], rows["job"]
     # a quick run may end before a kill lands, or the kill may land after the worker's finish (nothing then
