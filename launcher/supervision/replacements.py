@@ -60,6 +60,11 @@ class Replacement:
         """One line: who, when, how it ended, how it resumed and how long the others waited."""
         text = (f"{self.process} replaced in place at {self.ended_s:.1f} s ({self.ended}; pid {self.old_pid or '-'} "
                 f"-> {self.new_pid or '-'}, restart {self.restart})")
+        if self.process.startswith("scheduler."):  # it holds no training state: the nodes come back to it
+            if self.resumed_s is None:
+                return text + "; the job's nodes had not come back to it when the job ended"
+            return (text + f": the job's nodes were back with it {self.resumed_s - self.ended_s:.1f} s after the end "
+                    "(pushes and pulls went on meanwhile; barriers and finishes waited)")
         if self.resumed_s is not None:
             where = (f"its predecessor's last mark {_scalars(self.resumed_from)}" if self.resumed_from is not None
                      else "the beginning (no mark)")

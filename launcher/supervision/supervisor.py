@@ -282,10 +282,13 @@ class Supervisor:
         return self.config.server_replicas > 0 and handle.spec.role in ("server", "replica")
 
     def _rejoins(self, handle: ProcessHandle) -> bool:
-        """True when ``handle`` is a worker that is restarted alone if it fails (``--restart-scope
-        worker`` with a restart left) before its part is done: after its finish the rounds are over,
-        and a replacement would find the job ending."""
-        return (handle.spec.role == "worker" and self.restarts.scope == "worker" and handle.finished_at is None
+        """True when ``handle`` is a worker or the scheduler, restarted alone if it fails (``--restart-scope
+        worker`` with a restart left); a worker only before its part is done: after its finish the rounds
+        are over, and a replacement would find the job ending."""
+        # the scheduler too: the nodes of the job register with the one started in its place (it holds
+        # no training state), while the data path between workers and servers goes on
+        return (handle.spec.role in ("worker", "scheduler") and self.restarts.scope == "worker"
+                and handle.finished_at is None
                 and self.restarts.used < self.restarts.max_restarts)
 
     def _restart_failed_workers(self) -> None:
@@ -400,7 +403,10 @@ class Supervisor:
         for handle in shown:
             if handle.pid in waited and not table_notes.get(id(handle)):
                 wait = waited[handle.pid]
-                table_notes[id(handle)] = "replacement" + ("" if wait is None else f"; the others waited {wait:.1f}s")
+                if handle.spec.role == "scheduler":
+                    table_notes[id(handle)] = "replacement" + ("" if wait is None else f"; nodes back after {wait:.1f}s")
+                else:
+                    table_notes[id(handle)] = "replacement" + ("" if wait is None else f"; the others waited {wait:.1f}s")
         return shown, table_notes
 
     def result(self) -> "RunResult":

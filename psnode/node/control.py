@@ -38,10 +38,12 @@ from psnode.transport.base import Transport
 
 __all__ = ["FailureLatch", "SchedulerLink", "LedgerPage", "CONTROL_CMDS"]
 
+_REGISTER_AGAIN = 2.0  # seconds between registrations while no address book came (PSLAUNCH_RESTART_SCOPE=worker)
+
 CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN,
      Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED, Cmd.PEERS_REPLY, Cmd.LEDGER_ACK,
-     Cmd.LEDGER_ENTRIES, Cmd.SERVER_LOST}
+     Cmd.LEDGER_ENTRIES, Cmd.SERVER_LOST, Cmd.SCHEDULER_BACK}
 )
 """What only the scheduler sends to a node."""
 
@@ -132,6 +134,17 @@ class SchedulerLink:
         self.on_server_lost: Callable[[int, str, str | None], None] | None = None
         self.shutdown_requested = False
         self.malformed = 0
+        # A scheduler started again in place (PSLAUNCH_RESTART_SCOPE=worker): this node notices its
+        # connection end, registers again with its rank (``_rejoin``) and, once the new scheduler
+        # answers (``SCHEDULER_BACK``), sends again what it had asked (``_asked``), after what the
+        # scheduler keeps for the job that this node gave it (``_kept``: ledger entries, rendezvous
+        # values). ``rejoin_info()`` adds to the registration what the scheduler must learn again
+        # (a server: the workers that finished).
+        self.rejoin_scheduler = env.restart_scope == "worker"
+        self.rejoining_since: float | None = None
+        self.rejoin_info: Callable[[], dict] | None = None
+        self._asked: dict[int, tuple] = {}  # req_id -> (cmd, arg, body, data) of an unanswered request
+        self._kept: list[tuple] = []  # (req_id, cmd, arg, body, data) of ledger appends and rendezvous values sent
         # Barriers numbered by group (a dist_sync worker under PSLAUNCH_RESTART_SCOPE=worker): how many this node
         # entered, and how many of the group the scheduler said were complete in its last answer. A
         # replacement in place counts on from its predecessor's mark, so the barriers it redoes are
@@ -172,7 +185,12 @@ class SchedulerLink:
         limit = env.register_timeout + max(5.0, env.heartbeat_timeout)
         deadline = time.monotonic() + limit
         early: list[tuple[bytes, list]] = []
+        resend = time.monotonic() + _REGISTER_AGAIN
         while True:
+            if self.rejoin_scheduler and time.monotonic() > resend:
+                # a scheduler started in place before the job formed never got the first one (harmless twice)
+                self.send(Cmd.REGISTER, body=info)
+                resend = time.monotonic() + _REGISTER_AGAIN
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RegistrationTimeoutError(
@@ -203,6 +221,8 @@ class SchedulerLink:
                     raise kind(str(body["error"]))
                 if cmd == Cmd.ADDRBOOK:
                     self._connect(unpack_json(frames[1]))
+                    if self.rejoin_scheduler:  # its end is noticed at once: a scheduler started in place
+                        self.transport.watch_liveness(SCHEDULER)
                     if self.timeline is not None:
                         self._probe_clock(early)
                     return early
@@ -263,6 +283,11 @@ class SchedulerLink:
         if stalled > self.env.heartbeat_timeout / 2:
             self._last_heard += stalled  # this process was stopped (Ctrl-Z): not the scheduler's silence
         silent = now - self._last_heard
+        if self.rejoin_scheduler and self.members.rank >= 0:
+            if self.rejoining_since is None and self.transport.dropped(SCHEDULER):
+                self._rejoin(now)  # the scheduler's connection ended: pslaunch starts it again in place
+            if self.rejoining_since is not None:
+                return self._rejoining(now)
         if silent > self.env.heartbeat_timeout:
             env = self.env
             self.failure.fail(PeerDiedError(
@@ -278,6 +303,60 @@ class SchedulerLink:
             if self.timeline is not None:
                 self.timeline.flush()
         return self._next_heartbeat
+
+    def _rejoin(self, now: float) -> None:
+        """Register again with a scheduler started in place (its connection ended): this node keeps its
+        rank; every second until the scheduler answers (``SCHEDULER_BACK``)."""
+        if self.rejoining_since is None:
+            self.rejoining_since = now
+            logger.info("%s %d: the scheduler's connection ended; registering again with the scheduler "
+                           "started in its place (PSLAUNCH_RESTART_SCOPE=worker)", self.me.role, self.members.rank)
+        info = {**self.me.as_record(), "rank": self.members.rank, "rejoin": True, "job_id": self.env.job_id,
+                "worker_id": self.members.rank if self.me.role == "worker" else None,
+                "barriers": {str(g): n for g, n in self.barriers_completed.items()}}
+        if self.rejoin_info is not None:
+            info.update(self.rejoin_info())
+        self.send(Cmd.REGISTER, body=info)
+        self._next_heartbeat = now + 1.0
+
+    def _rejoining(self, now: float) -> float:
+        """While no scheduler answered: register again each second, and fail once none answered
+        within the heartbeat timeout plus the registration timeout (pslaunch did not start one)."""
+        env = self.env
+        waited = now - self.rejoining_since
+        if waited > env.heartbeat_timeout + env.register_timeout:
+            self.failure.fail(PeerDiedError(
+                f"the scheduler at {env.root_address} died and no scheduler took its place within {waited:.0f} s "
+                f"(PS_HEARTBEAT_TIMEOUT + PSLAUNCH_REGISTER_TIMEOUT)", "scheduler", 0, env.root_uri))
+            return float("inf")
+        if now >= self._next_heartbeat:
+            self._rejoin(now)
+        return self._next_heartbeat
+
+    def _scheduler_back(self, body: Any) -> None:
+        """The scheduler started in place took this node back: send it again what it keeps for the job
+        (this node's ledger entries and rendezvous values, in their order) and then every request it
+        had not answered, under their ids."""
+        if not isinstance(body, dict):
+            raise ProtocolError(f"a SCHEDULER_BACK body that is a {type(body).__name__}, not an object")
+        completed = body.get("barriers")
+        if isinstance(completed, dict):
+            for group, count in completed.items():
+                if str(group).isdigit() and type(count) is int:
+                    self.barriers_completed[int(group)] = max(count, self.barriers_completed.get(int(group), 0))
+        if self.rejoining_since is None:
+            return  # an answer to a registration sent twice
+        logger.info("%s %d: the scheduler started in place took this node back after %.1f s", self.me.role,
+                       self.members.rank, time.monotonic() - self.rejoining_since)
+        self.rejoining_since = None
+        self.heard()
+        with self._waiters_lock:
+            kept, asked = list(self._kept), sorted(self._asked.items())
+        for req_id, cmd, arg, body_, data in kept:
+            self.send(cmd, req_id, arg, body_, data)  # an answer nobody waits for any more is dropped
+        for req_id, (cmd, arg, body_, data) in asked:
+            if cmd not in (Cmd.LEDGER_APPEND, Cmd.RDV_SET):  # those went again above
+                self.send(cmd, req_id, arg, body_, data)
 
     def beat(self) -> None:
         """Between chunks of long work on the receiving thread (a checkpoint's files): send a heartbeat
@@ -320,6 +399,11 @@ class SchedulerLink:
                 future.set_exception(self.failure.error)
                 return future
             self._waiters[req_id] = future
+        if self.rejoin_scheduler:
+            with self._waiters_lock:
+                self._asked[req_id] = (cmd, arg, body, data)
+                if cmd in (Cmd.LEDGER_APPEND, Cmd.RDV_SET):
+                    self._kept.append((req_id, cmd, arg, body, data))
         self.send(cmd, req_id, arg, body, data)
         return future
 
@@ -351,6 +435,8 @@ class SchedulerLink:
                 self.on_worker_rejoined(peer.rank)
         elif cmd == Cmd.SERVER_LOST:
             self._server_lost(unpack_json(frames[1]))
+        elif cmd == Cmd.SCHEDULER_BACK:
+            self._scheduler_back(unpack_json(frames[1]) if len(frames) > 1 else {})
         elif cmd == Cmd.SHUTDOWN:
             self.shutdown_requested = True
             if self.timeline is not None:
@@ -359,12 +445,14 @@ class SchedulerLink:
         elif cmd == Cmd.PEERS_REPLY:
             with self._waiters_lock:
                 waiter = self._waiters.pop(req_id, None)
+                self._asked.pop(req_id, None)
             self._take_workers(unpack_json(frames[1]))
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
         elif cmd in (Cmd.LEDGER_ACK, Cmd.LEDGER_ENTRIES):
             with self._waiters_lock:
                 waiter = self._waiters.pop(req_id, None)
+                self._asked.pop(req_id, None)
             if waiter is not None and not waiter.done():
                 try:
                     waiter.set_result(_ledger_result(cmd, flags, arg, frames))
@@ -373,6 +461,7 @@ class SchedulerLink:
         elif cmd in (Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.RDV_VALUE):
             with self._waiters_lock:
                 waiter = self._waiters.pop(req_id, None)
+                self._asked.pop(req_id, None)
             if waiter is not None and not waiter.done():
                 if flags & FLAG_ERROR:
                     waiter.set_exception(PSNodeError(str(unpack_json(frames[1])["error"])))

@@ -148,6 +148,9 @@ class Cmd(enum.IntEnum):
     # "replica": true) of that rank is lost; "by", a replica, holds its keys from now on (a worker sends it
     # what it sent the lost server and got no answer to)
     SERVER_LOST = 54
+    # scheduler -> node, JSON {"barriers": {group: completed}}: a scheduler started again in place took this
+    # node's registration again; the node sends it again what it had asked and not been answered
+    SCHEDULER_BACK = 55
     CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
     CHECKPOINT_REPLY = 35  # JSON: the operation's result
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from psnode.env import NodeEnv, resolve_host
+from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv, resolve_host
 from psnode.errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError, TransportError
 from psnode.log import logger, setup_logging
 from psnode.node.membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint, unreachable
@@ -34,7 +34,7 @@ from psnode.node.protocol import (
     unpack_header,
     unpack_json,
 )
-from psnode.node.stats import check_body
+from psnode.node.stats import check_body, stderr_line
 from psnode.scheduler.ledger import Answer, Ledger
 from psnode.scheduler.rendezvous import Rendezvous
 from psnode.scheduler.report import JobReport
@@ -103,6 +103,9 @@ class Scheduler:
                 info = unpack_json(frames[1])
                 if not isinstance(info, dict):
                     raise ProtocolError(f"a registration body that is a {type(info).__name__}, not an object")
+                if info.get("rejoin") is True and env.restart_scope == "worker" and not roster.members:
+                    self._recover(sender, info, deadline)  # started in place: the job's nodes come back
+                    return
                 refusal = roster.add(sender, info)
                 if refusal is not None:
                     self._send_once(sender, PeerInfo.from_record({**info, "rank": -1}), Cmd.REGISTER_FAILED,
@@ -126,6 +129,112 @@ class Scheduler:
             self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), self._book(member)])
         self.job_report.registered()
         logger.info("scheduler: %d servers and %d workers registered", env.num_servers, env.num_workers)
+        if env.restart_count and env.restart_scope == "worker":
+            self._tell_launcher_back()  # started in place before the job had formed: its nodes registered now
+
+    def _recover(self, sender: bytes, info: dict, deadline: float) -> None:
+        """This scheduler was started again in place (PSLAUNCH_RESTART_SCOPE=worker) while the job ran:
+        its nodes register again with their ranks (``SchedulerLink._rejoin``). It takes them back
+        until every server rank and every worker rank is there again (a worker that finished the job
+        meanwhile is known from the servers), then a moment more for the replicas, and answers each
+        with ``SCHEDULER_BACK``: they send again what they had asked. What the scheduler keeps for
+        the job (ledger entries, rendezvous values) comes back with them; its completed barriers are
+        the most any node saw.
+
+        Raises:
+            RegistrationTimeoutError: not every rank came back in time (the message names the missing).
+        """
+        env, roster = self.env, self.roster
+        finished: dict[int, str] = {}
+        completed: dict[int, int] = {}
+        settle_until: float | None = None
+        logger.warning("scheduler: started again in place; taking the job's nodes back")
+        while True:
+            if info is not None:
+                try:
+                    member = roster.take_back(sender, info)
+                    for rank, node in (info.get("finished") or {}).items():
+                        finished[int(rank)] = str(node)[:200]
+                    for group, count in (info.get("barriers") or {}).items():
+                        completed[int(group)] = max(int(count), completed.get(int(group), 0))
+                    if member is not None:
+                        self.transport.connect(sender, endpoint_of(member.peer, self.transport, self.fingerprint,
+                                                                   env.same_host))
+                except (ProtocolError, PSNodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                    self.malformed += 1
+                    logger.info("scheduler dropped a registration from %r while taking the job back: %s", sender[:64],
+                                exc)
+                info = None
+            missing = roster.missing_ranks(finished)
+            now = time.monotonic()
+            if not missing:
+                settle_until = settle_until or now + 0.5  # replicas, which no rank lists, come within it
+                if now >= settle_until:
+                    break
+            if now > deadline:
+                message = (f"the scheduler started in place took {len(roster.members)} nodes back within "
+                           f"{env.register_timeout:g} s (PSLAUNCH_REGISTER_TIMEOUT); missing: {', '.join(missing)}")
+                raise RegistrationTimeoutError(message)
+            if not self.transport.poll(0.05):
+                continue
+            sender, frames = self.transport.recv()
+            try:
+                if unpack_header(frames[0])[0] == Cmd.REGISTER:
+                    info = unpack_json(frames[1])
+                    if not isinstance(info, dict) or info.get("rejoin") is not True:
+                        raise ProtocolError("a registration that is not a node of the running job coming back")
+            except (ProtocolError, IndexError) as exc:
+                self.malformed += 1
+                logger.info("scheduler dropped a message while taking the job back: %s", exc)
+                info = None
+        roster.add_finished(finished)
+        self.barriers.completed.update(completed)
+        body = pack_json({"barriers": {str(g): n for g, n in completed.items()}})
+        for uid, member in roster.members.items():
+            member.last_seen = time.monotonic()
+            if member.info.get("rejoin") is not True:
+                continue  # a worker that finished and left: a place-holder
+            if env.server_replicas and member.peer.role in _HOLDERS:
+                self.transport.watch_liveness(uid)
+            self.transport.send(uid, [pack_header(Cmd.SCHEDULER_BACK), body])
+        self.job_report.registered()
+        logger.warning("scheduler: took the job back: %d nodes, %d workers finished before", len(roster.members),
+                       len(finished))
+        self._tell_launcher_back()
+
+    def _tell_launcher_back(self) -> None:
+        """pslaunch's record of this scheduler started in place: the job's nodes are with it from now on."""
+        if self.env.supervised:
+            stderr_line(f"{MARKER_RESUMED} {{\"mark\": null, \"scalars\": null}}")
+            stderr_line(MARKER_CAUGHT_UP)
+
+    def _back_again(self, sender: bytes, frames: list) -> bool:
+        """A node registering again with its rank (``rejoin``: it saw the scheduler's connection end) once
+        this scheduler runs: taken back if it is not known (a replica that came late), and answered
+        ``SCHEDULER_BACK`` (again: its first answer may have crossed its next try). False when the
+        registration is no such node's."""
+        try:
+            info = unpack_json(frames[1]) if len(frames) > 1 else None
+        except ProtocolError as exc:
+            self.malformed += 1
+            logger.info("scheduler dropped a malformed registration from %r: %s", sender[:64], exc)
+            return True
+        if not isinstance(info, dict) or info.get("rejoin") is not True or self.env.restart_scope != "worker":
+            return False
+        try:
+            member = self.roster.take_back(sender, info)
+        except PSNodeError as exc:
+            logger.info("scheduler: %s", exc)
+            return True
+        if member is not None:
+            self.transport.connect(sender, endpoint_of(member.peer, self.transport, self.fingerprint,
+                                                       self.env.same_host))
+            if self.env.server_replicas and member.peer.role in _HOLDERS:
+                self.transport.watch_liveness(sender)
+            self._books.clear()
+        body = pack_json({"barriers": {str(g): n for g, n in self.barriers.completed.items()}})
+        self.transport.send(sender, [pack_header(Cmd.SCHEDULER_BACK), body])
+        return True
 
     def _book(self, member: Member, rejoined: bool = False) -> bytes:
         """``member``'s address book: who it must reach. A server gets the workers (it answers and
@@ -212,6 +321,8 @@ class Scheduler:
         try:
             cmd, flags, req_id, arg = unpack_header(frames[0])
             if member is None and cmd == Cmd.REGISTER and self.env.restart_scope == "worker":
+                if self._back_again(sender, frames):
+                    return
                 self._rejoin(sender, frames)
                 return
             if member is None:
@@ -241,7 +352,9 @@ class Scheduler:
             except ProtocolError:
                 reason = "it failed"
             self._announce_death(member, f"{member.peer.describe()} failed: {reason}")
-        elif cmd != Cmd.REGISTER:  # a repeated registration is harmless
+        elif cmd == Cmd.REGISTER:  # a repeated registration is harmless; one coming back is answered again
+            self._back_again(sender, frames)
+        else:
             self.malformed += 1
 
     def _heartbeat(self, sender: bytes, member: Member, req_id: int, frames: list) -> None:

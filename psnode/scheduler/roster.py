@@ -136,6 +136,55 @@ class Roster:
         self.members[sender] = new
         return new, old
 
+    def take_back(self, sender: bytes, info: dict) -> Member | None:
+        """A node of the running job registers again with a scheduler started in place, with its rank
+        (``rejoin``); its member (None when it was taken back already).
+
+        Raises:
+            ProtocolError: a malformed record, or not a rank of the job.
+            PSNodeError: another job's node, or a rank another node holds.
+        """
+        if sender in self.members:
+            return None
+        peer = PeerInfo.from_record(info)
+        if peer.role not in self.expected or sender != peer.uid.encode():
+            raise ProtocolError(f"a node coming back as a {peer.role!r} with uid {peer.uid!r} from {sender[:64]!r}")
+        job = info.get("job_id")
+        if self.job_id and job is not None and job != self.job_id:
+            raise PSNodeError(self._other_job(peer, info, job))
+        limit = self.expected["worker"] if peer.role == "worker" else self.expected["server"]
+        if not 0 <= peer.rank < limit:
+            raise ProtocolError(f"a {peer.role} coming back with rank {peer.rank}, not one of 0..{limit - 1}")
+        if peer.role != "replica" and any(m.peer.role == peer.role and m.peer.rank == peer.rank
+                                          for m in self.members.values()):
+            raise PSNodeError(f"two {peer.role}s came back with rank {peer.rank}")
+        member = self.members[sender] = Member(info, peer)
+        return member
+
+    def missing_ranks(self, finished: dict[int, str]) -> list[str]:
+        """``server 1``, ``worker 0``: the ranks no node came back for yet (a finished worker counts)."""
+        missing = []
+        for role in ("server", "worker"):
+            held = {m.peer.rank for m in self.members.values() if m.peer.role == role}
+            if role == "worker":
+                held |= set(finished)
+            missing += [f"{role} {rank}" for rank in range(self.expected[role]) if rank not in held]
+        return missing
+
+    def add_finished(self, finished: dict[int, str]) -> None:
+        """Place-holders for the workers that finished the job before this scheduler was started in
+        place and did not come back (they ended): counted as finished, never sent anything."""
+        for rank, node in finished.items():
+            if any(m.peer.role == "worker" and m.peer.rank == rank for m in self.members.values()):
+                for member in self.members.values():
+                    if member.peer.role == "worker" and member.peer.rank == rank:
+                        member.finished = True
+                continue
+            uid = f"finished-worker-{rank}"
+            self.members[uid.encode()] = Member({"finished": node}, PeerInfo("worker", rank, "", 0, uid, "", ""),
+                                                finished=True)
+        self.any_finished = self.any_finished or bool(finished)
+
     def assign_ranks(self) -> None:
         """Give every node its rank: workers by DMLC_WORKER_ID, the rest by (host, port).
 

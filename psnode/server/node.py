@@ -81,6 +81,8 @@ class ServerNode:
         # send its server (``_mirrored``) and serves as that server once the scheduler says it is lost
         self.conn = Connection(env, "replica" if env.replica else "server", self._handle, transport,
                                on_worker_finished=self._worker_finished, on_worker_rejoined=self._worker_rejoined)
+        # a scheduler started in place learns from the servers which workers finished the job already
+        self.conn.link.rejoin_info = lambda: {"finished": {str(r): d for r, d in self.store.finished.items()}}
         self.replies = Replies(self.conn.transport, self.conn.members, memory, self.attached)
         self.conn.serve_with(after_batch=self.replies.after_batch, deferred=self.replies)
         self.groups = Groups(self.store, self.replies)

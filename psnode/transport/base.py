@@ -85,6 +85,11 @@ class Transport(abc.ABC):
         back (a process that died closes its sockets; its port then refuses). Each is reported once."""
         return []
 
+    def dropped(self, peer: bytes) -> bool:
+        """Whether the watched connection to ``peer`` ended since the last call (even if it came back
+        since: a peer started again at the same address). Keeps watching."""
+        return False
+
     def disconnect(self, peer: bytes) -> None:
         """Drop the connection to ``peer`` and what is queued for it (a peer that is lost)."""
 

@@ -28,6 +28,7 @@ listens on the address it is given, not on every interface.
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import struct
@@ -54,6 +55,7 @@ _HANDSHAKE_EVENTS = {
     int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "failed the security handshake (one side has a job key, the other not?)",
     int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "failed the security handshake",
 }
+_MONITOR_IDS = itertools.count()
 _MAX_FILES = 1 << 20  # open files a node asks for at most (``_room_for_sockets``)
 _SOCKET_BUFFER = 4 << 20  # kernel buffer per connection: fewer wake-ups per big message (capped by the kernel)
 _JOINED = b"\x00PJ"  # starts a joined message; a message's first frame is a protocol header (b"PS...")
@@ -154,6 +156,7 @@ class ZmqTransport(Transport):
         self._monitors: dict[bytes, zmq.Socket] = {}  # watched peers' handshake events
         self._liveness: dict[bytes, zmq.Socket] = {}  # peers whose connection's end is watched (``gone``)
         self._down_since: dict[bytes, float] = {}
+        self._ended: set[bytes] = set()  # watched peers whose connection ended since ``dropped`` asked
         self._router: zmq.Socket | None = None
         self._dealers: dict[bytes, tuple[zmq.Socket, threading.Lock]] = {}
         self._connect_lock = threading.Lock()
@@ -301,10 +304,16 @@ class ZmqTransport(Transport):
         entry = self._dealers.get(peer)
         if entry is None or peer in self._liveness:
             return
+        self._unwatch(peer)  # a socket has one monitor: the handshake's (``refused``) is done with by now
+        # an address of its own: the handshake monitor's (pyzmq's per-socket name) may not be released yet
+        address = f"inproc://pslaunch-liveness-{os.getpid()}-{next(_MONITOR_IDS)}"
         with entry[1]:
-            self._liveness[peer] = entry[0].get_monitor_socket(int(zmq.EVENT_DISCONNECTED) | int(zmq.EVENT_CONNECTED))
+            entry[0].monitor(address, int(zmq.EVENT_DISCONNECTED) | int(zmq.EVENT_CONNECTED))
+        monitor = self._context.socket(zmq.PAIR)
+        monitor.connect(address)
+        self._liveness[peer] = monitor
 
-    def gone(self, grace: float) -> list[bytes]:
+    def _read_liveness(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
         now = time.monotonic()
@@ -316,8 +325,20 @@ class ZmqTransport(Transport):
                     break
                 if int(event["event"]) == int(zmq.EVENT_DISCONNECTED):
                     self._down_since.setdefault(peer, now)
+                    self._ended.add(peer)
                 else:  # connected again: a blip, not an end
                     self._down_since.pop(peer, None)
+
+    def dropped(self, peer: bytes) -> bool:
+        self._read_liveness()
+        if peer in self._ended:
+            self._ended.discard(peer)
+            return True
+        return False
+
+    def gone(self, grace: float) -> list[bytes]:
+        self._read_liveness()
+        now = time.monotonic()
         lost = [peer for peer, since in self._down_since.items() if now - since >= grace]
         for peer in lost:
             self._down_since.pop(peer, None)

@@ -17,11 +17,11 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from launcher import launch
 from testkit.launcher import REPO, backend_launch, helper, live_processes, reaped, run_pslaunch, wait_gone
+from testkit.launcher.outcome import same_weights, saved_weights, table_rows
 from testkit.launcher.processes import start_pslaunch
 
 HELPER = helper("replace_sync.py")
@@ -37,24 +37,9 @@ def _job(out, *args, env=(), steps=12, timeout=120):
     return res
 
 
-def _weights(out):
-    with np.load(out / "weights.npz") as data:
-        return {k: data[k].copy() for k in data.files}
-
-
-def _same(a, b) -> bool:
-    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-
-
 def _starts(out):
     """``(rank, restart count, resumed step)`` of every worker start, in order."""
     return [tuple(int(x) for x in line.split()) for line in (out / "starts.txt").read_text().splitlines()]
-
-
-def _rows(stderr):
-    """The summary table's ``(role, rank, pid, exit, note)`` rows."""
-    return re.findall(r"^\| (worker|server|scheduler) +\| +(\d) \| [^|]+\| +(\d+) \| (\S+(?: \S+)?) +\| +[\d.]+s \| (.*?) *\|$",
-                      stderr, re.M)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +52,7 @@ def reference(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"uninterrupted{steps}")
             res = _job(out, steps=steps)
             assert res.returncode == 0, res.stderr
-            found[steps] = _weights(out)
+            found[steps] = saved_weights(out)
         return found[steps]
     return of
 
@@ -100,10 +85,10 @@ def _resumed_as_expected(out, kills: str) -> None:
 def test_a_killed_dist_sync_worker_is_replaced_alone_and_the_weights_are_bit_equal(tmp_path, reference, kills):
     res = _job(tmp_path, *REPLACE, env=[f"KILLS:{kills}"])
     assert res.returncode == 0, res.stderr
-    assert _same(_weights(tmp_path), reference()), "the weights differ from the uninterrupted run's"
+    assert same_weights(saved_weights(tmp_path), reference()), "the weights differ from the uninterrupted run's"
     _resumed_as_expected(tmp_path, kills)
     resumed = kills.split(",")
-    rows = _rows(res.stderr)
+    rows = table_rows(res.stderr)
     # the scheduler, the servers: one run each, never restarted; a killed worker's runs end in SIGKILL
     assert sorted((r[0], r[1]) for r in rows if r[0] != "worker") == [("scheduler", "0"), ("server", "0"), ("server", "1")]
     assert all(r[3] == "0" and r[4] == "" for r in rows if r[0] != "worker"), rows
@@ -120,7 +105,7 @@ def test_a_replacement_that_sets_its_optimizer_after_restoring_redoes_that_barri
     # counts jumped to the mark's; its barrier is redone by the number its predecessor's had (once, it hung)
     res = _job(tmp_path, *REPLACE, env=["OPTIMIZER_LATE:1", f"KILLS:{kills}"], timeout=60)
     assert res.returncode == 0, res.stderr
-    assert _same(_weights(tmp_path), reference())
+    assert same_weights(saved_weights(tmp_path), reference())
     _resumed_as_expected(tmp_path, kills)
 
 
@@ -128,7 +113,7 @@ def test_a_dist_device_sync_worker_is_replaced_in_place_too(tmp_path, reference)
     # merged on the device (CuPy, or numpy where there is no GPU) before the push: the same rounds
     res = _job(tmp_path, *REPLACE, env=["STORE:dist_device_sync", "KILLS:1:3:push,0:6:pulled"])
     assert res.returncode == 0, res.stderr
-    assert _same(_weights(tmp_path), reference())
+    assert same_weights(saved_weights(tmp_path), reference())
     _resumed_as_expected(tmp_path, "1:3:push,0:6:pulled")
 
 
@@ -140,14 +125,14 @@ def test_barriers_and_commits_a_replacement_redoes_are_answered_at_once_and_no_c
     res = _job(tmp_path, *REPLACE, "--checkpoint-dir", str(ckpt),
                env=["COMMIT_EVERY:3", "BARRIER_EVERY:2", "KILLS:0:2:commit,1:3:barrier,1:8:commit"])
     assert res.returncode == 0, res.stderr
-    assert _same(_weights(tmp_path), reference())
+    assert same_weights(saved_weights(tmp_path), reference())
     _resumed_as_expected(tmp_path, "0:2:commit,1:3:barrier,1:8:commit")
     assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-00000003", "ckpt-00000004"]  # 4 commits, each once
     manifest = json.loads((ckpt / "ckpt-00000004" / "MANIFEST.json").read_text())
     assert manifest["scalars"] == {"step": 12}
 
 
-def test_workers_killed_from_outside_at_random_moments_end_with_the_uninterrupted_weights(tmp_path, reference):
+def test_workers_killed_from_outside_at_random_moments_end_with_the_uninterruptedsaved_weights(tmp_path, reference):
     # SIGKILL from outside, at random moments of a running job (mid-push, mid-pull, between steps: wherever
     # it lands), four times, any rank; the seed is in the failure message
     seed = random.randrange(1 << 30)
@@ -170,7 +155,7 @@ def test_workers_killed_from_outside_at_random_moments_end_with_the_uninterrupte
     assert not wait_gone(str(tmp_path))
     assert proc.returncode == 0, f"seed {seed}, killed {killed}:\n{stderr}"
     assert len(killed) >= 2, f"seed {seed}: the job ended before the kills ({killed})"
-    assert _same(_weights(tmp_path), reference(steps)), f"seed {seed}, killed {killed}: the weights differ\n{stderr}"
+    assert same_weights(saved_weights(tmp_path), reference(steps)), f"seed {seed}, killed {killed}: the weights differ\n{stderr}"
     assert stderr.count("the other processes go on") == len(killed), stderr
 
 
@@ -180,11 +165,11 @@ def test_a_worker_killed_after_its_part_was_done_is_not_replaced_and_the_job_suc
     # replacement would find the job ending (once, it was started and the job failed "scheduler exited 0")
     res = _job(tmp_path, *restarts, env=["KILLS:1:12:closed"])
     assert res.returncode == 0, res.stderr
-    assert _same(_weights(tmp_path), reference())
+    assert same_weights(saved_weights(tmp_path), reference())
     assert sorted(_starts(tmp_path)) == [(0, 0, 0), (1, 0, 0)], "a worker was started again"
     assert re.search(r"pslaunch: worker\.1@\S+ \(worker rank 1 .*\) ended after its part was done \(signal SIGKILL\): "
                      r"the scheduler had its finish, so nothing waits for it and it is not replaced", res.stderr), res.stderr
-    rows = _rows(res.stderr)
+    rows = table_rows(res.stderr)
     assert [r for r in rows if r[:2] == ("worker", "1")][0][3:] == ("signal SIGKILL", "ended after its part was done"), rows
     assert "root cause" not in res.stderr and "restarting" not in res.stderr
 
@@ -286,7 +271,7 @@ def test_the_replacement_lines_end_the_commands_report(tmp_path):
                      r"(\d+), restart 1\): resumed from its predecessor's last mark \(step=(\d)\) ([\d.]+) s after the "
                      r"end; the others waited ([\d.]+) s for it$", res.stderr, re.M)
     assert line, res.stderr
-    rows = [r for r in _rows(res.stderr) if r[:2] == ("worker", "1")]
+    rows = [r for r in table_rows(res.stderr) if r[:2] == ("worker", "1")]
     assert [(r[2], r[3]) for r in rows] == [(line[2], "signal SIGKILL"), (line[3], "0")], rows
     assert rows[1][4] == f"replacement; the others waited {float(line[6]):.1f}s"
     assert int(line[4]) in (2, 3)
@@ -339,7 +324,7 @@ def test_a_worker_is_replaced_in_place_on_its_own_host_over_ssh(request, tmp_pat
                       "--env", "KILLS:1:4:push,0:7:pulled", "--timeout", "100", sys.executable, HELPER, str(out)],
                      timeout=150)
     assert res.returncode == 0, res.stderr
-    assert _same(_weights(out), reference()), "the weights differ from the uninterrupted run's"
+    assert same_weights(saved_weights(out), reference()), "the weights differ from the uninterrupted run's"
     _resumed_as_expected(out, "1:4:push,0:7:pulled")
     assert res.stderr.count("the other processes go on") == 2, res.stderr
     assert not wait_gone(str(out))

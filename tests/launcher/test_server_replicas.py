@@ -15,11 +15,11 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from launcher import launch
 from testkit.launcher import backend_launch, helper, job_server, live_processes, reaped, run_pslaunch, wait_gone
+from testkit.launcher.outcome import ended_like, same_weights, saved_weights, table_rows
 from testkit.launcher.processes import start_pslaunch
 
 HELPER = helper("replace_sync.py")
@@ -29,21 +29,6 @@ STEPS = 200
 pytestmark = pytest.mark.timeout(240)
 
 
-def _weights(out):
-    with np.load(out / "weights.npz") as data:
-        return {k: data[k].copy() for k in data.files}
-
-
-def _same(a, b) -> bool:
-    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-
-
-def _rows(stderr):
-    """The summary table's ``(role, rank, pid, exit, note)`` rows."""
-    return re.findall(r"^\| (worker|server|scheduler|replica) +\| +(\d) \| [^|]+\| +(\d+) \| (\S+(?: \S+)?) +\| +"
-                      r"[\d.]+s \| (.*?) *\|$", stderr, re.M)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The weights of an uninterrupted run without replicas."""
@@ -51,7 +36,7 @@ def reference(tmp_path_factory):
     res = run_pslaunch(["-n", "2", "-s", "2", "--no-dashboard", *ENV, "--env", f"STEPS:{STEPS}", "--timeout", "100",
                         "python", HELPER, str(out)], timeout=120)
     assert res.returncode == 0, res.stderr
-    return _weights(out)
+    return saved_weights(out)
 
 
 def _holders(pslaunch_pid: int) -> dict[str, list[int]]:
@@ -98,10 +83,8 @@ def test_a_killed_server_is_served_by_its_replica_and_the_weights_are_bit_equal(
             subprocess.run(["kill", "-9", str(pid)], check=True)
         _, err = proc.communicate(timeout=160)
     stderr = err.decode()
-    assert not wait_gone(str(tmp_path))
-    assert proc.returncode == 0, stderr
-    assert _same(_weights(tmp_path), reference), "the weights differ from the uninterrupted run's"
-    rows = _rows(stderr)
+    ended_like(proc.returncode, stderr, tmp_path, reference)
+    rows = table_rows(stderr)
     # no process but the killed ones ended otherwise than with 0, and every process that ran is one that ran
     # before the kill (nothing restarted), except a replaced worker's replacement
     assert sorted(int(r[2]) for r in rows if r[3] == "signal SIGKILL") == sorted(killed), rows
@@ -188,7 +171,7 @@ def test_checkpoints_go_on_after_a_replica_took_a_servers_place(tmp_path, refere
         _, err = proc.communicate(timeout=160)
     stderr = err.decode()
     assert proc.returncode == 0, stderr
-    assert _same(_weights(tmp_path), reference)
+    assert same_weights(saved_weights(tmp_path), reference)
     restored = tmp_path / "restored"
     restored.mkdir()
     # a new job that restores the last commit (step 200) has nothing left to train: its weights are the same
@@ -197,7 +180,7 @@ def test_checkpoints_go_on_after_a_replica_took_a_servers_place(tmp_path, refere
     assert res.returncode == 0, res.stderr
     assert open(restored / "starts.txt").read().split() == ["0", "0", str(STEPS), "1", "0", str(STEPS)] or \
         sorted(open(restored / "starts.txt").read().splitlines()) == [f"0 0 {STEPS}", f"1 0 {STEPS}"]
-    assert _same(_weights(restored), reference)
+    assert same_weights(saved_weights(restored), reference)
 
 
 def test_a_server_killed_on_its_host_over_ssh_is_served_by_a_replica_on_the_other_host(request, tmp_path, reference):
@@ -216,12 +199,12 @@ def test_a_server_killed_on_its_host_over_ssh_is_served_by_a_replica_on_the_othe
         _, err = proc.communicate(timeout=160)
     stderr = err.decode()
     assert proc.returncode == 0, stderr
-    assert _same(_weights(out), reference), "the weights differ from the uninterrupted run's"
+    assert same_weights(saved_weights(out), reference), "the weights differ from the uninterrupted run's"
     took = re.search(r"server \d on ([\d.]+):\d+ \(pid \d+\) is gone: .*; replica replica@([\d.]+):\d+ holds its keys "
                      r"and serves as server \d from now on", stderr)
     assert took, stderr
     assert took.group(1) != took.group(2), took.group(0)  # the replica was on the other host: a lost host loses nothing
-    rows = _rows(stderr)
+    rows = table_rows(stderr)
     # the remote guard reports the signal the shell's way; every other process ended well, none was restarted
     assert [(r[0], r[3], r[4]) for r in rows if r[3] != "0"] == [("server", "137 (128+SIGKILL)",
                                                                   "failed; a replica took its place")], rows
