@@ -35,6 +35,7 @@ from psnode.node.protocol import (
     unpack_json,
 )
 from psnode.node.stats import check_body, stderr_line
+from psnode.scheduler.comeback import Comeback, back_body
 from psnode.scheduler.ledger import Answer, Ledger
 from psnode.scheduler.rendezvous import Rendezvous
 from psnode.scheduler.report import JobReport
@@ -132,31 +133,22 @@ class Scheduler:
         if env.restart_count and env.restart_scope == "worker":
             self._tell_launcher_back()  # started in place before the job had formed: its nodes registered now
 
-    def _recover(self, sender: bytes, info: dict, deadline: float) -> None:
+    def _recover(self, sender: bytes, info: dict | None, deadline: float) -> None:
         """This scheduler was started again in place (PSLAUNCH_RESTART_SCOPE=worker) while the job ran:
-        its nodes register again with their ranks (``SchedulerLink._rejoin``). It takes them back
-        until every server rank and every worker rank is there again (a worker that finished the job
-        meanwhile is known from the servers), then a moment more for the replicas, and answers each
-        with ``SCHEDULER_BACK``: they send again what they had asked. What the scheduler keeps for
-        the job (ledger entries, rendezvous values) comes back with them; its completed barriers are
-        the most any node saw.
+        take its nodes back (``comeback.Comeback``), then answer each with ``SCHEDULER_BACK``: they send
+        again what they had asked, and what the scheduler keeps for the job (ledger entries,
+        rendezvous values).
 
         Raises:
             RegistrationTimeoutError: not every rank came back in time (the message names the missing).
         """
         env, roster = self.env, self.roster
-        finished: dict[int, str] = {}
-        completed: dict[int, int] = {}
-        settle_until: float | None = None
+        comeback = Comeback()
         logger.warning("scheduler: started again in place; taking the job's nodes back")
         while True:
             if info is not None:
                 try:
-                    member = roster.take_back(sender, info)
-                    for rank, node in (info.get("finished") or {}).items():
-                        finished[int(rank)] = str(node)[:200]
-                    for group, count in (info.get("barriers") or {}).items():
-                        completed[int(group)] = max(int(count), completed.get(int(group), 0))
+                    member = comeback.take(roster, sender, info)
                     if member is not None:
                         self.transport.connect(sender, endpoint_of(member.peer, self.transport, self.fingerprint,
                                                                    env.same_host))
@@ -165,16 +157,13 @@ class Scheduler:
                     logger.info("scheduler dropped a registration from %r while taking the job back: %s", sender[:64],
                                 exc)
                 info = None
-            missing = roster.missing_ranks(finished)
             now = time.monotonic()
-            if not missing:
-                settle_until = settle_until or now + 0.5  # replicas, which no rank lists, come within it
-                if now >= settle_until:
-                    break
+            if comeback.over(roster, now):
+                break
             if now > deadline:
-                message = (f"the scheduler started in place took {len(roster.members)} nodes back within "
-                           f"{env.register_timeout:g} s (PSLAUNCH_REGISTER_TIMEOUT); missing: {', '.join(missing)}")
-                raise RegistrationTimeoutError(message)
+                raise RegistrationTimeoutError(
+                    f"the scheduler started in place took {len(roster.members)} nodes back within "
+                    f"{env.register_timeout:g} s (PSLAUNCH_REGISTER_TIMEOUT); missing: {', '.join(comeback.missing(roster))}")
             if not self.transport.poll(0.05):
                 continue
             sender, frames = self.transport.recv()
@@ -187,9 +176,8 @@ class Scheduler:
                 self.malformed += 1
                 logger.info("scheduler dropped a message while taking the job back: %s", exc)
                 info = None
-        roster.add_finished(finished)
-        self.barriers.completed.update(completed)
-        body = pack_json({"barriers": {str(g): n for g, n in completed.items()}})
+        comeback.close(roster, self.barriers)
+        body = back_body(comeback.completed)
         for uid, member in roster.members.items():
             member.last_seen = time.monotonic()
             if member.info.get("rejoin") is not True:
@@ -199,7 +187,7 @@ class Scheduler:
             self.transport.send(uid, [pack_header(Cmd.SCHEDULER_BACK), body])
         self.job_report.registered()
         logger.warning("scheduler: took the job back: %d nodes, %d workers finished before", len(roster.members),
-                       len(finished))
+                       len(comeback.finished))
         self._tell_launcher_back()
 
     def _tell_launcher_back(self) -> None:
@@ -232,8 +220,7 @@ class Scheduler:
             if self.env.server_replicas and member.peer.role in _HOLDERS:
                 self.transport.watch_liveness(sender)
             self._books.clear()
-        body = pack_json({"barriers": {str(g): n for g, n in self.barriers.completed.items()}})
-        self.transport.send(sender, [pack_header(Cmd.SCHEDULER_BACK), body])
+        self.transport.send(sender, [pack_header(Cmd.SCHEDULER_BACK), back_body(self.barriers.completed)])
         return True
 
     def _book(self, member: Member, rejoined: bool = False) -> bytes:

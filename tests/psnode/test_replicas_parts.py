@@ -1,0 +1,113 @@
+"""The parts behind replicas and a scheduler started in place, each on its own: which server a
+replica backs (``roster._replica_ranks``), a worker's book when a server is lost
+(``Membership.server_lost``), the scheduler taking a job back (``Roster.take_back``, ``Comeback``)
+and a connection's end seen by the transport (``gone``, ``dropped``), over real ZeroMQ sockets."""
+
+import os
+import time
+
+import pytest
+
+from psnode.errors import ProtocolError, PSNodeError
+from psnode.node.membership import Membership, PeerInfo
+from psnode.scheduler import comeback as comeback_mod
+from psnode.scheduler.comeback import Comeback
+from psnode.scheduler.roster import Barriers, Roster, _replica_ranks
+from psnode.transport.zeromq import ZmqTransport
+
+pytestmark = pytest.mark.unit
+
+
+def _peer(role, rank, host="10.0.0.1", port=4000, uid=None):
+    return PeerInfo(role, rank, host, port, uid or f"{role}@{host}:{port}", "fp", "name")
+
+
+def test_each_replica_backs_a_server_on_another_host_where_there_is_one():
+    assert _replica_ranks(["a", "b"], ["a", "b"]) == [1, 0]  # the replica on a backs the server on b
+    assert _replica_ranks(["a", "b", "c"], ["c", "a", "b"]) == [1, 2, 0]
+    assert _replica_ranks(["a", "a"], ["a", "a"]) == [1, 0]  # one host: each server still gets one
+    assert _replica_ranks(["a"], ["a"]) == [0]
+    # two replicas a server: every rank gets two
+    assert sorted(_replica_ranks(["a", "b"], ["a", "b", "a", "b"])) == [0, 0, 1, 1]
+
+
+def test_a_lost_server_is_replaced_in_a_workers_book_by_its_replica():
+    book = Membership("worker")
+    nodes = [_peer("server", 0, port=1), _peer("server", 1, port=2), _peer("replica", 0, port=3),
+             _peer("replica", 1, port=4)]
+    connect = book.apply({"rank": 0, "nodes": [p.as_record() for p in nodes]})
+    assert {p.port for p in connect} == {1, 2, 3, 4}  # a worker reaches servers and replicas
+    book.server_lost(0, nodes[0].uid, nodes[2].uid)
+    assert book.servers[0].uid == nodes[2].uid and book.servers[0].role == "server" and book.servers[0].rank == 0
+    assert book.replicas[0] == [] and book.peers[nodes[2].uid.encode()].role == "server"
+    assert nodes[0].uid.encode() not in book.peers
+    book.server_lost(1, nodes[3].uid, None)  # a replica lost: its server stays
+    assert book.servers[1].uid == nodes[1].uid and book.replicas[1] == []
+    with pytest.raises(ProtocolError, match="which is no replica of it here"):
+        book.server_lost(1, nodes[1].uid, "replica@elsewhere:9")
+
+
+def test_a_book_naming_a_replica_of_a_server_the_job_does_not_have_is_refused():
+    book = Membership("worker")
+    with pytest.raises(ProtocolError, match="a replica of server 3, but the job has 1 servers"):
+        book.apply({"rank": 0, "nodes": [_peer("server", 0).as_record(), _peer("replica", 3, port=5).as_record()]})
+
+
+def _back(peer, **extra):
+    return {**peer.as_record(), "rejoin": True, "job_id": "job", **extra}
+
+
+def test_a_scheduler_started_in_place_takes_every_rank_back_and_counts_finished_workers(monkeypatch):
+    monkeypatch.setattr(comeback_mod, "SETTLE", 0.05)
+    roster = Roster(2, 1, job_id="job")
+    back = Comeback()
+    server, worker0, worker1 = _peer("server", 0, port=1), _peer("worker", 0, port=2), _peer("worker", 1, port=3)
+    back.take(roster, server.uid.encode(), _back(server, finished={"1": "worker 1 on 10.0.0.1:3"},
+                                                 barriers={"1": 4}))
+    assert back.missing(roster) == ["worker 0"] and not back.over(roster, time.monotonic())
+    back.take(roster, worker0.uid.encode(), _back(worker0, barriers={"1": 5}))
+    assert back.missing(roster) == []
+    assert not back.over(roster, time.monotonic())  # a moment more, for replicas
+    time.sleep(0.06)
+    assert back.over(roster, time.monotonic())
+    assert back.completed == {1: 5}
+    # the same node twice is taken once; a second node of a rank, another job's or a rank the job lacks is not
+    assert back.take(roster, worker0.uid.encode(), _back(worker0)) is None
+    with pytest.raises(PSNodeError, match="two workers came back with rank 0"):
+        back.take(roster, b"worker@10.0.0.9:9", _back(_peer("worker", 0, host="10.0.0.9", port=9)))
+    with pytest.raises(PSNodeError, match="of job 'other'"):
+        back.take(roster, worker1.uid.encode(), {**_back(worker1), "job_id": "other"})
+    with pytest.raises(ProtocolError, match="rank 7, not one of 0..1"):
+        back.take(roster, b"worker@10.0.0.8:8", _back(_peer("worker", 7, host="10.0.0.8", port=8)))
+    barriers = Barriers()
+    back.close(roster, barriers)
+    assert barriers.completed == {1: 5}
+    assert not roster.all_workers_finished()  # worker 0 goes on; worker 1 finished and left
+    for member in roster.members.values():
+        if member.peer.role == "worker" and member.peer.rank == 0:
+            member.finished = True
+    assert roster.all_workers_finished()
+
+
+def test_the_transport_sees_a_watched_connection_end_and_come_back():
+    a, b = ZmqTransport(b"node-a"), ZmqTransport(b"node-b")
+    try:
+        port = b.bind(0, f"liveness-{os.getpid()}")
+        a.connect(b"node-b", f"tcp://127.0.0.1:{port}")
+        a.send(b"node-b", [b"hello"])
+        assert b.poll(5)
+        a.watch_liveness(b"node-b")
+        assert a.gone(0.0) == [] and not a.dropped(b"node-b")
+        b.close()
+        deadline = time.monotonic() + 5
+        while not a.dropped(b"node-b"):
+            assert time.monotonic() < deadline, "the end of the connection was not seen"
+            time.sleep(0.02)
+        deadline = time.monotonic() + 5
+        while a.gone(0.2) != [b"node-b"]:  # closed, and it stayed closed
+            assert time.monotonic() < deadline, "the peer was not reported gone"
+            time.sleep(0.02)
+        assert a.gone(0.0) == []  # reported once
+    finally:
+        a.close()
+        b.close()
