@@ -16,6 +16,7 @@ arrays) the server sees flat 1-D shards of the key, not the key's shape.
 
 from __future__ import annotations
 
+import collections
 import pickle
 from typing import Any, Callable
 
@@ -90,6 +91,7 @@ class ServerNode:
         self.checkpoints = Checkpoints(self.store, self.groups, env.checkpoint_dir, env.num_servers, env.job_id,
                                        lambda: self.conn.rank, self.conn.link.beat)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
+        self._held_copies: dict[int, collections.deque] = {}  # a replica's: pushes of keys not initialised yet
         self.timeline = self.conn.timeline
         if self.timeline is not None:  # PSLAUNCH_TIMELINE: each push's merge and each round's update, per key
             self.store.trace(self.timeline)
@@ -259,9 +261,16 @@ class ServerNode:
             raise ProtocolError(f"a copy of a {Cmd(cmd).name} for a replica, but this server is none")
         try:
             if cmd == Cmd.PUSH and not flags & (FLAG_PULL | FLAG_OFFER):
+                held = self._held_copies.get(peer.rank)
+                if held or not self._all_initialised(frames):
+                    # a copy of a push can overtake worker 0's copy of the init of its key (they come by two
+                    # sockets): held, with every later copy from that worker, until the init is here
+                    self._held_copies.setdefault(peer.rank, collections.deque()).append((peer, req_id, frames))
+                    return
                 self._push(peer, req_id, frames)
             elif cmd == Cmd.INIT:
                 self._init(frames, bool(flags & FLAG_SYNC), bool(flags & FLAG_REDO))
+                self._release_held_copies()
             elif cmd == Cmd.SET_UPDATER:
                 self._set_updater(peer, frames, bool(flags & FLAG_REDO))
             elif cmd == Cmd.SET_CODEC:
@@ -273,6 +282,21 @@ class ServerNode:
                                     "optimizer, codecs and marks only")
         except RequestRefused as exc:  # refused by the server too, which tells the worker
             logger.info("replica of server %d: %s", self.rank, exc)
+
+    def _all_initialised(self, frames: list) -> bool:
+        """Whether every key part a push message names is here."""
+        shards = self.store.shards
+        return all(entry[0] in shards for entry in unpack_entries(frames[1], [len(f.buffer) for f in frames[2:]]))
+
+    def _release_held_copies(self) -> None:
+        """Take the held copies of pushes whose keys are all here now, each worker's in order."""
+        for rank, held in self._held_copies.items():
+            while held and self._all_initialised(held[0][2]):
+                peer, req_id, frames = held.popleft()
+                try:
+                    self._push(peer, req_id, frames)
+                except RequestRefused as exc:
+                    logger.info("replica of server %d: %s", self.rank, exc)
 
     def _answer_checkpoint(self, peer: PeerInfo, reply: int, req_id: int, arg: int) -> Callable[[bool, Any], None]:
         """How checkpoint request ``req_id`` of ``peer`` is answered: now, or later from ``run``'s loop."""

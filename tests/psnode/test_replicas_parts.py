@@ -3,17 +3,24 @@ replica backs (``roster._replica_ranks``), a worker's book when a server is lost
 (``Membership.server_lost``), the scheduler taking a job back (``Roster.take_back``, ``Comeback``)
 and a connection's end seen by the transport (``gone``, ``dropped``), over real ZeroMQ sockets."""
 
+import dataclasses
 import os
 import time
 
+import numpy as np
 import pytest
 
+from psnode.compression.codecs import RAW
 from psnode.errors import ProtocolError, PSNodeError
 from psnode.node.membership import Membership, PeerInfo
+from psnode.node.protocol import FLAG_MIRROR, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json
 from psnode.scheduler import comeback as comeback_mod
 from psnode.scheduler.comeback import Comeback
 from psnode.scheduler.roster import Barriers, Roster, _replica_ranks
+from psnode.server.node import ServerNode
+from psnode.transport.base import Frame
 from psnode.transport.zeromq import ZmqTransport
+from testkit.inproc import InProcJob
 
 pytestmark = pytest.mark.unit
 
@@ -111,3 +118,35 @@ def test_the_transport_sees_a_watched_connection_end_and_come_back():
     finally:
         a.close()
         b.close()
+
+
+def test_a_replicas_copy_of_a_push_that_overtakes_the_copy_of_its_init_waits_for_it():
+    # the copies come by two sockets (worker 1's push, worker 0's init): a push of a key not here yet
+    # is held, with every later copy of that worker, and taken in order once the init came
+    job = InProcJob(2, 1, settings={"PSLAUNCH_SERVER_REPLICAS": "1"})
+    replica = ServerNode(dataclasses.replace(job.env("server"), replica=True), transport=job.transport())
+    w0, w1 = (PeerInfo("worker", r, "127.0.0.1", 7000 + r, f"worker@127.0.0.1:{7000 + r}", "fp", f"w{r}")
+              for r in (0, 1))
+    replica.conn.members.apply({"rank": 0, "nodes": [w0.as_record(), w1.as_record()]})
+    key = 42
+
+    def push(peer, seq, value):
+        data = np.full(4, value, np.float32).tobytes()
+        frames = [pack_header(Cmd.PUSH, seq, 1, FLAG_MIRROR), pack_entries([(key, 0, 0, RAW, 0, len(data), seq)]), data]
+        replica._serve(peer, Cmd.PUSH, FLAG_MIRROR, seq, 1, [Frame(memoryview(f)) for f in frames])
+
+    try:
+        push(w1, 1, 1.0)
+        push(w1, 2, 10.0)
+        assert key not in replica.store.shards and len(replica._held_copies[1]) == 2
+        spec = [{"key": key, "user_key": 7, "shape": [4], "dtype": "<f4", "frame": 0, "offset": 0, "row_size": 1}]
+        init = [pack_header(Cmd.INIT, 1, 1, FLAG_SYNC | FLAG_MIRROR), pack_json(spec), np.zeros(4, np.float32).tobytes()]
+        replica._serve(w0, Cmd.INIT, FLAG_SYNC | FLAG_MIRROR, 1, 1, [Frame(memoryview(f)) for f in init])
+        shard = replica.store.shards[key]
+        assert shard.round.received[1] == 2 and not replica._held_copies[1]
+        push(w0, 1, 2.0)  # the first round closes with worker 1's first push, not its second
+        assert shard.round.closed == 1 and np.array_equal(shard.stored, np.full(4, 3.0, np.float32))
+        push(w0, 2, 20.0)
+        assert shard.round.closed == 2 and np.array_equal(shard.stored, np.full(4, 30.0, np.float32))
+    finally:
+        replica.close()
