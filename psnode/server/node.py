@@ -91,7 +91,9 @@ class ServerNode:
         self.checkpoints = Checkpoints(self.store, self.groups, env.checkpoint_dir, env.num_servers, env.job_id,
                                        lambda: self.conn.rank, self.conn.link.beat)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
-        self._held_copies: dict[int, collections.deque] = {}  # a replica's: pushes of keys not initialised yet
+        # a replica's: copies of pushes that came before their key's init or their codec's parameters
+        self._held_copies: dict[int, collections.deque] = {}
+        self._configured_codecs: set[int] = set()
         self.timeline = self.conn.timeline
         if self.timeline is not None:  # PSLAUNCH_TIMELINE: each push's merge and each round's update, per key
             self.store.trace(self.timeline)
@@ -262,9 +264,10 @@ class ServerNode:
         try:
             if cmd == Cmd.PUSH and not flags & (FLAG_PULL | FLAG_OFFER):
                 held = self._held_copies.get(peer.rank)
-                if held or not self._all_initialised(frames):
-                    # a copy of a push can overtake worker 0's copy of the init of its key (they come by two
-                    # sockets): held, with every later copy from that worker, until the init is here
+                if held or not self._can_take_copy(frames):
+                    # a copy of a push can overtake worker 0's copy of the init of its key, or of its codec's
+                    # parameters (they come by two sockets): held, with every later copy from that worker,
+                    # until those are here
                     self._held_copies.setdefault(peer.rank, collections.deque()).append((peer, req_id, frames))
                     return
                 self._push(peer, req_id, frames)
@@ -275,6 +278,7 @@ class ServerNode:
                 self._set_updater(peer, frames, bool(flags & FLAG_REDO))
             elif cmd == Cmd.SET_CODEC:
                 self._set_codec(frames)
+                self._release_held_copies()
             elif cmd == Cmd.MARK:
                 self.store.add_mark(peer.rank, read_mark(frames[1:], max(len(self.store.shards), 1)))
             else:
@@ -283,15 +287,16 @@ class ServerNode:
         except RequestRefused as exc:  # refused by the server too, which tells the worker
             logger.info("replica of server %d: %s", self.rank, exc)
 
-    def _all_initialised(self, frames: list) -> bool:
-        """Whether every key part a push message names is here."""
-        shards = self.store.shards
-        return all(entry[0] in shards for entry in unpack_entries(frames[1], [len(f.buffer) for f in frames[2:]]))
+    def _can_take_copy(self, frames: list) -> bool:
+        """Whether every key part a push message names is here, with the parameters of its codec."""
+        shards, configured = self.store.shards, self._configured_codecs
+        return all(key in shards and (codec == RAW or codec in configured)
+                   for key, _, _, codec, _, _, _ in unpack_entries(frames[1], [len(f.buffer) for f in frames[2:]]))
 
     def _release_held_copies(self) -> None:
         """Take the held copies of pushes whose keys are all here now, each worker's in order."""
         for rank, held in self._held_copies.items():
-            while held and self._all_initialised(held[0][2]):
+            while held and self._can_take_copy(held[0][2]):
                 peer, req_id, frames = held.popleft()
                 try:
                     self._push(peer, req_id, frames)
@@ -497,6 +502,7 @@ class ServerNode:
         except ProtocolError as exc:  # answered, not dropped: the worker waits for this reply
             raise RequestRefused(f"server {self.rank}: {exc}") from None
         self.codecs.configure(codec, params)
+        self._configured_codecs.add(codec)
         logger.info("server %d configured codec %s with %s", self.rank, self.codecs.get(codec).name, params)
 
     def _rows(self, peer: PeerInfo, req_id: int, frames: list) -> None:
