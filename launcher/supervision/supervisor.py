@@ -233,7 +233,9 @@ class Supervisor:
                                       f"(--server-replicas {self.config.server_replicas}: {then})")
                     continue
                 if kind == "own":
-                    if early is not None and handle.spec.role == "worker":
+                    # a worker that fails after a server's early end failed for want of it, unless its
+                    # part was done (the server's end was the job's, and the worker's error its own)
+                    if early is not None and handle.spec.role == "worker" and handle.finished_at is None:
                         return self._early_failure(early[0], f"; then {handle.spec.name} failed: {status.describe()}")
                     if any(h.in_doubt() for h in self.handles):
                         # A host went quiet: this end may be its news (mpirun kills every rank once it
@@ -257,7 +259,10 @@ class Supervisor:
                 if self.config.verbose:
                     self.printer.note("every worker exited 0; asking scheduler and servers to end")
             elif early is not None and now > early[1]:
-                return self._early_failure(early[0], "")
+                if all(w.status is not None or w.finished_at is not None for w in workers):
+                    early = None  # every worker still running had its finish (its marker came late): no early end
+                else:
+                    return self._early_failure(early[0], "")
             if end_deadline is not None and blamed_at is None:
                 running = [h for h in others if h.status is None]
                 if not running:
