@@ -60,6 +60,11 @@ class Replacement:
         """One line: who, when, how it ended, how it resumed and how long the others waited."""
         text = (f"{self.process} replaced in place at {self.ended_s:.1f} s ({self.ended}; pid {self.old_pid or '-'} "
                 f"-> {self.new_pid or '-'}, restart {self.restart})")
+        if self.process.startswith(("server.", "replica.")):  # --server-replicas: it comes back as a replica
+            if self.resumed_s is None:
+                return text + "; as a replica, it had not received its server's keys when the job ended"
+            return (text + f": a replica again, holding its server's keys {self.resumed_s - self.ended_s:.1f} s after "
+                    "the end (a replica served in its place meanwhile)")
         if self.process.startswith("scheduler."):  # it holds no training state: the nodes come back to it
             if self.resumed_s is None:
                 return text + "; the job's nodes had not come back to it when the job ended"

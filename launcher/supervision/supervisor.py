@@ -30,6 +30,9 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
+
+from pscontract import PSLAUNCH_SERVER_REPLICA
 
 from ..backends.base import Backend, ProcessHandle
 from ..config import LaunchConfig
@@ -292,8 +295,8 @@ class Supervisor:
         are over, and a replacement would find the job ending."""
         # the scheduler too: the nodes of the job register with the one started in its place (it holds
         # no training state), while the data path between workers and servers goes on
-        return (handle.spec.role in ("worker", "scheduler") and self.restarts.scope == "worker"
-                and handle.finished_at is None
+        return ((handle.spec.role in ("worker", "scheduler") or self._held_elsewhere(handle))
+                and self.restarts.scope == "worker" and handle.finished_at is None
                 and self.restarts.used < self.restarts.max_restarts)
 
     def _restart_failed_workers(self) -> None:
@@ -309,11 +312,15 @@ class Supervisor:
             assert handle.status is not None and self._plan is not None
             failure = Failure(f"{who(handle)} failed: {handle.status.describe()}", handle.status.exit_code, handle)
             count = self.restarts.restart(failure, f"{handle.spec.name} alone")
-            self.printer.note(f"{failure.reason}; restarting it alone (restart {count} of {self.restarts.max_restarts}, "
+            how = " as a replica" if self._held_elsewhere(handle) else ""
+            self.printer.note(f"{failure.reason}; restarting it alone{how} (restart {count} of {self.restarts.max_restarts}, "
                               f"PSLAUNCH_RESTART_COUNT={count}); the other processes go on")
             self._replaced.append(handle)
             self.printer.starting([handle.spec.name])
-            self.handles[i] = self.backend.launch(self._plan.restarted(count, (handle.spec,)))[0]
+            spec = handle.spec
+            if self._held_elsewhere(handle):  # a lost server or replica comes back as a replica: its rank's
+                spec = replace(spec, env={**spec.env, PSLAUNCH_SERVER_REPLICA: "1"})  # keys are served meanwhile
+            self.handles[i] = self.backend.launch(self._plan.restarted(count, (spec,)))[0]
             self.replacements.add(handle, self.handles[i], count)
             if self.observer is not None:
                 self.observer.attach(self.handles)
@@ -410,6 +417,8 @@ class Supervisor:
                 wait = waited[handle.pid]
                 if handle.spec.role == "scheduler":
                     table_notes[id(handle)] = "replacement" + ("" if wait is None else f"; nodes back after {wait:.1f}s")
+                elif self._held_elsewhere(handle):
+                    table_notes[id(handle)] = "replica again" + ("" if wait is None else f", its keys after {wait:.1f}s")
                 else:
                     table_notes[id(handle)] = "replacement" + ("" if wait is None else f"; the others waited {wait:.1f}s")
         return shown, table_notes

@@ -43,7 +43,7 @@ _REGISTER_AGAIN = 2.0  # seconds between registrations while no address book cam
 CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN,
      Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED, Cmd.PEERS_REPLY, Cmd.LEDGER_ACK,
-     Cmd.LEDGER_ENTRIES, Cmd.SERVER_LOST, Cmd.SCHEDULER_BACK}
+     Cmd.LEDGER_ENTRIES, Cmd.SERVER_LOST, Cmd.SCHEDULER_BACK, Cmd.REPLICA_JOINED, Cmd.REPLICA_JOINING}
 )
 """What only the scheduler sends to a node."""
 
@@ -132,6 +132,9 @@ class SchedulerLink:
         # the job is gone (PSLAUNCH_SERVER_REPLICAS); it updates the book and drops the lost peer's
         # connection (without it the connection is dropped here)
         self.on_server_lost: Callable[[int, str, str | None], None] | None = None
+        # ``on_replica(cmd, peer)``: a replica joins the running job (``REPLICA_JOINED`` to a worker,
+        # ``REPLICA_JOINING`` to the server of its rank: psnode.server.snapshot)
+        self.on_replica: Callable[[int, PeerInfo], None] | None = None
         self.shutdown_requested = False
         self.malformed = 0
         # A scheduler started again in place (PSLAUNCH_RESTART_SCOPE=worker): this node notices its
@@ -435,6 +438,13 @@ class SchedulerLink:
                 self.on_worker_rejoined(peer.rank)
         elif cmd == Cmd.SERVER_LOST:
             self._server_lost(unpack_json(frames[1]))
+        elif cmd in (Cmd.REPLICA_JOINED, Cmd.REPLICA_JOINING):
+            body = unpack_json(frames[1])
+            if not isinstance(body, dict):
+                raise ProtocolError(f"a {Cmd(cmd).name} body that is a {type(body).__name__}, not an object")
+            peer = PeerInfo.from_record(body.get("node"))
+            if self.on_replica is not None:
+                self.on_replica(cmd, peer)
         elif cmd == Cmd.SCHEDULER_BACK:
             self._scheduler_back(unpack_json(frames[1]) if len(frames) > 1 else {})
         elif cmd == Cmd.SHUTDOWN:

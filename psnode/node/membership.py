@@ -124,6 +124,7 @@ class Membership:
         # takes its place in ``servers`` once it is lost (``server_lost``)
         self.replicas: dict[int, list[PeerInfo]] = {}
         self.rejoined = False  # this worker took the rank of one that died (PSLAUNCH_RESTART_SCOPE=worker)
+        self.late = False  # a replica that joined a running job (its book says so)
         # False for a worker of a job with servers: its book holds the servers alone (the scheduler's
         # books are O(nodes x servers) in all, not O(nodes^2)); the workers come on request (PEERS)
         self.complete = True
@@ -147,6 +148,7 @@ class Membership:
             peers[peer.uid.encode()] = peer
         self.rank = rank
         self.rejoined = book.get("rejoined") is True
+        self.late = book.get("late") is True  # a replica joining a running job: its server's keys come to it
         self.complete = book.get("workers") != "on-request"
         self.peers = peers
         self.workers = sorted((p for p in peers.values() if p.role == "worker"), key=lambda p: p.rank)
@@ -160,7 +162,23 @@ class Membership:
         self.replicas = replicas
         if self.role == "worker":
             return self.servers + [p for held in replicas.values() for p in held]
-        return self.workers
+        return self.workers + (self.servers if self.role == "replica" else [])  # a late replica's server sends it its keys
+
+    def replica_joined(self, rank: int, peer: PeerInfo) -> None:
+        """``peer`` joined the job as a replica of server ``rank``.
+
+        Raises:
+            ProtocolError: ``peer`` is not a replica of a server of this book.
+        """
+        if peer.role != "replica" or peer.rank != rank or not 0 <= rank < len(self.servers):
+            raise ProtocolError(f"a {peer.role} of rank {peer.rank} joined as a replica of server {rank}, of "
+                                f"{len(self.servers)}")
+        peers = dict(self.peers)
+        peers[peer.uid.encode()] = peer
+        replicas = {r: list(held) for r, held in self.replicas.items()}
+        replicas.setdefault(rank, []).append(peer)
+        # whole new objects: a thread reading the book meanwhile sees the old one or the new one
+        self.peers, self.replicas = peers, replicas
 
     def server_lost(self, rank: int, lost: str, by: str | None) -> PeerInfo | None:
         """Server ``rank``'s process ``lost`` (its uid: the server, or one of its replicas) is gone; ``by``,

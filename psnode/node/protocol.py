@@ -151,6 +151,11 @@ class Cmd(enum.IntEnum):
     # scheduler -> node, JSON {"barriers": {group: completed}}: a scheduler started again in place took this
     # node's registration again; the node sends it again what it had asked and not been answered
     SCHEDULER_BACK = 55
+    # a replica joining a running job (a lost server's or replica's process started again: psnode.server.snapshot):
+    REPLICA_JOINED = 56  # scheduler -> workers, JSON {"rank", "node"}: copy what you send server "rank" to it too
+    REPLICA_JOINING = 57  # scheduler -> the server of its rank, JSON {"node"}: send it your keys once every worker seamed
+    SEAM = 58  # worker -> server, JSON {"replica": uid}: what follows, that replica gets a copy of
+    SNAPSHOT = 59  # server -> the joining replica: a JSON index and the arrays of its keys (psnode.server.snapshot)
     CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
     CHECKPOINT_REPLY = 35  # JSON: the operation's result
 

@@ -19,6 +19,7 @@ and reached with ``membership.PeerInfo`` and ``endpoint_of``, as every node does
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv, resolve_host
 from psnode.errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError, TransportError
@@ -75,6 +76,7 @@ class Scheduler:
         self._last_check = 0.0  # when _check_alive last ran
         self.job_report = JobReport(env, self.fingerprint)  # PSLAUNCH_STATS, PSLAUNCH_TIMELINE
         self._books: dict[str, bytes | None] = {}  # encoded address book lists by role (``_book``)
+        self._pending_joins: list[tuple[bytes, list]] = []  # replicas joining while a server's connection is down
 
     # ---- registration -------------------------------------------------------------------
     def register(self) -> None:
@@ -196,6 +198,57 @@ class Scheduler:
             stderr_line(f"{MARKER_RESUMED} {{\"mark\": null, \"scalars\": null}}")
             stderr_line(MARKER_CAUGHT_UP)
 
+    def _join_replica(self, sender: bytes, frames: list) -> bool:
+        """A replica registering while the job runs (a lost server's or replica's process started again):
+        it backs the server with the fewest replicas (one on another host first), gets a book with the
+        workers and that server (``late``), the server is told to send it its keys once every worker
+        marked where its copies begin (``REPLICA_JOINING``), and the workers to copy to it from there
+        (``REPLICA_JOINED``: psnode.server.snapshot). False when the registration is no such replica's.
+
+        Raises:
+            ProtocolError: a malformed registration (counted and dropped by the caller).
+        """
+        info = unpack_json(frames[1]) if len(frames) > 1 else None
+        if not isinstance(info, dict) or info.get("role") != "replica" or info.get("rejoin") is True:
+            return False
+        if self.transport.down() and len(self._pending_joins) < 64:
+            # a server's connection is closed: until it is back or called lost, the replica waits (it must not
+            # be given the keys of a server that is gone)
+            self._pending_joins.append((sender, frames))
+            return True
+        peer = PeerInfo.from_record({**info, "rank": -1})
+        if sender != peer.uid.encode():
+            raise ProtocolError(f"a replica's registration with uid {peer.uid!r} from {sender[:64]!r}")
+        job = info.get("job_id")
+        if self.roster.job_id and job is not None and job != self.roster.job_id:
+            raise ProtocolError(f"a replica of job {str(job)[:40]!r} registered with job {self.roster.job_id!r}")
+        members = self.roster.members
+        servers = {m.peer.rank: (uid, m) for uid, m in members.items() if m.peer.role == "server"}
+        if not servers:
+            return False
+        held = {rank: sum(1 for m in members.values() if m.peer.role == "replica" and m.peer.rank == rank)
+                for rank in servers}
+        rank = min(servers, key=lambda r: (held[r], servers[r][1].peer.host == peer.host, r))
+        server_uid, server = servers[rank]
+        member = Member(info, replace(peer, rank=rank))
+        members[sender] = member
+        self._books.clear()
+        self.transport.connect(sender, endpoint_of(member.peer, self.transport, self.fingerprint, self.env.same_host))
+        self.transport.watch_liveness(sender)
+        nodes = [m.peer.as_record() for m in members.values() if m.peer.role == "worker" and not m.finished]
+        book = b'{"rank":%d,"nodes":%s,"late":true}' % (rank, pack_json(nodes + [server.peer.as_record()]))
+        self.transport.send(sender, [pack_header(Cmd.ADDRBOOK), book])
+        record = member.peer.as_record()
+        self.transport.send(server_uid, [pack_header(Cmd.REPLICA_JOINING), pack_json({"node": record})])
+        note = pack_json({"rank": rank, "node": record})
+        for uid, other in members.items():
+            if other.peer.role == "worker" and not other.finished:
+                self.transport.send(uid, [pack_header(Cmd.REPLICA_JOINED), note])
+        logger.warning("scheduler: %s:%d (pid %s) joined the job as a replica of server %d; it gets that server's "
+                       "keys once every worker marked where its copies begin", peer.host, peer.port, info.get("pid"),
+                       rank)
+        return True
+
     def _back_again(self, sender: bytes, frames: list) -> bool:
         """A node registering again with its rank (``rejoin``: it saw the scheduler's connection end) once
         this scheduler runs: taken back if it is not known (a replica that came late), and answered
@@ -299,6 +352,10 @@ class Scheduler:
                         break
             if env.server_replicas:
                 self._lost_servers()
+                if self._pending_joins and not self.transport.down():
+                    pending, self._pending_joins = self._pending_joins, []
+                    for sender, frames in pending:
+                        self._dispatch(sender, frames)
             if env.heartbeat_interval > 0:
                 self._check_alive()
         self._shutdown_servers()
@@ -307,6 +364,8 @@ class Scheduler:
         member = self.roster.members.get(sender)
         try:
             cmd, flags, req_id, arg = unpack_header(frames[0])
+            if member is None and cmd == Cmd.REGISTER and self.env.server_replicas and self._join_replica(sender, frames):
+                return
             if member is None and cmd == Cmd.REGISTER and self.env.restart_scope == "worker":
                 if self._back_again(sender, frames):
                     return

@@ -138,7 +138,7 @@ class Checkpoints:
         for key_id, (user_key, value) in store.pending.items():
             shards.append({"key_id": key_id, "user_key": user_key, "shape": [int(value.size)],
                            "dtype": value.dtype.str, "row_size": 1, "offset": body.add(value.reshape(-1))})
-        state = self._updater_state()
+        state = self.updater_state()
         states = []
         for key, item in state["keys"].items():
             cf.check_user_key(key, lambda what: RequestRefused(f"the updater's state_dict(): {what}"))
@@ -162,7 +162,7 @@ class Checkpoints:
         self.background.submit(lambda: cf.settle_server_file(tmp, os.path.join(directory, name)), settled)
         return {"name": name, "bytes": size, "shards": len(shards)}
 
-    def _updater_state(self) -> dict:
+    def updater_state(self) -> dict:
         """The updater's ``state_dict()`` checked for form, or the restored state it has not taken yet."""
         updater = self.store.updater
         dump = getattr(updater, "state_dict", None)

@@ -71,6 +71,10 @@ class Marks:
         kept.append(mark)
         self._kept[worker] = kept[-KEPT:]
 
+    def workers(self) -> list[int]:
+        """The workers with kept marks."""
+        return list(self._kept)
+
     def of(self, worker: int) -> list[Mark]:
         """``worker``'s kept marks, oldest first."""
         return list(self._kept.get(worker, []))

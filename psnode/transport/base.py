@@ -85,6 +85,10 @@ class Transport(abc.ABC):
         back (a process that died closes its sockets; its port then refuses). Each is reported once."""
         return []
 
+    def down(self) -> set[bytes]:
+        """The watched peers whose connection is closed now (not yet reported ``gone``)."""
+        return set()
+
     def dropped(self, peer: bytes) -> bool:
         """Whether the watched connection to ``peer`` ended since the last call (even if it came back
         since: a peer started again at the same address). Keeps watching."""

@@ -329,6 +329,10 @@ class ZmqTransport(Transport):
                 else:  # connected again: a blip, not an end
                     self._down_since.pop(peer, None)
 
+    def down(self) -> set[bytes]:
+        self._read_liveness()
+        return set(self._down_since)
+
     def dropped(self, peer: bytes) -> bool:
         self._read_liveness()
         if peer in self._ended:

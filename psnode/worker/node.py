@@ -40,7 +40,7 @@ from psnode.env import MARKER_CAUGHT_UP, MARKER_FINISHED, MARKER_RESUMED, NodeEn
 from psnode.errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
 from psnode.node.bulk import batches
 from psnode.node.connection import Connection
-from psnode.node.membership import PeerInfo
+from psnode.node.membership import PeerInfo, endpoint_of
 from psnode.node.protocol import (
     FLAG_REDO,
     FLAG_SYNC,
@@ -90,6 +90,7 @@ class WorkerNode:
             self.requests.replicated = self.outbox.replicated = True
             self.outbox.on_sent = self.requests.note_sent
             self.conn.link.on_server_lost = lambda rank, lost, by: self.outbox.server_lost(rank, lost, by, self.requests)
+            self.conn.link.on_replica = self._replica_joined
         self.closed = False
         self._mark_id = 0  # the id of this worker's last mark (``mark``)
         self._resumed: tuple[dict[str, Any] | None] | None = None  # a replacement's mark, once looked up
@@ -107,6 +108,16 @@ class WorkerNode:
         self.timeline = self.receiver.timeline = self.conn.timeline  # PSLAUNCH_TIMELINE; kvcore names its calls too
         if env.stats_interval > 0:
             self.conn.link.report = lambda: worker_report(self)
+
+    def _replica_joined(self, cmd: int, peer: PeerInfo) -> None:
+        """A replica joined the running job (``REPLICA_JOINED``): connect to it, then mark the point of
+        this worker's stream to its server from which it gets copies (``Outbox.replica_joined``)."""
+        if cmd != Cmd.REPLICA_JOINED:
+            return
+        conn = self.conn
+        conn.transport.connect(peer.uid.encode(), endpoint_of(peer, conn.transport, conn.me.fingerprint,
+                                                              self.env.same_host))
+        self.outbox.replica_joined(peer)
 
     # ---- life cycle ----------------------------------------------------------------------
     def start(self, network_thread: bool = True) -> "WorkerNode":

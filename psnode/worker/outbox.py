@@ -50,6 +50,8 @@ from psnode.node.protocol import (
     FLAG_OFFER,
     FLAG_PULL,
     Cmd,
+    pack_header,
+    pack_json,
     pack_push_pull,
     peek,
     unpack_entries,
@@ -313,6 +315,17 @@ class Outbox:
             except PSNodeError as exc:  # the replica is gone: the scheduler tells the job
                 logger.info("a copy of a message for server %d was not sent to its replica %s: %s", server, uid, exc)
                 return None
+
+    def replica_joined(self, peer: Any) -> None:
+        """``peer`` (connected) joined as a replica of server ``peer.rank``: from this point of this worker's
+        stream to that server, marked there with a ``SEAM``, the replica gets a copy of what changes its
+        keys; the server sends it everything before (psnode.server.snapshot). Under the send lock, so no
+        message leaves between the two."""
+        with self._lock:
+            self.members.replica_joined(peer.rank, peer)
+            server = self.members.servers[peer.rank].uid.encode()
+            self.transport.send(server, [pack_header(Cmd.SEAM), pack_json({"replica": peer.uid})])
+        self.pump()
 
     def server_lost(self, rank: int, lost: str, by: str | None, requests: Any) -> None:
         """Server ``rank``'s process ``lost`` is gone, and ``by`` (a replica) takes its place (None: a

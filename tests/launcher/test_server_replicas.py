@@ -90,16 +90,19 @@ def test_a_killed_server_is_served_by_its_replica_and_the_weights_are_bit_equal(
     assert sorted(int(r[2]) for r in rows if r[3] == "signal SIGKILL") == sorted(killed), rows
     assert all(r[3] == "0" for r in rows if int(r[2]) not in killed), rows
     new = {int(r[2]) for r in rows} - before
-    assert len(new) == (1 if "worker" in victims else 0), (rows, before)
+    # with restarts (--restart-scope worker) the worker is replaced, and the server comes back as a replica
+    assert len(new) == (2 if "worker" in victims else 0), (rows, before)
     if victims[0] == "server":
         assert re.search(r"scheduler: server \d on \S+ \(pid \d+\) is gone: its connection closed and stayed closed "
                          r"for 0\.3 s; replica \S+ holds its keys and serves as server \d from now on", stderr), stderr
-        assert [r[4] for r in rows if int(r[2]) == killed[0]] == ["failed; a replica took its place"], rows
+        note = "failed; restarted alone" if "worker" in victims else "failed; a replica took its place"
+        assert [r[4] for r in rows if int(r[2]) == killed[0]] == [note], rows
     else:
         assert re.search(r"replica \d on \S+ \(pid \d+\) is gone: .*; server \d goes on without this replica", stderr)
         assert [r[4] for r in rows if int(r[2]) == killed[0]] == ["failed; its server went on"], rows
-    assert re.search(r"pslaunch: (server|replica)\.\d@\S+ \(.*\) failed: signal SIGKILL; the job goes on "
-                     r"\(--server-replicas 1: ", stderr), stderr
+    said = ("restarting it alone as a replica" if "worker" in victims
+            else r"the job goes on \(--server-replicas 1: ")
+    assert re.search(rf"pslaunch: (server|replica)\.\d@\S+ \(.*\) failed: signal SIGKILL; {said}", stderr), stderr
 
 
 def test_a_server_whose_replicas_are_lost_too_ends_the_job_naming_it(tmp_path):
@@ -210,3 +213,34 @@ def test_a_server_killed_on_its_host_over_ssh_is_served_by_a_replica_on_the_othe
                                                                   "failed; a replica took its place")], rows
     assert len(rows) == 7, rows
     assert not wait_gone(str(out))
+
+
+def test_a_lost_server_comes_back_as_a_replica_and_takes_a_second_loss_exactly(tmp_path):
+    # with restarts, the killed server is started again as a replica and gets its rank's keys from the
+    # server in its place; then both original replicas are killed, the one serving that rank among them:
+    # the newcomer serves it, so the job ends with the uninterrupted weights only if the keys it got were exact
+    steps = 400
+    reference_out = tmp_path / "reference"
+    reference_out.mkdir()
+    res = run_pslaunch(["-n", "2", "-s", "2", "--no-dashboard", *ENV, "--env", f"STEPS:{steps}", "--timeout", "100",
+                        "python", HELPER, str(reference_out)], timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _start(out, "--max-restarts", "5", "--restart-scope", "worker", steps=steps)
+    with reaped(proc, str(out)):
+        _running(out, proc, 0.5)
+        holders = _holders(proc.pid)
+        subprocess.run(["kill", "-9", str(holders["server"][0])], check=True)
+        time.sleep(4.0)  # the server comes back as a replica and takes its keys
+        assert proc.poll() is None, "the job ended before the second loss"
+        for pid in holders["replica"]:
+            subprocess.run(["kill", "-9", str(pid)], check=True)
+        _, err = proc.communicate(timeout=160)
+    stderr = err.decode()
+    ended_like(proc.returncode, stderr, out, saved_weights(reference_out))
+    assert re.search(r"joined the job as a replica of server \d", stderr), stderr
+    assert re.search(r"replica of server \d took that server's \d+ keys", stderr), stderr
+    assert stderr.count("holds its keys and serves as server") == 2, stderr
+    assert re.search(r"pslaunch: server\.\d@\S+ replaced in place at [\d.]+ s \(signal SIGKILL; .*\): a replica again, "
+                     r"holding its server's keys [\d.]+ s after the end", stderr), stderr

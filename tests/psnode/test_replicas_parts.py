@@ -4,12 +4,15 @@ replica backs (``roster._replica_ranks``), a worker's book when a server is lost
 and a connection's end seen by the transport (``gone``, ``dropped``), over real ZeroMQ sockets."""
 
 import dataclasses
+import json
 import os
+import pickle
 import time
 
 import numpy as np
 import pytest
 
+import kvcore
 from psnode.compression.codecs import RAW
 from psnode.errors import ProtocolError, PSNodeError
 from psnode.node.membership import Membership, PeerInfo
@@ -17,7 +20,11 @@ from psnode.node.protocol import FLAG_MIRROR, FLAG_SYNC, Cmd, pack_entries, pack
 from psnode.scheduler import comeback as comeback_mod
 from psnode.scheduler.comeback import Comeback
 from psnode.scheduler.roster import Barriers, Roster, _replica_ranks
+from psnode.server.checkpoints import Checkpoints
+from psnode.server.marks import Mark
 from psnode.server.node import ServerNode
+from psnode.server.snapshot import read_snapshot, snapshot_frames
+from psnode.server.store import ServerStore
 from psnode.transport.base import Frame
 from psnode.transport.zeromq import ZmqTransport
 from testkit.inproc import InProcJob
@@ -150,3 +157,58 @@ def test_a_replicas_copy_of_a_push_that_overtakes_the_copy_of_its_init_waits_for
         assert shard.round.closed == 2 and np.array_equal(shard.stored, np.full(4, 30.0, np.float32))
     finally:
         replica.close()
+
+
+def _answer(*args):
+    pass
+
+
+def test_a_servers_keys_travel_to_a_joining_replica_whole_and_checked():
+    # a server mid-job: an open round with one push, a push held for the next round, the value before the
+    # last round kept, momentum in the optimizer, a worker's marks; what the replica reads is the same
+    store = ServerStore(num_workers=2)
+    store.replay = store.replicated = True
+    store.init(5, "w", np.arange(6, dtype=np.float32), sync=True, row_size=1)
+    blob = pickle.dumps(kvcore.optim.Updater(kvcore.optim.SGD(learning_rate=0.1, momentum=0.9)))
+    store.set_updater(pickle.loads(blob))
+    shard = store.shards[5]
+    for seq in (1, 2):  # two rounds closed: the updater ran twice, momentum is state
+        for worker in (0, 1):
+            store.push(shard, worker, np.full(6, seq + worker, np.float32), _answer, seq=seq)
+    store.push(shard, 0, np.full(6, 7.0, np.float32), _answer, seq=3)  # the open round: worker 0's
+    store.push(shard, 0, np.full(6, 8.0, np.float32), _answer, seq=4)  # held for the round after
+    counts = np.zeros(1, [("key", "<u8"), ("seq", "<u8")])
+    counts["key"], counts["seq"] = 5, 2
+    store.add_mark(1, Mark(3, '{"step": 2}', counts, {"1": 0}, {}))
+    store.finished[1] = "worker 1 on h:1"
+    frames = snapshot_frames(store, blob, _updater_state(store), {1: {"threshold": 0.5}})
+
+    got = read_snapshot([Frame(memoryview(np.ascontiguousarray(f).view(np.uint8) if not isinstance(f, bytes) else f))
+                         for f in frames], 2, store.memory, versioned=True)
+    (copy,) = got.shards
+    assert (copy.key_id, copy.user_key, copy.shape) == (5, "w", (6,))
+    assert np.array_equal(copy.stored, shard.stored)
+    assert copy.round.closed == 2 and copy.round.received == [4, 2] and copy.round.count == 1
+    assert copy.round.pushed == {0} and np.array_equal(copy.round.merge, np.full(6, 7.0, np.float32))
+    assert [(w, d.tolist()) for w, d in copy.round.backlog] == [(0, [8.0] * 6)]
+    assert copy.history.keys() == shard.history.keys() and all(
+        np.array_equal(copy.history[v], shard.history[v]) for v in shard.history)
+    assert copy.round.versioned
+    assert got.updater_blob == blob and got.finished == {1: "worker 1 on h:1"} and got.codecs == [(1, {"threshold": 0.5})]
+    ((worker, mark),) = got.marks
+    assert (worker, mark.id, mark.count(5), mark.barriers) == (1, 3, 2, {"1": 0})
+    momentum = got.state["keys"]["w"]["arrays"]
+    assert len(momentum) == 1 and np.array_equal(momentum[0], store.updater.states["w"])
+
+    # a field out of range is refused, naming it, before anything is taken
+    index = json.loads(frames[0])
+    index["shards"][0]["received"] = [1]
+    bad = [Frame(memoryview(json.dumps(index).encode()))] + [Frame(memoryview(np.ascontiguousarray(f).view(np.uint8)))
+                                                             for f in frames[1:]]
+    with pytest.raises(ProtocolError, match="counts pushes of \\[1\\], not of 2 workers"):
+        read_snapshot(bad, 2, store.memory, versioned=True)
+
+
+def _updater_state(store):
+    """The updater's state as a server sends it (``Checkpoints.updater_state``)."""
+    return Checkpoints(store, None, None, 1, "job", lambda: 0, lambda: None).updater_state()
