@@ -230,7 +230,7 @@ class Scheduler:
                 for rank in servers}
         rank = min(servers, key=lambda r: (held[r], servers[r][1].peer.host == peer.host, r))
         server_uid, server = servers[rank]
-        member = Member(info, replace(peer, rank=rank))
+        member = Member({**info, "late": True}, replace(peer, rank=rank))
         members[sender] = member
         self._books.clear()
         self.transport.connect(sender, endpoint_of(member.peer, self.transport, self.fingerprint, self.env.same_host))

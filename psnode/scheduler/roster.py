@@ -226,8 +226,10 @@ class Roster:
         lost = self.members.pop(uid)
         if lost.peer.role != "server":
             return None
-        taking = next((m for m in self.members.values()
-                       if m.peer.role == "replica" and m.peer.rank == lost.peer.rank), None)
+        # a replica that holds the keys since the job began first: one that joined later may still wait for them
+        candidates = sorted((m for m in self.members.values() if m.peer.role == "replica" and m.peer.rank == lost.peer.rank),
+                            key=lambda m: m.info.get("late") is True)
+        taking = candidates[0] if candidates else None
         if taking is not None:
             taking.peer = replace(taking.peer, role="server")
         return taking

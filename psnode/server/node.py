@@ -24,7 +24,7 @@ import numpy as np
 
 from psnode.compression.codecs import RAW, CodecTable
 from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv
-from psnode.errors import ClosedError, ProtocolError, RequestRefused, TransportError
+from psnode.errors import ClosedError, ProtocolError, PSNodeError, RequestRefused, TransportError
 from psnode.log import logger
 from psnode.node.bulk import gc_paused
 from psnode.node.connection import Connection
@@ -104,6 +104,7 @@ class ServerNode:
         self._seeded = False
         self._before_seed: list[tuple] = []
         self.conn.link.on_replica = self._replica_joining
+        self.conn.link.on_server_lost = self._server_lost
         self.timeline = self.conn.timeline
         if self.timeline is not None:  # PSLAUNCH_TIMELINE: each push's merge and each round's update, per key
             self.store.trace(self.timeline)
@@ -337,6 +338,17 @@ class ServerNode:
                                                              conn.env.same_host))
         self._joining[peer.uid] = peer
         self._send_keys(peer.uid)
+
+    def _server_lost(self, rank: int, lost: str, by: str | None) -> None:
+        """A server or replica of the job is lost (``SERVER_LOST``). This replica, named to take the
+        place of its server before that server's keys came to it, has nothing to serve: it ends, and
+        the job with it unless another replica of that rank is left."""
+        self.conn.transport.disconnect(lost.encode())
+        self._joining.pop(lost, None)
+        if by == self.conn.me.uid and self.conn.members.late and not self._seeded:
+            self.conn.failure.fail(PSNodeError(
+                f"replica of server {rank} was to serve in that server's place, but the server was lost before it "
+                "sent this replica its keys"))
 
     def _send_keys(self, replica: str) -> None:
         """Send a joining replica this server's keys once every worker that has not finished marked where
