@@ -73,12 +73,12 @@ _COLUMNS = [("process", "<"), ("state", "<"), ("up", ">"), ("cpu%", ">"), ("rss"
 #: a value in leave before any of these.
 _DROP_ORDER = ("pulls waiting", "up", "rss", "held", "upd/s", "keys", "cpu%", "heartbeat", "wait", "rounds/s",
                "pull MB/s", "push MB/s")
-_ROLE_CODE = {"scheduler": "35", "server": "36", "worker": "32"}
+_ROLE_CODE = {"scheduler": "35", "server": "36", "replica": "36", "worker": "32"}
 _STRAGGLER, _LATE, _FAILED = "1;7", "1;33", "31"  # reverse video, bold yellow, red
 
 
 def _cells(row: Row) -> list[str]:
-    worker, server = row.role == "worker", row.role == "server"
+    worker, server = row.role == "worker", row.role in ("server", "replica")
     counters = row.counters
     notes = []
     if row.straggler:

@@ -50,7 +50,7 @@ METRICS: list[tuple[str, str, str, Callable[[Row], float | None]]] = [
     ("pslaunch_server_kept_bytes", "gauge", "Bytes of earlier values a server keeps for replacements in place.",
      lambda r: r.counters.get("kept_b")),
     ("pslaunch_server_received_bytes_total", "counter", "Bytes of pushes a server received.",
-     lambda r: r.counters.get("push_b") if r.role == "server" else None),
+     lambda r: r.counters.get("push_b") if r.role in ("server", "replica") else None),
     ("pslaunch_server_updates_total", "counter", "Key updates (rounds applied) of a server.",
      lambda r: r.counters.get("updates")),
     ("pslaunch_server_waiting_pulls", "gauge", "Pulls a server holds until a round closes.",

@@ -110,7 +110,9 @@ class JobObserver:
 
         workers = sum(1 for r in rows if r.role == "worker")
         servers = sum(1 for r in rows if r.role == "server")
-        text = (f"pslaunch job {self.plan.job_id}: {servers} server(s), {workers} worker(s), "
+        replicas = sum(1 for r in rows if r.role == "replica")
+        held = f" ({replicas} replica(s))" if replicas else ""
+        text = (f"pslaunch job {self.plan.job_id}: {servers} server(s){held}, {workers} worker(s), "
                 f"{clock(time.monotonic() - self.started)}")
         lagging = next((r for r in rows if r.straggler), None)
         if lagging is not None and lagging.wait_share is not None:
