@@ -19,7 +19,6 @@ and reached with ``membership.PeerInfo`` and ``endpoint_of``, as every node does
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv, resolve_host
 from psnode.errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError, TransportError
@@ -216,22 +215,11 @@ class Scheduler:
             # be given the keys of a server that is gone)
             self._pending_joins.append((sender, frames))
             return True
-        peer = PeerInfo.from_record({**info, "rank": -1})
-        if sender != peer.uid.encode():
-            raise ProtocolError(f"a replica's registration with uid {peer.uid!r} from {sender[:64]!r}")
-        job = info.get("job_id")
-        if self.roster.job_id and job is not None and job != self.roster.job_id:
-            raise ProtocolError(f"a replica of job {str(job)[:40]!r} registered with job {self.roster.job_id!r}")
-        members = self.roster.members
-        servers = {m.peer.rank: (uid, m) for uid, m in members.items() if m.peer.role == "server"}
-        if not servers:
+        joined = self.roster.join_replica(sender, info)
+        if joined is None:
             return False
-        held = {rank: sum(1 for m in members.values() if m.peer.role == "replica" and m.peer.rank == rank)
-                for rank in servers}
-        rank = min(servers, key=lambda r: (held[r], servers[r][1].peer.host == peer.host, r))
-        server_uid, server = servers[rank]
-        member = Member({**info, "late": True}, replace(peer, rank=rank))
-        members[sender] = member
+        member, (server_uid, server) = joined
+        peer, rank, members = member.peer, member.peer.rank, self.roster.members
         self._books.clear()
         self.transport.connect(sender, endpoint_of(member.peer, self.transport, self.fingerprint, self.env.same_host))
         self.transport.watch_liveness(sender)

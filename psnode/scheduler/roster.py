@@ -219,6 +219,29 @@ class Roster:
         for member in workers + servers + replicas:
             member.peer = replace(member.peer, rank=ranks[id(member)])
 
+    def join_replica(self, sender: bytes, info: dict) -> tuple[Member, tuple[bytes, Member]] | None:
+        """A replica registering while the job runs: it backs the server with the fewest replicas (one
+        on another host first, then the lowest rank); its member and that server's ``(uid, member)``,
+        or None when the job has no server.
+
+        Raises:
+            ProtocolError: a malformed registration, or another job's.
+        """
+        peer = PeerInfo.from_record({**info, "rank": -1})
+        if peer.role != "replica" or sender != peer.uid.encode():
+            raise ProtocolError(f"a replica's registration with uid {peer.uid!r} from {sender[:64]!r}")
+        job = info.get("job_id")
+        if self.job_id and job is not None and job != self.job_id:
+            raise ProtocolError(f"a replica of job {str(job)[:40]!r} registered with job {self.job_id!r}")
+        servers = {m.peer.rank: (uid, m) for uid, m in self.members.items() if m.peer.role == "server"}
+        if not servers:
+            return None
+        held = {rank: sum(1 for m in self.members.values() if m.peer.role == "replica" and m.peer.rank == rank)
+                for rank in servers}
+        rank = min(servers, key=lambda r: (held[r], servers[r][1].peer.host == peer.host, r))
+        member = self.members[sender] = Member({**info, "late": True}, replace(peer, rank=rank))  # late: see server_lost
+        return member, servers[rank]
+
     def server_lost(self, uid: bytes) -> Member | None:
         """Server (or replica) ``uid`` is lost: forget it, and when it was a server, make the first
         replica of its rank the server of that rank; that replica's member (None: a replica was

@@ -19,7 +19,7 @@ from psnode.node.membership import Membership, PeerInfo
 from psnode.node.protocol import FLAG_MIRROR, FLAG_SYNC, Cmd, pack_entries, pack_header, pack_json
 from psnode.scheduler import comeback as comeback_mod
 from psnode.scheduler.comeback import Comeback
-from psnode.scheduler.roster import Barriers, Roster, _replica_ranks
+from psnode.scheduler.roster import Barriers, Member, Roster, _replica_ranks
 from psnode.server.checkpoints import Checkpoints
 from psnode.server.marks import Mark
 from psnode.server.node import ServerNode
@@ -212,3 +212,24 @@ def test_a_servers_keys_travel_to_a_joining_replica_whole_and_checked():
 def _updater_state(store):
     """The updater's state as a server sends it (``Checkpoints.updater_state``)."""
     return Checkpoints(store, None, None, 1, "job", lambda: 0, lambda: None).updater_state()
+
+
+def test_a_replica_joining_a_running_job_backs_the_server_with_the_fewest_replicas_on_another_host():
+    roster = Roster(1, 2, job_id="job", replicas=1)
+    s0, s1 = _peer("server", 0, host="10.0.0.1", port=1), _peer("server", 1, host="10.0.0.2", port=2)
+    r1 = _peer("replica", 1, host="10.0.0.1", port=3)
+    for peer in (s0, s1, r1):
+        roster.members[peer.uid.encode()] = Member({}, peer)
+    late = _peer("replica", -1, host="10.0.0.2", port=4)
+    member, (server_uid, server) = roster.join_replica(late.uid.encode(), {**late.as_record(), "job_id": "job"})
+    assert (member.peer.rank, server.peer.uid) == (0, s0.uid) and member.info["late"] is True
+    late2 = _peer("replica", -1, host="10.0.0.1", port=5)  # every server has one now: another host first
+    member2, _ = roster.join_replica(late2.uid.encode(), {**late2.as_record(), "job_id": "job"})
+    assert member2.peer.rank == 1
+    with pytest.raises(ProtocolError, match="registered with job 'job'"):
+        roster.join_replica(b"replica@10.0.0.9:9", {**_peer("replica", -1, host="10.0.0.9", port=9).as_record(),
+                                                    "job_id": "other"})
+    # when server 0 is lost, the replica there since the job began serves before one that joined later
+    roster.members[b"replica@10.0.0.7:7"] = Member({}, _peer("replica", 0, host="10.0.0.7", port=7))
+    taking = roster.server_lost(s0.uid.encode())
+    assert taking.peer.uid == "replica@10.0.0.7:7" and taking.peer.role == "server"
