@@ -269,6 +269,7 @@ class LaunchConfig:
     allow_restart_from_scratch: bool = False
     restart_scope: str = "job"
     server_replicas: int = 0  # --server-replicas: processes that hold a copy of each server's keys
+    stall_warn: float = 60.0  # --stall-warn: seconds a round or barrier waits before the log says so (0: never)
     verbose: int = 0
     quiet: bool = False
     dry_run: bool = False
@@ -346,6 +347,8 @@ class LaunchConfig:
         if self.restart_scope == "worker" and self.user_command_for_all_roles:
             raise ConfigError("--restart-scope worker needs the bundled runtime, which lets a restarted worker rejoin; "
                               "with --command-for-all-roles use --restart-scope job")
+        if self.stall_warn < 0:
+            raise ConfigError(f"--stall-warn must be >= 0 seconds (0: never), got {self.stall_warn}")
         if not 0 <= self.server_replicas <= 8:
             raise ConfigError(f"--server-replicas must be between 0 and 8, got {self.server_replicas}")
         if self.server_replicas and self.num_servers == 0:

@@ -67,6 +67,7 @@ __all__ = [
     "PSLAUNCH_RESTART_SCOPE",
     "PSLAUNCH_SERVER_REPLICA",
     "PSLAUNCH_SERVER_REPLICAS",
+    "PSLAUNCH_STALL_WARN",
     "PSLAUNCH_SAME_HOST",
     "PSLAUNCH_SERVER_DEVICE",
     "PSLAUNCH_STATS",
@@ -141,6 +142,9 @@ PSLAUNCH_RESTART_SCOPE = "PSLAUNCH_RESTART_SCOPE"
 PSLAUNCH_RESTART_COUNT = "PSLAUNCH_RESTART_COUNT"
 #: How many other servers' processes hold a copy of each server's keys (0: none): ``--server-replicas``.
 PSLAUNCH_SERVER_REPLICAS = "PSLAUNCH_SERVER_REPLICAS"
+#: Seconds a ``dist_sync`` round or a barrier may wait before the job says it is stalled, and on whom
+#: (``--stall-warn``; 0: never).
+PSLAUNCH_STALL_WARN = "PSLAUNCH_STALL_WARN"
 #: ``1`` on a server process that is a replica (it holds another server's keys until that one is lost).
 PSLAUNCH_SERVER_REPLICA = "PSLAUNCH_SERVER_REPLICA"
 #: The values ``PSLAUNCH_RESTART_SCOPE`` takes.
@@ -175,6 +179,7 @@ SETTINGS = (
     PSLAUNCH_CHECKPOINT_DIR,
     PSLAUNCH_RESTART_SCOPE,
     PSLAUNCH_SERVER_REPLICAS,
+    PSLAUNCH_STALL_WARN,
 )
 PSLAUNCH_SUPERVISED = "PSLAUNCH_SUPERVISED"
 

@@ -82,6 +82,7 @@ class NodeEnv:
     lanes: bool = True
     server_replicas: int = 0  # PSLAUNCH_SERVER_REPLICAS: copies of each server's keys on other server processes
     replica: bool = False  # PSLAUNCH_SERVER_REPLICA=1: this server process is one of those copies
+    stall_warn: float = 60.0  # PSLAUNCH_STALL_WARN: seconds a round or barrier waits before it is called stalled
 
     @property
     def root_address(self) -> str:
@@ -236,6 +237,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     if restart_scope not in ("job", "worker"):
         raise EnvError(f"environment variable PSLAUNCH_RESTART_SCOPE={restart_scope!r} must be job or worker")
     server_replicas = _int("PSLAUNCH_SERVER_REPLICAS", _get(env, "PSLAUNCH_SERVER_REPLICAS") or "0", 0, 8)
+    stall_warn = _float("PSLAUNCH_STALL_WARN", _get(env, "PSLAUNCH_STALL_WARN") or "60")
     replica_text = _get(env, "PSLAUNCH_SERVER_REPLICA") or "0"
     if replica_text not in ("0", "1"):
         raise EnvError(f"environment variable PSLAUNCH_SERVER_REPLICA={replica_text!r} must be 0 or 1")
@@ -293,6 +295,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         restart_scope=restart_scope,
         server_replicas=server_replicas,
         replica=replica_text == "1",
+        stall_warn=stall_warn,
         malloc_tuning=malloc_text == "on",
         lanes=lanes_text == "on",
     )

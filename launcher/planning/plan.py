@@ -233,6 +233,8 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
         settings[ec.PSLAUNCH_RESTART_SCOPE] = config.restart_scope
     if config.server_replicas:
         settings[ec.PSLAUNCH_SERVER_REPLICAS] = str(config.server_replicas)
+    if config.stall_warn != 60.0:  # the runtime's default otherwise
+        settings[ec.PSLAUNCH_STALL_WARN] = f"{config.stall_warn:g}"
     # torch.distributed's env:// rendezvous, for a job without servers: worker 0's host and a port
     master = None
     if config.master_port is not None:

@@ -76,6 +76,7 @@ class Scheduler:
         self.job_report = JobReport(env, self.fingerprint)  # PSLAUNCH_STATS, PSLAUNCH_TIMELINE
         self._books: dict[str, bytes | None] = {}  # encoded address book lists by role (``_book``)
         self._pending_joins: list[tuple[bytes, list]] = []  # replicas joining while a server's connection is down
+        self._stalls_said: set[tuple[int, int]] = set()  # (group, barrier number) said stalled (PSLAUNCH_STALL_WARN)
 
     # ---- registration -------------------------------------------------------------------
     def register(self) -> None:
@@ -346,6 +347,8 @@ class Scheduler:
                         self._dispatch(sender, frames)
             if env.heartbeat_interval > 0:
                 self._check_alive()
+            if env.stall_warn > 0 and self.barriers.opened:
+                self._stalled_barriers()
         self._shutdown_servers()
 
     def _dispatch(self, sender: bytes, frames: list) -> None:
@@ -608,6 +611,26 @@ class Scheduler:
                     f"{member.peer.describe()} (pid {member.info.get('pid')}) died: no heartbeat for {silent:.1f} s "
                     f"(PS_HEARTBEAT_TIMEOUT={self.env.heartbeat_timeout:g})",
                 )
+
+    def _stalled_barriers(self) -> None:
+        """Say once of each barrier that waited ``PSLAUNCH_STALL_WARN`` seconds whom it waits for."""
+        now, threshold = time.monotonic(), self.env.stall_warn
+        for group, since in list(self.barriers.opened.items()):
+            number = self.barriers.completed.get(group, 0) + 1
+            if now - since < threshold or (group, number) in self._stalls_said:
+                continue
+            self._stalls_said.add((group, number))
+            arrived = self.barriers.arrived.get(group, set())
+            members = [m for uid, m in self.roster.members.items() if m.peer.role in GROUP_ROLES[Group(group)]]
+            missing = [m.peer for uid, m in self.roster.members.items()
+                       if m.peer.role in GROUP_ROLES[Group(group)] and uid not in arrived and not m.finished]
+            if not missing:
+                continue
+            came = sorted(f"{m.peer.role} {m.peer.rank}" for uid, m in self.roster.members.items() if uid in arrived)
+            logger.warning("scheduler: stalled: barrier %d of the %s has waited %.0f s (PSLAUNCH_STALL_WARN=%g) for %s; "
+                           "%d of %d arrived (%s)", number, Group(group).name.lower(), now - since, threshold,
+                           ", ".join(f"{p.role} {p.rank} on {p.host}" for p in sorted(missing, key=lambda p: (p.role, p.rank))),
+                           len(came), len(members), ", ".join(came) or "none")
 
     def _lost_servers(self) -> None:
         """Servers and replicas whose connection ended and stayed closed (``_LOST_AFTER``): lost."""

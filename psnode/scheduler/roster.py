@@ -312,12 +312,15 @@ class Barriers:
         self.notes: dict[int, list] = {}
         self.completed: dict[int, int] = {}
         self._past_notes: dict[int, dict[int, list]] = {}  # group -> {barrier number: its notes}
+        self.opened: dict[int, float] = {}  # group -> when its open barrier's first member arrived (stalls)
 
     def arrive(self, group: int, sender: bytes, req_id: int, size: int, note: Any = None
                ) -> tuple[list[tuple[bytes, int]], list] | None:
         """Count ``sender`` in ``group`` of ``size`` members; ``(every waiter (uid, req_id), the
         notes)`` when the group is complete, else None."""
         waiting = self.waiting.setdefault(group, [])
+        if not waiting:
+            self.opened[group] = time.monotonic()
         waiting.append((sender, req_id))
         arrived = self.arrived.setdefault(group, set())
         arrived.add(sender)
@@ -350,3 +353,4 @@ class Barriers:
         """Forget ``group``'s open barrier (answered, or failed)."""
         self.waiting.pop(group, None)
         self.arrived.pop(group, None)
+        self.opened.pop(group, None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import pickle
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -56,6 +57,7 @@ from psnode.server.marks import read_mark
 from psnode.server.replies import Replies
 from psnode.server.shard_memory import shard_memory
 from psnode.server.snapshot import read_snapshot, snapshot_frames
+from psnode.server.stalls import StallWatch
 from psnode.server.store import ServerStore, Shard, init_value
 from psnode.transport import same_host
 from psnode.transport.base import Transport
@@ -92,6 +94,7 @@ class ServerNode:
         self.checkpoints = Checkpoints(self.store, self.groups, env.checkpoint_dir, env.num_servers, env.job_id,
                                        lambda: self.conn.rank, self.conn.link.beat)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
+        self.stalls = StallWatch(env.stall_warn)  # PSLAUNCH_STALL_WARN: rounds that wait, said in the log
         # a replica's: copies of pushes that came before their key's init or their codec's parameters
         self._held_copies: dict[int, collections.deque] = {}
         self._configured_codecs: set[int] = set()
@@ -132,11 +135,20 @@ class ServerNode:
             conn.register()
         link, failure = conn.link, conn.failure
         checkpoints = self.checkpoints
+        stalls = self.stalls
         while not link.shutdown_requested and failure.error is None:
             conn.process(0.005 if checkpoints.busy else 0.1)  # a commit's answer waits on the background
             checkpoints.poll()
+            if stalls.threshold > 0:
+                for line in stalls.look(time.monotonic(), self.store.shards.values(), conn.env.num_workers,
+                                        self.store.finished, self._host_of):
+                    logger.warning("server %d: %s", self.rank, line)
         failure.check()
         return 0
+
+    def _host_of(self, worker: int) -> str:
+        workers = self.conn.members.workers
+        return workers[worker].host if 0 <= worker < len(workers) else "?"
 
     def barrier(self, group: "Group | int | str" = Group.SERVERS, timeout: float | None = None) -> None:
         """Block (serving meanwhile) until every node of ``group`` (servers or all) reached a barrier.

@@ -23,6 +23,7 @@ outside at random moments. With $NO_STATE=1 the script keeps no ``State``: it ma
 $OPTIMIZER_LATE=1 it sets the optimizer after restoring its scalars and pulling the weights, as a
 ``kvcore.Trainer`` does at its first step. $STORE is the store type (default ``dist_sync``).
 $FAIL_AFTER_CLOSE=rank: that worker raises an error of its own after ``kv.close()``.
+$STALL lists ``rank:step:phase:seconds`` items: that worker sleeps there that long (a stall).
 
 Keys: 0 is split over the servers (more than $PSLAUNCH_BIGARRAY_BOUND elements), the others whole.
 Each step's gradient is a function of the weights the worker pulled, its rank and the step, so a
@@ -51,8 +52,13 @@ optimizer_late = os.environ.get("OPTIMIZER_LATE") == "1"
 SHAPES = {0: (3000,), 1: (7,), 2: (64, 3), 3: (5,), 4: (1,)}
 
 
+stalls = dict(item.rsplit(":", 1) for item in os.environ.get("STALL", "").split(",") if item)
+
+
 def maybe_die(step: int, phase: str) -> None:
     point = f"{rank}:{step}:{phase}"
+    if point in stalls:  # a worker that takes long here (data loading, a deadlock that ends)
+        time.sleep(float(stalls[point]))
     marker = os.path.join(out, f"killed-{point.replace(':', '-')}")
     if point in kills and not os.path.exists(marker):
         open(marker, "w").close()
