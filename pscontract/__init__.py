@@ -39,6 +39,7 @@ __all__ = [
     "MARKER_CAUGHT_UP",
     "MARKER_FAILED",
     "MARKER_FINISHED",
+    "MARKER_STALL",
     "MARKER_READY",
     "MARKER_RESUMED",
     "MARKER_STATS",
@@ -199,6 +200,9 @@ MARKER_CAUGHT_UP = MARKER + "CAUGHT-UP"
 #: The scheduler took a worker's finish: its part of the training is done (its pushes and pulls are
 #: all in). A worker killed after this is not replaced: the job's rounds no longer wait for it.
 MARKER_FINISHED = MARKER + "FINISHED"
+#: A server or the scheduler found a round or a barrier stalled (``PSLAUNCH_STALL_WARN``): a JSON object
+#: follows, ``{"node": "server 1", "text": the sentence its log says}``.
+MARKER_STALL = MARKER + "STALL"
 #: The scheduler's periodic line of the job's counters (``PSLAUNCH_STATS``): a JSON object follows.
 MARKER_STATS = MARKER + "STATS"
 #: Timeline events of a node (``PSLAUNCH_TIMELINE=-``): a JSON array of trace events follows.

@@ -25,6 +25,7 @@ from pscontract import (
     MARKER_FINISHED,
     MARKER_READY,
     MARKER_RESUMED,
+    MARKER_STALL,
     MARKER_STATS,
     MARKER_TRACE,
     ROLES,
@@ -38,7 +39,7 @@ from psnode.errors import EnvError
 from psnode.transport import security
 
 __all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host", "shared_job_id", "EXIT_PEER_FAILED", "MARKER_READY", "MARKER_FAILED",
-           "MARKER_RESUMED", "MARKER_CAUGHT_UP", "MARKER_FINISHED", "MARKER_STATS", "MARKER_TRACE", "TIMELINE_TO_LAUNCHER"]
+           "MARKER_RESUMED", "MARKER_CAUGHT_UP", "MARKER_FINISHED", "MARKER_STALL", "MARKER_STATS", "MARKER_TRACE", "TIMELINE_TO_LAUNCHER"]
 
 @dataclass(frozen=True)
 class NodeEnv:

@@ -94,6 +94,21 @@ def _signame(num: int) -> str:
         return str(num)
 
 
+_STALLS_KEPT = 20  # stall reports a handle keeps, the newest
+
+
+def _stall_text(text: str) -> str | None:
+    """``server 1: stalled: ...`` from a ``STALL`` marker's JSON (``{"node", "text"}``); None when it
+    does not parse (the process's own output may imitate a marker)."""
+    try:
+        body = json.loads(text[:1 << 14])
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("node"), str) or not isinstance(body.get("text"), str):
+        return None
+    return f"{body['node'][:40]}: {body['text'][:1000]}"
+
+
 def _resumed_scalars(text: str) -> dict | None:
     """The scalars of a ``RESUMED`` marker's JSON (``{"mark", "scalars"}``); None when it names none or
     does not parse (the process's own output may imitate a marker: it only loses the scalars)."""
@@ -129,6 +144,7 @@ class ProcessHandle(ABC):
         self.resumed_from: dict | None = None
         self.caught_up_at: float | None = None
         self.finished_at: float | None = None
+        self.stalls: list[tuple[float, str]] = []  # (when, "server 1: stalled: ...") its STALL markers, the newest last
         self.unreachable = False
         self._threads: list[threading.Thread] = []  # the readers of its output, where pslaunch reads it
         self._settled = False
@@ -156,6 +172,10 @@ class ProcessHandle(ABC):
             self.caught_up_at = time.monotonic()
         elif verb == "FINISHED" and self.finished_at is None:
             self.finished_at = time.monotonic()
+        elif verb == "STALL":
+            said = _stall_text(rest)
+            if said is not None:
+                self.stalls = [*self.stalls[-(_STALLS_KEPT - 1):], (time.monotonic(), said)]
 
     def settle_output(self, timeout: float = 0.5) -> None:
         """Wait up to ``timeout`` for the readers of an ended process's output to reach its end, so

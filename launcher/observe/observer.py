@@ -168,6 +168,9 @@ class JobObserver:
         if self.config.summary_json:
             document = summary_document(self.plan.job_id, self.rows(), notes, failure, exit_code,
                                         time.monotonic() - self.started, self.printer, attempts, replacements)
+            # the rounds and barriers said stalled (PSLAUNCH_STALL_WARN), by when pslaunch read them
+            document["stalls"] = [{"process": h.spec.name, "at_s": round(at - self.started, 3), "text": text}
+                                  for at, h, text in sorted((at, h, text) for h in self.handles for at, text in h.stalls)]
             problem = _write_json(self.config.summary_json, document)
             if problem:
                 self.printer.note(problem)

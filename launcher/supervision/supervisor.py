@@ -191,7 +191,9 @@ class Supervisor:
         if outside is not None:
             return Failure(outside.reason, outside.exit_code)
         if self.config.timeout is not None and time.monotonic() - start - self._paused > self.config.timeout:
-            return Failure(f"the job ran longer than --timeout {self.config.timeout:g} s", EXIT_TIMEOUT)
+            stalls = sorted(stall for h in self.handles for stall in h.stalls)
+            waiting = f"; the job was waiting: {stalls[-1][1]}" if stalls else ""
+            return Failure(f"the job ran longer than --timeout {self.config.timeout:g} s{waiting}", EXIT_TIMEOUT)
         return None
 
     def _watch(self, start: float) -> Failure | None:

@@ -18,9 +18,10 @@ and reached with ``membership.PeerInfo`` and ``endpoint_of``, as every node does
 
 from __future__ import annotations
 
+import json
 import time
 
-from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv, resolve_host
+from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, MARKER_STALL, NodeEnv, resolve_host
 from psnode.errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError, TransportError
 from psnode.log import logger, setup_logging
 from psnode.node.membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint, unreachable
@@ -627,10 +628,13 @@ class Scheduler:
             if not missing:
                 continue
             came = sorted(f"{m.peer.role} {m.peer.rank}" for uid, m in self.roster.members.items() if uid in arrived)
-            logger.warning("scheduler: stalled: barrier %d of the %s has waited %.0f s (PSLAUNCH_STALL_WARN=%g) for %s; "
-                           "%d of %d arrived (%s)", number, Group(group).name.lower(), now - since, threshold,
-                           ", ".join(f"{p.role} {p.rank} on {p.host}" for p in sorted(missing, key=lambda p: (p.role, p.rank))),
-                           len(came), len(members), ", ".join(came) or "none")
+            waits = ", ".join(f"{p.role} {p.rank} on {p.host}" for p in sorted(missing, key=lambda p: (p.role, p.rank)))
+            text = (f"stalled: barrier {number} of the {Group(group).name.lower()} has waited {now - since:.0f} s "
+                    f"(PSLAUNCH_STALL_WARN={threshold:g}) for {waits}; {len(came)} of {len(members)} arrived "
+                    f"({', '.join(came) or 'none'})")
+            logger.warning("scheduler: %s", text)
+            if self.env.supervised:  # pslaunch's verdict and summary name what the job waits on
+                stderr_line(f"{MARKER_STALL} {json.dumps({'node': 'scheduler', 'text': text})}")
 
     def _lost_servers(self) -> None:
         """Servers and replicas whose connection ended and stayed closed (``_LOST_AFTER``): lost."""

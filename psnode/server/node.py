@@ -17,6 +17,7 @@ arrays) the server sees flat 1-D shards of the key, not the key's shape.
 from __future__ import annotations
 
 import collections
+import json
 import pickle
 import time
 from typing import Any, Callable
@@ -24,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from psnode.compression.codecs import RAW, CodecTable
-from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv
+from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, MARKER_STALL, NodeEnv
 from psnode.errors import ClosedError, ProtocolError, PSNodeError, RequestRefused, TransportError
 from psnode.log import logger
 from psnode.node.bulk import gc_paused
@@ -143,6 +144,8 @@ class ServerNode:
                 for line in stalls.look(time.monotonic(), self.store.shards.values(), conn.env.num_workers,
                                         self.store.finished, self._host_of):
                     logger.warning("server %d: %s", self.rank, line)
+                    if conn.env.supervised:  # pslaunch's verdict and summary name what the job waits on
+                        stderr_line(f"{MARKER_STALL} {json.dumps({'node': f'server {self.rank}', 'text': line})}")
         failure.check()
         return 0
 

@@ -5,6 +5,7 @@ without a terminal too (plain output, as here). A long step under the threshold 
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -19,8 +20,9 @@ pytestmark = pytest.mark.timeout(120)
 
 def _job(out, *args, env=()):
     env_args = [a for item in env for a in ("--env", item)]
-    res = run_pslaunch(["-n", "2", "-s", "2", "--no-dashboard", *ENV, "--env", "STEPS:6", *env_args, *args, "--timeout",
-                        "60", "python", HELPER, str(out)], timeout=90)
+    timeout = [] if "--timeout" in args else ["--timeout", "60"]
+    res = run_pslaunch(["-n", "2", "-s", "2", "--no-dashboard", *ENV, "--env", "STEPS:6", *env_args, *args, *timeout,
+                        "python", HELPER, str(out)], timeout=90)
     assert not wait_gone(str(out))
     return res
 
@@ -55,3 +57,17 @@ def test_a_long_step_under_the_threshold_or_with_the_warning_off_is_no_stall(tmp
 def test_a_negative_threshold_is_refused_before_anything_starts(tmp_path):
     res = run_pslaunch(["-n", "2", "--stall-warn", "-1", "--dry-run", "python", HELPER, str(tmp_path)], timeout=30)
     assert res.returncode == 2 and "--stall-warn must be >= 0 seconds (0: never), got -1" in res.stderr, res.stderr
+
+
+def test_a_timeout_names_what_the_job_was_waiting_on_and_the_summary_lists_the_stalls(tmp_path):
+    # worker 1 sleeps 100 s before its pushes of step 2: without a terminal, the --timeout verdict says why
+    summary = tmp_path / "summary.json"
+    res = _job(tmp_path, "--stall-warn", "1", "--summary-json", str(summary), "--timeout", "6",
+               env=["STALL:1:2:compute:100"])
+    assert res.returncode == 124, res.stderr
+    assert re.search(r"root cause: the job ran longer than --timeout 6 s; the job was waiting: server \d: stalled: "
+                     r"round 3 of key \d+ and \d+ more has waited \d+ s \(PSLAUNCH_STALL_WARN=1\) for worker 1 on "
+                     r"127\.0\.0\.1; worker 0 pushed", res.stderr), res.stderr
+    stalls = json.loads(summary.read_text())["stalls"]
+    assert len(stalls) == 2 and {s["process"] for s in stalls} == {"server.0@localhost", "server.1@localhost"}, stalls
+    assert all("for worker 1 on 127.0.0.1" in s["text"] and s["at_s"] > 1 for s in stalls), stalls
