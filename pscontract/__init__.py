@@ -40,6 +40,7 @@ __all__ = [
     "MARKER_FAILED",
     "MARKER_FINISHED",
     "MARKER_STALL",
+    "stack_signal",
     "MARKER_READY",
     "MARKER_RESUMED",
     "MARKER_STATS",
@@ -203,6 +204,14 @@ MARKER_FINISHED = MARKER + "FINISHED"
 #: A server or the scheduler found a round or a barrier stalled (``PSLAUNCH_STALL_WARN``): a JSON object
 #: follows, ``{"node": "server 1", "text": the sentence its log says}``.
 MARKER_STALL = MARKER + "STALL"
+def stack_signal() -> int:
+    """The signal on which a worker of the bundled runtime writes every thread's Python stack to its
+    stderr (``faulthandler``): pslaunch sends it to a worker that stalled rounds wait for."""
+    import signal
+
+    return int(signal.SIGRTMIN) + 2
+
+
 #: The scheduler's periodic line of the job's counters (``PSLAUNCH_STATS``): a JSON object follows.
 MARKER_STATS = MARKER + "STATS"
 #: Timeline events of a node (``PSLAUNCH_TIMELINE=-``): a JSON array of trace events follows.

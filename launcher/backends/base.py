@@ -97,16 +97,19 @@ def _signame(num: int) -> str:
 _STALLS_KEPT = 20  # stall reports a handle keeps, the newest
 
 
-def _stall_text(text: str) -> str | None:
-    """``server 1: stalled: ...`` from a ``STALL`` marker's JSON (``{"node", "text"}``); None when it
-    does not parse (the process's own output may imitate a marker)."""
+def _stall_text(text: str) -> tuple[str, tuple[int, ...]] | None:
+    """``server 1: stalled: ...`` and the worker ranks it waits for, from a ``STALL`` marker's JSON
+    (``{"node", "text", "workers"}``); None when it does not parse (the process's own output may
+    imitate a marker: it only loses the report)."""
     try:
         body = json.loads(text[:1 << 14])
     except ValueError:
         return None
     if not isinstance(body, dict) or not isinstance(body.get("node"), str) or not isinstance(body.get("text"), str):
         return None
-    return f"{body['node'][:40]}: {body['text'][:1000]}"
+    workers = body.get("workers")
+    ranks = tuple(w for w in workers[:64] if type(w) is int and 0 <= w < 1 << 20) if isinstance(workers, list) else ()
+    return f"{body['node'][:40]}: {body['text'][:1000]}", ranks
 
 
 def _resumed_scalars(text: str) -> dict | None:
@@ -144,7 +147,8 @@ class ProcessHandle(ABC):
         self.resumed_from: dict | None = None
         self.caught_up_at: float | None = None
         self.finished_at: float | None = None
-        self.stalls: list[tuple[float, str]] = []  # (when, "server 1: stalled: ...") its STALL markers, the newest last
+        # (when, "server 1: stalled: ...", the worker ranks it waits for): its STALL markers, the newest last
+        self.stalls: list[tuple[float, str, tuple[int, ...]]] = []
         self.unreachable = False
         self._threads: list[threading.Thread] = []  # the readers of its output, where pslaunch reads it
         self._settled = False
@@ -175,7 +179,7 @@ class ProcessHandle(ABC):
         elif verb == "STALL":
             said = _stall_text(rest)
             if said is not None:
-                self.stalls = [*self.stalls[-(_STALLS_KEPT - 1):], (time.monotonic(), said)]
+                self.stalls = [*self.stalls[-(_STALLS_KEPT - 1):], (time.monotonic(), *said)]
 
     def settle_output(self, timeout: float = 0.5) -> None:
         """Wait up to ``timeout`` for the readers of an ended process's output to reach its end, so
@@ -198,6 +202,11 @@ class ProcessHandle(ABC):
         # a remote guard reports a signal the shell's way, as 128 + its number
         number = status.signal if status.signal is not None else (status.code or 0) - 128
         return number in _ENDED_FROM_OUTSIDE
+
+    def dump_stack(self) -> bool:
+        """Ask the process for every thread's Python stack, which it writes to its stderr (a worker of
+        the bundled runtime: ``pscontract.stack_signal``); False when this backend cannot carry that."""
+        return False
 
     def in_doubt(self) -> bool:
         """Whether the process is running on a host pslaunch has not heard from for a while (it may

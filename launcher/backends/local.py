@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Sequence
 
-from pscontract import hand_key_over
+from pscontract import hand_key_over, stack_signal
 
 from ..errors import SpawnError
 from ..on_node.children import READ_SIZE, child_environ, widen_pipe
@@ -47,6 +47,15 @@ class LocalHandle(ProcessHandle):
         # a stopped or ended group of an ended leader still gets TERM and KILL: its members may linger
         if verb in ("TERM", "KILL") or self.popen.poll() is None:
             self.group.verb(verb)
+
+    def dump_stack(self) -> bool:
+        if self.popen.poll() is not None:
+            return False
+        try:
+            os.kill(self.popen.pid, stack_signal())  # the process alone, not its group
+        except OSError:
+            return False
+        return True
 
     def close(self, timeout: float = 2.0) -> None:
         for thread in self._threads:

@@ -170,7 +170,8 @@ class JobObserver:
                                         time.monotonic() - self.started, self.printer, attempts, replacements)
             # the rounds and barriers said stalled (PSLAUNCH_STALL_WARN), by when pslaunch read them
             document["stalls"] = [{"process": h.spec.name, "at_s": round(at - self.started, 3), "text": text}
-                                  for at, h, text in sorted((at, h, text) for h in self.handles for at, text in h.stalls)]
+                                  for at, h, text in sorted(((at, h, text) for h in self.handles for at, text, _ in h.stalls),
+                                                            key=lambda item: item[0])]
             problem = _write_json(self.config.summary_json, document)
             if problem:
                 self.printer.note(problem)

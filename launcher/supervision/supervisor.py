@@ -91,6 +91,8 @@ class Supervisor:
         self._plan: Plan | None = None
         self._replaced: list[ProcessHandle] = []  # workers restarted alone (--restart-scope worker)
         self._lost_holders: set[int] = set()  # servers and replicas lost while a replica held their keys
+        self._stalls_read = 0.0  # the newest stall report acted on (``_stacks_of_stalled``)
+        self._stack_asked: dict[int, float] = {}  # worker handle id -> when its stack was last asked for
         self.replacements = ReplacementLog(time.monotonic())  # every attempt's: the job's start counts from run()
 
     # -- signals -------------------------------------------------------------------------------
@@ -191,7 +193,7 @@ class Supervisor:
         if outside is not None:
             return Failure(outside.reason, outside.exit_code)
         if self.config.timeout is not None and time.monotonic() - start - self._paused > self.config.timeout:
-            stalls = sorted(stall for h in self.handles for stall in h.stalls)
+            stalls = sorted(stall[:2] for h in self.handles for stall in h.stalls)
             waiting = f"; the job was waiting: {stalls[-1][1]}" if stalls else ""
             return Failure(f"the job ran longer than --timeout {self.config.timeout:g} s{waiting}", EXIT_TIMEOUT)
         return None
@@ -211,6 +213,7 @@ class Supervisor:
             if failure:
                 return failure
             self._restart_failed_workers()
+            self._stacks_of_stalled()
             workers = [h for h in self.handles if h.spec.role == "worker"]
             others = [h for h in self.handles if h.spec.role != "worker"]
             now = time.monotonic()
@@ -284,6 +287,28 @@ class Supervisor:
                         )
                     return None
             time.sleep(_TICK)
+
+    def _stacks_of_stalled(self) -> None:
+        """A round or barrier said stalled (``PSLAUNCH_STALL_WARN``): ask each worker it waits for for its
+        Python stack, which it writes to its output (once a stall threshold at most per worker)."""
+        now = time.monotonic()
+        for handle in self.handles:
+            for at, text, ranks in handle.stalls:
+                if at <= self._stalls_read:
+                    continue
+                for worker in self.handles:
+                    if worker.spec.role != "worker" or worker.spec.rank not in ranks or worker.status is not None:
+                        continue
+                    if now - self._stack_asked.get(id(worker), -1e9) < 10.0:
+                        continue
+                    self._stack_asked[id(worker)] = now
+                    if worker.dump_stack():
+                        self.printer.note(f"{who(worker)} is what stalled rounds or barriers wait for; its Python "
+                                          "stack follows in its output")
+                    else:
+                        self.printer.note(f"{who(worker)} is what stalled rounds or barriers wait for (--launcher "
+                                          f"{self.config.backend} cannot ask it for its stack)")
+        self._stalls_read = max([self._stalls_read, *(at for h in self.handles for at, _, _ in h.stalls)])
 
     def _held_elsewhere(self, handle: ProcessHandle) -> bool:
         """``--server-replicas``: a server's or replica's end is not the job's failure. The runtime gives

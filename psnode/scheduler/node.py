@@ -634,7 +634,8 @@ class Scheduler:
                     f"({', '.join(came) or 'none'})")
             logger.warning("scheduler: %s", text)
             if self.env.supervised:  # pslaunch's verdict and summary name what the job waits on
-                stderr_line(f"{MARKER_STALL} {json.dumps({'node': 'scheduler', 'text': text})}")
+                workers = sorted(p.rank for p in missing if p.role == "worker")
+                stderr_line(f"{MARKER_STALL} {json.dumps({'node': 'scheduler', 'text': text, 'workers': workers})}")
 
     def _lost_servers(self) -> None:
         """Servers and replicas whose connection ended and stayed closed (``_LOST_AFTER``): lost."""

@@ -141,11 +141,12 @@ class ServerNode:
             conn.process(0.005 if checkpoints.busy else 0.1)  # a commit's answer waits on the background
             checkpoints.poll()
             if stalls.threshold > 0:
-                for line in stalls.look(time.monotonic(), self.store.shards.values(), conn.env.num_workers,
-                                        self.store.finished, self._host_of):
+                for line, waiting_for in stalls.look(time.monotonic(), self.store.shards.values(), conn.env.num_workers,
+                                                     self.store.finished, self._host_of):
                     logger.warning("server %d: %s", self.rank, line)
                     if conn.env.supervised:  # pslaunch's verdict and summary name what the job waits on
-                        stderr_line(f"{MARKER_STALL} {json.dumps({'node': f'server {self.rank}', 'text': line})}")
+                        said = {"node": f"server {self.rank}", "text": line, "workers": waiting_for}
+                        stderr_line(f"{MARKER_STALL} {json.dumps(said)}")
         failure.check()
         return 0
 

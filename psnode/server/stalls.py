@@ -28,8 +28,9 @@ class StallWatch:
         self.stalled = 0  # rounds that are stalled now (a gauge for heartbeats)
 
     def look(self, now: float, shards: Any, num_workers: int, finished: dict[int, str],
-             host_of: Callable[[int], str]) -> list[str]:
-        """The stall lines due now (none between looks or with the threshold 0)."""
+             host_of: Callable[[int], str]) -> list[tuple[str, list[int]]]:
+        """The stalls due now, each ``(sentence, the workers it waits for)`` (none between looks or with
+        the threshold 0)."""
         if self.threshold <= 0 or now < self._next:
             return []
         self._next = now + max(1.0, self.threshold / 4)
@@ -59,6 +60,6 @@ class StallWatch:
             keys = f"key {shard.user_key!r}" + (f" and {len(new) - 1} more" if len(new) > 1 else "")
             missing = ", ".join(f"worker {w} on {host_of(w)}" for w in waiting_for)
             pushed = ", ".join(f"worker {w}" for w in sorted(shard.round.pushed))
-            lines.append(f"stalled: round {shard.round.closed + 1} of {keys} has waited {waited:.0f} s "
-                         f"(PSLAUNCH_STALL_WARN={self.threshold:g}) for {missing}; {pushed} pushed")
+            lines.append((f"stalled: round {shard.round.closed + 1} of {keys} has waited {waited:.0f} s "
+                          f"(PSLAUNCH_STALL_WARN={self.threshold:g}) for {missing}; {pushed} pushed", list(waiting_for)))
         return lines

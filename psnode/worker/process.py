@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import atexit
+import faulthandler
 import fcntl
 import os
 import stat
@@ -19,6 +20,7 @@ import termios
 import time
 from typing import Any
 
+from pscontract import stack_signal
 from psnode.env import EXIT_PEER_FAILED, MARKER_FAILED
 from psnode.errors import PeerDiedError
 
@@ -55,8 +57,13 @@ def _peer_failure(error: BaseException | None) -> PeerDiedError | None:
 
 
 def watch(node: Any) -> None:
-    """Make this process's end ``node``'s (see the module docstring)."""
+    """Make this process's end ``node``'s (see the module docstring), and let pslaunch ask for its stack
+    (``pscontract.stack_signal``: every thread's, written to stderr by ``faulthandler``)."""
     atexit.register(node.close)
+    try:
+        faulthandler.register(stack_signal(), file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no such signal here, or stderr is no file
+        pass
     previous = sys.excepthook
 
     def report_crash(kind: type, value: BaseException, tb: Any) -> None:

@@ -34,7 +34,7 @@ def test_a_round_that_waits_for_a_workers_push_is_said_stalled_naming_the_key_th
     lines = re.findall(r"server \d: stalled: round 4 of key \d+ and \d+ more has waited \d+ s \(PSLAUNCH_STALL_WARN=1\) "
                        r"for worker 1 on 127\.0\.0\.1; worker 0 pushed", res.stderr)
     assert len(lines) == 2, res.stderr  # once per server
-    assert "barrier" not in res.stderr
+    assert "stalled: barrier" not in res.stderr
 
 
 def test_a_barrier_that_waits_for_a_rank_is_said_stalled_naming_who_came(tmp_path):
@@ -71,3 +71,13 @@ def test_a_timeout_names_what_the_job_was_waiting_on_and_the_summary_lists_the_s
     stalls = json.loads(summary.read_text())["stalls"]
     assert len(stalls) == 2 and {s["process"] for s in stalls} == {"server.0@localhost", "server.1@localhost"}, stalls
     assert all("for worker 1 on 127.0.0.1" in s["text"] and s["at_s"] > 1 for s in stalls), stalls
+
+
+def test_the_worker_a_stalled_round_waits_for_shows_where_its_code_is(tmp_path):
+    # worker 1 sleeps in maybe_die before its pushes: pslaunch asks it for its stack, which names that function
+    res = _job(tmp_path, "--stall-warn", "1", env=["STALL:1:2:compute:4"])
+    assert res.returncode == 0, res.stderr
+    assert re.search(r"pslaunch: worker\.1@localhost \(worker rank 1 .*\) is what stalled rounds or barriers wait for; "
+                     r"its Python stack follows in its output", res.stderr), res.stderr
+    assert re.search(r"\[worker\.1@localhost\] +File \".*replace_sync\.py\", line \d+ in maybe_die", res.stderr), res.stderr
+    assert res.stderr.count("is what stalled rounds or barriers wait for") == 1  # two servers said it: asked once
