@@ -125,6 +125,12 @@ class JobObserver:
         replaced = self.replacements()
         if replaced:
             text += "; " + replaced_text(replaced, clock)
+        # the newest stall a server or the scheduler reported (PSLAUNCH_STALL_WARN), while it is recent
+        stalls = [(at, said) for h in self.handles for at, said, _ in h.stalls if time.monotonic() - at < _STALL_SHOWN]
+        if stalls:
+            at, said = max(stalls, key=lambda item: item[0])
+            node, _, what = said.partition(": stalled: ")
+            text += f"; STALLED at {clock(at - self.started)}: {what} ({node})"
         return text
 
     def draw(self, width: int, max_lines: int) -> str:
@@ -246,6 +252,10 @@ def summary_document(job_id: str, rows: list[Row], notes: dict[int, str], failur
             "duration_s": round(duration, 3), "root_cause": root, "processes": processes,
             "attempts": [{"reason": a.reason, "exit_code": a.exit_code, "action": a.action} for a in attempts],
             "replacements": [r.as_dict() for r in replacements]}
+
+
+#: Seconds the live table's title shows a stall after it was reported.
+_STALL_SHOWN = 30.0
 
 
 def replaced_text(replaced: "Sequence[ReplacementRecord]", clock: Callable[[float], str]) -> str:

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
-from testkit.launcher import helper, run_pslaunch, wait_gone
+from testkit.launcher import REPO, helper, run_pslaunch, wait_gone
 
 HELPER = helper("replace_sync.py")
 ENV = ["--env", "PSLAUNCH_BIGARRAY_BOUND:1000"]
@@ -81,3 +85,38 @@ def test_the_worker_a_stalled_round_waits_for_shows_where_its_code_is(tmp_path):
                      r"its Python stack follows in its output", res.stderr), res.stderr
     assert re.search(r"\[worker\.1@localhost\] +File \".*replace_sync\.py\", line \d+ in maybe_die", res.stderr), res.stderr
     assert res.stderr.count("is what stalled rounds or barriers wait for") == 1  # two servers said it: asked once
+
+
+def test_the_live_table_in_a_terminal_says_what_is_stalled(tmp_path, marker):
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is missing: run scripts/test.sh (it installs tmux)")
+    socket_name = f"pslaunch-{marker}"
+    out = tmp_path / marker
+    out.mkdir()
+    script = tmp_path / "job.sh"
+    script.write_text(
+        f"cd {REPO}\nexport PYTHONPATH={REPO}\n"
+        f"{sys.executable} -m launcher.cli -n 2 -s 2 {' '.join(ENV)} --stall-warn 1 --env STEPS:6 "
+        f"--env STALL:1:3:compute:6 --timeout 60 {sys.executable} {HELPER} {out}\necho EXIT=$?\n")
+    tmux = ["tmux", "-L", socket_name]
+    subprocess.run([*tmux, "new-session", "-d", "-s", "job", "-x", "220", "-y", "30", "bash --norc --noprofile"],
+                   check=True, timeout=10)
+    screen = ""
+    try:
+        subprocess.run([*tmux, "send-keys", "-t", "job", f"bash {script}", "Enter"], check=True, timeout=10)
+        deadline = time.monotonic() + 40
+        seen = None
+        while time.monotonic() < deadline and seen is None:
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "job"], capture_output=True, text=True,
+                                    check=True, timeout=10).stdout
+            seen = re.search(r"STALLED at 0:0\d: round 4 of key \d+", " ".join(screen.split()))
+            time.sleep(0.3)
+        assert seen, f"the live table never said what is stalled:\n{screen}"
+        while "EXIT=" not in screen and time.monotonic() < deadline + 40:
+            time.sleep(0.5)
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-S", "-200", "-t", "job"], capture_output=True,
+                                    text=True, check=True, timeout=10).stdout
+        assert "EXIT=0" in screen, screen
+    finally:
+        subprocess.run([*tmux, "kill-server"], timeout=10)
+    assert not wait_gone(str(out))
