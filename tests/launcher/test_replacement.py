@@ -13,7 +13,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
@@ -23,6 +22,7 @@ from launcher import launch
 from testkit.launcher import REPO, backend_launch, helper, live_processes, reaped, run_pslaunch, wait_gone
 from testkit.launcher.outcome import same_weights, saved_weights, table_rows
 from testkit.launcher.processes import start_pslaunch
+from testkit.launcher.terminal import run_in_terminal
 
 HELPER = helper("replace_sync.py")
 ENV = ["--env", "PSLAUNCH_BIGARRAY_BOUND:1000"]  # key 0 is split over both servers
@@ -288,29 +288,10 @@ def test_the_live_table_in_a_terminal_names_the_replaced_worker_and_how_long_the
         f"cd {REPO}\nexport PYTHONPATH={REPO}\n"
         f"{sys.executable} -m launcher.cli -n 2 -s 2 {' '.join(ENV)} {' '.join(REPLACE)} --env STEPS:60 "
         f"--env STEP_SLEEP:0.1 --env KILLS:1:5:push --timeout 90 {sys.executable} {HELPER} {out}\necho EXIT=$?\n")
-    tmux = ["tmux", "-L", socket_name]
-    subprocess.run([*tmux, "new-session", "-d", "-s", "job", "-x", "160", "-y", "30", "bash --norc --noprofile"],
-                   check=True, timeout=10)
-    screen = ""
-    try:
-        subprocess.run([*tmux, "send-keys", "-t", "job", f"bash {script}", "Enter"], check=True, timeout=10)
-        deadline = time.monotonic() + 60
-        seen = None
-        while time.monotonic() < deadline and seen is None:
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "job"], capture_output=True, text=True,
-                                    check=True, timeout=10).stdout
-            seen = re.search(r"replaced: worker\.1 at 0:0\d \(the others waited (\d+\.\d) s\)", " ".join(screen.split()))
-            assert "EXIT=" not in screen, screen
-            time.sleep(0.3)
-        assert seen, f"the live table never named the replacement:\n{screen}"
-        while "EXIT=" not in screen and time.monotonic() < deadline + 60:
-            time.sleep(0.5)
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-S", "-200", "-t", "job"], capture_output=True,
-                                    text=True, check=True, timeout=10).stdout
-        assert "EXIT=0" in screen, screen
-        assert f"the others waited {seen[1]} s for it" in " ".join(screen.split()), screen
-    finally:
-        subprocess.run([*tmux, "kill-server"], timeout=10)
+    seen, screen = run_in_terminal(script, socket_name, r"replaced: worker\.1 at 0:0\d \(the others waited (\d+\.\d) s\)")
+    assert seen, f"the live table never named the replacement:\n{screen}"
+    assert "EXIT=0" in screen, screen
+    assert f"the others waited {seen[1]} s for it" in " ".join(screen.split()), screen
     assert not wait_gone(str(out))
 
 

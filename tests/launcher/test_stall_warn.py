@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
-import time
 
 import pytest
 
 from testkit.launcher import REPO, helper, run_pslaunch, wait_gone
+from testkit.launcher.terminal import run_in_terminal
 
 HELPER = helper("replace_sync.py")
 ENV = ["--env", "PSLAUNCH_BIGARRAY_BOUND:1000"]
@@ -98,25 +97,7 @@ def test_the_live_table_in_a_terminal_says_what_is_stalled(tmp_path, marker):
         f"cd {REPO}\nexport PYTHONPATH={REPO}\n"
         f"{sys.executable} -m launcher.cli -n 2 -s 2 {' '.join(ENV)} --stall-warn 1 --env STEPS:6 "
         f"--env STALL:1:3:compute:6 --timeout 60 {sys.executable} {HELPER} {out}\necho EXIT=$?\n")
-    tmux = ["tmux", "-L", socket_name]
-    subprocess.run([*tmux, "new-session", "-d", "-s", "job", "-x", "220", "-y", "30", "bash --norc --noprofile"],
-                   check=True, timeout=10)
-    screen = ""
-    try:
-        subprocess.run([*tmux, "send-keys", "-t", "job", f"bash {script}", "Enter"], check=True, timeout=10)
-        deadline = time.monotonic() + 40
-        seen = None
-        while time.monotonic() < deadline and seen is None:
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "job"], capture_output=True, text=True,
-                                    check=True, timeout=10).stdout
-            seen = re.search(r"STALLED at 0:0\d: round 4 of key \d+", " ".join(screen.split()))
-            time.sleep(0.3)
-        assert seen, f"the live table never said what is stalled:\n{screen}"
-        while "EXIT=" not in screen and time.monotonic() < deadline + 40:
-            time.sleep(0.5)
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-S", "-200", "-t", "job"], capture_output=True,
-                                    text=True, check=True, timeout=10).stdout
-        assert "EXIT=0" in screen, screen
-    finally:
-        subprocess.run([*tmux, "kill-server"], timeout=10)
+    seen, screen = run_in_terminal(script, socket_name, r"STALLED at 0:0\d: round 4 of key \d+", width=220, timeout=40)
+    assert seen, f"the live table never said what is stalled:\n{screen}"
+    assert "EXIT=0" in screen, screen
     assert not wait_gone(str(out))
