@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from psnode.errors import ProtocolError
+from psnode.node.protocol import MARK_COUNT
 from psnode.node.values import MAX_DIMS, VALUE_DTYPES, dtype_of, is_int, is_shape
 from psnode.server.marks import Mark, read_mark
 from psnode.server.rounds import Round
@@ -60,7 +61,7 @@ def snapshot_frames(store: ServerStore, updater_blob: bytes | None, state: dict 
     marks = []
     for worker in sorted(store.marks.workers()):
         for mark in store.marks.of(worker):
-            counts = np.empty(len(mark.keys), _COUNT)
+            counts = np.empty(len(mark.keys), MARK_COUNT)
             counts["key"], counts["seq"] = mark.keys, mark.seqs
             arrays.append(counts.view(np.uint8))
             marks.append({"worker": worker, "id": mark.id, "scalars": json.loads(mark.scalars),
@@ -80,9 +81,6 @@ def snapshot_frames(store: ServerStore, updater_blob: bytes | None, state: dict 
              "finished": {str(r): d for r, d in store.finished.items()},
              "codecs": [[codec, params] for codec, params in sorted(codecs.items())]}
     return [json.dumps(index).encode(), *arrays]
-
-
-_COUNT = np.dtype([("key", "<u8"), ("seq", "<u8")])
 
 
 class Snapshot:

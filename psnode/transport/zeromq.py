@@ -350,16 +350,7 @@ class ZmqTransport(Transport):
         return lost
 
     def _stop_liveness(self, peer: bytes) -> None:
-        monitor = self._liveness.pop(peer, None)
-        if monitor is None:
-            return
-        entry = self._dealers.get(peer)
-        if entry is not None:
-            try:
-                entry[0].disable_monitor()
-            except zmq.ZMQError:
-                pass
-        monitor.close(0)
+        self._drop_monitor(self._liveness, peer)
 
     def disconnect(self, peer: bytes) -> None:
         self._stop_liveness(peer)
@@ -372,7 +363,11 @@ class ZmqTransport(Transport):
                 entry[0].close(0)
 
     def _unwatch(self, peer: bytes) -> None:
-        monitor = self._monitors.pop(peer, None)
+        self._drop_monitor(self._monitors, peer)
+
+    def _drop_monitor(self, monitors: dict[bytes, zmq.Socket], peer: bytes) -> None:
+        """Stop the monitor of ``peer``'s connection kept in ``monitors`` (handshake or liveness)."""
+        monitor = monitors.pop(peer, None)
         if monitor is None:
             return
         entry = self._dealers.get(peer)
