@@ -30,6 +30,8 @@ root (CAP_NET_ADMIN) and iproute2. Thread-safe: no; one owner.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
 import itertools
 import os
@@ -38,13 +40,14 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 __all__ = ["NetnsCluster", "NetnsError", "BENCH_RANGE", "usable", "sweep_stale", "process_alive"]
 
 #: The only addresses a cluster uses, unreachable from the root namespace but for its bridges.
 BENCH_RANGE = "198.18.0.0/15"
 _NS_PREFIX = "pslnet-"
+_LOCK_PATH = "/run/pslnet-setup.lock"  # one per machine, as the namespaces are
 _STALE_NS = re.compile(rf"^{_NS_PREFIX}(\d+)[a-z]-h\d+\b")
 _STALE_LINK = re.compile(r"^\d+: (pn(\d+)[a-z]-[0-9a-z]+)[@:]")
 _made = itertools.count()  # clusters made by this process: each gets a letter of its own
@@ -132,9 +135,24 @@ def _range_in_use() -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _setup_lock() -> Iterator[None]:
+    """Held while a cluster picks its subnet and makes its links (an flock: a killed holder frees it)."""
+    with open(_LOCK_PATH, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _free_subnet() -> int:
-    """A third octet N with neither 198.18.N.0/24 nor 198.19.N.0/24 on this namespace's interfaces."""
-    used = {int(m) for m in re.findall(r"inet 198\.1[89]\.(\d+)\.", _ip("-4", "-o", "addr", "show", check=False).stdout)}
+    """A third octet N with neither 198.18.N.0/24 nor 198.19.N.0/24 on this namespace's interfaces or
+    in its routes (a cluster without the launcher on its compute network holds only a route there)."""
+    addresses = _ip("-4", "-o", "addr", "show", check=False).stdout
+    routes = _ip("-4", "route", "show", check=False).stdout
+    used = {int(m) for m in re.findall(r"inet 198\.1[89]\.(\d+)\.", addresses)}
+    used |= {int(m) for m in re.findall(r"\b198\.1[89]\.(\d+)\.\d+/24\b", routes)}
     start = os.getpid() % 250
     for step in range(250):
         octet = 1 + (start + step) % 250
@@ -220,8 +238,14 @@ class NetnsCluster:
         if added.returncode != 0 and "File exists" not in added.stderr:  # present: another run's
             raise NetnsError(f"`ip route add unreachable {BENCH_RANGE}` exited {added.returncode}: {added.stderr.strip()}")
         self._route_added = True
-        sweep_stale()
-        self.octet = _free_subnet()
+        # Choosing a free /24 and taking it must be one step: test processes set clusters up side by
+        # side, and two that chose the same one collide on its route ("File exists").
+        with _setup_lock():
+            sweep_stale()
+            self.octet = _free_subnet()
+            self._make_links()
+
+    def _make_links(self) -> None:
         networks = ["management"] + (["compute"] if self.compute else [])
         # Two batches of `ip` (one in the root namespace, one in each host's) keep the set-up short.
         root: list[str] = []
