@@ -64,8 +64,15 @@ import kvcore
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synthetic_cifar import load_synthetic_cifar  # noqa: E402  (the examples directory is not a package)
 from training_cli import (  # noqa: E402
-    commit_if_kept, default_kvstore, report_epoch, report_final, resumable, save_weights, training_parser,
-    update_on_kvstore)
+    commit_if_kept,
+    default_kvstore,
+    report_epoch,
+    report_final,
+    resumable,
+    save_weights,
+    training_parser,
+    update_on_kvstore,
+)
 
 try:
     import torch
@@ -196,7 +203,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = training_parser(__doc__.split("\n\n")[0], hidden_layer=False)
     parser.set_defaults(epochs=8, batch_size=64, lr=0.05)
     parser.add_argument("--wd", type=float, default=5e-4, help="weight decay")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads per worker (0: torch's default, which follows OMP_NUM_THREADS)")
     parser.add_argument("--train-size", type=int, default=5000, help="training images (a multiple of 10)")
     parser.add_argument("--test-size", type=int, default=1000, help="test images (a multiple of 10)")
     parser.add_argument("--data-seed", type=int, default=0,
@@ -223,7 +231,8 @@ def evaluate(model: nn.Module, x_test: torch.Tensor, y_test: torch.Tensor, batch
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    torch.set_num_threads(args.threads)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     if args.ddp and args.compression != "none":
         print("--compression applies to kvcore's stores, not to --ddp", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from psnode.collectives.fusion import DEFAULT_LIMIT, FusionBuffer, plan
+from psnode.collectives.tags import Label
 from psnode.errors import PSNodeError
 from psnode.node.futures import all_of, chain
 
@@ -26,6 +27,22 @@ __all__ = ["Collectives"]
 _PLANS_KEPT = 64  # fusion plans remembered (layouts that come back every step); the oldest go when more come
 
 
+
+
+class _Said:
+    """``allreduce of key 'c'``: a collective in the words of the call that made it (the engine's key
+    is this module's tuple), written only when an error or a stall warning needs it."""
+
+    __slots__ = ("what", "key", "group", "groups")
+
+    def __init__(self, what: str, key: Any = None, group: int = 0, groups: int = 1) -> None:
+        self.what, self.key, self.group, self.groups = what, key, group, groups
+
+    def __str__(self) -> str:
+        text = f"{self.what} without a key" if self.key is None else str(Label(self.what, self.key))
+        return text + (f" (fused group {self.group + 1} of {self.groups})" if self.groups > 1 else "")
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
 
 
 class Collectives:
@@ -98,7 +115,7 @@ class Collectives:
             handle = NodeHandle("allreduce", self._worker)
             try:
                 self._engine.allreduce(("allreduce", 0, 1) if key is None else ("allreduce", key, 0, 1), value,
-                                       None if out is value else out, future=handle)
+                                       None if out is value else out, label=_Said("allreduce", key), future=handle)
             except PSNodeError as exc:
                 raise translate(exc) from exc
             if not wait:
@@ -141,7 +158,9 @@ class Collectives:
                 i = members[0]
                 future = NodeHandle("allreduce", self._worker)
                 with runtime_errors():
-                    engine.allreduce(gkey, values[i], None if outs[i] is values[i] else outs[i], future=future)
+                    said = _Said("allreduce", key[1] if len(key) > 1 else None, g, len(groups))
+                    engine.allreduce(gkey, values[i], None if outs[i] is values[i] else outs[i], label=said,
+                                     future=future)
                 futures.append(future)
                 continue
             futures.append(self._fused_allreduce(gkey, [values[i] for i in members], [outs[i] for i in members]))
@@ -168,7 +187,8 @@ class Collectives:
         out = np.empty((self.num_workers,) + host.shape, host.dtype)
         future = NodeHandle("allgather", self._worker)
         with runtime_errors():
-            self._engine.allgather(("allgather",) if key is None else ("allgather", key), host, out, future=future)
+            self._engine.allgather(("allgather",) if key is None else ("allgather", key), host, out,
+                                   label=_Said("allgather", key), future=future)
         future.wait()
         return out if type(value) is np.ndarray else arrays.to_device(out, arrays.device_of(value))
 

@@ -270,6 +270,9 @@ class LaunchConfig:
     restart_scope: str = "job"
     server_replicas: int = 0  # --server-replicas: processes that hold a copy of each server's keys
     stall_warn: float = 60.0  # --stall-warn: seconds a round or barrier waits before the log says so (0: never)
+    stall_timeout: float = 0.0  # --stall-timeout: seconds a stalled wait may last before the job ends (0: never)
+    cpu_bind: str = "none"  # --cpu-bind: none, cores (a block of its host's cores each) or numa (a node each)
+    threads_chosen: bool = False  # pslaunch's environment sets OMP_NUM_THREADS (or MKL's, OpenBLAS's): no default
     verbose: int = 0
     quiet: bool = False
     dry_run: bool = False
@@ -349,6 +352,8 @@ class LaunchConfig:
                               "with --command-for-all-roles use --restart-scope job")
         if self.stall_warn < 0:
             raise ConfigError(f"--stall-warn must be >= 0 seconds (0: never), got {self.stall_warn}")
+        if not self.stall_timeout >= 0:
+            raise ConfigError(f"--stall-timeout must be >= 0 seconds (0: never), got {self.stall_timeout}")
         if not 0 <= self.server_replicas <= 8:
             raise ConfigError(f"--server-replicas must be between 0 and 8, got {self.server_replicas}")
         if self.server_replicas and self.num_servers == 0:

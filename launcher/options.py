@@ -154,7 +154,9 @@ OPTIONS: tuple[Option, ...] = (
     # -- Observability
     Option('dashboard', ('--dashboard',), 'toggle', off=('--no-dashboard',), section='Observability', help='A live table of every process (state, rates, heartbeats; the straggler marked) below the output [default: on when stdout and stderr are a terminal; never otherwise].'),
     Option('metrics_port', ('--metrics-port',), 'text', metavar='[ADDR:]PORT', section='Observability', help="Serve the job's counters as Prometheus text at http://ADDR:PORT/metrics (ADDR 127.0.0.1 unless given) while the job runs."),
+    Option('cpu_bind', ('--cpu-bind',), 'choice', default='none', show_default=True, choices=('none', 'cores', 'numa'), section='Job shape', help="Pin each process pslaunch starts to its share of its host's cores (a contiguous block each), or to one NUMA node each (read from /sys); local, ssh and agents."),
     Option('stall_warn', ('--stall-warn',), 'float', default=60.0, metavar='S', show_default=True, section='Observability', help="Say in the log when a dist_sync round of a key or a barrier has waited S seconds, naming the key or barrier and the ranks and hosts it waits for (0: never)."),
+    Option('stall_timeout', ('--stall-timeout',), 'float', default=0.0, metavar='S', show_default=True, section='Observability', help="End the job when a round, barrier or collective has been stalled S seconds: the root cause says stalled, names the rank it waits for and shows its Python stack; exit code 86 (0: never)."),
     Option('summary_json', ('--summary-json',), 'path', metavar='FILE', dir_okay=False, section='Observability', help="Write the final table (each process's exit, duration, bytes, the root cause) to FILE as JSON."),
     Option('timeline', ('--timeline',), 'path', metavar='FILE', dir_okay=False, section='Observability', help='Write a Chrome / Perfetto trace of the job to FILE (pushes, pulls, waits, merges, updates per key; barriers; registration), clocks aligned across hosts.'),
 )
@@ -296,6 +298,8 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str]) -> Laun
         restart_scope=options["restart_scope"],
         server_replicas=options["server_replicas"],
         stall_warn=options["stall_warn"],
+        stall_timeout=options["stall_timeout"],
+        cpu_bind=options["cpu_bind"],
         verbose=options["verbose"],
         quiet=options["quiet"],
         dry_run=options["dry_run"],

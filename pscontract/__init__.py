@@ -70,6 +70,8 @@ __all__ = [
     "PSLAUNCH_SERVER_REPLICA",
     "PSLAUNCH_SERVER_REPLICAS",
     "PSLAUNCH_STALL_WARN",
+    "PSLAUNCH_STALL_TIMEOUT",
+    "PSLAUNCH_CPU_BIND",
     "PSLAUNCH_SAME_HOST",
     "PSLAUNCH_SERVER_DEVICE",
     "PSLAUNCH_STATS",
@@ -147,6 +149,9 @@ PSLAUNCH_SERVER_REPLICAS = "PSLAUNCH_SERVER_REPLICAS"
 #: Seconds a ``dist_sync`` round or a barrier may wait before the job says it is stalled, and on whom
 #: (``--stall-warn``; 0: never).
 PSLAUNCH_STALL_WARN = "PSLAUNCH_STALL_WARN"
+PSLAUNCH_STALL_TIMEOUT = "PSLAUNCH_STALL_TIMEOUT"
+#: The cores a process binds itself to, ``cores:I:N``, ``numa:I:N`` or ``list:CPUS`` (``pscontract.binding``).
+PSLAUNCH_CPU_BIND = "PSLAUNCH_CPU_BIND"
 #: ``1`` on a server process that is a replica (it holds another server's keys until that one is lost).
 PSLAUNCH_SERVER_REPLICA = "PSLAUNCH_SERVER_REPLICA"
 #: The values ``PSLAUNCH_RESTART_SCOPE`` takes.
@@ -182,6 +187,7 @@ SETTINGS = (
     PSLAUNCH_RESTART_SCOPE,
     PSLAUNCH_SERVER_REPLICAS,
     PSLAUNCH_STALL_WARN,
+    PSLAUNCH_STALL_TIMEOUT,
 )
 PSLAUNCH_SUPERVISED = "PSLAUNCH_SUPERVISED"
 
@@ -201,9 +207,11 @@ MARKER_CAUGHT_UP = MARKER + "CAUGHT-UP"
 #: The scheduler took a worker's finish: its part of the training is done (its pushes and pulls are
 #: all in). A worker killed after this is not replaced: the job's rounds no longer wait for it.
 MARKER_FINISHED = MARKER + "FINISHED"
-#: A server or the scheduler found a round or a barrier stalled (``PSLAUNCH_STALL_WARN``): a JSON object
-#: follows, ``{"node": "server 1", "text": the sentence its log says}``.
+#: A server, the scheduler or a worker found a round, a barrier or a collective stalled
+#: (``PSLAUNCH_STALL_WARN``, ``PSLAUNCH_STALL_TIMEOUT``): a JSON object follows, ``{"node": "server 1",
+#: "text": the sentence its log says, "workers": the ranks it waits for, "fatal": past the timeout}``.
 MARKER_STALL = MARKER + "STALL"
+
 def stack_signal() -> int:
     """The signal on which a worker of the bundled runtime writes every thread's Python stack to its
     stderr (``faulthandler``): pslaunch sends it to a worker that stalled rounds wait for."""

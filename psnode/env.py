@@ -30,6 +30,7 @@ from pscontract import (
     MARKER_TRACE,
     ROLES,
     TIMELINE_TO_LAUNCHER,
+    binding,
     interface_address,
     interface_addresses,
     parse_interface_spec,
@@ -84,6 +85,15 @@ class NodeEnv:
     server_replicas: int = 0  # PSLAUNCH_SERVER_REPLICAS: copies of each server's keys on other server processes
     replica: bool = False  # PSLAUNCH_SERVER_REPLICA=1: this server process is one of those copies
     stall_warn: float = 60.0  # PSLAUNCH_STALL_WARN: seconds a round or barrier waits before it is called stalled
+    stall_timeout: float = 0.0  # PSLAUNCH_STALL_TIMEOUT: seconds a stalled wait may last before the job ends (0: never)
+    cpu_bind: str = ""  # PSLAUNCH_CPU_BIND: the cores this process binds itself to (pscontract.binding); "": none
+
+    def bind_cpus(self) -> None:
+        """Bind every thread of this process to its ``PSLAUNCH_CPU_BIND`` share (once a node starts:
+        a process started over ssh or by hand is bound too; pslaunch's local spawner did it already)."""
+        if not self.cpu_bind or not hasattr(os, "sched_setaffinity"):
+            return
+        binding.bind_self(binding.resolve(self.cpu_bind))
 
     @property
     def root_address(self) -> str:
@@ -239,6 +249,13 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         raise EnvError(f"environment variable PSLAUNCH_RESTART_SCOPE={restart_scope!r} must be job or worker")
     server_replicas = _int("PSLAUNCH_SERVER_REPLICAS", _get(env, "PSLAUNCH_SERVER_REPLICAS") or "0", 0, 8)
     stall_warn = _float("PSLAUNCH_STALL_WARN", _get(env, "PSLAUNCH_STALL_WARN") or "60")
+    stall_timeout = _float("PSLAUNCH_STALL_TIMEOUT", _get(env, "PSLAUNCH_STALL_TIMEOUT") or "0")
+    cpu_bind = (_get(env, "PSLAUNCH_CPU_BIND") or "").strip()
+    if cpu_bind:
+        try:
+            binding.parse(cpu_bind)
+        except ValueError as exc:
+            raise EnvError(f"environment variable PSLAUNCH_CPU_BIND={cpu_bind!r} is not valid: {exc}") from None
     replica_text = _get(env, "PSLAUNCH_SERVER_REPLICA") or "0"
     if replica_text not in ("0", "1"):
         raise EnvError(f"environment variable PSLAUNCH_SERVER_REPLICA={replica_text!r} must be 0 or 1")
@@ -297,6 +314,8 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         server_replicas=server_replicas,
         replica=replica_text == "1",
         stall_warn=stall_warn,
+        stall_timeout=stall_timeout,
+        cpu_bind=cpu_bind,
         malloc_tuning=malloc_text == "on",
         lanes=lanes_text == "on",
     )

@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 from pscontract import MARKER
@@ -30,7 +30,7 @@ from ..config import LaunchConfig
 from ..observe.output import LineSplitter, Printer
 from ..on_node.process_groups import VERBS
 from ..planning.network import resolve
-from ..planning.plan import Plan, ProcessSpec, make_plan
+from ..planning.plan import THREAD_VARIABLES, Plan, ProcessSpec, make_plan
 
 __all__ = ["Backend", "ProcessHandle", "GuardedHandle", "ExitStatus", "Interruption", "pump", "drain", "route_block", "MARKER"]
 
@@ -97,10 +97,11 @@ def _signame(num: int) -> str:
 _STALLS_KEPT = 20  # stall reports a handle keeps, the newest
 
 
-def _stall_text(text: str) -> tuple[str, tuple[int, ...]] | None:
-    """``server 1: stalled: ...`` and the worker ranks it waits for, from a ``STALL`` marker's JSON
-    (``{"node", "text", "workers"}``); None when it does not parse (the process's own output may
-    imitate a marker: it only loses the report)."""
+def _stall_text(text: str) -> tuple[str, tuple[int, ...], bool] | None:
+    """``server 1: stalled: ...``, the worker ranks it waits for and whether it is fatal (past
+    ``--stall-timeout``), from a ``STALL`` marker's JSON (``{"node", "text", "workers", "fatal"}``);
+    None when it does not parse (the process's own output may imitate a marker: it only loses the
+    report)."""
     try:
         body = json.loads(text[:1 << 14])
     except ValueError:
@@ -109,7 +110,7 @@ def _stall_text(text: str) -> tuple[str, tuple[int, ...]] | None:
         return None
     workers = body.get("workers")
     ranks = tuple(w for w in workers[:64] if type(w) is int and 0 <= w < 1 << 20) if isinstance(workers, list) else ()
-    return f"{body['node'][:40]}: {body['text'][:1000]}", ranks
+    return f"{body['node'][:40]}: {body['text'][:1000]}", ranks, body.get("fatal") is True
 
 
 def _resumed_scalars(text: str) -> dict | None:
@@ -149,6 +150,7 @@ class ProcessHandle(ABC):
         self.finished_at: float | None = None
         # (when, "server 1: stalled: ...", the worker ranks it waits for): its STALL markers, the newest last
         self.stalls: list[tuple[float, str, tuple[int, ...]]] = []
+        self.fatal_stall: tuple[float, str, tuple[int, ...]] | None = None  # the first past --stall-timeout
         self.unreachable = False
         self._threads: list[threading.Thread] = []  # the readers of its output, where pslaunch reads it
         self._settled = False
@@ -179,7 +181,10 @@ class ProcessHandle(ABC):
         elif verb == "STALL":
             said = _stall_text(rest)
             if said is not None:
-                self.stalls = [*self.stalls[-(_STALLS_KEPT - 1):], (time.monotonic(), *said)]
+                text, ranks, fatal = said
+                self.stalls = [*self.stalls[-(_STALLS_KEPT - 1):], (time.monotonic(), text, ranks)]
+                if fatal and self.fatal_stall is None:
+                    self.fatal_stall = self.stalls[-1]
 
     def settle_output(self, timeout: float = 0.5) -> None:
         """Wait up to ``timeout`` for the readers of an ended process's output to reach its end, so
@@ -306,6 +311,8 @@ class Backend(ABC):
         addresses and ports (``resolve``), fill in what the backend knows (``configure``) and plan
         (``make_plan``). Raises ``LaunchError``."""
         config = cls.configure(cls.resolve(config), environ)
+        if set(environ) & set(THREAD_VARIABLES):  # the user chose the thread count: pslaunch sets none
+            config = replace(config, threads_chosen=True)
         return config, cls.make_plan(config)
 
     @classmethod

@@ -51,7 +51,9 @@ class BatchBackend(Backend):
     refuses = {"ssh": "the batch scheduler starts the processes on its nodes; pslaunch does not ssh to them",
                "link_timeout": "the batch scheduler starts the processes on its nodes; pslaunch does not ssh to them",
                "server_replicas": "every process is a task of one batch job, which the batch scheduler may end as a "
-                                  "whole when one task is lost"}
+                                  "whole when one task is lost",
+               "cpu_bind": "the batch scheduler binds its tasks itself: ask it (Slurm: --cpus-per-task and srun's "
+                           "--cpu-bind; SGE: qsub -binding)"}
 
     #: How handles name the launcher process in their details (``srun``, ``the SGE job``).
     launcher_name = "the job"

@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Sequence
 
-from pscontract import hand_key_over, stack_signal
+from pscontract import PSLAUNCH_CPU_BIND, binding, hand_key_over, stack_signal
 
 from ..errors import SpawnError
 from ..on_node.children import READ_SIZE, child_environ, widen_pipe
@@ -109,6 +109,7 @@ class LocalSpawner:
         """
         argv = list(spec.argv if argv is None else argv)
         environ = child_environ(spec.full_env() if env is None else env)
+        cpus = _cpus_of(spec, environ)
         key_pipe = hand_key_over(environ)  # the key through a pipe, never in the child's environment
         try:
             popen = subprocess.Popen(
@@ -126,6 +127,11 @@ class LocalSpawner:
         finally:
             if key_pipe is not None:
                 os.close(key_pipe)
+        if cpus is not None:
+            try:  # at once: its interpreter starts no thread before it has read its first lines of code
+                binding.bind_pid(popen.pid, cpus)
+            except OSError:
+                pass  # it ended already; its own runtime binds it too (PSLAUNCH_CPU_BIND)
         group = Group.of(popen.pid)  # read now: the child exists until it is reaped
         self._watch(group)
         handle = handle_cls(spec, popen, [], group)
@@ -160,6 +166,21 @@ class LocalSpawner:
                 self._watchdog.wait()
             self._watchdog = None
         self._groups.clear()
+
+
+def _cpus_of(spec: ProcessSpec, environ: dict[str, str]) -> set[int] | None:
+    """``--cpu-bind``: the cores the child gets, out of this machine's cores pslaunch may use; its
+    ``PSLAUNCH_CPU_BIND`` becomes that ``list:`` (its runtime binds every thread it has to it).
+    Raises ``SpawnError`` naming the process when the value cannot be resolved."""
+    value = environ.get(PSLAUNCH_CPU_BIND)
+    if not value or not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        cpus = binding.resolve(value)
+    except ValueError as exc:
+        raise SpawnError(f"cannot bind {spec.name} to its cores: {exc}") from None
+    environ[PSLAUNCH_CPU_BIND] = "list:" + binding.cpu_list(cpus)
+    return cpus
 
 
 def _launcher_root() -> str:

@@ -160,7 +160,9 @@ class MpiBackend(Backend):
 
     name = "mpi"
     refuses = {"server_replicas": "one mpirun runs every rank and ends them all when one is lost, so no replica "
-                                  "could take a lost server's place"}
+                                  "could take a lost server's place",
+               "cpu_bind": "mpirun binds the ranks itself: set OMPI_MCA_hwloc_base_binding_policy=core (or numa) in "
+                           "pslaunch's environment"}
 
     @classmethod
     def resolve(cls, config):

@@ -53,6 +53,8 @@ METRICS: list[tuple[str, str, str, Callable[[Row], float | None]]] = [
      lambda r: r.counters.get("push_b") if r.role in ("server", "replica") else None),
     ("pslaunch_server_updates_total", "counter", "Key updates (rounds applied) of a server.",
      lambda r: r.counters.get("updates")),
+    ("pslaunch_server_stalled_rounds", "gauge", "dist_sync rounds of a server stalled now (waiting past --stall-warn "
+     "or --stall-timeout for a push).", lambda r: r.counters.get("stalled")),
     ("pslaunch_server_waiting_pulls", "gauge", "Pulls a server holds until a round closes.",
      lambda r: r.counters.get("waiting")),
 ]

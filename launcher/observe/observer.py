@@ -247,7 +247,7 @@ def summary_document(job_id: str, rows: list[Row], notes: dict[int, str], failur
         if failure.handle is not None:
             name = failure.handle.spec.name
             root["process"] = name
-            root["last_lines"] = printer.last_lines(name) if printer is not None else []
+            root["last_lines"] = list(failure.quoted) or (printer.last_lines(name) if printer is not None else [])
     return {"version": 1, "job_id": job_id, "exit_code": exit_code, "ok": failure is None,
             "duration_s": round(duration, 3), "root_cause": root, "processes": processes,
             "attempts": [{"reason": a.reason, "exit_code": a.exit_code, "action": a.action} for a in attempts],

@@ -45,6 +45,7 @@ RANK_COLOURS = ("32", "34", "92", "94", "96", "93", "95", "90")
 MAX_LINE = 1024 * 1024
 _PROGRESS_INTERVAL = 1.0
 _QUEUE_BLOCKS = 256  # blocks queued for the writer before readers wait (backpressure)
+_CAPTURED = 400  # lines ``capture`` keeps of a process at most
 
 
 class LineSplitter:
@@ -198,6 +199,7 @@ class Printer:
                 raise ConfigError(f"--log-dir {log_dir}: cannot create it: {exc.strerror or exc}") from None
         self._keep = keep_lines
         self._last: dict[str, collections.deque[str]] = {}
+        self._captured: dict[str, list[str]] = {}  # ``capture``: every line of a process, for a while
         self._logs: dict[object, _Log] = {}  # (process name, stream), and "pslaunch" for its own
         self._prefixes: dict[tuple[str, str], str] = {}
         self._table_lock = threading.Lock()  # only for adding entries to the dicts above
@@ -230,6 +232,9 @@ class Printer:
         last lines. Blocks while the output queue is full."""
         last = self._entry(self._last, name, lambda: collections.deque(maxlen=self._keep))
         last.extend(block.rsplit("\n", self._keep)[-self._keep :])
+        capture = self._captured.get(name)
+        if capture is not None and len(capture) < _CAPTURED:
+            capture.extend(block.split("\n")[: _CAPTURED - len(capture)])
         if self.log_dir:
             self._log(name, block, stream)
         if self.quiet or (self.ranks is not None and role == "worker" and _rank_of(name) not in self.ranks):
@@ -271,6 +276,15 @@ class Printer:
             if self.log_dir:
                 for which in ("stdout", "stderr"):
                     self._log_file(name, which).write("")
+
+    def capture(self, name: str) -> None:
+        """From now on keep every line process ``name`` prints (up to ``_CAPTURED``), for ``captured``:
+        a stalled worker's stack is longer than its last lines."""
+        self._captured[name] = []
+
+    def captured(self, name: str) -> list[str]:
+        """The lines process ``name`` printed since ``capture(name)``, oldest first."""
+        return list(self._captured.get(name, ()))
 
     def last_lines(self, name: str) -> list[str]:
         """The last lines process ``name`` printed (both streams), oldest first."""

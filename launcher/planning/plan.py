@@ -17,6 +17,7 @@ Placement (also in docs/launcher.md):
 
 from __future__ import annotations
 
+import os
 import shlex
 from dataclasses import dataclass, field, replace
 
@@ -73,6 +74,7 @@ class Plan:
     root_uri: str
     root_port: int
     processes: tuple[ProcessSpec, ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = ()  # what pslaunch chose for the job that its user should read once (threads)
 
     def restarted(self, count: int, processes: "tuple[ProcessSpec, ...] | None" = None) -> "Plan":
         """This plan (or the part of it in ``processes``) for its ``count``-th restart: the same
@@ -212,6 +214,8 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
     sizes: dict[tuple[str, Host], int] = {}
     for role, _, host in placed:
         sizes[(role, host)] = sizes.get((role, host), 0) + 1
+    threads, notes = thread_share(config, placed)
+    slots = cpu_slots(placed) if config.cpu_bind != "none" else []
     seen: dict[tuple[str, Host], int] = {}
 
     user_argv = command_argv(config.command, config.python)
@@ -235,6 +239,8 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
         settings[ec.PSLAUNCH_SERVER_REPLICAS] = str(config.server_replicas)
     if config.stall_warn != 60.0:  # the runtime's default otherwise
         settings[ec.PSLAUNCH_STALL_WARN] = f"{config.stall_warn:g}"
+    if config.stall_timeout:
+        settings[ec.PSLAUNCH_STALL_TIMEOUT] = f"{config.stall_timeout:g}"
     # torch.distributed's env:// rendezvous, for a job without servers: worker 0's host and a port
     master = None
     if config.master_port is not None:
@@ -282,6 +288,11 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
                                     run_id=config.job_id))
         if role == "replica":
             env[ec.PSLAUNCH_SERVER_REPLICA] = "1"
+        if host in threads:
+            env.update({name: str(threads[host]) for name in THREAD_VARIABLES})
+        if slots:
+            index, count = slots[len(processes)]
+            env[ec.PSLAUNCH_CPU_BIND] = f"{config.cpu_bind}:{index}:{count}"
         # Python children write to pipes, which block-buffer print(): lines would arrive at exit.
         env["PYTHONUNBUFFERED"] = config.python_unbuffered
         processes.append(
@@ -299,7 +310,58 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
                 script=script,
             )
         )
-    return Plan(config.job_id, config.backend, root_uri, config.scheduler_port, tuple(processes))
+    return Plan(config.job_id, config.backend, root_uri, config.scheduler_port, tuple(processes), notes)
+
+
+#: What sizes the thread pools of OpenMP, MKL and OpenBLAS (numpy's, torch's) in each process.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or a Slurm step's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_slots(placed: list[tuple[str, int, Host]]) -> list[tuple[int, int]]:
+    """``(index, count)`` of each placed process among the job's processes that share its machine's
+    cores (``--cpu-bind``): those on this machine (every loopback "host" too) together, and each
+    other host's apart."""
+    def machine(host: Host) -> object:
+        return "here" if host is LOCAL_HOST or host.is_loopback else (host.user, host.name, host.port)
+
+    totals: dict[object, int] = {}
+    for _, _, host in placed:
+        totals[machine(host)] = totals.get(machine(host), 0) + 1
+    seen: dict[object, int] = {}
+    slots = []
+    for _, _, host in placed:
+        index = seen.get(machine(host), 0)
+        seen[machine(host)] = index + 1
+        slots.append((index, totals[machine(host)]))
+    return slots
+
+
+def thread_share(config: LaunchConfig, placed: list[tuple[str, int, Host]]) -> tuple[dict[Host, int], tuple[str, ...]]:
+    """Threads per process for the job's processes on this machine when it runs several of them, as
+    torchrun does: without it each one sizes its pools to every core, and N processes on C cores run
+    N x C threads. The cores divided by the processes (those of every loopback "host" too: they
+    share this machine's cores), at least 1; nothing when the user set any of ``THREAD_VARIABLES``
+    (in pslaunch's environment, ``config.threads_chosen``, or ``--env``), or for other machines,
+    whose cores pslaunch does not know. Returns ``({host: threads}, the line saying so)``."""
+    if config.threads_chosen or {v.name for v in config.env} & set(THREAD_VARIABLES):
+        return {}, ()
+    here = [host for _, _, host in placed if host is LOCAL_HOST or host.is_loopback]
+    if len(here) < 2:
+        return {}, ()
+    cores = usable_cores()
+    each = max(1, cores // len(here))
+    told = ", ".join(f"{name}={each}" for name in THREAD_VARIABLES)
+    return ({host: each for host in here},
+            (f"{len(here)} processes share this machine's {cores} cores: each gets {told} "
+             "(set OMP_NUM_THREADS to choose; docs/launcher.md)",))
 
 
 def format_plan(plan: Plan) -> str:
@@ -327,4 +389,5 @@ def format_plan(plan: Plan) -> str:
             lines.append("    --env (values hidden): " + " ".join(named))
         if len(named) < len(p.user_env):
             lines.append(f"    the job key: on a file descriptor ({ec.PSLAUNCH_JOB_KEY_FD}), in no argv or environment")
+    lines += list(plan.notes)
     return "\n".join(lines)

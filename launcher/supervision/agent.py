@@ -9,7 +9,8 @@ does what node 0 says and reports what happens:
   process groups under the watchdog (``launcher.backends.local.LocalSpawner``); their lines show
   here with the usual prefixes and travel to node 0 with their markers; each exit is reported
   once its output is all sent;
-* ``signal``: TERM, KILL, STOP, CONT or END for one process (node 0's teardown, Ctrl-Z, the end);
+* ``signal``: TERM, KILL, STOP, CONT or END for one process (node 0's teardown, Ctrl-Z, the end), or
+  STACK (the runtime's stack signal to the process alone: a stall waits for it);
 * ``verdict``: the job is over: the agent says node 0's root cause and exits with its exit code.
 
 It never decides the job's fate alone but in two cases, where it stops every process here first:
@@ -302,6 +303,8 @@ class NodeAgent:
         what = message.get("what")
         if handle is not None and what in VERBS:  # from node 0, checked: anything else is dropped
             handle.tell(what)
+        elif handle is not None and what == "STACK":  # a stall waits for it: its Python stack, please
+            handle.dump_stack()
 
     def _report_exits(self) -> None:
         for ident, handle in self.handles.items():

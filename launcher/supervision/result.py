@@ -123,6 +123,6 @@ def result_of(handles: "Sequence[ProcessHandle]", table_notes: dict[int, str], f
             rank=None if culprit is None else culprit.spec.rank,
             host=None if culprit is None else culprit.spec.host.label,
             pid=None if culprit is None else culprit.pid,
-            last_lines=() if culprit is None else tuple(last_lines(culprit.spec.name)))
+            last_lines=() if culprit is None else failure.quoted or tuple(last_lines(culprit.spec.name)))
     return RunResult(0 if failure is None else failure.exit_code, root, tuple(rows), tuple(attempts),
                      replacements=tuple(replacements))

@@ -44,6 +44,7 @@ from ..planning.plan import Plan
 from .replacements import ReplacementLog
 from .restarts import RestartLog
 from .result import RunResult, result_of
+from .stalls import StallEnd
 from .verdict import Failure, culprit, kind_of, notes, who
 
 __all__ = ["Supervisor", "Failure", "EXIT_TIMEOUT", "CULPRIT_WAIT"]
@@ -93,6 +94,7 @@ class Supervisor:
         self._lost_holders: set[int] = set()  # servers and replicas lost while a replica held their keys
         self._stalls_read = 0.0  # the newest stall report acted on (``_stacks_of_stalled``)
         self._stack_asked: dict[int, float] = {}  # worker handle id -> when its stack was last asked for
+        self._stall_end = StallEnd(self.printer, config.backend)  # --stall-timeout
         self.replacements = ReplacementLog(time.monotonic())  # every attempt's: the job's start counts from run()
 
     # -- signals -------------------------------------------------------------------------------
@@ -137,6 +139,7 @@ class Supervisor:
                     self._report(f"restarting the job (restart {count} of {self.restarts.max_restarts}, "
                                  f"PSLAUNCH_RESTART_COUNT={count})")
                     self.handles, self._replaced, self._stopped, self.failure = [], [], set(), None
+                    self._stall_end = StallEnd(self.printer, self.config.backend)
                     self._lost_holders = set()
                     self._attempt(self._plan.restarted(count), start)
                 held_back = self.restarts.held_back(self.failure)
@@ -214,6 +217,9 @@ class Supervisor:
                 return failure
             self._restart_failed_workers()
             self._stacks_of_stalled()
+            failure = self._stall_end.verdict(self.handles, time.monotonic())
+            if failure is not None:
+                return failure
             workers = [h for h in self.handles if h.spec.role == "worker"]
             others = [h for h in self.handles if h.spec.role != "worker"]
             now = time.monotonic()
@@ -291,6 +297,8 @@ class Supervisor:
     def _stacks_of_stalled(self) -> None:
         """A round or barrier said stalled (``PSLAUNCH_STALL_WARN``): ask each worker it waits for for its
         Python stack, which it writes to its output (once a stall threshold at most per worker)."""
+        if any(h.fatal_stall is not None for h in self.handles):
+            return  # past --stall-timeout: StallEnd asks for the stack it quotes
         now = time.monotonic()
         for handle in self.handles:
             for at, text, ranks in handle.stalls:
@@ -303,10 +311,10 @@ class Supervisor:
                         continue
                     self._stack_asked[id(worker)] = now
                     if worker.dump_stack():
-                        self.printer.note(f"{who(worker)} is what stalled rounds or barriers wait for; its Python "
+                        self.printer.note(f"{who(worker)} is what the stalled rounds, barriers or collectives wait for; its "
                                           "stack follows in its output")
                     else:
-                        self.printer.note(f"{who(worker)} is what stalled rounds or barriers wait for (--launcher "
+                        self.printer.note(f"{who(worker)} is what the stalled rounds, barriers or collectives wait for (--launcher "
                                           f"{self.config.backend} cannot ask it for its stack)")
         self._stalls_read = max([self._stalls_read, *(at for h in self.handles for at, _, _ in h.stalls)])
 
@@ -464,6 +472,9 @@ class Supervisor:
             self.observer.finish({h.spec.name: by_id.get(id(h), "") for h in self.handles}, self.failure,
                                  0 if self.failure is None else self.failure.exit_code, self.restarts.attempts,
                                  self.replacements.records())
+        if then is None and self.handles and self._plan is not None:
+            for note in self._plan.notes:  # what pslaunch chose for the job (threads), once, with the summary:
+                self.printer.note(note)    # never before a failing worker's traceback
         if self.handles and (not self.config.quiet or self.config.log_dir):  # quiet: the log dir's copy only
             from .summary import render_summary
 
@@ -477,9 +488,10 @@ class Supervisor:
             self.printer.note(f"root cause: {self.failure.reason if then is not None else self.failure.final_reason}")
             if self.failure.handle is not None:
                 name = self.failure.handle.spec.name
-                lines = self.printer.last_lines(name)
+                lines = self.failure.quoted or self.printer.last_lines(name)
                 if lines:
-                    self.printer.note(f"last lines of {name}:")
+                    self.printer.note(f"Python stack of {name}'s main thread (innermost call first):"
+                                      if self.failure.quoted else f"last lines of {name}:")
                     for text in lines:
                         self.printer.note(f"  | {text}")
                 else:

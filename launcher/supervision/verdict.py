@@ -43,6 +43,7 @@ class Failure:
     exit_code: int
     handle: "ProcessHandle | None" = None
     exit_note: str = ""  # why pslaunch's exit code is not the process's: said only when the job ends with it
+    quoted: tuple[str, ...] = ()  # lines to quote under it instead of the process's last ones (a stalled worker's stack)
 
     @property
     def final_reason(self) -> str:

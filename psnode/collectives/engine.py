@@ -11,7 +11,7 @@ in different orders (prioritised asynchronous pushes do): a message for a collec
 has not started yet waits in the early buffer (bounded: ``EARLY_BYTES``, ``EARLY_MESSAGES``) until
 it starts. Collectives of one key run one at a time on each worker, in call order. Workers must
 still run the same collectives: one that never comes is reported by a stall warning
-(``watch.STALL``) that names the tag and the workers it waits for (Horovod's stall check), and
+(``PSLAUNCH_STALL_WARN``) that names the tag and the workers it waits for (Horovod's stall check), and
 ends when a worker leaves or dies.
 
 **Failure.** A dead or stopped worker is announced by the scheduler (heartbeats): every op in

@@ -5,8 +5,9 @@
   caller blocked in a poll sees the future done at once.
 - An op that still waits for a worker that finished the job fails, naming it, ``LEFT_GRACE``
   seconds after the news (the time that worker's last messages get to arrive).
-- An op that waited ``STALL`` seconds is named in a warning, with the workers it waits for
-  (Horovod's stall check): workers that run different collectives are not told otherwise.
+- An op that waited ``PSLAUNCH_STALL_WARN`` seconds is said stalled, with the workers it waits for
+  (Horovod's stall check): workers that run different collectives are not told otherwise; past
+  ``PSLAUNCH_STALL_TIMEOUT`` it ends the job (``psnode.node.stalls``).
 
 Started with the first op; stops when the worker fails or closes. Its lock guards its own lists; it
 reads the engine's ops through ``Engine.ops_snapshot`` and fails them through ``Engine.abort``.
@@ -19,13 +20,13 @@ import time
 from typing import Any
 
 from psnode.errors import PeerDiedError, PSNodeError
-from psnode.log import logger
+from psnode.node.protocol import Cmd
+from psnode.node.stalls import StallClock, say_stall
 
-from .base import Op, Tag
+from .base import Op
 
-__all__ = ["Watcher", "STALL", "LEFT_GRACE"]
+__all__ = ["Watcher", "LEFT_GRACE"]
 
-STALL = 60.0  # seconds an op may wait before a warning names what it waits for
 # Seconds a finished worker's last messages get before ops still waiting for it fail. Its messages
 # left before it finished, but on a loaded machine the receiving thread may not have read them yet:
 # a worker that leaves early is a program's error, so this errs on the side of waiting.
@@ -41,7 +42,7 @@ class Watcher:
         self._lock = threading.Lock()
         self._completing: list[Op] = []
         self._left: dict[int, tuple[float, str]] = {}
-        self._warned: set[Tag] = set()
+        self._clock = StallClock.of(engine.conn.env)  # which ops were said stalled
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._sending = threading.Event()  # an op waits for its tracked sends
@@ -145,12 +146,25 @@ class Watcher:
                         "for it: every worker must run the same collectives", "worker", rank, peer.host), tell=False)
 
     def _warn_stalled(self, now: float) -> None:
-        ops = [op for op in self.engine.ops_snapshot()
-               if now - op.started > STALL and op.tag not in self._warned and not op.future.done()]
+        """Say an op that waited past a stall threshold, once per threshold (``psnode.node.stalls``);
+        past ``PSLAUNCH_STALL_TIMEOUT`` in a job started by hand, fail the worker with it."""
+        clock = self._clock
+        ops = [op for op in self.engine.ops_snapshot() if not op.future.done()]
+        clock.forget({op.tag for op in ops})
+        members = self.engine.conn.members.workers
         for op in ops:
-            self._warned.add(op.tag)
+            if now - op.started < clock.least:
+                continue
             with op.lock:
                 waiting = sorted(op.waiting_for())
-            logger.warning("worker %d: %s has waited %.0f s for workers %s; every worker must run the same "
-                           "collectives (the same keys, as often)", self.engine.rank, op.describe(), now - op.started,
-                           waiting)
+            level = clock.due(op.tag, now - op.started) if waiting else None
+            if level is None:
+                continue
+            hosts = ", ".join(f"worker {w} on {members[w].host if 0 <= w < len(members) else '?'}" for w in waiting)
+            text = (f"stalled: {op.describe()} has waited {now - op.started:.0f} s ({clock.setting(level)}) for "
+                    f"{hosts}; every worker must run the same collectives (the same keys, as often)")
+            error = say_stall(self.engine.conn.env, f"worker {self.engine.rank}", text, waiting, level,
+                              self.engine.conn.timeline, now - op.started, op.describe())
+            if error is not None:  # a job started by hand: every node hears why it ends
+                self.engine.conn.link.send(Cmd.NODE_DIED, body={"message": str(error)})
+                self.engine.conn.failure.fail(error)

@@ -74,6 +74,7 @@ class Connection:
                  on_worker_finished: Callable[[int, str], None] | None = None,
                  on_worker_rejoined: Callable[[int], None] | None = None) -> None:
         setup_logging(env.verbose)
+        env.bind_cpus()  # PSLAUNCH_CPU_BIND: before this node starts its threads
         self.env = env
         if role != "scheduler" and env.malloc_tuning and (env.same_host != "shm" or not env.local):
             # big messages (gradients, ring segments) may come through ZeroMQ: no page faults per message

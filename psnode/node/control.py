@@ -43,7 +43,8 @@ _REGISTER_AGAIN = 2.0  # seconds between registrations while no address book cam
 CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN,
      Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED, Cmd.PEERS_REPLY, Cmd.LEDGER_ACK,
-     Cmd.LEDGER_ENTRIES, Cmd.SERVER_LOST, Cmd.SCHEDULER_BACK, Cmd.REPLICA_JOINED, Cmd.REPLICA_JOINING}
+     Cmd.LEDGER_ENTRIES, Cmd.SERVER_LOST, Cmd.SCHEDULER_BACK, Cmd.REPLICA_JOINED, Cmd.REPLICA_JOINING,
+     Cmd.BARRIER_STALLED}
 )
 """What only the scheduler sends to a node."""
 
@@ -438,6 +439,11 @@ class SchedulerLink:
                 self.on_worker_rejoined(peer.rank)
         elif cmd == Cmd.SERVER_LOST:
             self._server_lost(unpack_json(frames[1]))
+        elif cmd == Cmd.BARRIER_STALLED:  # a barrier this node waits in is stalled: say so here too
+            text = unpack_json(frames[1])["text"]
+            if not isinstance(text, str):
+                raise ProtocolError("a stall notice whose text is no string")
+            logger.warning("%s %d waits on the scheduler: %s", self.me.role, self.members.rank, text[:1000])
         elif cmd in (Cmd.REPLICA_JOINED, Cmd.REPLICA_JOINING):
             body = unpack_json(frames[1])
             if not isinstance(body, dict):

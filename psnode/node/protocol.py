@@ -156,6 +156,8 @@ class Cmd(enum.IntEnum):
     REPLICA_JOINING = 57  # scheduler -> the server of its rank, JSON {"node"}: send it your keys once every worker seamed
     SEAM = 58  # worker -> server, JSON {"replica": uid}: what follows, that replica gets a copy of
     SNAPSHOT = 59  # server -> the joining replica: a JSON index and the arrays of its keys (psnode.server.snapshot)
+    STALLED = 60  # server -> the workers whose pushes a stalled round holds, JSON {"text"}: said in their logs too
+    BARRIER_STALLED = 61  # scheduler -> the nodes waiting in a stalled barrier, JSON {"text"}: said in their logs too
     CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
     CHECKPOINT_REPLY = 35  # JSON: the operation's result
 

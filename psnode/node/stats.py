@@ -44,7 +44,7 @@ COMMON_FIELDS = frozenset({"t", "cpu", "rss", "lr"})
 WORKER_FIELDS = COMMON_FIELDS | {"push_b", "pull_b", "rounds", "wait_s", "queued"}
 #: A server's counters: keys held, bytes held, bytes of pushes received, key updates applied, pulls
 #: waiting for a round to close.
-SERVER_FIELDS = COMMON_FIELDS | {"keys", "held_b", "kept_b", "push_b", "updates", "waiting"}
+SERVER_FIELDS = COMMON_FIELDS | {"keys", "held_b", "kept_b", "push_b", "updates", "waiting", "stalled"}
 _FIELDS = {"worker": WORKER_FIELDS, "server": SERVER_FIELDS, "replica": SERVER_FIELDS}
 
 #: Bytes a heartbeat's JSON body may take (a report is about 150).
@@ -90,7 +90,7 @@ def server_report(server: Any) -> dict[str, float]:
     store = server.store
     report = _common(server.conn.env.launch_rank)
     report.update(keys=len(store.shards), held_b=store.held_bytes, kept_b=store.kept_bytes, push_b=store.pushed_bytes,
-                  updates=store.updates, waiting=server.replies.pulls_waiting())
+                  updates=store.updates, waiting=server.replies.pulls_waiting(), stalled=server.stalls.stalled)
     return report
 
 

@@ -18,10 +18,9 @@ and reached with ``membership.PeerInfo`` and ``endpoint_of``, as every node does
 
 from __future__ import annotations
 
-import json
 import time
 
-from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, MARKER_STALL, NodeEnv, resolve_host
+from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv, resolve_host
 from psnode.errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError, TransportError
 from psnode.log import logger, setup_logging
 from psnode.node.membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint, unreachable
@@ -35,6 +34,7 @@ from psnode.node.protocol import (
     unpack_header,
     unpack_json,
 )
+from psnode.node.stalls import StallClock, say_stall
 from psnode.node.stats import check_body, stderr_line
 from psnode.scheduler.comeback import Comeback, back_body
 from psnode.scheduler.ledger import Answer, Ledger
@@ -59,6 +59,7 @@ class Scheduler:
 
     def __init__(self, env: NodeEnv, transport: Transport | None = None) -> None:
         setup_logging(env.verbose)
+        env.bind_cpus()  # PSLAUNCH_CPU_BIND: before this node starts its threads
         self.env = env
         secure_or_loopback(env, {})
         # Nodes' advertised TCP addresses are tried before the address book goes out when the
@@ -77,7 +78,7 @@ class Scheduler:
         self.job_report = JobReport(env, self.fingerprint)  # PSLAUNCH_STATS, PSLAUNCH_TIMELINE
         self._books: dict[str, bytes | None] = {}  # encoded address book lists by role (``_book``)
         self._pending_joins: list[tuple[bytes, list]] = []  # replicas joining while a server's connection is down
-        self._stalls_said: set[tuple[int, int]] = set()  # (group, barrier number) said stalled (PSLAUNCH_STALL_WARN)
+        self._stall_clock = StallClock.of(env)  # barriers that wait, said in the log (psnode.node.stalls)
 
     # ---- registration -------------------------------------------------------------------
     def register(self) -> None:
@@ -348,7 +349,7 @@ class Scheduler:
                         self._dispatch(sender, frames)
             if env.heartbeat_interval > 0:
                 self._check_alive()
-            if env.stall_warn > 0 and self.barriers.opened:
+            if self._stall_clock.on and self.barriers.opened:
                 self._stalled_barriers()
         self._shutdown_servers()
 
@@ -614,28 +615,44 @@ class Scheduler:
                 )
 
     def _stalled_barriers(self) -> None:
-        """Say once of each barrier that waited ``PSLAUNCH_STALL_WARN`` seconds whom it waits for."""
-        now, threshold = time.monotonic(), self.env.stall_warn
+        """Say once of each barrier that waited ``PSLAUNCH_STALL_WARN`` seconds whom it waits for, and
+        once more past ``PSLAUNCH_STALL_TIMEOUT`` (``psnode.node.stalls``)."""
+        now, clock = time.monotonic(), self._stall_clock
+        numbers = {group: self.barriers.completed.get(group, 0) + 1 for group in self.barriers.opened}
+        clock.forget(set(numbers.items()))
         for group, since in list(self.barriers.opened.items()):
-            number = self.barriers.completed.get(group, 0) + 1
-            if now - since < threshold or (group, number) in self._stalls_said:
+            number = numbers[group]
+            if now - since < clock.least:
                 continue
-            self._stalls_said.add((group, number))
             arrived = self.barriers.arrived.get(group, set())
             members = [m for uid, m in self.roster.members.items() if m.peer.role in GROUP_ROLES[Group(group)]]
             missing = [m.peer for uid, m in self.roster.members.items()
                        if m.peer.role in GROUP_ROLES[Group(group)] and uid not in arrived and not m.finished]
-            if not missing:
+            level = clock.due((group, number), now - since) if missing else None
+            if level is None:
                 continue
             came = sorted(f"{m.peer.role} {m.peer.rank}" for uid, m in self.roster.members.items() if uid in arrived)
             waits = ", ".join(f"{p.role} {p.rank} on {p.host}" for p in sorted(missing, key=lambda p: (p.role, p.rank)))
             text = (f"stalled: barrier {number} of the {Group(group).name.lower()} has waited {now - since:.0f} s "
-                    f"(PSLAUNCH_STALL_WARN={threshold:g}) for {waits}; {len(came)} of {len(members)} arrived "
+                    f"({clock.setting(level)}) for {waits}; {len(came)} of {len(members)} arrived "
                     f"({', '.join(came) or 'none'})")
-            logger.warning("scheduler: %s", text)
-            if self.env.supervised:  # pslaunch's verdict and summary name what the job waits on
-                workers = sorted(p.rank for p in missing if p.role == "worker")
-                stderr_line(f"{MARKER_STALL} {json.dumps({'node': 'scheduler', 'text': text, 'workers': workers})}")
+            workers = sorted(p.rank for p in missing if p.role == "worker")
+            error = say_stall(self.env, "scheduler", text, workers, level, self.job_report.timeline, now - since,
+                              f"barrier {number} of the {Group(group).name.lower()}")
+            for uid in arrived:  # the nodes that wait say it in their logs too
+                try:
+                    self.transport.send(uid, [pack_header(Cmd.BARRIER_STALLED), pack_json({"text": text})])
+                except PSNodeError:  # gone: its own news
+                    pass
+            if error is not None:  # a job started by hand: every node hears why it ends
+                body = {"message": str(error), "role": "scheduler", "rank": 0, "host": self.env.root_uri}
+                for uid, member in self.roster.members.items():
+                    if not member.finished:
+                        try:
+                            self.transport.send(uid, [pack_header(Cmd.NODE_DIED), pack_json(body)])
+                        except PSNodeError:
+                            pass
+                raise error
 
     def _lost_servers(self) -> None:
         """Servers and replicas whose connection ended and stayed closed (``_LOST_AFTER``): lost."""

@@ -17,7 +17,6 @@ arrays) the server sees flat 1-D shards of the key, not the key's shape.
 from __future__ import annotations
 
 import collections
-import json
 import pickle
 import time
 from typing import Any, Callable
@@ -25,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from psnode.compression.codecs import RAW, CodecTable
-from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, MARKER_STALL, NodeEnv
+from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv
 from psnode.errors import ClosedError, ProtocolError, PSNodeError, RequestRefused, TransportError
 from psnode.log import logger
 from psnode.node.bulk import gc_paused
@@ -50,6 +49,7 @@ from psnode.node.protocol import (
     unpack_json,
     unpack_push_pull,
 )
+from psnode.node.stalls import StallClock, say_stall
 from psnode.node.stats import server_report, stderr_line
 from psnode.server.checkpoints import Checkpoints
 from psnode.server.groups import Groups
@@ -95,7 +95,7 @@ class ServerNode:
         self.checkpoints = Checkpoints(self.store, self.groups, env.checkpoint_dir, env.num_servers, env.job_id,
                                        lambda: self.conn.rank, self.conn.link.beat)
         self._deferred_rows: list[tuple[PeerInfo, int, list]] = []  # row pulls waiting for a round
-        self.stalls = StallWatch(env.stall_warn)  # PSLAUNCH_STALL_WARN: rounds that wait, said in the log
+        self.stalls = StallWatch(StallClock.of(env))  # rounds that wait, said in the log (psnode.node.stalls)
         # a replica's: copies of pushes that came before their key's init or their codec's parameters
         self._held_copies: dict[int, collections.deque] = {}
         self._configured_codecs: set[int] = set()
@@ -140,15 +140,28 @@ class ServerNode:
         while not link.shutdown_requested and failure.error is None:
             conn.process(0.005 if checkpoints.busy else 0.1)  # a commit's answer waits on the background
             checkpoints.poll()
-            if stalls.threshold > 0:
-                for line, waiting_for in stalls.look(time.monotonic(), self.store.shards.values(), conn.env.num_workers,
-                                                     self.store.finished, self._host_of):
-                    logger.warning("server %d: %s", self.rank, line)
-                    if conn.env.supervised:  # pslaunch's verdict and summary name what the job waits on
-                        said = {"node": f"server {self.rank}", "text": line, "workers": waiting_for}
-                        stderr_line(f"{MARKER_STALL} {json.dumps(said)}")
+            if stalls.clock.on:
+                for line, waiting_for, level, came, waited, what in stalls.look(
+                        time.monotonic(), self.store.shards.values(), conn.env.num_workers, self.store.finished,
+                        self._host_of):
+                    error = say_stall(conn.env, f"server {self.rank}", line, waiting_for, level, self.timeline, waited,
+                                      what)
+                    self._tell_waiting(came, line)
+                    if error is not None:  # a job started by hand: every node hears why it ends
+                        conn.link.send(Cmd.NODE_DIED, body={"message": str(error)})
+                        failure.fail(error)
         failure.check()
         return 0
+
+    def _tell_waiting(self, workers: list[int], line: str) -> None:
+        """Send a stall's line to the workers waiting on it (``STALLED``), which say it in their logs:
+        a job started by hand shows it where the user looks, at the workers that wait."""
+        for worker in workers:
+            try:
+                self.conn.transport.send(self.conn.members.workers[worker].uid.encode(),
+                                         [pack_header(Cmd.STALLED), pack_json({"text": line})])
+            except (TransportError, IndexError) as exc:  # the worker is gone: its own news
+                logger.info("server %d: the stall notice to worker %d was not sent: %s", self.rank, worker, exc)
 
     def _host_of(self, worker: int) -> str:
         workers = self.conn.members.workers

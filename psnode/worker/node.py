@@ -38,6 +38,7 @@ from psnode.collectives.watch import LEFT_GRACE
 from psnode.compression.codecs import RAW
 from psnode.env import MARKER_CAUGHT_UP, MARKER_FINISHED, MARKER_RESUMED, NodeEnv
 from psnode.errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
+from psnode.log import logger
 from psnode.node.bulk import batches
 from psnode.node.connection import Connection
 from psnode.node.membership import PeerInfo, endpoint_of
@@ -53,6 +54,7 @@ from psnode.node.protocol import (
     pack_counts,
     pack_header,
     pack_json,
+    unpack_json,
 )
 from psnode.node.stats import stderr_line, worker_report
 from psnode.transport import same_host
@@ -67,6 +69,7 @@ __all__ = ["WorkerNode"]
 
 _COLL = int(Cmd.COLL)
 _INVITE = int(Cmd.PUSH_INVITE)
+_STALLED = int(Cmd.STALLED)
 
 
 class WorkerNode:
@@ -538,6 +541,12 @@ class WorkerNode:
             if peer.role != "server":
                 raise ProtocolError(f"an invitation from {peer.describe()}, which is no server")
             self.data.invited(peer.rank, req_id, arg)
+            return
+        if cmd == _STALLED:  # a server's round this worker pushed to is stalled: say so here too
+            body = unpack_json(frames[1]) if peer.role in ("server", "replica") and len(frames) > 1 else None
+            if not isinstance(body, dict) or not isinstance(body.get("text"), str):
+                raise ProtocolError(f"a malformed stall notice from {peer.describe()}")
+            logger.warning("worker %d waits on server %d: %s", self.rank, peer.rank, body["text"][:1000])
             return
         self.requests.take_reply(peer, cmd, flags, req_id, arg, frames)
         if self.outbox.queue:  # a reply may mean a connection has room again

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -262,3 +263,21 @@ def test_restart_scope_worker_restarts_a_failed_worker_alone_on_its_node(tmp_pat
     assert "restarting it alone (restart 1 of 1, PSLAUNCH_RESTART_COUNT=1); the other processes go on" in \
         results[0].stderr
     assert wait_gone(str(out), 10) == []
+
+
+def test_a_stall_past_the_stall_timeout_names_a_worker_on_another_node_with_the_stack_its_agent_asked_for(
+        tmp_path, key_env, marker):
+    out = tmp_path / "out"
+    out.mkdir()
+    # worker 1 (on node 1) sleeps 100 s before its pushes of step 2; marker in argv: the leftover check finds it
+    args = ["-n", "2", "-s", "2", "--timeout", "60", "--stall-warn", "1", "--stall-timeout", "3", "--env",
+            "PSLAUNCH_BIGARRAY_BOUND:1000", "--env", "STEPS:4", "--env", "STALL:1:2:compute:100", sys.executable,
+            helper("replace_sync.py"), str(out), marker]
+    with AgentJob(tmp_path, 2, _endpoint(), args, env=key_env, marker=marker) as job:
+        job.start_all()
+        results = job.wait(60)
+    assert {rank: r.returncode for rank, r in results.items()} == {0: 86, 1: 86}, job.report()
+    assert re.search(r"root cause: server \d: stalled: round 3 of key .* worker\.1@node1 \(worker rank 1 on node1.*\) "
+                     r"is in maybe_die \(replace_sync\.py:\d+\)", results[0].stderr), job.report()
+    assert re.search(r'pslaunch:   \| File ".*replace_sync\.py", line \d+ in maybe_die', results[0].stderr), job.report()
+    assert wait_gone(marker, 10) == []

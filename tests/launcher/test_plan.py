@@ -9,6 +9,7 @@ import pytest
 import pscontract as ec
 from launcher import EnvVar, Host, LaunchConfig, PlacementError, format_plan, make_plan
 from launcher.config import ConfigError, parse_env_option
+from launcher.planning.plan import THREAD_VARIABLES
 
 pytestmark = pytest.mark.unit
 
@@ -76,7 +77,7 @@ def test_contract_variables_of_every_process():
         assert p.env[ec.PSLAUNCH_JOB_ID] == "j1"
         assert p.env[ec.PSLAUNCH_RANK] == str(p.rank)
         assert set(ec.REQUIRED) <= set(p.env)
-        assert set(p.env) - {"PYTHONUNBUFFERED"} <= set(ec.WRITTEN)
+        assert set(p.env) - {"PYTHONUNBUFFERED", *THREAD_VARIABLES} <= set(ec.WRITTEN)
         assert p.env[ec.PSLAUNCH_SUPERVISED] == "1" and p.env["PYTHONUNBUFFERED"] == "1"
     workers = plan.by_role("worker")
     assert [(w.env[ec.PSLAUNCH_LOCAL_RANK], w.env[ec.PSLAUNCH_LOCAL_SIZE]) for w in workers] == [

@@ -81,6 +81,12 @@ class AgentHandle(ProcessHandle):
     def in_doubt(self) -> bool:
         return self.status is None and self.backend.watch.in_doubt(self.node)
 
+    def dump_stack(self) -> bool:
+        if self.status is not None or self.backend.hub is None:
+            return False
+        self._tell("STACK")  # its node's agent signals the process alone
+        return True
+
     def _tell(self, what: str) -> None:
         if self.backend.hub is not None:
             self.backend.hub.send(self.node, {"t": "signal", "g": self.generation, "name": self.spec.name,

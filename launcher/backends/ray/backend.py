@@ -156,7 +156,9 @@ class RayBackend(Backend):
     refuses = {"hostfile": "Ray places the processes on its nodes (the placement group is the hostfile)",
                "scheduler_host": "Ray places the scheduler with the other processes",
                "ssh": "Ray starts the processes; pslaunch uses no ssh",
-               "link_timeout": "Ray tells pslaunch when a node leaves the cluster"}
+               "link_timeout": "Ray tells pslaunch when a node leaves the cluster",
+               "cpu_bind": "Ray gives its actors CPUs (--ray-worker-resources '{\"CPU\": 2}') and pslaunch does not "
+                           "pin them"}
 
     def __init__(self, config, printer) -> None:
         super().__init__(config, printer)

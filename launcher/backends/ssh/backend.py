@@ -15,6 +15,8 @@ import threading
 
 import paramiko
 
+from pscontract import stack_signal
+
 from ...errors import ConfigError, SpawnError
 from ...on_node.guard import env_payload, remote_command
 from ...planning.hostfile import Host
@@ -66,6 +68,12 @@ class SshHandle(GuardedHandle):
 
     def in_doubt(self) -> bool:
         return self.status is None and self.watch.in_doubt(self.spec.host)
+
+    def dump_stack(self) -> bool:
+        if self.status is not None or self.unreachable:
+            return False
+        self._tell(f"STACK {stack_signal()}")  # the guard signals the command alone (a Linux host's number)
+        return True
 
     def _tell(self, verb: str) -> None:
         # a lost host gets nothing (``tell``): its guard stops the process itself after the link timeout
