@@ -68,7 +68,7 @@ def _click_option(option: Option) -> click.Option:
     if kind == "count":
         return click.Option(names, count=True, help=option.help)
     types = {"int": click.INT if option.minimum is None else click.IntRange(min=option.minimum), "float": click.FLOAT,
-             "text": click.STRING, "choice": click.Choice(option.choices),
+             "text": click.STRING, "workers": click.STRING, "choice": click.Choice(option.choices),
              "path": click.Path(dir_okay=option.dir_okay, file_okay=option.file_okay)}
     if option.multiple:
         kwargs["default"] = ()

@@ -272,6 +272,8 @@ class LaunchConfig:
     stall_warn: float = 60.0  # --stall-warn: seconds a round or barrier waits before the log says so (0: never)
     stall_timeout: float = 0.0  # --stall-timeout: seconds a stalled wait may last before the job ends (0: never)
     cpu_bind: str = "none"  # --cpu-bind: none, cores (a block of its host's cores each) or numa (a node each)
+    min_workers: int = 0  # -n MIN:MAX: an elastic job goes on with MIN (0, or num_workers: not elastic)
+    elastic_timeout: float = 60.0  # --elastic-timeout: seconds below MIN workers before the job fails
     threads_chosen: bool = False  # pslaunch's environment sets OMP_NUM_THREADS (or MKL's, OpenBLAS's): no default
     verbose: int = 0
     quiet: bool = False
@@ -295,6 +297,28 @@ class LaunchConfig:
         the metrics endpoint or the summary JSON."""
         return self.dashboard or self.metrics_port is not None or self.summary_json is not None
 
+    @property
+    def elastic(self) -> bool:
+        """``-n MIN:MAX`` with MIN below MAX: workers may leave the running job."""
+        return 0 < self.min_workers < self.num_workers
+
+    def _check_elastic(self) -> None:
+        shape = f"-n {self.min_workers}:{self.num_workers}"
+        if self.backend in ("mpi", "slurm", "sge"):
+            raise ConfigError(f"{shape} makes the job elastic, but --launcher {self.backend} starts every rank at once "
+                              "and ends them together: use --launcher local (ssh, agents and ray: not yet)")
+        if self.backend != "local":
+            raise ConfigError(f"{shape} makes the job elastic, which runs with --launcher local for now (--launcher "
+                              f"{self.backend}: not yet)")
+        if self.num_servers == 0:
+            raise ConfigError(f"{shape} makes the job elastic, but -s 0 has no servers: the workers' rings would "
+                              "have to be formed again at every change; give the job servers (-s N)")
+        if self.server_replicas or self.restart_scope == "worker":
+            raise ConfigError(f"{shape} makes the job elastic, which does not go with "
+                              f"{'--server-replicas' if self.server_replicas else '--restart-scope worker'} yet")
+        if not self.elastic_timeout >= 0:
+            raise ConfigError(f"--elastic-timeout must be >= 0 seconds, got {self.elastic_timeout}")
+
     def advice(self) -> list[str]:
         """What pslaunch warns about in a config it runs anyway: more servers than workers."""
         if self.num_servers > self.num_workers:
@@ -311,6 +335,8 @@ class LaunchConfig:
         if self.num_servers < 0:
             raise ConfigError(f"-s/--num-servers must be >= 0 (0: no servers, the workers sum among themselves "
                               f"with kvcore.create('allreduce')), got {self.num_servers}")
+        if self.elastic:
+            self._check_elastic()
         outside = sorted(r for r in self.ranks or () if r >= self.num_workers)
         if outside:
             raise ConfigError(f"--ranks names worker rank(s) {', '.join(map(str, outside))}, but the job has "

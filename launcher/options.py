@@ -93,7 +93,7 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     # -- Job shape
-    Option('num_workers', ('-n', '--num-workers'), 'int', required=True, section='Job shape', help='Number of worker processes.'),
+    Option('num_workers', ('-n', '--num-workers'), 'workers', required=True, metavar='N|MIN:MAX', section='Job shape', help='Number of worker processes; MIN:MAX makes the job elastic: MAX start, and workers that get SIGTERM leave at a step boundary while MIN remain (--launcher local, dist_sync with servers).'),
     Option('num_servers', ('-s', '--num-servers'), 'int', section='Job shape', help="Number of servers [default: = workers]; 0: none, the workers sum among themselves (kvcore.create('allreduce'))."),
     Option('backend', ('--launcher',), 'text', metavar='NAME', section='Job shape', help='Backend: local, ssh, mpi, slurm, sge or ray [default: ssh with a hostfile, local without].'),
     Option('command_for_all_roles', ('--command-for-all-roles',), 'flag', section='Job shape', help='Run COMMAND as scheduler and servers too (MXNet / ps-lite / BytePS programs) instead of the bundled runtime `python -m psnode`.'),
@@ -155,6 +155,7 @@ OPTIONS: tuple[Option, ...] = (
     Option('dashboard', ('--dashboard',), 'toggle', off=('--no-dashboard',), section='Observability', help='A live table of every process (state, rates, heartbeats; the straggler marked) below the output [default: on when stdout and stderr are a terminal; never otherwise].'),
     Option('metrics_port', ('--metrics-port',), 'text', metavar='[ADDR:]PORT', section='Observability', help="Serve the job's counters as Prometheus text at http://ADDR:PORT/metrics (ADDR 127.0.0.1 unless given) while the job runs."),
     Option('cpu_bind', ('--cpu-bind',), 'choice', default='none', show_default=True, choices=('none', 'cores', 'numa'), section='Job shape', help="Pin each process pslaunch starts to its share of its host's cores (a contiguous block each), or to one NUMA node each (read from /sys); local, ssh and agents."),
+    Option('elastic_timeout', ('--elastic-timeout',), 'float', default=60.0, metavar='S', show_default=True, section='Ending and restarts', help='An elastic job (-n MIN:MAX) with fewer than MIN workers waits S seconds for more, then fails naming what it waited for.'),
     Option('stall_warn', ('--stall-warn',), 'float', default=60.0, metavar='S', show_default=True, section='Observability', help="Say in the log when a dist_sync round of a key or a barrier has waited S seconds, naming the key or barrier and the ranks and hosts it waits for (0: never)."),
     Option('stall_timeout', ('--stall-timeout',), 'float', default=0.0, metavar='S', show_default=True, section='Observability', help="End the job when a round, barrier or collective has been stalled S seconds: the root cause says stalled, names the rank it waits for and shows its Python stack; exit code 86 (0: never)."),
     Option('summary_json', ('--summary-json',), 'path', metavar='FILE', dir_okay=False, section='Observability', help="Write the final table (each process's exit, duration, bytes, the root cause) to FILE as JSON."),
@@ -193,6 +194,14 @@ def _one(option: Option, value: Any, given: Any) -> Any:
         if not isinstance(value, bool):
             raise refused(f"{value!r} is not True or False.")
         return value
+    if kind == "workers":  # N or MIN:MAX
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise refused(f"{value!r} is not a number of workers: give N or MIN:MAX (2, '2:4').")
+        try:
+            parse_workers(str(value))
+        except ValueError as exc:
+            raise refused(f"{str(value)!r} {exc}") from None
+        return str(value)
     if kind in ("int", "count"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise refused(f"{value!r} is not a valid integer.")
@@ -235,6 +244,21 @@ def refuse_unused(backend: type[Backend], options: Mapping[str, Any]) -> None:
             raise ConfigError(f"{option.shown} is not an option of --launcher {backend.name}: {why}")
 
 
+def parse_workers(text: str) -> tuple[int, int]:
+    """``-n``: ``4`` -> (4, 4); ``2:4`` -> (2, 4), an elastic job. Raises ``ValueError`` with what is
+    wrong, said of the value (``must be >= 1, got 0``)."""
+    low, sep, high = text.strip().partition(":")
+    try:
+        first, last = int(low), int(high if sep else low)
+    except ValueError:
+        raise ValueError("is not a number of workers: give N or MIN:MAX (-n 4, -n 2:4)") from None
+    if first < 1:
+        raise ValueError(f"must be >= 1, got {first}")
+    if last < first:
+        raise ValueError(f"has its minimum {first} above its maximum {last}")
+    return first, last
+
+
 def build_config(options: Mapping[str, Any], environ: Mapping[str, str]) -> LaunchConfig:
     """Turn the options' values (by name, as ``defaults`` and the command line give them, with
     ``command``) into a ``LaunchConfig``: the hostfile read, ``--env`` parsed, each backend's options
@@ -261,13 +285,17 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str]) -> Laun
         raise ConfigError(f"--ssh-port must be in 1..65535, got {options['ssh_port']}")
     if options["identity"] and not os.path.isfile(os.path.expanduser(options["identity"])):
         raise ConfigError(f"-i/--identity: no such key file {options['identity']!r}")
-    num_workers = options["num_workers"]
+    try:
+        min_workers, num_workers = parse_workers(str(options["num_workers"]))
+    except ValueError as exc:
+        raise ConfigError(f"-n/--num-workers {str(options['num_workers'])!r} {exc}") from None
     metrics_address, metrics_port = ("127.0.0.1", None)
     if options["metrics_port"] is not None:
         metrics_address, metrics_port = parse_metrics_option(options["metrics_port"])
     config = LaunchConfig(
         command=tuple(options["command"]),
         num_workers=num_workers,
+        min_workers=min_workers,
         num_servers=num_workers if options["num_servers"] is None else options["num_servers"],
         backend=backend,
         hosts=hosts,
@@ -300,6 +328,7 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str]) -> Laun
         stall_warn=options["stall_warn"],
         stall_timeout=options["stall_timeout"],
         cpu_bind=options["cpu_bind"],
+        elastic_timeout=options["elastic_timeout"],
         verbose=options["verbose"],
         quiet=options["quiet"],
         dry_run=options["dry_run"],

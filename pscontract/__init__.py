@@ -40,6 +40,7 @@ __all__ = [
     "MARKER_FAILED",
     "MARKER_FINISHED",
     "MARKER_STALL",
+    "MARKER_LEFT",
     "stack_signal",
     "MARKER_READY",
     "MARKER_RESUMED",
@@ -69,6 +70,8 @@ __all__ = [
     "PSLAUNCH_RESTART_SCOPE",
     "PSLAUNCH_SERVER_REPLICA",
     "PSLAUNCH_SERVER_REPLICAS",
+    "PSLAUNCH_MIN_WORKERS",
+    "PSLAUNCH_ELASTIC_TIMEOUT",
     "PSLAUNCH_STALL_WARN",
     "PSLAUNCH_STALL_TIMEOUT",
     "PSLAUNCH_CPU_BIND",
@@ -146,6 +149,10 @@ PSLAUNCH_RESTART_SCOPE = "PSLAUNCH_RESTART_SCOPE"
 PSLAUNCH_RESTART_COUNT = "PSLAUNCH_RESTART_COUNT"
 #: How many other servers' processes hold a copy of each server's keys (0: none): ``--server-replicas``.
 PSLAUNCH_SERVER_REPLICAS = "PSLAUNCH_SERVER_REPLICAS"
+#: An elastic job (``-n MIN:MAX``): the fewest workers it goes on with; DMLC_NUM_WORKER is then MAX.
+PSLAUNCH_MIN_WORKERS = "PSLAUNCH_MIN_WORKERS"
+#: Seconds an elastic job with fewer than PSLAUNCH_MIN_WORKERS workers waits for more before it fails.
+PSLAUNCH_ELASTIC_TIMEOUT = "PSLAUNCH_ELASTIC_TIMEOUT"
 #: Seconds a ``dist_sync`` round or a barrier may wait before the job says it is stalled, and on whom
 #: (``--stall-warn``; 0: never).
 PSLAUNCH_STALL_WARN = "PSLAUNCH_STALL_WARN"
@@ -186,6 +193,8 @@ SETTINGS = (
     PSLAUNCH_CHECKPOINT_DIR,
     PSLAUNCH_RESTART_SCOPE,
     PSLAUNCH_SERVER_REPLICAS,
+    PSLAUNCH_MIN_WORKERS,
+    PSLAUNCH_ELASTIC_TIMEOUT,
     PSLAUNCH_STALL_WARN,
     PSLAUNCH_STALL_TIMEOUT,
 )
@@ -211,6 +220,8 @@ MARKER_FINISHED = MARKER + "FINISHED"
 #: (``PSLAUNCH_STALL_WARN``, ``PSLAUNCH_STALL_TIMEOUT``): a JSON object follows, ``{"node": "server 1",
 #: "text": the sentence its log says, "workers": the ranks it waits for, "fatal": past the timeout}``.
 MARKER_STALL = MARKER + "STALL"
+#: A worker of an elastic job left it at a step boundary (SIGTERM): it exits 0 and is no failure.
+MARKER_LEFT = MARKER + "LEFT"
 
 def stack_signal() -> int:
     """The signal on which a worker of the bundled runtime writes every thread's Python stack to its

@@ -23,6 +23,7 @@ from pscontract import (
     MARKER_CAUGHT_UP,
     MARKER_FAILED,
     MARKER_FINISHED,
+    MARKER_LEFT,
     MARKER_READY,
     MARKER_RESUMED,
     MARKER_STALL,
@@ -40,7 +41,7 @@ from psnode.errors import EnvError
 from psnode.transport import security
 
 __all__ = ["NodeEnv", "read_env", "ROLES", "resolve_host", "shared_job_id", "EXIT_PEER_FAILED", "MARKER_READY", "MARKER_FAILED",
-           "MARKER_RESUMED", "MARKER_CAUGHT_UP", "MARKER_FINISHED", "MARKER_STALL", "MARKER_STATS", "MARKER_TRACE", "TIMELINE_TO_LAUNCHER"]
+           "MARKER_RESUMED", "MARKER_CAUGHT_UP", "MARKER_FINISHED", "MARKER_STALL", "MARKER_LEFT", "MARKER_STATS", "MARKER_TRACE", "TIMELINE_TO_LAUNCHER"]
 
 @dataclass(frozen=True)
 class NodeEnv:
@@ -86,7 +87,14 @@ class NodeEnv:
     replica: bool = False  # PSLAUNCH_SERVER_REPLICA=1: this server process is one of those copies
     stall_warn: float = 60.0  # PSLAUNCH_STALL_WARN: seconds a round or barrier waits before it is called stalled
     stall_timeout: float = 0.0  # PSLAUNCH_STALL_TIMEOUT: seconds a stalled wait may last before the job ends (0: never)
+    min_workers: int = 0  # PSLAUNCH_MIN_WORKERS: an elastic job goes on with this many (0: not elastic)
+    elastic_timeout: float = 60.0  # PSLAUNCH_ELASTIC_TIMEOUT: seconds with fewer than min_workers before it fails
     cpu_bind: str = ""  # PSLAUNCH_CPU_BIND: the cores this process binds itself to (pscontract.binding); "": none
+
+    @property
+    def elastic(self) -> bool:
+        """Whether workers may leave the running job (``PSLAUNCH_MIN_WORKERS`` below ``DMLC_NUM_WORKER``)."""
+        return 0 < self.min_workers < self.num_workers
 
     def bind_cpus(self) -> None:
         """Bind every thread of this process to its ``PSLAUNCH_CPU_BIND`` share (once a node starts:
@@ -248,6 +256,14 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     if restart_scope not in ("job", "worker"):
         raise EnvError(f"environment variable PSLAUNCH_RESTART_SCOPE={restart_scope!r} must be job or worker")
     server_replicas = _int("PSLAUNCH_SERVER_REPLICAS", _get(env, "PSLAUNCH_SERVER_REPLICAS") or "0", 0, 8)
+    min_text = _get(env, "PSLAUNCH_MIN_WORKERS")
+    min_workers = 0 if min_text is None else _int("PSLAUNCH_MIN_WORKERS", min_text, 1, num_workers)
+    elastic_timeout = _float("PSLAUNCH_ELASTIC_TIMEOUT", _get(env, "PSLAUNCH_ELASTIC_TIMEOUT") or "60")
+    if min_workers and min_workers < num_workers and (server_replicas or restart_scope == "worker"
+                                                      or not num_servers):
+        raise EnvError(f"PSLAUNCH_MIN_WORKERS={min_workers} makes the job elastic, which does not go with "
+                       + ("PSLAUNCH_SERVER_REPLICAS" if server_replicas else "PSLAUNCH_RESTART_SCOPE=worker"
+                          if restart_scope == "worker" else "a job without servers (DMLC_NUM_SERVER=0)") + " yet")
     stall_warn = _float("PSLAUNCH_STALL_WARN", _get(env, "PSLAUNCH_STALL_WARN") or "60")
     stall_timeout = _float("PSLAUNCH_STALL_TIMEOUT", _get(env, "PSLAUNCH_STALL_TIMEOUT") or "0")
     cpu_bind = (_get(env, "PSLAUNCH_CPU_BIND") or "").strip()
@@ -315,6 +331,8 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         replica=replica_text == "1",
         stall_warn=stall_warn,
         stall_timeout=stall_timeout,
+        min_workers=min_workers if min_workers < num_workers else 0,
+        elastic_timeout=elastic_timeout,
         cpu_bind=cpu_bind,
         malloc_tuning=malloc_text == "on",
         lanes=lanes_text == "on",

@@ -77,6 +77,7 @@ from ..errors import (
     ShapeMismatchError,
 )
 from ..handles import Handle
+from ..leaving import LeaveOnSignal
 from ..node_handle import NodeHandle
 from ..optim.base import Optimizer, Updater
 from .base import KeyMeta, KVStoreBase
@@ -117,6 +118,8 @@ class DistKVStore(KVStoreBase):
         self._keys = KeyInit(self._worker, self._sync, self._take_layouts)  # where keys go, and how they get there
         self._has_updater = False
         self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
+        # an elastic job (-n MIN:MAX): SIGTERM makes this worker leave at its next step boundary
+        self._leaving = LeaveOnSignal(self._worker) if self._sync and self._worker.env.elastic else None
         self._trace_calls(self._worker.timeline)
         self._restored: dict[Hashable, KeyMeta] = {}  # keys of the checkpoint restored (note_restored)
 
@@ -153,9 +156,20 @@ class DistKVStore(KVStoreBase):
 
     @maps_runtime_errors
     def close(self) -> None:
-        """Finish this worker's part of the job (also done at exit): waits for requests in flight."""
+        """Finish this worker's part of the job (also done at exit): waits for requests in flight. In an
+        elastic job a worker that got SIGTERM leaves it instead (the others go on without it)."""
         self._settle()
+        if self._leaving is not None and self._leaving.asked:
+            self._leaving.leave(exit=False)
+            return
         self._worker.close()
+
+    @property
+    def leaving(self) -> bool:
+        """True once this worker of an elastic job got SIGTERM: it leaves the job at its next step
+        boundary (its next push after the step's pulls), or at ``close()``, and exits 0. A script may
+        read it to end on its own terms."""
+        return self._leaving is not None and self._leaving.asked
 
     # ---- what checkpoints use (kvcore.elastic) --------------------------------------------------
     @property
@@ -318,6 +332,8 @@ class DistKVStore(KVStoreBase):
         """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
         if self._pending_mark is not None:
             self._send_mark()
+        if self._leaving is not None:
+            self._leaving.at_push()  # leaves (SystemExit 0) at a step boundary once SIGTERM came
         if type(value) is np.ndarray and (self._sync or self._has_updater) and self._compression is None:
             target = self._whole_target(key, value)
             if target is not None:
@@ -329,6 +345,8 @@ class DistKVStore(KVStoreBase):
     @maps_runtime_errors
     def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True, wait: bool = True) -> Handle:
         """As ``KVStoreBase.pull``; one numpy out of an initialised whole key skips the grouping."""
+        if self._leaving is not None:
+            self._leaving.pulled = True
         if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable:
             target = self._whole_target(key, out)
             if target is not None:

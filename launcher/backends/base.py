@@ -148,6 +148,7 @@ class ProcessHandle(ABC):
         self.resumed_from: dict | None = None
         self.caught_up_at: float | None = None
         self.finished_at: float | None = None
+        self.left_at: float | None = None  # an elastic job's worker left it at a step boundary (``LEFT``)
         # (when, "server 1: stalled: ...", the worker ranks it waits for): its STALL markers, the newest last
         self.stalls: list[tuple[float, str, tuple[int, ...]]] = []
         self.fatal_stall: tuple[float, str, tuple[int, ...]] | None = None  # the first past --stall-timeout
@@ -178,6 +179,8 @@ class ProcessHandle(ABC):
             self.caught_up_at = time.monotonic()
         elif verb == "FINISHED" and self.finished_at is None:
             self.finished_at = time.monotonic()
+        elif verb == "LEFT" and self.left_at is None:
+            self.left_at = time.monotonic()
         elif verb == "STALL":
             said = _stall_text(rest)
             if said is not None:

@@ -239,6 +239,9 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
         settings[ec.PSLAUNCH_SERVER_REPLICAS] = str(config.server_replicas)
     if config.stall_warn != 60.0:  # the runtime's default otherwise
         settings[ec.PSLAUNCH_STALL_WARN] = f"{config.stall_warn:g}"
+    if config.elastic:
+        settings[ec.PSLAUNCH_MIN_WORKERS] = str(config.min_workers)
+        settings[ec.PSLAUNCH_ELASTIC_TIMEOUT] = f"{config.elastic_timeout:g}"
     if config.stall_timeout:
         settings[ec.PSLAUNCH_STALL_TIMEOUT] = f"{config.stall_timeout:g}"
     # torch.distributed's env:// rendezvous, for a job without servers: worker 0's host and a port

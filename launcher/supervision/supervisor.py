@@ -417,6 +417,13 @@ class Supervisor:
             if handle.status is None:
                 self._stopped.add(id(handle))
         hurry = len(self._signals)  # another Ctrl-C skips the grace period
+        if self.config.elastic:
+            # An elastic job's worker takes a first SIGTERM as a notice to leave at its next step boundary
+            # (kvcore.leaving), which a job torn down never reaches: the second, below, ends it at once.
+            for handle in self.handles:
+                if handle.spec.role == "worker" and handle.poll() is None:
+                    handle.terminate()
+            time.sleep(0.05)  # two signals at once would be one
         # every handle: exited leaders may leave group members behind
         running = stop(self.handles, terminate=lambda h: h.terminate(), kill=lambda h: h.kill(),
                        alive=lambda h: h.poll() is None, grace=self.config.stop_grace,

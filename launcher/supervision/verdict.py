@@ -140,6 +140,8 @@ def notes(handles: "list[ProcessHandle]", stopped: set[int], failure: Failure | 
             out[id(h)] = "stopped by pslaunch"
         elif kind == "running":
             out[id(h)] = "still running"
+        elif h.left_at is not None:  # an elastic job's worker that left at a step boundary (SIGTERM)
+            out[id(h)] = f"left the job at {h.left_at - h.started:.1f}s"
         else:
             out[id(h)] = ""
     return out

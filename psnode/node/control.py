@@ -44,7 +44,7 @@ CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN,
      Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED, Cmd.PEERS_REPLY, Cmd.LEDGER_ACK,
      Cmd.LEDGER_ENTRIES, Cmd.SERVER_LOST, Cmd.SCHEDULER_BACK, Cmd.REPLICA_JOINED, Cmd.REPLICA_JOINING,
-     Cmd.BARRIER_STALLED}
+     Cmd.BARRIER_STALLED, Cmd.LEAVE_ACK, Cmd.WORKER_LEFT}
 )
 """What only the scheduler sends to a node."""
 
@@ -128,6 +128,7 @@ class SchedulerLink:
         self.members = members
         self.failure = failure
         self.on_worker_finished = on_worker_finished
+        self.on_worker_left: Callable[[int], None] | None = None  # an elastic job's worker left (``WORKER_LEFT``)
         self.on_worker_rejoined = on_worker_rejoined
         # ``on_server_lost(rank, lost uid, taking-over uid or None)``: a server's process (or a replica) of
         # the job is gone (PSLAUNCH_SERVER_REPLICAS); it updates the book and drops the lost peer's
@@ -427,6 +428,16 @@ class SchedulerLink:
             info = unpack_json(frames[1])
             if self.on_worker_finished is not None:
                 self.on_worker_finished(int(info["rank"]), str(info["node"]))
+        elif cmd == Cmd.WORKER_LEFT:  # an elastic job's worker left at a step boundary
+            info = unpack_json(frames[1])
+            rank = int(info["rank"])
+            if not 0 <= rank < self.env.num_workers:
+                raise ProtocolError(f"a WORKER_LEFT of worker {rank}, which the job does not have")
+            self.members.left.add(rank)
+            logger.info("%s %d: %s left the job; %d workers go on", self.me.role, self.members.rank,
+                        str(info["node"])[:200], self.env.num_workers - len(self.members.left))
+            if self.on_worker_left is not None:
+                self.on_worker_left(rank)
         elif cmd == Cmd.WORKER_REJOINED:
             info = unpack_json(frames[1])
             peer = PeerInfo.from_record(info["node"])
@@ -474,7 +485,7 @@ class SchedulerLink:
                     waiter.set_result(_ledger_result(cmd, flags, arg, frames))
                 except PSNodeError as exc:  # a refusal, or a malformed answer: the asker must not wait on
                     waiter.set_exception(exc)
-        elif cmd in (Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.RDV_VALUE):
+        elif cmd in (Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.RDV_VALUE, Cmd.LEAVE_ACK):
             with self._waiters_lock:
                 waiter = self._waiters.pop(req_id, None)
                 self._asked.pop(req_id, None)

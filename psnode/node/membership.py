@@ -124,6 +124,7 @@ class Membership:
         # takes its place in ``servers`` once it is lost (``server_lost``)
         self.replicas: dict[int, list[PeerInfo]] = {}
         self.rejoined = False  # this worker took the rank of one that died (PSLAUNCH_RESTART_SCOPE=worker)
+        self.left: set[int] = set()  # an elastic job's workers that left it (``WORKER_LEFT``): ranks are not reused
         self.late = False  # a replica that joined a running job (its book says so)
         # False for a worker of a job with servers: its book holds the servers alone (the scheduler's
         # books are O(nodes x servers) in all, not O(nodes^2)); the workers come on request (PEERS)

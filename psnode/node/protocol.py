@@ -158,6 +158,10 @@ class Cmd(enum.IntEnum):
     SNAPSHOT = 59  # server -> the joining replica: a JSON index and the arrays of its keys (psnode.server.snapshot)
     STALLED = 60  # server -> the workers whose pushes a stalled round holds, JSON {"text"}: said in their logs too
     BARRIER_STALLED = 61  # scheduler -> the nodes waiting in a stalled barrier, JSON {"text"}: said in their logs too
+    LEAVE = 62  # worker -> scheduler (an elastic job): I leave at this step boundary, my pushes all acknowledged
+    LEAVE_ACK = 63  # from the scheduler: every node was told (or FLAG_ERROR and {"error"})
+    WORKER_LEFT = 64  # scheduler -> servers and workers, JSON {"rank", "node", "workers"}: it left; the rounds
+    #                   after its last push do not wait for it, and "workers" take part now
     CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
     CHECKPOINT_REPLY = 35  # JSON: the operation's result
 

@@ -37,6 +37,7 @@ from psnode.node.protocol import (
 from psnode.node.stalls import StallClock, say_stall
 from psnode.node.stats import check_body, stderr_line
 from psnode.scheduler.comeback import Comeback, back_body
+from psnode.scheduler.elastic import Elastic, ElasticError
 from psnode.scheduler.ledger import Answer, Ledger
 from psnode.scheduler.rendezvous import Rendezvous
 from psnode.scheduler.report import JobReport
@@ -79,6 +80,7 @@ class Scheduler:
         self._books: dict[str, bytes | None] = {}  # encoded address book lists by role (``_book``)
         self._pending_joins: list[tuple[bytes, list]] = []  # replicas joining while a server's connection is down
         self._stall_clock = StallClock.of(env)  # barriers that wait, said in the log (psnode.node.stalls)
+        self.elastic = Elastic(env)  # PSLAUNCH_MIN_WORKERS: workers that leave the running job
 
     # ---- registration -------------------------------------------------------------------
     def register(self) -> None:
@@ -351,6 +353,8 @@ class Scheduler:
                 self._check_alive()
             if self._stall_clock.on and self.barriers.opened:
                 self._stalled_barriers()
+            if self.elastic.short_since is not None:
+                self._check_elastic()
         self._shutdown_servers()
 
     def _dispatch(self, sender: bytes, frames: list) -> None:
@@ -391,6 +395,8 @@ class Scheduler:
             except ProtocolError:
                 reason = "it failed"
             self._announce_death(member, f"{member.peer.describe()} failed: {reason}")
+        elif cmd == Cmd.LEAVE:  # an elastic job's worker leaves at a step boundary
+            self.elastic.leave(self, sender, member, req_id)
         elif cmd == Cmd.REGISTER:  # a repeated registration is harmless; one coming back is answered again
             self._back_again(sender, frames)
         else:
@@ -653,6 +659,19 @@ class Scheduler:
                         except PSNodeError:
                             pass
                 raise error
+
+    def _check_elastic(self) -> None:
+        """An elastic job below its minimum of workers past its timeout fails: every node hears why."""
+        try:
+            self.elastic.check(self.roster.expected["worker"])
+        except ElasticError as error:
+            body = {"message": str(error), "role": "scheduler", "rank": 0, "host": self.env.root_uri}
+            for uid in self.roster.members:
+                try:
+                    self.transport.send(uid, [pack_header(Cmd.NODE_DIED), pack_json(body)])
+                except PSNodeError:
+                    pass
+            raise
 
     def _lost_servers(self) -> None:
         """Servers and replicas whose connection ended and stayed closed (``_LOST_AFTER``): lost."""

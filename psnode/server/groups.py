@@ -41,7 +41,7 @@ class Group:
         self.nbytes = entries["nbytes"].copy()
         self.total = int(self.nbytes.sum())
         self.stored = np.empty(self.total // itemsize, self.dtype)
-        self.round = Round(num_workers, num_workers, _HOST, np.empty_like(self.stored))
+        self.round = Round(num_workers, shards[0].round.quorum, _HOST, np.empty_like(self.stored))
         self.round.received = list(shards[0].round.received)
         self.views: list[tuple[int, int]] = []
         for shard, offset, nbytes in zip(shards, self.offsets.tolist(), self.nbytes.tolist()):

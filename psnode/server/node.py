@@ -108,6 +108,7 @@ class ServerNode:
         self._seeded = False
         self._before_seed: list[tuple] = []
         self.conn.link.on_replica = self._replica_joining
+        self.conn.link.on_worker_left = self._worker_left
         self.conn.link.on_server_lost = self._server_lost
         self.timeline = self.conn.timeline
         if self.timeline is not None:  # PSLAUNCH_TIMELINE: each push's merge and each round's update, per key
@@ -142,8 +143,8 @@ class ServerNode:
             checkpoints.poll()
             if stalls.clock.on:
                 for line, waiting_for, level, came, waited, what in stalls.look(
-                        time.monotonic(), self.store.shards.values(), conn.env.num_workers, self.store.finished,
-                        self._host_of):
+                        time.monotonic(), self.store.shards.values(), conn.env.num_workers,
+                        self._gone(), self._host_of):
                     error = say_stall(conn.env, f"server {self.rank}", line, waiting_for, level, self.timeline, waited,
                                       what)
                     self._tell_waiting(came, line)
@@ -678,6 +679,18 @@ class ServerNode:
         for group in self.groups.by_keys.values():
             group.round.received[rank] = 0
         self.replies.forget_worker(rank)
+
+    def _gone(self) -> dict[int, str]:
+        """The workers no round waits for: finished, or left an elastic job."""
+        store = self.store
+        return store.finished if not store.left else {**store.finished, **dict.fromkeys(store.left, "left")}
+
+    def _worker_left(self, rank: int) -> None:
+        """An elastic job's worker left at a step boundary: its keys' rounds go on without it (groups of
+        keys go back to the per-key path first, each round with its own progress)."""
+        for group in list(self.groups.by_keys.values()):
+            self.groups.dissolve(group)
+        self.store.worker_left(rank, self.replies.answer)
 
     def _worker_finished(self, rank: int, node: str) -> None:
         """Fail the pulls that wait for a round this worker will never push to (instead of hanging)."""

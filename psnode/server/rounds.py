@@ -41,7 +41,7 @@ class Round:
     """
 
     __slots__ = ("quorum", "memory", "merge", "count", "pushed", "received", "backlog", "first", "waiting", "closed",
-                 "versioned")
+                 "versioned", "leaving")
 
     def __init__(self, num_workers: int, quorum: int, memory: Any, merge: Any) -> None:
         self.quorum = quorum
@@ -55,6 +55,7 @@ class Round:
         self.waiting: list = []  # (worker, seq, item): pulls not answerable yet
         self.closed = 0  # rounds applied: the value is the one after round ``closed``
         self.versioned = False  # pulls are answered with the value after their round (see the module docstring)
+        self.leaving: set[int] = set()  # workers that left the job with a push still in an open round
 
     # ---- pushes ----------------------------------------------------------------------------
     def push(self, worker: int, data: Any, borrowed: bool = False) -> bool:
@@ -118,6 +119,26 @@ class Round:
             self.first = None
             if self.backlog:
                 self.backlog = drain_backlog(self.backlog, self.pushed, self._merge)
+            if self.leaving:
+                self._take_leaves()
+
+    # ---- an elastic job's membership --------------------------------------------------------
+    def leave(self, worker: int) -> bool:
+        """``worker`` left the job after its last push (an elastic job's step boundary): the rounds
+        after the last one it pushed to do not wait for it, so each round sums exactly the workers that
+        were members in it. True when the open round is full now (then call ``close``)."""
+        if self.quorum == 1 and worker not in self.pushed:  # dist_async, or the last worker: nothing waits
+            return False
+        self.leaving.add(worker)
+        self._take_leaves()
+        return bool(self.count) and self.count == self.quorum
+
+    def _take_leaves(self) -> None:
+        """Lower the quorum for each leaver with no push in the open round or the backlog."""
+        for worker in list(self.leaving):
+            if worker not in self.pushed and not any(w == worker for w, _ in self.backlog):
+                self.leaving.discard(worker)
+                self.quorum = max(1, self.quorum - 1)
 
     def swap_merge(self, buffer: Any) -> Any:
         """Make ``buffer`` the merge buffer; return the old one (an apply that keeps the sum)."""
@@ -175,6 +196,7 @@ class Round:
         part.first = None if self.first is None else self.first[lo:hi]
         part.closed = self.closed
         part.versioned = self.versioned
+        part.leaving = set(self.leaving)
         part.backlog = deque((w, d[lo:hi]) for w, d in self.backlog)
         return part
 

@@ -130,6 +130,7 @@ class ServerStore:
         self.shards: dict[int, Shard] = {}
         self.updater: Any = None
         self.finished: dict[int, str] = {}  # workers that left the job: rank -> description
+        self.left: set[int] = set()  # an elastic job's workers that left it at a step boundary
         self.held_bytes = 0  # bytes of the stored values
         self.pushed_bytes = 0  # bytes of the pushes taken (decoded)
         self.updates = 0  # rounds applied, one per key part (a group's round counts each of its keys)
@@ -210,7 +211,7 @@ class ServerStore:
             self.restored.add(key_id)
         memory = self.memory
         stored = memory.place(value.reshape(-1))  # kept flat; the updater gets ``shape`` views
-        quorum = self.num_workers if sync else 1
+        quorum = self.num_workers - len(self.left) if sync else 1
         round_ = Round(self.num_workers, quorum, memory, memory.empty_like(stored))
         round_.versioned = self.replay and sync
         shard = Shard(key_id, user_key, tuple(value.shape), stored, round_, sync, row_size)
@@ -267,6 +268,19 @@ class ServerStore:
             if not shard.round.versioned:
                 shard.round.received[rank] = 0
             shard.round.waiting = [w for w in shard.round.waiting if w[0] != rank]
+
+    def worker_left(self, rank: int, answer: Answer) -> None:
+        """An elastic job's worker ``rank`` left after its last push (``Round.leave``): rounds close
+        without it from the open one on; the pulls that releases go to ``answer``."""
+        self.left.add(rank)
+        self.marks.forget(rank)
+        for shard in self.shards.values():
+            round_ = shard.round
+            if shard.sync and round_.leave(rank):
+                round_.close(self._apply, shard)
+            if round_.waiting:
+                for waiter, item in round_.release():
+                    answer(waiter, item[0], item[1], shard)
 
     def add_mark(self, worker: int, mark: Mark) -> None:
         """Keep ``worker``'s newest mark; values below the new floor are let go at their next update."""

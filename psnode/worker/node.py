@@ -36,7 +36,7 @@ import numpy as np
 from psnode.collectives import Engine
 from psnode.collectives.watch import LEFT_GRACE
 from psnode.compression.codecs import RAW
-from psnode.env import MARKER_CAUGHT_UP, MARKER_FINISHED, MARKER_RESUMED, NodeEnv
+from psnode.env import MARKER_CAUGHT_UP, MARKER_FINISHED, MARKER_LEFT, MARKER_RESUMED, NodeEnv
 from psnode.errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
 from psnode.log import logger
 from psnode.node.bulk import batches
@@ -180,6 +180,35 @@ class WorkerNode:
         if self.timeline is not None:
             self.timeline.close()
 
+    def leave(self, timeout: float = 60.0) -> int:
+        """Leave an elastic job (``PSLAUNCH_MIN_WORKERS``) now, at a step boundary: every push this worker
+        made must be acknowledged. The scheduler tells every node, whose rounds after this worker's
+        last pushes go on without it; then this node closes without a finish. Returns how many workers
+        go on.
+
+        Raises:
+            PSNodeError: the job is not elastic (the scheduler's sentence), requests are in flight, or
+                the node failed; NodeTimeoutError: no answer within ``timeout``.
+        """
+        self._check()
+        if self.requests.pending:
+            raise PSNodeError(f"worker {self.rank} cannot leave with {len(self.requests.pending)} requests in flight: "
+                              "leave at a step boundary, after the step's pulls")
+        self._wait(self.conn.link.ask(Cmd.LEAVE), timeout, "answer to its leave")
+        self.closed = True
+        try:
+            atexit.unregister(self.close)
+        except Exception:
+            pass
+        self.requests.refuse_new(f"worker {self.rank} left the job")
+        self.tell_launcher(MARKER_LEFT)
+        self.receiver.stop()
+        self.collectives.close()
+        self.conn.close(linger=0.5)
+        if self.timeline is not None:
+            self.timeline.close()
+        return self.env.num_workers - len(self.conn.members.left) - 1
+
     def close(self, timeout: float | None = None) -> None:
         """Wait for requests in flight, tell the scheduler this worker finished, and close (idempotent).
 
@@ -238,8 +267,8 @@ class WorkerNode:
 
     @property
     def num_workers(self) -> int:
-        """Workers in the job."""
-        return self.env.num_workers
+        """Workers in the job now (an elastic job's less those that left it)."""
+        return self.env.num_workers - len(self.conn.members.left)
 
     @property
     def num_servers(self) -> int:

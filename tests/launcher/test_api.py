@@ -41,7 +41,7 @@ def test_a_failed_job_is_a_result_naming_the_failing_worker_with_its_own_last_li
 
 
 def test_what_pslaunch_refuses_before_starting_is_raised_and_unknown_keywords_are_named():
-    with pytest.raises(ConfigError, match="-n/--num-workers must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"launch\(num_workers=0\): '0' must be >= 1, got 0"):
         launch(["true"], num_workers=0)
     with pytest.raises(ConfigError, match="--ssh-user is not an option of --launcher local"):
         launch(["true"], num_workers=1, ssh_user="bob")
@@ -62,7 +62,8 @@ def test_a_misspelt_keyword_is_named_with_the_nearest_option(keyword, words):
 
 @pytest.mark.parametrize("keyword, words", [
     ({"timeout": "abc"}, "launch(timeout='abc'): 'abc' is not a valid float."),  # once: '<' between str and int
-    ({"num_workers": "two"}, "launch(num_workers='two'): 'two' is not a valid integer."),
+    ({"num_workers": "two"}, "launch(num_workers='two'): 'two' is not a number of workers: give N or MIN:MAX "
+                             "(-n 4, -n 2:4)"),
     ({"restart_scope": "node"}, "launch(restart_scope='node'): 'node' is not one of 'job', 'worker'."),
 ])
 def test_a_value_of_the_wrong_kind_is_refused_naming_the_keyword_and_the_value(keyword, words):

@@ -122,7 +122,9 @@ def test_x_sets_a_variable_for_every_process_as_mpiruns_does():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["-n", "x", "true"], "Invalid value for '-n' / '--num-workers': 'x' is not a valid integer."),
+    (["-n", "1", "-s", "x", "true"], "Invalid value for '-s' / '--num-servers': 'x' is not a valid integer."),
+    (["-n", "x", "true"], "-n/--num-workers 'x' is not a number of workers: give N or MIN:MAX (-n 4, -n 2:4)"),
+    (["-n", "0", "true"], "-n/--num-workers '0' must be >= 1, got 0"),
     (["-n", "1", "--bogus", "true"], "No such option '--bogus'."),
     (["-n", "1"], "Missing argument 'COMMAND...'."),
 ])

@@ -1,0 +1,57 @@
+"""Leaving an elastic job at a step boundary (``-n MIN:MAX``; ``PSLAUNCH_MIN_WORKERS``).
+
+A preempted pod or a spot notice sends the worker SIGTERM. In an elastic job the worker does not die
+there: ``LeaveOnSignal`` notes it, the step under way finishes, and at the next step boundary (its
+next push after the step's pulls, with every request answered) the worker leaves the job
+(``WorkerNode.leave``: every node is told, the rounds after its last push go on without it) and the
+process exits 0 (``SystemExit(0)`` raised from that push, so ``finally`` blocks and ``atexit`` run). A
+plain push/pull loop needs no change; a script can read ``kv.leaving`` to end on its own terms
+(``kv.close()`` then leaves). A second SIGTERM ends the process at once, as SIGTERM does otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+__all__ = ["LeaveOnSignal"]
+
+
+class LeaveOnSignal:
+    """One worker's SIGTERM, and the step boundary it waits for. ``pulled`` is set by each pull."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.asked = False
+        self.pulled = False  # a pull came since the last push: the next push starts a step
+        self._previous: Any = None
+        if threading.current_thread() is threading.main_thread():  # only there can Python install handlers
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal's signature
+        if self.asked:  # the second: end now, as SIGTERM does
+            signal.signal(signal.SIGTERM, self._previous if callable(self._previous) else signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.asked = True
+        print(f"worker {self.worker.rank}: SIGTERM: leaving the job at the next step boundary", file=sys.stderr,
+              flush=True)
+
+    def at_push(self) -> None:
+        """Called before each push: leave now when SIGTERM came and this push starts a step with every
+        request of the last one answered."""
+        if self.asked and self.pulled and not self.worker.requests.pending:
+            self.leave()
+        self.pulled = False
+
+    def leave(self, exit: bool = True) -> None:
+        """Leave the job; with ``exit``, end the process with exit code 0 (``kv.close()`` returns)."""
+        rank = self.worker.rank
+        remaining = self.worker.leave()
+        print(f"worker {rank} left the job at a step boundary (SIGTERM); {remaining} "
+              f"{'worker goes' if remaining == 1 else 'workers go'} on", file=sys.stderr, flush=True)
+        if exit:
+            raise SystemExit(0)
