@@ -306,10 +306,10 @@ class LaunchConfig:
         shape = f"-n {self.min_workers}:{self.num_workers}"
         if self.backend in ("mpi", "slurm", "sge"):
             raise ConfigError(f"{shape} makes the job elastic, but --launcher {self.backend} starts every rank at once "
-                              "and ends them together: use --launcher local (ssh, agents and ray: not yet)")
-        if self.backend != "local":
-            raise ConfigError(f"{shape} makes the job elastic, which runs with --launcher local for now (--launcher "
-                              f"{self.backend}: not yet)")
+                              "and ends them together: use --launcher local, ssh or per-node agents (--nnodes)")
+        if self.backend not in ("local", "ssh", "agents"):
+            raise ConfigError(f"{shape} makes the job elastic, which runs with --launcher local, ssh and per-node "
+                              f"agents for now (--launcher {self.backend}: not yet)")
         if self.num_servers == 0:
             raise ConfigError(f"{shape} makes the job elastic, but -s 0 has no servers: the workers' rings would "
                               "have to be formed again at every change; give the job servers (-s N)")

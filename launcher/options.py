@@ -93,7 +93,7 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     # -- Job shape
-    Option('num_workers', ('-n', '--num-workers'), 'workers', required=True, metavar='N|MIN:MAX', section='Job shape', help='Number of worker processes; MIN:MAX makes the job elastic: MAX start, and workers that get SIGTERM leave at a step boundary while MIN remain (--launcher local, dist_sync with servers).'),
+    Option('num_workers', ('-n', '--num-workers'), 'workers', required=True, metavar='N|MIN:MAX', section='Job shape', help='Number of worker processes; MIN:MAX makes the job elastic: MAX start, and workers that get SIGTERM leave at a step boundary while MIN remain (local, ssh, agents; dist_sync with servers).'),
     Option('num_servers', ('-s', '--num-servers'), 'int', section='Job shape', help="Number of servers [default: = workers]; 0: none, the workers sum among themselves (kvcore.create('allreduce'))."),
     Option('backend', ('--launcher',), 'text', metavar='NAME', section='Job shape', help='Backend: local, ssh, mpi, slurm, sge or ray [default: ssh with a hostfile, local without].'),
     Option('command_for_all_roles', ('--command-for-all-roles',), 'flag', section='Job shape', help='Run COMMAND as scheduler and servers too (MXNet / ps-lite / BytePS programs) instead of the bundled runtime `python -m psnode`.'),

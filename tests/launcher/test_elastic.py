@@ -128,6 +128,7 @@ def test_a_barrier_the_leaver_was_the_last_one_missing_from_completes_when_it_le
     (["-n", "2:x"], "-n/--num-workers '2:x' is not a number of workers: give N or MIN:MAX"),
     (["-n", "2:4", "-s", "0"], "-n 2:4 makes the job elastic, but -s 0 has no servers"),
     (["-n", "2:4", "--launcher", "mpi"], "-n 2:4 makes the job elastic, but --launcher mpi starts every rank at once"),
+    (["-n", "2:4", "--launcher", "ray"], "-n 2:4 makes the job elastic, which runs with --launcher local, ssh and"),
     (["-n", "2:4", "--server-replicas", "1"], "-n 2:4 makes the job elastic, which does not go with --server-replicas"),
 ])
 def test_what_cannot_be_elastic_is_refused_before_anything_starts(tmp_path, args, message):
@@ -186,3 +187,17 @@ def test_ctrl_c_ends_an_elastic_job_at_once_a_torn_down_worker_does_not_wait_for
     ended = [(rows[f"worker.{r}@localhost"]["signal"], rows[f"worker.{r}@localhost"]["exit_code"]) for r in range(3)]
     assert all(how in ((signal.SIGTERM, None), (None, 0), (None, 75)) for how in ended), rows
     assert not wait_gone(str(out))
+
+
+def test_over_ssh_a_worker_on_another_host_leaves_and_the_rounds_sum_the_rest(sshd, tmp_path):
+    # workers 0 and 2 on 127.0.0.2, 1 on 127.0.0.3; worker 2 gets SIGTERM after step 1
+    hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2", "127.0.0.3"])
+    res = run_pslaunch(["-n", "2:3", "-s", "1", "-H", hosts, *sshd.ssh_flags(), "--no-dashboard", "--env",
+                        f"PYTHONPATH:{REPO}", "--env", "STEPS:6", "--env", "LEAVE:2:1", "--timeout", "60", "python",
+                        HELPER, str(tmp_path)], timeout=90)
+    assert res.returncode == 0, res.stderr
+    members = {s: {0, 1, 2} if s <= 1 else {0, 1} for s in range(6)}
+    got = _records(tmp_path)
+    assert [v for _, _, v in got[0]] == _closed_form(6, members) == [v for _, _, v in got[1]], got
+    assert "[worker.2@127.0.0.2] worker 2 left the job at a step boundary (SIGTERM); 2 workers go on" in res.stderr
+    assert not wait_gone(str(tmp_path))
