@@ -49,7 +49,7 @@ from .stores.base import KeyMeta
 
 __all__ = ["State"]
 
-_OWN = frozenset({"restore", "commit", "wait", "scalars", "checkpoint_id", "restart_count"})
+_OWN = frozenset({"restore", "commit", "commit_alone", "wait", "scalars", "checkpoint_id", "restart_count"})
 _NOTE_TEXT = 3000  # characters of an error message carried in a barrier note
 
 
@@ -86,6 +86,8 @@ class State:
         for name, value in scalars.items():
             object.__setattr__(self, name, value)
         kv.note_scalars(self.scalars)  # the starting place: a replacement that finds no later mark begins here
+        if model is None and hasattr(kv, "preempt_state"):
+            kv.preempt_state = self  # a preempted job's worker 0 commits it alone (kvcore.preempting)
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -230,6 +232,20 @@ class State:
         self.checkpoint_id = self._agree(note)["id"]
         return self.checkpoint_id
 
+    def commit_alone(self) -> int:
+        """Worker 0 of a preempted job, at a step boundary: checkpoint the model and the scalars now,
+        without the other workers (no round of the next step can close without this worker's push, so
+        the servers hold exactly the values after this step), and wait until it is complete.
+
+        Raises:
+            CheckpointError: a server could not write its file (naming it and why).
+        """
+        note = self._guarded(lambda: self._commit_on_servers(self.scalars, True, preempted=True))
+        if "error" in note:
+            raise CheckpointError(f"the checkpoint of the preempted job could not be written: {note['error']}")
+        self.checkpoint_id = note["id"]
+        return self.checkpoint_id
+
     def wait(self) -> int | None:
         """Block until the last commit is complete and on disk; its id (None: none was made).
 
@@ -246,14 +262,14 @@ class State:
             note = self._guarded(lambda: self._complete() or {"id": self.checkpoint_id})
         return self._agree(note)["id"]
 
-    def _commit_on_servers(self, scalars: dict, wait: bool) -> dict:
+    def _commit_on_servers(self, scalars: dict, wait: bool, preempted: bool = False) -> dict:
         kv, env = self._kv, self._kv.job
         self._complete()  # the previous commit's outcome first: an error of it is this call's
         if self._next is None:
             highest = self._ask(0, {"op": "scan"}).get("highest")
             self._next = (highest + 1) if isinstance(highest, int) else 1
         ckpt_id = self._next
-        replies = self._run({s: {"op": "save", "id": ckpt_id} for s in range(kv.num_servers)},
+        replies = self._run({s: {"op": "save", "id": ckpt_id, "preempted": preempted} for s in range(kv.num_servers)},
                             f"writing checkpoint {ckpt_id}")
         files = []
         for server in range(kv.num_servers):

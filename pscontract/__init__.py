@@ -41,6 +41,9 @@ __all__ = [
     "MARKER_FINISHED",
     "MARKER_STALL",
     "MARKER_LEFT",
+    "MARKER_PREEMPTED",
+    "EXIT_PREEMPTED",
+    "preempt_signal",
     "stack_signal",
     "MARKER_READY",
     "MARKER_RESUMED",
@@ -222,6 +225,21 @@ MARKER_FINISHED = MARKER + "FINISHED"
 MARKER_STALL = MARKER + "STALL"
 #: A worker of an elastic job left it at a step boundary (SIGTERM): it exits 0 and is no failure.
 MARKER_LEFT = MARKER + "LEFT"
+#: Worker 0, told the job is preempted (``preempt_signal``), committed a checkpoint: a JSON object
+#: follows, ``{"checkpoint": id, "scalars": {...}}``; it then exits ``EXIT_PREEMPTED``.
+MARKER_PREEMPTED = MARKER + "PREEMPTED"
+#: The exit code of a job (and of its worker 0) that was preempted after committing a checkpoint:
+#: running the same command again resumes from it.
+EXIT_PREEMPTED = 85
+
+def preempt_signal() -> int:
+    """The signal on which worker 0 of the bundled runtime commits a checkpoint at its next step
+    boundary and exits ``EXIT_PREEMPTED`` (``kvcore.preempting``): pslaunch sends it when it is
+    itself told to stop (SIGTERM) and the job keeps checkpoints."""
+    import signal
+
+    return int(signal.SIGRTMIN) + 3
+
 
 def stack_signal() -> int:
     """The signal on which a worker of the bundled runtime writes every thread's Python stack to its

@@ -78,6 +78,7 @@ from ..errors import (
 )
 from ..handles import Handle
 from ..leaving import LeaveOnSignal
+from ..preempting import PreemptOnSignal
 from ..node_handle import NodeHandle
 from ..optim.base import Optimizer, Updater
 from .base import KeyMeta, KVStoreBase
@@ -120,6 +121,9 @@ class DistKVStore(KVStoreBase):
         self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
         # an elastic job (-n MIN:MAX): SIGTERM makes this worker leave at its next step boundary
         self._leaving = LeaveOnSignal(self._worker) if self._sync and self._worker.env.elastic else None
+        # a preempted job: worker 0 commits a checkpoint at its next step boundary (kvcore.preempting)
+        self._preempting = PreemptOnSignal(self) if self._worker.env.checkpoint_dir else None
+        self.preempt_state: Any = None  # the kvcore.elastic.State that commits it (the script's last)
         self._trace_calls(self._worker.timeline)
         self._restored: dict[Hashable, KeyMeta] = {}  # keys of the checkpoint restored (note_restored)
 
@@ -334,6 +338,8 @@ class DistKVStore(KVStoreBase):
             self._send_mark()
         if self._leaving is not None:
             self._leaving.at_push()  # leaves (SystemExit 0) at a step boundary once SIGTERM came
+        if self._preempting is not None:
+            self._preempting.at_push()  # commits and exits at a step boundary once preempted
         if type(value) is np.ndarray and (self._sync or self._has_updater) and self._compression is None:
             target = self._whole_target(key, value)
             if target is not None:
@@ -347,6 +353,8 @@ class DistKVStore(KVStoreBase):
         """As ``KVStoreBase.pull``; one numpy out of an initialised whole key skips the grouping."""
         if self._leaving is not None:
             self._leaving.pulled = True
+        if self._preempting is not None:
+            self._preempting.pulled = True
         if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable:
             target = self._whole_target(key, out)
             if target is not None:

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
-from pscontract import MARKER
+from pscontract import MARKER, stack_signal
 
 from ..config import LaunchConfig
 from ..observe.output import LineSplitter, Printer
@@ -113,6 +113,16 @@ def _stall_text(text: str) -> tuple[str, tuple[int, ...], bool] | None:
     return f"{body['node'][:40]}: {body['text'][:1000]}", ranks, body.get("fatal") is True
 
 
+def _preempted(text: str) -> dict:
+    """A ``PREEMPTED`` marker's JSON (``{"checkpoint": id, "scalars"}``); ``{}`` when it does not parse
+    (the process's own output may imitate a marker: it only loses the checkpoint's id)."""
+    try:
+        body = json.loads(text[:1 << 17])
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
 def _resumed_scalars(text: str) -> dict | None:
     """The scalars of a ``RESUMED`` marker's JSON (``{"mark", "scalars"}``); None when it names none or
     does not parse (the process's own output may imitate a marker: it only loses the scalars)."""
@@ -149,6 +159,7 @@ class ProcessHandle(ABC):
         self.caught_up_at: float | None = None
         self.finished_at: float | None = None
         self.left_at: float | None = None  # an elastic job's worker left it at a step boundary (``LEFT``)
+        self.preempted: dict | None = None  # worker 0 committed a checkpoint as the job was preempted
         # (when, "server 1: stalled: ...", the worker ranks it waits for): its STALL markers, the newest last
         self.stalls: list[tuple[float, str, tuple[int, ...]]] = []
         self.fatal_stall: tuple[float, str, tuple[int, ...]] | None = None  # the first past --stall-timeout
@@ -181,6 +192,8 @@ class ProcessHandle(ABC):
             self.finished_at = time.monotonic()
         elif verb == "LEFT" and self.left_at is None:
             self.left_at = time.monotonic()
+        elif verb == "PREEMPTED" and self.preempted is None:
+            self.preempted = _preempted(rest)
         elif verb == "STALL":
             said = _stall_text(rest)
             if said is not None:
@@ -214,6 +227,11 @@ class ProcessHandle(ABC):
     def dump_stack(self) -> bool:
         """Ask the process for every thread's Python stack, which it writes to its stderr (a worker of
         the bundled runtime: ``pscontract.stack_signal``); False when this backend cannot carry that."""
+        return self.signal_process(stack_signal())
+
+    def signal_process(self, signum: int) -> bool:
+        """Send signal number ``signum`` to the process alone, not its group (the runtime's own signals:
+        ``stack_signal``, ``preempt_signal``); False when it ended or this backend cannot carry one."""
         return False
 
     def in_doubt(self) -> bool:

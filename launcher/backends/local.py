@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Sequence
 
-from pscontract import PSLAUNCH_CPU_BIND, binding, hand_key_over, stack_signal
+from pscontract import PSLAUNCH_CPU_BIND, binding, hand_key_over
 
 from ..errors import SpawnError
 from ..on_node.children import READ_SIZE, child_environ, widen_pipe
@@ -48,11 +48,11 @@ class LocalHandle(ProcessHandle):
         if verb in ("TERM", "KILL") or self.popen.poll() is None:
             self.group.verb(verb)
 
-    def dump_stack(self) -> bool:
+    def signal_process(self, signum: int) -> bool:
         if self.popen.poll() is not None:
             return False
         try:
-            os.kill(self.popen.pid, stack_signal())  # the process alone, not its group
+            os.kill(self.popen.pid, signum)  # the process alone, not its group
         except OSError:
             return False
         return True

@@ -17,8 +17,8 @@ seconds, and a guard that hears nothing for the link timeout stops its command. 
    and the host are alive), ``TERM`` (SIGTERM, then SIGCONT so a stopped group gets it), ``KILL``,
    ``STOP`` / ``CONT`` (Ctrl-Z of pslaunch: no pings come while pslaunch is stopped, so ``STOP``
    also holds the link timeout until the next line) and ``END`` (SIGUSR1: a bundled node ends
-   normally) lines signal the group; ``STACK N`` sends signal number N to the command alone (the
-   runtime's stack signal: it writes its Python stack); at EOF, or after the link timeout without a
+   normally) lines signal the group; ``SIG N`` sends signal number N to the command alone (the
+   runtime's own signals: its Python stack, a preemption); at EOF, or after the link timeout without a
    line, the group gets SIGTERM and, after the grace period, SIGKILL;
 5. when the command ends, stops what is left of its group (TERM, grace, KILL) and exits with the
    command's exit code.
@@ -84,7 +84,7 @@ fi
       STOP) kill -s STOP -- "-$p" 2>/dev/null;;
       CONT) kill -s CONT -- "-$p" 2>/dev/null;;
       END) kill -s USR1 -- "-$p" 2>/dev/null;;
-      STACK\ [0-9]*) kill -"${c#STACK }" "$p" 2>/dev/null;;
+      SIG\ [0-9]*) kill -"${c#SIG }" "$p" 2>/dev/null;;
     esac
   done
   stop ) <&3 &

@@ -10,7 +10,7 @@ does what node 0 says and reports what happens:
   here with the usual prefixes and travel to node 0 with their markers; each exit is reported
   once its output is all sent;
 * ``signal``: TERM, KILL, STOP, CONT or END for one process (node 0's teardown, Ctrl-Z, the end), or
-  STACK (the runtime's stack signal to the process alone: a stall waits for it);
+  ``SIG N`` for one of the runtime's own signals to the process alone (its stack, a preemption);
 * ``verdict``: the job is over: the agent says node 0's root cause and exits with its exit code.
 
 It never decides the job's fate alone but in two cases, where it stops every process here first:
@@ -29,7 +29,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from pscontract import MARKER
+from pscontract import MARKER, preempt_signal, stack_signal
 
 from ..backends.agents.backend import check_checkpoint_here
 from ..backends.agents.hub import RendezvousError
@@ -53,6 +53,8 @@ EXIT_NODE0_LOST = 255
 _RETRY = 0.2  # between tries to reach node 0: a connection refused costs nothing
 _TICK = 0.05
 _STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: ``SIG N`` messages node 0 may send: only the runtime's own signals (``stack_signal``, ``preempt_signal``)
+_RUNTIME_SIGNALS = {f"SIG {n}": n for n in (stack_signal(), preempt_signal())}
 
 
 def join(config: LaunchConfig, key: bytes | None, deadline: float, note: Callable[[str], None],
@@ -303,8 +305,8 @@ class NodeAgent:
         what = message.get("what")
         if handle is not None and what in VERBS:  # from node 0, checked: anything else is dropped
             handle.tell(what)
-        elif handle is not None and what == "STACK":  # a stall waits for it: its Python stack, please
-            handle.dump_stack()
+        elif handle is not None and what in _RUNTIME_SIGNALS:  # the runtime's own: its stack, a preemption
+            handle.signal_process(_RUNTIME_SIGNALS[what])
 
     def _report_exits(self) -> None:
         for ident, handle in self.handles.items():

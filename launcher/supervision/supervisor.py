@@ -44,6 +44,7 @@ from ..planning.plan import Plan
 from .replacements import ReplacementLog
 from .restarts import RestartLog
 from .result import RunResult, result_of
+from .preemption import Preemption
 from .stalls import StallEnd
 from .verdict import Failure, culprit, kind_of, notes, who
 
@@ -95,6 +96,7 @@ class Supervisor:
         self._stalls_read = 0.0  # the newest stall report acted on (``_stacks_of_stalled``)
         self._stack_asked: dict[int, float] = {}  # worker handle id -> when its stack was last asked for
         self._stall_end = StallEnd(self.printer, config.backend)  # --stall-timeout
+        self._preemption = Preemption(config.stop_grace, printer.note)  # SIGTERM to a job that keeps checkpoints
         self.replacements = ReplacementLog(time.monotonic())  # every attempt's: the job's start counts from run()
 
     # -- signals -------------------------------------------------------------------------------
@@ -191,6 +193,8 @@ class Supervisor:
     def _check_signal_or_timeout(self, start: float) -> Failure | None:
         if self._signals:
             sig = self._signals[0]
+            if sig == signal.SIGTERM and len(self._signals) == 1 and self.config.checkpoint_dir:
+                return self._preemption.step(self.handles, time.monotonic())  # worker 0 commits first
             return Failure(f"pslaunch got {signal.Signals(sig).name}", 128 + sig)
         outside = self.backend.interruption()
         if outside is not None:
@@ -227,8 +231,8 @@ class Supervisor:
                 status = handle.poll()
                 if handle.failed_at is not None and blamed_at is None and not self._rejoins(handle):
                     blamed_at = handle.failed_at
-                if status is None or id(handle) in seen:
-                    continue
+                if status is None or id(handle) in seen or handle is self._preemption.handle:
+                    continue  # preempted, worker 0's end is the preemption's (``_check_signal_or_timeout``)
                 seen.add(id(handle))
                 if not status.ok:
                     handle.settle_output()  # its last markers (FINISHED) decide what its end means

@@ -130,6 +130,8 @@ def notes(handles: "list[ProcessHandle]", stopped: set[int], failure: Failure | 
             out[id(h)] = "root cause, unreachable" if h.unreachable else "root cause"
         elif h.unreachable:
             out[id(h)] = "unreachable"  # pslaunch could not stop it: its host's guard does
+        elif h.preempted is not None and h.preempted.get("checkpoint") is not None:  # a preempted job's worker 0
+            out[id(h)] = f"preempted: committed checkpoint {h.preempted.get('checkpoint')}"
         elif kind == "own":
             out[id(h)] = "failed"
         elif kind == "peer":

@@ -110,21 +110,24 @@ class Checkpoints:
         elif op == "read":
             reply = {"manifest": ck.read_manifest(self.root, body.get("id"))}
         elif op == "save":
-            reply = self.save(body.get("id"))
+            reply = self.save(body.get("id"), body.get("preempted") is True)
         else:
             reply = self.restore(body.get("id"), body.get("parts"))
         answer(True, reply)
 
     # ---- writing --------------------------------------------------------------------------------
-    def save(self, ckpt_id: Any) -> dict:
+    def save(self, ckpt_id: Any, preempted: bool = False) -> dict:
         """Write this server's file of checkpoint ``ckpt_id``: every shard (and every restored value
-        not initialised yet), the updater's state. Refused while a round is open."""
+        not initialised yet), the updater's state. Refused while a round is open, unless ``preempted``:
+        worker 0 of a preempted job asks at its step boundary, where every round of its step is applied
+        and the open rounds (the others' pushes of the next step) cannot close without it, so the
+        values held are exactly those after the step (``kvcore.preempting``)."""
         directory = ck.dir_of(self.root, ckpt_id)
         store, memory = self.store, self.store.memory
         self._dissolve()
         for shard in store.shards.values():
             round_ = shard.round
-            if round_.count or round_.backlog:
+            if (round_.count or round_.backlog) and not preempted:
                 raise RequestRefused(
                     f"key {shard.user_key!r} has pushes of workers {sorted(round_.pushed)} in a round that is still "
                     f"open on server {self._rank()}: commit between steps, once every worker pushed every key the "

@@ -209,6 +209,23 @@ class WorkerNode:
             self.timeline.close()
         return self.env.num_workers - len(self.conn.members.left) - 1
 
+    def detach(self) -> None:
+        """Close this node without finishing its part (a preempted job's worker 0, whose process ends
+        while pslaunch stops the others): no finish is sent, and ``close`` does nothing after."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            atexit.unregister(self.close)
+        except Exception:
+            pass
+        self.requests.refuse_new(f"worker {self.rank} was detached: the job was preempted")
+        self.receiver.stop()
+        self.collectives.close()
+        self.conn.close(linger=0.5)
+        if self.timeline is not None:
+            self.timeline.close()
+
     def close(self, timeout: float | None = None) -> None:
         """Wait for requests in flight, tell the scheduler this worker finished, and close (idempotent).
 

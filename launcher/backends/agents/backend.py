@@ -81,10 +81,10 @@ class AgentHandle(ProcessHandle):
     def in_doubt(self) -> bool:
         return self.status is None and self.backend.watch.in_doubt(self.node)
 
-    def dump_stack(self) -> bool:
+    def signal_process(self, signum: int) -> bool:
         if self.status is not None or self.backend.hub is None:
             return False
-        self._tell("STACK")  # its node's agent signals the process alone
+        self._tell(f"SIG {signum}")  # its node's agent signals the process alone
         return True
 
     def _tell(self, what: str) -> None:

@@ -15,8 +15,6 @@ import threading
 
 import paramiko
 
-from pscontract import stack_signal
-
 from ...errors import ConfigError, SpawnError
 from ...on_node.guard import env_payload, remote_command
 from ...planning.hostfile import Host
@@ -69,10 +67,10 @@ class SshHandle(GuardedHandle):
     def in_doubt(self) -> bool:
         return self.status is None and self.watch.in_doubt(self.spec.host)
 
-    def dump_stack(self) -> bool:
+    def signal_process(self, signum: int) -> bool:
         if self.status is not None or self.unreachable:
             return False
-        self._tell(f"STACK {stack_signal()}")  # the guard signals the command alone (a Linux host's number)
+        self._tell(f"SIG {signum}")  # the guard signals the command alone (a Linux host's number)
         return True
 
     def _tell(self, verb: str) -> None:
