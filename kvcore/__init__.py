@@ -20,8 +20,9 @@ above.
 Everything else is kvcore's own and may change (``INTERNAL_MODULES``): the stores' implementations
 (``kvcore.stores``: one module per store, key normalisation, placement of keys on servers), the link
 to this process's worker node (``runtime``, ``worker_collectives``, ``node_handle``, ``dist_errors``),
-the Trainer's parts (``parameters``, ``torch_adapter``, ``trainer_handoff``) and MXNet's
-start-as-any-role rule (``_role``).
+the Trainer's parts (``parameters``, ``torch_adapter``, ``trainer_handoff``), a worker's own steps
+out of the job (``leaving``: an elastic job's SIGTERM; ``preempting``: a preempted job's checkpoint)
+and MXNet's start-as-any-role rule (``_role``).
 """
 
 from . import arrays, compression, elastic, optim, shared_model
@@ -60,7 +61,7 @@ PUBLIC_MODULES = ("arrays", "collectives", "compression", "dataparallel", "elast
                   "shared_model", "sparse", "trainer")
 #: kvcore's own modules: what they hold is reached through the names above; they may change.
 INTERNAL_MODULES = ("_role", "dist_errors", "node_handle", "parameters", "runtime", "torch_adapter", "trainer_handoff",
-                    "worker_collectives", "stores")
+                    "worker_collectives", "stores", "leaving", "preempting")
 
 __all__ = [
     "arrays",
