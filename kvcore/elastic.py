@@ -49,7 +49,8 @@ from .stores.base import KeyMeta
 
 __all__ = ["State"]
 
-_OWN = frozenset({"restore", "commit", "commit_alone", "wait", "scalars", "checkpoint_id", "restart_count"})
+_OWN = frozenset({"restore", "commit", "commit_alone", "wait", "scalars", "checkpoint_id", "restart_count",
+                  "register_reset_callbacks", "on_reset"})
 _NOTE_TEXT = 3000  # characters of an error message carried in a barrier note
 
 
@@ -86,8 +87,9 @@ class State:
         for name, value in scalars.items():
             object.__setattr__(self, name, value)
         kv.note_scalars(self.scalars)  # the starting place: a replacement that finds no later mark begins here
-        if model is None and hasattr(kv, "preempt_state"):
-            kv.preempt_state = self  # a preempted job's worker 0 commits it alone (kvcore.preempting)
+        self._reset_callbacks: list = []  # an elastic job's: called at the step boundary after a change
+        if model is None and hasattr(kv, "script_state"):
+            kv.script_state = self  # a preempted job's worker 0 commits it alone (kvcore.preempting); resets
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -231,6 +233,18 @@ class State:
             note = self._guarded(lambda: self._commit_on_servers(scalars, wait))
         self.checkpoint_id = self._agree(note)["id"]
         return self.checkpoint_id
+
+    def register_reset_callbacks(self, callbacks: Any) -> None:
+        """Call each of ``callbacks`` (no arguments) when an elastic job's membership changed (a worker
+        left), in the training thread at this worker's next step boundary (its next push after the
+        step's pulls), once ``kv.num_workers`` says the new count: rescale a learning rate, split the
+        data again. Horovod's ``register_reset_callbacks``."""
+        self._reset_callbacks.extend(callbacks if isinstance(callbacks, (list, tuple)) else [callbacks])
+
+    def on_reset(self) -> None:
+        """The membership changed: run the reset callbacks (``kvcore.leaving`` calls it)."""
+        for callback in list(self._reset_callbacks):
+            callback()
 
     def commit_alone(self) -> int:
         """Worker 0 of a preempted job, at a step boundary: checkpoint the model and the scalars now,

@@ -7,6 +7,8 @@ next push after the step's pulls, with every request answered) the worker leaves
 process exits 0 (``SystemExit(0)`` raised from that push, so ``finally`` blocks and ``atexit`` run). A
 plain push/pull loop needs no change; a script can read ``kv.leaving`` to end on its own terms
 (``kv.close()`` then leaves). A second SIGTERM ends the process at once, as SIGTERM does otherwise.
+The others take a change at their own next step boundary: ``kv.num_workers`` says the new count
+from there, and the script's ``State`` runs its reset callbacks (``register_reset_callbacks``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ __all__ = ["LeaveOnSignal"]
 class LeaveOnSignal:
     """One worker's SIGTERM, and the step boundary it waits for. ``pulled`` is set by each pull."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, store: Any = None) -> None:
         self.worker = worker
+        self.store = store
+        self.members = worker.num_workers  # the count the script sees, changed at step boundaries only
         self.asked = False
         self.pulled = False  # a pull came since the last push: the next push starts a step
         self._previous: Any = None
@@ -42,9 +46,17 @@ class LeaveOnSignal:
 
     def at_push(self) -> None:
         """Called before each push: leave now when SIGTERM came and this push starts a step with every
-        request of the last one answered."""
-        if self.asked and self.pulled and not self.worker.requests.pending:
-            self.leave()
+        request of the last one answered; at such a boundary, take a change of membership (the count
+        the script sees, and its ``State``'s reset callbacks)."""
+        if self.pulled and not self.worker.requests.pending:
+            if self.asked:
+                self.leave()
+            members = self.worker.num_workers
+            if members != self.members:
+                self.members = members
+                state = getattr(self.store, "script_state", None)
+                if state is not None:
+                    state.on_reset()
         self.pulled = False
 
     def leave(self, exit: bool = True) -> None:

@@ -51,7 +51,7 @@ class PreemptOnSignal:
     def commit_and_exit(self) -> None:
         store = self.store
         worker = store._worker
-        state = store.preempt_state
+        state = store.script_state
         if state is None or store.job.checkpoint_dir is None:
             why = "no kvcore.elastic.State" if state is None else "no checkpoint directory (--checkpoint-dir)"
             print(f"worker {worker.rank}: preempted, but the job has {why}: nothing to commit", file=sys.stderr,

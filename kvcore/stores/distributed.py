@@ -103,6 +103,11 @@ class DistKVStore(KVStoreBase):
                 "workers sum among themselves, or start the job with servers (pslaunch -s N)")
         self._worker = worker if worker is not None else runtime.worker()
         self._sync = store_type != "dist_async"
+        # an elastic job (-n MIN:MAX): SIGTERM makes this worker leave at its next step boundary
+        self._leaving = LeaveOnSignal(self._worker, self) if self._sync and self._worker.env.elastic else None
+        # a preempted job: worker 0 commits a checkpoint at its next step boundary (kvcore.preempting)
+        self._preempting = PreemptOnSignal(self) if self._worker.env.checkpoint_dir else None
+        self.script_state: Any = None  # the script's kvcore.elastic.State (a preemption commits it; resets)
         # replacement in place (PSLAUNCH_RESTART_SCOPE=worker): a synchronous store marks where it is
         self._marks = self._sync and self._worker.env.restart_scope == "worker"
         self._pending_mark: dict[str, Any] | None = None  # scalars to mark before the next push
@@ -119,11 +124,6 @@ class DistKVStore(KVStoreBase):
         self._keys = KeyInit(self._worker, self._sync, self._take_layouts)  # where keys go, and how they get there
         self._has_updater = False
         self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
-        # an elastic job (-n MIN:MAX): SIGTERM makes this worker leave at its next step boundary
-        self._leaving = LeaveOnSignal(self._worker) if self._sync and self._worker.env.elastic else None
-        # a preempted job: worker 0 commits a checkpoint at its next step boundary (kvcore.preempting)
-        self._preempting = PreemptOnSignal(self) if self._worker.env.checkpoint_dir else None
-        self.preempt_state: Any = None  # the kvcore.elastic.State that commits it (the script's last)
         self._trace_calls(self._worker.timeline)
         self._restored: dict[Hashable, KeyMeta] = {}  # keys of the checkpoint restored (note_restored)
 
@@ -135,8 +135,9 @@ class DistKVStore(KVStoreBase):
 
     @property
     def num_workers(self) -> int:
-        """Number of workers in the job."""
-        return self._worker.num_workers
+        """Number of workers in the job; in an elastic job the members as of this worker's last step
+        boundary (``kvcore.leaving``)."""
+        return self._worker.num_workers if self._leaving is None else self._leaving.members
 
     @property
     def num_servers(self) -> int:

@@ -53,7 +53,7 @@ def test_workers_that_get_sigterm_leave_at_a_step_boundary_and_every_round_sums_
     for rank in (0, 1):
         assert [v for _, _, v in got[rank]] == _closed_form(8, members), got[rank]
     assert [s for s, _, _ in got[3]] == [0, 1, 2] and [s for s, _, _ in got[2]] == [0, 1, 2, 3, 4], got
-    assert got[0][-1][1] == 2 and got[0][0][1] == 4  # kv.num_workers: the members now
+    assert got[0][-1][1] == 2 and got[0][0][1] == 4  # kv.num_workers: the members as of the step boundary
     for rank in (2, 3):
         assert f"[worker.{rank}@localhost] worker {rank} left the job at a step boundary (SIGTERM)" in res.stderr
     assert re.search(r"scheduler: worker 2 on \S+ left the job at a step boundary; 2 workers go on \(minimum 2\)",
@@ -120,6 +120,23 @@ def test_a_barrier_the_leaver_was_the_last_one_missing_from_completes_when_it_le
     assert [v for _, _, v in got[0]] == _closed_form(6, {s: {0, 1} if s <= 2 else {0} for s in range(6)}), got[0]
     assert "1 done" in (tmp_path / "steps.1.txt").read_text()
     assert re.search(r"scheduler: worker 1 on \S+ left the job at a step boundary; 1 worker goes on", res.stderr)
+
+
+def test_the_others_take_a_leave_at_their_step_boundary_kv_num_workers_and_the_reset_callbacks(tmp_path):
+    # worker 2 leaves after step 1 (at its push of step 2); each other worker's kv.num_workers drops, and
+    # its State's reset callback runs once, at one of its step boundaries, with the new count
+    res = run_pslaunch(["-n", "2:3", "-s", "1", "--no-dashboard", "--env", "STEPS:8", "--env", "STEP_SLEEP:0.1",
+                        "--env", "LEAVE:2:1", "--env", "RESETS:1", "--timeout", "60", "python", HELPER, str(tmp_path)],
+                       timeout=90)
+    assert res.returncode == 0, res.stderr
+    got = _records(tmp_path)
+    for rank in (0, 1):
+        resets = (tmp_path / f"resets.{rank}.txt").read_text().split()
+        assert len(resets) == 4 and resets[:2] == [str(rank), "reset"] and resets[3] == "2", resets
+        at = int(resets[2])  # the step whose first push was the boundary it took the change at
+        counts = [n for _, n, _ in got[rank]]
+        assert counts == [3] * at + [2] * (8 - at) and 2 <= at <= 3, (at, counts)
+    assert not (tmp_path / "resets.2.txt").exists()
 
 
 @pytest.mark.parametrize("args, message", [

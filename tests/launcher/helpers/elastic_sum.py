@@ -6,7 +6,8 @@ Usage: elastic_sum.py OUTDIR. $STEPS steps (default 12), $STEP_SLEEP seconds in 
 $LEAVE lists ``rank:step`` items: that worker sends itself SIGTERM after the pulls of that step (it
 then leaves at its next push). $OWN_TERMS=1: a worker that got SIGTERM ends the loop itself once
 ``kv.leaving`` says so, and calls ``kv.close()`` after $CLOSE_SLEEP seconds. $BARRIER=1: every step
-starts with ``kv.barrier()``. Each worker appends ``rank step num_workers value``
+starts with ``kv.barrier()``. With $RESETS=1 the script keeps a ``kvcore.elastic.State`` whose reset
+callback appends ``rank reset step num_workers`` to OUTDIR/resets.<rank>.txt. Each worker appends ``rank step num_workers value``
 lines to OUTDIR/steps.<rank>.txt, and ``rank done`` once its loop ended.
 """
 
@@ -29,6 +30,15 @@ barrier = os.environ.get("BARRIER") == "1"
 kv = kvcore.create("dist_sync")
 rank = kv.rank
 kv.init(0, np.zeros(4, np.float32))
+current = {"step": 0}
+if os.environ.get("RESETS") == "1":
+    state = kvcore.elastic.State(kv, step=0)
+
+    def reset():
+        with open(os.path.join(out, f"resets.{rank}.txt"), "a") as fh:
+            fh.write(f"{rank} reset {current['step']} {kv.num_workers}\n")
+
+    state.register_reset_callbacks([reset])
 value = np.empty(4, np.float32)
 with open(os.path.join(out, f"steps.{rank}.txt"), "a") as log:
     for step in range(steps):
@@ -37,6 +47,7 @@ with open(os.path.join(out, f"steps.{rank}.txt"), "a") as log:
         if barrier:
             kv.barrier()
         time.sleep(step_sleep)
+        current["step"] = step
         kv.push(0, np.full(4, (rank + 1) * (step + 1), np.float32))
         kv.pull(0, out=value)
         log.write(f"{rank} {step} {kv.num_workers} {float(value[0])}\n")
