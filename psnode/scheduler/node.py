@@ -152,6 +152,9 @@ class Scheduler:
         comeback = Comeback()
         logger.warning("scheduler: started again in place; taking the job's nodes back")
         while True:
+            if info is not None and info.get("rejoin") is not True:  # its address book was lost with the scheduler
+                comeback.hold_unranked(roster, sender, info)
+                info = None
             if info is not None:
                 try:
                     member = comeback.take(roster, sender, info)
@@ -163,6 +166,10 @@ class Scheduler:
                     logger.info("scheduler dropped a registration from %r while taking the job back: %s", sender[:64],
                                 exc)
                 info = None
+            for uid, member in comeback.rank_unranked(roster):
+                logger.warning("scheduler: %s came without a rank (its address book was lost with the scheduler "
+                               "before); it gets the rank the others' books give it", member.peer.describe())
+                self.transport.connect(uid, endpoint_of(member.peer, self.transport, self.fingerprint, env.same_host))
             now = time.monotonic()
             if comeback.over(roster, now):
                 break
@@ -176,16 +183,20 @@ class Scheduler:
             try:
                 if unpack_header(frames[0])[0] == Cmd.REGISTER:
                     info = unpack_json(frames[1])
-                    if not isinstance(info, dict) or info.get("rejoin") is not True:
-                        raise ProtocolError("a registration that is not a node of the running job coming back")
+                    if not isinstance(info, dict):
+                        raise ProtocolError("a registration that is not an object")
             except (ProtocolError, IndexError) as exc:
                 self.malformed += 1
                 logger.info("scheduler dropped a message while taking the job back: %s", exc)
                 info = None
         comeback.close(roster, self.barriers)
         body = back_body(comeback.completed)
+        self._books.clear()
         for uid, member in roster.members.items():
             member.last_seen = time.monotonic()
+            if uid in comeback.ranked:  # it never had its book: the one the scheduler before sent the others
+                self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), self._book(member)])
+                continue
             if member.info.get("rejoin") is not True:
                 continue  # a worker that finished and left: a place-holder
             if env.server_replicas and member.peer.role in _HOLDERS:

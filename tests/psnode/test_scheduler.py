@@ -243,3 +243,46 @@ def test_a_node_that_derived_another_job_id_from_another_spelling_of_the_address
 @pytest.mark.parametrize("spelling", ["localhost", "LOCALHOST", "::1", "127.0.0.1"])
 def test_the_loopbacks_names_derive_one_job_id(spelling):
     assert shared_job_id(spelling, 9395) == shared_job_id("127.0.0.1", 9395) != shared_job_id("127.0.0.1", 9396)
+
+
+def _record(role: str, rank: int, port: int, **extra) -> dict:
+    uid = f"{role}@127.0.0.1:{port}"
+    return {"role": role, "rank": rank, "host": "127.0.0.1", "port": port, "uid": uid, "fingerprint": "f",
+            "local_name": "", "job_id": "j", **extra}
+
+
+def test_a_scheduler_started_in_place_gives_nodes_whose_address_book_was_lost_the_ranks_the_others_have():
+    # the scheduler before sent the books and died: worker 0 and server 1 got theirs, worker 1 and
+    # server 0 did not, and register as at the start (no rank); they get the ranks the others' books hold
+    from psnode.scheduler.comeback import Comeback
+    from psnode.scheduler.roster import Roster
+
+    roster, comeback = Roster(2, 2, "j"), Comeback()
+    for info in (_record("worker", 0, 7000, rejoin=True, worker_id=0), _record("server", 1, 7003, rejoin=True)):
+        comeback.take(roster, info["uid"].encode(), info)
+    lost = {_record("worker", -1, 7001, worker_id=1)["uid"].encode(): _record("worker", -1, 7001, worker_id=1),
+            _record("server", -1, 7002)["uid"].encode(): _record("server", -1, 7002)}
+    assert comeback.missing(roster) == ["server 0", "worker 1"]
+    for uid, info in lost.items():
+        comeback.hold_unranked(roster, uid, info)
+    taken = comeback.rank_unranked(roster)
+    assert sorted((m.peer.role, m.peer.rank, m.peer.port) for _, m in taken) == [("server", 0, 7002),
+                                                                                 ("worker", 1, 7001)]
+    assert comeback.missing(roster) == [] and comeback.ranked == set(lost)
+    assert comeback.rank_unranked(roster) == []  # each once
+
+
+def test_servers_without_a_rank_wait_until_all_of_them_came_so_their_order_is_the_books():
+    from psnode.scheduler.comeback import Comeback
+    from psnode.scheduler.roster import Roster
+
+    roster, comeback = Roster(1, 3, "j"), Comeback()
+    comeback.take(roster, b"worker@127.0.0.1:7000", _record("worker", 0, 7000, rejoin=True, worker_id=0))
+    comeback.hold_unranked(roster, b"server@127.0.0.1:7005", _record("server", -1, 7005))
+    assert comeback.rank_unranked(roster) == []  # two server ranks are missing, one server came: not yet
+    comeback.take(roster, b"server@127.0.0.1:7004", _record("server", 1, 7004, rejoin=True))
+    taken = comeback.rank_unranked(roster)
+    assert comeback.missing(roster) == ["server 0", "server 2"] and taken == []
+    comeback.hold_unranked(roster, b"server@127.0.0.1:7003", _record("server", -1, 7003))
+    taken = comeback.rank_unranked(roster)
+    assert sorted((m.peer.port, m.peer.rank) for _, m in taken) == [(7003, 0), (7005, 2)]
