@@ -153,7 +153,8 @@ def run_case(model: str, case: str, args: argparse.Namespace, work: Path, refere
                  "kills": [] if killer is None else killer.killed, "weights": str(weights)}
     if not result.ok:
         cause = result.root_cause
-        row["error"] = f"exit code {result.exit_code}: {cause.reason if cause else 'no root cause'}"
+        said = f" ({cause.error_line or ' / '.join(cause.last_lines[-3:])})" if cause and cause.last_lines else ""
+        row["error"] = f"exit code {result.exit_code}: {cause.reason if cause else 'no root cause'}{said}"
     if reference_s:
         row["vs_uninterrupted"] = round(wall / reference_s, 3)
         if row["kills"]:
@@ -232,7 +233,7 @@ _CASES = {"uninterrupted": "uninterrupted", "ready": "ready to replace, no kill"
 
 def _line(row: dict) -> str:
     if not row["ok"]:
-        return f"| {row['model']} | {_CASES[row['case']]} | FAILED: {row['error'][:300]} | | | | | | | |"
+        return f"| {row['model']} | {_CASES[row['case']]} | FAILED: {row['error'][:900]} | | | | | | | |"
     waits = ", ".join(f"{r['waited_s']:.2f}" for r in row["replacements"] if r["waited_s"] is not None) or "-"
     equal = {None: "-", True: "yes", False: "no"}[row["weights_equal"]]
     ratio = f"{row['vs_uninterrupted']:.2f}x" if "vs_uninterrupted" in row else "1x"
