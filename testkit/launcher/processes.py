@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from launcher.on_node.process_groups import leader_start
 
-__all__ = ["HELPERS", "REPO", "PSLAUNCH", "Result", "LiveProcess", "ancestors", "cmdline", "job_worker",
+__all__ = ["HELPERS", "REPO", "PSLAUNCH", "Result", "LiveProcess", "StderrWatch", "ancestors", "cmdline", "job_worker",
            "live_processes", "processes_with", "wait_gone", "start_pslaunch", "wait_for_records", "reaped",
            "run_pslaunch", "helper"]
 
@@ -158,6 +160,51 @@ def start_pslaunch(args: list[str], cwd: str | None = None, env: dict | None = N
     full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
     return subprocess.Popen(PSLAUNCH + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
                             env=full_env, start_new_session=True)
+
+
+class StderrWatch:
+    """Reads a started pslaunch's stderr as it comes, so a test can wait for a line of it instead of
+    sleeping a fixed time; ``finish`` waits for the process and returns all of it. It drains stdout
+    too (one thread each: a full pipe would stop pslaunch), and owns both pipes: do not also call
+    ``communicate``, which would take some of the lines."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self._chunks: list[bytes] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._read, args=(proc.stderr, True), daemon=True),
+                         threading.Thread(target=self._read, args=(proc.stdout, False), daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, stream, keep: bool) -> None:
+        for chunk in iter(lambda: stream.read1(1 << 16), b""):
+            if keep:
+                with self._lock:
+                    self._chunks.append(chunk)
+
+    def text(self) -> str:
+        with self._lock:
+            return b"".join(self._chunks).decode("utf-8", "replace")
+
+    def wait_for(self, pattern: str, timeout: float) -> bool:
+        """True once ``pattern`` (a regex) is in the output; False if pslaunch ended or ``timeout`` passed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if re.search(pattern, self.text()):
+                return True
+            if self.proc.poll() is not None:
+                self._threads[0].join(5)
+                return bool(re.search(pattern, self.text()))
+            time.sleep(0.05)
+        return False
+
+    def finish(self, timeout: float) -> str:
+        """Wait for pslaunch to end and return its whole stderr."""
+        self.proc.wait(timeout)
+        for thread in self._threads:
+            thread.join(10)
+        return self.text()
 
 
 def wait_for_records(out: Path, count: int, proc: subprocess.Popen, timeout: float = 30) -> None:

@@ -20,7 +20,7 @@ import pytest
 from launcher import launch
 from testkit.launcher import backend_launch, helper, job_server, live_processes, reaped, run_pslaunch, wait_gone
 from testkit.launcher.outcome import ended_like, same_weights, saved_weights, table_rows
-from testkit.launcher.processes import start_pslaunch
+from testkit.launcher.processes import StderrWatch, start_pslaunch
 
 HELPER = helper("replace_sync.py")
 ENV = ["--env", "PSLAUNCH_BIGARRAY_BOUND:1000"]  # key 0 is split over both servers
@@ -229,15 +229,16 @@ def test_a_lost_server_comes_back_as_a_replica_and_takes_a_second_loss_exactly(t
     out.mkdir()
     proc = _start(out, "--max-restarts", "5", "--restart-scope", "worker", steps=steps)
     with reaped(proc, str(out)):
+        watch = StderrWatch(proc)
         _running(out, proc, 0.5)
         holders = _holders(proc.pid)
         subprocess.run(["kill", "-9", str(holders["server"][0])], check=True)
-        time.sleep(4.0)  # the server comes back as a replica and takes its keys
-        assert proc.poll() is None, "the job ended before the second loss"
+        # the server comes back as a replica and takes its keys: then the second loss
+        took = watch.wait_for(r"replica of server \d took that server's \d+ keys", 60)
+        assert took and proc.poll() is None, f"the job ended before the second loss:\n{watch.text()}"
         for pid in holders["replica"]:
             subprocess.run(["kill", "-9", str(pid)], check=True)
-        _, err = proc.communicate(timeout=160)
-    stderr = err.decode()
+        stderr = watch.finish(160)
     ended_like(proc.returncode, stderr, out, saved_weights(reference_out))
     assert re.search(r"joined the job as a replica of server \d", stderr), stderr
     assert re.search(r"replica of server \d took that server's \d+ keys", stderr), stderr
