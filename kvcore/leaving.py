@@ -23,14 +23,13 @@ __all__ = ["LeaveOnSignal"]
 
 
 class LeaveOnSignal:
-    """One worker's SIGTERM, and the step boundary it waits for. ``pulled`` is set by each pull."""
+    """One worker's SIGTERM; the store calls ``at_boundary`` at each of its step boundaries."""
 
     def __init__(self, worker: Any, store: Any = None) -> None:
         self.worker = worker
         self.store = store
         self.members = worker.num_workers  # the count the script sees, changed at step boundaries only
         self.asked = False
-        self.pulled = False  # a pull came since the last push: the next push starts a step
         self._previous: Any = None
         if threading.current_thread() is threading.main_thread():  # only there can Python install handlers
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -44,20 +43,17 @@ class LeaveOnSignal:
         print(f"worker {self.worker.rank}: SIGTERM: leaving the job at the next step boundary", file=sys.stderr,
               flush=True)
 
-    def at_push(self) -> None:
-        """Called before each push: leave now when SIGTERM came and this push starts a step with every
-        request of the last one answered; at such a boundary, take a change of membership (the count
-        the script sees, and its ``State``'s reset callbacks)."""
-        if self.pulled and not self.worker.requests.pending:
-            if self.asked:
-                self.leave()
-            members = self.worker.num_workers
-            if members != self.members:
-                self.members = members
-                state = getattr(self.store, "script_state", None)
-                if state is not None:
-                    state.on_reset()
-        self.pulled = False
+    def at_boundary(self) -> None:
+        """At a step boundary (``DistKVStore._step_boundary``): leave now when SIGTERM came; else take
+        a change of membership (the count the script sees, and its ``State``'s reset callbacks)."""
+        if self.asked:
+            self.leave()
+        members = self.worker.num_workers
+        if members != self.members:
+            self.members = members
+            state = getattr(self.store, "script_state", None)
+            if state is not None:
+                state.on_reset()
 
     def leave(self, exit: bool = True) -> None:
         """Leave the job; with ``exit``, end the process with exit code 0 (``kv.close()`` returns)."""

@@ -29,24 +29,22 @@ __all__ = ["PreemptOnSignal"]
 
 
 class PreemptOnSignal:
-    """One worker's preempt signal, and the step boundary it waits for (see the module docstring)."""
+    """One worker's preempt signal; the store calls ``at_boundary`` at each of its step boundaries."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
         self.asked = False
-        self.pulled = False  # a pull came since the last push: the next push starts a step
         if threading.current_thread() is threading.main_thread():  # only there can Python install handlers
             signal.signal(preempt_signal(), self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:  # noqa: ARG002 - signal's signature
         self.asked = True
 
-    def at_push(self) -> None:
-        """Called before each push: once preempted, commit at the first push that starts a step."""
-        if self.asked and self.pulled and not self.store._worker.requests.pending:
+    def at_boundary(self) -> None:
+        """At a step boundary (``DistKVStore._step_boundary``): once preempted, commit and exit."""
+        if self.asked:
             self.asked = False
             self.commit_and_exit()
-        self.pulled = False
 
     def commit_and_exit(self) -> None:
         store = self.store

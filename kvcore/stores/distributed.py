@@ -78,9 +78,9 @@ from ..errors import (
 )
 from ..handles import Handle
 from ..leaving import LeaveOnSignal
-from ..preempting import PreemptOnSignal
 from ..node_handle import NodeHandle
 from ..optim.base import Optimizer, Updater
+from ..preempting import PreemptOnSignal
 from .base import KeyMeta, KVStoreBase
 from .key_init import KeyInit
 from .placement import KeyRequest
@@ -108,6 +108,8 @@ class DistKVStore(KVStoreBase):
         # a preempted job: worker 0 commits a checkpoint at its next step boundary (kvcore.preempting)
         self._preempting = PreemptOnSignal(self) if self._worker.env.checkpoint_dir else None
         self.script_state: Any = None  # the script's kvcore.elastic.State (a preemption commits it; resets)
+        self._boundary_hooks = [hook for hook in (self._leaving, self._preempting) if hook is not None]
+        self._pulled = False  # a pull came since the last push: the next push starts a step
         # replacement in place (PSLAUNCH_RESTART_SCOPE=worker): a synchronous store marks where it is
         self._marks = self._sync and self._worker.env.restart_scope == "worker"
         self._pending_mark: dict[str, Any] | None = None  # scalars to mark before the next push
@@ -337,10 +339,8 @@ class DistKVStore(KVStoreBase):
         """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
         if self._pending_mark is not None:
             self._send_mark()
-        if self._leaving is not None:
-            self._leaving.at_push()  # leaves (SystemExit 0) at a step boundary once SIGTERM came
-        if self._preempting is not None:
-            self._preempting.at_push()  # commits and exits at a step boundary once preempted
+        if self._boundary_hooks:
+            self._step_boundary()  # an elastic job's leave, a preempted job's checkpoint
         if type(value) is np.ndarray and (self._sync or self._has_updater) and self._compression is None:
             target = self._whole_target(key, value)
             if target is not None:
@@ -352,10 +352,8 @@ class DistKVStore(KVStoreBase):
     @maps_runtime_errors
     def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True, wait: bool = True) -> Handle:
         """As ``KVStoreBase.pull``; one numpy out of an initialised whole key skips the grouping."""
-        if self._leaving is not None:
-            self._leaving.pulled = True
-        if self._preempting is not None:
-            self._preempting.pulled = True
+        if self._boundary_hooks:
+            self._pulled = True
         if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable:
             target = self._whole_target(key, out)
             if target is not None:
@@ -365,6 +363,15 @@ class DistKVStore(KVStoreBase):
                     handle.wait()
                 return handle
         return super().pull(key, out, priority, ignore_sparse, wait)
+
+    def _step_boundary(self) -> None:
+        """Before a push: one that starts a step (a pull came since the last push, and every request
+        is answered) is this worker's step boundary, where its boundary hooks act (``kvcore.leaving``:
+        leave an elastic job; ``kvcore.preempting``: commit a preempted job's checkpoint)."""
+        if self._pulled and not self._worker.requests.pending:
+            for hook in self._boundary_hooks:
+                hook.at_boundary()
+        self._pulled = False
 
     def _whole_target(self, key: Any, array: np.ndarray) -> tuple[int, int] | None:
         """``(server, key id)`` when ``key`` is one initialised, unsplit key of ``array``'s shape and

@@ -47,8 +47,7 @@ class Elastic:
                                               pack_json({"error": why})])
             return
         roster = scheduler.roster
-        del roster.members[sender]
-        roster.expected["worker"] -= 1
+        roster.leave(sender)
         scheduler.barriers.forget(sender)
         self.left[peer.rank] = peer.describe()
         remaining = roster.expected["worker"]
@@ -70,17 +69,10 @@ class Elastic:
     def complete_barriers(scheduler: Any) -> None:
         """Answer the open barriers every remaining member has reached (the one that left was the last
         one missing)."""
-        barriers = scheduler.barriers
-        for group in list(barriers.waiting):
-            size = scheduler.roster.size_of(GROUP_ROLES[Group(group)])
-            if len(barriers.arrived.get(group, ())) >= size:
-                waiters = barriers.waiting[group]
-                notes = barriers.notes.pop(group, [])
-                barriers.drop(group)
-                barriers.completed[group] = barriers.completed.get(group, 0) + 1
-                body = [pack_json({"notes": notes})] if notes else []
-                for uid, rid in waiters:
-                    scheduler.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid), *body])
+        for group in list(scheduler.barriers.waiting):
+            done = scheduler.barriers.complete_if(group, scheduler.roster.size_of(GROUP_ROLES[Group(group)]))
+            if done is not None:
+                scheduler._barrier_done(group, *done)
 
     def check(self, workers: int) -> None:
         """Raise ``ElasticError`` once the job has had fewer than its minimum workers for longer than

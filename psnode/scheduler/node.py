@@ -580,7 +580,10 @@ class Scheduler:
             if self.roster.any_finished:  # only a finished member can block a barrier for good
                 self._fail_blocked_barriers()
             return
-        waiters, notes = done
+        self._barrier_done(group, *done)
+
+    def _barrier_done(self, group: int, waiters: list[tuple[bytes, int]], notes: list) -> None:
+        """Answer every member waiting in ``group``'s barrier, which just completed."""
         self.job_report.barrier_done(group)
         if self.env.restart_scope == "worker":  # how many are complete: a replacement learns what it redoes
             body = [pack_json({"notes": notes, "group": group, "completed": self.barriers.completed.get(group, 0)})]

@@ -265,6 +265,13 @@ class Roster:
         """How many members have one of ``roles`` (every one expected: a barrier runs once all registered)."""
         return sum(self.expected.get(role, 0) for role in roles)
 
+    def leave(self, uid: bytes) -> Member:
+        """An elastic job's worker ``uid`` left it: it is no member any more, and the job expects one
+        worker fewer (barriers, the job's end). Returns its member."""
+        member = self.members.pop(uid)
+        self.expected["worker"] -= 1
+        return member
+
     def all_workers_finished(self) -> bool:
         """True once every worker said it finished."""
         return all(m.finished for m in self.members.values() if m.peer.role == "worker")
@@ -326,15 +333,21 @@ class Barriers:
         arrived.add(sender)
         if note is not None:
             self.notes.setdefault(group, []).append(note)
-        if len(arrived) >= size:
-            self.drop(group)
-            notes = self.notes.pop(group, [])
-            number = self.completed[group] = self.completed.get(group, 0) + 1
-            past = self._past_notes.setdefault(group, {})
-            past[number] = notes
-            past.pop(number - self.KEPT_NOTES, None)
-            return waiting, notes
-        return None
+        return self.complete_if(group, size)
+
+    def complete_if(self, group: int, size: int) -> tuple[list[tuple[bytes, int]], list] | None:
+        """Complete ``group``'s open barrier when ``size`` members arrived (after an arrival, or after a
+        member left an elastic job); ``(every waiter, the notes)`` then, else None."""
+        waiting = self.waiting.get(group)
+        if not waiting or len(self.arrived.get(group, ())) < size:
+            return None
+        self.drop(group)
+        notes = self.notes.pop(group, [])
+        number = self.completed[group] = self.completed.get(group, 0) + 1
+        past = self._past_notes.setdefault(group, {})
+        past[number] = notes
+        past.pop(number - self.KEPT_NOTES, None)
+        return waiting, notes
 
     def replayed(self, group: int, number: int) -> list | None:
         """The notes of ``group``'s barrier ``number`` when it completed already (a replacement redoing

@@ -195,31 +195,25 @@ class WorkerNode:
             raise PSNodeError(f"worker {self.rank} cannot leave with {len(self.requests.pending)} requests in flight: "
                               "leave at a step boundary, after the step's pulls")
         self._wait(self.conn.link.ask(Cmd.LEAVE), timeout, "answer to its leave")
-        self.closed = True
-        try:
-            atexit.unregister(self.close)
-        except Exception:
-            pass
-        self.requests.refuse_new(f"worker {self.rank} left the job")
         self.tell_launcher(MARKER_LEFT)
-        self.receiver.stop()
-        self.collectives.close()
-        self.conn.close(linger=0.5)
-        if self.timeline is not None:
-            self.timeline.close()
+        self._close_unfinished(f"worker {self.rank} left the job")
         return self.env.num_workers - len(self.conn.members.left) - 1
 
     def detach(self) -> None:
         """Close this node without finishing its part (a preempted job's worker 0, whose process ends
         while pslaunch stops the others): no finish is sent, and ``close`` does nothing after."""
-        if self.closed:
-            return
+        if not self.closed:
+            self._close_unfinished(f"worker {self.rank} was detached: the job was preempted")
+
+    def _close_unfinished(self, why: str) -> None:
+        """Close without a finish (``leave``, ``detach``): new requests are refused with ``why``, and
+        ``close`` (also at exit) does nothing after."""
         self.closed = True
         try:
             atexit.unregister(self.close)
         except Exception:
             pass
-        self.requests.refuse_new(f"worker {self.rank} was detached: the job was preempted")
+        self.requests.refuse_new(why)
         self.receiver.stop()
         self.collectives.close()
         self.conn.close(linger=0.5)
