@@ -13,7 +13,7 @@ import time
 import pytest
 
 from testkit.launcher import helper, reaped, run_pslaunch, start_pslaunch, wait_gone
-from testkit.launcher.outcome import saved_weights, same_weights
+from testkit.launcher.outcome import same_weights, saved_weights
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -22,8 +22,12 @@ HELPER = helper("replace_sync.py")
 
 def _args(out, ckpt, *extra):
     return ["-n", "2", "-s", "2", "--no-dashboard", "--env", "PSLAUNCH_BIGARRAY_BOUND:1000", "--env", "STEPS:14",
-            "--env", "STEP_SLEEP:0.15", "--checkpoint-dir", str(ckpt), "--timeout", "90", *extra, "python", HELPER,
-            str(out)]
+            "--env", "STEP_SLEEP:0.15", "--env", "PROGRESS:1", "--checkpoint-dir", str(ckpt), "--timeout", "90",
+            *extra, "python", HELPER, str(out)]
+
+
+def _lines(path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
 
 
 def _starts(out) -> list[tuple[int, int, int]]:
@@ -40,9 +44,8 @@ def test_sigterm_to_pslaunch_commits_a_checkpoint_at_worker_0s_step_boundary_and
     summary = tmp_path / "summary.json"
     with reaped(start_pslaunch(_args(cut, tmp_path / "ckpt", "--summary-json", str(summary))), str(cut)) as proc:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (cut / "starts.txt").exists():
+        while time.monotonic() < deadline and len(_lines(cut / "progress.0.txt")) < 3:  # a few steps in
             time.sleep(0.05)
-        time.sleep(1.0)  # a few steps in
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     err = err.decode()
@@ -69,9 +72,8 @@ def test_without_a_state_to_commit_sigterm_stops_the_job_as_before(tmp_path):
     with reaped(start_pslaunch(_args(out, tmp_path / "ckpt", "--stop-grace", "30", "--env", "NO_STATE:1")),
                 str(out)) as proc:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (out / "starts.txt").exists():
+        while time.monotonic() < deadline and len(_lines(out / "starts.txt")) < 2:  # both workers are in
             time.sleep(0.05)
-        time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     err = err.decode()

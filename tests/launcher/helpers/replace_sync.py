@@ -24,6 +24,7 @@ $OPTIMIZER_LATE=1 it sets the optimizer after restoring its scalars and pulling 
 ``kvcore.Trainer`` does at its first step. $STORE is the store type (default ``dist_sync``).
 $FAIL_AFTER_CLOSE=rank: that worker raises an error of its own after ``kv.close()``.
 $STALL lists ``rank:step:phase:seconds`` items: that worker sleeps there that long (a stall).
+With $PROGRESS=1 each worker appends each step it marked to OUTDIR/progress.<rank>.txt.
 
 Keys: 0 is split over the servers (more than $PSLAUNCH_BIGARRAY_BOUND elements), the others whole.
 Each step's gradient is a function of the weights the worker pulled, its rank and the step, so a
@@ -115,6 +116,9 @@ for step in range(state.step, steps):
             maybe_die(step, "pull")
     maybe_die(step, "pulled")
     state.step = step + 1
+    if os.environ.get("PROGRESS") == "1":
+        with open(os.path.join(out, f"progress.{rank}.txt"), "a") as fh:
+            fh.write(f"{step}\n")
     maybe_die(step, "marked")
     if barrier_every and state.step % barrier_every == 0:
         kv.barrier()
