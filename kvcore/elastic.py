@@ -122,6 +122,12 @@ class State:
                 loaded (the message names the file and why). Every worker raises the same error.
         """
         kv = self._kv
+        if getattr(kv, "joined", False):  # joined the running elastic job: the members' scalars at its start
+            scalars = kv.joined_scalars()
+            for name, value in scalars.items():
+                if name in self._names:
+                    setattr(self, name, value)
+            return bool(scalars)
         if kv.rejoined and kv.type != "dist_async":  # replaced in place: its predecessor's last mark
             resumed = kv.resumed_scalars()
             if resumed is None:

@@ -1,14 +1,17 @@
 """Leaving an elastic job at a step boundary (``-n MIN:MAX``; ``PSLAUNCH_MIN_WORKERS``).
 
 A preempted pod or a spot notice sends the worker SIGTERM. In an elastic job the worker does not die
-there: ``LeaveOnSignal`` notes it, the step under way finishes, and at the next step boundary (its
-next push after the step's pulls, with every request answered) the worker leaves the job
-(``WorkerNode.leave``: every node is told, the rounds after its last push go on without it) and the
-process exits 0 (``SystemExit(0)`` raised from that push, so ``finally`` blocks and ``atexit`` run). A
-plain push/pull loop needs no change; a script can read ``kv.leaving`` to end on its own terms
-(``kv.close()`` then leaves). A second SIGTERM ends the process at once, as SIGTERM does otherwise.
-The others take a change at their own next step boundary: ``kv.num_workers`` says the new count
-from there, and the script's ``State`` runs its reset callbacks (``register_reset_callbacks``).
+there: ``LeaveOnSignal`` notes it and the step under way finishes: at its step boundary (its next push
+after the step's pulls, with every request answered) the worker tells every server that this push is
+its last (``announce_leave``, so every other worker knows before it computes the next round), makes
+the push and its pulls, and at the next step boundary leaves the job (``WorkerNode.leave``: every
+node is told, the rounds after its last push go on without it); the process exits 0 (``SystemExit(0)``
+raised from that push, so ``finally`` blocks and ``atexit`` run). A plain push/pull loop needs no
+change; a script can read ``kv.leaving`` (True once its last push is announced) to end on its own
+terms (``kv.close()`` then leaves). A second SIGTERM ends the process at once, as SIGTERM does
+otherwise. The others take a change at their own next step boundary: ``kv.num_workers`` says the
+members of their next round, and the script's ``State`` runs its reset callbacks
+(``register_reset_callbacks``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class LeaveOnSignal:
         self.store = store
         self.members = worker.num_workers  # the count the script sees, changed at step boundaries only
         self.asked = False
+        self.last: int | None = None  # the round of this worker's last push, once announced
         self._previous: Any = None
         if threading.current_thread() is threading.main_thread():  # only there can Python install handlers
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -46,14 +50,22 @@ class LeaveOnSignal:
     def at_boundary(self) -> None:
         """At a step boundary (``DistKVStore._step_boundary``): leave now when SIGTERM came; else take
         a change of membership (the count the script sees, and its ``State``'s reset callbacks)."""
-        if self.asked:
+        if self.worker.elastic.owed:  # a joiner waits for this worker's scalars (psnode.worker.elastic)
+            self.worker.elastic.at_boundary(self._scalars)
+        if self.last is not None:
             self.leave()
-        members = self.worker.num_workers
+        if self.asked:  # this step's push is the last: every worker hears it before that round closes
+            self.last = self.worker.elastic.announce_leave()
+        members = self.worker.elastic.members_next()
         if members != self.members:
             self.members = members
             state = getattr(self.store, "script_state", None)
             if state is not None:
                 state.on_reset()
+
+    def _scalars(self) -> dict:
+        state = getattr(self.store, "script_state", None)
+        return dict(state.scalars) if state is not None else {}
 
     def leave(self, exit: bool = True) -> None:
         """Leave the job; with ``exit``, end the process with exit code 0 (``kv.close()`` returns)."""

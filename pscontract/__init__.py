@@ -41,6 +41,7 @@ __all__ = [
     "MARKER_FINISHED",
     "MARKER_STALL",
     "MARKER_LEFT",
+    "MARKER_JOINED",
     "MARKER_PREEMPTED",
     "EXIT_PREEMPTED",
     "preempt_signal",
@@ -75,6 +76,7 @@ __all__ = [
     "PSLAUNCH_SERVER_REPLICAS",
     "PSLAUNCH_MIN_WORKERS",
     "PSLAUNCH_ELASTIC_TIMEOUT",
+    "PSLAUNCH_START_WORKERS",
     "PSLAUNCH_STALL_WARN",
     "PSLAUNCH_STALL_TIMEOUT",
     "PSLAUNCH_CPU_BIND",
@@ -156,6 +158,9 @@ PSLAUNCH_SERVER_REPLICAS = "PSLAUNCH_SERVER_REPLICAS"
 PSLAUNCH_MIN_WORKERS = "PSLAUNCH_MIN_WORKERS"
 #: Seconds an elastic job with fewer than PSLAUNCH_MIN_WORKERS workers waits for more before it fails.
 PSLAUNCH_ELASTIC_TIMEOUT = "PSLAUNCH_ELASTIC_TIMEOUT"
+#: The workers an elastic job starts with (MIN..DMLC_NUM_WORKER); the other ranks are free for workers
+#: that join the running job.
+PSLAUNCH_START_WORKERS = "PSLAUNCH_START_WORKERS"
 #: Seconds a ``dist_sync`` round or a barrier may wait before the job says it is stalled, and on whom
 #: (``--stall-warn``; 0: never).
 PSLAUNCH_STALL_WARN = "PSLAUNCH_STALL_WARN"
@@ -198,6 +203,7 @@ SETTINGS = (
     PSLAUNCH_SERVER_REPLICAS,
     PSLAUNCH_MIN_WORKERS,
     PSLAUNCH_ELASTIC_TIMEOUT,
+    PSLAUNCH_START_WORKERS,
     PSLAUNCH_STALL_WARN,
     PSLAUNCH_STALL_TIMEOUT,
 )
@@ -225,6 +231,9 @@ MARKER_FINISHED = MARKER + "FINISHED"
 MARKER_STALL = MARKER + "STALL"
 #: A worker of an elastic job left it at a step boundary (SIGTERM): it exits 0 and is no failure.
 MARKER_LEFT = MARKER + "LEFT"
+#: A worker joined a running elastic job: a JSON object follows, ``{"rank": its rank, "start": the
+#: round it counts from, "workers": the members now}``.
+MARKER_JOINED = MARKER + "JOINED"
 #: Worker 0, told the job is preempted (``preempt_signal``), committed a checkpoint: a JSON object
 #: follows, ``{"checkpoint": id, "scalars": {...}}``; it then exits ``EXIT_PREEMPTED``.
 MARKER_PREEMPTED = MARKER + "PREEMPTED"

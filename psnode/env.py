@@ -89,12 +89,19 @@ class NodeEnv:
     stall_timeout: float = 0.0  # PSLAUNCH_STALL_TIMEOUT: seconds a stalled wait may last before the job ends (0: never)
     min_workers: int = 0  # PSLAUNCH_MIN_WORKERS: an elastic job goes on with this many (0: not elastic)
     elastic_timeout: float = 60.0  # PSLAUNCH_ELASTIC_TIMEOUT: seconds with fewer than min_workers before it fails
+    start_workers: int = 0  # PSLAUNCH_START_WORKERS: an elastic job's workers at its start (0: all); the rest may join
     cpu_bind: str = ""  # PSLAUNCH_CPU_BIND: the cores this process binds itself to (pscontract.binding); "": none
 
     @property
     def elastic(self) -> bool:
         """Whether workers may leave the running job (``PSLAUNCH_MIN_WORKERS`` below ``DMLC_NUM_WORKER``)."""
         return 0 < self.min_workers < self.num_workers
+
+    @property
+    def workers_at_start(self) -> int:
+        """The workers the job starts with (``PSLAUNCH_START_WORKERS``; the others of an elastic job's
+        ``DMLC_NUM_WORKER`` ranks may join later)."""
+        return self.start_workers or self.num_workers
 
     def bind_cpus(self) -> None:
         """Bind every thread of this process to its ``PSLAUNCH_CPU_BIND`` share (once a node starts:
@@ -264,6 +271,14 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         raise EnvError(f"PSLAUNCH_MIN_WORKERS={min_workers} makes the job elastic, which does not go with "
                        + ("PSLAUNCH_SERVER_REPLICAS" if server_replicas else "PSLAUNCH_RESTART_SCOPE=worker"
                           if restart_scope == "worker" else "a job without servers (DMLC_NUM_SERVER=0)") + " yet")
+    start_text = _get(env, "PSLAUNCH_START_WORKERS")
+    start_workers = 0 if start_text is None else _int("PSLAUNCH_START_WORKERS", start_text, 1, num_workers)
+    if start_workers and start_workers < num_workers and not (0 < min_workers < num_workers):
+        raise EnvError(f"PSLAUNCH_START_WORKERS={start_workers} below DMLC_NUM_WORKER={num_workers} lets workers join "
+                       "later, which needs an elastic job (PSLAUNCH_MIN_WORKERS below DMLC_NUM_WORKER)")
+    if start_workers and start_workers < min_workers:
+        raise EnvError(f"PSLAUNCH_START_WORKERS={start_workers} is below PSLAUNCH_MIN_WORKERS={min_workers}: a job "
+                       "starts with at least its minimum of workers")
     stall_warn = _float("PSLAUNCH_STALL_WARN", _get(env, "PSLAUNCH_STALL_WARN") or "60")
     stall_timeout = _float("PSLAUNCH_STALL_TIMEOUT", _get(env, "PSLAUNCH_STALL_TIMEOUT") or "0")
     cpu_bind = (_get(env, "PSLAUNCH_CPU_BIND") or "").strip()
@@ -333,6 +348,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         stall_timeout=stall_timeout,
         min_workers=min_workers if min_workers < num_workers else 0,
         elastic_timeout=elastic_timeout,
+        start_workers=start_workers,
         cpu_bind=cpu_bind,
         malloc_tuning=malloc_text == "on",
         lanes=lanes_text == "on",

@@ -173,10 +173,10 @@ class DistKVStore(KVStoreBase):
 
     @property
     def leaving(self) -> bool:
-        """True once this worker of an elastic job got SIGTERM: it leaves the job at its next step
-        boundary (its next push after the step's pulls), or at ``close()``, and exits 0. A script may
-        read it to end on its own terms."""
-        return self._leaving is not None and self._leaving.asked
+        """True once this worker of an elastic job got SIGTERM and made its last push (the step under
+        way when the signal came): it leaves the job at its next step boundary (its next push), or at
+        ``close()``, and exits 0. A script may read it to end on its own terms."""
+        return self._leaving is not None and self._leaving.last is not None
 
     # ---- what checkpoints use (kvcore.elastic) --------------------------------------------------
     @property
@@ -189,6 +189,17 @@ class DistKVStore(KVStoreBase):
     def rejoined(self) -> bool:
         """True in a worker pslaunch started again alone, which joined the running job."""
         return self._worker.rejoined
+
+    @property
+    def joined(self) -> bool:
+        """True in a worker that joined the running elastic job (``-n MIN:MAX``) after it began."""
+        return self._worker.joined
+
+    def joined_scalars(self) -> dict[str, Any]:
+        """A joiner: the ``State`` scalars the members had when its first round began (from the
+        members' lowest rank, at its next step boundary; the wait ends if a node fails)."""
+        with runtime_errors():
+            return self._worker.elastic.scalars(None)
 
     def resumed_scalars(self) -> dict[str, Any] | None:
         """A replacement in place: the scalars of the mark it resumed from (None: none, or no replacement)."""

@@ -93,6 +93,7 @@ class Connection:
                            self.probe.ref if self.probe is not None else 0, os.getpid(),
                            self.lanes.port if self.lanes is not None else 0)
         self.members = Membership(role)
+        self.members.left = set(range(env.workers_at_start, env.num_workers))  # ranks an elastic job may give joiners
         self.failure = FailureLatch()
         self.link = SchedulerLink(env, self.transport, self.me, self.members, self.failure, on_worker_finished,
                                   on_worker_rejoined)
@@ -219,7 +220,7 @@ class Connection:
                     held, self._held = self._held, []
                     for early_sender, early_frames in held:
                         self.dispatch(early_sender, early_frames)
-                if cmd == Cmd.WORKER_REJOINED and self._early:
+                if cmd in (Cmd.WORKER_REJOINED, Cmd.WORKER_JOINED) and self._early:
                     self._take_early()
                 return
         peer = self.members.peers.get(sender)
@@ -230,9 +231,10 @@ class Connection:
                 self._held.append((sender, frames))
                 link.ask_workers()
                 return
-            if self.env.restart_scope == "worker" and sender.startswith(b"worker@") and len(self._early) < _EARLY_LIMIT:
-                # A worker started again alone gets its address book while this node gets WORKER_REJOINED
-                # (both leave the scheduler at once): its first request may come first. Kept until then.
+            if ((self.env.restart_scope == "worker" or self.env.elastic) and sender.startswith(b"worker@")
+                    and len(self._early) < _EARLY_LIMIT):
+                # A worker started again alone (or joining an elastic job) gets its address book while
+                # this node gets WORKER_REJOINED (WORKER_JOINED): its first request may come first. Kept until then.
                 self._early.append((time.monotonic(), sender, frames))
                 return
             link.note_malformed(sender, ProtocolError(f"message {Cmd(cmd).name} from an unknown sender"))

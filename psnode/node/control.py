@@ -44,7 +44,8 @@ CONTROL_CMDS = frozenset(
     {Cmd.ADDRBOOK, Cmd.REGISTER_FAILED, Cmd.HEARTBEAT_ACK, Cmd.BARRIER_DONE, Cmd.FINISH_ACK, Cmd.SHUTDOWN,
      Cmd.NODE_DIED, Cmd.WORKER_FINISHED, Cmd.RDV_VALUE, Cmd.WORKER_REJOINED, Cmd.PEERS_REPLY, Cmd.LEDGER_ACK,
      Cmd.LEDGER_ENTRIES, Cmd.SERVER_LOST, Cmd.SCHEDULER_BACK, Cmd.REPLICA_JOINED, Cmd.REPLICA_JOINING,
-     Cmd.BARRIER_STALLED, Cmd.LEAVE_ACK, Cmd.WORKER_LEFT}
+     Cmd.BARRIER_STALLED, Cmd.LEAVE_ACK, Cmd.WORKER_LEFT, Cmd.JOIN_FREEZE, Cmd.WORKER_JOINED, Cmd.JOIN_THAW,
+     Cmd.JOIN_SCALARS}
 )
 """What only the scheduler sends to a node."""
 
@@ -129,6 +130,9 @@ class SchedulerLink:
         self.failure = failure
         self.on_worker_finished = on_worker_finished
         self.on_worker_left: Callable[[int], None] | None = None  # an elastic job's worker left (``WORKER_LEFT``)
+        # ``on_join(cmd, body)``: a worker joins an elastic job (JOIN_FREEZE, WORKER_JOINED, JOIN_THAW to a
+        # server; JOIN_SCALARS to the joiner); the body is a checked-to-be object
+        self.on_join: Callable[[int, dict], None] | None = None
         self.on_worker_rejoined = on_worker_rejoined
         # ``on_server_lost(rank, lost uid, taking-over uid or None)``: a server's process (or a replica) of
         # the job is gone (PSLAUNCH_SERVER_REPLICAS); it updates the book and drops the lost peer's
@@ -431,13 +435,21 @@ class SchedulerLink:
         elif cmd == Cmd.WORKER_LEFT:  # an elastic job's worker left at a step boundary
             info = unpack_json(frames[1])
             rank = int(info["rank"])
-            if not 0 <= rank < self.env.num_workers:
-                raise ProtocolError(f"a WORKER_LEFT of worker {rank}, which the job does not have")
-            self.members.left.add(rank)
-            logger.info("%s %d: %s left the job; %d workers go on", self.me.role, self.members.rank,
-                        str(info["node"])[:200], self.env.num_workers - len(self.members.left))
-            if self.on_worker_left is not None:
-                self.on_worker_left(rank)
+            version = info.get("version", 0)
+            if not 0 <= rank < self.env.num_workers or type(version) is not int:
+                raise ProtocolError(f"a WORKER_LEFT of worker {rank} (change {version!r}), which the job does not have")
+            if self.members.change(rank, False, version):
+                logger.info("%s %d: %s left the job; %d workers go on", self.me.role, self.members.rank,
+                            str(info["node"])[:200], self.env.num_workers - len(self.members.left))
+                if self.on_worker_left is not None:
+                    self.on_worker_left(rank)
+        elif cmd in (Cmd.JOIN_FREEZE, Cmd.WORKER_JOINED, Cmd.JOIN_THAW, Cmd.JOIN_SCALARS):
+            body = unpack_json(frames[1]) if len(frames) > 1 else {}
+            if not isinstance(body, dict):
+                raise ProtocolError(f"a {Cmd(cmd).name} body that is a {type(body).__name__}, not an object")
+            if self.on_join is None:
+                raise ProtocolError(f"a {Cmd(cmd).name} to a {self.me.role}, which takes no part in joins")
+            self.on_join(cmd, body)
         elif cmd == Cmd.WORKER_REJOINED:
             info = unpack_json(frames[1])
             peer = PeerInfo.from_record(info["node"])

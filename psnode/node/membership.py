@@ -124,7 +124,11 @@ class Membership:
         # takes its place in ``servers`` once it is lost (``server_lost``)
         self.replicas: dict[int, list[PeerInfo]] = {}
         self.rejoined = False  # this worker took the rank of one that died (PSLAUNCH_RESTART_SCOPE=worker)
-        self.left: set[int] = set()  # an elastic job's workers that left it (``WORKER_LEFT``): ranks are not reused
+        # an elastic job's ranks that hold no member: those that left (``WORKER_LEFT``) or were never
+        # taken yet (a job started with fewer than DMLC_NUM_WORKER); a joiner takes the lowest free one
+        self.left: set[int] = set()
+        self._versions: dict[int, int] = {}  # rank -> the scheduler's number of its last change seen here
+        self.joined_at = 0  # a worker that joined a running elastic job: the round it counts from
         self.late = False  # a replica that joined a running job (its book says so)
         # False for a worker of a job with servers: its book holds the servers alone (the scheduler's
         # books are O(nodes x servers) in all, not O(nodes^2)); the workers come on request (PEERS)
@@ -149,6 +153,13 @@ class Membership:
             peers[peer.uid.encode()] = peer
         self.rank = rank
         self.rejoined = book.get("rejoined") is True
+        joined = book.get("joined")
+        if joined is not None:  # a worker joining a running elastic job: the ranks free now, its first round
+            free = book.get("free")
+            if (type(joined) is not int or joined < 1 or not isinstance(free, list)
+                    or not all(type(r) is int and 0 <= r < 1 << 20 for r in free)):
+                raise ProtocolError(f"a joiner's address book with start round {joined!r} and free ranks {free!r:.80}")
+            self.joined_at, self.left, self.rejoined = joined, set(free), True
         self.late = book.get("late") is True  # a replica joining a running job: its server's keys come to it
         self.complete = book.get("workers") != "on-request"
         self.peers = peers
@@ -235,6 +246,41 @@ class Membership:
         peers[peer.uid.encode()] = peer
         workers = list(self.workers)
         workers[peer.rank] = peer
+        # whole new objects: a thread reading the book meanwhile sees the old one or the new one
+        self.peers, self.workers = peers, workers
+
+    def change(self, rank: int, member: bool, version: int) -> bool:
+        """An elastic job's worker ``rank`` joined (``member``) or left it; True when that is news. The
+        scheduler numbers its changes (``version``): a join's note comes through a server, a leave's
+        from the scheduler, so the older of two changes of one rank may arrive last (and is ignored)."""
+        if version <= self._versions.get(rank, 0):
+            return False
+        self._versions[rank] = version
+        left = set(self.left)
+        if member:
+            left.discard(rank)
+        else:
+            left.add(rank)
+        self.left = left  # a whole new set: readers on other threads need no lock
+        return True
+
+    def add_worker(self, peer: PeerInfo) -> None:
+        """A worker ``peer`` joined the running job with a rank no member holds (a new one is the next
+        of the book's list: the scheduler gives the lowest free rank).
+
+        Raises:
+            ProtocolError: ``peer`` is no worker, or its rank would leave a gap in the list.
+        """
+        if peer.role != "worker" or not 0 <= peer.rank <= len(self.workers):
+            raise ProtocolError(f"a joining {peer.role} of rank {peer.rank}, with {len(self.workers)} workers known")
+        peers = dict(self.peers)
+        workers = list(self.workers)
+        if peer.rank < len(workers):
+            peers.pop(workers[peer.rank].uid.encode(), None)  # the rank's holder left the job before
+            workers[peer.rank] = peer
+        else:
+            workers.append(peer)
+        peers[peer.uid.encode()] = peer
         # whole new objects: a thread reading the book meanwhile sees the old one or the new one
         self.peers, self.workers = peers, workers
 

@@ -162,6 +162,15 @@ class Cmd(enum.IntEnum):
     LEAVE_ACK = 63  # from the scheduler: every node was told (or FLAG_ERROR and {"error"})
     WORKER_LEFT = 64  # scheduler -> servers and workers, JSON {"rank", "node", "workers"}: it left; the rounds
     #                   after its last push do not wait for it, and "workers" take part now
+    JOIN_FREEZE = 65  # scheduler -> servers (a worker joins an elastic job): hold the workers' messages, answer
+    JOIN_ROUND = 66  # server -> scheduler, JSON {"touched", "unsettled"}: the latest round a push reached here
+    WORKER_JOINED = 67  # scheduler -> servers, then server -> workers, JSON {"rank", "node", "start", "workers",
+    #                     "version", "provider"}: it counts from round "start"; servers end their freeze
+    JOIN_THAW = 68  # scheduler -> servers: end the freeze without a join (no rank could be given yet)
+    JOIN_SCALARS = 69  # provider worker -> scheduler -> the joiner, JSON {"rank", "start", "scalars"}: the
+    #                    State scalars the members had when round "start" began
+    LEAVING = 70  # worker -> servers before its last push, JSON {"last"}; a server relays it to every worker as
+    #               {"rank", "last"}: round "last" is the leaver's last, so the others count without it after
     CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
     CHECKPOINT_REPLY = 35  # JSON: the operation's result
 

@@ -5,8 +5,16 @@ made acknowledged. It asks the scheduler (``LEAVE``); the scheduler takes it out
 barriers, the job's end and liveness count it no more), tells every server and worker
 (``WORKER_LEFT``: each server's rounds after its last push close without it, exactly), answers any
 barrier it was the last one missing, and then acknowledges, so the worker exits knowing everyone
-heard. Ranks are not reused: the others keep theirs (``kv.rank`` is an id, ``kv.num_workers`` the
-members now).
+heard. The others keep their ranks (``kv.rank`` is an id, ``kv.num_workers`` the members now).
+
+A worker that registers while the job runs joins it (one at a time, in the order they came). The
+servers freeze and say the latest round a push reached (``psnode.server.joins``); the joiner gets the
+lowest free rank (its ``DMLC_WORKER_ID`` when that one is free; a rank whose leaver still has a push
+in an open round waits), counts from that round + 2 (``WORKER_JOINED``), and gets its address book
+with that start round. The members' lowest rank (the *provider*) sends the joiner its ``State``
+scalars as they were when that round began (``JOIN_SCALARS``, relayed here). A job that holds
+``DMLC_NUM_WORKER`` workers refuses a joiner, naming the limit. Changes are numbered (``version``),
+so a node that hears of two changes of one rank in the wrong order keeps the newer.
 
 While fewer than ``PSLAUNCH_MIN_WORKERS`` remain, the job waits ``PSLAUNCH_ELASTIC_TIMEOUT``
 seconds for more, and then fails, naming what it waited for (``ElasticError``). Single-threaded
@@ -18,11 +26,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from psnode.errors import PSNodeError
+from psnode.errors import ProtocolError, PSNodeError
 from psnode.log import logger
-from psnode.node.protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json
+from psnode.node.membership import PeerInfo, endpoint_of
+from psnode.node.protocol import FLAG_ERROR, GROUP_ROLES, Cmd, Group, pack_header, pack_json, unpack_json
 
-__all__ = ["Elastic", "ElasticError"]
+__all__ = ["Elastic", "ElasticError", "SCALARS_LIMIT"]
+
+SCALARS_LIMIT = 16384  # bytes of a joiner's State scalars (JSON), as a provider sends them
 
 
 class ElasticError(PSNodeError):
@@ -36,6 +47,13 @@ class Elastic:
         self.env = env
         self.left: dict[int, str] = {}  # rank -> description, of the workers that left
         self.short_since: float | None = None  # when the members fell below the minimum
+        self.version = 0  # changes of membership so far (joins and leaves), numbered in every note
+        self.waiting: list[tuple[bytes, dict, Any]] = []  # joiners not started yet: (uid, registration, peer)
+        self.joining: tuple[bytes, dict, Any] | None = None  # the joiner whose freeze is under way
+        self.rounds: dict[bytes, tuple[int, list[int]]] = {}  # server uid -> its JOIN_ROUND answer
+        self.retry_at: float | None = None  # a joiner waits for a leaver's rank to settle: try again then
+        self.joined: dict[int, tuple[int, float]] = {}  # rank -> (start round, when), of the workers that joined
+        self.providers: dict[int, int] = {}  # joiner's rank -> its start round, while its scalars are owed
 
     def leave(self, scheduler: Any, sender: bytes, member: Any, req_id: int) -> None:
         """``member`` asks to leave the job now (``LEAVE``)."""
@@ -51,7 +69,8 @@ class Elastic:
         scheduler.barriers.forget(sender)
         self.left[peer.rank] = peer.describe()
         remaining = roster.expected["worker"]
-        note = pack_json({"rank": peer.rank, "node": peer.describe(), "workers": remaining})
+        self.version += 1
+        note = pack_json({"rank": peer.rank, "node": peer.describe(), "workers": remaining, "version": self.version})
         for uid in roster.of_roles(("server", "replica", "worker")):
             if not roster.members[uid].finished:
                 try:
@@ -64,6 +83,135 @@ class Elastic:
         self.complete_barriers(scheduler)
         if remaining < env.min_workers and self.short_since is None:
             self.short_since = time.monotonic()
+
+    # ---- joining -------------------------------------------------------------------------------
+    def register(self, scheduler: Any, sender: bytes, frames: list) -> None:
+        """A worker registered while the job runs: it joins once the servers agreed its start round.
+
+        Raises:
+            ProtocolError: a malformed registration (counted and dropped by the caller).
+        """
+        info = unpack_json(frames[1]) if len(frames) > 1 else None
+        try:
+            peer = scheduler.roster.check_joiner(sender, info)
+        except PSNodeError as exc:
+            if isinstance(exc, ProtocolError):
+                raise
+            self._refuse(scheduler, sender, info, str(exc))
+            return
+        if any(uid == sender for uid, _, _ in self.waiting) or (self.joining and self.joining[0] == sender):
+            return  # a registration sent again while it waits
+        self.waiting.append((sender, info, peer))
+        self.start_next(scheduler)
+
+    def start_next(self, scheduler: Any) -> None:
+        """Freeze the servers for the next waiting joiner (one join at a time)."""
+        if self.joining is not None or not self.waiting:
+            return
+        self.retry_at = None
+        self.joining = self.waiting.pop(0)
+        self.rounds = {}
+        for uid in scheduler.roster.of_roles(("server",)):
+            scheduler.transport.send(uid, [pack_header(Cmd.JOIN_FREEZE)])
+
+    def round_reply(self, scheduler: Any, sender: bytes, frames: list) -> None:
+        """A server's ``JOIN_ROUND``; with every server's, the joiner joins (or waits, or is refused).
+
+        Raises:
+            ProtocolError: a malformed answer.
+        """
+        body = unpack_json(frames[1]) if len(frames) > 1 else None
+        touched = body.get("touched") if isinstance(body, dict) else None
+        unsettled = body.get("unsettled") if isinstance(body, dict) else None
+        if (type(touched) is not int or touched < 0 or not isinstance(unsettled, list)
+                or not all(type(r) is int for r in unsettled)):
+            raise ProtocolError(f"a malformed JOIN_ROUND: {str(body)[:100]}")
+        if self.joining is None:
+            return  # a late answer to a freeze that ended
+        self.rounds[sender] = (touched, unsettled)
+        servers = scheduler.roster.of_roles(("server",))
+        if not all(uid in self.rounds for uid in servers):
+            return
+        uid, info, peer = self.joining
+        self.joining = None
+        free = scheduler.roster.free_worker_ranks(self.env.num_workers)
+        unsettled_ranks = {r for _, held in self.rounds.values() for r in held}
+        ready = [r for r in free if r not in unsettled_ranks]
+        wanted = info.get("worker_id")
+        if type(wanted) is int:  # DMLC_WORKER_ID: that rank or none
+            rank = wanted if wanted in ready else None
+            refusal = None if wanted in free else (
+                f"a worker at {peer.host}:{peer.port} asked to join as worker {wanted} (DMLC_WORKER_ID), which "
+                + ("a member holds" if 0 <= wanted < self.env.num_workers
+                   else f"is not one of the job's ranks 0..{self.env.num_workers - 1} (DMLC_NUM_WORKER)"))
+        else:
+            rank = ready[0] if ready else None
+            refusal = None if free else (f"a worker at {peer.host}:{peer.port} asked to join, but the job has its "
+                                         f"maximum of {self.env.num_workers} workers (DMLC_NUM_WORKER, -n MIN:MAX)")
+        if rank is None:
+            for server in servers:
+                scheduler.transport.send(server, [pack_header(Cmd.JOIN_THAW)])
+            if refusal is None:  # a leaver's rank settles within a round: try again shortly
+                self.waiting.insert(0, (uid, info, peer))
+                self.retry_at = time.monotonic() + 0.05
+            else:
+                self._refuse(scheduler, uid, info, refusal)
+                self.start_next(scheduler)
+            return
+        self._join(scheduler, uid, info, peer, rank, max(t for t, _ in self.rounds.values()) + 2)
+        self.start_next(scheduler)
+
+    def _join(self, scheduler: Any, uid: bytes, info: dict, peer: Any, rank: int, start: int) -> None:
+        roster = scheduler.roster
+        member = roster.join(uid, info, peer, rank)
+        scheduler.transport.connect(uid, endpoint_of(member.peer, scheduler.transport, scheduler.fingerprint,
+                                                     self.env.same_host))
+        self.version += 1
+        workers = roster.expected["worker"]
+        providers = sorted(m.peer.rank for m in roster.members.values()
+                           if m.peer.role == "worker" and m.peer.rank != rank and not m.finished)
+        provider = providers[0] if providers else -1
+        note = pack_json({"rank": rank, "node": member.peer.as_record(), "start": start, "workers": workers,
+                          "version": self.version, "provider": provider})
+        for server in roster.of_roles(("server",)):
+            scheduler.transport.send(server, [pack_header(Cmd.WORKER_JOINED), note])
+        free = roster.free_worker_ranks(self.env.num_workers)
+        extra = b',"joined":%d,"free":[%s]' % (start, ",".join(str(r) for r in free).encode())
+        scheduler._books.clear()
+        scheduler.transport.send(uid, [pack_header(Cmd.ADDRBOOK), scheduler._book(member, extra=extra)])
+        self.joined[rank] = (start, time.monotonic())
+        if provider >= 0:
+            self.providers[rank] = start
+        else:  # no member to ask: the joiner starts with no scalars
+            scheduler.transport.send(uid, [pack_header(Cmd.JOIN_SCALARS), pack_json({"start": start, "scalars": {}})])
+        logger.warning("scheduler: worker %d joined the job from %s:%d; it counts from round %d; %d workers",
+                       rank, peer.host, peer.port, start, workers)
+        self.left.pop(rank, None)
+
+    def scalars(self, scheduler: Any, member: Any, frames: list) -> None:
+        """The provider's ``JOIN_SCALARS`` for a joiner: relayed to it.
+
+        Raises:
+            ProtocolError: a malformed or oversized body, or scalars no joiner is owed.
+        """
+        if len(frames) < 2 or len(frames[1].buffer) > SCALARS_LIMIT:
+            raise ProtocolError(f"a JOIN_SCALARS of more than {SCALARS_LIMIT} bytes, or without a body")
+        body = unpack_json(frames[1])
+        rank = body.get("rank") if isinstance(body, dict) else None
+        start = self.providers.get(rank) if type(rank) is int else None
+        if start is None or body.get("start") != start or not isinstance(body.get("scalars"), dict):
+            raise ProtocolError(f"{member.peer.describe()} sent scalars for worker {rank!r}, which is owed none")
+        del self.providers[rank]
+        target = next((u for u, m in scheduler.roster.members.items()
+                       if m.peer.role == "worker" and m.peer.rank == rank), None)
+        if target is not None:
+            scheduler.transport.send(target, [pack_header(Cmd.JOIN_SCALARS),
+                                              pack_json({"start": start, "scalars": body["scalars"]})])
+
+    @staticmethod
+    def _refuse(scheduler: Any, sender: bytes, info: Any, why: str) -> None:
+        scheduler._send_once(sender, PeerInfo.from_record({**info, "rank": -1}), Cmd.REGISTER_FAILED, {"error": why})
+        logger.warning("scheduler: %s", why)
 
     @staticmethod
     def complete_barriers(scheduler: Any) -> None:

@@ -69,7 +69,7 @@ class Scheduler:
         self.transport = transport or node_transport(env, SCHEDULER)
         self.transport.bind(env.root_port, None, None if env.bind_all else resolve_host(env.root_uri, "DMLC_PS_ROOT_URI"))
         self.fingerprint = host_fingerprint()
-        self.roster = Roster(env.num_workers, env.num_servers, env.job_id, env.root_port, env.job_id_from,
+        self.roster = Roster(env.workers_at_start, env.num_servers, env.job_id, env.root_port, env.job_id_from,
                              env.server_replicas)
         self.barriers = Barriers()
         self.rendezvous = Rendezvous()
@@ -80,7 +80,8 @@ class Scheduler:
         self._books: dict[str, bytes | None] = {}  # encoded address book lists by role (``_book``)
         self._pending_joins: list[tuple[bytes, list]] = []  # replicas joining while a server's connection is down
         self._stall_clock = StallClock.of(env)  # barriers that wait, said in the log (psnode.node.stalls)
-        self.elastic = Elastic(env)  # PSLAUNCH_MIN_WORKERS: workers that leave the running job
+        self.elastic = Elastic(env)  # PSLAUNCH_MIN_WORKERS: workers that leave or join the running job
+        self._early_joins: list[tuple[bytes, list]] = []  # workers beyond PSLAUNCH_START_WORKERS, before the job formed
 
     # ---- registration -------------------------------------------------------------------
     def register(self) -> None:
@@ -113,6 +114,10 @@ class Scheduler:
                 if info.get("rejoin") is True and env.restart_scope == "worker" and not roster.members:
                     self._recover(sender, info, deadline)  # started in place: the job's nodes come back
                     return
+                if (env.elastic and info.get("role") == "worker" and sender not in roster.members
+                        and roster.count("worker") >= roster.expected["worker"]):
+                    self._early_joins.append((sender, frames))  # more than the job starts with: it joins once formed
+                    continue
                 refusal = roster.add(sender, info)
                 if refusal is not None:
                     self._send_once(sender, PeerInfo.from_record({**info, "rank": -1}), Cmd.REGISTER_FAILED,
@@ -135,7 +140,10 @@ class Scheduler:
             member.last_seen = time.monotonic()
             self.transport.send(uid, [pack_header(Cmd.ADDRBOOK), self._book(member)])
         self.job_report.registered()
-        logger.info("scheduler: %d servers and %d workers registered", env.num_servers, env.num_workers)
+        logger.info("scheduler: %d servers and %d workers registered", env.num_servers, roster.expected["worker"])
+        early, self._early_joins = self._early_joins, []
+        for sender, frames in early:
+            self._dispatch(sender, frames)
         if env.restart_count and env.restart_scope == "worker":
             self._tell_launcher_back()  # started in place before the job had formed: its nodes registered now
 
@@ -280,7 +288,7 @@ class Scheduler:
         self.transport.send(sender, [pack_header(Cmd.SCHEDULER_BACK), back_body(self.barriers.completed)])
         return True
 
-    def _book(self, member: Member, rejoined: bool = False) -> bytes:
+    def _book(self, member: Member, rejoined: bool = False, extra: bytes = b"") -> bytes:
         """``member``'s address book: who it must reach. A server gets the workers (it answers and
         connects to them); a worker the servers, and the other workers only in a job without
         servers (its collectives are its work); in a job with servers a worker that runs
@@ -293,7 +301,7 @@ class Scheduler:
             self._books[role] = pack_json([m.peer.as_record() for m in self.roster.members.values()
                                            if m.peer.role in wanted])
         more = b',"workers":"on-request"' if role == "worker" and self.env.num_servers else b""
-        extra = b',"rejoined":true' if rejoined else b""
+        extra += b',"rejoined":true' if rejoined else b""
         return b'{"rank":%d,"nodes":%s%s%s}' % (member.peer.rank, self._books[role], more, extra)
 
     def _peers(self, sender: bytes, req_id: int) -> None:
@@ -366,6 +374,8 @@ class Scheduler:
                 self._stalled_barriers()
             if self.elastic.short_since is not None:
                 self._check_elastic()
+            if self.elastic.retry_at is not None and time.monotonic() >= self.elastic.retry_at:
+                self.elastic.start_next(self)
         self._shutdown_servers()
 
     def _dispatch(self, sender: bytes, frames: list) -> None:
@@ -378,6 +388,9 @@ class Scheduler:
                 if self._back_again(sender, frames):
                     return
                 self._rejoin(sender, frames)
+                return
+            if member is None and cmd == Cmd.REGISTER and self.env.elastic:  # a worker joins the running job
+                self.elastic.register(self, sender, frames)
                 return
             if member is None:
                 raise ProtocolError(f"{Cmd(cmd).name} from an unknown sender")
@@ -408,10 +421,26 @@ class Scheduler:
             self._announce_death(member, f"{member.peer.describe()} failed: {reason}")
         elif cmd == Cmd.LEAVE:  # an elastic job's worker leaves at a step boundary
             self.elastic.leave(self, sender, member, req_id)
+        elif cmd in (Cmd.JOIN_ROUND, Cmd.JOIN_SCALARS):  # a server's answer to a freeze; a provider's scalars
+            self._join_message(sender, member, cmd, frames)
         elif cmd == Cmd.REGISTER:  # a repeated registration is harmless; one coming back is answered again
             self._back_again(sender, frames)
         else:
             self.malformed += 1
+
+    def _join_message(self, sender: bytes, member: Member, cmd: int, frames: list) -> None:
+        """A message of a worker joining the elastic job (``psnode.scheduler.elastic``); one that
+        cannot be used is counted and dropped."""
+        try:
+            if cmd == Cmd.JOIN_ROUND and member.peer.role == "server":
+                self.elastic.round_reply(self, sender, frames)
+            elif cmd == Cmd.JOIN_SCALARS and member.peer.role == "worker":
+                self.elastic.scalars(self, member, frames)
+            else:
+                raise ProtocolError(f"{Cmd(cmd).name} from {member.peer.describe()}")
+        except (ProtocolError, IndexError, AttributeError, TypeError) as exc:
+            self.malformed += 1
+            logger.info("scheduler dropped a malformed message from %s: %s", member.peer.describe(), exc)
 
     def _heartbeat(self, sender: bytes, member: Member, req_id: int, frames: list) -> None:
         """Answer a heartbeat; keep the counters it carries, answer a clock probe."""

@@ -272,6 +272,35 @@ class Roster:
         self.expected["worker"] -= 1
         return member
 
+    def check_joiner(self, sender: bytes, info: Any) -> PeerInfo:
+        """A worker registering with an elastic job that runs already: its peer record (rank -1 yet).
+
+        Raises:
+            ProtocolError: a malformed body, not a worker's, or its uid is not the sender.
+            PSNodeError: another job's node.
+        """
+        if not isinstance(info, dict):
+            raise ProtocolError(f"a registration body that is a {type(info).__name__}, not an object")
+        peer = PeerInfo.from_record({**info, "rank": -1})
+        if peer.role != "worker" or sender != peer.uid.encode():
+            raise ProtocolError(f"a registration of role {peer.role!r} with uid {peer.uid!r} from {sender[:64]!r} "
+                                "while the job runs")
+        job = info.get("job_id")
+        if self.job_id and job is not None and job != self.job_id:
+            raise PSNodeError(self._other_job(peer, info, job))
+        return peer
+
+    def free_worker_ranks(self, limit: int) -> list[int]:
+        """The ranks below ``limit`` (DMLC_NUM_WORKER) no worker holds: left, or never taken."""
+        held = {m.peer.rank for m in self.members.values() if m.peer.role == "worker"}
+        return [rank for rank in range(limit) if rank not in held]
+
+    def join(self, sender: bytes, info: dict, peer: PeerInfo, rank: int) -> Member:
+        """Worker ``peer`` joins the running elastic job with the free ``rank``: a member, one more expected."""
+        member = self.members[sender] = Member(info, replace(peer, rank=rank))
+        self.expected["worker"] += 1
+        return member
+
     def all_workers_finished(self) -> bool:
         """True once every worker said it finished."""
         return all(m.finished for m in self.members.values() if m.peer.role == "worker")

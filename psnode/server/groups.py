@@ -67,7 +67,7 @@ class Group:
         for shard in shards:
             r = shard.round
             if (shard.group is not None or not shard.sync or shard.dtype != first.dtype or r.count or r.backlog
-                    or r.waiting or shard.trackers or shard.error or r.received != received
+                    or r.starts or r.changes or r.leaving or r.waiting or shard.trackers or shard.error or r.received != received
                     or type(shard.stored) is not np.ndarray):
                 return False
         return len({s.key_id for s in shards}) == len(shards)

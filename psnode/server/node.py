@@ -54,6 +54,7 @@ from psnode.node.stats import server_report, stderr_line
 from psnode.server.checkpoints import Checkpoints
 from psnode.server.groups import Groups
 from psnode.server.invitations import Invitations
+from psnode.server.joins import Joins
 from psnode.server.marks import read_mark
 from psnode.server.replies import Replies
 from psnode.server.shard_memory import shard_memory
@@ -109,6 +110,10 @@ class ServerNode:
         self._before_seed: list[tuple] = []
         self.conn.link.on_replica = self._replica_joining
         self.conn.link.on_worker_left = self._worker_left
+        # an elastic job's joiners: the freeze while the scheduler agrees the round they start from
+        self.joins = Joins(self, self._handle)
+        self.conn.link.on_join = self.joins.on_control
+        self.store.left = set(self.conn.members.left)  # ranks no worker holds yet: rounds do not wait for them
         self.conn.link.on_server_lost = self._server_lost
         self.timeline = self.conn.timeline
         if self.timeline is not None:  # PSLAUNCH_TIMELINE: each push's merge and each round's update, per key
@@ -141,6 +146,8 @@ class ServerNode:
         while not link.shutdown_requested and failure.error is None:
             conn.process(0.005 if checkpoints.busy else 0.1)  # a commit's answer waits on the background
             checkpoints.poll()
+            if self.joins.since is not None:
+                self.joins.check(time.monotonic())
             if stalls.clock.on:
                 for line, waiting_for, level, came, waited, what in stalls.look(
                         time.monotonic(), self.store.shards.values(), conn.env.num_workers,
@@ -200,6 +207,8 @@ class ServerNode:
             return
         if peer.role != "worker":
             raise ProtocolError(f"{Cmd(cmd).name} from {peer.describe()}")
+        if self.joins.since is not None and self.joins.hold((peer, cmd, flags, req_id, arg, frames)):
+            return  # a worker joins: no round moves until its start round is agreed (psnode.server.joins)
         try:
             self._serve(peer, cmd, flags, req_id, arg, frames)
         except ClosedError:
@@ -235,6 +244,9 @@ class ServerNode:
             self._push_pull(peer, frames[0].buffer)
             if self.replies.answers:  # the round closed: reply now rather than after the batch
                 self.replies.flush()
+            return
+        if cmd == Cmd.LEAVING:  # an elastic job's worker: its next push is its last; every worker hears it first
+            self.joins.relay_leave(peer, frames)
             return
         if cmd == Cmd.MARK:  # no answer: a mark costs its worker no round trip
             self.store.add_mark(peer.rank, read_mark(frames[1:], max(len(self.store.shards), 1)))

@@ -23,6 +23,12 @@ for), and ``duplicate`` tells a push that a replaced worker's predecessor alread
 States, per round: *open* (``count`` pushes merged, fewer than the quorum) -> *full* -> ``close``
 applies it -> *open* with ``count`` 0 (plus any backlog merged at once). A round is *stuck* when a
 worker that finished the job never pushed to it (``stuck_on``).
+
+An elastic job's membership changes at round boundaries: a worker that leaves lowers the quorum of
+the rounds after its last push (``leave``); one that joins (``join``) counts from a start round no
+push reached yet. The quorum changes when that round opens (``changes``); the joiner's earlier
+pushes wait in the backlog and its pulls until the round before its start closed, so its first pull
+sees exactly the value the members' pushes of that round start from.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ class Round:
     """
 
     __slots__ = ("quorum", "memory", "merge", "count", "pushed", "received", "backlog", "first", "waiting", "closed",
-                 "versioned", "leaving")
+                 "versioned", "leaving", "starts", "changes")
 
     def __init__(self, num_workers: int, quorum: int, memory: Any, merge: Any) -> None:
         self.quorum = quorum
@@ -56,6 +62,8 @@ class Round:
         self.closed = 0  # rounds applied: the value is the one after round ``closed``
         self.versioned = False  # pulls are answered with the value after their round (see the module docstring)
         self.leaving: set[int] = set()  # workers that left the job with a push still in an open round
+        self.starts: dict[int, int] = {}  # joiners whose first round has not opened yet: worker -> that round
+        self.changes: dict[int, int] = {}  # round -> change of the quorum when it opens (joins)
 
     # ---- pushes ----------------------------------------------------------------------------
     def push(self, worker: int, data: Any, borrowed: bool = False) -> bool:
@@ -65,7 +73,7 @@ class Round:
         (shared memory), so the round copies it instead of keeping a view.
         """
         self.received[worker] += 1
-        if worker in self.pushed:
+        if worker in self.pushed or (self.starts and self.closed + 1 < self.starts.get(worker, 0)):
             self.backlog.append((worker, data.copy() if borrowed else data))
             return False
         if borrowed and self.count == 0:
@@ -117,10 +125,20 @@ class Round:
             self.count = 0
             self.pushed.clear()
             self.first = None
+            if self.changes:
+                self.quorum += self.changes.pop(self.closed + 1, 0)
             if self.backlog:
-                self.backlog = drain_backlog(self.backlog, self.pushed, self._merge)
+                self.backlog = drain_backlog(self.backlog, self.pushed, self._merge, self._not_yet())
+            if self.starts:
+                self.starts = {w: r for w, r in self.starts.items() if r > self.closed + 1}
             if self.leaving:
                 self._take_leaves()
+
+    def _not_yet(self) -> Any:
+        """The joiners whose first round is later than the open one (their pushes stay held)."""
+        if not self.starts:
+            return frozenset()
+        return {w for w, r in self.starts.items() if r > self.closed + 1}
 
     # ---- an elastic job's membership --------------------------------------------------------
     def leave(self, worker: int) -> bool:
@@ -132,6 +150,24 @@ class Round:
         self.leaving.add(worker)
         self._take_leaves()
         return bool(self.count) and self.count == self.quorum
+
+    def touched(self) -> int:
+        """The latest round a push reached: the open one when it has pushes, plus the rounds the
+        backlog holds pushes for."""
+        held: dict[int, int] = {}
+        for worker, _ in self.backlog:
+            held[worker] = held.get(worker, 0) + 1
+        return self.closed + (1 if self.count else 0) + max(held.values(), default=0)
+
+    def join(self, worker: int, start: int) -> None:
+        """``worker`` joins the job and counts in the rounds from ``start`` on, a round no push reached
+        yet (``start > touched()``; see the module docstring). It counts its pushes from zero."""
+        self.received[worker] = 0
+        if start <= self.closed + 1 and not self.count:  # the open round is empty: it counts from it
+            self.quorum += 1
+            return
+        self.starts[worker] = start
+        self.changes[start] = self.changes.get(start, 0) + 1
 
     def _take_leaves(self) -> None:
         """Lower the quorum for each leaver with no push in the open round or the backlog."""
@@ -148,6 +184,8 @@ class Round:
     # ---- pulls -----------------------------------------------------------------------------
     def ready_for(self, worker: int, seq: int) -> bool:
         """True when a pull of ``worker`` that must include its ``seq`` pushes can be answered now."""
+        if self.starts and self.closed + 1 < self.starts.get(worker, 0):  # a joiner: the round before its first
+            return False
         if self.versioned:  # answered with the value after round ``seq``, once that round closed
             return self.closed >= seq
         if self.received[worker] < seq:
@@ -197,17 +235,21 @@ class Round:
         part.closed = self.closed
         part.versioned = self.versioned
         part.leaving = set(self.leaving)
+        part.starts = dict(self.starts)
+        part.changes = dict(self.changes)
         part.backlog = deque((w, d[lo:hi]) for w, d in self.backlog)
         return part
 
 
-def drain_backlog(backlog: deque, pushed: set, merge: Callable[[int, Any], None]) -> deque:
+def drain_backlog(backlog: deque, pushed: set, merge: Callable[[int, Any], None],
+                  not_yet: Any = frozenset()) -> deque:
     """After a round closed: ``merge(worker, data)`` each held push of a worker not yet in the new
-    round (``pushed``), in arrival order; return the pushes still held for a later round."""
+    round (``pushed``, which ``merge`` adds to) nor a joiner whose first round is later (``not_yet``),
+    in arrival order; return the pushes still held for a later round."""
     kept: deque = deque()
     while backlog:
         worker, data = backlog.popleft()
-        if worker in pushed:
+        if worker in pushed or worker in not_yet:
             kept.append((worker, data))
         else:
             merge(worker, data)

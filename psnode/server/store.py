@@ -282,6 +282,28 @@ class ServerStore:
                 for waiter, item in round_.release():
                     answer(waiter, item[0], item[1], shard)
 
+    def touched(self) -> int:
+        """The latest round a push reached on any ``dist_sync`` key here (0: none yet)."""
+        return max((shard.round.touched() for shard in self.shards.values() if shard.sync), default=0)
+
+    def unsettled(self) -> set[int]:
+        """Ranks that left the job with a push still in an open round (not to be given to a joiner yet)."""
+        return {rank for shard in self.shards.values() for rank in shard.round.leaving}
+
+    def worker_joined(self, rank: int, start: int) -> None:
+        """Worker ``rank`` joined the job (``psnode.server.joins``): each ``dist_sync`` key counts it from
+        round ``start``, a key pushed less often than the others (more than a round behind the
+        latest, ``start - 2``) from its next round no push reached; it counts its pushes from zero."""
+        self.left.discard(rank)
+        self.finished.pop(rank, None)
+        for shard in self.shards.values():
+            round_ = shard.round
+            if not shard.sync:
+                round_.received[rank] = 0
+                continue
+            touched = round_.touched()
+            round_.join(rank, start if touched >= start - 3 else touched + 1)
+
     def add_mark(self, worker: int, mark: Mark) -> None:
         """Keep ``worker``'s newest mark; values below the new floor are let go at their next update."""
         self.marks.add(worker, mark)

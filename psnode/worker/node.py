@@ -60,6 +60,7 @@ from psnode.node.stats import stderr_line, worker_report
 from psnode.transport import same_host
 from psnode.transport.base import Transport
 from psnode.worker.data_path import DataPath
+from psnode.worker.elastic import ElasticMembers
 from psnode.worker.outbox import Outbox
 from psnode.worker.process import watch
 from psnode.worker.receiver import Receiver
@@ -70,6 +71,8 @@ __all__ = ["WorkerNode"]
 _COLL = int(Cmd.COLL)
 _INVITE = int(Cmd.PUSH_INVITE)
 _STALLED = int(Cmd.STALLED)
+_JOINED = int(Cmd.WORKER_JOINED)
+_LEAVING = int(Cmd.LEAVING)
 
 
 class WorkerNode:
@@ -111,6 +114,8 @@ class WorkerNode:
         self.timeline = self.receiver.timeline = self.conn.timeline  # PSLAUNCH_TIMELINE; kvcore names its calls too
         if env.stats_interval > 0:
             self.conn.link.report = lambda: worker_report(self)
+        self.elastic = ElasticMembers(self)  # an elastic job's joiners (this one, or others it tells their scalars)
+        self.conn.link.on_join = self.elastic.on_control
 
     def _replica_joined(self, cmd: int, peer: PeerInfo) -> None:
         """A replica joined the running job (``REPLICA_JOINED``): connect to it, then mark the point of
@@ -135,6 +140,8 @@ class WorkerNode:
             self.data.regions.find_servers(conn.members.servers, conn.me.fingerprint)
         if network_thread:
             self.receiver.start(f"psnode-worker-{conn.rank}")
+        if conn.members.joined_at:  # joined a running elastic job
+            self.elastic.started()
         return self
 
     def before_close(self, send: Callable[[], None]) -> None:
@@ -290,6 +297,12 @@ class WorkerNode:
     def servers(self) -> list[PeerInfo]:
         """The job's servers by rank (empty until registered)."""
         return self.conn.members.servers
+
+    @property
+    def joined(self) -> bool:
+        """True when this worker joined a running elastic job (``psnode.worker.elastic``): like a
+        rejoined one it takes the servers' values and skips the job's set-up collectives."""
+        return self.conn.members.joined_at > 0
 
     @property
     def rejoined(self) -> bool:
@@ -581,6 +594,12 @@ class WorkerNode:
             if peer.role != "server":
                 raise ProtocolError(f"an invitation from {peer.describe()}, which is no server")
             self.data.invited(peer.rank, req_id, arg)
+            return
+        if cmd == _JOINED:  # a worker joined the elastic job (each server says it)
+            self.elastic.on_note(peer, frames)
+            return
+        if cmd == _LEAVING:  # a worker's next push is its last (each server relays it)
+            self.elastic.on_leaving(peer, frames)
             return
         if cmd == _STALLED:  # a server's round this worker pushed to is stalled: say so here too
             body = unpack_json(frames[1]) if peer.role in ("server", "replica") and len(frames) > 1 else None

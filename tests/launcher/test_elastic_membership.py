@@ -1,7 +1,8 @@
 """An elastic job (``-n MIN:MAX``, ``PSLAUNCH_MIN_WORKERS``): MAX workers start under ``--launcher local``;
-a worker that gets SIGTERM (a preempted pod, a spot notice) finishes its step, leaves at the next step
-boundary and exits 0, while every other process goes on; each ``dist_sync`` round sums exactly the
-workers that were members in it. Below MIN the job waits ``--elastic-timeout`` and fails naming why.
+a worker that gets SIGTERM (a preempted pod, a spot notice) finishes its step (its push is announced as
+its last), leaves at the next step boundary and exits 0, while every other process goes on; each
+``dist_sync`` round sums exactly the workers that were members in it, and ``kv.num_workers`` at each
+step is that step's members. Below MIN the job waits ``--elastic-timeout`` and fails naming why.
 What cannot be elastic (mpi, the batch schedulers, -s 0) is refused before anything starts."""
 
 from __future__ import annotations
@@ -42,18 +43,19 @@ def _closed_form(steps: int, members: dict[int, set[int]]) -> list[float]:
 
 
 def test_workers_that_get_sigterm_leave_at_a_step_boundary_and_every_round_sums_its_members(tmp_path):
-    # 4 start (-n 2:4); worker 3 gets SIGTERM after step 2, worker 2 after step 4: W goes 4 -> 3 -> 2
+    # 4 start (-n 2:4); worker 3 gets SIGTERM after step 2's pulls, worker 2 after step 4's: each makes
+    # the push of the step under way (3, 5) its last; W goes 4 -> 3 -> 2
     summary = tmp_path / "summary.json"
     res = run_pslaunch(["-n", "2:4", "-s", "2", "--no-dashboard", "--env", "STEPS:8", "--env", "STEP_SLEEP:0.15",
                         "--env", "LEAVE:3:2,2:4",
                         "--summary-json", str(summary), "--timeout", "60", "python", HELPER, str(tmp_path)], timeout=90)
     assert res.returncode == 0, res.stderr
-    members = {s: {0, 1, 2, 3} if s <= 2 else {0, 1, 2} if s <= 4 else {0, 1} for s in range(8)}
+    members = {s: {0, 1, 2, 3} if s <= 3 else {0, 1, 2} if s <= 5 else {0, 1} for s in range(8)}
     got = _records(tmp_path)
     for rank in (0, 1):
         assert [v for _, _, v in got[rank]] == _closed_form(8, members), got[rank]
-    assert [s for s, _, _ in got[3]] == [0, 1, 2] and [s for s, _, _ in got[2]] == [0, 1, 2, 3, 4], got
-    assert got[0][-1][1] == 2 and got[0][0][1] == 4  # kv.num_workers: the members as of the step boundary
+        assert [n for _, n, _ in got[rank]] == [len(members[s]) for s in range(8)], got[rank]  # kv.num_workers
+    assert [s for s, _, _ in got[3]] == [0, 1, 2, 3] and [s for s, _, _ in got[2]] == [0, 1, 2, 3, 4, 5], got
     for rank in (2, 3):
         assert f"[worker.{rank}@localhost] worker {rank} left the job at a step boundary (SIGTERM)" in res.stderr
     assert re.search(r"scheduler: worker 2 on \S+ left the job at a step boundary; 2 workers go on \(minimum 2\)",
@@ -103,28 +105,28 @@ def test_a_script_may_end_on_its_own_terms_once_kv_leaving_says_so(tmp_path):
     res = run_pslaunch(["-n", "1:2", "-s", "1", "--no-dashboard", "--env", "STEPS:8", "--env", "LEAVE:1:3", "--env",
                         "OWN_TERMS:1", "--timeout", "60", "python", HELPER, str(tmp_path)], timeout=90)
     assert res.returncode == 0, res.stderr
-    got = _records(tmp_path)
-    assert [s for s, _, _ in got[1]] == [0, 1, 2, 3] and "1 done" in (tmp_path / "steps.1.txt").read_text()
-    assert [v for _, _, v in got[0]] == _closed_form(8, {s: {0, 1} if s <= 3 else {0} for s in range(8)}), got[0]
+    got = _records(tmp_path)  # SIGTERM after step 3's pulls: step 4 is its last, then kv.leaving ends the loop
+    assert [s for s, _, _ in got[1]] == [0, 1, 2, 3, 4] and "1 done" in (tmp_path / "steps.1.txt").read_text()
+    assert [v for _, _, v in got[0]] == _closed_form(8, {s: {0, 1} if s <= 4 else {0} for s in range(8)}), got[0]
     assert "worker 1 left the job at a step boundary (SIGTERM); 1 worker goes on" in res.stderr
 
 
 def test_a_barrier_the_leaver_was_the_last_one_missing_from_completes_when_it_leaves(tmp_path):
-    # worker 1 ends its loop on its own terms after step 2 and leaves 2 s later, from kv.close(); worker 0
-    # waits for it in the barrier that starts step 3 meanwhile
+    # worker 1 ends its loop on its own terms after step 3 (SIGTERM after step 2's pulls: step 3 is its
+    # last) and leaves 2 s later, from kv.close(); worker 0 waits for it in the barrier that starts step 4
     res = run_pslaunch(["-n", "1:2", "-s", "1", "--no-dashboard", "--env", "STEPS:6", "--env", "LEAVE:1:2", "--env",
                         "OWN_TERMS:1", "--env", "BARRIER:1", "--env", "CLOSE_SLEEP:2", "--timeout", "60", "python",
                         HELPER, str(tmp_path)], timeout=90)
     assert res.returncode == 0, res.stderr
     got = _records(tmp_path)
-    assert [v for _, _, v in got[0]] == _closed_form(6, {s: {0, 1} if s <= 2 else {0} for s in range(6)}), got[0]
+    assert [v for _, _, v in got[0]] == _closed_form(6, {s: {0, 1} if s <= 3 else {0} for s in range(6)}), got[0]
     assert "1 done" in (tmp_path / "steps.1.txt").read_text()
     assert re.search(r"scheduler: worker 1 on \S+ left the job at a step boundary; 1 worker goes on", res.stderr)
 
 
 def test_the_others_take_a_leave_at_their_step_boundary_kv_num_workers_and_the_reset_callbacks(tmp_path):
-    # worker 2 leaves after step 1 (at its push of step 2); each other worker's kv.num_workers drops, and
-    # its State's reset callback runs once, at one of its step boundaries, with the new count
+    # worker 2 gets SIGTERM after step 1's pulls: step 2 is its last, it leaves at its push of step 3; each
+    # other worker's kv.num_workers drops at its step 3, exactly, and its State's reset callback runs once
     res = run_pslaunch(["-n", "2:3", "-s", "1", "--no-dashboard", "--env", "STEPS:8", "--env", "STEP_SLEEP:0.1",
                         "--env", "LEAVE:2:1", "--env", "RESETS:1", "--timeout", "60", "python", HELPER, str(tmp_path)],
                        timeout=90)
@@ -135,7 +137,7 @@ def test_the_others_take_a_leave_at_their_step_boundary_kv_num_workers_and_the_r
         assert len(resets) == 4 and resets[:2] == [str(rank), "reset"] and resets[3] == "2", resets
         at = int(resets[2])  # the step whose first push was the boundary it took the change at
         counts = [n for _, n, _ in got[rank]]
-        assert counts == [3] * at + [2] * (8 - at) and 2 <= at <= 3, (at, counts)
+        assert counts == [3] * 3 + [2] * 5 and at == 3, (at, counts)
     assert not (tmp_path / "resets.2.txt").exists()
 
 
@@ -179,7 +181,7 @@ def test_a_job_started_by_hand_with_the_variables_lets_a_worker_leave(tmp_path):
         reap(procs)
     logs = "\n".join(p.read_text() for p in tmp_path.glob("*.log"))
     assert codes == [0] * 5, logs
-    members = {s: {0, 1, 2} if s <= 1 else {0, 1} for s in range(6)}
+    members = {s: {0, 1, 2} if s <= 2 else {0, 1} for s in range(6)}
     assert [v for _, _, v in _records(tmp_path)[0]] == _closed_form(6, members)
     assert "worker 2 left the job at a step boundary (SIGTERM); 2 workers go on" in logs
 
@@ -207,13 +209,13 @@ def test_ctrl_c_ends_an_elastic_job_at_once_a_torn_down_worker_does_not_wait_for
 
 
 def test_over_ssh_a_worker_on_another_host_leaves_and_the_rounds_sum_the_rest(sshd, tmp_path):
-    # workers 0 and 2 on 127.0.0.2, 1 on 127.0.0.3; worker 2 gets SIGTERM after step 1
+    # workers 0 and 2 on 127.0.0.2, 1 on 127.0.0.3; worker 2 gets SIGTERM after step 1: step 2 is its last
     hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2", "127.0.0.3"])
     res = run_pslaunch(["-n", "2:3", "-s", "1", "-H", hosts, *sshd.ssh_flags(), "--no-dashboard", "--env",
                         f"PYTHONPATH:{REPO}", "--env", "STEPS:6", "--env", "LEAVE:2:1", "--timeout", "60", "python",
                         HELPER, str(tmp_path)], timeout=90)
     assert res.returncode == 0, res.stderr
-    members = {s: {0, 1, 2} if s <= 1 else {0, 1} for s in range(6)}
+    members = {s: {0, 1, 2} if s <= 2 else {0, 1} for s in range(6)}
     got = _records(tmp_path)
     assert [v for _, _, v in got[0]] == _closed_form(6, members) == [v for _, _, v in got[1]], got
     assert "[worker.2@127.0.0.2] worker 2 left the job at a step boundary (SIGTERM); 2 workers go on" in res.stderr

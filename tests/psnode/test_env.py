@@ -128,3 +128,21 @@ def test_every_variable_psnode_reads_is_documented_in_env_md():
     assert names, "no variable names found"
     missing = sorted(n for n in names if f"`{n}`" not in doc)
     assert not missing, f"read by psnode but not documented in docs/env.md: {missing}"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"PSLAUNCH_START_WORKERS": "1"}, "PSLAUNCH_START_WORKERS=1 below DMLC_NUM_WORKER=2 lets workers join later, which "
+                                      "needs an elastic job"),
+    ({"PSLAUNCH_START_WORKERS": "3"}, "PSLAUNCH_START_WORKERS='3' must be between 1 and 2"),
+    ({"DMLC_NUM_WORKER": "4", "PSLAUNCH_MIN_WORKERS": "3", "PSLAUNCH_START_WORKERS": "2"},
+     "PSLAUNCH_START_WORKERS=2 is below PSLAUNCH_MIN_WORKERS=3"),
+])
+def test_an_elastic_jobs_start_workers_is_checked_naming_the_variables(extra, message):
+    with pytest.raises(EnvError, match=re.escape(message)):
+        read_env({**BASE, **extra})
+
+
+def test_an_elastic_job_starts_with_start_workers_and_all_of_them_by_default():
+    elastic = {**BASE, "DMLC_NUM_WORKER": "4", "PSLAUNCH_MIN_WORKERS": "2"}
+    assert read_env(elastic).workers_at_start == 4
+    assert read_env({**elastic, "PSLAUNCH_START_WORKERS": "2"}).workers_at_start == 2

@@ -135,3 +135,52 @@ def test_run_updater_words_the_error_with_the_key():
 
     assert run_updater(updater, "w1", None, None) == "the updater raised ValueError: no (key 'w1')"
     assert run_updater(lambda k, m, s: None, "w1", None, None) is None
+
+
+# ---- an elastic job's joiner --------------------------------------------------------------------------
+def _step(r, applied, workers, value):
+    full = False
+    for w in workers:
+        full = r.push(w, np.full(4, value * (w + 1), np.float32))
+    if full:
+        r.close(collect(applied), None)
+    return full
+
+
+def test_a_joiner_counts_from_its_start_round_its_early_push_waits_and_its_first_pull_sees_the_round_before():
+    # workers 0 and 1 are members (quorum 2 of 3 ranks); round 1 closed, worker 0 pushed round 2
+    r, applied = new_round(workers=3, quorum=2), []
+    assert _step(r, applied, (0, 1), 1)
+    r.push(0, np.full(4, 2, np.float32))
+    assert r.touched() == 2
+    r.join(2, 4)  # the latest round any push reached + 2
+    assert not r.ready_for(2, 0)  # its first pull waits for round 3, the one before its start
+    assert r.push(1, np.full(4, 4, np.float32))  # round 2 closes with two pushes
+    r.close(collect(applied), None)
+    assert r.quorum == 2 and not r.ready_for(2, 0)
+    r.push(2, np.full(4, 300, np.float32))  # the joiner is quick: its push is for round 4, held
+    assert r.count == 0 and len(r.backlog) == 1 and not r.ready_for(2, 0)
+    assert _step(r, applied, (0, 1), 3)  # round 3: still the two of them
+    assert r.quorum == 3 and r.count == 1 and r.pushed == {2}  # round 4 opened with the joiner's held push
+    assert not r.ready_for(2, 1)  # its own push is in the open round 4
+    assert _step(r, applied, (0, 1), 4)
+    assert [a[0] for a in applied] == [3.0, 6.0, 9.0, 4 + 8 + 300.0]
+    assert r.ready_for(2, 1) and not r.starts and not r.changes
+
+
+def test_a_join_into_an_empty_open_round_counts_the_joiner_at_once():
+    r, applied = new_round(workers=3, quorum=2), []
+    assert _step(r, applied, (0, 1), 1)
+    r.join(2, 2)  # a key pushed less often: its next round no push reached
+    assert r.quorum == 3 and r.ready_for(2, 0)
+    assert not _step(r, applied, (0, 1), 1) and _step(r, applied, (2,), 1)
+    assert [a[0] for a in applied] == [3.0, 6.0]
+
+
+def test_touched_counts_the_open_round_and_the_rounds_the_backlog_holds():
+    r = new_round(workers=2)
+    assert r.touched() == 0
+    r.push(0, np.ones(4, np.float32))
+    r.push(0, np.ones(4, np.float32))
+    r.push(0, np.ones(4, np.float32))
+    assert r.touched() == 3

@@ -286,3 +286,74 @@ def test_servers_without_a_rank_wait_until_all_of_them_came_so_their_order_is_th
     comeback.hold_unranked(roster, b"server@127.0.0.1:7003", _record("server", -1, 7003))
     taken = comeback.rank_unranked(roster)
     assert sorted((m.peer.port, m.peer.rank) for _, m in taken) == [(7003, 0), (7005, 2)]
+
+
+# ---- an elastic job's joiners ---------------------------------------------------------------------
+def _elastic(**settings):
+    return SchedulerThread(workers=3, servers=1, PSLAUNCH_MIN_WORKERS="2", PSLAUNCH_START_WORKERS="2", **settings)
+
+
+def test_a_joiner_waits_for_every_servers_round_then_gets_its_rank_start_round_and_the_providers_scalars():
+    job = _elastic()
+    w0, w1, server = job.node("worker"), job.node("worker"), job.node("server")
+    assert [book["rank"] for book in registered(job, [w0, w1, server])] == [0, 1, 0]
+    joiner = job.node("worker", host="10.0.0.9")
+    joiner.register()
+    server.expect(Cmd.JOIN_FREEZE)
+    # what a server answers is checked: none of these moves the join on
+    server.transport.send(SCHEDULER, [pack_header(Cmd.JOIN_ROUND), b"not json"])
+    server.send(Cmd.JOIN_ROUND, body={"touched": -1, "unsettled": []})
+    server.send(Cmd.JOIN_ROUND, body={"touched": 3, "unsettled": "all"})
+    w0.send(Cmd.JOIN_ROUND, body={"touched": 99, "unsettled": []})  # a worker has no say
+    assert not joiner.transport.poll(0.1)
+    server.send(Cmd.JOIN_ROUND, body={"touched": 5, "unsettled": []})
+    _, _, note = server.expect(Cmd.WORKER_JOINED)
+    assert (note["rank"], note["start"], note["workers"], note["provider"]) == (2, 7, 3, 0)
+    assert note["node"]["host"] == "10.0.0.9"
+    _, _, book = joiner.expect(Cmd.ADDRBOOK)
+    assert (book["rank"], book["joined"], book["free"]) == (2, 7, [])
+    w1.send(Cmd.JOIN_SCALARS, body={"rank": 2, "start": 6, "scalars": {"step": 1}})  # the wrong round
+    w0.send(Cmd.JOIN_SCALARS, body={"rank": 2, "start": 7, "scalars": {"step": 6}})
+    _, _, scalars = joiner.expect(Cmd.JOIN_SCALARS)
+    assert scalars == {"start": 7, "scalars": {"step": 6}}
+    assert job.scheduler.malformed == 5
+    # the job holds its maximum of 3 workers: the next one is refused, naming it, and the server thawed
+    extra = job.node("worker", host="10.0.0.10")
+    extra.register()
+    server.expect(Cmd.JOIN_FREEZE)
+    server.send(Cmd.JOIN_ROUND, body={"touched": 6, "unsettled": []})
+    server.expect(Cmd.JOIN_THAW)
+    _, _, body = extra.expect(Cmd.REGISTER_FAILED)
+    assert "a worker at 10.0.0.10" in body["error"] and "its maximum of 3 workers (DMLC_NUM_WORKER" in body["error"]
+    for node in (w0, w1, joiner):
+        node.send(Cmd.FINISH, 1)
+    server.expect(Cmd.SHUTDOWN)
+    server.send(Cmd.SHUTDOWN_ACK)
+    assert job.join() == 0
+
+
+def test_a_left_rank_goes_to_a_joiner_once_no_server_holds_a_push_of_its_leaver_and_changes_are_numbered():
+    job = _elastic()
+    w0, w1, server = job.node("worker"), job.node("worker"), job.node("server")
+    registered(job, [w0, w1, server])
+    w1.send(Cmd.LEAVE, 4)
+    _, _, left = server.expect(Cmd.WORKER_LEFT)
+    assert w1.expect(Cmd.LEAVE_ACK)[1] == 4 and (left["rank"], left["version"]) == (1, 1)
+    joiner = job.node("worker", host="10.0.0.9", worker_id=1)  # it asks for rank 1
+    joiner.register()
+    server.expect(Cmd.JOIN_FREEZE)
+    server.send(Cmd.JOIN_ROUND, body={"touched": 8, "unsettled": [1]})  # worker 1's push is still in a round
+    server.expect(Cmd.JOIN_THAW)
+    server.expect(Cmd.JOIN_FREEZE)  # asked again a moment later
+    server.send(Cmd.JOIN_ROUND, body={"touched": 9, "unsettled": [1]})
+    server.expect(Cmd.JOIN_THAW)
+    server.expect(Cmd.JOIN_FREEZE)
+    server.send(Cmd.JOIN_ROUND, body={"touched": 9, "unsettled": []})
+    _, _, note = server.expect(Cmd.WORKER_JOINED)
+    assert (note["rank"], note["start"], note["version"], note["workers"]) == (1, 11, 2, 2)
+    assert joiner.expect(Cmd.ADDRBOOK)[2]["free"] == [2]
+    for node in (w0, joiner):
+        node.send(Cmd.FINISH, 1)
+    server.expect(Cmd.SHUTDOWN)
+    server.send(Cmd.SHUTDOWN_ACK)
+    assert job.join() == 0

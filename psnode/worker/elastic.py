@@ -1,0 +1,157 @@
+"""A worker's part when workers join or leave a running elastic job (``psnode.scheduler.elastic``).
+
+The count of members a script sees changes at its step boundaries only, and it is exact: the
+members of the round the worker's next push goes to (``members_next``). A leaver says which round
+is its last before it pushes to it (``announce_leave``: ``LEAVING`` to every server, which relays it
+to every worker before that round closes), so the others know before they compute the round after.
+Every worker hears of a join from the servers (``WORKER_JOINED``, before any answer that lets it
+compute the joiner's first step): its count of members changes (``kv.num_workers`` at its next step
+boundary). The members' lowest rank is the joiner's *provider*: at its first step boundary from the
+joiner's start round on (its pushes have reached the round before it) it sends the joiner its
+``kvcore.elastic.State`` scalars (``JOIN_SCALARS``, relayed by the scheduler), so the joiner resumes
+at the same step. The joiner waits for them in ``scalars``.
+
+The notes come on the receiving thread; ``at_boundary`` runs on the script's thread. The owed
+scalars are a dict swapped whole, so neither needs a lock.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from typing import Any, Callable
+
+from pscontract import MARKER_JOINED
+from psnode.errors import ProtocolError
+from psnode.log import logger
+from psnode.node.membership import PeerInfo
+from psnode.node.protocol import Cmd, pack_header, pack_json, unpack_json
+
+__all__ = ["ElasticMembers"]
+
+_FIRST = 1 << 62  # a leave notice's priority: before anything queued after it (the leaver's last push)
+
+
+class ElasticMembers:
+    """Joins as one worker sees them (see the module docstring)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.owed: dict[int, int] = {}  # joiner's rank -> its start round: this worker sends it its scalars
+        self.ahead: dict[int, int] = {}  # joiner's rank -> its start round, while this worker's pushes are before it
+        self.going: dict[int, int] = {}  # leaver's rank -> its last round, until the scheduler says it left
+        self._scalars: concurrent.futures.Future = concurrent.futures.Future()  # a joiner's, from its provider
+        self.scalars_now: Callable[[], dict] = dict  # the script's State scalars (set at its step boundaries)
+        worker.before_close(self._flush)  # a provider that ends first still sends what it owes
+
+    def on_note(self, peer: PeerInfo, frames: list) -> None:
+        """A server's ``WORKER_JOINED`` (the receiving thread).
+
+        Raises:
+            ProtocolError: a malformed note, or not from a server.
+        """
+        body = unpack_json(frames[1]) if peer.role == "server" and len(frames) > 1 else None
+        if not isinstance(body, dict):
+            raise ProtocolError(f"a malformed join notice from {peer.describe()}")
+        rank, start, version, provider = (body.get(k) for k in ("rank", "start", "version", "provider"))
+        worker = self.worker
+        if not all(type(v) is int for v in (rank, start, version, provider)) or not 0 <= rank < worker.env.num_workers:
+            raise ProtocolError(f"a join notice from {peer.describe()} of worker {rank!r} from round {start!r}")
+        if rank == worker.rank or not worker.conn.members.change(rank, True, version):
+            return  # its own join, or heard from another server already
+        self.ahead = {**self.ahead, rank: start}
+        if provider == worker.rank:
+            self.owed = {**self.owed, rank: start}
+        logger.info("worker %d: worker %d joined the job; it counts from round %d; %d workers", worker.rank, rank,
+                    start, worker.num_workers)
+
+    def on_leaving(self, peer: PeerInfo, frames: list) -> None:
+        """A server relays a leaver's ``LEAVING`` (the receiving thread).
+
+        Raises:
+            ProtocolError: a malformed note, or not from a server.
+        """
+        body = unpack_json(frames[1]) if peer.role == "server" and len(frames) > 1 else None
+        rank = body.get("rank") if isinstance(body, dict) else None
+        last = body.get("last") if isinstance(body, dict) else None
+        if type(rank) is not int or type(last) is not int or not 0 <= rank < self.worker.env.num_workers:
+            raise ProtocolError(f"a malformed leave notice from {peer.describe()}")
+        if rank != self.worker.rank and rank not in self.worker.conn.members.left:
+            self.going = {**self.going, rank: last}
+
+    def announce_leave(self) -> int:
+        """Tell every server that this worker's next push is its last (its round: returned); sent
+        before that push on each connection, so every member hears it before that round closes."""
+        worker = self.worker
+        last = self._reached() + 1
+        body = pack_json({"last": last})
+        for server in range(worker.num_servers):
+            worker.outbox.enqueue(server, [pack_header(Cmd.LEAVING), body], _FIRST, -1)
+        worker.outbox.pump()
+        return last
+
+    def on_control(self, cmd: int, body: dict) -> None:
+        """The scheduler's ``JOIN_SCALARS`` to this joiner (the receiving thread).
+
+        Raises:
+            ProtocolError: scalars that are no object, or to a worker that did not join.
+        """
+        scalars = body.get("scalars")
+        if cmd != Cmd.JOIN_SCALARS or not isinstance(scalars, dict) or not self.worker.conn.members.joined_at:
+            raise ProtocolError(f"a {Cmd(cmd).name} to worker {self.worker.rank}, which did not join a running job")
+        if not self._scalars.done():
+            self._scalars.set_result(scalars)
+
+    def started(self) -> None:
+        """This worker joined a running job: tell pslaunch (its table shows when)."""
+        worker = self.worker
+        worker.tell_launcher(f"{MARKER_JOINED} " + json.dumps(
+            {"rank": worker.rank, "start": worker.conn.members.joined_at, "workers": worker.num_workers}))
+
+    def _reached(self) -> int:
+        """The latest round this worker pushed to (its pushes per key, from the round it joined at)."""
+        worker = self.worker
+        return max(worker.requests.push_counts.values(), default=0) + max(worker.conn.members.joined_at - 1, 0)
+
+    def members_next(self) -> int:
+        """At a step boundary: the members of the round this worker's next push goes to (a joiner
+        heard of counts from its start round on: the note may come a step before)."""
+        count = self.worker.num_workers
+        if self.ahead or self.going:
+            round_ = self._reached() + 1
+            self.ahead = {rank: start for rank, start in self.ahead.items() if start > round_}
+            left = self.worker.conn.members.left
+            self.going = {rank: last for rank, last in self.going.items() if rank not in left}
+            count -= len(self.ahead) + sum(1 for last in self.going.values() if last < round_)
+        return count
+
+    def at_boundary(self, scalars: Callable[[], dict]) -> None:
+        """At a step boundary of the script: send the scalars owed to joiners whose start round this
+        worker's pushes reached (``scalars()`` gives the script's ``State`` scalars now)."""
+        self.scalars_now = scalars
+        reached = self._reached()
+        due = {rank: start for rank, start in self.owed.items() if reached >= start - 1}
+        if not due:
+            return
+        self.owed = {rank: start for rank, start in self.owed.items() if rank not in due}
+        self._send(due, scalars())
+
+    def _flush(self) -> None:
+        if self.owed:
+            due, self.owed = self.owed, {}
+            self._send(due, self.scalars_now())
+
+    def _send(self, due: dict[int, int], values: dict) -> None:
+        worker = self.worker
+        for rank, start in due.items():
+            worker.conn.link.send(Cmd.JOIN_SCALARS, body={"rank": rank, "start": start, "scalars": values})
+
+    def scalars(self, timeout: float) -> dict:
+        """A joiner's ``State`` scalars as the members had them when its start round began ({} when
+        they keep none), once its provider sent them.
+
+        Raises:
+            NodeTimeoutError: none came within ``timeout`` seconds; PSNodeError: the node failed.
+        """
+        self.worker._wait(self._scalars, timeout, "State scalars from the worker that provides them")
+        return self._scalars.result()
