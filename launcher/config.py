@@ -274,6 +274,8 @@ class LaunchConfig:
     cpu_bind: str = "none"  # --cpu-bind: none, cores (a block of its host's cores each) or numa (a node each)
     min_workers: int = 0  # -n MIN:MAX: an elastic job goes on with MIN (0, or num_workers: not elastic)
     elastic_timeout: float = 60.0  # --elastic-timeout: seconds below MIN workers before the job fails
+    hostfile: str | None = None  # -H's path: an elastic ssh job reads it again when it changes
+    host_discovery_script: str | None = None  # --host-discovery-script: an elastic ssh job's hosts, asked again
     threads_chosen: bool = False  # pslaunch's environment sets OMP_NUM_THREADS (or MKL's, OpenBLAS's): no default
     verbose: int = 0
     quiet: bool = False
@@ -302,6 +304,14 @@ class LaunchConfig:
         """``-n MIN:MAX`` with MIN below MAX: workers may leave the running job."""
         return 0 < self.min_workers < self.num_workers
 
+    @property
+    def start_workers(self) -> int:
+        """The workers the job starts with: ``num_workers``, or for an elastic job on hosts that all
+        give ``slots``, as many as those take (at most MAX); the others join when slots appear."""
+        if not self.elastic or self.backend != "ssh" or any(h.slots is None for h in self.hosts):
+            return self.num_workers
+        return min(self.num_workers, sum(h.slots or 0 for h in self.hosts))
+
     def _check_elastic(self) -> None:
         shape = f"-n {self.min_workers}:{self.num_workers}"
         if self.backend in ("mpi", "slurm", "sge"):
@@ -318,6 +328,10 @@ class LaunchConfig:
                               f"{'--server-replicas' if self.server_replicas else '--restart-scope worker'} yet")
         if not self.elastic_timeout >= 0:
             raise ConfigError(f"--elastic-timeout must be >= 0 seconds, got {self.elastic_timeout}")
+        if self.start_workers < self.min_workers:
+            raise ConfigError(f"{shape}: the hostfile's {self.start_workers} slots ("
+                              + ", ".join(f"{h.label} slots={h.slots}" for h in self.hosts)
+                              + f") hold fewer than the job's minimum of {self.min_workers} workers")
 
     def advice(self) -> list[str]:
         """What pslaunch warns about in a config it runs anyway: more servers than workers."""
@@ -337,6 +351,10 @@ class LaunchConfig:
                               f"with kvcore.create('allreduce')), got {self.num_servers}")
         if self.elastic:
             self._check_elastic()
+        if self.host_discovery_script and not (self.elastic and self.backend == "ssh"):
+            shape = f"{self.min_workers}:{self.num_workers}" if self.elastic else str(self.num_workers)
+            raise ConfigError("--host-discovery-script gives an elastic job its hosts: it needs -n MIN:MAX and "
+                              f"--launcher ssh (here -n {shape}, --launcher {self.backend})")
         outside = sorted(r for r in self.ranks or () if r >= self.num_workers)
         if outside:
             raise ConfigError(f"--ranks names worker rank(s) {', '.join(map(str, outside))}, but the job has "

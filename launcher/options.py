@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
@@ -33,6 +34,7 @@ from .config import (
     parse_ranks_option,
 )
 from .errors import ConfigError
+from .planning.capacity import CapacityError, DiscoveryScript
 from .planning.hostfile import parse_hostfile
 
 if TYPE_CHECKING:
@@ -155,6 +157,7 @@ OPTIONS: tuple[Option, ...] = (
     Option('dashboard', ('--dashboard',), 'toggle', off=('--no-dashboard',), section='Observability', help='A live table of every process (state, rates, heartbeats; the straggler marked) below the output [default: on when stdout and stderr are a terminal; never otherwise].'),
     Option('metrics_port', ('--metrics-port',), 'text', metavar='[ADDR:]PORT', section='Observability', help="Serve the job's counters as Prometheus text at http://ADDR:PORT/metrics (ADDR 127.0.0.1 unless given) while the job runs."),
     Option('cpu_bind', ('--cpu-bind',), 'choice', default='none', show_default=True, choices=('none', 'cores', 'numa'), section='Job shape', help="Pin each process pslaunch starts to its share of its host's cores (a contiguous block each), or to one NUMA node each (read from /sys); local, ssh and agents."),
+    Option('host_discovery_script', ('--host-discovery-script',), 'text', metavar='PROGRAM', section='Ending and restarts', help="An elastic job's hosts (-n MIN:MAX, --launcher ssh, instead of -H): a program that prints host:slots lines, run every second; workers join on slots that appear and leave hosts that go."),
     Option('elastic_timeout', ('--elastic-timeout',), 'float', default=60.0, metavar='S', show_default=True, section='Ending and restarts', help='An elastic job (-n MIN:MAX) with fewer than MIN workers waits S seconds for more, then fails naming what it waited for.'),
     Option('stall_warn', ('--stall-warn',), 'float', default=60.0, metavar='S', show_default=True, section='Observability', help="Say in the log when a dist_sync round of a key or a barrier has waited S seconds, naming the key or barrier and the ranks and hosts it waits for (0: never)."),
     Option('stall_timeout', ('--stall-timeout',), 'float', default=0.0, metavar='S', show_default=True, section='Observability', help="End the job when a round, barrier or collective has been stalled S seconds: the root cause says stalled, names the rank it waits for and shows its Python stack; exit code 86 (0: never)."),
@@ -259,6 +262,35 @@ def parse_workers(text: str) -> tuple[int, int]:
     return first, last
 
 
+def discover_at_start(script: str, options: Mapping[str, Any], hosts: tuple) -> tuple:
+    """``--host-discovery-script``: the hosts it reports once they hold the job's minimum of workers
+    (asked every second for ``--elastic-timeout`` seconds). Raises ``ConfigError`` naming what it
+    reported, or why it could not be read."""
+    if hosts:
+        raise ConfigError("--host-discovery-script reports the hosts; it does not combine with -H/--hostfile")
+    try:
+        low, _ = parse_workers(str(options["num_workers"]))
+    except ValueError:
+        low = 1  # the -n error is said with the others
+    source = DiscoveryScript(script)
+    deadline = time.monotonic() + max(0.0, float(options["elastic_timeout"]))
+    while True:
+        try:
+            found = tuple(source.read())
+            why = None
+        except CapacityError as exc:
+            found, why = (), str(exc)
+        slots = sum(h.slots or 0 for h in found)
+        if slots >= low:
+            return found
+        if time.monotonic() >= deadline:
+            said = why or (f"{slots} slot{'s' if slots != 1 else ''} ("
+                           + (", ".join(f"{h.label}:{h.slots}" for h in found) or "no hosts") + ")")
+            raise ConfigError(f"{source.describe} reported {said}, fewer than the job's minimum of {low} workers "
+                              f"(-n), for {options['elastic_timeout']:g} s (--elastic-timeout)")
+        time.sleep(1.0)
+
+
 def build_config(options: Mapping[str, Any], environ: Mapping[str, str]) -> LaunchConfig:
     """Turn the options' values (by name, as ``defaults`` and the command line give them, with
     ``command``) into a ``LaunchConfig``: the hostfile read, ``--env`` parsed, each backend's options
@@ -267,6 +299,9 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str]) -> Laun
     from .backends import default_backend, get_backend
 
     hosts = tuple(parse_hostfile(options["hostfile"])) if options["hostfile"] else ()
+    discovery = options["host_discovery_script"]
+    if discovery:
+        hosts = discover_at_start(discovery, options, hosts)
     backend = options["backend"] or default_backend(hosts)
     agents = _agent_options(options, environ)
     if agents:
@@ -329,6 +364,8 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str]) -> Laun
         stall_timeout=options["stall_timeout"],
         cpu_bind=options["cpu_bind"],
         elastic_timeout=options["elastic_timeout"],
+        hostfile=options["hostfile"],
+        host_discovery_script=discovery,
         verbose=options["verbose"],
         quiet=options["quiet"],
         dry_run=options["dry_run"],

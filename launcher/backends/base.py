@@ -159,6 +159,7 @@ class ProcessHandle(ABC):
         self.caught_up_at: float | None = None
         self.finished_at: float | None = None
         self.left_at: float | None = None  # an elastic job's worker left it at a step boundary (``LEFT``)
+        self.joined_at: float | None = None  # a worker joined the running elastic job (``JOINED``)
         self.preempted: dict | None = None  # worker 0 committed a checkpoint as the job was preempted
         # (when, "server 1: stalled: ...", the worker ranks it waits for): its STALL markers, the newest last
         self.stalls: list[tuple[float, str, tuple[int, ...]]] = []
@@ -192,6 +193,8 @@ class ProcessHandle(ABC):
             self.finished_at = time.monotonic()
         elif verb == "LEFT" and self.left_at is None:
             self.left_at = time.monotonic()
+        elif verb == "JOINED" and self.joined_at is None:
+            self.joined_at = time.monotonic()
         elif verb == "PREEMPTED" and self.preempted is None:
             self.preempted = _preempted(rest)
         elif verb == "STALL":
@@ -381,6 +384,10 @@ class Backend(ABC):
         Raises ``PreflightError`` / ``SyncError`` / ``PlacementError``. The default does nothing.
         """
         return None
+
+    def prepare_more(self, plan: Plan) -> None:
+        """Check and set up the hosts of ``plan`` that ``prepare`` did not (a worker joining an elastic
+        job on a new host: pre-flight, rsync). Raises as ``prepare``. The default does nothing."""
 
     @abstractmethod
     def launch(self, plan: Plan) -> list[ProcessHandle]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..config import LOCAL_HOST, Host
 from ..errors import HostfileError
 
-__all__ = ["Host", "parse_hostfile", "parse_hostfile_text", "LOCAL_HOST"]
+__all__ = ["Host", "parse_hostfile", "parse_hostfile_text", "parse_address", "fail", "LOCAL_HOST"]
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -25,35 +25,37 @@ _EXPECTED = "expected '[user@]host[:sshport] [slots=N]'"
 _BAD_SHOWN = 20  # malformed lines one error names
 
 
-def _fail(source: str, lineno: int, text: str, why: str) -> HostfileError:
+def fail(source: str, lineno: int, text: str, why: str) -> HostfileError:
     return HostfileError(f"{source}:{lineno}: {text.strip()!r}: {why}")
 
 
-def _parse_address(source: str, lineno: int, raw: str, token: str) -> tuple[str | None, str, int | None]:
+def parse_address(source: str, lineno: int, raw: str, token: str, number: str = "ssh port",
+                   expected: str = _EXPECTED) -> tuple[str | None, str, int | None]:
+    """``(user, host, the number after ':')`` of ``[user@]host[:number]``; ``number`` names it in errors."""
     user = None
     if "@" in token:
         user, _, token = token.rpartition("@")
         if not _USER.match(user):
-            raise _fail(source, lineno, raw, f"user {user!r} is not a valid user name; {_EXPECTED}")
+            raise fail(source, lineno, raw, f"user {user!r} is not a valid user name; {expected}")
     port_text = None
     if token.startswith("["):
         close = token.find("]")
         if close < 0:
-            raise _fail(source, lineno, raw, f"'[' without ']' around an IPv6 address; {_EXPECTED}")
+            raise fail(source, lineno, raw, f"'[' without ']' around an IPv6 address; {expected}")
         host, rest = token[1:close], token[close + 1 :]
         if rest:
             if not rest.startswith(":"):
-                raise _fail(source, lineno, raw, f"unexpected {rest!r} after ']'; {_EXPECTED}")
+                raise fail(source, lineno, raw, f"unexpected {rest!r} after ']'; {expected}")
             port_text = rest[1:]
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
-            raise _fail(source, lineno, raw, f"{host!r} in brackets is not an IPv6 address") from None
+            raise fail(source, lineno, raw, f"{host!r} in brackets is not an IPv6 address") from None
     elif token.count(":") > 1:
         try:
             ipaddress.IPv6Address(token)
         except ValueError:
-            raise _fail(
+            raise fail(
                 source, lineno, raw, f"{token!r} is not an IPv6 address; write [addr]:port for a port"
             ) from None
         host = token
@@ -62,11 +64,11 @@ def _parse_address(source: str, lineno: int, raw: str, token: str) -> tuple[str 
         if not sep:
             port_text = None
         if not _HOSTNAME.match(host):
-            raise _fail(source, lineno, raw, f"{host!r} is not a host name or address; {_EXPECTED}")
+            raise fail(source, lineno, raw, f"{host!r} is not a host name or address; {expected}")
     port = None
     if port_text is not None:
         if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-            raise _fail(source, lineno, raw, f"ssh port {port_text!r} is not a number in 1..65535")
+            raise fail(source, lineno, raw, f"{number} {port_text!r} is not a number in 1..65535")
         port = int(port_text)
     return user, host, port
 
@@ -108,16 +110,16 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[Host]:
 def _parse_line(source: str, lineno: int, raw: str, line: str) -> tuple[str | None, str, int | None, int | None]:
     """``(user, host, port, slots)`` of one hostfile line (comments stripped). Raises ``HostfileError``."""
     tokens = line.split()
-    user, host, port = _parse_address(source, lineno, raw, tokens[0])
+    user, host, port = parse_address(source, lineno, raw, tokens[0])
     slots = None
     for extra in tokens[1:]:
         key, sep, value = extra.partition("=")
         if key not in ("slots", "max_slots") or not sep:
-            raise _fail(source, lineno, raw, f"unexpected {extra!r}; {_EXPECTED}")
+            raise fail(source, lineno, raw, f"unexpected {extra!r}; {_EXPECTED}")
         if not value.isdigit() or int(value) < 1:
-            raise _fail(source, lineno, raw, f"slots must be a whole number >= 1, got {value!r}")
+            raise fail(source, lineno, raw, f"slots must be a whole number >= 1, got {value!r}")
         if slots is not None:
-            raise _fail(source, lineno, raw, "slots given twice")
+            raise fail(source, lineno, raw, "slots given twice")
         slots = int(value)
     return user, host, port, slots
 

@@ -27,7 +27,7 @@ from ..config import EnvVar, LaunchConfig
 from ..errors import PlacementError
 from .hostfile import LOCAL_HOST, Host
 
-__all__ = ["ProcessSpec", "Plan", "make_plan", "format_plan", "command_argv", "runtime_argv", "script_of",
+__all__ = ["ProcessSpec", "Plan", "make_plan", "joiner_spec", "format_plan", "command_argv", "runtime_argv", "script_of",
            "PYTHON_WORDS", "STATS_INTERVAL"]
 
 
@@ -205,7 +205,7 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
 
     placed: list[tuple[str, int, Host]] = [("scheduler", 0, sched_host)]
     placed += [("server", r, hosts[r % len(hosts)]) for r in range(config.num_servers)]
-    placed += [("worker", r, h) for r, h in enumerate(_place_workers(hosts, config.num_workers))]
+    placed += [("worker", r, h) for r, h in enumerate(_place_workers(hosts, config.start_workers))]
     # --server-replicas: replica i starts beside server i mod S; the scheduler gives it the keys of a
     # server on another host where there is one (a lost host then loses no server's keys)
     placed += [("replica", r, hosts[(r % config.num_servers) % len(hosts)])
@@ -218,45 +218,79 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
     slots = cpu_slots(placed) if config.cpu_bind != "none" else []
     seen: dict[tuple[str, Host], int] = {}
 
-    user_argv = command_argv(config.command, config.python)
-    # the job's key travels as a secret, like --env values: never in the printed plan or a command line
-    given = any(v.name == ec.PSLAUNCH_JOB_KEY for v in config.env)
-    secrets = () if given or not config.job_key else (EnvVar(ec.PSLAUNCH_JOB_KEY, config.job_key, "all"),)
-    all_local = local_only or all(h.is_loopback for h in config.hosts)
-    remote_cwd = config.sync_dst_dir or config.cwd
-    settings = {}
-    if config.encrypt:
-        settings[ec.PSLAUNCH_ENCRYPT] = "curve"
-    if config.wants_stats:
-        settings[ec.PSLAUNCH_STATS] = f"{STATS_INTERVAL:g}"
-    if config.timeline:
-        settings[ec.PSLAUNCH_TIMELINE] = ec.TIMELINE_TO_LAUNCHER
-    if config.checkpoint_dir:
-        settings[ec.PSLAUNCH_CHECKPOINT_DIR] = config.checkpoint_dir
-    if config.restart_scope != "job":
-        settings[ec.PSLAUNCH_RESTART_SCOPE] = config.restart_scope
-    if config.server_replicas:
-        settings[ec.PSLAUNCH_SERVER_REPLICAS] = str(config.server_replicas)
-    if config.stall_warn != 60.0:  # the runtime's default otherwise
-        settings[ec.PSLAUNCH_STALL_WARN] = f"{config.stall_warn:g}"
-    if config.elastic:
-        settings[ec.PSLAUNCH_MIN_WORKERS] = str(config.min_workers)
-        settings[ec.PSLAUNCH_ELASTIC_TIMEOUT] = f"{config.elastic_timeout:g}"
-    if config.stall_timeout:
-        settings[ec.PSLAUNCH_STALL_TIMEOUT] = f"{config.stall_timeout:g}"
-    # torch.distributed's env:// rendezvous, for a job without servers: worker 0's host and a port
-    master = None
-    if config.master_port is not None:
-        master = (torch_master_address(config, next(h for r, _, h in placed if r == "worker")), config.master_port)
+    shared = _Shared.of(config, root_uri, placed, all_through_launcher)
     processes = []
     for role, rank, host in placed:
         local_rank = seen.get((role, host), 0)
         seen[(role, host)] = local_rank + 1
-        on_launcher = (local_only or host is LOCAL_HOST) and not all_through_launcher
+        processes.append(shared.spec(role, rank, host, local_rank, sizes[(role, host)], threads.get(host),
+                                     slots[len(processes)] if slots else None))
+    return Plan(config.job_id, config.backend, root_uri, config.scheduler_port, tuple(processes), notes)
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """What every process of one job's plan shares: its settings, argv, secrets, where to find the
+    scheduler and torch's master; ``spec`` makes one process of it (``make_plan``, ``joiner_spec``)."""
+
+    config: LaunchConfig
+    root_uri: str
+    settings: dict
+    user_argv: tuple[str, ...]
+    secrets: tuple[EnvVar, ...]
+    all_local: bool
+    local_only: bool
+    remote_cwd: str | None
+    master: tuple[str, int] | None
+    all_through_launcher: bool
+
+    @classmethod
+    def of(cls, config: LaunchConfig, root_uri: str, placed: list[tuple[str, int, Host]],
+           all_through_launcher: bool) -> "_Shared":
+        # the job's key travels as a secret, like --env values: never in the printed plan or a command line
+        given = any(v.name == ec.PSLAUNCH_JOB_KEY for v in config.env)
+        secrets = () if given or not config.job_key else (EnvVar(ec.PSLAUNCH_JOB_KEY, config.job_key, "all"),)
+        local_only = not config.hosts
+        settings = {}
+        if config.encrypt:
+            settings[ec.PSLAUNCH_ENCRYPT] = "curve"
+        if config.wants_stats:
+            settings[ec.PSLAUNCH_STATS] = f"{STATS_INTERVAL:g}"
+        if config.timeline:
+            settings[ec.PSLAUNCH_TIMELINE] = ec.TIMELINE_TO_LAUNCHER
+        if config.checkpoint_dir:
+            settings[ec.PSLAUNCH_CHECKPOINT_DIR] = config.checkpoint_dir
+        if config.restart_scope != "job":
+            settings[ec.PSLAUNCH_RESTART_SCOPE] = config.restart_scope
+        if config.server_replicas:
+            settings[ec.PSLAUNCH_SERVER_REPLICAS] = str(config.server_replicas)
+        if config.stall_warn != 60.0:  # the runtime's default otherwise
+            settings[ec.PSLAUNCH_STALL_WARN] = f"{config.stall_warn:g}"
+        if config.elastic:
+            settings[ec.PSLAUNCH_MIN_WORKERS] = str(config.min_workers)
+            settings[ec.PSLAUNCH_ELASTIC_TIMEOUT] = f"{config.elastic_timeout:g}"
+            if config.start_workers < config.num_workers:  # the rest join when slots appear
+                settings[ec.PSLAUNCH_START_WORKERS] = str(config.start_workers)
+        if config.stall_timeout:
+            settings[ec.PSLAUNCH_STALL_TIMEOUT] = f"{config.stall_timeout:g}"
+        # torch.distributed's env:// rendezvous, for a job without servers: worker 0's host and a port
+        master = None
+        if config.master_port is not None:
+            master = (torch_master_address(config, next(h for r, _, h in placed if r == "worker")), config.master_port)
+        return cls(config, root_uri, settings, command_argv(config.command, config.python), secrets,
+                   local_only or all(h.is_loopback for h in config.hosts), local_only,
+                   config.sync_dst_dir or config.cwd, master, all_through_launcher)
+
+    def spec(self, role: str, rank: int, host: Host, local_rank: int, local_size: int, threads: int | None,
+             slot: tuple[int, int] | None) -> ProcessSpec:
+        """Process ``role`` ``rank`` on ``host``: the ``local_rank``-th of ``local_size`` of its role
+        there, with ``threads`` per pool (None: unset) and ``slot`` of the cores (``--cpu-bind``)."""
+        config = self.config
+        on_launcher = (self.local_only or host is LOCAL_HOST) and not self.all_through_launcher
         script = None
         node_role = "server" if role == "replica" else role  # a replica is a server process (DMLC_ROLE=server)
         if role == "worker" or config.user_command_for_all_roles:
-            argv = user_argv
+            argv = self.user_argv
             script = script_of(config.command)
         else:
             argv = runtime_argv(node_role, config.python)
@@ -265,55 +299,64 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
         node_host = None
         if not config.interface:
             if on_launcher and host is LOCAL_HOST:
-                node_host = "127.0.0.1" if all_local else None
+                node_host = "127.0.0.1" if self.all_local else None
             elif host.is_loopback and host.is_ip:
                 node_host = host.name  # 127.0.0.2, 127.0.0.3: distinct hosts on one machine
         env = ec.contract_env(
             role=node_role,
-            root_uri=root_uri,
+            root_uri=self.root_uri,
             root_port=config.scheduler_port,
             num_workers=config.num_workers,
             num_servers=config.num_servers,
             job_id=config.job_id,
             rank=rank,
             local_rank=local_rank,
-            local_size=sizes[(role, host)],
+            local_size=local_size,
             node_host=node_host,
             interface=config.interface,
-            all_local=all_local,
+            all_local=self.all_local,
             verbose=config.verbose if config.verbose > 1 else 0,
-            settings=settings,
+            settings=self.settings,
         )
         if role == "worker":  # a plain torch script runs as under torchrun
             env.update(ec.torch_env(rank=rank, world_size=config.num_workers, local_rank=local_rank,
-                                    local_world_size=sizes[(role, host)], master=master,
+                                    local_world_size=local_size, master=self.master,
                                     gpus_per_worker=config.gpus_per_worker, max_restarts=config.max_restarts,
                                     run_id=config.job_id))
         if role == "replica":
             env[ec.PSLAUNCH_SERVER_REPLICA] = "1"
-        if host in threads:
-            env.update({name: str(threads[host]) for name in THREAD_VARIABLES})
-        if slots:
-            index, count = slots[len(processes)]
-            env[ec.PSLAUNCH_CPU_BIND] = f"{config.cpu_bind}:{index}:{count}"
+        if threads is not None:
+            env.update({name: str(threads) for name in THREAD_VARIABLES})
+        if slot is not None:
+            env[ec.PSLAUNCH_CPU_BIND] = f"{config.cpu_bind}:{slot[0]}:{slot[1]}"
         # Python children write to pipes, which block-buffer print(): lines would arrive at exit.
         env["PYTHONUNBUFFERED"] = config.python_unbuffered
-        processes.append(
-            ProcessSpec(
-                role=role,
-                rank=rank,
-                host=host,
-                argv=argv,
-                env=env,
-                user_env=tuple(v for v in config.env if v.applies_to(node_role)) + secrets,
-                local_rank=local_rank,
-                local_size=sizes[(role, host)],
-                cwd=_cwd(config, host, on_launcher, remote_cwd),
-                on_launcher=on_launcher,
-                script=script,
-            )
+        return ProcessSpec(
+            role=role,
+            rank=rank,
+            host=host,
+            argv=argv,
+            env=env,
+            user_env=tuple(v for v in config.env if v.applies_to(node_role)) + self.secrets,
+            local_rank=local_rank,
+            local_size=local_size,
+            cwd=_cwd(config, host, on_launcher, self.remote_cwd),
+            on_launcher=on_launcher,
+            script=script,
         )
-    return Plan(config.job_id, config.backend, root_uri, config.scheduler_port, tuple(processes), notes)
+
+
+def joiner_spec(config: LaunchConfig, plan: Plan, host: Host, rank: int, local_rank: int, local_size: int) -> ProcessSpec:
+    """A worker that joins the running elastic job on ``host`` (``launcher.supervision.elastic``), as
+    ``make_plan`` would have placed it there: worker ``rank`` (``DMLC_WORKER_ID``), the
+    ``local_rank``-th of ``local_size`` on its host."""
+    workers = [("worker", p.rank, p.host) for p in plan.processes if p.role == "worker"]
+    shared = _Shared.of(config, plan.root_uri, workers or [("worker", rank, host)], False)
+    # on this machine it takes the share of the cores the others got (``thread_share``)
+    here = host is LOCAL_HOST or host.is_loopback
+    threads = next((p.env.get(THREAD_VARIABLES[0]) for p in plan.processes
+                    if here and (p.host is LOCAL_HOST or p.host.is_loopback) and THREAD_VARIABLES[0] in p.env), None)
+    return shared.spec("worker", rank, host, local_rank, local_size, None if threads is None else int(threads), None)
 
 
 #: What sizes the thread pools of OpenMP, MKL and OpenBLAS (numpy's, torch's) in each process.

@@ -40,11 +40,13 @@ from ..errors import LaunchError
 from ..observe.output import Printer
 from ..observe.terminal import in_foreground
 from ..on_node.process_groups import stop
-from ..planning.plan import Plan
+from ..planning.capacity import machine_of
+from ..planning.plan import Plan, ProcessSpec
+from .elastic import ElasticCapacity, capacity_of
+from .preemption import Preemption
 from .replacements import ReplacementLog
 from .restarts import RestartLog
 from .result import RunResult, result_of
-from .preemption import Preemption
 from .stalls import StallEnd
 from .verdict import Failure, culprit, kind_of, notes, who
 
@@ -97,6 +99,9 @@ class Supervisor:
         self._stack_asked: dict[int, float] = {}  # worker handle id -> when its stack was last asked for
         self._stall_end = StallEnd(self.printer, config.backend)  # --stall-timeout
         self._preemption = Preemption(config.stop_grace, printer.note)  # SIGTERM to a job that keeps checkpoints
+        source = capacity_of(config)  # an elastic job's hosts as they come and go
+        self._capacity = None if source is None else ElasticCapacity(config, source, printer.note, self._start_joiner)
+        self._unusable: set[tuple] = set()  # hosts a joiner could not be started on (said once)
         self.replacements = ReplacementLog(time.monotonic())  # every attempt's: the job's start counts from run()
 
     # -- signals -------------------------------------------------------------------------------
@@ -220,6 +225,8 @@ class Supervisor:
             if failure:
                 return failure
             self._restart_failed_workers()
+            if self._capacity is not None and self._plan is not None:
+                self._capacity.step(self.handles, self._plan, time.monotonic())
             self._stacks_of_stalled()
             failure = self._stall_end.verdict(self.handles, time.monotonic())
             if failure is not None:
@@ -363,6 +370,27 @@ class Supervisor:
             self.replacements.add(handle, self.handles[i], count)
             if self.observer is not None:
                 self.observer.attach(self.handles)
+
+    def _start_joiner(self, spec: ProcessSpec) -> None:
+        """Start a worker that joins the running elastic job (``launcher.supervision.elastic``). A host
+        it cannot start on is said once and left alone: the job goes on without that capacity."""
+        assert self._plan is not None
+        machine = machine_of(spec.host)
+        if machine in self._unusable:
+            return
+        plan = replace(self._plan, processes=(spec,))
+        try:
+            self.backend.prepare_more(plan)
+            handle = self.backend.launch(plan)[0]
+        except LaunchError as exc:
+            self._unusable.add(machine)
+            self.printer.note(f"cannot start {spec.name} to join the job: {exc}; the job goes on without "
+                              f"{spec.host.label}")
+            return
+        self.printer.starting([spec.name])
+        self.handles.append(handle)
+        if self.observer is not None:
+            self.observer.attach(self.handles)
 
     def _root_cause(self) -> Failure | None:
         """The first real failure: a lost server whose replica took its place is none, unless the job

@@ -143,7 +143,11 @@ def notes(handles: "list[ProcessHandle]", stopped: set[int], failure: Failure | 
         elif kind == "running":
             out[id(h)] = "still running"
         elif h.left_at is not None:  # an elastic job's worker that left at a step boundary (SIGTERM)
-            out[id(h)] = f"left the job at {h.left_at - h.started:.1f}s"
+            since = h.started if h.joined_at is None else h.joined_at
+            out[id(h)] = ("" if h.joined_at is None else "joined the running job; ") + (
+                f"left the job at {h.left_at - h.started:.1f}s, a member for {h.left_at - since:.1f}s")
+        elif h.joined_at is not None:
+            out[id(h)] = f"joined the running job {h.joined_at - h.started:.1f}s after its start"
         else:
             out[id(h)] = ""
     return out

@@ -5,7 +5,9 @@ step; nothing stops, and every ``dist_sync`` round sums exactly its members."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,7 +15,7 @@ import time
 import pytest
 
 from testkit import free_port, reap
-from testkit.launcher import REPO, helper
+from testkit.launcher import REPO, helper, reaped, start_pslaunch, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -102,3 +104,76 @@ def test_a_worker_started_by_hand_joins_leaves_and_another_takes_its_rank_and_ev
     assert "the job has its maximum of 3 workers (DMLC_NUM_WORKER, -n MIN:MAX)" in logs["joiner3"], logs["joiner3"]
     scheduler = logs["scheduler"]
     assert scheduler.count("worker 2 joined the job from 127.0.0.1:") == 2, scheduler
+
+
+def _write(path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def test_a_job_grows_to_max_when_the_discovery_script_reports_slots_and_shrinks_when_they_go(sshd, tmp_path):
+    # -n 2:4 over ssh: the script reports one slot on each of two hosts, then two (two workers join),
+    # then one again (the two on the slots that went leave); the job never stops, every round is exact
+    out = tmp_path / "out"
+    out.mkdir()
+    capacity = tmp_path / "capacity.txt"
+    _write(capacity, "127.0.0.2:1\n127.0.0.3:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {capacity}\n")
+    script.chmod(0o755)
+    summary = tmp_path / "summary.json"
+    args = ["-n", "2:4", "-s", "2", "--host-discovery-script", str(script), *sshd.ssh_flags(), "--no-dashboard",
+            "--summary-json", str(summary), "--env", f"PYTHONPATH:{REPO}", "--env", "STEPS:70", "--env",
+            "STEP_SLEEP:0.1", "--timeout", "90", "python", HELPER, str(out)]
+    with reaped(start_pslaunch(args), str(out)) as proc:
+        wait_for(lambda: len(lines(out, 0)) >= 5)
+        _write(capacity, "127.0.0.2:many\n")  # a bad answer: said once, the job keeps its hosts
+        time.sleep(2.5)
+        _write(capacity, "127.0.0.2:2\n127.0.0.3:2\n")
+        wait_for(lambda: any(len(m) == 4 for m in records(out).values()))
+        grown = max(records(out))
+        wait_for(lambda: max(records(out)) >= grown + 5)
+        _write(capacity, "127.0.0.2:1\n127.0.0.3:1\n")
+        _, err = proc.communicate(timeout=90)
+    err = err.decode()
+    assert proc.returncode == 0, err
+    members = check_exact(records(out), 70)
+    sizes = [len(m) for m in members]
+    assert sizes[:5] == [2] * 5 and 4 in sizes and sizes[-1] == 2, sizes
+    assert sizes == sorted(sizes[:sizes.index(4) + 1]) + sorted(sizes[sizes.index(4) + 1:], reverse=True), sizes
+    assert "127.0.0.2 has a free slot (--host-discovery-script" in err and "to join the job" in err, err
+    assert err.count("slots 'many' is not a number in 1..65535; the job keeps the hosts it had") == 1, err
+    assert re.search(r"127\.0\.0\.\d has 1 slot now \(--host-discovery-script \S+\): worker\.\d@127\.0\.0\.\d leaves "
+                     r"the job at its next step boundary \(SIGTERM\)", err), err
+    rows = json.loads(summary.read_text())["processes"]
+    joiners = [r for r in rows if r["note"].startswith("joined the running job")]
+    assert len(joiners) == 2 and all("left the job at" in r["note"] and r["exit_code"] == 0 for r in joiners), rows
+    assert not wait_gone(str(out))
+
+
+def test_an_elastic_job_over_ssh_reads_its_hostfile_again_when_it_changes(sshd, tmp_path):
+    # -n 1:2: one slot at the start; a second host appears in the hostfile (its worker joins), then goes
+    out = tmp_path / "out"
+    out.mkdir()
+    hostfile = tmp_path / "hosts"
+    _write(hostfile, "127.0.0.2 slots=1\n")
+    args = ["-n", "1:2", "-s", "1", "-H", str(hostfile), *sshd.ssh_flags(), "--no-dashboard", "--env",
+            f"PYTHONPATH:{REPO}", "--env", "STEPS:50", "--env", "STEP_SLEEP:0.1", "--timeout", "90", "python", HELPER,
+            str(out)]
+    with reaped(start_pslaunch(args), str(out)) as proc:
+        wait_for(lambda: len(lines(out, 0)) >= 4)
+        _write(hostfile, "127.0.0.2 slots=1\n127.0.0.3 slots=1\n")
+        wait_for(lambda: any(len(m) == 2 for m in records(out).values()))
+        grown = max(records(out))
+        wait_for(lambda: max(records(out)) >= grown + 4)
+        _write(hostfile, "127.0.0.2 slots=1\n")
+        _, err = proc.communicate(timeout=90)
+    err = err.decode()
+    assert proc.returncode == 0, err
+    sizes = [len(m) for m in check_exact(records(out), 50)]
+    first, last = sizes.index(2), len(sizes) - sizes[::-1].index(2) - 1
+    assert sizes == [1] * first + [2] * (last - first + 1) + [1] * (len(sizes) - last - 1) and sizes[-1] == 1, sizes
+    assert f"127.0.0.3 has a free slot (the hostfile {hostfile}): starting worker.1@127.0.0.3 to join the job" in err
+    assert f"127.0.0.3 is no longer listed (the hostfile {hostfile}): worker.1@127.0.0.3 leaves the job" in err
+    assert not wait_gone(str(out))

@@ -117,7 +117,18 @@ class SshBackend(Backend):
 
     def prepare(self, plan: Plan) -> None:
         check_scripts_here([s for s in plan.processes if s.on_launcher], self.config.cwd)
-        hosts = plan.remote_hosts
+        self._prepare_hosts(plan, plan.remote_hosts)
+        check_plan_reachable(plan, {h: c[0][0] for h, c in self._clients.items()}, self.config, self.printer)
+
+    def prepare_more(self, plan: Plan) -> None:
+        known = {(h.user, h.name, h.port) for h in self._clients}
+        self._prepare_hosts(plan, [h for h in plan.remote_hosts if (h.user, h.name, h.port) not in known])
+
+    def _prepare_hosts(self, plan: Plan, hosts: list[Host]) -> None:
+        """Pre-flight ``hosts``, rsync to them, check the scripts and checkpoint directory of ``plan``
+        there (every host of ``plan`` must be prepared by now)."""
+        if not hosts:
+            return
         if self.config.verbose:
             self.printer.note(f"ssh pre-flight check of {len(hosts)} host(s)")
         for host, client in self.connector.preflight(hosts).items():
@@ -126,9 +137,9 @@ class SshBackend(Backend):
         if self.config.sync_dst_dir:
             sync_all(self.connector, hosts, self.config.sync_src_dir, self.config.sync_dst_dir, clients,
                      self.printer, self.config)
-        check_scripts_remote([s for s in plan.processes if not s.on_launcher], clients, self.config.ssh.connect_timeout)
+        check_scripts_remote([s for s in plan.processes if not s.on_launcher and s.host in hosts], clients,
+                             self.config.ssh.connect_timeout)
         check_checkpoint_dir(plan, self.config.checkpoint_dir, clients, self.config.ssh.connect_timeout)
-        check_plan_reachable(plan, clients, self.config, self.printer)
 
     def _client_for(self, host: Host) -> paramiko.SSHClient:
         pool = self._clients.setdefault(host, [])
