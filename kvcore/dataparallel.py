@@ -162,6 +162,45 @@ class SplitSampler:
             perm = perm[: self.length - self.length % self.num_parts]
         return perm[self.part_index :: self.num_parts]
 
+    def elastic_batches(self, kv: Any, state: Any, batch_size: int) -> Iterator[np.ndarray]:
+        """This worker's batches of indices, step after step, in a job whose workers change (``-n
+        MIN:MAX``): every epoch is one permutation (``(seed, epoch)``, as ``indices``); each step the
+        members take the next ``num_workers x batch_size`` indices of it, member ``i`` (its
+        ``kv.member_index``) every ``num_workers``-th from ``i``. So no index is dropped or taken twice
+        in an epoch whatever joins or leaves. The last step of an epoch shares what is left, so a
+        member's batch may be shorter, even empty: push its (zero) gradient all the same, every
+        member's push closes the round (``drop_last``: that remainder is skipped instead).
+
+        The place is kept in ``state`` (a ``kvcore.elastic.State`` with scalars ``epoch`` and ``seen``,
+        the indices of the epoch the members took so far), so a worker that joins or a job that
+        resumes goes on from it. It never ends: stop when ``state.epoch`` reaches your epochs.
+        ``num_parts`` and ``part_index`` are not used.
+
+        Raises:
+            ValueError: ``batch_size`` < 1, an empty dataset, or ``state`` lacks the ``epoch`` and
+                ``seen`` scalars.
+        """
+        if int(batch_size) < 1 or self.length < 1:
+            raise ValueError(f"batch_size must be >= 1 and the dataset not empty, got {batch_size} and {self.length}")
+        if not all(hasattr(state, name) for name in ("epoch", "seen")):
+            raise ValueError("elastic_batches keeps its place in state.epoch and state.seen: create the State "
+                             "with epoch=0, seen=0")
+        batch_size = int(batch_size)
+        perm_epoch, perm = -1, np.empty(0, np.int64)
+        while True:
+            members, index = kv.num_workers, kv.member_index  # this step's members (its step boundary)
+            if perm_epoch != state.epoch:
+                perm_epoch = state.epoch
+                perm = np.random.default_rng([self.seed, perm_epoch]).permutation(self.length).astype(np.int64)
+            step = members * batch_size
+            left = self.length - state.seen
+            if left <= 0 or (self.drop_last and left < step):
+                state.epoch, state.seen = state.epoch + 1, 0
+                continue
+            take = min(step, left)
+            yield perm[state.seen + index: state.seen + take: members]
+            state.seen = state.seen + take
+
     def __iter__(self) -> Iterator[int]:
         part = self.indices()
         self._epoch += 1

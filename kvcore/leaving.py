@@ -31,7 +31,7 @@ class LeaveOnSignal:
     def __init__(self, worker: Any, store: Any = None) -> None:
         self.worker = worker
         self.store = store
-        self.members = worker.num_workers  # the count the script sees, changed at step boundaries only
+        self.ranks = worker.elastic.members_next()  # the members the script sees, changed at step boundaries only
         self.asked = False
         self.last: int | None = None  # the round of this worker's last push, once announced
         self._previous: Any = None
@@ -47,21 +47,34 @@ class LeaveOnSignal:
         print(f"worker {self.worker.rank}: SIGTERM: leaving the job at the next step boundary", file=sys.stderr,
               flush=True)
 
+    @property
+    def members(self) -> int:
+        """How many members the script sees: those of the round its next push goes to, from the step
+        boundary on (see ``settle``)."""
+        return len(self.ranks)
+
+    def settle(self) -> None:
+        """Once the step's pulls are in (the store's step boundary is due): take a change of
+        membership, the members the script sees and its ``State``'s reset callbacks. The script's
+        first read of ``kv.num_workers`` after its pulls does it, or else its next push."""
+        ranks = self.worker.elastic.members_next()
+        if ranks != self.ranks:
+            self.ranks = ranks
+            state = getattr(self.store, "script_state", None)
+            if state is not None:
+                state.on_reset()
+
     def at_boundary(self) -> None:
-        """At a step boundary (``DistKVStore._step_boundary``): leave now when SIGTERM came; else take
-        a change of membership (the count the script sees, and its ``State``'s reset callbacks)."""
+        """At a step boundary (``DistKVStore._step_boundary``, before the push that starts a step):
+        send the scalars a joiner waits for, leave now when this worker's last push was announced,
+        announce it when SIGTERM came, and take a change of membership (``settle``)."""
         if self.worker.elastic.owed:  # a joiner waits for this worker's scalars (psnode.worker.elastic)
             self.worker.elastic.at_boundary(self._scalars)
         if self.last is not None:
             self.leave()
         if self.asked:  # this step's push is the last: every worker hears it before that round closes
             self.last = self.worker.elastic.announce_leave()
-        members = self.worker.elastic.members_next()
-        if members != self.members:
-            self.members = members
-            state = getattr(self.store, "script_state", None)
-            if state is not None:
-                state.on_reset()
+        self.settle()
 
     def _scalars(self) -> dict:
         state = getattr(self.store, "script_state", None)

@@ -21,6 +21,7 @@ so it works the same with every store.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -111,6 +112,10 @@ class Trainer:
         if update_on_kvstore is None:
             update_on_kvstore = kvstore.type.startswith("dist")
         self._update_on_kvstore = bool(update_on_kvstore)
+        if kvstore.elastic and not self._update_on_kvstore:
+            raise ValueError("Trainer(update_on_kvstore=False) sums the gradients among the workers with collectives, "
+                             "whose groups do not follow an elastic job's members (-n MIN:MAX); keep the optimizer in "
+                             "the store (update_on_kvstore=True, the default for a distributed store)")
         self._updater = None if self._update_on_kvstore else Updater(optimizer)
         self._scale = float(scale)
         self._timeout = timeout
@@ -171,6 +176,9 @@ class Trainer:
             batch_size: the number of samples the aggregated gradient sums over. Gradients from every
                 device and worker are summed, so with a distributed store pass the global batch
                 (per-worker batch x ``num_workers``) to step with their mean, as one worker would.
+                In an elastic job (``-n MIN:MAX``) read ``kv.num_workers`` during the step (after
+                the last step's pulls it counts this step's members): each step's mean is over its
+                own members; with ``update_on_kvstore`` the per-worker batch must stay the same.
             grads: the gradients: a mapping ``name -> array | list (one per replica)``, a sequence in
                 parameter order, or None to read each Parameter's own gradients.
 
@@ -232,13 +240,22 @@ class Trainer:
         if not self._update_on_kvstore:
             self._optimizer.rescale_grad = rescale
             return
+        if self._kv.elastic:  # the store's optimizer takes each member's batch; a push is divided by the members
+            rescale *= self._kv.num_workers
         if self._store_rescale is None:
             self._optimizer.rescale_grad = rescale
             self._kv.set_optimizer(self._optimizer)
             self._store_rescale = rescale
+        elif self._kv.elastic and math.isclose(rescale, self._store_rescale, rel_tol=1e-9):
+            pass  # the members may have changed, each one's batch did not (``_members_scale``)
         elif rescale != self._store_rescale:
             # A distributed store holds its own copy of the optimizer: it cannot see a new rescale.
             first = self._scale / self._store_rescale
+            if self._kv.elastic:
+                raise ValueError(
+                    f"step got batch_size {batch_size} with {self._kv.num_workers} workers, but the optimizer in "
+                    f"the store was set up for a batch of {first:g} per worker; in an elastic job with "
+                    "update_on_kvstore=True keep each worker's batch constant and pass it x kv.num_workers")
             raise ValueError(
                 f"step got batch_size {batch_size}, but the optimizer in the store was set up for "
                 f"batch_size {first:g}; with update_on_kvstore=True keep the batch size constant "
@@ -279,7 +296,9 @@ class Trainer:
         indices, priority = self._groups[g]
         if self._coll is None:
             names = [self._params[i].name for i in indices]
-            self._kv.push(names, [grad_lists[i] for i in indices], priority=priority)
+            scale = self._members_scale()
+            grads = [grad_lists[i] if scale == 1 else [a * scale for a in grad_lists[i]] for i in indices]
+            self._kv.push(names, grads, priority=priority)
             outs = [self._params[i].list_data() if self._update_on_kvstore else grad_lists[i] for i in indices]
             return self._kv.pull(names, out=outs, priority=priority, wait=False)
         firsts = []
@@ -299,6 +318,14 @@ class Trainer:
                     arrays.copy_into(other, first)
 
         return self._coll.handle_of(futures, "allreduce", then=to_replicas if copies else None)
+
+    def _members_scale(self) -> float:
+        """An elastic job with the optimizer in the store, which rescales by one member's batch: ``1 /
+        members`` of this step, so each round's sum is the mean over its own members (a joiner
+        needs no history: the store's rescale is every member's). 1 otherwise."""
+        if not self._update_on_kvstore or not self._kv.elastic:
+            return 1.0
+        return 1.0 / self._kv.num_workers  # this step's members (the step boundary, once its pulls are in)
 
     def _pull_groups(self, out_lists: list[list[Any]]) -> list[Any]:
         """Start pulling each parameter's stored value into its outs; return one handle per group."""

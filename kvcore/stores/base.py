@@ -101,6 +101,21 @@ class KVStoreBase(abc.ABC):
         return 1
 
     @property
+    def elastic(self) -> bool:
+        """True in an elastic job (``-n MIN:MAX``): ``num_workers`` may change at a step boundary."""
+        return False
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks of the workers ``num_workers`` counts (an elastic job's may have gaps)."""
+        return tuple(range(self.num_workers))
+
+    @property
+    def member_index(self) -> int:
+        """This worker's place among ``members``: the part of the data it takes (``SplitSampler``)."""
+        return self.members.index(self.rank)
+
+    @property
     def local_rank(self) -> int:
         """This worker's index among the workers on its host (0 for a local store)."""
         return 0

@@ -137,9 +137,34 @@ class DistKVStore(KVStoreBase):
 
     @property
     def num_workers(self) -> int:
-        """Number of workers in the job; in an elastic job the members as of this worker's last step
-        boundary (``kvcore.leaving``)."""
-        return self._worker.num_workers if self._leaving is None else self._leaving.members
+        """Number of workers in the job; in an elastic job the members of the round this worker's
+        next push goes to, once this step's pulls are in (``kvcore.leaving``: the step boundary)."""
+        if self._leaving is None:
+            return self._worker.num_workers
+        if self._pulled and not self._worker.requests.pending:
+            self._leaving.settle()
+        return self._leaving.members
+
+    @property
+    def elastic(self) -> bool:
+        """True in an elastic job (``-n MIN:MAX``): ``num_workers`` may change at a step boundary."""
+        return self._leaving is not None
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks of the job's workers, as ``num_workers`` counts them: in an elastic job the
+        members of this worker's next round (ranks are ids: a rank that left leaves a gap until a
+        joiner takes it)."""
+        if self._leaving is None:
+            return tuple(range(self._worker.num_workers))
+        self.num_workers  # noqa: B018 - settles the step boundary when it is due
+        return self._leaving.ranks
+
+    @property
+    def member_index(self) -> int:
+        """This worker's place among ``members`` (0 .. num_workers-1): the part of the data it takes
+        (``kvcore.SplitSampler``); its rank where ranks are dense."""
+        return self.members.index(self.rank)
 
     @property
     def num_servers(self) -> int:

@@ -88,11 +88,12 @@ class ElasticCapacity:
             if id(worker) in self.told:
                 continue
             machine = machine_of(worker.spec.host)
-            allowed = slots.get(machine)
+            listed = machine in slots
+            allowed = slots.get(machine)  # None: listed without slots=, any number
             used = kept.get(machine, 0)
-            if allowed is None or used >= allowed:
+            if not listed or (allowed is not None and used >= allowed):
                 self.told.add(id(worker))
-                gone = "is no longer listed" if allowed is None else f"has {allowed} slot{'s' if allowed != 1 else ''} now"
+                gone = "is no longer listed" if not listed else f"has {allowed} slot{'s' if allowed != 1 else ''} now"
                 self.note(f"{worker.spec.host.label} {gone} ({self.source.describe}): {worker.spec.name} leaves the "
                           "job at its next step boundary (SIGTERM)")
                 worker.signal_process(signal.SIGTERM)

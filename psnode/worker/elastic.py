@@ -113,17 +113,20 @@ class ElasticMembers:
         worker = self.worker
         return max(worker.requests.push_counts.values(), default=0) + max(worker.conn.members.joined_at - 1, 0)
 
-    def members_next(self) -> int:
-        """At a step boundary: the members of the round this worker's next push goes to (a joiner
-        heard of counts from its start round on: the note may come a step before)."""
-        count = self.worker.num_workers
+    def members_next(self) -> tuple[int, ...]:
+        """Once this step's pulls are in: the ranks of the members of the round this worker's next
+        push goes to (a joiner heard of counts from its start round on, a leaver up to its last
+        round: both notes come before the answers of the round before)."""
+        worker = self.worker
+        left = worker.conn.members.left
+        ranks = [rank for rank in range(worker.env.num_workers) if rank not in left]
         if self.ahead or self.going:
             round_ = self._reached() + 1
             self.ahead = {rank: start for rank, start in self.ahead.items() if start > round_}
-            left = self.worker.conn.members.left
             self.going = {rank: last for rank, last in self.going.items() if rank not in left}
-            count -= len(self.ahead) + sum(1 for last in self.going.values() if last < round_)
-        return count
+            gone = set(self.ahead) | {rank for rank, last in self.going.items() if last < round_}
+            ranks = [rank for rank in ranks if rank not in gone]
+        return tuple(ranks)
 
     def at_boundary(self, scalars: Callable[[], dict]) -> None:
         """At a step boundary of the script: send the scalars owed to joiners whose start round this

@@ -1,13 +1,14 @@
 """split_and_load and SplitSampler: how a batch is split across devices and a dataset across workers."""
 
+import types
+
 import numpy as np
 import pytest
+from kvcore_testkit import gpu_test
 
 import kvcore
 from kvcore import SplitSampler, arrays, split_and_load
 from kvcore.dataparallel import split_data
-
-from kvcore_testkit import gpu_test
 
 pytestmark = pytest.mark.unit
 
@@ -164,3 +165,25 @@ def test_split_sampler_rejects_bad_arguments_naming_them(args, pattern):
 def test_split_sampler_rejects_a_negative_epoch():
     with pytest.raises(ValueError, match="epoch must be >= 0, got -2"):
         SplitSampler(10).set_epoch(-2)
+
+
+def test_elastic_batches_walk_each_epochs_permutation_and_share_the_last_step_without_dropping():
+    kv = kvcore.create("local")  # one member, index 0
+    state = types.SimpleNamespace(epoch=0, seen=0)
+    sampler = SplitSampler(10, seed=3)
+    batches = sampler.elastic_batches(kv, state, 4)
+    first = [next(batches) for _ in range(3)]
+    assert [len(b) for b in first] == [4, 4, 2] and sorted(np.concatenate(first).tolist()) == list(range(10))
+    assert np.concatenate(first).tolist() == sampler.indices(0).tolist()  # the epoch's permutation, in order
+    assert (state.epoch, state.seen) == (0, 8)  # the place is taken once the next batch is asked for
+    assert next(batches).tolist() == sampler.indices(1)[:4].tolist() and (state.epoch, state.seen) == (1, 0)
+    dropping = SplitSampler(10, seed=3, drop_last=True).elastic_batches(kv, types.SimpleNamespace(epoch=0, seen=0), 4)
+    assert [len(next(dropping)) for _ in range(3)] == [4, 4, 4]  # the third is epoch 1's first
+
+
+def test_elastic_batches_need_the_state_scalars_and_a_batch():
+    kv = kvcore.create("local")
+    with pytest.raises(ValueError, match="state.epoch and state.seen"):
+        next(SplitSampler(10).elastic_batches(kv, types.SimpleNamespace(epoch=0), 4))
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        next(SplitSampler(10).elastic_batches(kv, types.SimpleNamespace(epoch=0, seen=0), 0))

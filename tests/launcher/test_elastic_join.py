@@ -15,7 +15,7 @@ import time
 import pytest
 
 from testkit import free_port, reap
-from testkit.launcher import REPO, helper, reaped, start_pslaunch, wait_gone
+from testkit.launcher import REPO, helper, reaped, run_pslaunch, start_pslaunch, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -177,3 +177,106 @@ def test_an_elastic_job_over_ssh_reads_its_hostfile_again_when_it_changes(sshd, 
     assert f"127.0.0.3 has a free slot (the hostfile {hostfile}): starting worker.1@127.0.0.3 to join the job" in err
     assert f"127.0.0.3 is no longer listed (the hostfile {hostfile}): worker.1@127.0.0.3 leaves the job" in err
     assert not wait_gone(str(out))
+
+
+def test_split_sampler_elastic_batches_take_every_index_of_an_epoch_once_while_workers_join_and_leave(tmp_path):
+    # 2 start; a third joins during epoch 0 and leaves after its step 30's pulls (in epoch 2 or so): each
+    # epoch's 90 indices are taken exactly once, each step by that step's members only
+    port, procs = free_port(), []
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "PS_", "PSLAUNCH_"))}
+    base.update(PYTHONPATH=str(REPO), DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER="1",
+                DMLC_NUM_WORKER="3", PSLAUNCH_MIN_WORKERS="2", PSLAUNCH_START_WORKERS="2", EPOCHS="4",
+                STEP_SLEEP="0.05")
+    data = helper("elastic_data.py")
+
+    def start(name: str, role: str, **extra: str) -> subprocess.Popen:
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, data, str(tmp_path)], env={**base, "DMLC_ROLE": role, **extra},
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    def taken() -> list[tuple[int, int, int, int, int, list[int]]]:
+        rows = []
+        for path in tmp_path.glob("data.*.txt"):
+            for line in path.read_text().splitlines():
+                rank, epoch, step, members, total, indices = line.split(" ")
+                rows.append((int(rank), int(epoch), int(step), int(members), int(total),
+                             [int(i) for i in indices.split(",") if i]))
+        return rows
+
+    try:
+        for name, role in (("scheduler", "scheduler"), ("server", "server"), ("worker0", "worker"),
+                           ("worker1", "worker")):
+            start(name, role)
+        wait_for(lambda: len(taken()) >= 6)
+        start("joiner", "worker", LEAVE="2:30")
+        codes = [p.wait(timeout=90) for p in procs]
+    finally:
+        reap(procs)
+    logs = {p.stem: p.read_text() for p in tmp_path.glob("*.log")}
+    assert codes == [0] * len(codes), logs
+    rows = taken()
+    by_step: dict[int, list] = {}
+    for row in rows:
+        by_step.setdefault(row[2], []).append(row)
+    sizes = []
+    for step, seen in sorted(by_step.items()):
+        ranks = sorted(r[0] for r in seen)
+        assert all(r[3] == len(ranks) for r in seen), (step, seen)  # kv.num_workers: the step's members
+        assert all(r[4] == sum(len(x[5]) for x in seen) for r in seen), (step, seen)  # the round summed them all
+        sizes.append(len(ranks))
+    assert 3 in sizes and sizes[0] == 2 and sizes[-1] == 2, sizes
+    for epoch in range(4):
+        indices = sorted(i for r in rows if r[1] == epoch for i in r[5])
+        assert indices == list(range(90)), (epoch, indices)
+
+
+def test_the_trainers_step_is_the_mean_over_each_steps_members_while_workers_join_and_leave(tmp_path):
+    # 2 start; a third joins and leaves after its step 12's pulls: SGD with learning rate 1 moves w by
+    # minus the mean of (rank + 1) over each step's members, exactly, in every worker
+    port, procs = free_port(), []
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "PS_", "PSLAUNCH_"))}
+    base.update(PYTHONPATH=str(REPO), DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER="1",
+                DMLC_NUM_WORKER="3", PSLAUNCH_MIN_WORKERS="2", PSLAUNCH_START_WORKERS="2", STEPS="24",
+                STEP_SLEEP="0.08")
+    script = helper("elastic_trainer.py")
+
+    def start(name: str, role: str, **extra: str) -> None:
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, script, str(tmp_path)],
+                                          env={**base, "DMLC_ROLE": role, **extra}, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+
+    def rows() -> list[tuple[int, int, int, float]]:
+        return [(int(a), int(b), int(c), float(d)) for path in tmp_path.glob("trainer.*.txt")
+                for a, b, c, d in (line.split() for line in path.read_text().splitlines())]
+
+    try:
+        for name, role in (("scheduler", "scheduler"), ("server", "server"), ("worker0", "worker"),
+                           ("worker1", "worker")):
+            start(name, role)
+        wait_for(lambda: len(rows()) >= 6)
+        start("joiner", "worker", LEAVE="2:12")
+        codes = [p.wait(timeout=90) for p in procs]
+    finally:
+        reap(procs)
+    assert codes == [0] * len(codes), {p.stem: p.read_text() for p in tmp_path.glob("*.log")}
+    by_step: dict[int, dict[int, tuple[int, float]]] = {}
+    for rank, step, members, w in rows():
+        by_step.setdefault(step, {})[rank] = (members, w)
+    expected, sizes = 0.0, []
+    for step in range(24):
+        seen = by_step[step]
+        expected -= sum(rank + 1 for rank in seen) / len(seen)
+        assert all(m == len(seen) and w == pytest.approx(expected, rel=1e-12) for m, w in seen.values()), (step, seen)
+        sizes.append(len(seen))
+    assert 3 in sizes and sizes[0] == 2 and sizes[-1] == 2, sizes
+
+
+def test_a_trainer_that_sums_among_the_workers_is_refused_in_an_elastic_job(tmp_path):
+    res = run_pslaunch(["-n", "1:2", "-s", "1", "--no-dashboard", "--env", "ON_STORE:0", "--timeout", "60", "python",
+                        helper("elastic_trainer.py"), str(tmp_path)], timeout=90)
+    assert res.returncode != 0
+    assert ("Trainer(update_on_kvstore=False) sums the gradients among the workers with collectives, whose groups do "
+            "not follow an elastic job's members (-n MIN:MAX)") in res.stderr, res.stderr

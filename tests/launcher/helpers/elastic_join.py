@@ -6,7 +6,8 @@ goes on from the members' step.
 
 Usage: elastic_join.py OUTDIR. $STEPS steps (default 12), $STEP_SLEEP seconds in each (default 0).
 $LEAVE lists ``rank:step`` items: that worker sends itself SIGTERM after the pulls of that step.
-Each worker appends ``rank step num_workers value0 value1`` lines to OUTDIR/steps.<rank>.<pid>.txt,
+Each worker appends ``rank step num_workers value0 value1`` lines (``kv.num_workers`` read as the step
+begins) to OUTDIR/steps.<rank>.<pid>.txt,
 ``rank reset step num_workers`` to OUTDIR/resets.<rank>.txt at each change it sees, and
 ``rank joined step`` when it joined the running job.
 """
@@ -46,9 +47,10 @@ with open(os.path.join(out, f"steps.{rank}.{os.getpid()}.txt"), "a") as log:
     for step in range(state.step, steps):
         time.sleep(step_sleep)
         current["step"] = step
+        members = kv.num_workers  # this step's members (its step boundary: the reset callbacks run here)
         kv.push([0, 1], [np.full(4, (rank + 1) * (step + 1), np.float32), np.full(3, (rank + 1) * (step + 1), np.float32)])
         kv.pull([0, 1], out=values)
-        log.write(f"{rank} {step} {kv.num_workers} {float(values[0][0])} {float(values[1][-1])}\n")
+        log.write(f"{rank} {step} {members} {float(values[0][0])} {float(values[1][-1])}\n")
         log.flush()
         state.step = step + 1
         if (rank, step) in leave:

@@ -48,9 +48,10 @@ with open(os.path.join(out, f"steps.{rank}.txt"), "a") as log:
             kv.barrier()
         time.sleep(step_sleep)
         current["step"] = step
+        members = kv.num_workers  # this step's members (its step boundary)
         kv.push(0, np.full(4, (rank + 1) * (step + 1), np.float32))
         kv.pull(0, out=value)
-        log.write(f"{rank} {step} {kv.num_workers} {float(value[0])}\n")
+        log.write(f"{rank} {step} {members} {float(value[0])}\n")
         log.flush()
         if (rank, step) in leave:
             os.kill(os.getpid(), signal.SIGTERM)
