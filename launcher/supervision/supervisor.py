@@ -102,6 +102,7 @@ class Supervisor:
         source = capacity_of(config)  # an elastic job's hosts as they come and go
         self._capacity = None if source is None else ElasticCapacity(config, source, printer.note, self._start_joiner)
         self._unusable: set[tuple] = set()  # hosts a joiner could not be started on (said once)
+        self._dropped: set[int] = set()  # ids of an elastic job's workers that were lost and dropped
         self.replacements = ReplacementLog(time.monotonic())  # every attempt's: the job's start counts from run()
 
     # -- signals -------------------------------------------------------------------------------
@@ -250,6 +251,13 @@ class Supervisor:
                     continue
                 if kind == "own" and self._rejoins(handle):
                     continue  # restarted alone at the next turn
+                if kind == "own" and self._dropped_from_elastic(handle):
+                    self._dropped.add(id(handle))
+                    self.printer.note(f"{who(handle)} was lost: {status.describe()}; the elastic job drops it (the "
+                                      f"rounds it did not push to go on without it) and goes on while "
+                                      f"{self.config.min_workers} workers remain (-n {self.config.min_workers}:"
+                                      f"{self.config.num_workers})")
+                    continue
                 if kind == "own" and self._held_elsewhere(handle):
                     self._lost_holders.add(id(handle))
                     then = ("its server goes on without it" if handle.spec.role == "replica"
@@ -329,6 +337,15 @@ class Supervisor:
                                           f"{self.config.backend} cannot ask it for its stack)")
         self._stalls_read = max([self._stalls_read, *(at for h in self.handles for at, _, _ in h.stalls)])
 
+    def _dropped_from_elastic(self, handle: ProcessHandle) -> bool:
+        """An elastic job's worker that was lost, not one that failed: killed by a signal (a node
+        drained, the OOM killer) or its host lost, before its part was done. The runtime drops it
+        (``psnode.scheduler.elastic``); a worker whose own error ended it still fails the job."""
+        status = handle.status
+        return (self.config.elastic and handle.spec.role == "worker" and status is not None
+                and (status.signal is not None or status.lost) and handle.failed_at is None
+                and handle.finished_at is None)
+
     def _held_elsewhere(self, handle: ProcessHandle) -> bool:
         """``--server-replicas``: a server's or replica's end is not the job's failure. The runtime gives
         a lost server's keys to a replica, or, when none is left, fails the job itself (its nodes then
@@ -397,7 +414,7 @@ class Supervisor:
         then failed for want of keys (its nodes ended, blaming a peer): then the last server or
         replica lost is, the one whose keys no process held any more."""
         lost = [h for h in self.handles if id(h) in self._lost_holders]
-        first = culprit([h for h in self.handles if id(h) not in self._lost_holders], self._stopped)
+        first = culprit([h for h in self.handles if id(h) not in self._lost_holders | self._dropped], self._stopped)
         if lost and (first is None or kind_of(first.handle, self._stopped) == "peer"):
             last = max(lost, key=lambda h: h.ended or 0.0)
             return culprit([last], self._stopped) or first
@@ -481,6 +498,7 @@ class Supervisor:
             shown.append(handle)
         table_notes = notes(shown, self._stopped, self.failure)
         table_notes.update({id(r): "failed; restarted alone" for r in self._replaced})
+        table_notes.update({i: "lost; dropped from the elastic job" for i in self._dropped})
         for handle in shown:
             if id(handle) in self._lost_holders and (self.failure is None or self.failure.handle is not handle):
                 table_notes[id(handle)] = ("failed; its server went on" if handle.spec.role == "replica"
@@ -507,8 +525,8 @@ class Supervisor:
         """The summary table, the root cause and its last lines; ``then``: the job goes on (a restart),
         else the attempts (with restarts) and the exit code end it."""
         if self.observer is not None and then is None:
-            by_id = notes(self.handles, self._stopped, self.failure)
-            self.observer.finish({h.spec.name: by_id.get(id(h), "") for h in self.handles}, self.failure,
+            shown, by_id = self._table()  # the table's notes (a replacement's, a dropped worker's) as printed
+            self.observer.finish({h.spec.name: by_id.get(id(h), "") for h in shown}, self.failure,
                                  0 if self.failure is None else self.failure.exit_code, self.restarts.attempts,
                                  self.replacements.records())
         if then is None and self.handles and self._plan is not None:

@@ -166,6 +166,7 @@ class Elastic:
         member = roster.join(uid, info, peer, rank)
         scheduler.transport.connect(uid, endpoint_of(member.peer, scheduler.transport, scheduler.fingerprint,
                                                      self.env.same_host))
+        scheduler.transport.watch_liveness(uid)  # a joiner lost later is dropped at once (``drop``)
         self.version += 1
         workers = roster.expected["worker"]
         providers = sorted(m.peer.rank for m in roster.members.values()
@@ -212,6 +213,34 @@ class Elastic:
     def _refuse(scheduler: Any, sender: bytes, info: Any, why: str) -> None:
         scheduler._send_once(sender, PeerInfo.from_record({**info, "rank": -1}), Cmd.REGISTER_FAILED, {"error": why})
         logger.warning("scheduler: %s", why)
+
+    def drop(self, scheduler: Any, uid: bytes, member: Any, why: str) -> None:
+        """Worker ``member`` is gone without leaving (its process or host was lost: its connection
+        closed, or it went silent): the job drops it as if it had left after the last push the
+        servers took from it, and goes on. A round it had pushed some keys of but not others sums it
+        in those only: a drop is not exact, a leave is."""
+        peer = member.peer
+        scheduler.roster.leave(uid)
+        scheduler.barriers.forget(uid)
+        scheduler.transport.disconnect(uid)
+        self.left[peer.rank] = f"{peer.describe()} (lost)"
+        remaining = scheduler.roster.expected["worker"]
+        self.version += 1
+        note = pack_json({"rank": peer.rank, "node": peer.describe(), "workers": remaining, "version": self.version,
+                          "dropped": why})
+        for other in scheduler.roster.of_roles(("server", "worker")):
+            if not scheduler.roster.members[other].finished:
+                try:
+                    scheduler.transport.send(other, [pack_header(Cmd.WORKER_LEFT), note])
+                except PSNodeError:
+                    pass  # gone: its own news
+        logger.warning("scheduler: %s was lost (%s); the elastic job drops it: the rounds it did not push to go on "
+                       "without it; %d %s on (minimum %d)", peer.describe(), why, remaining,
+                       "worker goes" if remaining == 1 else "workers go", self.env.min_workers)
+        self.providers = {r: s for r, s in self.providers.items() if r != peer.rank}
+        self.complete_barriers(scheduler)
+        if remaining < self.env.min_workers and self.short_since is None:
+            self.short_since = time.monotonic()
 
     @staticmethod
     def complete_barriers(scheduler: Any) -> None:

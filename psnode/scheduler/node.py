@@ -134,7 +134,7 @@ class Scheduler:
             raise
         for uid, member in roster.members.items():
             self.transport.connect(uid, endpoint_of(member.peer, self.transport, self.fingerprint, env.same_host))
-            if env.server_replicas and member.peer.role in _HOLDERS:
+            if (env.server_replicas and member.peer.role in _HOLDERS) or (env.elastic and member.peer.role == "worker"):
                 self.transport.watch_liveness(uid)  # its end is seen at once (``_lost_servers``), not after heartbeats
         for uid, member in roster.members.items():
             member.last_seen = time.monotonic()
@@ -376,6 +376,8 @@ class Scheduler:
                 self._check_elastic()
             if self.elastic.retry_at is not None and time.monotonic() >= self.elastic.retry_at:
                 self.elastic.start_next(self)
+            if env.elastic:
+                self._lost_workers()
         self._shutdown_servers()
 
     def _dispatch(self, sender: bytes, frames: list) -> None:
@@ -656,7 +658,11 @@ class Scheduler:
                                                  f"{self.env.heartbeat_timeout:g} s (PS_HEARTBEAT_TIMEOUT)", final=True)
                 continue
             silent = now - member.last_seen
-            if silent > self.env.heartbeat_timeout:
+            if silent > self.env.heartbeat_timeout and self.env.elastic and member.peer.role == "worker":
+                uid = next(u for u, m in self.roster.members.items() if m is member)
+                self.elastic.drop(self, uid, member, f"no heartbeat for {silent:.1f} s (PS_HEARTBEAT_TIMEOUT="
+                                                     f"{self.env.heartbeat_timeout:g})")
+            elif silent > self.env.heartbeat_timeout:
                 self._announce_death(
                     member,
                     f"{member.peer.describe()} (pid {member.info.get('pid')}) died: no heartbeat for {silent:.1f} s "
@@ -723,6 +729,14 @@ class Scheduler:
             if member is not None and member.peer.role in _HOLDERS:
                 self._announce_death(member, f"{member.peer.describe()} (pid {member.info.get('pid')}) is gone: its "
                                              f"connection closed and stayed closed for {_LOST_AFTER:g} s")
+
+    def _lost_workers(self) -> None:
+        """An elastic job's workers whose connection ended and stayed closed (``_LOST_AFTER``) without a
+        leave or a finish: dropped (``Elastic.drop``), the job goes on."""
+        for uid in self.transport.gone(_LOST_AFTER):
+            member = self.roster.members.get(uid)
+            if member is not None and member.peer.role == "worker" and not member.finished:
+                self.elastic.drop(self, uid, member, f"its connection closed and stayed closed for {_LOST_AFTER:g} s")
 
     def _server_lost(self, lost: Member, message: str) -> bool:
         """PSLAUNCH_SERVER_REPLICAS: a server or replica ``lost``. A replica of a lost server's rank

@@ -220,3 +220,35 @@ def test_over_ssh_a_worker_on_another_host_leaves_and_the_rounds_sum_the_rest(ss
     assert [v for _, _, v in got[0]] == _closed_form(6, members) == [v for _, _, v in got[1]], got
     assert "[worker.2@127.0.0.2] worker 2 left the job at a step boundary (SIGTERM); 2 workers go on" in res.stderr
     assert not wait_gone(str(tmp_path))
+
+
+def test_a_worker_killed_outright_is_dropped_and_the_job_goes_on_with_the_rest(tmp_path):
+    # -n 2:3: worker 2 is SIGKILLed mid-job (a drained node, the OOM killer): no leave, no failure of the
+    # job; the rounds after the last push the servers took from it sum workers 0 and 1
+    out = tmp_path / "out"
+    out.mkdir()
+    summary = tmp_path / "summary.json"
+    args = ["-n", "2:3", "-s", "1", "--no-dashboard", "--summary-json", str(summary), "--env", "STEPS:40", "--env",
+            "STEP_SLEEP:0.05", "--timeout", "60", "python", HELPER, str(out)]
+    with reaped(start_pslaunch(args), str(out)) as proc:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len((_records(out).get(2) or [])) < 5:
+            time.sleep(0.05)
+        pid = job_worker(str(out), 2)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    err = err.decode()
+    assert proc.returncode == 0, err
+    got = _records(out)
+    last = got[2][-1][0]  # its last logged step; it may have pushed the next before it died
+    values = [v for _, _, v in got[0]]
+    assert values == [v for _, _, v in got[1]] and len(values) == 40
+    for step, value in enumerate(values):
+        with_it, without = 6.0 * (step + 1), 3.0 * (step + 1)
+        assert value == (with_it if step <= last else without if step > last + 1 else value), (step, value, last)
+        assert value in (with_it, without)
+    assert "worker.2@localhost" in err and "was lost: signal SIGKILL; the elastic job drops it" in err, err
+    assert re.search(r"scheduler: worker 2 on \S+ was lost \(its connection closed", err), err
+    rows = {p["name"]: p for p in json.loads(summary.read_text())["processes"]}
+    assert rows["worker.2@localhost"]["note"] == "lost; dropped from the elastic job", rows
