@@ -219,7 +219,8 @@ class RayOptions:
 class AgentOptions:
     """The per-node agents' options (``--nnodes``: the same command on every node, no ssh between them)."""
 
-    nnodes: int | None = None  # --nnodes: None without agents
+    nnodes: int | None = None  # --nnodes: None without agents (with MIN:MAX, the most)
+    min_nnodes: int = 0  # --nnodes MIN:MAX: nodes 0..MIN-1 form the job, MIN..MAX-1 may join and leave (0: fixed)
     node_rank: int = 0  # --node-rank (PSLAUNCH_NODE_RANK, JOB_COMPLETION_INDEX)
     rdzv_endpoint: str | None = None  # --rdzv-endpoint HOST:PORT: where node 0 listens for the agents
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT  # --rdzv-timeout
@@ -307,8 +308,10 @@ class LaunchConfig:
     @property
     def start_workers(self) -> int:
         """The workers the job starts with: ``num_workers``, or for an elastic job on hosts that all
-        give ``slots``, as many as those take (at most MAX); the others join when slots appear."""
-        if not self.elastic or self.backend != "ssh" or any(h.slots is None for h in self.hosts):
+        give ``slots`` (over ssh, or the agents' first nodes), as many as those take (at most MAX);
+        the others join when slots appear."""
+        if (not self.elastic or self.backend not in ("ssh", "agents") or not self.hosts
+                or any(h.slots is None for h in self.hosts)):
             return self.num_workers
         return min(self.num_workers, sum(h.slots or 0 for h in self.hosts))
 
@@ -329,7 +332,8 @@ class LaunchConfig:
         if not self.elastic_timeout >= 0:
             raise ConfigError(f"--elastic-timeout must be >= 0 seconds, got {self.elastic_timeout}")
         if self.start_workers < self.min_workers:
-            raise ConfigError(f"{shape}: the hostfile's {self.start_workers} slots ("
+            raise ConfigError(f"{shape}: the {'first nodes' if self.backend == 'agents' else 'hostfile'}'s "
+                              f"{self.start_workers} slots ("
                               + ", ".join(f"{h.label} slots={h.slots}" for h in self.hosts)
                               + f") hold fewer than the job's minimum of {self.min_workers} workers")
 
@@ -409,6 +413,9 @@ class LaunchConfig:
         if self.agents.nnodes is not None:
             if self.agents.nnodes < 1:
                 raise ConfigError(f"--nnodes must be >= 1, got {self.agents.nnodes}")
+            if self.agents.min_nnodes and not self.elastic:
+                raise ConfigError(f"--nnodes {self.agents.min_nnodes}:{self.agents.nnodes} lets nodes join and leave the "
+                                  f"running job, which needs an elastic job: give -n MIN:MAX too (here -n {self.num_workers})")
             if not 0 <= self.agents.node_rank < self.agents.nnodes:
                 raise ConfigError(f"--node-rank {self.agents.node_rank} is not a node of --nnodes {self.agents.nnodes}: "
                                   f"ranks are 0..{self.agents.nnodes - 1}")

@@ -95,7 +95,7 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     # -- Job shape
-    Option('num_workers', ('-n', '--num-workers'), 'workers', required=True, metavar='N|MIN:MAX', section='Job shape', help='Number of worker processes; MIN:MAX makes the job elastic: MAX start, and workers that get SIGTERM leave at a step boundary while MIN remain (local, ssh, agents; dist_sync with servers).'),
+    Option('num_workers', ('-n', '--num-workers'), 'workers', required=True, metavar='N|MIN:MAX', section='Job shape', help='Number of worker processes; MIN:MAX makes the job elastic: workers that get SIGTERM leave at a step boundary while MIN remain, and workers join on capacity that appears (local: MAX start; ssh: as many as the slots hold, the hostfile read again or --host-discovery-script; agents: --nnodes MIN:MAX; dist_sync with servers).'),
     Option('num_servers', ('-s', '--num-servers'), 'int', section='Job shape', help="Number of servers [default: = workers]; 0: none, the workers sum among themselves (kvcore.create('allreduce'))."),
     Option('backend', ('--launcher',), 'text', metavar='NAME', section='Job shape', help='Backend: local, ssh, mpi, slurm, sge or ray [default: ssh with a hostfile, local without].'),
     Option('command_for_all_roles', ('--command-for-all-roles',), 'flag', section='Job shape', help='Run COMMAND as scheduler and servers too (MXNet / ps-lite / BytePS programs) instead of the bundled runtime `python -m psnode`.'),
@@ -131,7 +131,7 @@ OPTIONS: tuple[Option, ...] = (
     Option('ray_timeout', ('--ray-timeout',), 'text', metavar='SECONDS', section='Ray clusters', group='ray', help="Seconds Ray has to place the job's placement group; then the missing resources are named [default: 60; without it a group the cluster's own resources can never hold is refused at once] (--launcher ray)."),
     Option('ray_exclude', ('--ray-exclude',), 'text', multiple=True, metavar='PATTERN', section='Ray clusters', group='ray', help="Leave what PATTERN matches (a .gitignore line) out of the working directory Ray uploads to every node; repeatable. Past Ray's 512 MiB package limit pslaunch refuses before zipping anything, naming the biggest entries (--launcher ray)."),
     # -- Nodes without ssh
-    Option('nnodes', ('--nnodes',), 'int', metavar='N', section='Nodes without ssh', group='agents', help="Run as one of N per-node agents: the same command on every node, no ssh between them; node 0 runs the scheduler and the job's table (-n and -s stay totals, spread over the nodes)."),
+    Option('nnodes', ('--nnodes',), 'workers', metavar='N|MIN:MAX', section='Nodes without ssh', group='agents', help="Run as one of N per-node agents: the same command on every node, no ssh between them; node 0 runs the scheduler and the job's table (-n and -s stay totals, spread over the nodes). MIN:MAX (with -n MIN:MAX): nodes MIN..MAX-1 may join and leave the running job."),
     Option('node_rank', ('--node-rank',), 'int', metavar='R', section='Nodes without ssh', group='agents', help="This node's rank, 0..N-1 [default: $PSLAUNCH_NODE_RANK, then Kubernetes' $JOB_COMPLETION_INDEX]."),
     Option('rdzv_endpoint', ('--rdzv-endpoint',), 'text', metavar='HOST:PORT', section='Nodes without ssh', group='agents', help="Node 0's address, which every node reaches: node 0's agent listens at PORT, its scheduler at PORT+1 (unless --scheduler-port)."),
     Option('rdzv_timeout', ('--rdzv-timeout',), 'float', default=300.0, show_default=True, section='Nodes without ssh', group='agents', help='Seconds the agents have to find each other; a node missing then is named.'),
@@ -387,7 +387,8 @@ def build_config(options: Mapping[str, Any], environ: Mapping[str, str]) -> Laun
                        worker_resources=options["ray_worker_resources"],
                        server_resources=options["ray_server_resources"], timeout=options["ray_timeout"],
                        exclude=tuple(options["ray_exclude"] or ())),
-        agents=AgentOptions(nnodes=agents.get("nnodes"), node_rank=agents.get("node_rank", 0),
+        agents=AgentOptions(nnodes=agents.get("nnodes"), min_nnodes=agents.get("min_nnodes", 0),
+                            node_rank=agents.get("node_rank", 0),
                             rdzv_endpoint=agents.get("rdzv_endpoint"),
                             rdzv_timeout=options.get("rdzv_timeout", DEFAULT_RDZV_TIMEOUT)),
     )
@@ -400,12 +401,16 @@ def _agent_options(options: dict, environ: dict[str, str]) -> dict:
     or ``PSLAUNCH_JOB_KEY``) and the job id every node derives alike; empty without ``--nnodes``.
 
     Raises ``ConfigError`` naming the variable or flag at fault."""
-    nnodes = options.get("nnodes")
-    if nnodes is None:
+    given = options.get("nnodes")
+    if given is None:
         for flag in ("node_rank", "rdzv_endpoint"):
             if options.get(flag) is not None:
                 raise ConfigError(f"--{flag.replace('_', '-')} is an option of the per-node agents: give --nnodes N too")
         return {}
+    try:
+        min_nnodes, nnodes = parse_workers(str(given))
+    except ValueError as exc:
+        raise ConfigError(f"--nnodes {str(given)!r} {str(exc).replace('workers', 'nodes').replace('-n ', '--nnodes ')}") from None
     rank = options.get("node_rank")
     if rank is None:
         for name in (ec.PSLAUNCH_NODE_RANK, ec.JOB_COMPLETION_INDEX):
@@ -429,8 +434,8 @@ def _agent_options(options: dict, environ: dict[str, str]) -> dict:
         key = ec.read_job_key(environ)
     except ec.JobKeyError as exc:
         raise ConfigError(str(exc)) from None
-    return {"nnodes": nnodes, "node_rank": rank, "rdzv_endpoint": endpoint, "job_key": key.hex() if key else "",
-            "job_id": ec.shared_job_id(host, port)}
+    return {"nnodes": nnodes, "min_nnodes": min_nnodes if min_nnodes < nnodes else 0, "node_rank": rank,
+            "rdzv_endpoint": endpoint, "job_key": key.hex() if key else "", "job_id": ec.shared_job_id(host, port)}
 
 
 def _dashboard_wanted(asked: bool | None, quiet: bool) -> bool:

@@ -22,7 +22,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from pscontract import MARKER, stack_signal
 
@@ -31,6 +31,9 @@ from ..observe.output import LineSplitter, Printer
 from ..on_node.process_groups import VERBS
 from ..planning.network import resolve
 from ..planning.plan import THREAD_VARIABLES, Plan, ProcessSpec, make_plan
+
+if TYPE_CHECKING:
+    from ..planning.capacity import Capacity
 
 __all__ = ["Backend", "ProcessHandle", "GuardedHandle", "ExitStatus", "Interruption", "pump", "drain", "route_block", "MARKER"]
 
@@ -383,6 +386,11 @@ class Backend(ABC):
 
         Raises ``PreflightError`` / ``SyncError`` / ``PlacementError``. The default does nothing.
         """
+        return None
+
+    def capacity(self) -> "Capacity | None":
+        """Where an elastic job's capacity comes from when the backend knows it (the agents that are
+        joined), else None: the supervisor reads the hostfile or discovery script then. Default None."""
         return None
 
     def prepare_more(self, plan: Plan) -> None:

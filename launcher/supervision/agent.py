@@ -33,7 +33,7 @@ from pscontract import MARKER, preempt_signal, stack_signal
 
 from ..backends.agents.backend import check_checkpoint_here
 from ..backends.agents.hub import RendezvousError
-from ..backends.agents.nodes import attempt_specs, command_fields, node_label, share
+from ..backends.agents.nodes import attempt_specs, command_fields, joiner_of, node_label, node_of, share
 from ..backends.agents.wire import PROTOCOL, Channel, LinkClosed, Refused, WireError, new_nonce, proof, session_key
 from ..backends.base import ProcessHandle
 from ..backends.checks.script import check_scripts_here
@@ -55,6 +55,8 @@ _TICK = 0.05
 _STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: ``SIG N`` messages node 0 may send: only the runtime's own signals (``stack_signal``, ``preempt_signal``)
 _RUNTIME_SIGNALS = {f"SIG {n}": n for n in (stack_signal(), preempt_signal())}
+#: ... and in an elastic job SIGTERM to a worker alone: the notice to leave at its next step boundary
+_LEAVE = f"SIG {int(signal.SIGTERM)}"
 
 
 def join(config: LaunchConfig, key: bytes | None, deadline: float, note: Callable[[str], None],
@@ -238,6 +240,7 @@ class NodeAgent:
     def _serve(self) -> tuple[int, str | None]:
         """Do what node 0 says until its verdict; returns ``(exit code, root cause)``."""
         asked: int | None = None  # the signal whose end of the job node 0 was asked for
+        leaving = False  # a node of an elastic job that got SIGTERM: its workers leave
         asked_at = 0.0
         looked = time.monotonic()
         while True:
@@ -245,7 +248,21 @@ class NodeAgent:
             if now - looked > self.config.link_timeout / 2 > 0:  # this process did not run (stopped): no silence
                 self._heard += now - looked
             looked = now
-            if self._signals:
+            if self._signals and self._leaves_alone(self._signals[-1]):
+                if not leaving:  # a drained node of an elastic job: its workers leave, the job goes on
+                    leaving = True
+                    self.printer.note(f"got SIGTERM: {node_label(self.config.agents.node_rank)} leaves the elastic job; "
+                                      "its workers leave at their next step boundary")
+                    for handle in self.handles.values():
+                        if handle.poll() is None and handle.spec.role == "worker":
+                            handle.signal_process(signal.SIGTERM)
+                if len(self._signals) > 1:
+                    return 128 + self._signals[-1], f"pslaunch on {node_label(self.config.agents.node_rank)} got a " \
+                                                    "second signal while its workers left the job"
+                self._report_exits()
+                if all(ident in self.reported for ident in self.handles):
+                    return 0, None
+            elif self._signals:
                 signum = self._signals[-1]
                 if asked is None:
                     asked, asked_at = signum, now
@@ -274,6 +291,12 @@ class NodeAgent:
                 return EXIT_NODE0_LOST, self._lost(f"no word for {self.config.link_timeout:g} s")
             self._report_exits()
 
+    def _leaves_alone(self, signum: int) -> bool:
+        """SIGTERM to the agent of a node that may leave the running job (``--nnodes MIN:MAX``, a rank
+        MIN or above: a Kubernetes pod deleted, a node drained): its workers leave, the job goes on."""
+        agents = self.config.agents
+        return signum == signal.SIGTERM and bool(agents.min_nnodes) and agents.node_rank >= agents.min_nnodes
+
     def _lost(self, why: str) -> str:
         return f"lost node 0 at {self.config.agents.rdzv_endpoint} ({why}); stopped {node_label(self.config.agents.node_rank)}'s processes"
 
@@ -283,11 +306,20 @@ class NodeAgent:
             return  # an order of an attempt that is over
         self.generation = generation
         assert self.channel is not None
+        joiners = message.get("joiners") if isinstance(message.get("joiners"), dict) else {}
         for name in names:
             try:
-                (spec,) = attempt_specs(self.plan, self.config, generation, [str(name)])
+                if name in joiners:  # a worker that joins the running elastic job here (--nnodes MIN:MAX)
+                    spec = joiner_of(self.plan, self.config, name, joiners[name])
+                    if node_of(spec) != self.config.agents.node_rank:
+                        raise ValueError(f"{name} is not placed on {node_label(self.config.agents.node_rank)}")
+                else:
+                    (spec,) = attempt_specs(self.plan, self.config, generation, [str(name)])
             except KeyError:
                 self._send({"t": "nostart", "g": generation, "name": name, "why": f"this node's plan has no {name}"})
+                continue
+            except ValueError as exc:
+                self._send({"t": "nostart", "g": generation, "name": name, "why": str(exc)})
                 continue
             if self._observe:
                 spec = replace(spec, env={**spec.env, **self._observe})
@@ -307,6 +339,8 @@ class NodeAgent:
             handle.tell(what)
         elif handle is not None and what in _RUNTIME_SIGNALS:  # the runtime's own: its stack, a preemption
             handle.signal_process(_RUNTIME_SIGNALS[what])
+        elif handle is not None and what == _LEAVE and self.config.elastic:  # an elastic job's worker: leave
+            handle.signal_process(signal.SIGTERM)
 
     def _report_exits(self) -> None:
         for ident, handle in self.handles.items():

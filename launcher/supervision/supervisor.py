@@ -99,7 +99,7 @@ class Supervisor:
         self._stack_asked: dict[int, float] = {}  # worker handle id -> when its stack was last asked for
         self._stall_end = StallEnd(self.printer, config.backend)  # --stall-timeout
         self._preemption = Preemption(config.stop_grace, printer.note)  # SIGTERM to a job that keeps checkpoints
-        source = capacity_of(config)  # an elastic job's hosts as they come and go
+        source = backend.capacity() or capacity_of(config)  # an elastic job's hosts as they come and go
         self._capacity = None if source is None else ElasticCapacity(config, source, printer.note, self._start_joiner)
         self._unusable: set[tuple] = set()  # hosts a joiner could not be started on (said once)
         self._dropped: set[int] = set()  # ids of an elastic job's workers that were lost and dropped

@@ -297,3 +297,54 @@ def test_an_elastic_jobs_worker_on_another_node_leaves_at_a_step_boundary_and_th
     assert values == [float(sum(r + 1 for r in ({0, 1, 2} if s <= 2 else {0, 1})) * (s + 1)) for s in range(6)], values
     assert "worker 2 left the job at a step boundary (SIGTERM); 2 workers go on" in job.report()
     assert wait_gone(marker, 10) == []
+
+
+def test_nodes_join_a_running_elastic_job_and_a_drained_node_leaves_it_while_the_job_goes_on(tmp_path, key_env, marker):
+    # --nnodes 1:3 with -n 1:3: node 0 forms the job alone (one worker per node); node 1 and then node 2
+    # join later and their workers join the running job; node 2's agent then gets SIGTERM (a pod
+    # deleted): its worker leaves at its next step boundary and the agent exits 0; every round is exact
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["-n", "1:3", "-s", "1", "--timeout", "90", "--env", "STEPS:90", "--env", "STEP_SLEEP:0.05",
+            sys.executable, helper("elastic_join.py"), str(out), marker]
+
+    def rows() -> list[list[str]]:
+        return [line.split() for path in out.glob("steps.*.txt") for line in path.read_text().splitlines()]
+
+    def steps_of() -> dict[int, set[int]]:
+        got: dict[int, set[int]] = {}
+        for row in rows():
+            if len(row) == 5:
+                got.setdefault(int(row[1]), set()).add(int(row[0]))
+        return got
+
+    def wait_until(predicate, timeout: float = 40.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, job.report()
+            time.sleep(0.05)
+
+    with AgentJob(tmp_path, "1:3", _endpoint(), args, env=key_env, marker=marker) as job:
+        job.start(0)
+        wait_until(lambda: len(steps_of()) >= 4)
+        job.start(1)
+        wait_until(lambda: any(len(m) == 2 for m in steps_of().values()))
+        job.start(2)
+        wait_until(lambda: any(len(m) == 3 for m in steps_of().values()))
+        grown = max(steps_of())
+        wait_until(lambda: max(steps_of()) >= grown + 4)
+        job.signal(2, signal.SIGTERM)
+        left = job.wait(60, ranks=[2])
+        results = job.wait(90)
+    assert {rank: r.returncode for rank, r in results.items()} == {0: 0, 1: 0, 2: 0}, job.report()
+    assert "node2 leaves the elastic job; its workers leave at their next step boundary" in left[2].stderr, job.report()
+    got = steps_of()
+    sizes = [len(got[s]) for s in sorted(got)]
+    assert sorted(got) == list(range(90)) and sizes[0] == 1 and 3 in sizes and sizes[-1] == 2, sizes
+    for row in rows():
+        if len(row) == 5:
+            rank, step, count, value = int(row[0]), int(row[1]), int(row[2]), float(row[3])
+            assert count == len(got[step]) and value == sum(r + 1 for r in got[step]) * (step + 1), (row, got[step])
+    report = job.report()
+    assert "the agents (--nnodes 1:3)): starting worker.1@node1 to join the job" in report, report
+    assert wait_gone(marker, 10) == []

@@ -27,6 +27,8 @@ import pscontract as ec
 
 from ...config import parse_endpoint
 from ...errors import ConfigError, SpawnError
+from ...planning.capacity import Capacity
+from ...planning.hostfile import Host
 from ...planning.network import loopback_name
 from ...planning.plan import Plan, ProcessSpec
 from ..base import Backend, ExitStatus, Interruption, ProcessHandle, route_block
@@ -34,7 +36,7 @@ from ..checks.script import check_scripts_here
 from ..local import LocalSpawner
 from ..ssh.linkwatch import LinkWatch
 from .hub import Hub
-from .nodes import attempt_specs, node_config, node_label, node_of, share
+from .nodes import attempt_specs, node_config, node_label, node_of, node_slots, share
 
 __all__ = ["AgentsBackend", "AgentHandle", "check_checkpoint_here", "OBSERVED_SETTINGS"]
 
@@ -57,6 +59,23 @@ def check_checkpoint_here(directory: str | None, specs) -> None:
     except OSError as exc:
         raise ConfigError(f"--checkpoint-dir {directory}: this node cannot create or write it: "
                           f"{exc.strerror or exc}") from None
+
+
+class AgentsCapacity(Capacity):
+    """``--nnodes MIN:MAX``: the nodes whose agents are joined now, each with its share of the workers
+    (``nodes.node_slots``); read by the supervisor (``launcher.supervision.elastic``)."""
+
+    def __init__(self, backend: "AgentsBackend") -> None:
+        self.backend = backend
+        self.describe = f"the agents (--nnodes {backend.config.agents.min_nnodes}:{backend.config.agents.nnodes})"
+
+    def read(self) -> list[Host]:
+        config = self.backend.config
+        present = self.backend.hub.present() if self.backend.hub is not None else list(range(config.agents.min_nnodes))
+        return [Host(node_label(rank), slots=node_slots(config)) for rank in present]
+
+    def changed(self) -> bool:
+        return True
 
 
 class AgentHandle(ProcessHandle):
@@ -179,11 +198,22 @@ class AgentsBackend(Backend):
             self.printer.note(f"{self.config.agents.nnodes} node(s) formed the job in {time.monotonic() - started:.2f} s")
         return None
 
+    def capacity(self) -> Capacity | None:
+        if not self.config.agents.min_nnodes:
+            return None
+        return AgentsCapacity(self)
+
     # -- attempts ----------------------------------------------------------------------------------
     def launch(self, plan: Plan) -> list[ProcessHandle]:
         assert self.base_plan is not None and self.hub is not None
         generation = int(plan.processes[0].env.get(ec.PSLAUNCH_RESTART_COUNT, "0")) if plan.processes else 0
-        specs = attempt_specs(self.base_plan, self.config, generation, [spec.name for spec in plan.processes])
+        planned = {spec.name for spec in self.base_plan.processes}
+        # a worker joining the running elastic job (``--nnodes MIN:MAX``) is not in the first plan: its node
+        # derives it from its name and place (``nodes.joiner_of``)
+        joiners = {spec.name: [spec.local_rank, spec.local_size] for spec in plan.processes if spec.name not in planned}
+        specs = attempt_specs(self.base_plan, self.config, generation,
+                              [spec.name for spec in plan.processes if spec.name in planned])
+        specs += tuple(spec for spec in plan.processes if spec.name in joiners)
         handles: list[ProcessHandle] = []
         remote: dict[int, list[str]] = {}
         try:
@@ -200,7 +230,11 @@ class AgentsBackend(Backend):
                 handles.append(handle)
                 remote.setdefault(node, []).append(spec.name)
             for node, names in remote.items():
-                self.hub.send(node, {"t": "start", "g": generation, "names": names})
+                message = {"t": "start", "g": generation, "names": names}
+                places = {name: joiners[name] for name in names if name in joiners}
+                if places:
+                    message["joiners"] = places
+                self.hub.send(node, message)
             self._await_starts([h for h in handles if isinstance(h, AgentHandle)])
         except Exception:
             for handle in handles:

@@ -71,7 +71,10 @@ class Hub:
         self.on_message = on_message
         self._welcome = welcome or dict
         self.host, self.port = parse_endpoint(config.agents.rdzv_endpoint)
-        self.expected = config.agents.nnodes - 1
+        # the agents that form the job: every other node, or with --nnodes MIN:MAX the first MIN-1 (the
+        # nodes MIN..MAX-1 may join and leave while the job runs: ``present``)
+        self.expected = (config.agents.min_nnodes or config.agents.nnodes) - 1
+        self.elastic = bool(config.agents.min_nnodes)
         self.links: dict[int, AgentLink] = {}
         self.refusals: list[str] = []
         self.formed = False
@@ -179,9 +182,10 @@ class Hub:
                 taken = self.links.get(rank)
                 if taken is not None and taken.closed is None:
                     return refuse(f"{node_label(rank)} already joined from {taken.address}")
-                if self.formed:
+                if self.formed and not (self.elastic and rank > self.expected):
                     return refuse(f"the job has formed without it ({node_label(rank)} left it); a node cannot join "
-                                  "an attempt that is placed")
+                                  "an attempt that is placed" + (f" (--nnodes {self.config.agents.min_nnodes}:"
+                                  f"{self.config.agents.nnodes}: nodes {self.expected + 1}.. may)" if self.elastic else ""))
                 link = AgentLink(rank, channel, address, time.monotonic())
                 self.links[rank] = link
             channel.send({"t": "welcome", **self._welcome()})
@@ -193,6 +197,7 @@ class Hub:
             channel.close()
             return None
         self.watch.add(rank, self._pinger(link))
+        self.watch.heard(rank)  # an elastic node joining again: its silence before does not count
         link.reader = threading.Thread(target=self._read, args=(link,), daemon=True, name=f"pslaunch-agent-{rank}")
         link.reader.start()
         if self.config.verbose:
@@ -227,8 +232,9 @@ class Hub:
                 with self._lock:
                     link.closed = ("its agent's connection ended" if isinstance(exc, LinkClosed)
                                    else f"its agent's link was dropped: {exc}")
-                    if not self.formed and self.links.get(link.rank) is link:
-                        del self.links[link.rank]  # it may join again while the job forms
+                    if (not self.formed or (self.elastic and link.rank > self.expected)) \
+                            and self.links.get(link.rank) is link:
+                        del self.links[link.rank]  # it may join again while the job forms (or an elastic node, later)
                 link.channel.close()
                 return
             self.watch.heard(link.rank)
@@ -242,7 +248,7 @@ class Hub:
         noted = False
         while True:
             with self._lock:
-                joined = sorted(r for r, link in self.links.items() if link.closed is None)
+                joined = sorted(r for r, link in self.links.items() if link.closed is None and r <= self.expected)
                 if len(joined) == self.expected:
                     self.formed = True
                     return
@@ -257,6 +263,11 @@ class Hub:
                 raise RendezvousError(f"{', '.join(missing)} did not join node 0 at {self.config.agents.rdzv_endpoint} within "
                                       f"--rdzv-timeout {self.config.agents.rdzv_timeout:g} s{refused}")
             time.sleep(_TICK)
+
+    def present(self) -> list[int]:
+        """The ranks of the nodes whose agents are joined now (node 0 too)."""
+        with self._lock:
+            return [0] + sorted(r for r, link in self.links.items() if link.closed is None and not self.watch.lost(r))
 
     def send(self, rank: int, message: dict) -> bool:
         """Send ``message`` to node ``rank``'s agent; False when its link is gone."""

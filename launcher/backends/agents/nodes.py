@@ -24,9 +24,10 @@ import pscontract as ec
 from ...config import LaunchConfig, parse_endpoint
 from ...errors import ConfigError
 from ...planning.hostfile import Host
-from ...planning.plan import Plan, ProcessSpec
+from ...planning.plan import Plan, ProcessSpec, joiner_spec
 
-__all__ = ["node_config", "node_label", "node_of", "share", "attempt_specs", "command_fields", "differences"]
+__all__ = ["node_config", "node_label", "node_of", "node_slots", "share", "attempt_specs", "command_fields", "differences",
+           "joiner_of"]
 
 
 def node_label(rank: int) -> str:
@@ -50,8 +51,16 @@ def node_config(config: LaunchConfig) -> LaunchConfig:
         raise ConfigError(f"--rdzv-endpoint {config.agents.rdzv_endpoint}: the scheduler listens at port {port + 1} and "
                           "torch's master at the one after; choose a rendezvous port below 65534")
     nodes = tuple(Host(node_label(rank)) for rank in range(config.agents.nnodes))
+    if config.agents.min_nnodes:  # the first nodes form the job; each node has room for its share of MAX
+        nodes = tuple(Host(node_label(rank), slots=node_slots(config)) for rank in range(config.agents.min_nnodes))
     return replace(config, hosts=nodes, scheduler_host=node_label(0), launch_address=host,
                    scheduler_port=scheduler_port, master_port=master_port)
+
+
+def node_slots(config: LaunchConfig) -> int:
+    """``--nnodes MIN:MAX``: the workers each node holds, MAX workers over MAX nodes (rounded up)."""
+    assert config.agents.nnodes
+    return -(-config.num_workers // config.agents.nnodes)
 
 
 def share(plan: Plan, rank: int) -> tuple[ProcessSpec, ...]:
@@ -81,9 +90,24 @@ def attempt_specs(plan: Plan, config: LaunchConfig, generation: int, names: list
     return tuple(replace(spec, env={**spec.env, ec.PSLAUNCH_JOB_ID: job_id}) for spec in specs)
 
 
+def joiner_of(plan: Plan, config: LaunchConfig, name: object, place: object) -> ProcessSpec:
+    """The worker ``name`` (``worker.R@nodeK``) that joins the running elastic job on node K, as node
+    0 and that node's agent derive it alike: rank R, the ``place`` = ``[local rank, local size]``
+    node 0 chose. Raises ``ValueError`` naming what is wrong (node 0's word is checked too)."""
+    role, _, rest = str(name).partition(".")
+    rank_text, _, label = rest.partition("@")
+    if (role != "worker" or not rank_text.isdigit() or not label.startswith("node") or not label[4:].isdigit()
+            or not isinstance(place, list) or len(place) != 2 or not all(type(v) is int and v >= 0 for v in place)
+            or not int(rank_text) < config.num_workers or not int(label[4:]) < (config.agents.nnodes or 0)):
+        raise ValueError(f"{str(name)[:80]!r} at {str(place)[:40]} is no worker that may join this job")
+    host = Host(label, slots=node_slots(config))
+    return joiner_spec(config, plan, host, int(rank_text), place[0], max(place[1], place[0] + 1))
+
+
 #: What every node's command must agree on, by ``LaunchConfig`` field (dotted in a group), with the
 #: flag that sets it.
-_COMMAND_FIELDS = (("agents.nnodes", "--nnodes"), ("num_workers", "-n"), ("num_servers", "-s"), ("command", "COMMAND"),
+_COMMAND_FIELDS = (("agents.nnodes", "--nnodes"), ("agents.min_nnodes", "--nnodes MIN"), ("num_workers", "-n"),
+                   ("min_workers", "-n MIN"), ("num_servers", "-s"), ("command", "COMMAND"),
                    ("user_command_for_all_roles", "--command-for-all-roles"), ("scheduler_port", "--scheduler-port"),
                    ("interface", "--interface"), ("encrypt", "--encrypt"), ("max_restarts", "--max-restarts"),
                    ("restart_scope", "--restart-scope"), ("checkpoint_dir", "--checkpoint-dir"),
