@@ -343,7 +343,7 @@ def test_nodes_join_a_running_elastic_job_and_a_drained_node_leaves_it_while_the
     assert sorted(got) == list(range(90)) and sizes[0] == 1 and 3 in sizes and sizes[-1] == 2, sizes
     for row in rows():
         if len(row) == 5:
-            rank, step, count, value = int(row[0]), int(row[1]), int(row[2]), float(row[3])
+            step, count, value = int(row[1]), int(row[2]), float(row[3])
             assert count == len(got[step]) and value == sum(r + 1 for r in got[step]) * (step + 1), (row, got[step])
     report = job.report()
     assert "the agents (--nnodes 1:3)): starting worker.1@node1 to join the job" in report, report
