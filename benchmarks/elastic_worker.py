@@ -1,7 +1,8 @@
 """Worker of ``benchmarks.elastic``: each step every member pushes (rank + 1) to key 0 and pulls the sum
 back (no optimizer: a round's value is the sum over that round's members), then waits $STEP_SLEEP
 seconds. Appends ``rank step time value`` lines (``time.time()`` once the pull is done) to
-OUTDIR/steps.<rank>.txt. Usage: elastic_worker.py OUTDIR."""
+OUTDIR/steps.<rank>.txt. With $JOINER=1 it first writes ``time.time()`` to OUTDIR/joiner.txt as it
+registers (its imports done): a worker that joins the running job. Usage: elastic_worker.py OUTDIR."""
 
 import os
 import sys
@@ -14,6 +15,9 @@ import kvcore
 out = sys.argv[1]
 steps = int(os.environ.get("STEPS", "400"))
 step_sleep = float(os.environ.get("STEP_SLEEP", "0.02"))
+if os.environ.get("JOINER") == "1":
+    with open(os.path.join(out, "joiner.txt"), "w") as fh:
+        fh.write(f"{time.time():.6f}\n")
 kv = kvcore.create("dist_sync")
 rank = kv.rank
 kv.init(0, np.zeros(1024, np.float32))

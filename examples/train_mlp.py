@@ -19,6 +19,11 @@ Under pslaunch the loop is resumable (``kvcore.elastic.State``, scalars ``epoch`
 commit; with ``--restart-scope worker`` a worker that dies is replaced in place and redoes its steps
 exactly (docs/failures.md). ``--save-weights PATH``: worker 0 writes the final weights.
 
+In an elastic job (``pslaunch -n 2:4``, docs/failures.md "Elastic jobs") each worker keeps its batch
+(``--batch-size`` over the workers at the start), the epochs are split over each step's members
+(``SplitSampler.elastic_batches``, scalars ``epoch`` and ``seen``) and each step is the mean over its
+members: workers that leave or join change neither which samples an epoch sees nor the mean.
+
 The store is ``--kvstore`` when given, else ``dist_sync`` when the process was started by a launcher
 (``DMLC_PS_ROOT_URI`` is set: there is a scheduler to join), else ``local``. Needs the examples extra
 (``pip install 'pslaunch[examples]'``) for scikit-learn.
@@ -64,6 +69,8 @@ def main(argv=None) -> int:
         return 2
     kv = kvcore.create(args.kvstore or default_kvstore())
     rank, num_workers = kv.rank, kv.num_workers
+    if kv.elastic:  # each worker keeps its batch: the global one at the start over its workers then
+        args.batch_size = max(1, args.batch_size // (num_workers * len(devices))) * num_workers * len(devices)
     if args.batch_size % (num_workers * len(devices)):
         print(f"worker {rank}: --batch-size {args.batch_size} must be a multiple of {num_workers} workers "
               f"x {len(devices)} devices", file=sys.stderr)
@@ -76,9 +83,12 @@ def main(argv=None) -> int:
     replicas = {name: [arrays.to_device(value, d, copy=True) for d in devices] for name, value in host_params.items()}
     optimizer = kvcore.optim.SGD(learning_rate=args.lr, momentum=args.momentum)
     trainer = kvcore.Trainer(replicas, optimizer, kvstore=kv, update_on_kvstore=update_on_kvstore(args.update_on))
-    state = resumable(kv, epoch=0, step=0)  # where a restart resumes
+    state = resumable(kv, epoch=0, step=0, seen=0)  # where a restart resumes (seen: an elastic job's place)
     state.restore()  # a restarted job: the last commit; a worker replaced in place: its predecessor's place
     trainer.sync_params()
+    if kv.elastic:  # workers come and go: each step's members split the epoch (docs/failures.md)
+        return train_elastic(args, kv, trainer, state, replicas, devices, worker_batch, started,
+                             (x_train, y_train, x_test, y_test))
 
     # Same seed on every worker: one permutation per epoch, each worker takes its strided part.
     sampler = kvcore.SplitSampler(len(x_train), num_workers, rank, seed=args.seed, drop_last=True)
@@ -112,6 +122,40 @@ def main(argv=None) -> int:
         commit_if_kept(state)
     report_final(rank, accuracy, started)
     save_weights(args.save_weights, rank, {n: arrays.asnumpy(r[0]) for n, r in replicas.items()})
+    return 0
+
+
+def train_elastic(args, kv, trainer, state, replicas, devices, worker_batch: int, started: float, data) -> int:
+    """The loop of an elastic job: each step takes this worker's share of the step's batch, which the
+    step's members split (``elastic_batches``), and steps with the mean over them."""
+    x_train, y_train, x_test, y_test = data
+    sampler = kvcore.SplitSampler(len(x_train), seed=args.seed, drop_last=True)
+    x_test_dev = arrays.to_device(x_test, devices[0])
+    y_test_dev = arrays.to_device(y_test, devices[0])
+    accuracy, loss_sum, samples, epoch, epoch_start = 0.0, 0.0, 0, state.epoch, time.perf_counter()
+    for batch in sampler.elastic_batches(kv, state, worker_batch):
+        if state.epoch != epoch:  # the members took the whole epoch: report, and commit where kept
+            with arrays.device_context(devices[0]):
+                accuracy = mlp.accuracy({n: r[0] for n, r in replicas.items()}, x_test_dev, y_test_dev)
+            report_epoch(kv.rank, epoch, accuracy, loss_sum, samples, epoch_start)
+            commit_if_kept(state)
+            loss_sum, samples, epoch, epoch_start = 0.0, 0, state.epoch, time.perf_counter()
+        if state.epoch >= args.epochs:
+            break
+        xs = kvcore.split_and_load(x_train[batch], devices)
+        ys = kvcore.split_and_load(y_train[batch], devices)
+        grads = {name: [] for name in replicas}
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            with arrays.device_context(devices[i]):
+                loss, device_grads = mlp.loss_and_grads({n: r[i] for n, r in replicas.items()}, x, y)
+            loss_sum += loss
+            for name, g in device_grads.items():
+                grads[name].append(g)
+        trainer.step(worker_batch * kv.num_workers, grads)  # the mean over this step's members
+        samples += len(batch)
+        state.step = state.step + 1
+    report_final(kv.rank, accuracy, started)
+    save_weights(args.save_weights, kv.rank, {n: arrays.asnumpy(r[0]) for n, r in replicas.items()})
     return 0
 
 

@@ -33,9 +33,10 @@ def _env() -> dict:
     return env
 
 
-def _run(tmp_path: Path, name: str, options: list[str], kills: dict[str, int]) -> tuple[str, Path]:
-    """Run the MLP example under pslaunch ``options``; kill worker ``rank`` with SIGKILL once an output
-    line matches each pattern of ``kills``, once each. Returns pslaunch's output and the weights' file."""
+def _run(tmp_path: Path, name: str, options: list[str], kills: dict[str, int],
+         how: signal.Signals = signal.SIGKILL) -> tuple[str, Path]:
+    """Run the MLP example under pslaunch ``options``; send worker ``rank`` ``how`` (SIGKILL) once an
+    output line matches each pattern of ``kills``, once each. Returns pslaunch's output and the weights' file."""
     weights = tmp_path / f"{name}.npz"
     proc = subprocess.Popen([*PSLAUNCH, *JOB, *options, sys.executable, *MLP, "--save-weights", str(weights)],
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -53,7 +54,7 @@ def _run(tmp_path: Path, name: str, options: list[str], kills: dict[str, int]) -
                     while (pid := job_worker(str(weights), rank)) is None and time.monotonic() < deadline:
                         time.sleep(0.02)
                     if pid is not None:
-                        os.kill(pid, signal.SIGKILL)
+                        os.kill(pid, how)
     reader = threading.Thread(target=read, daemon=True)
     with reaped(proc, str(weights)):
         reader.start()
@@ -102,3 +103,19 @@ def test_the_mlp_example_restarted_as_a_job_goes_on_from_its_last_epochs_checkpo
     restarted = output.split("restarting the job", 1)[1]
     epochs = sorted({int(e) for e in re.findall(r"worker 0 epoch (\d+) ", restarted)})
     assert epochs and epochs[0] >= 4 and epochs[-1] == 11, output
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["leaves", "is-lost"])
+def test_the_mlp_example_in_an_elastic_job_goes_on_when_a_worker_leaves_or_is_lost(tmp_path, how):
+    # -n 2:3: three start; worker 2 gets SIGTERM (it leaves at a step boundary) or SIGKILL (dropped) in
+    # epoch 4; workers 0 and 1 finish every epoch with the same weights (each epoch split over each
+    # step's members, each step the mean over them)
+    output, _ = _run(tmp_path, "elastic", ["-n", "2:3"], {r"worker 2 epoch 3 ": 2}, how)
+    finals = re.findall(r"worker (\d) final test_accuracy (\S+)", output)
+    assert sorted(rank for rank, _ in finals) == ["0", "1"] and finals[0][1] == finals[1][1], output[-3000:]
+    for epoch in range(12):
+        seen = set(re.findall(rf"worker [01] epoch {epoch} test_accuracy (\S+)", output))
+        assert len(seen) == 1, (epoch, seen)  # both hold the same weights after every epoch
+    said = ("worker 2 left the job at a step boundary (SIGTERM)" if how == signal.SIGTERM
+            else "was lost: signal SIGKILL; the elastic job drops it")
+    assert said in output, output[-3000:]
