@@ -24,6 +24,11 @@ For each model (the digits MLP, ``examples/train_mlp.py``, and ResNet-20, ``exam
   replica serves its keys from then on and no process is started again;
 - **server, job from a checkpoint**: the same kill under ``--restart-scope job --checkpoint-dir``
   (today's way without replicas): the job starts again from the last checkpoint.
+- **elastic, no change** (MLP only: its example trains in an elastic job): ``-n 2:3``, three workers
+  throughout; the reference of the next two rows;
+- **elastic, a worker leaves**: worker 2 gets SIGTERM (a preempted pod) halfway; it finishes its step
+  and leaves, the two others go on (no process started again);
+- **elastic, a worker is lost**: worker 2 gets SIGKILL halfway; the job drops it and goes on.
 
 Each row gives the wall time, its ratio to the uninterrupted run's, the kills that landed and the
 seconds each cost (the wall time over the uninterrupted run's, per kill), how long the others
@@ -75,16 +80,16 @@ class Killer(threading.Thread):
     attempt (``PSLAUNCH_RESTART_COUNT``), not one of the attempt being stopped."""
 
     def __init__(self, tag: str, moments: list[float], start: float, min_age: float, whole_job: bool,
-                 role: str = "worker") -> None:
+                 role: str = "worker", rank: int | None = None, how: int = signal.SIGKILL) -> None:
         super().__init__(daemon=True)
         self.tag, self.moments, self.start_at, self.min_age = tag, moments, start, min_age
-        self.whole_job, self.role = whole_job, role
+        self.whole_job, self.role, self.rank, self.how = whole_job, role, rank, how
         self.killed: list[tuple[float, int, int]] = []  # (seconds after start, rank, pid)
         self.stopped = threading.Event()
 
     def run(self) -> None:
         for i, moment in enumerate(self.moments):
-            rank = (i + 1) % 2
+            rank = (i + 1) % 2 if self.rank is None else self.rank
             while not self.stopped.is_set() and time.monotonic() - self.start_at < moment:
                 time.sleep(0.01)
             while not self.stopped.is_set():
@@ -93,7 +98,7 @@ class Killer(threading.Thread):
                        else job_worker(self.tag, rank, self.min_age, attempt))
                 if pid is not None:
                     try:
-                        os.kill(pid, signal.SIGKILL)
+                        os.kill(pid, self.how)
                     except ProcessLookupError:
                         continue
                     self.killed.append((round(time.monotonic() - self.start_at, 2), rank, pid))
@@ -123,6 +128,7 @@ def run_case(model: str, case: str, args: argparse.Namespace, work: Path, refere
         options.update(server_replicas=1)
     elif case == "server-job":
         options.update(max_restarts=1, restart_scope="job", checkpoint_dir=str(out / "ckpt"))
+    workers: int | str = "2:3" if case.startswith("elastic") else 2
     if args.log_dir is not None:
         options["log_dir"] = str(args.log_dir / f"{model}-{case}")
     argv = [sys.executable, str(EXAMPLES / script), *(quick if args.quick else full), "--save-weights", str(weights)]
@@ -138,9 +144,14 @@ def run_case(model: str, case: str, args: argparse.Namespace, work: Path, refere
         killer = Killer(str(weights), [reference_s / 2], start, args.min_age, whole_job=case == "server-job",
                         role="server")
         killer.start()
+    elif case in ("elastic-leave", "elastic-lost"):  # worker 2 of three, mid-run: it leaves, or it is lost
+        assert reference_s is not None
+        killer = Killer(str(weights), [reference_s / 2], start, args.min_age, whole_job=False, rank=2,
+                        how=signal.SIGTERM if case == "elastic-leave" else signal.SIGKILL)
+        killer.start()
     try:
         # every process carries the tag: the killer finds the job's servers by it
-        result = launch(argv, num_workers=2, num_servers=2, timeout=args.job_timeout,
+        result = launch(argv, num_workers=workers, num_servers=2, timeout=args.job_timeout,
                         env={"OMP_NUM_THREADS": "1", "PSLAUNCH_BENCH_TAG": str(weights)}, **options)
     finally:
         wall = time.monotonic() - start
@@ -219,6 +230,17 @@ def main(argv: list[str] | None = None) -> int:
                 failed = failed or not row["ok"]
                 report["rows"].append(row)
                 print(_line(row), flush=True)
+            if model == "mlp" and reference["ok"]:  # the example that trains in an elastic job
+                elastic = run_case(model, "elastic", args, work, None)
+                rows = [elastic]
+                if elastic["ok"]:
+                    rows += [run_case(model, case, args, work, elastic["wall_s"])
+                             for case in ("elastic-leave", "elastic-lost")]
+                for row in rows:  # a run of three workers, then two: not the uninterrupted run's weights
+                    row["weights_equal"] = None
+                    failed = failed or not row["ok"]
+                    report["rows"].append(row)
+                    print(_line(row), flush=True)
             for case in ("job", "server-job"):
                 shutil.rmtree(work / f"{model}-{case}" / "ckpt", ignore_errors=True)
     if args.json is not None:
@@ -228,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
 
 _CASES = {"uninterrupted": "uninterrupted", "ready": "ready to replace, no kill", "worker": "worker, replaced in place",
           "job": "job, from a checkpoint", "replicas": "replicas kept, no kill", "server": "server, its replica takes over",
-          "server-job": "server, job from a checkpoint"}
+          "server-job": "server, job from a checkpoint", "elastic": "elastic (-n 2:3), no change",
+          "elastic-leave": "elastic, a worker leaves (SIGTERM)", "elastic-lost": "elastic, a worker is lost (SIGKILL)"}
 
 
 def _line(row: dict) -> str:

@@ -33,7 +33,9 @@ def test_a_quick_run_kills_replaces_and_restarts_with_the_uninterrupted_weights(
         stdout, _ = proc.communicate(timeout=280)
     assert proc.returncode == 0, stdout
     rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"uninterrupted", "ready", "worker", "job", "replicas", "server", "server-job"}, rows
+    assert set(rows) == {"uninterrupted", "ready", "worker", "job", "replicas", "server", "server-job", "elastic",
+                         "elastic-leave", "elastic-lost"}, rows
+    assert all(rows[case]["ok"] and rows[case]["restarts_of_the_job"] == 0 for case in ("elastic-leave", "elastic-lost"))
     assert rows["ready"]["kept_bytes"] > 0 and rows["uninterrupted"]["kept_bytes"] == 0, rows
     replaced, restarted = rows["worker"], rows["job"]
     # a quick run may end before a kill lands, or the kill may land after the worker's finish (nothing then
