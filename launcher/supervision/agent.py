@@ -13,7 +13,10 @@ does what node 0 says and reports what happens:
   ``SIG N`` for one of the runtime's own signals to the process alone (its stack, a preemption);
 * ``verdict``: the job is over: the agent says node 0's root cause and exits with its exit code.
 
-It never decides the job's fate alone but in two cases, where it stops every process here first:
+In an elastic job whose nodes come and go (``--nnodes MIN:MAX``, a node rank MIN or above) a start may
+name a worker that joins the running job (``nodes.joiner_of``), and SIGTERM to the agent makes this
+node's workers leave at their next step boundary; it exits 0 once they did, and the job goes on.
+Otherwise it never decides the job's fate alone but in two cases, where it stops every process here first:
 node 0 lost (its link ended, or silent for ``--link-timeout``: exit 255 naming node 0), and a second
 Ctrl-C (the first one asks node 0 to end the whole job: ``interrupt``).
 """

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from testkit.launcher import cmdline, helper, processes_with, reaped, run_pslaunch, start_pslaunch, wait_gone
+from testkit.launcher.elastic import check_exact, lines, records, wait_for
 
 pytestmark = pytest.mark.netns
 
@@ -187,3 +188,34 @@ def test_the_mpi_backend_runs_across_hosts_with_the_ssh_settings_the_preflight_u
     assert sorted(p.name for p in out.glob("worker.*.txt")) == ["worker.0.txt", "worker.1.txt"]
     assert "[worker.1@node2] worker 1 pulled 3.0" in res.stdout
     assert wait_gone(marker, 10) == []
+
+
+def test_an_elastic_job_on_the_cluster_takes_a_host_its_discovery_script_adds_and_lets_it_go_again(cluster, tmp_path):
+    # -n 2:3 on node1 and node2 (one slot each); the script then reports node3 too (its worker joins the
+    # running job over the cluster's network) and drops it again (the worker leaves); every round exact
+    out = tmp_path / "out"
+    out.mkdir()
+    capacity = tmp_path / "capacity.txt"
+    capacity.write_text("node1:1\nnode2:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {capacity}\n")
+    script.chmod(0o755)
+    args = ["-n", "2:3", "-s", "2", "--host-discovery-script", str(script), *cluster.ssh_flags(), "--no-dashboard",
+            "--env", "STEPS:60", "--env", "STEP_SLEEP:0.1", "--timeout", "90", sys.executable,
+            helper("elastic_join.py"), str(out)]
+    with reaped(start_pslaunch(args), str(out)) as proc:
+        wait_for(lambda: len(lines(out, 0)) >= 4, 60)
+        capacity.write_text("node1:1\nnode2:1\nnode3:1\n")
+        wait_for(lambda: any(len(m) == 3 for m in records(out).values()), 60)
+        grown = max(records(out))
+        wait_for(lambda: max(records(out)) >= grown + 5, 60)
+        capacity.write_text("node1:1\nnode2:1\n")
+        _, err = proc.communicate(timeout=90)
+    err = err.decode()
+    assert proc.returncode == 0, err
+    sizes = [len(m) for m in check_exact(records(out), 60)]
+    first, last = sizes.index(3), len(sizes) - sizes[::-1].index(3) - 1
+    assert sizes == [2] * first + [3] * (last - first + 1) + [2] * (len(sizes) - last - 1), sizes
+    assert "node3 has a free slot (--host-discovery-script" in err and "starting worker.2@node3 to join the job" in err
+    assert "node3 is no longer listed" in err and "[worker.2@node3] worker 2 left the job at a step boundary" in err
+    assert not wait_gone(str(out))

@@ -10,51 +10,16 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
 from testkit import free_port, reap
 from testkit.launcher import REPO, helper, reaped, run_pslaunch, start_pslaunch, wait_gone
+from testkit.launcher.elastic import check_exact, lines, records, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 HELPER = helper("elastic_join.py")
-
-
-def records(out) -> dict[int, dict[int, tuple[int, float, float]]]:
-    """Per step, each worker's ``rank -> (num_workers, value0, value1)``."""
-    steps: dict[int, dict[int, tuple[int, float, float]]] = {}
-    for path in out.glob("steps.*.txt"):
-        for line in path.read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 5:
-                steps.setdefault(int(parts[1]), {})[int(parts[0])] = (int(parts[2]), float(parts[3]), float(parts[4]))
-    return steps
-
-
-def check_exact(steps: dict[int, dict[int, tuple[int, float, float]]], count: int) -> list[frozenset[int]]:
-    """Every step's values are the sum over the workers that took part in it, every member saw the
-    same and counted them right; returns the members of each step."""
-    assert sorted(steps) == list(range(count)), sorted(steps)
-    members = []
-    for step in range(count):
-        seen = steps[step]
-        expected = float(sum(rank + 1 for rank in seen) * (step + 1))
-        assert all(v == (len(seen), expected, expected) for v in seen.values()), (step, seen)
-        members.append(frozenset(seen))
-    return members
-
-
-def lines(out, rank: int) -> list[str]:
-    return [line for path in sorted(out.glob(f"steps.{rank}.*.txt")) for line in path.read_text().splitlines()]
-
-
-def wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_a_worker_started_by_hand_joins_leaves_and_another_takes_its_rank_and_every_round_is_exact(tmp_path):
@@ -119,8 +84,9 @@ def test_a_job_grows_to_max_when_the_discovery_script_reports_slots_and_shrinks_
     out.mkdir()
     capacity = tmp_path / "capacity.txt"
     _write(capacity, "127.0.0.2:1\n127.0.0.3:1\n")
+    runs = tmp_path / "runs.txt"
     script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {capacity}\n")
+    script.write_text(f"#!/bin/sh\necho run >> {runs}\ncat {capacity}\n")
     script.chmod(0o755)
     summary = tmp_path / "summary.json"
     args = ["-n", "2:4", "-s", "2", "--host-discovery-script", str(script), *sshd.ssh_flags(), "--no-dashboard",
@@ -129,7 +95,8 @@ def test_a_job_grows_to_max_when_the_discovery_script_reports_slots_and_shrinks_
     with reaped(start_pslaunch(args), str(out)) as proc:
         wait_for(lambda: len(lines(out, 0)) >= 5)
         _write(capacity, "127.0.0.2:many\n")  # a bad answer: said once, the job keeps its hosts
-        time.sleep(2.5)
+        asked = runs.read_text().count("run")
+        wait_for(lambda: runs.read_text().count("run") >= asked + 3)  # read twice at least
         _write(capacity, "127.0.0.2:2\n127.0.0.3:2\n")
         wait_for(lambda: any(len(m) == 4 for m in records(out).values()))
         grown = max(records(out))

@@ -11,7 +11,9 @@ names it again if the node it expected never came (``wait_for_agents``).
 Until the job has formed, an agent whose link drops leaves the roster (its node may start again:
 a pod restarted); once it formed, a new agent for a rank is refused (this attempt's processes are
 placed), and a dropped link is that node's loss (``lost``), as is ``--link-timeout`` of silence
-(``launcher.backends.ssh.linkwatch.LinkWatch``, which also pings every agent).
+(``launcher.backends.ssh.linkwatch.LinkWatch``, which also pings every agent). With ``--nnodes
+MIN:MAX`` the job forms with nodes 0..MIN-1, and nodes MIN..MAX-1 may join at any time and leave
+(``present``): their workers join and leave the running job.
 """
 
 from __future__ import annotations
