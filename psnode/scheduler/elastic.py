@@ -53,7 +53,9 @@ class Elastic:
         self.rounds: dict[bytes, tuple[int, list[int]]] = {}  # server uid -> its JOIN_ROUND answer
         self.retry_at: float | None = None  # a joiner waits for a leaver's rank to settle: try again then
         self.joined: dict[int, tuple[int, float]] = {}  # rank -> (start round, when), of the workers that joined
-        self.providers: dict[int, int] = {}  # joiner's rank -> its start round, while its scalars are owed
+        # joiner's rank -> (its start round, the member that owes it its scalars), until they came
+        self.providers: dict[int, tuple[int, int]] = {}
+        self.going: set[int] = set()  # workers the servers heard announce their last push, until they left
 
     def leave(self, scheduler: Any, sender: bytes, member: Any, req_id: int) -> None:
         """``member`` asks to leave the job now (``LEAVE``)."""
@@ -78,6 +80,7 @@ class Elastic:
                 except PSNodeError:
                     pass  # gone: its own news
         scheduler.transport.send(sender, [pack_header(Cmd.LEAVE_ACK, req_id)])
+        self._provider_gone(scheduler, peer.rank)
         logger.warning("scheduler: %s left the job at a step boundary; %d %s on (minimum %d)",
                        peer.describe(), remaining, "worker goes" if remaining == 1 else "workers go", env.min_workers)
         self.complete_barriers(scheduler)
@@ -123,12 +126,14 @@ class Elastic:
         body = unpack_json(frames[1]) if len(frames) > 1 else None
         touched = body.get("touched") if isinstance(body, dict) else None
         unsettled = body.get("unsettled") if isinstance(body, dict) else None
-        if (type(touched) is not int or touched < 0 or not isinstance(unsettled, list)
-                or not all(type(r) is int for r in unsettled)):
+        going = body.get("going", []) if isinstance(body, dict) else None
+        if (type(touched) is not int or touched < 0 or not isinstance(unsettled, list) or not isinstance(going, list)
+                or not all(type(r) is int for r in unsettled + going)):
             raise ProtocolError(f"a malformed JOIN_ROUND: {str(body)[:100]}")
         if self.joining is None:
             return  # a late answer to a freeze that ended
         self.rounds[sender] = (touched, unsettled)
+        self.going.update(going)
         servers = scheduler.roster.of_roles(("server",))
         if not all(uid in self.rounds for uid in servers):
             return
@@ -169,9 +174,7 @@ class Elastic:
         scheduler.transport.watch_liveness(uid)  # a joiner lost later is dropped at once (``drop``)
         self.version += 1
         workers = roster.expected["worker"]
-        providers = sorted(m.peer.rank for m in roster.members.values()
-                           if m.peer.role == "worker" and m.peer.rank != rank and not m.finished)
-        provider = providers[0] if providers else -1
+        provider = self._provider_for(roster, rank, self.going)
         note = pack_json({"rank": rank, "node": member.peer.as_record(), "start": start, "workers": workers,
                           "version": self.version, "provider": provider})
         for server in roster.of_roles(("server",)):
@@ -182,7 +185,7 @@ class Elastic:
         scheduler.transport.send(uid, [pack_header(Cmd.ADDRBOOK), scheduler._book(member, extra=extra)])
         self.joined[rank] = (start, time.monotonic())
         if provider >= 0:
-            self.providers[rank] = start
+            self.providers[rank] = (start, provider)
         else:  # no member to ask: the joiner starts with no scalars
             scheduler.transport.send(uid, [pack_header(Cmd.JOIN_SCALARS), pack_json({"start": start, "scalars": {}})])
         logger.warning("scheduler: worker %d joined the job from %s:%d; it counts from round %d; %d workers",
@@ -199,15 +202,51 @@ class Elastic:
             raise ProtocolError(f"a JOIN_SCALARS of more than {SCALARS_LIMIT} bytes, or without a body")
         body = unpack_json(frames[1])
         rank = body.get("rank") if isinstance(body, dict) else None
-        start = self.providers.get(rank) if type(rank) is int else None
-        if start is None or body.get("start") != start or not isinstance(body.get("scalars"), dict):
-            raise ProtocolError(f"{member.peer.describe()} sent scalars for worker {rank!r}, which is owed none")
+        owed = self.providers.get(rank) if type(rank) is int else None
+        late = body.get("late") is True if isinstance(body, dict) else False
+        if (owed is None or body.get("start") != owed[0] or owed[1] != member.peer.rank
+                or not (late or isinstance(body.get("scalars"), dict))):
+            raise ProtocolError(f"{member.peer.describe()} sent scalars for worker {rank!r}, which it owes none")
         del self.providers[rank]
+        if late:  # asked after its provider was lost, and past that round itself: none has them any more
+            self._give_scalars(scheduler, rank, owed[0], None,
+                               f"the worker that was to give it the State scalars of round {owed[0]} was lost before "
+                               f"it did, and {member.peer.describe()} had passed that round")
+            return
+        self._give_scalars(scheduler, rank, owed[0], body["scalars"])
+
+    @staticmethod
+    def _provider_for(roster: Any, joiner: int, going: Any = frozenset()) -> int:
+        """The member that gives a joiner the script's scalars: the lowest rank but the joiner's, one
+        that announced its last push only when no other is left (-1: none)."""
+        ranks = sorted(m.peer.rank for m in roster.members.values()
+                       if m.peer.role == "worker" and m.peer.rank != joiner and not m.finished)
+        staying = [r for r in ranks if r not in going]
+        return (staying or ranks or [-1])[0]
+
+    def _give_scalars(self, scheduler: Any, rank: int, start: int, scalars: dict | None, error: str = "") -> None:
         target = next((u for u, m in scheduler.roster.members.items()
                        if m.peer.role == "worker" and m.peer.rank == rank), None)
         if target is not None:
-            scheduler.transport.send(target, [pack_header(Cmd.JOIN_SCALARS),
-                                              pack_json({"start": start, "scalars": body["scalars"]})])
+            body = {"start": start, "scalars": scalars} if scalars is not None else {"start": start, "error": error}
+            scheduler.transport.send(target, [pack_header(Cmd.JOIN_SCALARS), pack_json(body)])
+
+    def _provider_gone(self, scheduler: Any, gone: int) -> None:
+        """Worker ``gone`` left or was lost: each joiner it owed scalars asks the next member (a
+        ``JOIN_SCALARS`` without scalars is that request), or starts with none when no member is left."""
+        self.providers.pop(gone, None)
+        self.going.discard(gone)
+        for joiner, (start, provider) in list(self.providers.items()):
+            if provider != gone:
+                continue
+            nxt = self._provider_for(scheduler.roster, joiner, self.going)
+            if nxt < 0:
+                del self.providers[joiner]
+                self._give_scalars(scheduler, joiner, start, {})
+                continue
+            self.providers[joiner] = (start, nxt)
+            uid = next(u for u, m in scheduler.roster.members.items() if m.peer.role == "worker" and m.peer.rank == nxt)
+            scheduler.transport.send(uid, [pack_header(Cmd.JOIN_SCALARS), pack_json({"rank": joiner, "start": start})])
 
     @staticmethod
     def _refuse(scheduler: Any, sender: bytes, info: Any, why: str) -> None:
@@ -237,7 +276,7 @@ class Elastic:
         logger.warning("scheduler: %s was lost (%s); the elastic job drops it: the rounds it did not push to go on "
                        "without it; %d %s on (minimum %d)", peer.describe(), why, remaining,
                        "worker goes" if remaining == 1 else "workers go", self.env.min_workers)
-        self.providers = {r: s for r, s in self.providers.items() if r != peer.rank}
+        self._provider_gone(scheduler, peer.rank)
         self.complete_barriers(scheduler)
         if remaining < self.env.min_workers and self.short_since is None:
             self.short_since = time.monotonic()

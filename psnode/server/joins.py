@@ -2,9 +2,9 @@
 round it starts from.
 
 The scheduler asks every server to freeze (``JOIN_FREEZE``). A frozen server holds every worker's
-message, so no round moves, and answers with the latest round a push reached on any of its keys and
-the ranks whose leave is not settled yet (a leaver's push still in an open round: that rank is not
-given to a joiner yet). With every answer in, the scheduler takes the start round ``S`` = the
+message, so no round moves, and answers with the latest round a push reached on any of its keys, the
+ranks whose leave is not settled yet (a leaver's push still in an open round: that rank is not given
+to a joiner yet) and those that announced their last push (none of them provides a joiner's scalars). With every answer in, the scheduler takes the start round ``S`` = the
 latest + 2 and sends ``WORKER_JOINED``. Each server then makes the joiner count from ``S``
 (``ServerStore.worker_joined``), tells every worker, and handles what it held, in order. Round
 ``S - 1`` had no push when the servers froze, so every worker hears of the join before any answer
@@ -39,6 +39,7 @@ class Joins:
         self.handle = handle
         self.since: float | None = None  # frozen since (None: not frozen)
         self.held: list[tuple] = []
+        self.going: set[int] = set()  # workers that announced their last push (``LEAVING``) and may not have left
 
     def hold(self, message: tuple) -> bool:
         """Keep a worker's ``message`` while frozen (True); False: serve it now."""
@@ -60,8 +61,9 @@ class Joins:
             if self.since is None:
                 self.since = time.monotonic()
             store = server.store
+            going = sorted(r for r in self.going if r not in server.conn.members.left)
             server.conn.link.send(Cmd.JOIN_ROUND, body={"touched": store.touched(),
-                                                         "unsettled": sorted(store.unsettled())})
+                                                         "unsettled": sorted(store.unsettled()), "going": going})
         elif cmd == Cmd.WORKER_JOINED:
             self._joined(body)
         elif cmd == Cmd.JOIN_THAW:
@@ -79,6 +81,7 @@ class Joins:
         conn.transport.connect(peer.uid.encode(), endpoint_of(peer, conn.transport, conn.me.fingerprint,
                                                               conn.env.same_host))
         server.store.worker_joined(peer.rank, start)
+        self.going.discard(peer.rank)
         server.invitations.forget_worker(peer.rank)
         server.replies.forget_worker(peer.rank)
         note = [pack_header(Cmd.WORKER_JOINED), pack_json(body)]
@@ -105,6 +108,7 @@ class Joins:
         if type(last) is not int or last < 1:
             raise ProtocolError(f"a LEAVING from {peer.describe()} with last round {last!r}")
         conn = self.server.conn
+        self.going.add(peer.rank)  # no provider of a joiner's scalars: it may leave first
         note = [pack_header(Cmd.LEAVING), pack_json({"rank": peer.rank, "last": last})]
         for worker in conn.members.workers:
             if worker.rank != peer.rank and worker.rank not in conn.members.left:

@@ -22,7 +22,7 @@ import json
 from typing import Any, Callable
 
 from pscontract import MARKER_JOINED
-from psnode.errors import ProtocolError
+from psnode.errors import ProtocolError, PSNodeError
 from psnode.log import logger
 from psnode.node.membership import PeerInfo
 from psnode.node.protocol import Cmd, pack_header, pack_json, unpack_json
@@ -91,12 +91,27 @@ class ElasticMembers:
         return last
 
     def on_control(self, cmd: int, body: dict) -> None:
-        """The scheduler's ``JOIN_SCALARS`` to this joiner (the receiving thread).
+        """The scheduler's ``JOIN_SCALARS`` (the receiving thread): to this joiner, its scalars; without
+        scalars, a request to send a joiner its own (its provider left before it did).
 
         Raises:
-            ProtocolError: scalars that are no object, or to a worker that did not join.
+            ProtocolError: a malformed body, or scalars to a worker that did not join.
         """
         scalars = body.get("scalars")
+        if cmd == Cmd.JOIN_SCALARS and "rank" in body:  # a request: the joiner's provider was lost
+            rank, start = body.get("rank"), body.get("start")
+            if type(rank) is not int or type(start) is not int:
+                raise ProtocolError(f"a request for the scalars of worker {rank!r} from round {start!r}")
+            if self._reached() >= start:  # past that round: its scalars then are gone (and it may wait for the joiner)
+                self.worker.conn.link.send(Cmd.JOIN_SCALARS, body={"rank": rank, "start": start, "late": True})
+            else:
+                self.owed = {**self.owed, rank: start}
+            return
+        if cmd == Cmd.JOIN_SCALARS and isinstance(body.get("error"), str) and self.worker.conn.members.joined_at:
+            if not self._scalars.done():
+                self._scalars.set_exception(PSNodeError(f"worker {self.worker.rank} joined the running job, but "
+                                                        f"{body['error'][:300]}: start it again to join anew"))
+            return
         if cmd != Cmd.JOIN_SCALARS or not isinstance(scalars, dict) or not self.worker.conn.members.joined_at:
             raise ProtocolError(f"a {Cmd(cmd).name} to worker {self.worker.rank}, which did not join a running job")
         if not self._scalars.done():

@@ -357,3 +357,28 @@ def test_a_left_rank_goes_to_a_joiner_once_no_server_holds_a_push_of_its_leaver_
     server.expect(Cmd.SHUTDOWN)
     server.send(Cmd.SHUTDOWN_ACK)
     assert job.join() == 0
+
+
+def test_a_joiners_scalars_come_from_a_member_that_stays_and_another_is_asked_when_that_one_goes():
+    job = SchedulerThread(workers=4, servers=1, PSLAUNCH_MIN_WORKERS="1", PSLAUNCH_START_WORKERS="3")
+    w0, w1, w2, server = job.node("worker"), job.node("worker"), job.node("worker"), job.node("server")
+    registered(job, [w0, w1, w2, server])
+    joiner = job.node("worker", host="10.0.0.9")
+    joiner.register()
+    server.expect(Cmd.JOIN_FREEZE)
+    server.send(Cmd.JOIN_ROUND, body={"touched": 4, "unsettled": [], "going": [0]})  # worker 0 announced its last push
+    _, _, note = server.expect(Cmd.WORKER_JOINED)
+    assert (note["rank"], note["provider"]) == (3, 1)  # not worker 0: it may leave before round 6 begins
+    w1.send(Cmd.LEAVE, 9)  # worker 1 leaves after all (its step boundary came first): worker 2 is asked
+    assert w1.expect(Cmd.LEAVE_ACK)[1] == 9
+    _, _, asked = w2.expect(Cmd.JOIN_SCALARS)
+    assert asked == {"rank": 3, "start": 6}
+    w1.send(Cmd.JOIN_SCALARS, body={"rank": 3, "start": 6, "scalars": {"step": 5}})  # it owes none now
+    w2.send(Cmd.JOIN_SCALARS, body={"rank": 3, "start": 6, "late": True})  # it had passed round 6 already
+    _, _, body = joiner.expect(Cmd.JOIN_SCALARS)
+    assert "was lost before it did" not in body.get("scalars", {}) and "had passed that round" in body["error"], body
+    for node in (w0, w2, joiner):
+        node.send(Cmd.FINISH, 1)
+    server.expect(Cmd.SHUTDOWN)
+    server.send(Cmd.SHUTDOWN_ACK)
+    assert job.join() == 0
