@@ -264,22 +264,20 @@ class Membership:
         self.left = left  # a whole new set: readers on other threads need no lock
         return True
 
-    def add_worker(self, peer: PeerInfo) -> None:
-        """A worker ``peer`` joined the running job with a rank no member holds (a new one is the next
-        of the book's list: the scheduler gives the lowest free rank).
+    def add_worker(self, peer: PeerInfo, limit: int) -> None:
+        """A worker ``peer`` joined the running job with a rank no member holds, below ``limit``
+        (DMLC_NUM_WORKER). Ranks never held yet below it stand in the list as place-holders.
 
         Raises:
-            ProtocolError: ``peer`` is no worker, or its rank would leave a gap in the list.
+            ProtocolError: ``peer`` is no worker, or its rank is not below ``limit``.
         """
-        if peer.role != "worker" or not 0 <= peer.rank <= len(self.workers):
-            raise ProtocolError(f"a joining {peer.role} of rank {peer.rank}, with {len(self.workers)} workers known")
+        if peer.role != "worker" or not 0 <= peer.rank < limit:
+            raise ProtocolError(f"a joining {peer.role} of rank {peer.rank}, not one of the job's 0..{limit - 1}")
         peers = dict(self.peers)
         workers = list(self.workers)
-        if peer.rank < len(workers):
-            peers.pop(workers[peer.rank].uid.encode(), None)  # the rank's holder left the job before
-            workers[peer.rank] = peer
-        else:
-            workers.append(peer)
+        workers += [PeerInfo("worker", rank, "", 0, f"no-worker-{rank}", "", "") for rank in range(len(workers), peer.rank + 1)]
+        peers.pop(workers[peer.rank].uid.encode(), None)  # the rank's holder left the job before, or a place-holder
+        workers[peer.rank] = peer
         peers[peer.uid.encode()] = peer
         # whole new objects: a thread reading the book meanwhile sees the old one or the new one
         self.peers, self.workers = peers, workers

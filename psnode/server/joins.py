@@ -72,11 +72,15 @@ class Joins:
     def _joined(self, body: dict) -> None:
         server = self.server
         conn = server.conn
-        peer = PeerInfo.from_record(body.get("node"))
-        start, version = body.get("start"), body.get("version")
-        if type(start) is not int or start < 1 or type(version) is not int or peer.rank >= conn.env.num_workers:
-            raise ProtocolError(f"a WORKER_JOINED of {peer.describe()} from round {start!r} (change {version!r})")
-        conn.members.add_worker(peer)
+        try:
+            peer = PeerInfo.from_record(body.get("node"))
+            start, version = body.get("start"), body.get("version")
+            if type(start) is not int or start < 1 or type(version) is not int:
+                raise ProtocolError(f"a WORKER_JOINED of {peer.describe()} from round {start!r} (change {version!r})")
+            conn.members.add_worker(peer, conn.env.num_workers)
+        except ProtocolError:
+            self._thaw()  # what it held is served: a bad notice must not hold the job
+            raise
         conn.members.change(peer.rank, True, version)
         conn.transport.connect(peer.uid.encode(), endpoint_of(peer, conn.transport, conn.me.fingerprint,
                                                               conn.env.same_host))

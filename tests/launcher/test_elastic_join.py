@@ -247,3 +247,29 @@ def test_a_trainer_that_sums_among_the_workers_is_refused_in_an_elastic_job(tmp_
     assert res.returncode != 0
     assert ("Trainer(update_on_kvstore=False) sums the gradients among the workers with collectives, whose groups do "
             "not follow an elastic job's members (-n MIN:MAX)") in res.stderr, res.stderr
+
+
+def test_a_worker_started_by_hand_with_a_rank_no_one_held_yet_joins_as_that_rank(tmp_path):
+    # DMLC_NUM_WORKER=4, 2 start: a worker that asks for rank 3 (DMLC_WORKER_ID) joins as worker 3
+    port, procs = free_port(), []
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "PS_", "PSLAUNCH_"))}
+    base.update(PYTHONPATH=str(REPO), DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER="1",
+                DMLC_NUM_WORKER="4", PSLAUNCH_MIN_WORKERS="2", PSLAUNCH_START_WORKERS="2", STEPS="30",
+                STEP_SLEEP="0.05")
+    try:
+        for index, (role, extra) in enumerate([("scheduler", {}), ("server", {}), ("worker", {}), ("worker", {})]):
+            with open(tmp_path / f"{index}.{role}.log", "wb") as log:
+                procs.append(subprocess.Popen([sys.executable, HELPER, str(tmp_path)],
+                                              env={**base, "DMLC_ROLE": role, **extra}, stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        wait_for(lambda: len(lines(tmp_path, 0)) >= 3)
+        with open(tmp_path / "joiner.log", "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, HELPER, str(tmp_path)],
+                                          env={**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "3"}, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        reap(procs)
+    assert codes == [0] * 5, {p.name: p.read_text()[-2000:] for p in tmp_path.glob("*.log")}
+    members = check_exact(records(tmp_path), 30)
+    assert {0, 1, 3} in members and all(m in ({0, 1}, {0, 1, 3}) for m in members), members
