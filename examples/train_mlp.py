@@ -83,7 +83,8 @@ def main(argv=None) -> int:
     replicas = {name: [arrays.to_device(value, d, copy=True) for d in devices] for name, value in host_params.items()}
     optimizer = kvcore.optim.SGD(learning_rate=args.lr, momentum=args.momentum)
     trainer = kvcore.Trainer(replicas, optimizer, kvstore=kv, update_on_kvstore=update_on_kvstore(args.update_on))
-    state = resumable(kv, epoch=0, step=0, seen=0)  # where a restart resumes (seen: an elastic job's place)
+    # where a restart resumes (an elastic job's place in an epoch: the samples its members took, seen)
+    state = resumable(kv, epoch=0, step=0, **({"seen": 0} if kv.elastic else {}))
     state.restore()  # a restarted job: the last commit; a worker replaced in place: its predecessor's place
     trainer.sync_params()
     if kv.elastic:  # workers come and go: each step's members split the epoch (docs/failures.md)

@@ -12,7 +12,8 @@ hostfile again when it changed, or the discovery script). Against the workers ru
   left frees its slot and its rank; pslaunch starts another in its place only when capacity is
   reported again (the slot is still listed).
 
-A source that cannot be read (a bad line, a failing script) is said once per distinct error and the
+Once a worker finished its part the job is ending: no worker joins or is told to leave any more. A
+source that cannot be read (a bad line, a failing script) is said once per distinct error and the
 job keeps its last view. Owned by the supervisor's loop (one thread); ``start`` is the supervisor's
 seam that starts one process (the backend's launch, the table, the observer).
 """
@@ -77,6 +78,10 @@ class ElasticCapacity:
                     self.note(f"{exc}; the job keeps the hosts it had")
                 return
         self.hosts = hosts
+        if any(h.spec.role == "worker" and (h.finished_at is not None or (h.status is not None and h.status.ok
+                                                                           and h.left_at is None))
+               for h in handles):
+            return  # a worker finished its part: the job is ending, no worker joins or is told to leave now
         workers = [h for h in handles if h.spec.role == "worker" and h.status is None and h.left_at is None]
         self._shrink(workers)
         self._grow(workers, plan)
