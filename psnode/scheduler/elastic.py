@@ -179,6 +179,11 @@ class Elastic:
                           "version": self.version, "provider": provider})
         for server in roster.of_roles(("server",)):
             scheduler.transport.send(server, [pack_header(Cmd.WORKER_JOINED), note])
+        # each server tells every worker before the round it matters for; a worker that was itself still
+        # joining drops a server's word that came before its address book: the scheduler's comes after it
+        for other, peer_member in roster.members.items():
+            if peer_member.peer.role == "worker" and other != uid and not peer_member.finished:
+                scheduler.transport.send(other, [pack_header(Cmd.WORKER_JOINED), note])
         free = roster.free_worker_ranks(self.env.num_workers)
         extra = b',"joined":%d,"free":[%s]' % (start, ",".join(str(r) for r in free).encode())
         scheduler._books.clear()

@@ -51,12 +51,18 @@ class ElasticMembers:
             ProtocolError: a malformed note, or not from a server.
         """
         body = unpack_json(frames[1]) if peer.role == "server" and len(frames) > 1 else None
+        self._joined(body, peer.describe())
+
+    def _joined(self, body: object, sender: str) -> None:
+        """A ``WORKER_JOINED`` note, from a server or the scheduler (both send it: a server's comes in
+        time for the round, the scheduler's to a worker that was itself still joining when a server
+        sent its own). The first of them counts."""
         if not isinstance(body, dict):
-            raise ProtocolError(f"a malformed join notice from {peer.describe()}")
+            raise ProtocolError(f"a malformed join notice from {sender}")
         rank, start, version, provider = (body.get(k) for k in ("rank", "start", "version", "provider"))
         worker = self.worker
         if not all(type(v) is int for v in (rank, start, version, provider)) or not 0 <= rank < worker.env.num_workers:
-            raise ProtocolError(f"a join notice from {peer.describe()} of worker {rank!r} from round {start!r}")
+            raise ProtocolError(f"a join notice from {sender} of worker {rank!r} from round {start!r}")
         if rank == worker.rank or not worker.conn.members.change(rank, True, version):
             return  # its own join, or heard from another server already
         self.ahead = {**self.ahead, rank: start}
@@ -97,6 +103,9 @@ class ElasticMembers:
         Raises:
             ProtocolError: a malformed body, or scalars to a worker that did not join.
         """
+        if cmd == Cmd.WORKER_JOINED:
+            self._joined(body, "the scheduler")
+            return
         scalars = body.get("scalars")
         if cmd == Cmd.JOIN_SCALARS and "rank" in body:  # a request: the joiner's provider was lost
             rank, start = body.get("rank"), body.get("start")

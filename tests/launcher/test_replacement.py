@@ -156,7 +156,9 @@ def test_workers_killed_from_outside_at_random_moments_end_with_the_uninterrupte
     assert proc.returncode == 0, f"seed {seed}, killed {killed}:\n{stderr}"
     assert len(killed) >= 2, f"seed {seed}: the job ended before the kills ({killed})"
     assert same_weights(saved_weights(tmp_path), reference(steps)), f"seed {seed}, killed {killed}: the weights differ\n{stderr}"
-    assert stderr.count("the other processes go on") == len(killed), stderr
+    # each kill is a replacement, but one that landed after that worker's finish (its part was done)
+    done = stderr.count("ended after its part was done")
+    assert stderr.count("the other processes go on") == len(killed) - done and done <= 1, stderr
 
 
 @pytest.mark.parametrize("restarts", [REPLACE, []], ids=["restart-scope-worker", "no-restarts"])
