@@ -40,6 +40,7 @@ class ElasticMembers:
         self.owed: dict[int, int] = {}  # joiner's rank -> its start round: this worker sends it its scalars
         self.ahead: dict[int, int] = {}  # joiner's rank -> its start round, while this worker's pushes are before it
         self.going: dict[int, int] = {}  # leaver's rank -> its last round, until the scheduler says it left
+        self._known: tuple[object, tuple[int, ...]] = (None, ())  # (the left set, the members it gives)
         self._scalars: concurrent.futures.Future = concurrent.futures.Future()  # a joiner's, from its provider
         self.scalars_now: Callable[[], dict] = dict  # the script's State scalars (set at its step boundaries)
         worker.before_close(self._flush)  # a provider that ends first still sends what it owes
@@ -142,15 +143,16 @@ class ElasticMembers:
         push goes to (a joiner heard of counts from its start round on, a leaver up to its last
         round: both notes come before the answers of the round before)."""
         worker = self.worker
-        left = worker.conn.members.left
-        ranks = [rank for rank in range(worker.env.num_workers) if rank not in left]
-        if self.ahead or self.going:
-            round_ = self._reached() + 1
-            self.ahead = {rank: start for rank, start in self.ahead.items() if start > round_}
-            self.going = {rank: last for rank, last in self.going.items() if rank not in left}
-            gone = set(self.ahead) | {rank for rank, last in self.going.items() if last < round_}
-            ranks = [rank for rank in ranks if rank not in gone]
-        return tuple(ranks)
+        left = worker.conn.members.left  # replaced whole at each change: its identity says nothing changed
+        if not (self.ahead or self.going):  # read every step: O(1) while the members stay
+            if self._known[0] is not left:
+                self._known = (left, tuple(rank for rank in range(worker.env.num_workers) if rank not in left))
+            return self._known[1]
+        round_ = self._reached() + 1
+        self.ahead = {rank: start for rank, start in self.ahead.items() if start > round_}
+        self.going = {rank: last for rank, last in self.going.items() if rank not in left}
+        gone = set(self.ahead) | {rank for rank, last in self.going.items() if last < round_}
+        return tuple(rank for rank in range(worker.env.num_workers) if rank not in left and rank not in gone)
 
     def at_boundary(self, scalars: Callable[[], dict]) -> None:
         """At a step boundary of the script: send the scalars owed to joiners whose start round this
