@@ -72,7 +72,7 @@ class LeaveOnSignal:
             self.worker.elastic.at_boundary(self._scalars)
         if self.last is not None:
             self.leave()
-        if self.asked:  # this step's push is the last: every worker hears it before that round closes
+        if self.asked and self.last is None:  # this step's push is the last: all hear it before that round closes
             self.last = self.worker.elastic.announce_leave()
         self.settle()
 
