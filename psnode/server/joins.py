@@ -4,8 +4,9 @@ round it starts from.
 The scheduler asks every server to freeze (``JOIN_FREEZE``). A frozen server holds every worker's
 message, so no round moves, and answers with the latest round a push reached on any of its keys, the
 ranks whose leave is not settled yet (a leaver's push still in an open round: that rank is not given
-to a joiner yet) and those that announced their last push (none of them provides a joiner's scalars). With every answer in, the scheduler takes the start round ``S`` = the
-latest + 2 and sends ``WORKER_JOINED``. Each server then makes the joiner count from ``S``
+to a joiner yet) and those that announced their last push (none of them provides a joiner's
+scalars). With every answer in, the scheduler takes the start round ``S`` = the latest + 2 and sends
+``WORKER_JOINED``. Each server then makes the joiner count from ``S``
 (``ServerStore.worker_joined``), tells every worker, and handles what it held, in order. Round
 ``S - 1`` had no push when the servers froze, so every worker hears of the join before any answer
 that lets it compute step ``S``: its ``kv.num_workers`` is the new count at that step boundary.
