@@ -4,11 +4,49 @@ workers that took part in it (each round sums exactly its members, counted right
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["records", "check_exact", "lines", "wait_for"]
+from testkit import free_port, reap
+from testkit.launcher.processes import REPO
+
+__all__ = ["records", "check_exact", "lines", "wait_for", "ByHandJob"]
+
+
+class ByHandJob:
+    """A job started by hand with the ``DMLC_*`` variables: every process runs ``script OUT`` (the
+    scheduler and servers too, as a kvcore script does) with its output in ``OUT/NAME.log``; a
+    worker started later joins an elastic job. As a context manager it reaps every process."""
+
+    def __init__(self, script: str, out: Path, **variables: str) -> None:
+        self.script, self.out = script, out
+        self.procs: list[subprocess.Popen] = []
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "PS_", "PSLAUNCH_"))}
+        self.env = {**base, "PYTHONPATH": str(REPO), "DMLC_PS_ROOT_URI": "127.0.0.1",
+                    "DMLC_PS_ROOT_PORT": str(free_port()), **variables}
+
+    def start(self, name: str, role: str, **extra: str) -> subprocess.Popen:
+        """Start one process of ``role`` (``extra``: more variables for it alone)."""
+        with open(self.out / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, self.script, str(self.out)],
+                                    env={**self.env, "DMLC_ROLE": role, **extra}, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def logs(self) -> dict[str, str]:
+        """Every process's output by name, for an assertion's message."""
+        return {p.stem: p.read_text() for p in self.out.glob("*.log")}
+
+    def __enter__(self) -> "ByHandJob":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        reap(self.procs)
 
 
 def records(out: Path) -> dict[int, dict[int, tuple[int, float, float]]]:

@@ -6,16 +6,12 @@ step; nothing stops, and every ``dist_sync`` round sums exactly its members."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from testkit import free_port, reap
 from testkit.launcher import REPO, helper, reaped, run_pslaunch, start_pslaunch, wait_gone
-from testkit.launcher.elastic import check_exact, lines, records, wait_for
+from testkit.launcher.elastic import ByHandJob, check_exact, lines, records, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,35 +21,21 @@ HELPER = helper("elastic_join.py")
 def test_a_worker_started_by_hand_joins_leaves_and_another_takes_its_rank_and_every_round_is_exact(tmp_path):
     # DMLC_NUM_WORKER=3 ranks, 2 start (PSLAUNCH_START_WORKERS), minimum 2: worker 2 joins once step 3
     # is done, leaves after its step 9's pulls (its step 10 is its last), and a second joiner takes rank 2
-    port, procs = free_port(), []
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "PS_", "PSLAUNCH_"))}
-    base.update(PYTHONPATH=str(REPO), DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER="2",
-                DMLC_NUM_WORKER="3", PSLAUNCH_MIN_WORKERS="2", PSLAUNCH_START_WORKERS="2", STEPS="40",
-                STEP_SLEEP="0.08")
-
-    def start(name: str, role: str, **extra: str) -> subprocess.Popen:
-        with open(tmp_path / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, HELPER, str(tmp_path)], env={**base, "DMLC_ROLE": role, **extra},
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(proc)
-        return proc
-
-    try:
+    with ByHandJob(HELPER, tmp_path, DMLC_NUM_SERVER="2", DMLC_NUM_WORKER="3", PSLAUNCH_MIN_WORKERS="2",
+                   PSLAUNCH_START_WORKERS="2", STEPS="40", STEP_SLEEP="0.08") as job:
         for name, role in (("scheduler", "scheduler"), ("server0", "server"), ("server1", "server"),
                            ("worker0", "worker"), ("worker1", "worker")):
-            start(name, role)
+            job.start(name, role)
         wait_for(lambda: len(lines(tmp_path, 0)) >= 4)
-        first = start("joiner1", "worker", LEAVE="2:9")
+        first = job.start("joiner1", "worker", LEAVE="2:9")
         assert first.wait(timeout=60) == 0
         wait_for(lambda: records(tmp_path) and max(records(tmp_path)) >= 14)
-        start("joiner2", "worker")
+        job.start("joiner2", "worker")
         wait_for(lambda: sum(line.startswith("2 joined") for line in lines(tmp_path, 2)) == 2)
-        full = start("joiner3", "worker")  # the job holds its maximum of 3 workers now
+        full = job.start("joiner3", "worker")  # the job holds its maximum of 3 workers now
         assert full.wait(timeout=60) != 0
-        codes = [p.wait(timeout=60) for p in procs if p not in (full,)]
-    finally:
-        reap(procs)
-    logs = {p.stem: p.read_text() for p in tmp_path.glob("*.log")}
+        codes = [p.wait(timeout=60) for p in job.procs if p is not full]
+    logs = job.logs()
     assert codes == [0] * len(codes), logs
     members = check_exact(records(tmp_path), 40)
     with_joiner = [step for step, m in enumerate(members) if m == {0, 1, 2}]
@@ -149,19 +131,6 @@ def test_an_elastic_job_over_ssh_reads_its_hostfile_again_when_it_changes(sshd, 
 def test_split_sampler_elastic_batches_take_every_index_of_an_epoch_once_while_workers_join_and_leave(tmp_path):
     # 2 start; a third joins during epoch 0 and leaves after its step 30's pulls (in epoch 2 or so): each
     # epoch's 90 indices are taken exactly once, each step by that step's members only
-    port, procs = free_port(), []
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "PS_", "PSLAUNCH_"))}
-    base.update(PYTHONPATH=str(REPO), DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER="1",
-                DMLC_NUM_WORKER="3", PSLAUNCH_MIN_WORKERS="2", PSLAUNCH_START_WORKERS="2", EPOCHS="4",
-                STEP_SLEEP="0.05")
-    data = helper("elastic_data.py")
-
-    def start(name: str, role: str, **extra: str) -> subprocess.Popen:
-        with open(tmp_path / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, data, str(tmp_path)], env={**base, "DMLC_ROLE": role, **extra},
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(proc)
-        return proc
 
     def taken() -> list[tuple[int, int, int, int, int, list[int]]]:
         rows = []
@@ -172,17 +141,15 @@ def test_split_sampler_elastic_batches_take_every_index_of_an_epoch_once_while_w
                              [int(i) for i in indices.split(",") if i]))
         return rows
 
-    try:
+    with ByHandJob(helper("elastic_data.py"), tmp_path, DMLC_NUM_SERVER="1", DMLC_NUM_WORKER="3",
+                   PSLAUNCH_MIN_WORKERS="2", PSLAUNCH_START_WORKERS="2", EPOCHS="4", STEP_SLEEP="0.05") as job:
         for name, role in (("scheduler", "scheduler"), ("server", "server"), ("worker0", "worker"),
                            ("worker1", "worker")):
-            start(name, role)
+            job.start(name, role)
         wait_for(lambda: len(taken()) >= 6)
-        start("joiner", "worker", LEAVE="2:30")
-        codes = [p.wait(timeout=90) for p in procs]
-    finally:
-        reap(procs)
-    logs = {p.stem: p.read_text() for p in tmp_path.glob("*.log")}
-    assert codes == [0] * len(codes), logs
+        job.start("joiner", "worker", LEAVE="2:30")
+        codes = [p.wait(timeout=90) for p in job.procs]
+    assert codes == [0] * len(codes), job.logs()
     rows = taken()
     by_step: dict[int, list] = {}
     for row in rows:
@@ -202,33 +169,20 @@ def test_split_sampler_elastic_batches_take_every_index_of_an_epoch_once_while_w
 def test_the_trainers_step_is_the_mean_over_each_steps_members_while_workers_join_and_leave(tmp_path):
     # 2 start; a third joins and leaves after its step 12's pulls: SGD with learning rate 1 moves w by
     # minus the mean of (rank + 1) over each step's members, exactly, in every worker
-    port, procs = free_port(), []
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "PS_", "PSLAUNCH_"))}
-    base.update(PYTHONPATH=str(REPO), DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER="1",
-                DMLC_NUM_WORKER="3", PSLAUNCH_MIN_WORKERS="2", PSLAUNCH_START_WORKERS="2", STEPS="24",
-                STEP_SLEEP="0.08")
-    script = helper("elastic_trainer.py")
-
-    def start(name: str, role: str, **extra: str) -> None:
-        with open(tmp_path / f"{name}.log", "wb") as log:
-            procs.append(subprocess.Popen([sys.executable, script, str(tmp_path)],
-                                          env={**base, "DMLC_ROLE": role, **extra}, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
 
     def rows() -> list[tuple[int, int, int, float]]:
         return [(int(a), int(b), int(c), float(d)) for path in tmp_path.glob("trainer.*.txt")
                 for a, b, c, d in (line.split() for line in path.read_text().splitlines())]
 
-    try:
+    with ByHandJob(helper("elastic_trainer.py"), tmp_path, DMLC_NUM_SERVER="1", DMLC_NUM_WORKER="3",
+                   PSLAUNCH_MIN_WORKERS="2", PSLAUNCH_START_WORKERS="2", STEPS="24", STEP_SLEEP="0.08") as job:
         for name, role in (("scheduler", "scheduler"), ("server", "server"), ("worker0", "worker"),
                            ("worker1", "worker")):
-            start(name, role)
+            job.start(name, role)
         wait_for(lambda: len(rows()) >= 6)
-        start("joiner", "worker", LEAVE="2:12")
-        codes = [p.wait(timeout=90) for p in procs]
-    finally:
-        reap(procs)
-    assert codes == [0] * len(codes), {p.stem: p.read_text() for p in tmp_path.glob("*.log")}
+        job.start("joiner", "worker", LEAVE="2:12")
+        codes = [p.wait(timeout=90) for p in job.procs]
+    assert codes == [0] * len(codes), job.logs()
     by_step: dict[int, dict[int, tuple[int, float]]] = {}
     for rank, step, members, w in rows():
         by_step.setdefault(step, {})[rank] = (members, w)
@@ -251,25 +205,14 @@ def test_a_trainer_that_sums_among_the_workers_is_refused_in_an_elastic_job(tmp_
 
 def test_a_worker_started_by_hand_with_a_rank_no_one_held_yet_joins_as_that_rank(tmp_path):
     # DMLC_NUM_WORKER=4, 2 start: a worker that asks for rank 3 (DMLC_WORKER_ID) joins as worker 3
-    port, procs = free_port(), []
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "PS_", "PSLAUNCH_"))}
-    base.update(PYTHONPATH=str(REPO), DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER="1",
-                DMLC_NUM_WORKER="4", PSLAUNCH_MIN_WORKERS="2", PSLAUNCH_START_WORKERS="2", STEPS="30",
-                STEP_SLEEP="0.05")
-    try:
-        for index, (role, extra) in enumerate([("scheduler", {}), ("server", {}), ("worker", {}), ("worker", {})]):
-            with open(tmp_path / f"{index}.{role}.log", "wb") as log:
-                procs.append(subprocess.Popen([sys.executable, HELPER, str(tmp_path)],
-                                              env={**base, "DMLC_ROLE": role, **extra}, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+    with ByHandJob(HELPER, tmp_path, DMLC_NUM_SERVER="1", DMLC_NUM_WORKER="4", PSLAUNCH_MIN_WORKERS="2",
+                   PSLAUNCH_START_WORKERS="2", STEPS="30", STEP_SLEEP="0.05") as job:
+        for name, role in (("scheduler", "scheduler"), ("server", "server"), ("worker0", "worker"),
+                           ("worker1", "worker")):
+            job.start(name, role)
         wait_for(lambda: len(lines(tmp_path, 0)) >= 3)
-        with open(tmp_path / "joiner.log", "wb") as log:
-            procs.append(subprocess.Popen([sys.executable, HELPER, str(tmp_path)],
-                                          env={**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "3"}, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-        codes = [p.wait(timeout=60) for p in procs]
-    finally:
-        reap(procs)
-    assert codes == [0] * 5, {p.name: p.read_text()[-2000:] for p in tmp_path.glob("*.log")}
+        job.start("joiner", "worker", DMLC_WORKER_ID="3")
+        codes = [p.wait(timeout=60) for p in job.procs]
+    assert codes == [0] * 5, job.logs()
     members = check_exact(records(tmp_path), 30)
     assert {0, 1, 3} in members and all(m in ({0, 1}, {0, 1, 3}) for m in members), members
