@@ -3,6 +3,7 @@
 One worker, local store:           python examples/train_mlp.py
 Two workers and two servers:       pslaunch -n 2 -s 2 examples/train_mlp.py
 Two simulated devices per worker:  python examples/train_mlp.py --devices cpu,cpu
+Gradient compression:              pslaunch -n 2 -s 2 examples/train_mlp.py --compression topk
 
 The training set is split across workers by rank (``SplitSampler``); each worker splits its share of a
 batch across its devices (``split_and_load``); the ``Trainer`` sums the gradients of every device and
@@ -10,9 +11,10 @@ worker through the store and applies SGD. ``--batch-size`` is the *global* batch
 takes ``batch / n`` samples per step and the step uses the mean over all of them, so ``n`` workers
 follow the same trajectory as one. Every worker prints one line per epoch:
 
-    worker 0 epoch 3 test_accuracy 0.9711 train_loss 0.1234 time 0.41
+    worker 0 epoch 3 test_accuracy 0.9711 train_loss 0.1234 time 0.41 images_per_s 2456.1
 
-and at the end ``worker 0 final test_accuracy 0.9711 wall_time 2.31``.
+(``images_per_s``: this worker's training samples per second, testing left out) and at the end
+``worker 0 final test_accuracy 0.9711 wall_time 2.31``.
 
 Under pslaunch the loop is resumable (``kvcore.elastic.State``, scalars ``epoch`` and ``step``): with
 ``--checkpoint-dir`` it commits at the end of each epoch and a restarted job resumes from the last
@@ -36,7 +38,6 @@ import os
 import sys
 import time
 
-
 import kvcore
 from kvcore import arrays
 
@@ -44,8 +45,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mlp  # noqa: E402  (the examples directory is not a package)
 from digits import load_digits_split  # noqa: E402
 from training_cli import (  # noqa: E402
-    commit_if_kept, default_kvstore, report_epoch, report_final, resumable, save_weights, training_parser,
-    update_on_kvstore)
+    commit_if_kept,
+    compression_params,
+    default_kvstore,
+    optimizer_momentum,
+    report_epoch,
+    report_final,
+    resumable,
+    save_weights,
+    training_parser,
+    update_on_kvstore,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,8 +91,13 @@ def main(argv=None) -> int:
     host_params = mlp.init_params([x_train.shape[1], args.hidden, 10], seed=args.seed)
     # One replica of every parameter per device; the Trainer keeps them equal.
     replicas = {name: [arrays.to_device(value, d, copy=True) for d in devices] for name, value in host_params.items()}
-    optimizer = kvcore.optim.SGD(learning_rate=args.lr, momentum=args.momentum)
-    trainer = kvcore.Trainer(replicas, optimizer, kvstore=kv, update_on_kvstore=update_on_kvstore(args.update_on))
+    optimizer = kvcore.optim.SGD(learning_rate=args.lr, momentum=optimizer_momentum(args))
+    try:  # a store that cannot compress, or parameters it refuses, fail here, before any step
+        trainer = kvcore.Trainer(replicas, optimizer, kvstore=kv, update_on_kvstore=update_on_kvstore(args.update_on),
+                                 compression=compression_params(args))
+    except kvcore.CompressionError as exc:
+        print(f"--compression {args.compression}: {exc}", file=sys.stderr)
+        return 2
     # where a restart resumes (an elastic job's place in an epoch: the samples its members took, seen)
     state = resumable(kv, epoch=0, step=0, **({"seen": 0} if kv.elastic else {}))
     state.restore()  # a restarted job: the last commit; a worker replaced in place: its predecessor's place
@@ -116,9 +131,10 @@ def main(argv=None) -> int:
                     grads[name].append(g)
             trainer.step(args.batch_size, grads)
             state.step = step + 1  # marks the place (no round trip): sent with the next push
+        train_seconds = time.perf_counter() - epoch_start
         with arrays.device_context(devices[0]):
             accuracy = mlp.accuracy({n: r[0] for n, r in replicas.items()}, x_test_dev, y_test_dev)
-        report_epoch(rank, epoch, accuracy, loss_sum, (steps - first) * worker_batch, epoch_start)
+        report_epoch(rank, epoch, accuracy, loss_sum, (steps - first) * worker_batch, epoch_start, train_seconds)
         state.epoch, state.step = epoch + 1, 0
         commit_if_kept(state)
     report_final(rank, accuracy, started)

@@ -3,8 +3,8 @@
 One worker, local store:            python examples/train_resnet.py
 Two workers and two servers:        pslaunch -n 2 -s 2 examples/train_resnet.py
 Two workers, no servers:            pslaunch -n 2 -s 0 examples/train_resnet.py
-With 2bit gradient compression:     pslaunch -n 2 -s 2 examples/train_resnet.py --compression 2bit
-The same model under torch DDP:     pslaunch -n 2 -s 0 examples/train_resnet.py --ddp
+With gradient compression:          pslaunch -n 2 -s 2 examples/train_resnet.py --compression fp16
+The same model under torch DDP:     pslaunch -n 2 -s 0 examples/train_resnet.py --ddp [--ddp-hook powersgd]
 
 The model is He et al.'s ResNet-20 for CIFAR-10 (three stages of three basic blocks, 16/32/64
 channels, identity shortcuts padded with zero channels where the width doubles: "option A"; about
@@ -19,8 +19,11 @@ parameters and, at ``trainer.step(global_batch)``, sums the gradients of every w
 store and applies SGD (momentum ``--momentum``, weight decay ``--wd``, the learning rate falling
 linearly from ``--lr`` to 0 over the run) with their mean. ``--batch-size`` is the global batch
 over all workers; ``--threads`` the torch threads of each worker (1: one core per worker).
-``--compression 2bit`` quantizes the pushes (a ``dist_sync`` store only); at its default threshold
-it learns far more slowly than without (docs/training.md gives the figures).
+``--compression TYPE`` encodes the gradients on their way (a ``dist_*`` or ``allreduce`` store,
+docs/compression.md): ``fp16`` and ``bf16`` (pushes and pulls at half width), ``1bit_scaled``
+(``--compression-block``), ``topk`` and ``randomk`` (``--compression-ratio``), all three with error
+feedback, or MXNet's ``2bit`` and ``1bit`` (``--compression-threshold``; at MXNet's default
+threshold 2bit learns far more slowly than without). docs/training.md gives each one's accuracy.
 
 Batch norm: each worker normalises with the statistics of its own part of the batch, as torch DDP
 does by default (no SyncBatchNorm). The BN scales and shifts are parameters, trained through the
@@ -29,7 +32,10 @@ Trainer leaves them alone: each worker keeps its own and evaluates with them (``
 
 ``--ddp`` trains the same model with ``torch.nn.parallel.DistributedDataParallel`` instead (gloo,
 torchrun's variables, which ``pslaunch -s 0`` sets) and ``torch.optim.SGD``, with the same data,
-split, seed and schedule: the reference ``examples/resnet_parity.py`` compares kvcore against. DDP
+split, seed and schedule: the reference ``examples/resnet_parity.py`` compares kvcore against.
+``--ddp-hook`` adds one of DDP's communication hooks: ``fp16`` (``fp16_compress_hook``), ``bf16``
+(``bf16_compress_hook``) or ``powersgd`` (``powerSGD_hook``, rank ``--powersgd-rank``, after
+``--powersgd-start`` plain steps, with its error feedback). DDP
 also copies rank 0's running statistics to the other ranks at every forward pass (its
 ``broadcast_buffers`` default); the kvcore path does not.
 
@@ -65,7 +71,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synthetic_cifar import load_synthetic_cifar  # noqa: E402  (the examples directory is not a package)
 from training_cli import (  # noqa: E402
     commit_if_kept,
+    compression_params,
     default_kvstore,
+    optimizer_momentum,
     report_epoch,
     report_final,
     resumable,
@@ -151,10 +159,8 @@ class KVCoreSync:
         self.kv = kvcore.create(args.kvstore or default_kvstore())
         self.rank, self.num_workers = self.kv.rank, self.kv.num_workers
         self.model = model  # what the forward pass calls
-        compression = None
-        if args.compression != "none":
-            compression = {"type": args.compression, "threshold": args.compression_threshold}
-        optimizer = kvcore.optim.SGD(learning_rate=args.lr, momentum=args.momentum, wd=args.wd,
+        compression = compression_params(args)
+        optimizer = kvcore.optim.SGD(learning_rate=args.lr, momentum=optimizer_momentum(args), wd=args.wd,
                                      lr_scheduler=linear_decay(args.lr, total_steps))
         # Raises CompressionError here, before any step, for a store that cannot compress.
         self.trainer = kvcore.Trainer(model, optimizer, kvstore=self.kv, compression_params=compression,
@@ -179,7 +185,12 @@ class DDPSync:
     def __init__(self, model: nn.Module, args: argparse.Namespace, total_steps: int) -> None:
         dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
         self.rank, self.num_workers = dist.get_rank(), dist.get_world_size()
-        self.model = DistributedDataParallel(model)  # broadcasts rank 0's weights
+        # PowerSGD over gloo: one bucket, so one chain of its collectives is in flight at a time (two
+        # buckets' chains ran out of step on gloo here: "Received data size doesn't match expected size")
+        buckets = {"bucket_cap_mb": 1024} if args.ddp_hook == "powersgd" else {}
+        self.model = DistributedDataParallel(model, **buckets)  # broadcasts rank 0's weights
+        if args.ddp_hook != "none":
+            register_ddp_hook(self.model, args)
         self.optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                          weight_decay=args.wd)
         self.learning_rate = linear_decay(args.lr, total_steps)
@@ -199,6 +210,19 @@ class DDPSync:
         dist.destroy_process_group()
 
 
+def register_ddp_hook(model: DistributedDataParallel, args: argparse.Namespace) -> None:
+    """One of torch DDP's own communication hooks, as a DDP user turns it on."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if args.ddp_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                            start_powerSGD_iter=args.powersgd_start, random_seed=args.seed)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    else:
+        hook = default_hooks.fp16_compress_hook if args.ddp_hook == "fp16" else default_hooks.bf16_compress_hook
+        model.register_comm_hook(None, hook)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = training_parser(__doc__.split("\n\n")[0], hidden_layer=False)
     parser.set_defaults(epochs=8, batch_size=64, lr=0.05)
@@ -209,11 +233,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--test-size", type=int, default=1000, help="test images (a multiple of 10)")
     parser.add_argument("--data-seed", type=int, default=0,
                         help="seed of the synthetic images; --seed changes the weights and shuffles only")
-    parser.add_argument("--compression", choices=["none", "2bit", "1bit"], default="none",
-                        help="gradient compression of the pushes (a dist_sync store: pslaunch -s 2)")
-    parser.add_argument("--compression-threshold", type=float, default=0.5)
     parser.add_argument("--ddp", action="store_true",
                         help="torch DistributedDataParallel instead of kvcore (run under pslaunch -s 0 or torchrun)")
+    parser.add_argument("--ddp-hook", choices=["none", "fp16", "bf16", "powersgd"], default="none",
+                        help="a DDP communication hook (with --ddp)")
+    parser.add_argument("--powersgd-rank", type=int, default=2, help="PowerSGD's matrix approximation rank")
+    parser.add_argument("--powersgd-start", type=int, default=10,
+                        help="steps of plain allreduce before PowerSGD starts (its start_powerSGD_iter)")
     return parser.parse_args(argv)
 
 
@@ -234,7 +260,10 @@ def main(argv=None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.ddp and args.compression != "none":
-        print("--compression applies to kvcore's stores, not to --ddp", file=sys.stderr)
+        print("--compression applies to kvcore's stores, not to --ddp (DDP's own: --ddp-hook)", file=sys.stderr)
+        return 2
+    if args.ddp_hook != "none" and not args.ddp:
+        print("--ddp-hook applies to --ddp; kvcore's stores compress with --compression", file=sys.stderr)
         return 2
     if args.ddp and "WORLD_SIZE" not in os.environ:
         print("--ddp needs torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): "

@@ -36,7 +36,38 @@ def training_parser(description: str, hidden_layer: bool = True) -> argparse.Arg
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, the weights and the shuffles")
     parser.add_argument("--save-weights", default=None, metavar="PATH",
                         help="worker 0 writes the final weights there (numpy .npz, one array per parameter)")
+    parser.add_argument("--compression", default="none",
+                        choices=["none", "fp16", "bf16", "1bit_scaled", "topk", "randomk", "2bit", "1bit"],
+                        help="gradient compression (a dist_* or allreduce store; docs/compression.md)")
+    parser.add_argument("--compression-threshold", type=float, default=0.5, help="2bit and 1bit's threshold")
+    parser.add_argument("--compression-ratio", type=float, default=0.01, help="topk and randomk: the fraction sent")
+    parser.add_argument("--compression-block", type=int, default=0,
+                        help="1bit_scaled: values per scale (0: one per key part)")
+    parser.add_argument("--compression-pull", choices=["default", "float32", "fp16", "bf16"], default="default",
+                        help="the width pulls travel at (default: fp16/bf16's own, else float32)")
+    parser.add_argument("--momentum-correction", action="store_true",
+                        help="1bit_scaled/topk/randomk: the workers keep the momentum and encode their velocity "
+                             "(the optimizer then runs without momentum; docs/compression.md)")
     return parser
+
+
+def optimizer_momentum(args: argparse.Namespace) -> float:
+    """The optimizer's momentum: none when the compression keeps it on the workers (``--momentum-correction``)."""
+    return 0.0 if args.momentum_correction and args.compression != "none" else args.momentum
+
+
+def compression_params(args: argparse.Namespace) -> dict | None:
+    """``--compression`` and its parameters as ``set_gradient_compression`` takes them (None: none)."""
+    if args.compression == "none":
+        return None
+    pull = {} if args.compression_pull == "default" else {"pull": args.compression_pull}
+    if args.compression in ("2bit", "1bit"):
+        return {"type": args.compression, "threshold": args.compression_threshold, **pull}
+    extra = {"topk": {"ratio": args.compression_ratio}, "randomk": {"ratio": args.compression_ratio, "seed": args.seed},
+             "1bit_scaled": {"block": args.compression_block}}
+    if args.momentum_correction:
+        pull["momentum"] = args.momentum
+    return {"type": args.compression, **extra.get(args.compression, {}), **pull}
 
 
 class _Unkept:

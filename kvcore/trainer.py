@@ -49,8 +49,9 @@ class Trainer:
         kvstore: a store name for ``kvcore.create`` or a store.
         compression_params: gradient compression for the store, as gluon's Trainer takes it: a
             dict for ``kvstore.set_gradient_compression`` such as ``{'type': '2bit', 'threshold':
-            0.5}``. Needs a ``device`` or ``dist_*`` store and float32 parameters; checked here, so
-            a bad one fails before any step.
+            0.5}`` or ``{'type': 'topk', 'ratio': 0.01}``. Needs a ``device``, ``dist_*`` or
+            ``allreduce`` store and float32 parameters; checked here, so a bad one fails before any
+            step.
         update_on_kvstore: run the optimizer in the store (True) or here (False); None chooses True
             for distributed (``dist_*``) stores and False otherwise.
         scale: extra factor on the gradients (``rescale_grad = scale / batch_size``).
@@ -62,6 +63,10 @@ class Trainer:
             produced all of them (from the second step on), as DDP's buckets do, so that sending
             overlaps the rest of the backward pass; ``step`` then sends what is left and waits.
             One backward pass per step: for gradient accumulation over several, pass False.
+        compression: the same as ``compression_params`` (give one of the two), or a type's name
+            alone: ``compression='fp16'`` is ``{'type': 'fp16'}``. With compression on, a store that
+            sums among the workers (``allreduce``) sums the encoded gradients through the store
+            instead of in place.
 
     Keys in the store are the parameter names. Parameter ``i`` is pushed and pulled with priority
     ``-i``, as in MXNet: the first layers' weights, needed first by the next forward pass, go first.
@@ -91,6 +96,7 @@ class Trainer:
         timeout: float | None = None,
         coalesce_bytes: int = 1 << 20,
         overlap: bool = True,
+        compression: dict[str, Any] | str | None = None,
     ) -> None:
         self._params = normalise_params(params)
         self._groups = _plan_groups(self._params, int(coalesce_bytes))
@@ -107,6 +113,10 @@ class Trainer:
         if not isinstance(kvstore, KVStoreBase):
             raise TypeError(f"kvstore must be a KVStoreBase or a store name, got {type(kvstore).__name__}")
         self._kv = kvstore
+        if compression is not None:
+            if compression_params is not None:
+                raise ValueError("give the gradient compression once: compression= or compression_params=, not both")
+            compression_params = {"type": compression} if isinstance(compression, str) else compression
         if compression_params is not None:
             self._set_compression(compression_params)
         if update_on_kvstore is None:
@@ -121,7 +131,8 @@ class Trainer:
         self._timeout = timeout
         self._params_synced = False
         self._store_rescale: float | None = None  # rescale_grad the store's optimizer was shipped with
-        self._coll = None if self._update_on_kvstore else kvstore.collectives
+        # gradients summed in place through the collectives, unless the store encodes them on the way
+        self._coll = None if self._update_on_kvstore or compression_params is not None else kvstore.collectives
         self._coalesce = int(coalesce_bytes)
         self._hand_off = HandOff(self._params, self._groups, self._send_complete_group) if overlap else None
 

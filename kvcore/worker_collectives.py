@@ -180,6 +180,14 @@ class Collectives:
             self._engine.allreduce(key, fused.buffer, future=inner)
         return chain(inner, NodeHandle("allreduce", self._worker), lambda: fused.unpack(outs))
 
+    def start_allgather(self, value: np.ndarray, out: np.ndarray, key: tuple) -> concurrent.futures.Future:
+        """Start gathering every worker's host ``value`` into ``out[rank]`` (shape ``(num_workers,) +
+        value.shape``); the future at once. ``key`` names the call on every worker, as ``allreduce_arrays``'s."""
+        future = NodeHandle("allgather", self._worker)
+        with runtime_errors():
+            self._engine.allgather(key, value, out, label=_Said("allgather", key), future=future)
+        return future
+
     def allgather(self, value: Any, key: Any = None) -> Any:
         """Every worker's ``value`` (same shape and dtype everywhere), stacked: shape
         ``(num_workers,) + value.shape``, on ``value``'s device. Blocks."""

@@ -40,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 from typing import Iterator, Sequence
 
 __all__ = ["NetnsCluster", "NetnsError", "BENCH_RANGE", "usable", "sweep_stale", "process_alive"]
@@ -306,6 +307,12 @@ class NetnsCluster:
         """Bring ``host``'s links back up (only the one to ``network`` when given)."""
         for dev in self._outer(host, network):
             _ip("link", "set", dev, "up")
+
+    def link_bytes(self, host: str) -> tuple[int, int]:
+        """``(sent, received)``: the bytes ``host`` has sent and received on its management link so
+        far (its veth's counters seen from the bridge's side, frames' headers included)."""
+        stats = Path("/sys/class/net") / self._outer(host, "management")[0] / "statistics"
+        return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
 
     def shape(self, rate: str, burst: str = "1mb", latency: str = "50ms") -> None:
         """Cap every host link at ``rate`` (a tc rate: ``1gbit``) each way with a token bucket."""

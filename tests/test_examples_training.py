@@ -220,6 +220,8 @@ def test_synthetic_cifar_is_a_pure_function_of_its_seed_with_balanced_classes():
         (["--compression", "2bit"], "--compression 2bit: Gradient compression is not supported for this type of "
                                     "kvstore ('local')"),
         (["--ddp"], "--ddp needs torchrun's variables"),
+        (["--ddp-hook", "powersgd"], "--ddp-hook applies to --ddp"),
+        (["--ddp", "--compression", "fp16"], "--compression applies to kvcore's stores, not to --ddp"),
         (["--train-size", "1005"], "train_size must be a positive multiple of 10"),
     ],
 )
@@ -244,6 +246,33 @@ def test_train_resnet_two_workers_learn_the_synthetic_images_through_pslaunch(se
     for worker, curve in curves.items():
         assert curve[-1] >= RESNET_THRESHOLD, (worker, curve)
         assert curve[-1] > curve[0], (worker, curve)
+
+
+@needs_pslaunch
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("servers, flags", [
+    (2, ["--compression", "fp16"]),
+    (2, ["--compression", "topk", "--compression-ratio", "0.1", "--momentum-correction", "--compression-pull", "bf16"]),
+    (0, ["--compression", "1bit_scaled", "--momentum-correction"]),
+], ids=["fp16-two-servers", "topk-momentum-bf16-pulls", "1bit_scaled-allreduce"])
+def test_train_mlp_two_workers_learn_with_gradient_compression_through_pslaunch(servers, flags):
+    curves = _pslaunch("train_mlp.py", 2, *flags, servers=servers)
+    for worker, curve in curves.items():
+        assert curve[-1] >= THRESHOLD, (worker, curve)
+    assert curves[0] == curves[1], curves  # the same pulls (servers) or the same sums (allreduce): the same weights
+
+
+@needs_pslaunch
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hook", ["fp16", "powersgd"])
+def test_train_resnet_under_ddp_runs_with_ddps_communication_hooks(hook):
+    pytest.importorskip("torch", reason="the torch extra is not installed: pip install -e '.[torch]'")
+    # PowerSGD starts after 2 plain steps of the run's 15, so its compressed steps run too
+    curves = _pslaunch("train_resnet.py", 2, "--train-size", "1000", "--test-size", "100", "--ddp", "--ddp-hook", hook,
+                       "--powersgd-start", "2", servers=0, epochs=1)
+    assert sorted(curves) == [0, 1] and all(len(c) == 1 for c in curves.values()), curves
 
 
 def test_local_sum_example_prints_the_sums():

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from testkit.netns import BENCH_RANGE, NetnsCluster, process_alive, usable
 from testkit import LocalJob
+from testkit.netns import BENCH_RANGE, NetnsCluster, process_alive, usable
 
 pytestmark = pytest.mark.netns
 REPO = Path(__file__).resolve().parent.parent
@@ -138,3 +138,36 @@ def test_workers_on_two_hosts_sum_exactly_with_the_rings_across_hosts_on_lanes()
     assert not failed, "\n".join(map(str, failed))
     counts = [int(c) for r in results for c in re.findall(r"^OK \d+ lane messages (\d+)$", r.output, re.M)]
     assert len(counts) == 4 and min(counts) > 0, ("\n".join(map(str, results)), counts)
+
+
+def test_the_capped_training_benchmark_trains_across_shaped_links_and_counts_the_bytes_that_cross(tmp_path):
+    out = tmp_path / "training.json"
+    res = subprocess.run([sys.executable, "-m", "benchmarks.capped_training", "--quick", "--models", "mlp", "--hidden",
+                          "1024", "--configs", "uncompressed,topk 1% + bf16 pulls", "--rates", "200mbit", "--json",
+                          str(out)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {r["config"]: r for r in json.loads(out.read_text())["summary"]}
+    assert sorted(rows) == ["topk 1% + bf16 pulls", "uncompressed"] and all(r["step_ms"] > 0 for r in rows.values())
+    # what crossed the links: the model (64 x 1024 + 1024 x 10 floats) up and down per worker and step, then
+    # a 1% push and a half-width pull
+    model = 4 * (64 * 1024 + 1024 + 1024 * 10 + 10)
+    assert rows["uncompressed"]["bytes_per_step"] > 2 * model
+    assert rows["topk 1% + bf16 pulls"]["bytes_per_step"] < 0.45 * rows["uncompressed"]["bytes_per_step"]
+    assert "| 200mbit | mlp | topk 1% + bf16 pulls |" in res.stdout
+    png = tmp_path / "capped.png"  # the figure docs/training.md shows, from the same JSON
+    drawn = subprocess.run([sys.executable, "-m", "benchmarks.plots", "capped", str(out), str(png)], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+    assert drawn.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", drawn.stderr
+
+
+def test_the_ps_against_ring_benchmark_measures_each_design_beside_its_link_model_and_plots_it(tmp_path):
+    out, png = tmp_path / "ps_vs_ring.json", tmp_path / "ps_vs_ring.png"
+    res = subprocess.run([sys.executable, "-m", "benchmarks.ps_vs_ring", "--quick", "--json", str(out), "--plot", str(png)],
+                         cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = {(e["design"], e["servers"]): e for e in json.loads(out.read_text())["summary"]}
+    assert sorted(summary) == [("ps", 1), ("ps", 2), ("ring", 0)]
+    assert all(e["seconds"] > 0 for e in summary.values())
+    # one server host carries both workers' pushes and pulls: twice the link time of two server hosts
+    assert summary[("ps", 1)]["model_s"] == 2 * summary[("ps", 2)]["model_s"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -113,29 +113,59 @@ class AllreduceKVStore(KVStoreBase):
 
     def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
         if self._compression is not None:
-            raise NotImplementedError(
-                f"the allreduce store cannot push with gradient compression (key {groups[0][0]!r}); push without "
-                "set_gradient_compression")
+            return self._push_compressed(groups)
         keys, sources, sums = [], [], []
-        pending, all_sums, meta = self._pending, self._sums, self._meta
         for key, values in groups:
-            if key in pending:
-                self._settle(key)
-            total = all_sums.get(key)
-            if total is None:
-                info = meta[key]
-                total = all_sums[key] = self._buffer(info.shape, info.dtype)
+            total = self._sum_buffer(key)
             if len(values) == 1 and type(values[0]) is np.ndarray:
                 source = values[0]  # copied into the sum (or the fused buffer) before push returns
-            else:  # this worker's values are summed first, on the host
-                np.copyto(total, arrays.asnumpy(values[0]))
-                for value in values[1:]:
-                    total += arrays.asnumpy(value)
-                source = total
+            else:
+                source = _local_sum(values, total)
             keys.append(key)
             sources.append(source)
             sums.append(total)
         return self._launch(keys, sources, sums, apply=True)
+
+    def _sum_buffer(self, key: Hashable) -> np.ndarray:
+        """The buffer ``key``'s next push is summed in, once its push in flight is applied."""
+        if key in self._pending:
+            self._settle(key)
+        total = self._sums.get(key)
+        if total is None:
+            info = self._meta[key]
+            total = self._sums[key] = self._buffer(info.shape, info.dtype)
+        return total
+
+    def _push_compressed(self, groups: list[tuple[Hashable, list[Any]]]) -> Handle:
+        """Encode each key's value (this worker's values summed first) with its residual, gather every
+        worker's encodings in one allgather, and decode them into the key's sum buffer in rank order:
+        every worker then holds the same sum. Each worker receives the others' encodings (W - 1 of
+        them): what a ring would move at full width, 2 (W - 1) / W of the value, costs more than that
+        from 2 / ratio workers on (16 for a 1/8 encoding, 4 for fp16)."""
+        keys, encoded = [], []
+        pending, all_sums, compression = self._pending, self._sums, self._compression
+        for key, values in groups:
+            total = self._sum_buffer(key)
+            value = arrays.asnumpy(values[0]) if len(values) == 1 else _local_sum(values, total)
+            keys.append(key)
+            encoded.append(compression.quantize((key, 0), value.reshape(-1)))
+        sizes = [int(data.nbytes) for data in encoded]
+        mine = np.concatenate(encoded) if len(encoded) > 1 else encoded[0]
+        gathered = np.empty((self.num_workers, mine.size), np.uint8)
+        future = self._coll.start_allgather(mine, gathered, ("kv-encoded", tuple(keys)))
+
+        def decode() -> None:
+            for rank in range(self.num_workers):
+                offset = 0
+                for key, size in zip(keys, sizes):
+                    compression.dequantize(gathered[rank, offset:offset + size], all_sums[key], accumulate=rank > 0)
+                    offset += size
+
+        handle = self._coll.handle_of([future], "push", then=decode)
+        push = _Push(handle, keys)
+        for key in keys:
+            pending[key] = push
+        return handle
 
     def _buffer(self, shape: tuple, dtype: Any) -> np.ndarray:
         """A new buffer for a key's stored value or sum: big ones in shared memory, where the
@@ -225,12 +255,7 @@ class AllreduceKVStore(KVStoreBase):
                 values.append(source)
                 outs.append(os_[0])
             else:  # several values or outs, or device arrays: through the key's sum buffer
-                total = self._sums.get(k)
-                if total is None:
-                    total = self._sums[k] = self._buffer(meta.shape, meta.dtype)
-                np.copyto(total, arrays.asnumpy(vs[0]))
-                for v in vs[1:]:
-                    total += arrays.asnumpy(v)
+                total = _local_sum(vs, self._sum_buffer(k))
                 values.append(total)
                 outs.append(total)
             keys.append(k)
@@ -256,6 +281,14 @@ class AllreduceKVStore(KVStoreBase):
         """Initialise ``key`` with worker 0's ``value`` and pull it into ``out`` (MXNet 2's broadcast)."""
         self.init(key, value)
         self.pull(key, out=out, priority=priority)
+
+
+def _local_sum(values: list[Any], total: np.ndarray) -> np.ndarray:
+    """This worker's values of a key summed into ``total``, on the host."""
+    np.copyto(total, arrays.asnumpy(values[0]))
+    for value in values[1:]:
+        total += arrays.asnumpy(value)
+    return total
 
 
 class _Push:

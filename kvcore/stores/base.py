@@ -21,6 +21,7 @@ from psnode.node.values import VALUE_DTYPES
 from .. import arrays
 from ..compression import GradientCompression, check_store_type, parse_params
 from ..errors import (
+    CompressionError,
     DTypeMismatchError,
     DuplicateKeyError,
     OptimizerError,
@@ -179,6 +180,11 @@ class KVStoreBase(abc.ABC):
             meta = metas.get(k) or self._require(k, "push")
             # a host array of the key's shape and dtype passes at once (key lists can be long)
             if len(values) != 1 or type(values[0]) is not ndarray:
+                if compressed and any(isinstance(v, RowSparseArray) for v in values):
+                    raise CompressionError(
+                        f"gradient compression encodes dense values, but the push of key {k!r} is row-sparse; "
+                        "push row-sparse gradients to a store without compression"
+                    )
                 values = [self._dense_value(k, v) for v in values]
                 for v in values:
                     self._check_value(k, meta, v)
@@ -259,10 +265,11 @@ class KVStoreBase(abc.ABC):
     def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
         """Compress every pushed value from now on, as MXNet's ``set_gradient_compression`` does.
 
-        ``compression_params`` is a dict: ``{'type': '2bit', 'threshold': 0.5}`` (see
-        ``kvcore.compression``). Only stores whose type names ``device`` or ``dist`` compress; only
-        float32 keys can then be pushed. Calling it again changes the parameters and keeps the
-        residuals. Pulls and ``init`` are not compressed.
+        ``compression_params`` is a dict: ``{'type': '2bit', 'threshold': 0.5}``, ``{'type': 'fp16'}``,
+        ``{'type': 'topk', 'ratio': 0.01}``, ... (see ``kvcore.compression``). Only the ``device``,
+        ``dist_*`` and ``allreduce`` stores compress; only dense float32 values can then be pushed.
+        Calling it again changes the parameters and keeps the residuals. ``init`` is not compressed;
+        pulls are, at half width, on a distributed store when the parameters say so (``'pull'``).
 
         Raises:
             CompressionError: a store that cannot compress, or parameters MXNet would refuse (the
@@ -271,7 +278,7 @@ class KVStoreBase(abc.ABC):
         check_store_type(self._type)
         params = parse_params(compression_params)
         if self._compression is None:
-            self._compression = GradientCompression(params)
+            self._compression = GradientCompression(params, stream=self.rank)
         else:
             self._compression.set_params(params)
 

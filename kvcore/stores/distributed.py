@@ -61,8 +61,8 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from psnode.compression import values_per_word
-from psnode.compression.codecs import codec_id
+from psnode.compression.codecs import RAW, codec_id
+from psnode.compression.schemes import from_half
 from psnode.env import NodeEnv
 from psnode.node.futures import chain
 from psnode.node.protocol import MAX_MARK_SCALARS, Group
@@ -126,6 +126,7 @@ class DistKVStore(KVStoreBase):
         self._keys = KeyInit(self._worker, self._sync, self._take_layouts)  # where keys go, and how they get there
         self._has_updater = False
         self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
+        self._pull_codec: int | None = None  # pulls of float32 keys travel encoded (half width), or raw
         self._trace_calls(self._worker.timeline)
         self._restored: dict[Hashable, KeyMeta] = {}  # keys of the checkpoint restored (note_restored)
 
@@ -363,10 +364,13 @@ class DistKVStore(KVStoreBase):
         if rejoined and not self._marks:
             return
         self._worker.wait_pushes()
+        self._pull_codec = None if params.pull is None else codec_id(params.pull)
         # first: no push encoded with the old parameters is still on its way to a server
         self._worker.setup_barrier("set_gradient_compression:drained")
         if self.rank == 0 and not rejoined:
-            self.wait_for(self._worker.set_codec(codec_id(params.type), {"threshold": float(params.threshold)}))
+            self.wait_for(self._worker.set_codec(codec_id(params.type), self._compression.scheme.wire_params()))
+            if params.pull is not None and params.pull != params.type:
+                self.wait_for(self._worker.set_codec(self._pull_codec, {}))
         self._worker.setup_barrier("set_gradient_compression:set")  # (a replacement in place redoes both: at once)
 
     # ---- the common case without the general normalisation ------------------------------------
@@ -390,7 +394,7 @@ class DistKVStore(KVStoreBase):
         """As ``KVStoreBase.pull``; one numpy out of an initialised whole key skips the grouping."""
         if self._boundary_hooks:
             self._pulled = True
-        if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable:
+        if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable and self._pull_codec is None:
             target = self._whole_target(key, out)
             if target is not None:
                 handle = NodeHandle("pull", self._worker)
@@ -433,7 +437,7 @@ class DistKVStore(KVStoreBase):
     def _request(self, key: Hashable, shape: Any, dtype: Any) -> KeyRequest:
         dtype = np.dtype(dtype)
         # compressed pushes are split on whole words (as MXNet splits them); init itself is not compressed
-        word = values_per_word(self._compression.params.type) if self._compression and dtype == np.float32 else 1
+        word = self._compression.params.split_word if self._compression and dtype == np.float32 else 1
         return KeyRequest(key, tuple(shape), dtype, word)
 
     def place(self, keys: list[tuple[Hashable, tuple[int, ...], Any]]) -> None:
@@ -541,6 +545,8 @@ class DistKVStore(KVStoreBase):
     @maps_runtime_errors
     def _pull_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
         self._settle()
+        if self._pull_codec is not None:
+            return self._pull_encoded(groups, priority)
         parts = []
         copies: list[tuple[np.ndarray, list[Any]]] = []
         whole = self._whole
@@ -562,14 +568,46 @@ class DistKVStore(KVStoreBase):
         if not copies:
             self._worker.pull(parts, priority, handle)
             return handle
-        def deliver() -> None:
-            for flat, outs in copies:
-                for out in outs:
-                    arrays.copy_into(out, flat.reshape(out.shape))
+        return self._pull_then(parts, priority, handle, lambda: _deliver(copies))
 
+    def _pull_encoded(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+        """Pull with float32 values at half width (``'pull'`` of the compression parameters): each
+        part's reply lands in a uint16 buffer of its own and is decoded into the outs (other dtypes
+        come raw)."""
+        scheme = self._compression.params.pull
+        parts, codecs = [], []
+        decodes: list[tuple[np.ndarray, np.ndarray]] = []  # (half-width bits, where they decode to)
+        copies: list[tuple[np.ndarray, list[Any]]] = []
+        for key, outs in groups:
+            lay = self._layouts[key]
+            first = outs[0]
+            if len(outs) == 1 and type(first) is np.ndarray and first.flags.c_contiguous and first.flags.writeable:
+                flat = first.reshape(-1)
+            else:
+                flat = np.empty(lay.shape, lay.dtype).reshape(-1)
+                copies.append((flat, outs))
+            encoded = lay.dtype == np.float32
+            for part in lay.parts:
+                target = flat[part.start:part.stop]
+                if encoded:
+                    bits = np.empty(part.stop - part.start, np.uint16)
+                    decodes.append((bits, target))
+                    target = bits
+                parts.append((part.server, part.id, target))
+                codecs.append(self._pull_codec if encoded else RAW)
+
+        def deliver() -> None:
+            for bits, target in decodes:
+                target[...] = from_half(scheme, bits)
+            _deliver(copies)
+
+        return self._pull_then(parts, priority, NodeHandle("pull", self._worker), deliver, codecs)
+
+    def _pull_then(self, parts: list, priority: int, handle: NodeHandle, deliver: Any, codecs: Any = None) -> Handle:
+        """Pull ``parts``; ``deliver()`` runs once they are in, before ``handle`` is done."""
         inner: concurrent.futures.Future = concurrent.futures.Future()
         chain(inner, handle, deliver)  # a GPU copy that fails goes to the waiter
-        self._worker.pull(parts, priority, inner)
+        self._worker.pull(parts, priority, inner, codecs)
         return handle
 
     @maps_runtime_errors
@@ -608,6 +646,13 @@ class DistKVStore(KVStoreBase):
             results[i] = results[i].reshape(lay.shape)[rows]
         return results
 
+
+
+def _deliver(copies: list[tuple[np.ndarray, list[Any]]]) -> None:
+    """Copy each pulled flat value into its outs (a list of outs, a GPU or non-contiguous out)."""
+    for flat, outs in copies:
+        for out in outs:
+            arrays.copy_into(out, flat.reshape(out.shape))
 
 
 def create(name: str) -> DistKVStore:

@@ -15,6 +15,10 @@ Codecs:
     1 ``2bit``: MXNet's 2bit gradient compression of float32 values (``psnode.compression``), 16 per
       32-bit word; its threshold comes with ``configure``.
     2 ``1bit``: the 1bit compression, 32 values per word (decodes to +-1; takes a threshold too).
+    3 ``fp16``, 4 ``bf16``: float32 values at half width (``psnode.compression.schemes``); these two also
+      encode pull replies, when a pull asks for them (its entry's codec).
+    5 ``1bit_scaled``: a sign bit per value and a float32 scale per block (configured: ``block``).
+    6 ``topk``, 7 ``randomk``: ``k`` uint32 indices then their ``k`` float32 values (configured: ``ratio``).
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from typing import Any
 import numpy as np
 
 from psnode.compression import check_threshold, compressed_nbytes, dequantize
+from psnode.compression.schemes import HalfScheme, ScaledSignScheme, Scheme, SparseScheme, to_half
 from psnode.errors import RequestRefused
 
-__all__ = ["Codec", "RawCodec", "QuantizedCodec", "TwoBitCodec", "OneBitCodec", "RAW", "CodecTable", "codec_id",
-           "codec_names", "register_codec"]
+__all__ = ["Codec", "RawCodec", "QuantizedCodec", "TwoBitCodec", "OneBitCodec", "SchemeCodec", "HalfCodec",
+           "ScaledSignCodec", "SparseCodec", "RAW", "CodecTable", "codec_id", "codec_names", "register_codec"]
 
 
 class Codec(abc.ABC):
@@ -40,6 +45,8 @@ class Codec(abc.ABC):
 
     id: int
     name: str
+    encodes_replies = False
+    """Whether a pull may ask for its reply in this codec (``encode_reply``)."""
 
     def configure(self, params: dict[str, Any]) -> None:
         """Take the job's parameters for this codec (none by default).
@@ -55,6 +62,10 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def decode(self, data: Any, dtype: np.dtype, count: int) -> np.ndarray:
         """The ``count`` values ``data`` encodes (``data`` is ``encoded_nbytes(count, dtype)`` long)."""
+
+    def encode_reply(self, values: np.ndarray) -> np.ndarray:
+        """A pull reply's bytes for ``values`` (a stored value; only codecs that ``encodes_replies``)."""
+        raise RequestRefused(f"the {self.name} codec does not encode pull replies")
 
 
 class RawCodec(Codec):
@@ -134,12 +145,127 @@ class OneBitCodec(QuantizedCodec):
     kind = "1bit"
 
 
+# ---- the codecs of ``psnode.compression.schemes`` ------------------------------------------------------
+
+
+class SchemeCodec(Codec):
+    """A codec that decodes through a ``Scheme``, made from its configured parameters (``_make``)."""
+
+    def __init__(self) -> None:
+        self.scheme: Scheme | None = self._default()
+
+    def _default(self) -> Scheme | None:
+        """The scheme before any parameters came (None: the codec needs them)."""
+        return None
+
+    def _make(self, params: dict[str, Any]) -> Scheme:
+        raise NotImplementedError
+
+    def configure(self, params: dict[str, Any]) -> None:
+        try:
+            self.scheme = self._make(params)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RequestRefused(f"the {self.name} codec cannot use the parameters {params}: {exc}") from None
+
+    def _ready(self, dtype: np.dtype) -> Scheme:
+        if dtype != np.float32:
+            raise RequestRefused(f"{self.name} pushes carry float32 values, but the key holds {dtype}")
+        if self.scheme is None:
+            raise RequestRefused(
+                f"a {self.name} push arrived before the compression parameters; every worker calls "
+                "set_gradient_compression before pushing (rank 0 sends them to the servers)"
+            )
+        return self.scheme
+
+    def encoded_nbytes(self, count: int, dtype: np.dtype) -> int:
+        return self._ready(dtype).encoded_nbytes(count)
+
+    def decode(self, data: Any, dtype: np.dtype, count: int) -> np.ndarray:
+        try:
+            return self._ready(dtype).decode(data, size=count)
+        except (TypeError, ValueError) as exc:
+            raise RequestRefused(f"a {self.name} push that does not decode: {exc}") from None
+
+
+class HalfCodec(SchemeCodec):
+    """float32 values at half width; needs no parameters and also encodes pull replies."""
+
+    encodes_replies = True
+
+    def _default(self) -> Scheme:
+        return HalfScheme(self.name)
+
+    def _make(self, params: dict[str, Any]) -> Scheme:
+        if params:
+            raise ValueError(f"it takes none, got {sorted(params)}")
+        return HalfScheme(self.name)
+
+    def encode_reply(self, values: np.ndarray) -> np.ndarray:
+        if values.dtype != np.float32:
+            raise RequestRefused(f"a {self.name} pull of a key of {values.dtype}; only float32 keys travel at half "
+                                 "width")
+        return to_half(self.name, values.reshape(-1)).view(np.uint8)
+
+
+class Fp16Codec(HalfCodec):
+    """IEEE half precision (``psnode.compression.schemes``)."""
+
+    id = 3
+    name = "fp16"
+
+
+class Bf16Codec(HalfCodec):
+    """bfloat16 (``psnode.compression.schemes``)."""
+
+    id = 4
+    name = "bf16"
+
+
+class ScaledSignCodec(SchemeCodec):
+    """Sign bits and a scale per block; configured with ``{"block": values}``."""
+
+    id = 5
+    name = "1bit_scaled"
+
+    def _make(self, params: dict[str, Any]) -> Scheme:
+        block = params["block"]
+        if isinstance(block, bool) or not isinstance(block, int):
+            raise TypeError(f"block must be an integer, got {block!r}")
+        return ScaledSignScheme(block)
+
+
+class SparseCodec(SchemeCodec):
+    """Indices and values; configured with ``{"ratio": fraction sent}``."""
+
+    def _make(self, params: dict[str, Any]) -> Scheme:
+        return SparseScheme(self.name, params["ratio"])
+
+
+class TopKCodec(SparseCodec):
+    """``topk`` (``psnode.compression.schemes``)."""
+
+    id = 6
+    name = "topk"
+
+
+class RandomKCodec(SparseCodec):
+    """``randomk``, laid out as ``topk`` (``psnode.compression.schemes``)."""
+
+    id = 7
+    name = "randomk"
+
+
 RAW = RawCodec.id
 
 _TABLE: dict[int, type[Codec]] = {
     RawCodec.id: RawCodec,
     TwoBitCodec.id: TwoBitCodec,
     OneBitCodec.id: OneBitCodec,
+    Fp16Codec.id: Fp16Codec,
+    Bf16Codec.id: Bf16Codec,
+    ScaledSignCodec.id: ScaledSignCodec,
+    TopKCodec.id: TopKCodec,
+    RandomKCodec.id: RandomKCodec,
 }
 
 

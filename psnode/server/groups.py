@@ -179,8 +179,8 @@ class Groups:
             return False
         entries = entries_of(meta)
         group = self.by_keys.get(entries["key"].tobytes())
-        if group is None or not np.array_equal(entries["nbytes"], group.nbytes):
-            return False
+        if group is None or not np.array_equal(entries["nbytes"], group.nbytes) or entries["codec"].any():
+            return False  # (a pull answered in a codec goes key by key)
         seqs = entries["seq"]
         seq = int(seqs[0])
         if np.any(seqs != seq) or any(s.error for s in group.shards):

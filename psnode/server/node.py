@@ -591,14 +591,38 @@ class ServerNode:
             return
         shard, pull, answer = self._shard, self.store.pull, replies.answer
         try:
-            for key, index, frame, _, offset, nbytes, seq in unpack_entries(meta):
+            for key, index, frame, codec, offset, nbytes, seq in unpack_entries(meta):
                 if frame == IN_SHARED_MEMORY:  # the reply goes into the worker's shared memory
                     self._shared(peer, offset, nbytes)  # checked and mapped now, so the reply cannot fail
                     replies.in_shared_memory(rank, req_id, index, offset, nbytes)
+                if codec != RAW:  # the reply travels encoded (half width)
+                    found = shard(key)
+                    replies.encoded(rank, req_id, index, self._reply_codec(found, codec, nbytes))
+                    pull(found, rank, req_id, index, seq, answer)
+                    continue
                 pull(shard(key), rank, req_id, index, seq, answer)
         except RequestRefused:
             replies.forget_regions(rank, req_id)
             raise
+
+    def _reply_codec(self, shard: Shard, codec: int, nbytes: int) -> Any:
+        """The codec a pull of ``shard`` asked its reply in, once it can encode that value in ``nbytes``.
+
+        Raises:
+            RequestRefused: an unknown codec, one that does not encode replies, or another size.
+        """
+        encoder = self.codecs.get(codec)
+        if not encoder.encodes_replies:
+            raise RequestRefused(f"key {shard.user_key!r}: a pull asked for its reply in {encoder.name}, which "
+                                 "encodes pushes only")
+        if shard.dtype != np.float32:
+            raise RequestRefused(f"key {shard.user_key!r}: a pull asked for its reply in {encoder.name}, but the key "
+                                 f"holds {shard.dtype}; only float32 keys travel at half width")
+        expected = encoder.encoded_nbytes(shard.size, shard.dtype)
+        if nbytes != expected:
+            raise RequestRefused(f"key {shard.user_key!r}: a {encoder.name} pull of {nbytes} bytes, but the "
+                                 f"{shard.size} values held here take {expected} bytes in {encoder.name}")
+        return encoder
 
     def _shared(self, peer: PeerInfo, ref: int, nbytes: int) -> np.ndarray:
         """A view of ``peer``'s shared-memory region ``ref`` (only ever one of its own, of this job).

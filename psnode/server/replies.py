@@ -72,6 +72,7 @@ class Replies:
         self._acks: dict[int, list[tuple[int, int]]] = defaultdict(list)  # worker -> (req_id, parts)
         self._pulls_waiting: dict[int, set[int]] = defaultdict(set)  # worker -> pull req_ids not answered yet
         self._regions: dict[tuple[int, int, int], tuple[int, int]] = {}  # pulls answered in shared memory
+        self._encoded: dict[tuple[int, int, int], Any] = {}  # pull parts answered in a codec (half width)
         self.due: float | None = None
         self.when_idle = False
 
@@ -88,18 +89,24 @@ class Replies:
         """Part ``index`` of pull ``req_id`` is to be answered in the worker's region ``ref``."""
         self._regions[(worker, req_id, index)] = (ref, nbytes)
 
+    def encoded(self, worker: int, req_id: int, index: int, codec: Any) -> None:
+        """Part ``index`` of pull ``req_id`` is to be answered encoded by ``codec`` (``encode_reply``)."""
+        self._encoded[(worker, req_id, index)] = codec
+
     def forget_regions(self, worker: int, req_id: int) -> None:
-        """A refused pull answers nothing in shared memory."""
-        if self._regions:
-            for slot in [s for s in self._regions if s[:2] == (worker, req_id)]:
-                del self._regions[slot]
+        """A refused pull answers nothing in shared memory, nor encoded."""
+        for held in (self._regions, self._encoded):
+            if held:
+                for slot in [s for s in held if s[:2] == (worker, req_id)]:
+                    del held[slot]
 
     def forget_worker(self, worker: int) -> None:
         """Worker ``worker`` was replaced by a restarted one: drop what was held for its predecessor."""
         self._acks.pop(worker, None)
         self._pulls_waiting.pop(worker, None)
-        for slot in [s for s in self._regions if s[0] == worker]:
-            del self._regions[slot]
+        for held in (self._regions, self._encoded):
+            for slot in [s for s in held if s[0] == worker]:
+                del held[slot]
         for slot in [s for s in self.answers if s[0] == worker]:
             del self.answers[slot]
 
@@ -117,7 +124,7 @@ class Replies:
         answers, self.answers = self.answers, defaultdict(list)
         host = self.memory.host
         for (worker, req_id), parts in answers.items():
-            if len(parts) == 1 and not self._regions:  # one small part: the common reply, built directly
+            if len(parts) == 1 and not self._regions and not self._encoded:  # one small part: the common reply
                 index, shard = parts[0]
                 if not shard.error and shard.nbytes < OWN_FRAME:
                     self.send_to(worker, [pack_value(req_id, index, host(shard.stored).tobytes())], req_id)
@@ -147,9 +154,21 @@ class Replies:
         host = self.memory.host
         entries = []
         small: list[np.ndarray] = []
-        big: list[Shard] = []
+        own: list[np.ndarray] = []  # frames of their own, in frame order
+        big: list[Shard] = []  # the stored values among them: ZeroMQ reads them in place, tracked
         offset = 0
         for index, shard in parts:
+            codec = self._encoded.pop((worker, req_id, index), None) if self._encoded else None
+            if codec is not None:  # a new array: in the payload, or a frame of its own (nothing to track)
+                data = codec.encode_reply(host(shard.stored))
+                if data.nbytes >= OWN_FRAME:
+                    own.append(data)
+                    entries.append((shard.key_id, index, len(own), codec.id, 0, data.nbytes, 0))
+                else:
+                    small.append(data)
+                    entries.append((shard.key_id, index, 0, codec.id, offset, data.nbytes, 0))
+                    offset += data.nbytes
+                continue
             region = self._regions.pop((worker, req_id, index), None) if self._regions else None
             if region is not None and region[1] == shard.nbytes:
                 # mapped and checked when the pull arrived (ServerNode._pull): here only looked up
@@ -158,7 +177,8 @@ class Replies:
                 entries.append((shard.key_id, index, IN_SHARED_MEMORY, 0, 0, shard.nbytes, 0))
             elif shard.nbytes >= OWN_FRAME:
                 big.append(shard)
-                entries.append((shard.key_id, index, len(big), 0, 0, shard.nbytes, 0))
+                own.append(host(shard.stored).reshape(-1))
+                entries.append((shard.key_id, index, len(own), 0, 0, shard.nbytes, 0))
             else:
                 small.append(host(shard.stored))
                 entries.append((shard.key_id, index, 0, 0, offset, shard.nbytes, 0))
@@ -170,9 +190,7 @@ class Replies:
                        else np.concatenate([a.reshape(-1).view(np.uint8) for a in small]))
         else:
             payload = b""
-        frames = [pack_header(Cmd.PULL_REPLY, req_id), pack_entries(entries), payload]
-        for shard in big:
-            frames.append(host(shard.stored).reshape(-1))
+        frames = [pack_header(Cmd.PULL_REPLY, req_id), pack_entries(entries), payload, *own]
         tracker = self.send_to(worker, frames, req_id, track=bool(big))
         if tracker is not None:
             for shard in big:

@@ -167,16 +167,19 @@ class DataPath:
         return future
 
     # ---- pull -----------------------------------------------------------------------------
-    def pull(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
+    def pull(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, future: Any = None,
+             codecs: Sequence[int] | None = None) -> Any:
         """Pull ``(server, key id, out)`` parts into the C-contiguous arrays ``out``; returns at once.
 
         Each value includes every push of the key this worker issued before. The outs must stay
-        alive and untouched until the future is done.
+        alive and untouched until the future is done. ``codecs[i]``: the codec part ``i``'s reply
+        comes in (one that ``encodes_replies``, ``psnode.compression.codecs``; its ``out`` then takes
+        the encoded bytes, which the caller decodes); None: every part raw.
         """
         future = future or concurrent.futures.Future()
         regions = self.regions
         if len(parts) == 1 and (parts[0][2].nbytes < same_host.SHM_MIN or parts[0][0] not in regions.servers):
-            return self._pull_one(*parts[0], priority, future)
+            return self._pull_one(*parts[0], priority, future, codecs[0] if codecs else RAW)
         requests, outbox = self.requests, self.outbox
         targets = [_writable_bytes(out) for _, _, out in parts]  # C-contiguous outs, as bytes
         req = requests.track(future, len(parts), targets, "pull", tuple(part[0] for part in parts))
@@ -187,13 +190,15 @@ class DataPath:
             outbox.release_held()  # a held push that cannot carry this pull leaves on its own
         for server, items in by_server.items():
             if len(items) > 1 or held is None:
-                items = self._pull_big_alone(server, items, req, priority)
+                items = self._pull_big_alone(server, items, req, priority, codecs)
             if not items:
                 continue
-            entries = [(key_id, index, 0, RAW, 0, out.nbytes, requests.pushes(key_id, server))
+            entries = [(key_id, index, 0, codecs[index] if codecs else RAW, 0, out.nbytes, requests.pushes(key_id, server))
                        for index, (_, key_id, out) in items]
             if server in regions.servers and request is not None:
                 for j, (index, (_, key_id, out)) in enumerate(items):
+                    if codecs and codecs[index] != RAW:
+                        continue  # an encoded reply comes over the socket
                     region = regions.region((key_id, server, 1), out.nbytes) if out.nbytes >= same_host.SHM_MIN else None
                     if region is not None:  # the server writes the value into shared memory
                         region.busy = future
@@ -219,21 +224,23 @@ class DataPath:
             return self._pull_one(server, key_id, out, priority, future or concurrent.futures.Future())
         return self.pull([(server, key_id, out)], priority, future)
 
-    def _pull_big_alone(self, server: int, items: list, req: int, priority: int) -> list:
+    def _pull_big_alone(self, server: int, items: list, req: int, priority: int,
+                        codecs: Sequence[int] | None = None) -> list:
         """Send a pull message of its own for each big part answered over the socket (as pushes
         do, so that the server answers each as soon as its round closes); the other items."""
         rest = []
         local = server in self.regions.servers
         for item in items:
             index, (_, key_id, out) = item
-            if out.nbytes >= OWN_FRAME and not (local and out.nbytes >= same_host.SHM_MIN):
+            codec = codecs[index] if codecs else RAW
+            if out.nbytes >= OWN_FRAME and not (local and out.nbytes >= same_host.SHM_MIN and codec == RAW):
                 seq = self.requests.pushes(key_id, server)
-                self.outbox.enqueue(server, _pull_message(req, key_id, index, out.nbytes, seq), priority, req)
+                self.outbox.enqueue(server, _pull_message(req, key_id, index, out.nbytes, seq, codec), priority, req)
             else:
                 rest.append(item)
         return rest
 
-    def _pull_one(self, server: int, key_id: int, out: np.ndarray, priority: int, future: Any) -> Any:
+    def _pull_one(self, server: int, key_id: int, out: np.ndarray, priority: int, future: Any, codec: int = RAW) -> Any:
         """``pull`` of one part answered in a message: the same request, built without the general bookkeeping."""
         requests, outbox = self.requests, self.outbox
         req = requests.track(future, 1, [_writable_bytes(out)], "pull", server)
@@ -243,10 +250,10 @@ class DataPath:
             request = requests.pending.get(req)
             if request is not None:
                 request.carried = held[4]
-            if not outbox.join_compact(held, req, key_id, seq):
-                outbox.join(held, _pull_message(req, key_id, 0, out.nbytes, seq), req)
+            if codec != RAW or not outbox.join_compact(held, req, key_id, seq):  # (the compact form pulls raw)
+                outbox.join(held, _pull_message(req, key_id, 0, out.nbytes, seq, codec), req)
             return future
-        outbox.send(server, _pull_message(req, key_id, 0, out.nbytes, seq), priority, req)
+        outbox.send(server, _pull_message(req, key_id, 0, out.nbytes, seq, codec), priority, req)
         return future
 
     def pull_rows(self, parts: Sequence[tuple[int, int, np.ndarray, np.ndarray]], priority: int = 0,
@@ -300,9 +307,9 @@ def _reply_sized(entries: list) -> list[list]:
     return chunks
 
 
-def _pull_message(req: int, key_id: int, index: int, nbytes: int, seq: int) -> list:
+def _pull_message(req: int, key_id: int, index: int, nbytes: int, seq: int, codec: int = RAW) -> list:
     """The frames of a pull of one part (``index``: its place in the request): header and meta."""
-    return [pack_header(Cmd.PULL, req, 1), ENTRY_STRUCT.pack(key_id, index, 0, RAW, 0, nbytes, seq)]
+    return [pack_header(Cmd.PULL, req, 1), ENTRY_STRUCT.pack(key_id, index, 0, codec, 0, nbytes, seq)]
 
 
 def _by_server(parts: Sequence, indexed: bool = False) -> dict[int, list]:

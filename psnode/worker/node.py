@@ -571,10 +571,12 @@ class WorkerNode:
         """``push`` of one part (value copied), for callers with one part."""
         return self.data.push_part(server, key_id, value, priority, future, codec)
 
-    def pull(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, future: Any = None) -> Any:
+    def pull(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, future: Any = None,
+             codecs: Sequence[int] | None = None) -> Any:
         """Pull ``(server, key id, out)`` parts into the C-contiguous arrays ``out``; returns at once
-        (``DataPath.pull``). Each value includes every push of the key this worker issued before."""
-        return self.data.pull(parts, priority, future)
+        (``DataPath.pull``; ``codecs``: replies encoded at half width). Each value includes every push
+        of the key this worker issued before."""
+        return self.data.pull(parts, priority, future, codecs)
 
     def pull_part(self, server: int, key_id: int, out: np.ndarray, priority: int = 0, future: Any = None) -> Any:
         """``pull`` of one part, for callers with one part."""

@@ -17,7 +17,8 @@ OVERLAP = Path(__file__).parent / "training_scripts" / "torch_overlap.py"
 
 def _expected_weights(num_workers, steps=3, lr=0.5, momentum=0.5, batch=4, threshold=None):
     """SGD with momentum from rank 0's start (1.0) on the gradient summed over 2 replicas and the
-    workers; with a 2bit ``threshold``, each worker's sum is quantized with its residual first."""
+    workers; with a 2bit ``threshold``, each worker's sum is quantized with its residual first. (Every
+    gradient, sum and weight here is exact at half width, and topk with ratio 1 sends every value.)"""
     w, mom, trajectory = 1.0, 0.0, []
     residuals = [0.0] * num_workers
     for s in range(steps):
@@ -38,11 +39,15 @@ def _expected_weights(num_workers, steps=3, lr=0.5, momentum=0.5, batch=4, thres
 @pytest.mark.parametrize("store, servers, mode, threshold", [
     ("dist_sync", 2, "store", None), ("dist_sync", 2, "worker", None), ("dist_sync", 2, "store", 2.0),
     ("allreduce", 0, "store", None), ("allreduce", 0, "worker", None),
+    ("dist_sync", 2, "store", {"type": "fp16"}), ("dist_sync", 2, "worker", {"type": "bf16"}),
+    ("allreduce", 0, "worker", {"type": "fp16"}), ("allreduce", 0, "store", {"type": "topk", "ratio": 1}),
 ])
 @pytest.mark.timeout(120)
 def test_trainer_takes_rank_0_weights_and_steps_exactly_on_every_worker(store, servers, mode, threshold):
     workers = 2
-    args = [str(SCRIPT), mode, store] + ([str(threshold)] if threshold is not None else [])
+    given = json.dumps(threshold) if isinstance(threshold, dict) else threshold
+    args = [str(SCRIPT), mode, store] + ([str(given)] if threshold is not None else [])
+    threshold = None if isinstance(threshold, dict) else threshold
     with testing.LocalJob(workers, servers, worker=args, env={"PSLAUNCH_BIGARRAY_BOUND": "100000"}) as job:
         results = job.wait(90)
     outputs = {r.index: r.output for r in results if r.role == "worker"}

@@ -27,3 +27,13 @@ def make_grad(n: int, seed: int, scale_bits: int = 2) -> np.ndarray:
 def digest(array: np.ndarray) -> str:
     """The first 16 hex digits of the sha256 of ``array``'s float32 bytes."""
     return hashlib.sha256(np.ascontiguousarray(array, F32).tobytes()).hexdigest()[:16]
+
+
+def refused(call, error: type, *words: str) -> None:
+    """Check that ``call()`` raises ``error`` whose message holds every one of ``words``."""
+    try:
+        call()
+    except error as exc:
+        assert all(w in str(exc) for w in words), (words, exc)
+    else:
+        raise AssertionError(f"no {error.__name__} naming {words}")

@@ -2,7 +2,7 @@
 
 argv: ``store`` or ``worker`` (where the optimizer runs), then the store (``dist_sync`` by default,
 or ``allreduce`` in a job without servers), and optionally a 2bit compression threshold
-(``compression_params``). Worker r starts from weights 1 + r (rank 0's must win), and at step s its
+(``compression_params``) or a JSON compression dict (``compression=``). Worker r starts from weights 1 + r (rank 0's must win), and at step s its
 replica j has the gradient (r + 1) * (j + 1) * (s + 1) everywhere.
 """
 
@@ -18,9 +18,11 @@ SHAPES = {"w": (3,), "big": (300, 400)}  # 120000 elements: split across servers
 kv = kvcore.create(sys.argv[2] if len(sys.argv) > 2 else "dist_sync")
 rank = kv.rank
 params = {name: [np.full(shape, 1.0 + rank, np.float32) for _ in range(2)] for name, shape in SHAPES.items()}
-compression = {"type": "2bit", "threshold": sys.argv[3]} if len(sys.argv) > 3 else None
+given = sys.argv[3] if len(sys.argv) > 3 else None
+compression = {"type": "2bit", "threshold": given} if given and not given.startswith("{") else None
 trainer = kvcore.Trainer(params, kvcore.optim.SGD(learning_rate=0.5, momentum=0.5), kvstore=kv,
-                         update_on_kvstore=sys.argv[1] == "store", compression_params=compression)
+                         update_on_kvstore=sys.argv[1] == "store", compression_params=compression,
+                         compression=json.loads(given) if given and given.startswith("{") else None)
 trainer.sync_params()
 print("SYNCED", rank, json.dumps({n: sorted({float(v) for r in reps for v in np.unique(r)}) for n, reps in params.items()}),
       flush=True)
