@@ -48,18 +48,23 @@ def figure(path: Path, panels: int = 1, size: tuple[float, float] = (6.4, 4.0)) 
 def accuracy(report: dict, path: Path) -> None:
     """Test accuracy against epoch (``resnet_parity``'s curves), the mean over the seeds."""
     with figure(path, size=(7.5, 4.5)) as (ax,):
+        import matplotlib
+
+        ax.set_prop_cycle(color=matplotlib.colormaps["tab20"].colors)  # more lines than the default 10 colors
         for config, runs in report["curves"].items():
             epochs = min(len(run) for run in runs)
             mean = [statistics.fmean(run[e] for run in runs) for e in range(epochs)]
             ax.plot(range(1, epochs + 1), mean, marker="o", label=config, linestyle="--" if "DDP" in config else "-")
         ax.set_xlabel("epoch")
+        ax.set_xticks(range(1, 1 + max(len(run) for runs in report["curves"].values() for run in runs)))
         ax.set_ylabel("test accuracy")
         ax.set_title(f"ResNet-20, 2 workers, mean of {len(report['seeds'])} seeds "
                      f"({' '.join(report['training_args']) or 'the defaults'})", fontsize=9)
 
 
 def capped(report: dict, path: Path) -> None:
-    """Step time against the link's rate (``capped_training``'s summary), a panel per model."""
+    """Step time against the link's rate (``capped_training``'s summary, or several runs' summaries
+    joined: ``report["summary"]`` a list of them), a panel per model."""
     summary = [e for e in report["summary"] if "step_ms" in e]
     models = list(dict.fromkeys(e["model"] for e in summary))
     with figure(path, panels=len(models)) as axes:
@@ -70,6 +75,7 @@ def capped(report: dict, path: Path) -> None:
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=config,
                         linestyle="--" if "DDP" in config else "-")
             ax.set_xscale("log")
+            ax.set_ylim(bottom=0)
             ax.set_xlabel("link rate (Mbit/s, each way)")
             ax.set_ylabel("training step (ms)")
             ax.set_title(f"{model}: 2 workers on capped links", fontsize=9)

@@ -4,7 +4,10 @@ Run by ``python -m benchmarks.ps_vs_ring`` under the DMLC_* variables of a job. 
 TENSORS WARMUP ROUNDS`` with STORE ``dist_sync`` (servers) or ``allreduce`` (the ring, no servers).
 The model is ``TENSORS`` float32 tensors of ``MIB`` MiB in all; a round is the push of every
 tensor's gradient and the pull of every tensor, from a barrier until the last pulled value is in,
-so it is what a training step spends communicating (no optimizer: the store sums). Every pull is
+so it is what a training step spends communicating (no optimizer: the store sums). With servers each
+tensor's pull leaves right after its push, as ``kvcore.Trainer`` sends a group's (a server answers
+it once every worker's push of that tensor is in, while later tensors are still arriving). The ring
+pushes every tensor, then pulls (a pull there waits for its tensor's sum). Every pull is
 checked: worker ``r`` pushes ``r + 1`` everywhere, so the sum is ``W (W + 1) / 2`` (exact in
 float32). Prints one ``RESULT <json>`` line: each timed round's seconds.
 """
@@ -36,8 +39,16 @@ def main() -> int:
     for i in range(WARMUP + ROUNDS):
         kv.barrier()
         start = time.perf_counter()
-        kv.push(keys, grads)
-        kv.pull(keys, out=outs)
+        if STORE == "allreduce":
+            kv.push(keys, grads)
+            kv.pull(keys, out=outs)
+        else:
+            pulls = []
+            for key, grad, out in zip(keys, grads, outs):
+                kv.push(key, grad)
+                pulls.append(kv.pull(key, out=out, wait=False))
+            for pull in pulls:
+                pull.wait()
         elapsed = time.perf_counter() - start
         if any(not np.all(out == expected) for out in outs):
             print(f"worker {rank}: round {i} pulled a wrong sum (expected {expected})", file=sys.stderr)
