@@ -21,8 +21,10 @@ HELPER = helper("elastic_join.py")
 def test_a_worker_started_by_hand_joins_leaves_and_another_takes_its_rank_and_every_round_is_exact(tmp_path):
     # DMLC_NUM_WORKER=3 ranks, 2 start (PSLAUNCH_START_WORKERS), minimum 2: worker 2 joins once step 3
     # is done, leaves after its step 9's pulls (its step 10 is its last), and a second joiner takes rank 2
+    # (started after step 14: the 66 steps after it leave a loaded machine 5 s to start a process)
+    steps = 80
     with ByHandJob(HELPER, tmp_path, DMLC_NUM_SERVER="2", DMLC_NUM_WORKER="3", PSLAUNCH_MIN_WORKERS="2",
-                   PSLAUNCH_START_WORKERS="2", STEPS="40", STEP_SLEEP="0.08") as job:
+                   PSLAUNCH_START_WORKERS="2", STEPS=str(steps), STEP_SLEEP="0.08") as job:
         for name, role in (("scheduler", "scheduler"), ("server0", "server"), ("server1", "server"),
                            ("worker0", "worker"), ("worker1", "worker")):
             job.start(name, role)
@@ -37,13 +39,13 @@ def test_a_worker_started_by_hand_joins_leaves_and_another_takes_its_rank_and_ev
         codes = [p.wait(timeout=60) for p in job.procs if p is not full]
     logs = job.logs()
     assert codes == [0] * len(codes), logs
-    members = check_exact(records(tmp_path), 40)
+    members = check_exact(records(tmp_path), steps)
     with_joiner = [step for step, m in enumerate(members) if m == {0, 1, 2}]
     joined = [int(line.split()[2]) for line in lines(tmp_path, 2) if line.startswith("2 joined")]
     # the first joiner came after step 3, took part through step 10 (SIGTERM after step 9's pulls), and
     # the second from where it restored the members' step on
     assert len(joined) == 2 and 4 <= joined[0] and joined[1] > 11, joined
-    assert with_joiner == list(range(joined[0], 11)) + list(range(joined[1], 40)), (joined, with_joiner)
+    assert with_joiner == list(range(joined[0], 11)) + list(range(joined[1], steps)), (joined, with_joiner)
     assert all(m == {0, 1} for step, m in enumerate(members) if step not in with_joiner)
     for rank in (0, 1):  # the reset callbacks ran at exactly the steps where the count changed
         resets = (tmp_path / f"resets.{rank}.txt").read_text().split("\n")
