@@ -360,11 +360,12 @@ class DistKVStore(KVStoreBase):
         self._settle()  # keys initialised before are split for the old parameters' words
         super().set_gradient_compression(compression_params)
         params = self._compression.params
+        # the next pulls' width (those in flight asked for theirs and get it)
+        self._pull_codec = None if params.pull is None else codec_id(params.pull)
         rejoined = self._worker.rejoined  # a restarted worker: the servers have the parameters
         if rejoined and not self._marks:
             return
         self._worker.wait_pushes()
-        self._pull_codec = None if params.pull is None else codec_id(params.pull)
         # first: no push encoded with the old parameters is still on its way to a server
         self._worker.setup_barrier("set_gradient_compression:drained")
         if self.rank == 0 and not rejoined:
@@ -574,7 +575,7 @@ class DistKVStore(KVStoreBase):
         """Pull with float32 values at half width (``'pull'`` of the compression parameters): each
         part's reply lands in a uint16 buffer of its own and is decoded into the outs (other dtypes
         come raw)."""
-        scheme = self._compression.params.pull
+        width = self._compression.params.pull
         parts, codecs = [], []
         decodes: list[tuple[np.ndarray, np.ndarray]] = []  # (half-width bits, where they decode to)
         copies: list[tuple[np.ndarray, list[Any]]] = []
@@ -598,7 +599,7 @@ class DistKVStore(KVStoreBase):
 
         def deliver() -> None:
             for bits, target in decodes:
-                target[...] = from_half(scheme, bits)
+                target[...] = from_half(width, bits)
             _deliver(copies)
 
         return self._pull_then(parts, priority, NodeHandle("pull", self._worker), deliver, codecs)
