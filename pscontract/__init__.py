@@ -45,6 +45,8 @@ __all__ = [
     "MARKER_PREEMPTED",
     "EXIT_PREEMPTED",
     "preempt_signal",
+    "runtime_signals",
+    "ignore_runtime_signals",
     "stack_signal",
     "MARKER_READY",
     "MARKER_RESUMED",
@@ -248,6 +250,29 @@ def preempt_signal() -> int:
     import signal
 
     return int(signal.SIGRTMIN) + 3
+
+
+def runtime_signals() -> tuple[int, ...]:
+    """The signals pslaunch sends that the bundled runtime handles itself: ``stack_signal`` and
+    ``preempt_signal``."""
+    return stack_signal(), preempt_signal()
+
+
+def ignore_runtime_signals() -> None:
+    """Ignore ``runtime_signals`` in this process, and so in every process it starts (an ignored
+    signal stays ignored across ``exec``), until the runtime there installs its handlers: such a
+    signal that comes first (a stack asked of a worker still importing its libraries) then does
+    nothing, where a real-time signal's default action would end the process. A signal this process
+    already handles is left alone; only the main thread can change a signal's disposition, so from
+    another thread this does nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in runtime_signals():
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def stack_signal() -> int:

@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Sequence
 
-from pscontract import PSLAUNCH_CPU_BIND, binding, hand_key_over
+from pscontract import PSLAUNCH_CPU_BIND, binding, hand_key_over, ignore_runtime_signals
 
 from ..errors import SpawnError
 from ..on_node.children import READ_SIZE, child_environ, widen_pipe
@@ -72,6 +72,7 @@ class LocalSpawner:
         self._grace = grace
         self._watchdog: subprocess.Popen | None = None
         self._groups: list[Group] = []
+        ignore_runtime_signals()  # the children inherit it: a stack asked before their runtime runs kills none
 
     def _tell(self, line: str) -> None:
         if self._watchdog is None:

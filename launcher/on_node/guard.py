@@ -34,10 +34,13 @@ from __future__ import annotations
 import shlex
 from typing import Mapping, Sequence
 
-__all__ = ["GUARD_SCRIPT", "remote_command", "env_payload", "PING", "PONG"]
+from pscontract import runtime_signals
+
+__all__ = ["GUARD_SCRIPT", "remote_command", "guard_argv", "env_payload", "PING", "PONG"]
 
 GUARD_SCRIPT = r"""
-g=$1; l=$2; d=$3; strict=$4; shift 4
+g=$1; l=$2; d=$3; strict=$4; ign=$5; shift 5
+[ -z "$ign" ] || trap '' $ign
 exec 3<&0
 IFS= read -r n || exit 125
 s=''; i=0
@@ -110,9 +113,18 @@ def remote_command(argv: Sequence[str], cwd: str | None, strict_cwd: bool, grace
     sh, bash, dash, zsh, ksh).
     """
     link = max(1, int(round(link_timeout))) if link_timeout > 0 else 0
-    pieces = ["sh", "-c", GUARD_SCRIPT, "pslaunch-guard", str(max(1, int(round(grace)))), str(link), cwd or "",
-              "1" if strict_cwd else "0", *argv]
-    return "exec " + shlex.join(pieces)
+    return "exec " + shlex.join(guard_argv(argv, cwd, strict_cwd, grace, link))
+
+
+def guard_argv(argv: Sequence[str], cwd: str | None, strict_cwd: bool, grace: float, link: int = 0) -> list[str]:
+    """``sh -c GUARD_SCRIPT`` around ``argv`` with its settings (``link``: whole seconds, 0 for none).
+
+    The guard ignores the runtime's own signals (``pscontract.runtime_signals``) before it starts
+    ``argv``, which inherits that until its runtime handles them: one that comes first does nothing.
+    """
+    ignored = " ".join(str(signum) for signum in runtime_signals())
+    return ["sh", "-c", GUARD_SCRIPT, "pslaunch-guard", str(max(1, int(round(grace)))), str(link), cwd or "",
+            "1" if strict_cwd else "0", ignored, *argv]
 
 
 def env_payload(env: Mapping[str, str]) -> bytes:

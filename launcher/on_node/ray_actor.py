@@ -27,10 +27,10 @@ import threading
 import time
 
 from .children import READ_SIZE, child_environ, widen_pipe
-from .guard import GUARD_SCRIPT, env_payload
+from .guard import env_payload, guard_argv
 from .process_groups import VERBS
 
-__all__ = ["ProcessActor", "OutputBuffer", "BUFFER_BYTES", "guard_argv"]
+__all__ = ["ProcessActor", "OutputBuffer", "BUFFER_BYTES"]
 
 #: Bytes of output an actor holds for pslaunch before its process's writes wait.
 BUFFER_BYTES = 8 << 20
@@ -81,12 +81,6 @@ class OutputBuffer:
             return out, self._open == 0 and ended()
 
 
-def guard_argv(argv: list[str], cwd: str | None, grace: float) -> list[str]:
-    """The guard around ``argv``: no link timeout (the actor's life is the link), ``cwd`` strict."""
-    return ["sh", "-c", GUARD_SCRIPT, "pslaunch-guard", str(max(1, int(round(grace)))), "0", cwd or "",
-            "1" if cwd else "0", *argv]
-
-
 class ProcessActor:
     """Starts and watches one process of the job on this node (see the module docstring).
     Created by ``launcher.backends.ray.backend`` with ``ray.remote``; each method is a remote call."""
@@ -129,8 +123,10 @@ class ProcessActor:
             if self._popen is not None and self._popen.poll() is None and self._popen.stdin is not None:
                 self._popen.stdin.close()  # an earlier attempt's guard: at EOF it stops its group
             buffer = OutputBuffer()
-            popen = subprocess.Popen(guard_argv(argv, cwd, grace), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=child_environ({}, base=dict(os.environ)))
+            # no link timeout (the actor's life is the link); cwd strict
+            popen = subprocess.Popen(guard_argv(argv, cwd, bool(cwd), grace), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=child_environ({}, base=dict(os.environ)))
             assert popen.stdin is not None
             popen.stdin.write(env_payload(env))
             popen.stdin.flush()
