@@ -141,7 +141,7 @@ class AllreduceKVStore(KVStoreBase):
         worker's encodings in one allgather, and decode them into the key's sum buffer in rank order:
         every worker then holds the same sum. Each worker receives the others' encodings (W - 1 of
         them): what a ring would move at full width, 2 (W - 1) / W of the value, costs more than that
-        from 2 / ratio workers on (16 for a 1/8 encoding, 4 for fp16)."""
+        from 2 / (encoded fraction) workers on (4 for fp16, 64 for 1bit_scaled, 100 for topk at 1%)."""
         keys, encoded = [], []
         pending, all_sums, compression = self._pending, self._sums, self._compression
         for key, values in groups:
