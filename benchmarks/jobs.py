@@ -21,7 +21,7 @@ from testkit import JobFailed, LocalJob, free_port
 
 from . import kv_suite
 
-__all__ = ["KVSystem", "kv_systems", "run_kv_job", "run_zmq_job", "ZMQ_TRANSPORTS"]
+__all__ = ["KVSystem", "kv_systems", "run_kv_job", "run_zmq_job", "read_result", "ZMQ_TRANSPORTS"]
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -101,7 +101,12 @@ def kv_systems(mxnet_python: str | None, profile_dir: Path | None = None) -> dic
     return systems
 
 
-def _read_result(job: LocalJob, role: str, index: int) -> dict[str, Any]:
+def read_result(job: LocalJob, role: str, index: int) -> dict[str, Any]:
+    """The ``RESULT`` line process ``role`` ``index`` printed (``kv_suite.emit_result``), parsed.
+
+    Raises:
+        JobFailed: it printed none.
+    """
     for line in job.output_of(role, index).splitlines():
         if line.startswith(kv_suite.RESULT_PREFIX):
             return json.loads(line[len(kv_suite.RESULT_PREFIX):])
@@ -125,7 +130,7 @@ def run_kv_job(system: KVSystem, plan: kv_suite.Plan, num_workers: int, log_dir:
                   server=system.server, python=system.python, log_dir=log_dir, test_settings=False,
                   job_key=system.keyed or None) as job:
         job.wait_ok(["worker"], timeout_s)
-        results = [_read_result(job, "worker", i) for i in range(num_workers)]
+        results = [read_result(job, "worker", i) for i in range(num_workers)]
         # the scheduler and server end by themselves once the workers are done
         job.wait_ok(["scheduler", "server"], min(timeout_s, 30))
     if system.check_values:
@@ -174,7 +179,7 @@ def run_zmq_job(transport: str, plan: kv_suite.Plan, num_dealers: int, log_dir: 
             for i in range(num_dealers):
                 job.start("dealer", i, [sys.executable, script, "dealer", endpoint, plan.to_json()], no_role)
             job.wait_ok(["dealer", "router"], timeout_s)
-            results = [_read_result(job, "dealer", i) for i in range(num_dealers)]
+            results = [read_result(job, "dealer", i) for i in range(num_dealers)]
     measures: dict[str, dict] = {}
     for key in results[0]["measures"]:
         rows = [r["measures"][key] for r in results]

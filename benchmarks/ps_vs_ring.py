@@ -37,8 +37,9 @@ from pathlib import Path
 from testkit import JobFailed, LocalJob
 from testkit.netns import NetnsCluster, NetnsError, usable
 
-from . import kv_suite, plots
+from . import plots
 from .capped_link import rate_bytes
+from .jobs import read_result
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "ps_vs_ring_worker.py"
@@ -73,14 +74,7 @@ def run_job(cluster: NetnsCluster, workers: int, servers: int, args: argparse.Na
         for i, host in enumerate(worker_hosts):
             job.start("worker", i, cluster.run_in(host, argv), node_host=cluster.address(host))
         job.wait_ok(["worker"], args.job_timeout)
-        medians = []
-        for i in range(workers):
-            for line in job.output_of("worker", i).splitlines():
-                if line.startswith(kv_suite.RESULT_PREFIX):
-                    medians.append(statistics.median(json.loads(line[len(kv_suite.RESULT_PREFIX):])["seconds"]))
-                    break
-            else:
-                raise JobFailed(f"worker {i} printed no result")
+        medians = [statistics.median(read_result(job, "worker", i)["seconds"]) for i in range(workers)]
         job.wait_ok(["scheduler", "server"], 60)
     return max(medians)
 
@@ -143,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(rows)
     print(render(summary, args, model_bytes))
     if args.json is not None:
-        args.json.write_text(json.dumps({"rows": rows, "summary": summary, "rate": args.rate, "model_bytes": model_bytes,
+        args.json.write_text(json.dumps({"rows": rows, "summary": summary, "rate": args.rate,
+                                         "model_bytes": model_bytes,
                                          "tensors": args.tensors,
                                          "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2))
     if args.plot is not None:
@@ -170,7 +165,8 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def render(summary: list[dict], args: argparse.Namespace, model_bytes: int) -> str:
-    lines = [f"a {model_bytes / (1 << 20):g} MiB model in {args.tensors} tensors, every host link {args.rate} each way; "
+    lines = [f"a {model_bytes / (1 << 20):g} MiB model in {args.tensors} tensors, every host link {args.rate} "
+             "each way; "
              "push+pull per step (median round of the slowest worker)",
              "| workers | design | hosts | step | link model | measured / model | vs the ring |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

@@ -290,10 +290,6 @@ class GradientCompression:
         self._params = params
         self._scheme = params.scheme(self._stream)
 
-    def residual(self, slot: Hashable) -> Any:
-        """The residual of ``slot``, or None (not encoded yet, or a scheme that keeps none)."""
-        return self._residuals.get(slot)
-
     def quantize(self, slot: Hashable, value: Any) -> Any:
         """Encode float32 ``value`` with the residual of ``slot``; return the encoded bytes (on its device).
 

@@ -180,12 +180,13 @@ class Collectives:
             self._engine.allreduce(key, fused.buffer, future=inner)
         return chain(inner, NodeHandle("allreduce", self._worker), lambda: fused.unpack(outs))
 
-    def start_allgather(self, value: np.ndarray, out: np.ndarray, key: tuple) -> concurrent.futures.Future:
+    def start_allgather(self, value: np.ndarray, out: np.ndarray, key: tuple, said: Any) -> NodeHandle:
         """Start gathering every worker's host ``value`` into ``out[rank]`` (shape ``(num_workers,) +
-        value.shape``); the future at once. ``key`` names the call on every worker, as ``allreduce_arrays``'s."""
+        value.shape``); the future at once. ``key`` names the call on every worker, as ``allreduce_arrays``'s;
+        ``said``: the key an error or stall line names (None: none)."""
         future = NodeHandle("allgather", self._worker)
         with runtime_errors():
-            self._engine.allgather(key, value, out, label=_Said("allgather", key), future=future)
+            self._engine.allgather(key, value, out, label=_Said("allgather", said), future=future)
         return future
 
     def allgather(self, value: Any, key: Any = None) -> Any:
@@ -193,11 +194,7 @@ class Collectives:
         ``(num_workers,) + value.shape``, on ``value``'s device. Blocks."""
         host = np.ascontiguousarray(arrays.asnumpy(value))
         out = np.empty((self.num_workers,) + host.shape, host.dtype)
-        future = NodeHandle("allgather", self._worker)
-        with runtime_errors():
-            self._engine.allgather(("allgather",) if key is None else ("allgather", key), host, out,
-                                   label=_Said("allgather", key), future=future)
-        future.wait()
+        self.start_allgather(host, out, ("allgather",) if key is None else ("allgather", key), key).wait()
         return out if type(value) is np.ndarray else arrays.to_device(out, arrays.device_of(value))
 
     def broadcast(self, value: Any, root: int = 0, key: Any = None, wait: bool = True) -> Any:

@@ -143,7 +143,7 @@ class AllreduceKVStore(KVStoreBase):
         them): what a ring would move at full width, 2 (W - 1) / W of the value, costs more than that
         from 2 / (encoded fraction) workers on (4 for fp16, 64 for 1bit_scaled, 100 for topk at 1%)."""
         keys, encoded = [], []
-        pending, all_sums, compression = self._pending, self._sums, self._compression
+        all_sums, compression = self._sums, self._compression
         for key, values in groups:
             total = self._sum_buffer(key)
             value = arrays.asnumpy(values[0]) if len(values) == 1 else _local_sum(values, total)
@@ -152,7 +152,8 @@ class AllreduceKVStore(KVStoreBase):
         sizes = [int(data.nbytes) for data in encoded]
         mine = np.concatenate(encoded) if len(encoded) > 1 else encoded[0]
         gathered = np.empty((self.num_workers, mine.size), np.uint8)
-        future = self._coll.start_allgather(mine, gathered, ("kv-encoded", tuple(keys)))
+        tag = ("kv-encoded", tuple(keys))
+        future = self._coll.start_allgather(mine, gathered, tag, tag)
 
         def decode() -> None:
             for rank in range(self.num_workers):
@@ -161,11 +162,7 @@ class AllreduceKVStore(KVStoreBase):
                     compression.dequantize(gathered[rank, offset:offset + size], all_sums[key], accumulate=rank > 0)
                     offset += size
 
-        handle = self._coll.handle_of([future], "push", then=decode)
-        push = _Push(handle, keys)
-        for key in keys:
-            pending[key] = push
-        return handle
+        return self._hold(keys, self._coll.handle_of([future], "push", then=decode), apply=True)
 
     def _buffer(self, shape: tuple, dtype: Any) -> np.ndarray:
         """A new buffer for a key's stored value or sum: big ones in shared memory, where the
@@ -182,7 +179,11 @@ class AllreduceKVStore(KVStoreBase):
     def _launch(self, keys: list[Hashable], values: list[np.ndarray], outs: list[Any], apply: bool) -> Handle:
         """Sum ``values`` into ``outs`` over every worker; each key's pending push until done."""
         futures = self._coll.allreduce_arrays(values, outs, ("kv", tuple(keys)), self.fusion_bytes)
-        handle = self._coll.handle_of(futures, "push")
+        return self._hold(keys, self._coll.handle_of(futures, "push"), apply)
+
+    def _hold(self, keys: list[Hashable], handle: Handle, apply: bool) -> Handle:
+        """``handle`` is the push in flight of ``keys`` until ``_settle`` (which applies their sums when
+        ``apply``); returns it."""
         push = _Push(handle, keys if apply else [])
         pending = self._pending
         for key in keys:
@@ -269,10 +270,7 @@ class AllreduceKVStore(KVStoreBase):
                     if target is not o:
                         arrays.copy_into(target, o)
 
-        done = self._coll.handle_of([handle], "pushpull", then=finish)
-        push = _Push(done, [])
-        for k in keys:
-            self._pending[k] = push
+        done = self._hold(keys, self._coll.handle_of([handle], "pushpull", then=finish), apply=False)
         if wait:
             done.wait()
         return done

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from psnode.compression import check_threshold, compressed_nbytes, dequantize
-from psnode.compression.schemes import HalfScheme, ScaledSignScheme, Scheme, SparseScheme, to_half
+from psnode.compression import compressed_nbytes
+from psnode.compression.schemes import HalfScheme, ScaledSignScheme, Scheme, SparseScheme, ThresholdScheme, to_half
 from psnode.errors import RequestRefused
 
 __all__ = ["Codec", "RawCodec", "QuantizedCodec", "TwoBitCodec", "OneBitCodec", "SchemeCodec", "HalfCodec",
@@ -81,75 +81,12 @@ class RawCodec(Codec):
         return np.frombuffer(data, dtype=dtype, count=count)
 
 
-# ---- the quantized codecs ----------------------------------------------------------------------
-# What the ``2bit`` and ``1bit`` codecs share: a threshold set once per job, and decoding through
-# ``psnode.compression`` (numpy, on the host).
-#
-# A worker quantizes with a residual it keeps and pushes the packed words; the server turns them back
-# into float32 values before the round merges them (arrival order, as MXNet's server sums). The
-# threshold reaches every server in a ``SET_CODEC`` message (rank 0 sends it when training code calls
-# ``set_gradient_compression``) at full float32 precision: a push that arrives before it is refused.
-
-
-class QuantizedCodec(Codec):
-    """A codec of ``psnode.compression``'s kind ``kind``: float32 values only, one threshold."""
-
-    kind: str
-
-    def __init__(self) -> None:
-        self.threshold: np.float32 | None = None
-
-    def configure(self, params: dict[str, Any]) -> None:
-        """Take ``{"threshold": t}``: a JSON number that is finite (and greater than 0 for 2bit).
-
-        Raises:
-            RequestRefused: a missing or bad threshold (the message names it).
-        """
-        if "threshold" not in params:
-            raise RequestRefused(f"the {self.name} codec needs a threshold, got the parameters {sorted(params)}")
-        value = params["threshold"]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RequestRefused(f"the {self.name} codec's threshold must be a number, got {value!r}")
-        try:
-            self.threshold = check_threshold(self.kind, value)
-        except ValueError as exc:
-            raise RequestRefused(str(exc)) from None
-
-    def encoded_nbytes(self, count: int, dtype: np.dtype) -> int:
-        return compressed_nbytes(count, self.kind)
-
-    def decode(self, data: Any, dtype: np.dtype, count: int) -> np.ndarray:
-        if dtype != np.float32:
-            raise RequestRefused(f"{self.name} pushes carry float32 values, but the key holds {dtype}")
-        if self.threshold is None:
-            raise RequestRefused(
-                f"a {self.name} push arrived before the compression parameters; every worker calls "
-                "set_gradient_compression before pushing (rank 0 sends them to the servers)"
-            )
-        return dequantize(self.kind, data, self.threshold, size=count)
-
-
-class TwoBitCodec(QuantizedCodec):
-    """Codes ``11`` / ``10`` / ``00`` decode to ``+t`` / ``-t`` / 0 (``psnode.compression``)."""
-
-    id = 1
-    name = "2bit"
-    kind = "2bit"
-
-
-class OneBitCodec(QuantizedCodec):
-    """Bits 1 / 0 decode to +1 / -1 (``psnode.compression``); the threshold only matters to the worker."""
-
-    id = 2
-    name = "1bit"
-    kind = "1bit"
-
-
-# ---- the codecs of ``psnode.compression.schemes`` ------------------------------------------------------
+# ---- codecs that decode through a scheme (``psnode.compression.schemes``) -------------------------------
 
 
 class SchemeCodec(Codec):
-    """A codec that decodes through a ``Scheme``, made from its configured parameters (``_make``)."""
+    """A codec that decodes through a ``Scheme``, made from its configured parameters (``_make``):
+    float32 values only, and none before the parameters came (unless ``_default`` gives a scheme)."""
 
     def __init__(self) -> None:
         self.scheme: Scheme | None = self._default()
@@ -187,6 +124,66 @@ class SchemeCodec(Codec):
             raise RequestRefused(f"a {self.name} push that does not decode: {exc}") from None
 
 
+# ---- the quantized codecs ----------------------------------------------------------------------
+# What the ``2bit`` and ``1bit`` codecs share: a threshold set once per job, and decoding through
+# ``psnode.compression`` (numpy, on the host).
+#
+# A worker quantizes with a residual it keeps and pushes the packed words; the server turns them back
+# into float32 values before the round merges them (arrival order, as MXNet's server sums). The
+# threshold reaches every server in a ``SET_CODEC`` message (rank 0 sends it when training code calls
+# ``set_gradient_compression``) at full float32 precision: a push that arrives before it is refused.
+
+
+class QuantizedCodec(SchemeCodec):
+    """A codec of ``psnode.compression``'s kind ``kind``: float32 values only, one threshold (a
+    ``ThresholdScheme``)."""
+
+    kind: str
+
+    @property
+    def threshold(self) -> np.float32 | None:
+        """The threshold configured, or None before the parameters came."""
+        return None if self.scheme is None else self.scheme.threshold
+
+    def _make(self, params: dict[str, Any]) -> Scheme:
+        """Take ``{"threshold": t}``: a JSON number that is finite (and greater than 0 for 2bit).
+
+        Raises:
+            RequestRefused: a missing or bad threshold (the message names it).
+        """
+        if "threshold" not in params:
+            raise RequestRefused(f"the {self.name} codec needs a threshold, got the parameters {sorted(params)}")
+        value = params["threshold"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RequestRefused(f"the {self.name} codec's threshold must be a number, got {value!r}")
+        try:
+            return ThresholdScheme(self.kind, value)
+        except ValueError as exc:
+            raise RequestRefused(str(exc)) from None
+
+    def encoded_nbytes(self, count: int, dtype: np.dtype) -> int:
+        return compressed_nbytes(count, self.kind)  # known before the threshold is: a size is checked first
+
+
+class TwoBitCodec(QuantizedCodec):
+    """Codes ``11`` / ``10`` / ``00`` decode to ``+t`` / ``-t`` / 0 (``psnode.compression``)."""
+
+    id = 1
+    name = "2bit"
+    kind = "2bit"
+
+
+class OneBitCodec(QuantizedCodec):
+    """Bits 1 / 0 decode to +1 / -1 (``psnode.compression``); the threshold only matters to the worker."""
+
+    id = 2
+    name = "1bit"
+    kind = "1bit"
+
+
+# ---- the codecs of the types beyond MXNet's ------------------------------------------------------------
+
+
 class HalfCodec(SchemeCodec):
     """float32 values at half width; needs no parameters and also encodes pull replies."""
 
@@ -201,9 +198,7 @@ class HalfCodec(SchemeCodec):
         return HalfScheme(self.name)
 
     def encode_reply(self, values: np.ndarray) -> np.ndarray:
-        if values.dtype != np.float32:
-            raise RequestRefused(f"a {self.name} pull of a key of {values.dtype}; only float32 keys travel at half "
-                                 "width")
+        # float32: the server refused a pull in this codec of any other key when it came
         return to_half(self.name, values.reshape(-1)).view(np.uint8)
 
 

@@ -488,8 +488,9 @@ class ServerNode:
             shard.round.count_refused(worker)  # its worker counted it: later pulls must not wait for it
             raise
 
-    def _check_encoded(self, shard: Shard, codec: int, nbytes: int) -> Any:
-        """The decoder of ``codec`` (not ``RAW``), once ``nbytes`` is what it makes of ``shard``'s values.
+    def _check_encoded(self, shard: Shard, codec: int, nbytes: int, what: str = "push") -> Any:
+        """The codec ``codec`` (not ``RAW``), once ``nbytes`` is what it makes of ``shard``'s values (a
+        push's bytes, or those a pull asks its reply in).
 
         Raises:
             RequestRefused: an unknown codec, or another size (the message names both).
@@ -497,7 +498,7 @@ class ServerNode:
         decoder = self.codecs.get(codec)
         expected = decoder.encoded_nbytes(shard.size, shard.dtype)
         if nbytes != expected:
-            raise RequestRefused(f"key {shard.user_key!r}: a {decoder.name} push of {nbytes} bytes, but the "
+            raise RequestRefused(f"key {shard.user_key!r}: a {decoder.name} {what} of {nbytes} bytes, but the "
                                  f"{shard.size} values held here take {expected} bytes in {decoder.name}")
         return decoder
 
@@ -595,12 +596,10 @@ class ServerNode:
                 if frame == IN_SHARED_MEMORY:  # the reply goes into the worker's shared memory
                     self._shared(peer, offset, nbytes)  # checked and mapped now, so the reply cannot fail
                     replies.in_shared_memory(rank, req_id, index, offset, nbytes)
+                found = shard(key)
                 if codec != RAW:  # the reply travels encoded (half width)
-                    found = shard(key)
                     replies.encoded(rank, req_id, index, self._reply_codec(found, codec, nbytes))
-                    pull(found, rank, req_id, index, seq, answer)
-                    continue
-                pull(shard(key), rank, req_id, index, seq, answer)
+                pull(found, rank, req_id, index, seq, answer)
         except RequestRefused:
             replies.forget_regions(rank, req_id)
             raise
@@ -618,11 +617,7 @@ class ServerNode:
         if shard.dtype != np.float32:
             raise RequestRefused(f"key {shard.user_key!r}: a pull asked for its reply in {encoder.name}, but the key "
                                  f"holds {shard.dtype}; only float32 keys travel at half width")
-        expected = encoder.encoded_nbytes(shard.size, shard.dtype)
-        if nbytes != expected:
-            raise RequestRefused(f"key {shard.user_key!r}: a {encoder.name} pull of {nbytes} bytes, but the "
-                                 f"{shard.size} values held here take {expected} bytes in {encoder.name}")
-        return encoder
+        return self._check_encoded(shard, codec, nbytes, "pull")
 
     def _shared(self, peer: PeerInfo, ref: int, nbytes: int) -> np.ndarray:
         """A view of ``peer``'s shared-memory region ``ref`` (only ever one of its own, of this job).

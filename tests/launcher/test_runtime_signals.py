@@ -7,13 +7,13 @@ the ssh guard start every process with them ignored, and the runtime installs it
 from __future__ import annotations
 
 import os
-import time
-from pathlib import Path
+import re
 
 import pytest
 
 from pscontract import runtime_signals
-from testkit.launcher import REPO, helper, reaped, start_pslaunch
+from testkit.launcher import REPO, helper, reaped
+from testkit.launcher.processes import StderrWatch, start_pslaunch
 
 LATE = helper("late_runtime.py")
 
@@ -25,16 +25,15 @@ def test_the_runtimes_signals_sent_before_its_runtime_runs_leave_the_worker_runn
     args = ["-n", "1", "-s", "1", "--no-dashboard", "--timeout", "60"]
     if launcher == "ssh":
         sshd = request.getfixturevalue("sshd")
-        args += ["-H", sshd.hostfile(tmp_path / "hosts", ["127.0.0.2"]), *sshd.ssh_flags(), "--env", f"PYTHONPATH:{REPO}"]
+        hosts = sshd.hostfile(tmp_path / "hosts", ["127.0.0.2"])
+        args += ["-H", hosts, *sshd.ssh_flags(), "--env", f"PYTHONPATH:{REPO}"]
     with reaped(start_pslaunch([*args, "python", LATE, str(tmp_path)]), str(tmp_path)) as proc:
-        pid_file = Path(tmp_path) / "pid.0"
-        deadline = time.monotonic() + 30
-        while not pid_file.exists():
-            assert time.monotonic() < deadline and proc.poll() is None, "the worker did not start"
-            time.sleep(0.05)
+        watch = StderrWatch(proc)
+        assert watch.wait_for(r"WAITING (\d+)", 30), watch.text()
+        pid = int(re.search(r"WAITING (\d+)", watch.text()).group(1))
         for signum in runtime_signals():
-            os.kill(int(pid_file.read_text()), signum)  # its runtime is not running yet
-        (Path(tmp_path) / "go").write_text("")
-        out, err = proc.communicate(timeout=90)
-    assert proc.returncode == 0, err.decode()
-    assert "OK 0" in out.decode(), out.decode() + err.decode()
+            os.kill(pid, signum)  # its runtime is not running yet
+        (tmp_path / "go").write_text("")
+        err = watch.finish(90)
+    assert proc.returncode == 0, err
+    assert "OK 0" in err, err
