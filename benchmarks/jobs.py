@@ -47,6 +47,10 @@ PSLAUNCH_PATH_ENV = {
     # the TCP path with every node writing a timeline (PSLAUNCH_TIMELINE, a file in the job's log
     # directory): what a trace of the job costs
     "tcp_timeline": {"PSLAUNCH_SAME_HOST": "tcp", "PSLAUNCH_TIMELINE": TIMELINE_IN_LOG_DIR},
+    # the TCP path with big values through ZeroMQ instead of data lanes (psnode.node.data_lanes)
+    "tcp_nolanes": {"PSLAUNCH_SAME_HOST": "tcp", "PSLAUNCH_LANES": "off"},
+    # the TCP path with pushes that send the caller's array (push(..., copy=False)) instead of a copy
+    "tcp_nocopy": {"PSLAUNCH_SAME_HOST": "tcp", "PSLAUNCH_BENCH_PUSH_COPY": "0"},
 }
 
 # ps-lite binds ipc:// endpoints instead of tcp:// when DMLC_LOCAL is set.

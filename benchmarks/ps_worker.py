@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import sys
 
+import kv_suite
 import numpy as np
 
-import kv_suite
 import kvcore
 
 
@@ -21,6 +21,9 @@ class PslaunchAdapter:
 
     def __init__(self) -> None:
         self._kv = kvcore.create("dist_sync")
+        # PSLAUNCH_BENCH_PUSH_COPY=0 (system pslaunch_tcp_nocopy): pushes send the array itself; the
+        # suite changes no value before the pull after its push, which waited for the push
+        self._copy = os.environ.get("PSLAUNCH_BENCH_PUSH_COPY", "1") != "0"
         self.rank = self._kv.rank
         self.num_workers = self._kv.num_workers
 
@@ -34,7 +37,7 @@ class PslaunchAdapter:
         self._kv.init(key, value)
 
     def push(self, key, value):
-        self._kv.push(key, value)
+        self._kv.push(key, value, copy=self._copy)
 
     def pull(self, key, out):
         # pull(wait=True) returns once every out holds the value

@@ -34,18 +34,21 @@ RATIO_PAIRS = [
     ("pslaunch_fast", "pslaunch_fast_noauth"),
     ("pslaunch_tcp_curve", "pslaunch_tcp"),
     ("pslaunch_tcp_timeline", "pslaunch_tcp"),
+    ("pslaunch_tcp", "pslaunch_tcp_nolanes"),
+    ("pslaunch_tcp_nocopy", "zmq_tcp"),
 ]
 
-# issue 3's targets: (name, measure, ours, baseline, op, threshold)
+# the data path's targets (issue 42): (name, measure, ours, baseline, op, threshold)
 TARGETS = [
-    ("4 MiB over TCP >= MXNet", f"pushpull_{4 * MiB}", "pslaunch_tcp", "mxnet_tcp", ">=", 1.0),
-    ("64 MiB over TCP >= MXNet", f"pushpull_{64 * MiB}", "pslaunch_tcp", "mxnet_tcp", ">=", 1.0),
-    ("4 MiB same-host path >= 2x MXNet", f"pushpull_{4 * MiB}", "pslaunch_fast", "mxnet_tcp", ">=", 2.0),
-    ("64 MiB same-host path >= 2x MXNet", f"pushpull_{64 * MiB}", "pslaunch_fast", "mxnet_tcp", ">=", 2.0),
-    ("4-element round trip <= 0.5x MXNet (TCP)", "roundtrip_4elem", "pslaunch_tcp", "mxnet_tcp", "<=", 0.5),
-    ("4-element round trip <= 0.5x MXNet (same host)", "roundtrip_4elem", "pslaunch_fast", "mxnet_tcp", "<=", 0.5),
-    ("1000 small keys <= 0.1x MXNet (TCP)", "many_1000x1float", "pslaunch_tcp", "mxnet_tcp", "<=", 0.1),
-    ("1000 small keys <= 0.1x MXNet (same host)", "many_1000x1float", "pslaunch_fast", "mxnet_tcp", "<=", 0.1),
+    ("push+pull 4 MiB over TCP >= 0.9x raw pyzmq", f"pushpull_{4 * MiB}", "pslaunch_tcp", "zmq_tcp", ">=", 0.9),
+    ("push+pull 16 MiB over TCP >= 0.9x raw pyzmq", f"pushpull_{16 * MiB}", "pslaunch_tcp", "zmq_tcp", ">=", 0.9),
+    ("push+pull 64 MiB over TCP >= 0.9x raw pyzmq", f"pushpull_{64 * MiB}", "pslaunch_tcp", "zmq_tcp", ">=", 0.9),
+    ("4-element round trip <= 1.2x raw pyzmq's echo (TCP)", "roundtrip_4elem", "pslaunch_tcp", "zmq_tcp", "<=", 1.2),
+    ("4-element round trip <= 1.2x raw pyzmq's echo (same host)", "roundtrip_4elem", "pslaunch_fast", "zmq_ipc", "<=",
+     1.2),
+    ("push+pull 4 MiB same host >= 4x MXNet", f"pushpull_{4 * MiB}", "pslaunch_fast", "mxnet_tcp", ">=", 4.0),
+    ("1000 small keys <= 0.05x MXNet (TCP)", "many_1000x1float", "pslaunch_tcp", "mxnet_tcp", "<=", 0.05),
+    ("1000 small keys <= 0.05x MXNet (same host)", "many_1000x1float", "pslaunch_fast", "mxnet_tcp", "<=", 0.05),
 ]
 
 
@@ -125,7 +128,7 @@ def build_ratios(rows: list[Row]) -> list[dict[str, Any]]:
 
 
 def build_targets(rows: list[Row]) -> list[dict[str, Any]]:
-    """Issue 3's targets, each with its ratio and whether it is met (None: not measured this run)."""
+    """The data path's targets (issue 42), each with its ratio and whether it is met (None: not measured this run)."""
     by_measure = {r.measure: r for r in rows}
     out = []
     for name, measure, ours, base, op, threshold in TARGETS:
@@ -243,7 +246,7 @@ def _render_rich(headers, body, target_rows, report, status_line) -> str:
     for cells in body:
         table.add_row(*cells)
     console.print(table)
-    targets = Table(title="issue 3 targets (ratio = pslaunch / MXNet TCP)")
+    targets = Table(title="data path targets (issue 42; ratio = pslaunch / baseline)")
     for h in ("target", "ratio", "status"):
         targets.add_column(h)
     for cells in target_rows:
@@ -282,7 +285,7 @@ def markdown(report: dict[str, Any]) -> str:
                          else (status if status != "ok" and _produces(s, row["measure"]) else "n/a"))
         cells += [_ratio_cell(ratio_of.get((row["measure"], o, b))) for o, b in pairs]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| target (issue 3) | pslaunch / baseline | met? |", "|---|---|---|"]
+    lines += ["", "| target (issue 42) | pslaunch / baseline | met? |", "|---|---|---|"]
     for t in report["targets"]:
         status = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
         lines.append(f"| {t['target']} | {_target_cell(t['ratio'])} | {status} |")

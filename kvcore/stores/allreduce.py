@@ -111,7 +111,7 @@ class AllreduceKVStore(KVStoreBase):
         for key, value in zip(keys, values):
             self._stored[key] = value
 
-    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int, copy: bool = True) -> Handle:
         if self._compression is not None:
             return self._push_compressed(groups)
         keys, sources, sums = [], [], []

@@ -162,13 +162,19 @@ class KVStoreBase(abc.ABC):
         for k, first in pairs:
             self._meta[k] = KeyMeta(tuple(first.shape), np.dtype(first.dtype))
 
-    def push(self, key: Any, value: Any, priority: int = 0) -> Handle:
+    def push(self, key: Any, value: Any, priority: int = 0, copy: bool = True) -> Handle:
         """Push one value, or a list of per-device values that are summed first, for each key.
 
         The merged value is handed to the updater (by default it replaces the stored value).
         Returns a ``Handle``; the caller may modify ``value`` as soon as push returns. Higher
         ``priority`` goes first when a store queues work. With gradient compression on (see
         ``set_gradient_compression``) each value is quantized with its own residual first.
+
+        ``copy=False`` (the distributed stores; the others ignore it): a big numpy value that goes
+        to its server over the network is sent from the caller's array instead of a copy, so
+        ``push`` returns sooner and the round moves a pass less memory. The caller then must not
+        change ``value`` until the returned handle is done (``handle.wait()``; a pull of the key
+        that follows the push has waited for it too).
 
         Raises:
             UninitializedKeyError, ShapeMismatchError, DTypeMismatchError: naming key and values
@@ -196,7 +202,7 @@ class KVStoreBase(abc.ABC):
                     f"gradient compression is only supported for float32 values, but key {k!r} holds "
                     f"{meta.dtype}; push float32 gradients or create a store without compression"
                 )
-        return self._push_groups(groups, priority)
+        return self._push_groups(groups, priority, copy)
 
     def pull(
         self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True, wait: bool = True
@@ -320,7 +326,7 @@ class KVStoreBase(abc.ABC):
         """Store the initial value of each new key."""
 
     @abc.abstractmethod
-    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int, copy: bool = True) -> Handle:
         """Merge and apply each key's pushed values; return a handle for the whole push."""
 
     @abc.abstractmethod

@@ -376,7 +376,7 @@ class DistKVStore(KVStoreBase):
 
     # ---- the common case without the general normalisation ------------------------------------
     @maps_runtime_errors
-    def push(self, key: Any, value: Any, priority: int = 0) -> Handle:
+    def push(self, key: Any, value: Any, priority: int = 0, copy: bool = True) -> Handle:
         """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
         if self._pending_mark is not None:
             self._send_mark()
@@ -386,9 +386,12 @@ class DistKVStore(KVStoreBase):
             target = self._whole_target(key, value)
             if target is not None:
                 handle = NodeHandle("push", self._worker)
-                self._worker.push_part(target[0], target[1], value, priority, handle)
+                if copy:
+                    self._worker.push_part(target[0], target[1], value, priority, handle)
+                else:
+                    self._worker.push([(target[0], target[1], value)], priority, False, handle)
                 return handle
-        return super().push(key, value, priority)
+        return super().push(key, value, priority, copy)
 
     @maps_runtime_errors
     def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True, wait: bool = True) -> Handle:
@@ -468,7 +471,7 @@ class DistKVStore(KVStoreBase):
                 self._whole[lay.key] = (lay.parts[0].server, lay.id)
 
     @maps_runtime_errors
-    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int, copy: bool = True) -> Handle:
         self._settle()
         if self._pending_mark is not None:
             self._send_mark()
@@ -500,7 +503,7 @@ class DistKVStore(KVStoreBase):
             for part in lay.parts:
                 parts.append((part.server, part.id, flat[part.start:part.stop]))
         handle = NodeHandle("push", self._worker)
-        self._worker.push(parts, priority, not fresh, handle)
+        self._worker.push(parts, priority, copy and not fresh, handle)
         return handle
 
     @maps_runtime_errors

@@ -92,7 +92,7 @@ class LocalKVStore(KVStoreBase):
             self._compression.dequantize(packed, buffer, accumulate=position > 0)
         return buffer
 
-    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int) -> Handle:
+    def _push_groups(self, groups: list[tuple[Hashable, list[Any]]], priority: int, copy: bool = True) -> Handle:
         with self._lock:
             for key, values in groups:
                 merged = self._merge(key, values)

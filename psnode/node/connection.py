@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 from psnode.env import NodeEnv
 from psnode.errors import ClosedError, NodeTimeoutError, ProtocolError, PSNodeError
 from psnode.log import logger, setup_logging
+from psnode.node import data_lanes
 from psnode.node.control import CONTROL_CMDS, FailureLatch, SchedulerLink
 from psnode.node.futures import is_done
 from psnode.node.membership import SCHEDULER, Membership, PeerInfo, host_fingerprint
@@ -89,9 +90,11 @@ class Connection:
         uid = f"{role}@{host}:{port}"
         self.transport.identity = uid.encode()
         self.lanes = self._open_lanes(role, host, uid)
+        data_listener = self._open_data_lanes(role, host, uid)
         self.me = PeerInfo(role, -1, host, port, uid, host_fingerprint(), local_name,
                            self.probe.ref if self.probe is not None else 0, os.getpid(),
-                           self.lanes.port if self.lanes is not None else 0)
+                           self.lanes.port if self.lanes is not None else 0,
+                           data_listener.port if data_listener is not None else 0)
         self.members = Membership(role)
         self.members.left = set(range(env.workers_at_start, env.num_workers))  # ranks an elastic job may give joiners
         self.failure = FailureLatch()
@@ -105,6 +108,12 @@ class Connection:
         self._next_heartbeat = 0.0
         self._held: list[tuple[bytes, list]] = []  # collectives of workers not in the book yet (``dispatch``)
         self._early: list[tuple[float, bytes, list]] = []  # a restarted worker's, before its WORKER_REJOINED came
+        # big pushes and pull replies on TCP streams of their own (psnode.node.data_lanes); None: all on ZeroMQ
+        self.data_lanes: data_lanes.DataLanes | None = None
+        if data_listener is not None:
+            self.data_lanes = data_lanes.DataLanes(data_listener, self.transport, self.members, self.me, env.same_host,
+                                        env.max_message, self.link.note_malformed)
+            self.data_lanes.start()
 
     def _open_lanes(self, role: str, host: str, uid: str) -> Lanes | None:
         """A worker's lanes for big collective messages (``psnode.transport.lanes``), or None: not a worker, lanes
@@ -121,10 +130,27 @@ class Connection:
                            host, exc)
             return None
 
+    def _open_data_lanes(self, role: str, host: str, uid: str) -> Lanes | None:
+        """The listening side of this node's data lanes (``psnode.node.data_lanes``), or None: not
+        wanted in this job (``data_lanes.wanted``), a transport without another way in, or a port
+        that cannot be bound (said in the log)."""
+        env = self.env
+        if not data_lanes.wanted(env, role) or not hasattr(self.transport, "inject"):
+            return None
+        try:
+            return Lanes.listen("" if env.bind_all else host, uid.encode(), env.job_id, env.security().lane_key(),
+                                what="big pushes and pull replies", in_order=True)
+        except OSError as exc:
+            logger.warning("this %s has no data lanes (cannot listen on %s: %s); its big values go through ZeroMQ",
+                           role, host, exc)
+            return None
+
     def close(self, linger: float) -> None:
         """Close the transport (``linger`` seconds for what it still holds) and the lanes."""
         if self.lanes is not None:
             self.lanes.close()
+        if self.data_lanes is not None:
+            self.data_lanes.lanes.close()
         self.transport.close(linger=linger)
 
     def serve_with(self, after_batch: Callable[[], None] | None = None, deferred: Deferred | None = None) -> None:

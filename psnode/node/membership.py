@@ -12,6 +12,7 @@ receiving thread, which swaps in new dicts and lists whole: readers need no lock
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ class PeerInfo:
     shm_probe: int = 0  # wire reference of the node's shared-memory probe (0: none)
     pid: int = 0  # its process id (a shared-memory reference from it must name this process)
     lane_port: int = 0  # a worker's port for lanes (``psnode.transport.lanes``) on ``host``; 0: it has none
+    data_port: int = 0  # its port for data lanes (``psnode.node.data_lanes``) on ``host``; 0: it has none
 
     def describe(self) -> str:
         """``server 1 on 10.0.0.2:4567``: how errors name a node."""
@@ -62,11 +64,12 @@ class PeerInfo:
         try:
             peer = cls(str(item["role"]), int(item["rank"]), str(item["host"]), int(item["port"]), str(item["uid"]),
                        str(item["fingerprint"]), str(item["local_name"]), int(item.get("shm_probe") or 0),
-                       int(item.get("pid") or 0), int(item.get("lane_port") or 0))
+                       int(item.get("pid") or 0), int(item.get("lane_port") or 0), int(item.get("data_port") or 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"a malformed address book entry: {type(exc).__name__}: {exc}") from exc
-        if not 0 <= peer.lane_port <= 65535:
-            raise ProtocolError(f"an address book entry with lane port {peer.lane_port}, not 0..65535")
+        for what, port in (("lane port", peer.lane_port), ("data lane port", peer.data_port)):
+            if not 0 <= port <= 65535:
+                raise ProtocolError(f"an address book entry with {what} {port}, not 0..65535")
         return peer
 
 
@@ -209,8 +212,7 @@ class Membership:
             if taking is None or not 0 <= rank < len(servers):
                 raise ProtocolError(f"server {rank} is said to be replaced by {by!r}, which is no replica of it here")
             replicas[rank] = [p for p in replicas[rank] if p.uid != by]
-            promoted = PeerInfo("server", rank, taking.host, taking.port, taking.uid, taking.fingerprint,
-                                taking.local_name, taking.shm_probe, taking.pid, taking.lane_port)
+            promoted = dataclasses.replace(taking, role="server", rank=rank)
             peers[by.encode()] = promoted
             servers[rank] = promoted
         # whole new objects: a thread reading the book meanwhile sees the old one or the new one

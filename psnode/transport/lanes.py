@@ -1,4 +1,4 @@
-"""Lanes: plain TCP streams between two workers for big data messages, read where they belong.
+"""Lanes: plain TCP streams between two nodes for big data messages, read where they belong.
 
 **Why.** ZeroMQ copies nothing it need not, but every big message still passes its I/O thread
 on both sides (a hand-off per message each way, a buffer allocated per received message) and the
@@ -6,7 +6,8 @@ receiver then copies it to where it belongs. A ring allreduce of 4 workers on 2 
 that CPU: a bare pyzmq ring spent 80 ms of CPU per 64 MiB allreduce and worker where the same ring
 over plain sockets, each segment read straight into its destination, spent 50 ms (and gloo, which
 does the latter, 60 ms; docs/benchmarks.md). So the collectives send their big segments over lanes
-when a peer is reached over TCP; everything else keeps ZeroMQ.
+when a peer is reached over TCP; everything else keeps ZeroMQ. A job's big pushes and pull replies
+between workers and servers take lanes of their own the same way (``psnode.node.data_lanes``).
 
 **A lane** is one TCP connection that carries messages one way, from the worker that opened it to
 the one that accepted it; each ordered pair of workers has at most one. Every worker listens on a
@@ -227,14 +228,21 @@ class _OutLane:
         sock.close()
 
     def _give_up(self, why: str, unsent: list, warn: bool) -> None:
-        """Use this lane no more: what it holds goes through the fallback, in order."""
+        """Use this lane no more: what it holds goes through the fallback, in order (and, with the
+        owner's ``in_order``, before anything sent after this lane failed)."""
         with self.owner._lock:
             self.failed = True  # ``Lanes.send`` queues nothing more here
             closing = self.owner.closed
-        if warn and not closing:
-            logger.warning("%s; collectives to it go through ZeroMQ", why)
-        else:
-            logger.info("%s", why)
+            if warn and not closing:
+                logger.warning("%s; %s to it go through ZeroMQ", why, self.owner.what)
+            else:
+                logger.info("%s", why)
+            if self.owner.in_order:  # a sender waits for the lock, then takes the other path: after these
+                self._resend(unsent, closing)
+                return
+        self._resend(unsent, closing)
+
+    def _resend(self, unsent: list, closing: bool) -> None:
         while True:
             try:
                 item = self.queue.get_nowait()
@@ -262,8 +270,13 @@ class Lanes:
     ``send`` queues a message and returns at once.
     """
 
-    def __init__(self, sock: socket.socket, identity: bytes, job: str, key: bytes) -> None:
+    def __init__(self, sock: socket.socket, identity: bytes, job: str, key: bytes, what: str = "collectives",
+                 in_order: bool = False) -> None:
         self._listener = sock
+        self.what = what  # what the lanes carry, for the log
+        # a failed lane's messages are sent again before any later one to that peer: the receiver
+        # relies on the order of one sender's messages
+        self.in_order = in_order
         self.port = sock.getsockname()[1]
         self.identity = identity
         self.job = job.encode()
@@ -280,8 +293,9 @@ class Lanes:
         self._next_refusal_log = 0.0
 
     @classmethod
-    def listen(cls, host: str, identity: bytes, job: str, key: bytes) -> "Lanes":
-        """Listen on a free port of ``host`` ('' for every interface).
+    def listen(cls, host: str, identity: bytes, job: str, key: bytes, what: str = "collectives",
+               in_order: bool = False) -> "Lanes":
+        """Listen on a free port of ``host`` ('' for every interface); ``what`` and ``in_order``: see ``__init__``.
 
         Raises:
             OSError: the port cannot be bound.
@@ -293,7 +307,7 @@ class Lanes:
         except BaseException:
             sock.close()
             raise
-        return cls(sock, identity, job, key)
+        return cls(sock, identity, job, key, what, in_order)
 
     # ---- receiving -------------------------------------------------------------------------------
     def serve(self, receiver: Receiver, known: Callable[[bytes], Any]) -> None:
@@ -367,7 +381,7 @@ class Lanes:
             time.sleep(0.01)
             peer = self._known(opener)
         if peer is None:
-            raise ProtocolError(f"{opener.decode(errors='replace')!r} is not a worker of this job")
+            raise ProtocolError(f"{opener.decode(errors='replace')!r} is not a node of this job that sends on lanes here")
         sock.settimeout(None)
         return opener, peer
 

@@ -18,6 +18,10 @@ node then drops it as malformed).
 ``poll`` waits on the ROUTER and on an eventfd that ``wake`` writes, so another thread can end a
 poll at once (the node hands its receiving role over that way, with no polling interval).
 
+Another way for big messages (``psnode.node.data_lanes``): with a ``lane_router`` set, ``send`` first
+offers it each message of four or five frames, and sends through ZeroMQ what it does not take;
+messages that came that other way are handed in with ``inject`` and received before the ROUTER's.
+
 Security (``psnode.transport.security``): with a job key every socket speaks PLAIN (``auth``) or CURVE
 (``curve``) with credentials derived from the key, and a ZAP handler in this transport's context
 admits only connections that prove the key; ZeroMQ closes the others before it buffers a frame of
@@ -34,6 +38,7 @@ import resource
 import struct
 import threading
 import time
+from collections import deque
 from typing import Any, Sequence
 
 import zmq
@@ -57,6 +62,7 @@ _HANDSHAKE_EVENTS = {
 }
 _MONITOR_IDS = itertools.count()
 _MAX_FILES = 1 << 20  # open files a node asks for at most (``_room_for_sockets``)
+_INBOX_MAX = 64  # messages handed in another way (``inject``) and not received yet, before the hand-in waits
 _SOCKET_BUFFER = 4 << 20  # kernel buffer per connection: fewer wake-ups per big message (capped by the kernel)
 _JOINED = b"\x00PJ"  # starts a joined message; a message's first frame is a protocol header (b"PS...")
 _JOIN_MAX = 16384  # frames totalling more than this are sent one by one
@@ -164,6 +170,10 @@ class ZmqTransport(Transport):
         self._poll_items: list | None = None  # what poll waits on: the ROUTER and the wake eventfd
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_lock = threading.Lock()  # a wake never writes to the number of a closed (reused) fd
+        # ``route(peer, frames)`` -> a tracker when it took the message (``psnode.node.data_lanes``), else None
+        self.lane_router: Any = None
+        self._inbox: deque = deque()  # (sender, frames) that came another way (``inject``): received first
+        self._inbox_room = threading.Condition()
 
     @staticmethod
     def same_host_endpoint(local_name: str) -> str:
@@ -245,6 +255,15 @@ class ZmqTransport(Transport):
             self._dealers[peer] = (sock, threading.Lock())
 
     def send(self, peer: bytes, frames: Sequence[Any], track: bool = False, block: bool = True) -> Any:
+        router = self.lane_router
+        if router is not None and 4 <= len(frames) <= 5:
+            tracker = router.route(peer, frames)
+            if tracker is not None:
+                return tracker if track else None
+        return self.send_here(peer, frames, track, block)
+
+    def send_here(self, peer: bytes, frames: Sequence[Any], track: bool = False, block: bool = True) -> Any:
+        """``send`` through ZeroMQ only (what another way gives back goes here)."""
         entry = self._dealers.get(peer)
         if entry is None:
             self._check_open()
@@ -380,6 +399,8 @@ class ZmqTransport(Transport):
 
     def poll(self, timeout: float) -> bool:
         router = self._require_router()
+        if self._inbox:
+            return True
         try:
             events = zmq.zmq_poll(self._poll_items, max(0, int(timeout * 1000)))
         except zmq.ZMQError as exc:
@@ -395,14 +416,28 @@ class ZmqTransport(Transport):
                     os.eventfd_read(self._wake_fd)
                 except BlockingIOError:
                     pass
-        return ready
+        return ready or bool(self._inbox)
 
     def wake(self) -> None:
         with self._wake_lock:
             if self._wake_fd >= 0:
                 os.eventfd_write(self._wake_fd, 1)
 
+    def inject(self, sender: bytes, frames: list) -> None:
+        """Hand in a message from ``sender`` that came another way; ``recv`` returns it next (any
+        thread). Waits while ``_INBOX_MAX`` such messages are not received yet: the other way's reader
+        stops reading, and its sender feels it, as a ZeroMQ peer past the high-water mark does."""
+        with self._inbox_room:
+            while len(self._inbox) >= _INBOX_MAX and not self._closed:
+                self._inbox_room.wait(0.1)
+            self._inbox.append((sender, frames))
+        self.wake()
+
     def recv(self) -> tuple[bytes, list[Any]]:
+        if self._inbox:
+            with self._inbox_room:
+                self._inbox_room.notify()
+                return self._inbox.popleft()
         router = self._require_router()
         recv = router.recv
         try:

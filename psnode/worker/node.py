@@ -85,6 +85,8 @@ class WorkerNode:
         self.collectives = Engine(self.conn)  # before registration: a peer's first message may come at once
         self.collectives.await_workers = self._await_workers
         self.requests = RequestTable(self.conn.failure)
+        if self.conn.data_lanes is not None:  # a pull reply on a data lane is read straight into its out
+            self.conn.data_lanes.find_out = self.requests.lane_target
         self.outbox = Outbox(self.conn.transport, self.conn.members, self.requests.complete)
         self.receiver = Receiver(self.conn, self.outbox)
         replicated = env.server_replicas > 0

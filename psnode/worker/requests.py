@@ -317,7 +317,9 @@ class RequestTable:
                 if frame == IN_SHARED_MEMORY:
                     target[:] = request.regions[index].array
                 else:
-                    target[:] = buffers[frame][offset:offset + nbytes]
+                    data = buffers[frame]
+                    if data is not target:  # (a data lane read it into the out already: ``lane_target``)
+                        target[:] = data[offset:offset + nbytes]
                 self.pulled_bytes += nbytes
             request.remaining -= len(entries)
         elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC_ACK):
@@ -338,6 +340,23 @@ class RequestTable:
         else:
             raise ProtocolError(f"a worker does not accept {Cmd(cmd).name}")
 
+
+    def lane_target(self, req_id: int, index: int, nbytes: int, server: int) -> memoryview | None:
+        """Where the value of a reply that comes on a data lane may be read straight to (any thread):
+        the out of part ``index`` of pull ``req_id`` when that pull waits for it from ``server`` and
+        the out has ``nbytes``; else None (``psnode.node.data_lanes``). The reply then names the out
+        itself as its value frame, and ``take_reply`` copies nothing."""
+        request = self.pending.get(req_id)
+        if request is None or request.what != "pull" or request.targets is None:
+            return None
+        targets, servers = request.targets, request.servers
+        if not 0 <= index < len(targets) or (request.regions is not None and index in request.regions):
+            return None
+        asked = servers if type(servers) is int else servers[index] if type(servers) is tuple else None
+        if asked != server:
+            return None
+        target = targets[index]
+        return target if target.nbytes == nbytes else None
 
     def _take_values_once(self, request: Request, cmd: int, arg: int, frames: list, peer_rank: int) -> None:
         """``_take_values`` with replicas: a part answered before (by a lost server, then by the replica

@@ -165,6 +165,14 @@ def test_pushed_array_can_be_modified_after_push(kv):
     assert np.array_equal(pulled(kv, 1), ones(2))
 
 
+def test_push_without_a_copy_is_taken_and_the_value_is_the_same(kv):
+    kv.init(1, ones())
+    value = ones(3)
+    kv.push(1, value, copy=False).wait()  # the local store keeps no reference to it either
+    value[...] = 100
+    assert np.array_equal(pulled(kv, 1), ones(3))
+
+
 # ---- errors ---------------------------------------------------------------------------------
 
 

@@ -26,9 +26,9 @@ def _store_and_count():
             super().__init__("local")
             self.pushes = 0
 
-        def _push_groups(self, groups, priority):
+        def _push_groups(self, groups, priority, copy=True):
             self.pushes += 1
-            return super()._push_groups(groups, priority)
+            return super()._push_groups(groups, priority, copy)
 
     return Counting()
 

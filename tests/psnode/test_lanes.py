@@ -223,7 +223,7 @@ def test_an_opener_that_is_not_a_worker_of_the_job_is_refused(monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="psnode"), Pair(known=()) as pair:
         pair.send(b"x")
         deadline = time.monotonic() + 10
-        while not any("'worker@a' is not a worker of this job" in r.message for r in caplog.records):
+        while not any("'worker@a' is not a node of this job that sends on lanes here" in r.message for r in caplog.records):
             assert time.monotonic() < deadline, caplog.text
             time.sleep(0.02)
         assert pair.inbox.messages == []

@@ -1,0 +1,50 @@
+"""Worker: exact dist_sync sums of values big enough for the data lanes, pushed copied and not
+copied (``push(..., copy=False)``), with worker 0 first sending the servers' data lane ports what a
+stranger would; prints ``LANES <sent> <received> <in place>`` and ``OK <rank>``."""
+
+import os
+import socket
+
+import numpy as np
+
+import kvcore
+from psnode.transport.lanes import MAGIC
+
+kv = kvcore.create("dist_sync")
+rank, n = kv.rank, kv.num_workers
+worker = kv._worker
+shapes = {5: (512, 1024), 6: (1200, 1200), 7: (3, 4)}  # 2 MiB whole, 5.5 MiB split over the servers, small
+for key, shape in shapes.items():
+    kv.init(key, np.zeros(shape, np.float32))
+
+if rank == 0:  # a stranger's bytes: refused by each server before a byte of data is read, the job goes on
+    for server in worker.conn.members.servers:
+        if server.data_port:
+            with socket.create_connection((server.host, server.data_port), timeout=5) as sock:
+                sock.sendall(os.urandom(300))
+            with socket.create_connection((server.host, server.data_port), timeout=5) as sock:
+                who = b"worker@stranger"
+                sock.sendall(MAGIC + len(who).to_bytes(2, "little") + who + len(server.uid).to_bytes(2, "little")
+                             + server.uid.encode() + os.urandom(16))
+                sock.settimeout(5)
+                sock.recv(48)  # the server's nonce and proof
+                sock.sendall(os.urandom(32))  # a proof without the key
+
+total = sum(range(1, n + 1))
+for rnd in range(4):
+    copy = rnd % 2 == 0
+    outs = {}
+    for key, shape in shapes.items():
+        value = np.full(shape, (rank + 1) * (rnd + 1), np.float32)
+        value.reshape(-1)[::997] += rank  # not one constant: a part in the wrong place would show
+        kv.push(key, value, copy=copy)
+        outs[key] = np.zeros(shape, np.float32)
+        kv.pull(key, out=outs[key])
+        expected = np.full(shape, total * (rnd + 1), np.float32)
+        expected.reshape(-1)[::997] += sum(range(n))
+        assert np.array_equal(outs[key], expected), (rnd, key, outs[key].reshape(-1)[:4])
+        value[...] = -1  # the pull waited for the push: the value may change now
+lanes = worker.conn.data_lanes
+print("LANES", *((lanes.sent, lanes.received, lanes.in_place) if lanes else (0, 0, 0)), flush=True)
+kv.barrier()
+print("OK", rank, flush=True)
