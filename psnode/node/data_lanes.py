@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 
-from psnode.errors import ProtocolError
+from psnode.errors import ProtocolError, WouldBlock
+from psnode.log import logger
 from psnode.node.membership import Membership, PeerInfo, endpoint_of
 from psnode.node.protocol import (
     FLAG_ACKS,
@@ -66,6 +68,7 @@ LANE_MIN = 256 << 10
 hand-off between threads would cost more than it saves."""
 
 PREFIX = 256
+RESEND_WAIT = 60.0  # seconds a message a failed lane gave back may wait for its peer's full ZeroMQ queue
 _FIXED = struct.Struct("<QHHHH")
 _BEFORE = 3  # header, record(s), payload
 _TAKES = {"server": Cmd.PUSH, "worker": Cmd.PULL_REPLY}  # what each role takes on its data lanes
@@ -182,11 +185,34 @@ class DataLanes:
         if prefix is None:
             return None
         tracker = self.lanes.send(peer, address[:2], address[2], [prefix, value],
-                                  lambda _again: self.transport.send_here(peer, frames))
+                                  lambda _again: self._send_back(peer, frames))
         if tracker is not None:
             with self._count_lock:
                 self.sent += 1
         return tracker
+
+    def _send_back(self, peer: bytes, frames: list) -> None:
+        """Send through ZeroMQ a message a failed lane gave back (on that lane's thread, while later
+        messages wait: see ``Lanes(in_order=True)``). It waits while the peer's queue is full, but no
+        longer than ``RESEND_WAIT`` and not once the peer left the book: a peer that died takes
+        nothing, and the job hears of its death from the scheduler.
+
+        Raises:
+            PSNodeError: the send failed (the lane logs it).
+        """
+        deadline = None
+        while True:
+            try:
+                self.transport.send_here(peer, frames, block=False)
+                return
+            except WouldBlock:
+                now = time.monotonic()
+                deadline = deadline or now + RESEND_WAIT
+                if now > deadline or peer not in self.members.peers:
+                    logger.warning("a message of a failed data lane to %s was not sent: its queue stayed full",
+                                   peer.decode(errors="replace"))
+                    return
+                time.sleep(0.001)
 
     def _address_of(self, uid: bytes) -> Any:
         peer = self.members.peers.get(uid)

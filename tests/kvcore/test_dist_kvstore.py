@@ -110,9 +110,11 @@ def test_bundled_nodes_end_0_on_sigusr1_and_75_on_sigterm_naming_the_signal():
     assert re.search(r"^psnode server \(pid \d+\): stopped by SIGTERM: the job is being torn down$", server.output, re.M), server
 
 
-def test_killing_a_server_makes_every_worker_fail_within_the_heartbeat_timeout():
-    env = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "1.5"}
-    with LocalJob(2, 2, worker=script("loop_until_failure.py"), env=env) as job:
+@pytest.mark.parametrize("size, path", [(8, {}), (1 << 19, {"PSLAUNCH_SAME_HOST": "tcp"})],
+                         ids=["small keys", "2 MiB keys on data lanes"])
+def test_killing_a_server_makes_every_worker_fail_within_the_heartbeat_timeout(size, path):
+    env = {"PS_HEARTBEAT_INTERVAL": "0.2", "PS_HEARTBEAT_TIMEOUT": "1.5", **path}
+    with LocalJob(2, 2, worker=script("loop_until_failure.py", str(size)), env=env) as job:
         for i in range(2):
             wait_for_line(job, "worker", i, r"^READY")  # after a few rounds
         job.of("server", 1).kill()
