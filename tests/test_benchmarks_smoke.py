@@ -96,3 +96,16 @@ def test_python_cost_measures_the_one_frame_round_trip_on_both_sides():
     assert [line.split(":")[0] for line in lines] == ["worker", "server"], proc.stdout
     for line in lines:
         assert float(line.split(":")[1].split()[0]) > 0, line
+
+
+def test_the_sync_round_ceiling_runs_every_variant_and_reports_each(tmp_path):
+    out = tmp_path / "round.json"
+    completed = subprocess.run([sys.executable, "-m", "benchmarks.sync_round", "--size-mib", "0.25", "--rounds", "3",
+                                "--reps", "1", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    figures = json.loads(out.read_text())["per_rep"]
+    from benchmarks.sync_round import VARIANTS
+
+    assert list(figures) == VARIANTS and all(len(v) == 1 and v[0] > 0 for v in figures.values()), figures
+    for variant in VARIANTS:
+        assert variant in completed.stdout, completed.stdout
