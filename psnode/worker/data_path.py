@@ -196,10 +196,11 @@ class DataPath:
             entries = [(key_id, index, 0, codecs[index] if codecs else RAW, 0, out.nbytes, requests.pushes(key_id, server))
                        for index, (_, key_id, out) in items]
             if server in regions.servers and request is not None:
+                shm_min = same_host.SHM_MIN
                 for j, (index, (_, key_id, out)) in enumerate(items):
-                    if codecs and codecs[index] != RAW:
-                        continue  # an encoded reply comes over the socket
-                    region = regions.region((key_id, server, 1), out.nbytes) if out.nbytes >= same_host.SHM_MIN else None
+                    if out.nbytes < shm_min or (codecs and codecs[index] != RAW):
+                        continue  # a small value, or an encoded reply: it comes over the socket
+                    region = regions.region((key_id, server, 1), out.nbytes)
                     if region is not None:  # the server writes the value into shared memory
                         region.busy = future
                         if request.regions is None:
