@@ -140,6 +140,29 @@ def test_workers_on_two_hosts_sum_exactly_with_the_rings_across_hosts_on_lanes()
     assert len(counts) == 4 and min(counts) > 0, ("\n".join(map(str, results)), counts)
 
 
+def test_workers_on_another_host_push_and_pull_big_values_on_data_lanes_and_sum_exactly():
+    # the scheduler and both servers on h1, the workers on h2: every big push and pull reply crosses
+    # the link on a data lane (psnode.node.data_lanes), after worker 0 sent each server's data lane port
+    # a stranger's bytes
+    script = str(REPO / "tests" / "kvcore" / "dist_scripts" / "data_lanes.py")
+    with NetnsCluster(nics=("eth0", "eth0")) as cluster:
+        root = cluster.address("h1")
+        with LocalJob(2, 2, start_scheduler=False, start_servers=0, root_uri=root,
+                      env={"PSLAUNCH_BIGARRAY_BOUND": "100000"}) as job:
+            job.start("scheduler", 0, cluster.run_in("h1", [sys.executable, "-m", "psnode", "scheduler"]))
+            for i in range(2):
+                job.start("server", i, cluster.run_in("h1", [sys.executable, "-m", "psnode", "server"]),
+                          node_host=root)
+                job.start("worker", i, cluster.run_in("h2", [sys.executable, script]), {"DMLC_WORKER_ID": str(i)},
+                          node_host=cluster.address("h2"))
+            results = job.wait(120)
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(map(str, failed))
+    counts = [tuple(int(x) for x in m) for r in results for m in re.findall(r"^LANES (\d+) (\d+) (\d+)$", r.output, re.M)]
+    assert len(counts) == 2 and all(sent >= 12 and received >= 12 and in_place == received
+                                    for sent, received, in_place in counts), counts
+
+
 def test_the_capped_training_benchmark_trains_across_shaped_links_and_counts_the_bytes_that_cross(tmp_path):
     out = tmp_path / "training.json"
     res = subprocess.run([sys.executable, "-m", "benchmarks.capped_training", "--quick", "--models", "mlp", "--hidden",
