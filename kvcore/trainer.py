@@ -21,6 +21,7 @@ so it works the same with every store.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Any, Iterable, Mapping, Sequence
@@ -113,6 +114,9 @@ class Trainer:
         if not isinstance(kvstore, KVStoreBase):
             raise TypeError(f"kvstore must be a KVStoreBase or a store name, got {type(kvstore).__name__}")
         self._kv = kvstore
+        # gradients go without a copy (see ``_send_group``) to a store whose push takes ``copy``; a
+        # store a user derived with push's older signature is called as before
+        self._push_options = {"copy": False} if "copy" in inspect.signature(kvstore.push).parameters else {}
         if compression is not None:
             if compression_params is not None:
                 raise ValueError("give the gradient compression once: compression= or compression_params=, not both")
@@ -309,7 +313,10 @@ class Trainer:
             names = [self._params[i].name for i in indices]
             scale = self._members_scale()
             grads = [grad_lists[i] if scale == 1 else [a * scale for a in grad_lists[i]] for i in indices]
-            self._kv.push(names, grads, priority=priority)
+            # not copied: a gradient is not written again before its pull's result is in (this step
+            # waits for it; with update_on_kvstore=False that pull itself writes it), which comes
+            # only after the servers have every byte of this push
+            self._kv.push(names, grads, priority=priority, **self._push_options)
             outs = [self._params[i].list_data() if self._update_on_kvstore else grad_lists[i] for i in indices]
             return self._kv.pull(names, out=outs, priority=priority, wait=False)
         firsts = []

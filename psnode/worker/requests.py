@@ -294,8 +294,10 @@ class RequestTable:
                 if request.remaining <= 0:
                     self.complete(rid)
 
-    def _take_values(self, request: Request, cmd: int, arg: int, frames: list, peer_rank: int) -> None:
-        """Write a reply's values into the request's outs and count the parts it answered."""
+    def _take_values(self, request: Request, cmd: int, arg: int, frames: list, peer_rank: int,
+                     skip: set[int] | None = None) -> None:
+        """Write a reply's values into the request's outs and count the parts it answered (but for
+        the parts in ``skip``: answered before, ``_take_values_once``)."""
         if cmd == Cmd.VALUE:  # one part, in the header frame (protocol's compact form)
             self.pulled_bytes += _write_value(request, arg, frames[0].buffer)
             request.remaining -= 1
@@ -308,7 +310,11 @@ class RequestTable:
             entries = unpack_entries(frames[1], [len(b) for b in buffers])
             targets = request.targets
             servers = request.servers
+            taken = len(entries)
             for _, index, frame, _, offset, nbytes, _ in entries:
+                if skip and index in skip:
+                    taken -= 1
+                    continue
                 if type(servers) is tuple and servers[index] != peer_rank:
                     raise ProtocolError(f"a reply for part {index}, which server {peer_rank} was not asked for")
                 target = targets[index]
@@ -321,7 +327,7 @@ class RequestTable:
                     if data is not target:  # (a data lane read it into the out already: ``lane_target``)
                         target[:] = data[offset:offset + nbytes]
                 self.pulled_bytes += nbytes
-            request.remaining -= len(entries)
+            request.remaining -= taken
         elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC_ACK):
             request.remaining -= arg
         elif cmd == Cmd.CHECKPOINT_REPLY:  # a JSON result per server, gathered in the request's list
@@ -359,18 +365,20 @@ class RequestTable:
         return target if target.nbytes == nbytes else None
 
     def _take_values_once(self, request: Request, cmd: int, arg: int, frames: list, peer_rank: int) -> None:
-        """``_take_values`` with replicas: a part answered before (by a lost server, then by the replica
-        it was sent to again) is not taken twice, and the parts each server answered are counted."""
+        """``_take_values`` with replicas: a part answered before is not taken twice, and the parts each
+        server answered are counted. A lost server may have answered some parts of a pull message
+        (their rounds closed one by one) before it died; the replica it was sent to again answers
+        every part of it, in one reply: the parts answered before are skipped."""
         before = request.remaining
         answered = request.answered
+        again = None
         if answered is not None and cmd in (Cmd.VALUE, Cmd.PULL_REPLY, Cmd.ROWS_REPLY):
             indexes = _reply_indexes(cmd, arg, frames)
-            if indexes & answered:
-                if indexes <= answered:
-                    return
-                raise ProtocolError(f"a reply that answers parts {sorted(indexes & answered)} again, with others")
+            again = indexes & answered
+            if again and indexes <= answered:
+                return
             answered |= indexes
-        self._take_values(request, cmd, arg, frames, peer_rank)
+        self._take_values(request, cmd, arg, frames, peer_rank, again)
         _count_answered(request, peer_rank, before - request.remaining)
 
 

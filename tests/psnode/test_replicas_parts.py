@@ -3,6 +3,7 @@ replica backs (``roster._replica_ranks``), a worker's book when a server is lost
 (``Membership.server_lost``), the scheduler taking a job back (``Roster.take_back``, ``Comeback``)
 and a connection's end seen by the transport (``gone``, ``dropped``), over real ZeroMQ sockets."""
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -233,3 +234,34 @@ def test_a_replica_joining_a_running_job_backs_the_server_with_the_fewest_replic
     roster.members[b"replica@10.0.0.7:7"] = Member({}, _peer("replica", 0, host="10.0.0.7", port=7))
     taking = roster.server_lost(s0.uid.encode())
     assert taking.peer.uid == "replica@10.0.0.7:7" and taking.peer.role == "server"
+
+
+def test_a_replica_that_answers_again_parts_a_lost_server_answered_completes_the_pull_with_the_rest():
+    # a pull of two parts from server 0, whose rounds close one by one: the server answers part 0,
+    # dies; the pull goes to its replica again, which answers both parts in one reply
+    from psnode.worker.requests import RequestTable
+
+    class Latch:
+        error = None
+
+    table = RequestTable(Latch())
+    table.replicated = True
+    outs = [np.zeros(4, np.float32), np.zeros(4, np.float32)]
+    future = concurrent.futures.Future()
+    req = table.track(future, 2, [memoryview(o).cast("B") for o in outs], "pull", (0, 0))
+    pull = [pack_header(Cmd.PULL, req, 2), pack_entries([(7, 0, 0, RAW, 0, 16, 1), (8, 1, 0, RAW, 0, 16, 1)])]
+    table.note_sent(req, 0, pull, mirrored=False)
+
+    def reply(parts, value):
+        payload = np.full(4 * len(parts), value, np.float32).tobytes()
+        entries = [(7 + i, i, 0, RAW, 16 * n, 16, 0) for n, i in enumerate(parts)]
+        return [Frame(memoryview(pack_header(Cmd.PULL_REPLY, req))), Frame(memoryview(pack_entries(entries))),
+                Frame(memoryview(payload))]
+
+    server, replica = _peer("server", 0, port=1), _peer("server", 0, port=3)
+    table.take_reply(server, Cmd.PULL_REPLY, 0, req, 0, reply([0], 1.0))
+    assert not future.done()
+    assert table.server_lost(0) == [(req, pull)]  # sent again, to the replica
+    table.take_reply(replica, Cmd.PULL_REPLY, 0, req, 0, reply([0, 1], 2.0))
+    assert future.done() and future.exception() is None
+    assert np.all(outs[0] == 1.0) and np.all(outs[1] == 2.0)  # part 0 as first answered, part 1 the replica's
