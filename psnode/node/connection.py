@@ -111,8 +111,8 @@ class Connection:
         # big pushes and pull replies on TCP streams of their own (psnode.node.data_lanes); None: all on ZeroMQ
         self.data_lanes: data_lanes.DataLanes | None = None
         if data_listener is not None:
-            self.data_lanes = data_lanes.DataLanes(data_listener, self.transport, self.members, self.me, env.same_host,
-                                        env.max_message, self.link.note_malformed)
+            self.data_lanes = data_lanes.DataLanes(data_listener, self.transport, self.members, self.me,
+                                                   env.same_host, env.max_message, self.link.note_malformed)
             self.data_lanes.start()
 
     def _open_lanes(self, role: str, host: str, uid: str) -> Lanes | None:

@@ -178,8 +178,9 @@ class DataLanes:
         elif cmd != Cmd.PULL_REPLY or flags & FLAG_ERROR or len(frames) != 4 + bool(flags & FLAG_ACKS):
             return None
         value = frames[3]
-        nbytes = value.nbytes if isinstance(value, np.ndarray) else len(value)
-        if nbytes < LANE_MIN or len(frames[2]) or (isinstance(value, np.ndarray) and not value.flags.c_contiguous):
+        view = memoryview(value)  # its bytes, whatever holds them (an array, a memoryview, bytes)
+        nbytes = view.nbytes
+        if nbytes < LANE_MIN or len(frames[2]) or not view.c_contiguous:
             return None
         prefix = pack_prefix(frames, nbytes)
         if prefix is None:
