@@ -160,7 +160,6 @@ def test_replies_and_peers_that_do_not_take_lanes_go_through_zeromq(pair):
     try:
         worker.members.peers = {**worker.members.peers, b"server@t": other.me}
         worker.data.same_host = "ipc"
-        worker.me = worker.data.me = PeerInfo("worker", 0, "127.0.0.1", 1, "worker@w", "host-w", "w")
         assert worker.data.route(b"server@t", push(big)) is None
     finally:
         other.lanes.close()
