@@ -386,10 +386,7 @@ class DistKVStore(KVStoreBase):
             target = self._whole_target(key, value)
             if target is not None:
                 handle = NodeHandle("push", self._worker)
-                if copy:
-                    self._worker.push_part(target[0], target[1], value, priority, handle)
-                else:
-                    self._worker.push([(target[0], target[1], value)], priority, False, handle)
+                self._worker.push_part(target[0], target[1], value, priority, handle, copy=copy)
                 return handle
         return super().push(key, value, priority, copy)
 

@@ -122,27 +122,26 @@ class Connection:
         env = self.env
         if role != "worker" or not env.lanes or env.encrypt or env.transport != "zmq":
             return None
-        security = env.security()
-        try:
-            return Lanes.listen("" if env.bind_all else host, uid.encode(), env.job_id, security.lane_key())
-        except OSError as exc:
-            logger.warning("this worker has no lanes (cannot listen on %s: %s); its collectives go through ZeroMQ",
-                           host, exc)
-            return None
+        return self._listen_lanes(role, host, uid, "collectives")
 
     def _open_data_lanes(self, role: str, host: str, uid: str) -> Lanes | None:
         """The listening side of this node's data lanes (``psnode.node.data_lanes``), or None: not
         wanted in this job (``data_lanes.wanted``), a transport without another way in, or a port
         that cannot be bound (said in the log)."""
-        env = self.env
-        if not data_lanes.wanted(env, role) or not hasattr(self.transport, "inject"):
+        if not data_lanes.wanted(self.env, role) or not hasattr(self.transport, "inject"):
             return None
+        return self._listen_lanes(role, host, uid, "big pushes and pull replies", in_order=True)
+
+    def _listen_lanes(self, role: str, host: str, uid: str, what: str, in_order: bool = False) -> Lanes | None:
+        """Lanes for ``what`` listening on ``host`` (``Lanes.listen``), or None when the port cannot be
+        bound: said in the log, and ``what`` then goes through ZeroMQ."""
+        env = self.env
         try:
             return Lanes.listen("" if env.bind_all else host, uid.encode(), env.job_id, env.security().lane_key(),
-                                what="big pushes and pull replies", in_order=True)
+                                what=what, in_order=in_order)
         except OSError as exc:
-            logger.warning("this %s has no data lanes (cannot listen on %s: %s); its big values go through ZeroMQ",
-                           role, host, exc)
+            logger.warning("this %s has no lanes for %s (cannot listen on %s: %s); they go through ZeroMQ",
+                           role, what, host, exc)
             return None
 
     def close(self, linger: float) -> None:

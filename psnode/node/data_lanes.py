@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import struct
 import threading
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -55,10 +54,11 @@ from psnode.node.protocol import (
     FLAG_OFFER,
     FLAG_PULL,
     Cmd,
+    peek,
     unpack_entries,
     unpack_header,
 )
-from psnode.transport.base import Frame
+from psnode.transport.base import Frame, send_while_full
 from psnode.transport.lanes import Lanes
 
 __all__ = ["DataLanes", "LANE_MIN", "PREFIX", "wanted", "pack_prefix"]
@@ -170,8 +170,7 @@ class DataLanes:
             address = self._address_of(peer)
         if not address:
             return None
-        head = frames[0]
-        cmd, flags = head[3], int.from_bytes(head[4:6], "little")
+        cmd, flags = peek(frames[0])
         if cmd == Cmd.PUSH:
             if len(frames) != 4 or flags & _NOT_ON_LANES:
                 return None
@@ -201,19 +200,12 @@ class DataLanes:
         Raises:
             PSNodeError: the send failed (the lane logs it).
         """
-        deadline = None
-        while True:
-            try:
-                self.transport.send_here(peer, frames, block=False)
-                return
-            except WouldBlock:
-                now = time.monotonic()
-                deadline = deadline or now + RESEND_WAIT
-                if now > deadline or peer not in self.members.peers:
-                    logger.warning("a message of a failed data lane to %s was not sent: its queue stayed full",
-                                   peer.decode(errors="replace"))
-                    return
-                time.sleep(0.001)
+        try:
+            send_while_full(lambda: self.transport.send_here(peer, frames, block=False), RESEND_WAIT,
+                            lambda: peer in self.members.peers)
+        except WouldBlock:
+            logger.warning("a message of a failed data lane to %s was not sent: its queue stayed full",
+                           peer.decode(errors="replace"))
 
     def _address_of(self, uid: bytes) -> Any:
         peer = self.members.peers.get(uid)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import abc
 import importlib
+import time
 from typing import Any, Callable, Sequence
 
 from psnode.errors import PSNodeError, WouldBlock
 
 __all__ = ["Transport", "Frame", "register_transport", "create_transport", "node_transport", "transport_names",
-           "WouldBlock"]
+           "WouldBlock", "send_while_full"]
 
 
 class Frame:
@@ -39,6 +40,26 @@ class Frame:
     @property
     def bytes(self) -> bytes:
         return self.buffer.tobytes()
+
+
+def send_while_full(send: Callable[[], Any], wait: float, wanted: Callable[[], bool]) -> Any:
+    """``send()`` (a send with ``block=False``), tried again every millisecond while the peer's queue
+    is full: for a message that must not be dropped while its peer may still take it. Gives up after
+    ``wait`` seconds, or once ``wanted()`` is False, by raising that ``WouldBlock``.
+
+    Raises:
+        WouldBlock: given up. PSNodeError: as ``send`` raises it.
+    """
+    deadline = None
+    while True:
+        try:
+            return send()
+        except WouldBlock:
+            now = time.monotonic()
+            deadline = deadline or now + wait
+            if now > deadline or not wanted():
+                raise
+            time.sleep(0.001)
 
 
 class Transport(abc.ABC):

@@ -148,11 +148,11 @@ class DataPath:
         self.outbox.pump()
 
     def push_part(self, server: int, key_id: int, value: np.ndarray, priority: int = 0, future: Any = None,
-                  codec: int = RAW) -> Any:
-        """``push([(server, key_id, value)], priority, codec=codec)`` (value copied), for callers with one part."""
+                  codec: int = RAW, copy: bool = True) -> Any:
+        """``push([(server, key_id, value)], priority, copy, codec=codec)``, for callers with one part."""
         if value.nbytes < OWN_FRAME:
             return self._push_small(server, key_id, value, priority, future or concurrent.futures.Future(), codec)
-        return self.push([(server, key_id, value)], priority, True, future, codec)
+        return self.push([(server, key_id, value)], priority, copy, future, codec)
 
     def _push_small(self, server: int, key_id: int, value: np.ndarray, priority: int, future: Any,
                     codec: int = RAW) -> Any:

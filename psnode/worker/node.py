@@ -569,9 +569,9 @@ class WorkerNode:
         return self.data.push(parts, priority, copy, future, codec)
 
     def push_part(self, server: int, key_id: int, value: np.ndarray, priority: int = 0, future: Any = None,
-                  codec: int = RAW) -> Any:
-        """``push`` of one part (value copied), for callers with one part."""
-        return self.data.push_part(server, key_id, value, priority, future, codec)
+                  codec: int = RAW, copy: bool = True) -> Any:
+        """``push`` of one part, for callers with one part."""
+        return self.data.push_part(server, key_id, value, priority, future, codec, copy)
 
     def pull(self, parts: Sequence[tuple[int, int, np.ndarray]], priority: int = 0, future: Any = None,
              codecs: Sequence[int] | None = None) -> Any:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -57,7 +56,7 @@ from psnode.node.protocol import (
     unpack_entries,
     with_flags,
 )
-from psnode.transport.base import Transport
+from psnode.transport.base import Transport, send_while_full
 
 __all__ = ["Outbox", "HeldPush"]
 
@@ -300,21 +299,16 @@ class Outbox:
         """Send a replica its copy; waits while its queue is full (a replica must not fall behind the
         server), as long as it is still one of ``server``'s replicas."""
         peer = uid.encode()
-        deadline = None
-        while True:
-            try:
-                return self.transport.send(peer, frames, track=track, block=False)
-            except WouldBlock:
-                now = time.monotonic()
-                deadline = deadline or now + _MIRROR_WAIT
-                if now > deadline or all(p.uid != uid for p in self.members.replicas.get(server, ())):
-                    logger.warning("a copy of a message for server %d was not sent to its replica %s: its queue stayed "
-                                   "full for %g s", server, uid, _MIRROR_WAIT)
-                    return None
-                time.sleep(0.001)
-            except PSNodeError as exc:  # the replica is gone: the scheduler tells the job
-                logger.info("a copy of a message for server %d was not sent to its replica %s: %s", server, uid, exc)
-                return None
+        try:
+            return send_while_full(lambda: self.transport.send(peer, frames, track=track, block=False), _MIRROR_WAIT,
+                                   lambda: any(p.uid == uid for p in self.members.replicas.get(server, ())))
+        except WouldBlock:
+            logger.warning("a copy of a message for server %d was not sent to its replica %s: its queue stayed "
+                           "full for %g s", server, uid, _MIRROR_WAIT)
+            return None
+        except PSNodeError as exc:  # the replica is gone: the scheduler tells the job
+            logger.info("a copy of a message for server %d was not sent to its replica %s: %s", server, uid, exc)
+            return None
 
     def replica_joined(self, peer: Any) -> None:
         """``peer`` (connected) joined as a replica of server ``peer.rank``: from this point of this worker's

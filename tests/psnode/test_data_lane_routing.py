@@ -8,7 +8,6 @@ from __future__ import annotations
 import queue
 import struct
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -81,9 +80,9 @@ def pair():
     yield worker, server
     worker.lanes.close()
     server.lanes.close()
-    deadline = time.monotonic() + 10
-    while any(t.name.startswith("psnode-lane") for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    for thread in [t for t in threading.enumerate() if t.name.startswith("psnode-lane")]:
+        thread.join(10)  # closed lanes end their threads: none is left
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("psnode-lane")]
 
 
 def push(value: np.ndarray, flags: int = 0, payload: bytes = b"") -> list:
