@@ -51,6 +51,10 @@ PSLAUNCH_PATH_ENV = {
     "tcp_nolanes": {"PSLAUNCH_SAME_HOST": "tcp", "PSLAUNCH_LANES": "off"},
     # the TCP path with pushes that send the caller's array (push(..., copy=False)) instead of a copy
     "tcp_nocopy": {"PSLAUNCH_SAME_HOST": "tcp", "PSLAUNCH_BENCH_PUSH_COPY": "0"},
+    # every message between a worker and a server through ZeroMQ, none on streams (PSLAUNCH_STREAMS):
+    # what the streams are worth, TCP and same host
+    "tcp_nostreams": {"PSLAUNCH_SAME_HOST": "tcp", "PSLAUNCH_STREAMS": "off"},
+    "fast_nostreams": {"PSLAUNCH_SAME_HOST": "shm", "DMLC_LOCAL": "1", "PSLAUNCH_STREAMS": "off"},
 }
 
 # ps-lite binds ipc:// endpoints instead of tcp:// when DMLC_LOCAL is set.

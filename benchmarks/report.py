@@ -36,6 +36,8 @@ RATIO_PAIRS = [
     ("pslaunch_tcp_timeline", "pslaunch_tcp"),
     ("pslaunch_tcp", "pslaunch_tcp_nolanes"),
     ("pslaunch_tcp_nocopy", "zmq_tcp"),
+    ("pslaunch_tcp", "pslaunch_tcp_nostreams"),
+    ("pslaunch_fast", "pslaunch_fast_nostreams"),
 ]
 
 # the data path's targets (issue 42): (name, measure, ours, baseline, op, threshold)

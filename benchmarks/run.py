@@ -37,9 +37,11 @@ RESULTS = HERE / "results"
 DEFAULT_MXNET_PYTHON = "/tmp/mxvenv/bin/python"
 ALL_SYSTEMS = ["pslaunch_tcp", "pslaunch_fast", "pslaunch_ipc", "pslaunch_tcp_normal", "pslaunch_tcp_noauth",
                "pslaunch_fast_noauth", "pslaunch_tcp_curve", "pslaunch_tcp_timeline", "pslaunch_tcp_nolanes",
-               "pslaunch_tcp_nocopy", "mxnet_tcp", "mxnet_ipc", "zmq_tcp", "zmq_ipc"]
+               "pslaunch_tcp_nocopy", "pslaunch_tcp_nostreams", "pslaunch_fast_nostreams", "mxnet_tcp", "mxnet_ipc",
+               "zmq_tcp", "zmq_ipc"]
 ON_REQUEST = ("pslaunch_tcp_normal", "pslaunch_tcp_noauth", "pslaunch_fast_noauth", "pslaunch_tcp_curve",
-              "pslaunch_tcp_timeline", "pslaunch_tcp_nolanes", "pslaunch_tcp_nocopy")
+              "pslaunch_tcp_timeline", "pslaunch_tcp_nolanes", "pslaunch_tcp_nocopy", "pslaunch_tcp_nostreams",
+              "pslaunch_fast_nostreams")
 DEFAULT_SYSTEMS = [s for s in ALL_SYSTEMS if s not in ON_REQUEST]  # those only with --systems
 NUM_WORKERS = 2
 

@@ -83,6 +83,7 @@ class NodeEnv:
     malloc_tuning: bool = True
     restart_scope: str = "job"
     lanes: bool = True
+    streams: bool = True  # PSLAUNCH_STREAMS: a worker's messages to a server on a TCP stream the nodes' own threads poll
     server_replicas: int = 0  # PSLAUNCH_SERVER_REPLICAS: copies of each server's keys on other server processes
     replica: bool = False  # PSLAUNCH_SERVER_REPLICA=1: this server process is one of those copies
     stall_warn: float = 60.0  # PSLAUNCH_STALL_WARN: seconds a round or barrier waits before it is called stalled
@@ -244,6 +245,9 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
     lanes_text = (_get(env, "PSLAUNCH_LANES") or "on").lower()
     if lanes_text not in ("on", "off"):
         raise EnvError(f"environment variable PSLAUNCH_LANES={lanes_text!r} must be on or off")
+    streams_text = (_get(env, "PSLAUNCH_STREAMS") or "on").lower()
+    if streams_text not in ("on", "off"):
+        raise EnvError(f"environment variable PSLAUNCH_STREAMS={streams_text!r} must be on or off")
     bind_all_text = _get(env, "PSLAUNCH_BIND_ALL") or "0"
     if bind_all_text not in ("0", "1"):
         raise EnvError(f"environment variable PSLAUNCH_BIND_ALL={bind_all_text!r} must be 0 or 1")
@@ -352,6 +356,7 @@ def read_env(environ: Mapping[str, str] | None = None, default_role: str | None 
         cpu_bind=cpu_bind,
         malloc_tuning=malloc_text == "on",
         lanes=lanes_text == "on",
+        streams=streams_text == "on",
     )
 
 

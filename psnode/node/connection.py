@@ -28,9 +28,9 @@ from psnode.node.futures import is_done
 from psnode.node.membership import SCHEDULER, Membership, PeerInfo, host_fingerprint
 from psnode.node.protocol import GROUP_ROLES, Cmd, Group, parse_group, unpack_header
 from psnode.node.timeline import open_timeline
-from psnode.transport import message_heap, same_host
+from psnode.transport import message_heap, same_host, streams
 from psnode.transport.base import Transport, node_transport
-from psnode.transport.lanes import Lanes
+from psnode.transport.lanes import MAGIC as LANE_MAGIC, Lanes, connect_lane
 from psnode.transport.security import secure_or_loopback
 
 __all__ = ["Connection", "Deferred", "DataHandler"]
@@ -91,10 +91,14 @@ class Connection:
         self.transport.identity = uid.encode()
         self.lanes = self._open_lanes(role, host, uid)
         data_listener = self._open_data_lanes(role, host, uid)
+        # a server's port for its workers' streams (psnode.transport.streams); a worker opens them
+        self.stream_listener = self._listen_lanes(role, host, uid, "workers' streams", magic=streams.MAGIC) if (
+            role == "server" and self._streams_wanted(role)) else None
         self.me = PeerInfo(role, -1, host, port, uid, host_fingerprint(), local_name,
                            self.probe.ref if self.probe is not None else 0, os.getpid(),
                            self.lanes.port if self.lanes is not None else 0,
-                           data_listener.port if data_listener is not None else 0)
+                           data_listener.port if data_listener is not None else 0,
+                           self.stream_listener.port if self.stream_listener is not None else 0)
         self.members = Membership(role)
         self.members.left = set(range(env.workers_at_start, env.num_workers))  # ranks an elastic job may give joiners
         self.failure = FailureLatch()
@@ -114,6 +118,12 @@ class Connection:
             self.data_lanes = data_lanes.DataLanes(data_listener, self.transport, self.members, self.me,
                                                    env.same_host, env.max_message, self.link.note_malformed)
             self.data_lanes.start()
+        if self._streams_wanted(role):
+            self.transport.stream_refused = lambda peer, why: self.link.note_malformed(peer, ProtocolError(why))
+            if self.stream_listener is not None:
+                self.stream_listener.serve(self, self._stream_known)
+            elif role == "worker":
+                self.link.on_connected = self._open_stream
 
     def _open_lanes(self, role: str, host: str, uid: str) -> Lanes | None:
         """A worker's lanes for big collective messages (``psnode.transport.lanes``), or None: not a worker, lanes
@@ -132,13 +142,48 @@ class Connection:
             return None
         return self._listen_lanes(role, host, uid, "big pushes and pull replies", in_order=True)
 
-    def _listen_lanes(self, role: str, host: str, uid: str, what: str, in_order: bool = False) -> Lanes | None:
+    def _streams_wanted(self, role: str) -> bool:
+        """Whether this node's messages to and from its servers or workers go on streams
+        (``psnode.transport.streams``): a worker or server over ZeroMQ, ``PSLAUNCH_STREAMS`` on, connections
+        not encrypted (a stream's bytes are in the clear), a job that needs no order across two ways
+        (``data_lanes.needs_one_way``)."""
+        env = self.env
+        return (role in ("worker", "server") and env.streams and not env.encrypt and env.transport == "zmq"
+                and hasattr(self.transport, "adopt_stream") and not data_lanes.needs_one_way(env))
+
+    def _stream_known(self, uid: bytes) -> PeerInfo | None:
+        peer = self.members.peers.get(uid)
+        return peer if peer is not None and peer.role == "worker" else None
+
+    def adopt(self, peer: PeerInfo, sock: Any) -> None:
+        """A worker's stream, its handshake done (the stream listener's thread): the transport carries
+        that worker's messages on it from now on."""
+        self.transport.adopt_stream(peer.uid.encode(), sock)
+
+    def _open_stream(self, peer: PeerInfo) -> None:
+        """Open this worker's stream to ``peer`` when it is a server that takes streams (before this
+        worker sends it anything: their messages then keep one order); one that cannot be opened is
+        said in the log, and that server's messages go through ZeroMQ."""
+        if peer.role != "server" or not peer.stream_port:
+            return
+        env = self.env
+        try:
+            sock = connect_lane((peer.host, peer.stream_port), streams.MAGIC, env.security().lane_key(),
+                                env.job_id.encode(), self.me.uid.encode(), peer.uid.encode())
+        except (OSError, EOFError, ProtocolError) as exc:
+            logger.warning("%s has no stream to %s (port %d: %s); their messages go through ZeroMQ", self.describe(),
+                           peer.describe(), peer.stream_port, exc)
+            return
+        self.transport.adopt_stream(peer.uid.encode(), sock)
+
+    def _listen_lanes(self, role: str, host: str, uid: str, what: str, in_order: bool = False,
+                      magic: bytes = LANE_MAGIC) -> Lanes | None:
         """Lanes for ``what`` listening on ``host`` (``Lanes.listen``), or None when the port cannot be
         bound: said in the log, and ``what`` then goes through ZeroMQ."""
         env = self.env
         try:
             return Lanes.listen("" if env.bind_all else host, uid.encode(), env.job_id, env.security().lane_key(),
-                                what=what, in_order=in_order)
+                                what=what, in_order=in_order, magic=magic)
         except OSError as exc:
             logger.warning("this %s has no lanes for %s (cannot listen on %s: %s); they go through ZeroMQ",
                            role, what, host, exc)
@@ -150,6 +195,8 @@ class Connection:
             self.lanes.close()
         if self.data_lanes is not None:
             self.data_lanes.lanes.close()
+        if self.stream_listener is not None:
+            self.stream_listener.close()
         self.transport.close(linger=linger)
 
     def serve_with(self, after_batch: Callable[[], None] | None = None, deferred: Deferred | None = None) -> None:

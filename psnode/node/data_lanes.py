@@ -61,7 +61,7 @@ from psnode.node.protocol import (
 from psnode.transport.base import Frame, send_while_full
 from psnode.transport.lanes import Lanes
 
-__all__ = ["DataLanes", "LANE_MIN", "PREFIX", "wanted", "pack_prefix"]
+__all__ = ["DataLanes", "LANE_MIN", "PREFIX", "wanted", "needs_one_way", "pack_prefix"]
 
 LANE_MIN = 256 << 10
 """The smallest value that travels on a lane: below it a message costs ZeroMQ little, and a lane's
@@ -81,8 +81,15 @@ def wanted(env: Any, role: str) -> bool:
     encrypted (a lane's bytes are in the clear), a peer that may be reached over TCP (not a job
     on one host with the same-host path), and a job that needs no order across the two ways."""
     return (role in _TAKES and env.lanes and not env.encrypt and env.transport == "zmq"
-            and not (env.local and env.same_host != "tcp") and not env.server_replicas
-            and env.restart_scope == "job" and not env.elastic)
+            and not (env.local and env.same_host != "tcp") and not needs_one_way(env))
+
+
+def needs_one_way(env: Any) -> bool:
+    """Whether the job ``env`` describes relies on the order of a worker's messages to a server
+    beyond what one way keeps: server replicas (a ``SEAM`` marks a place in a worker's stream),
+    workers replaced in place (a replacement's marks and redone pushes) and elastic jobs (a worker
+    leaves after its last push). Such jobs send those messages through ZeroMQ alone."""
+    return bool(env.server_replicas) or env.restart_scope != "job" or env.elastic
 
 
 def pack_prefix(frames: list, nbytes: int) -> bytes | None:

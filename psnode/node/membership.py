@@ -43,6 +43,7 @@ class PeerInfo:
     pid: int = 0  # its process id (a shared-memory reference from it must name this process)
     lane_port: int = 0  # a worker's port for lanes (``psnode.transport.lanes``) on ``host``; 0: it has none
     data_port: int = 0  # its port for data lanes (``psnode.node.data_lanes``) on ``host``; 0: it has none
+    stream_port: int = 0  # a server's port for workers' streams (``psnode.transport.streams``) on ``host``; 0: none
 
     def describe(self) -> str:
         """``server 1 on 10.0.0.2:4567``: how errors name a node."""
@@ -64,10 +65,12 @@ class PeerInfo:
         try:
             peer = cls(str(item["role"]), int(item["rank"]), str(item["host"]), int(item["port"]), str(item["uid"]),
                        str(item["fingerprint"]), str(item["local_name"]), int(item.get("shm_probe") or 0),
-                       int(item.get("pid") or 0), int(item.get("lane_port") or 0), int(item.get("data_port") or 0))
+                       int(item.get("pid") or 0), int(item.get("lane_port") or 0), int(item.get("data_port") or 0),
+                       int(item.get("stream_port") or 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"a malformed address book entry: {type(exc).__name__}: {exc}") from exc
-        for what, port in (("lane port", peer.lane_port), ("data lane port", peer.data_port)):
+        for what, port in (("lane port", peer.lane_port), ("data lane port", peer.data_port),
+                           ("stream port", peer.stream_port)):
             if not 0 <= port <= 65535:
                 raise ProtocolError(f"an address book entry with {what} {port}, not 0..65535")
         return peer

@@ -19,6 +19,7 @@ port of its own (``PeerInfo.lane_port`` in the address book; 0 when it has none)
                           16-byte nonce N1
     acceptor -> opener:   16-byte nonce N2, HMAC(lane key, "accept" | job | N1 | N2 | identities)
     opener   -> acceptor: HMAC(lane key, "open" | job | N1 | N2 | identities)
+    acceptor -> opener:   1 (the opener is a node of the job this acceptor knows; what follows is read)
 
 The lane key is derived from the job key (``Security.lane_key``), so only a holder of the key
 opens a lane, and the opener knows that what answered is the job's worker, not a process that took
@@ -67,6 +68,7 @@ _NONCE = 16
 _MAC = 32
 _MAX_IDENTITY = 512
 _U16 = struct.Struct("<H")
+_TAKEN = b"\x01"  # the acceptor's last word: it knows the opener and reads what follows
 
 
 class Receiver(Protocol):
@@ -162,6 +164,35 @@ def _send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
                 sent = 0
 
 
+def connect_lane(address: tuple[str, int], magic: bytes, key: bytes, job: bytes, identity: bytes,
+                 acceptor: bytes) -> socket.socket:
+    """A connection to ``address`` whose acceptor ``acceptor`` proved that it holds ``key`` and took
+    it (the module docstring's handshake; ``magic`` names what the connection is for), blocking, with
+    Nagle's algorithm off.
+
+    Raises:
+        OSError, EOFError: no connection, or it ended. ProtocolError: the acceptor's proof is wrong.
+    """
+    sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
+    try:
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        n1 = os.urandom(_NONCE)
+        sock.sendall(magic + _U16.pack(len(identity)) + identity + _U16.pack(len(acceptor)) + acceptor + n1)
+        n2 = _recv_bytes(sock, _NONCE)
+        proof = _recv_bytes(sock, _MAC)
+        if not hmac.compare_digest(proof, _mac(key, b"accept", job, n1, n2, identity, acceptor)):
+            raise ProtocolError("it did not prove that it holds this job's key")
+        sock.sendall(_mac(key, b"open", job, n1, n2, identity, acceptor))
+        if _recv_bytes(sock, 1) != _TAKEN:
+            raise ProtocolError("it did not take the connection")
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
 class _OutLane:
     """The lane this worker opened to one peer: a queue and the thread that writes it."""
 
@@ -180,24 +211,7 @@ class _OutLane:
 
     def _open(self) -> socket.socket:
         owner = self.owner
-        sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT)
-        try:
-            sock.settimeout(HANDSHAKE_TIMEOUT)
-            n1 = os.urandom(_NONCE)
-            sock.sendall(MAGIC + _U16.pack(len(owner.identity)) + owner.identity + _U16.pack(len(self.identity))
-                         + self.identity + n1)
-            n2 = _recv_bytes(sock, _NONCE)
-            proof = _recv_bytes(sock, _MAC)
-            expected = _mac(owner.key, b"accept", owner.job, n1, n2, owner.identity, self.identity)
-            if not hmac.compare_digest(proof, expected):
-                raise ProtocolError("it did not prove that it holds this job's key")
-            sock.sendall(_mac(owner.key, b"open", owner.job, n1, n2, owner.identity, self.identity))
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
-        except BaseException:
-            sock.close()
-            raise
+        return connect_lane(self.address, owner.magic, owner.key, owner.job, owner.identity, self.identity)
 
     def _run(self) -> None:
         try:
@@ -271,8 +285,9 @@ class Lanes:
     """
 
     def __init__(self, sock: socket.socket, identity: bytes, job: str, key: bytes, what: str = "collectives",
-                 in_order: bool = False) -> None:
+                 in_order: bool = False, magic: bytes = MAGIC) -> None:
         self._listener = sock
+        self.magic = magic  # what a connection to this port must open with (lanes and links differ)
         self.what = what  # what the lanes carry, for the log
         # a failed lane's messages are sent again before any later one to that peer: the receiver
         # relies on the order of one sender's messages
@@ -294,8 +309,9 @@ class Lanes:
 
     @classmethod
     def listen(cls, host: str, identity: bytes, job: str, key: bytes, what: str = "collectives",
-               in_order: bool = False) -> "Lanes":
-        """Listen on a free port of ``host`` ('' for every interface); ``what`` and ``in_order``: see ``__init__``.
+               in_order: bool = False, magic: bytes = MAGIC) -> "Lanes":
+        """Listen on a free port of ``host`` ('' for every interface); ``what``, ``in_order`` and
+        ``magic``: see ``__init__``.
 
         Raises:
             OSError: the port cannot be bound.
@@ -307,13 +323,15 @@ class Lanes:
         except BaseException:
             sock.close()
             raise
-        return cls(sock, identity, job, key, what, in_order)
+        return cls(sock, identity, job, key, what, in_order, magic)
 
     # ---- receiving -------------------------------------------------------------------------------
-    def serve(self, receiver: Receiver, known: Callable[[bytes], Any]) -> None:
-        """Accept lanes and read them with ``receiver``; ``known(identity)`` is the peer of that
-        identity in the job (None: not a member; it is asked again until the handshake's time is up,
-        since a peer may open its lane before this worker has the address book)."""
+    def serve(self, receiver: Any, known: Callable[[bytes], Any]) -> None:
+        """Accept lanes and read them with ``receiver`` (a ``Receiver``; or anything with
+        ``adopt(peer, sock)``, which then takes each connection once its handshake is done and reads it
+        itself); ``known(identity)`` is the peer of that identity in the job (None: not a member; it is
+        asked again until the handshake's time is up, since a peer may open its lane before this
+        worker has the address book)."""
         with self._lock:
             if self._accepting is not None or self.closed:
                 return
@@ -357,9 +375,9 @@ class Lanes:
             ProtocolError, OSError, EOFError: it did not (the message names what).
         """
         sock.settimeout(HANDSHAKE_TIMEOUT)
-        magic = _recv_bytes(sock, len(MAGIC))
-        if magic != MAGIC:
-            raise ProtocolError(f"it did not open a lane (its first bytes were {magic[:8]!r})")
+        magic = _recv_bytes(sock, len(self.magic))
+        if magic != self.magic:
+            raise ProtocolError(f"it did not open a {self.what} connection (its first bytes were {magic[:8]!r})")
         identities = []
         for _ in range(2):
             (length,) = _U16.unpack(_recv_bytes(sock, 2))
@@ -382,6 +400,7 @@ class Lanes:
             peer = self._known(opener)
         if peer is None:
             raise ProtocolError(f"{opener.decode(errors='replace')!r} is not a node of this job that sends on lanes here")
+        sock.sendall(_TAKEN)
         sock.settimeout(None)
         return opener, peer
 
@@ -396,6 +415,13 @@ class Lanes:
         finally:
             with self._lock:
                 self._handshaking -= 1
+        adopt = getattr(self._receiver, "adopt", None)
+        if adopt is not None:  # the receiver reads the connection itself (``psnode.transport.streams``)
+            if self.closed:
+                sock.close()
+            else:
+                adopt(peer, sock)
+            return
         with self._lock:
             old = self._in.get(opener)
             if self.closed:

@@ -22,6 +22,10 @@ Another way for big messages (``psnode.node.data_lanes``): with a ``lane_router`
 offers it each message of four or five frames, and sends through ZeroMQ what it does not take;
 messages that came that other way are handed in with ``inject`` and received before the ROUTER's.
 
+Streams (``psnode.transport.streams``): a peer whose stream this transport holds (``adopt_stream``) gets
+every message on it instead (``send_here``), and ``poll`` waits on the streams' sockets beside the
+ROUTER and reads them itself: no I/O thread between the node and those peers.
+
 Security (``psnode.transport.security``): with a job key every socket speaks PLAIN (``auth``) or CURVE
 (``curve``) with credentials derived from the key, and a ZAP handler in this transport's context
 admits only connections that prove the key; ZeroMQ closes the others before it buffers a frame of
@@ -43,15 +47,18 @@ from typing import Any, Sequence
 
 import zmq
 
-from psnode.errors import ClosedError, TransportError
+from psnode.errors import ClosedError, ProtocolError, TransportError
+from psnode.log import logger
 from psnode.transport.base import Frame, Transport, WouldBlock
 from psnode.transport.security import ZAP_DOMAIN, Security, ZapHandler
+from psnode.transport.streams import Stream
 
 __all__ = ["ZmqTransport"]
 
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
 _SEND_HWM = 1000  # messages queued per peer before a non-blocking send reports WouldBlock
 _RECV_HWM = 1000  # messages a ROUTER keeps per peer before it stops reading that peer's connection
 _NO_SECURITY = Security("none", "")
@@ -172,8 +179,14 @@ class ZmqTransport(Transport):
         self._wake_lock = threading.Lock()  # a wake never writes to the number of a closed (reused) fd
         # ``route(peer, frames)`` -> a tracker when it took the message (``psnode.node.data_lanes``), else None
         self.lane_router: Any = None
-        self._inbox: deque = deque()  # (sender, frames) that came another way (``inject``): received first
+        self._inbox: deque = deque()  # (sender, frames) that came another way (``inject``, streams): received first
         self._inbox_room = threading.Condition()
+        self._streams: dict[bytes, Stream] = {}  # peer -> its stream (``adopt_stream``): its messages go there
+        self._stream_fds: dict[int, Stream] = {}  # every stream poll reads, those being closed too
+        self._writing: set[int] = set()  # streams whose queued bytes poll waits to write
+        self._items_stale = True  # streams or what poll waits for on them changed: build the list again
+        # ``stream_refused(peer, why)``: a stream closed because what its peer sent does not parse
+        self.stream_refused: Any = None
 
     @staticmethod
     def same_host_endpoint(local_name: str) -> str:
@@ -206,7 +219,7 @@ class ZmqTransport(Transport):
             where = f"TCP port {port}" if port else "a free TCP port"
             raise TransportError(f"cannot bind {where} of {address} (with local name {local_name!r}): {exc}") from exc
         self._router = router
-        self._poll_items = [(router, _POLLIN), (self._wake_fd, _POLLIN)]
+        self._items_stale = True
         return port
 
     def _secure_server(self, router: zmq.Socket) -> None:
@@ -263,7 +276,19 @@ class ZmqTransport(Transport):
         return self.send_here(peer, frames, track, block)
 
     def send_here(self, peer: bytes, frames: Sequence[Any], track: bool = False, block: bool = True) -> Any:
-        """``send`` through ZeroMQ only (what another way gives back goes here)."""
+        """``send`` on the peer's stream, or through ZeroMQ when it has none (not on data lanes: what
+        they give back goes here)."""
+        stream = self._streams.get(peer)
+        if stream is not None:
+            try:
+                tracker = stream.send(frames, track, block)
+            except OSError as exc:  # it broke: this message and the later ones go through ZeroMQ
+                self._stream_over(stream, f"the stream to {peer.decode(errors='replace')} broke: {exc}")
+            else:
+                if stream.queued and stream.fd not in self._writing:
+                    self._items_stale = True  # poll writes the rest once the socket takes it
+                    self.wake()
+                return tracker
         entry = self._dealers.get(peer)
         if entry is None:
             self._check_open()
@@ -371,7 +396,84 @@ class ZmqTransport(Transport):
     def _stop_liveness(self, peer: bytes) -> None:
         self._drop_monitor(self._liveness, peer)
 
+    # ---- streams ---------------------------------------------------------------------------------------
+    def adopt_stream(self, peer: bytes, sock: Any) -> None:
+        """Carry every message to and from ``peer`` on ``sock`` from now on (a connection whose handshake
+        is done: ``psnode.transport.streams``); a stream the peer had before is closed (any thread)."""
+        with self._connect_lock:
+            if self._closed:
+                sock.close()
+                return
+            stream = Stream(peer, sock, self._max_message if self._max_message > 0 else 1 << 62)
+            old = self._streams.get(peer)
+            self._streams[peer] = stream
+            self._stream_fds[stream.fd] = stream
+            self._items_stale = True
+        if old is not None:
+            old.shutdown()
+        self.wake()
+
+    @property
+    def streams(self) -> dict[bytes, Stream]:
+        """The streams in use, by peer (a copy)."""
+        return dict(self._streams)
+
+    def _stream_over(self, stream: Stream, why: str, warn: bool = False) -> None:
+        """Use ``stream`` no more: its peer's messages go through ZeroMQ (the polling thread closes it)."""
+        with self._connect_lock:
+            if self._streams.get(stream.peer) is stream:
+                del self._streams[stream.peer]
+            self._items_stale = True
+        stream.shutdown()
+        if not self._closed:
+            (logger.warning if warn else logger.info)("%s; its messages go through ZeroMQ", why)
+
+    def _stream_ready(self, fd: int, events: int) -> None:
+        """The polling thread: ``events`` on stream ``fd``: write what it queued, read what came."""
+        stream = self._stream_fds.get(fd)
+        if stream is None:
+            return
+        try:
+            if events & _POLLOUT:
+                stream.flush()
+                if not stream.queued:
+                    self._items_stale = True
+            if events & ~_POLLOUT:
+                stream.read(self._inbox)
+        except ProtocolError as exc:
+            name = stream.peer.decode(errors="replace")
+            self._end_stream(stream, f"closed the stream from {name}: {exc}", warn=True)
+            if self.stream_refused is not None:
+                self.stream_refused(stream.peer, f"{exc} (on its stream, which this node closed)")
+        except (EOFError, OSError) as exc:
+            self._end_stream(stream, f"the stream to {stream.peer.decode(errors='replace')} ended: {exc}")
+
+    def _end_stream(self, stream: Stream, why: str, warn: bool = False) -> None:
+        self._stream_over(stream, why, warn)
+        with self._connect_lock:
+            self._stream_fds.pop(stream.fd, None)
+        self._writing.discard(stream.fd)
+        stream.close()
+
+    def _items(self) -> list:
+        """What poll waits on: the ROUTER, the wake eventfd, each stream (writable too while it queues)."""
+        with self._connect_lock:
+            self._items_stale = False
+            items = [(self._require_router(), _POLLIN), (self._wake_fd, _POLLIN)]
+            self._writing = set()
+            for fd, stream in self._stream_fds.items():
+                if stream.queued:
+                    self._writing.add(fd)
+                    items.append((fd, _POLLIN | _POLLOUT))
+                else:
+                    items.append((fd, _POLLIN))
+            self._poll_items = items
+        return items
+
     def disconnect(self, peer: bytes) -> None:
+        stream = self._streams.get(peer)
+        if stream is not None:
+            self._stream_over(stream, f"the stream to {peer.decode(errors='replace')} is closed: the peer is lost")
         self._stop_liveness(peer)
         self._down_since.pop(peer, None)
         self._unwatch(peer)
@@ -401,21 +503,24 @@ class ZmqTransport(Transport):
         router = self._require_router()
         if self._inbox:
             return True
+        items = self._poll_items if not self._items_stale else self._items()
         try:
-            events = zmq.zmq_poll(self._poll_items, max(0, int(timeout * 1000)))
+            events = zmq.zmq_poll(items, max(0, int(timeout * 1000)))
         except zmq.ZMQError as exc:
             if self._closed:
                 raise ClosedError("the transport was closed") from exc
             raise TransportError(f"poll failed: {exc}") from exc
         ready = False
-        for what, _ in events:
+        for what, mask in events:
             if what is router:
                 ready = True
-            else:  # woken: clear the eventfd so the next poll waits again
+            elif what == self._wake_fd:  # woken: clear the eventfd so the next poll waits again
                 try:
                     os.eventfd_read(self._wake_fd)
                 except BlockingIOError:
                     pass
+            else:
+                self._stream_ready(what, mask)
         return ready or bool(self._inbox)
 
     def wake(self) -> None:
@@ -461,6 +566,12 @@ class ZmqTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        with self._connect_lock:
+            streams = list(self._stream_fds.values())
+            self._streams.clear()
+            self._stream_fds.clear()
+        for stream in streams:  # what they queued gets the linger too
+            stream.close(linger)
         for peer in list(self._monitors):
             self._unwatch(peer)
         for peer in list(self._liveness):
