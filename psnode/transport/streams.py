@@ -79,6 +79,10 @@ class Stream:
         self.limit = limit
         self.closed = False
         self.lock = threading.Lock()
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # a small message goes at once, not held by Nagle's algorithm for the ACK of the last one
+            # (which the peer may delay by up to 40 ms)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
                 sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)

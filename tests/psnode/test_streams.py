@@ -81,6 +81,13 @@ def test_messages_of_every_kind_of_frame_arrive_whole_in_order(pair):
     assert (sender.sent, reader.received) == (len(sent), len(sent))
 
 
+def test_a_stream_sends_a_small_message_at_once_not_held_for_the_last_ones_ack(pair):
+    a, b = pair
+    assert not a.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)  # a plain TCP socket: Nagle on
+    Stream(b"server@b", a, 1 << 20)
+    assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)  # Nagle off: a reply is not held up to 40 ms
+
+
 def test_a_message_that_comes_a_byte_at_a_time_is_taken_once_whole(pair):
     a, b = pair
     reader = Stream(b"worker@a", b, 1 << 20)
