@@ -27,6 +27,7 @@ from psnode.compression.codecs import RAW, CodecTable
 from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv
 from psnode.errors import ClosedError, ProtocolError, PSNodeError, RequestRefused, TransportError
 from psnode.log import logger
+from psnode.node import data_lanes
 from psnode.node.bulk import gc_paused
 from psnode.node.connection import Connection
 from psnode.node.membership import PeerInfo, endpoint_of
@@ -89,7 +90,8 @@ class ServerNode:
                                on_worker_finished=self._worker_finished, on_worker_rejoined=self._worker_rejoined)
         # a scheduler started in place learns from the servers which workers finished the job already
         self.conn.link.rejoin_info = lambda: {"finished": {str(r): d for r, d in self.store.finished.items()}}
-        self.replies = Replies(self.conn.transport, self.conn.members, memory, self.attached)
+        self.replies = Replies(self.conn.transport, self.conn.members, memory, self.attached,
+                               alone_from=data_lanes.LANE_MIN if self.conn.data_lanes is not None else 0)
         self.conn.serve_with(after_batch=self.replies.after_batch, deferred=self.replies)
         self.groups = Groups(self.store, self.replies)
         self.invitations = Invitations(env.push_window, self._invite)

@@ -63,8 +63,12 @@ class Replies:
     shared-memory regions this server has mapped.
     """
 
-    def __init__(self, transport: Transport, members: Membership, memory: Any, attached: same_host.Attachments) -> None:
+    def __init__(self, transport: Transport, members: Membership, memory: Any, attached: same_host.Attachments,
+                 alone_from: int = 0) -> None:
         self.transport = transport
+        # values of this many bytes or more go in a reply of their own (0: none): a job's data lanes
+        # take such a reply, and the worker reads it straight into the pull's out
+        self.alone_from = alone_from or 1 << 62
         self.members = members
         self.memory = memory
         self.attached = attached
@@ -138,16 +142,19 @@ class Replies:
     def _send_parts(self, worker: int, req_id: int, parts: list[tuple[int, Shard]]) -> None:
         """Reply with ``parts``: in messages of at most ``MAX_ENTRIES`` parts and ``PACK_LIMIT`` bytes
         of small values each (the parts of several pull messages of one request may be answered in
-        one flush), big values in frames of their own."""
-        start, size, frames = 0, 0, 0
+        one flush), big values in frames of their own, those of ``alone_from`` bytes or more in a message of their own."""
+        start, size, frames, full = 0, 0, 0, False
         for end, (_, shard) in enumerate(parts):
             own = shard.nbytes >= OWN_FRAME
             small = 0 if own else shard.nbytes
-            if end > start and (end - start >= MAX_ENTRIES or size + small > PACK_LIMIT or frames + own > _OWN_FRAMES):
+            alone = shard.nbytes >= self.alone_from
+            if end > start and (full or alone or end - start >= MAX_ENTRIES or size + small > PACK_LIMIT
+                                or frames + own > _OWN_FRAMES):
                 self._send_message(worker, req_id, parts[start:end])
                 start, size, frames = end, 0, 0
             size += small
             frames += own
+            full = alone
         self._send_message(worker, req_id, parts[start:])
 
     def _send_message(self, worker: int, req_id: int, parts: list[tuple[int, Shard]]) -> None:

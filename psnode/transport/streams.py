@@ -46,6 +46,8 @@ import threading
 from collections import deque
 from typing import Any, Sequence
 
+import numpy as np
+
 from psnode.errors import ProtocolError, WouldBlock
 from psnode.transport.base import Frame
 from psnode.transport.lanes import Tracker
@@ -282,7 +284,7 @@ class Stream:
                 count += 1
                 continue
             if body > _CHUNK // 2:  # big: read the rest straight into memory of its own
-                self._big = memoryview(bytearray(body))
+                self._big = memoryview(np.empty(body, np.uint8))  # not zeroed: every byte is read into it
                 have = self._end - head_end
                 self._big[:have] = buf[head_end:self._end]
                 self._big_got = have

@@ -13,7 +13,8 @@ from psnode.transport.lanes import MAGIC
 kv = kvcore.create("dist_sync")
 rank, n = kv.rank, kv.num_workers
 worker = kv._worker
-shapes = {5: (512, 1024), 6: (1200, 1200), 7: (3, 4)}  # 2 MiB whole, 5.5 MiB split over the servers, small
+# 2 MiB whole, 5.5 MiB split over the servers, 16 MiB in 4 parts (2 a server: a reply each), small
+shapes = {5: (512, 1024), 6: (1200, 1200), 8: (2048, 2048), 7: (3, 4)}
 for key, shape in shapes.items():
     kv.init(key, np.zeros(shape, np.float32))
 
