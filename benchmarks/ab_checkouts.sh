@@ -16,11 +16,13 @@ runner() {  # the runner of checkout $1: a package (python -m benchmarks.run) or
     if [ -f "$1/benchmarks/__init__.py" ]; then echo "-m benchmarks.$bench"; else echo "benchmarks/$bench.py"; fi
 }
 one() {  # one repetition of checkout $1, its systems $2, the report $3
+    # PYTHONPATH: every process of the job imports the checkout's own code, even where the checkouts share
+    # one editable install (a script started by path would otherwise import the install's checkout)
     if [ "$bench" = allreduce ]; then
-        (cd "$1" && timeout 1500 .venv/bin/python $(runner "$1") --reps 1 --ranks 2 --sizes 4,64 $bench_args \
+        (cd "$1" && PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" timeout 1500 .venv/bin/python $(runner "$1") --reps 1 --ranks 2 --sizes 4,64 $bench_args \
             --json "$3.json" > "$3.log" 2>&1)
     else
-        (cd "$1" && timeout 1500 .venv/bin/python $(runner "$1") --reps 1 --sizes 4,64 --systems "$2" \
+        (cd "$1" && PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" timeout 1500 .venv/bin/python $(runner "$1") --reps 1 --sizes 4,64 --systems "$2" \
             --json "$3.json" > "$3.log" 2>&1)
     fi
 }

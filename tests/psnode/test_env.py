@@ -54,6 +54,8 @@ def test_a_missing_required_variable_is_named(name):
         ("PSLAUNCH_SAME_HOST", "carrier", "PSLAUNCH_SAME_HOST='carrier' must be shm, ipc or tcp"),
         ("PSLAUNCH_IO_SCHED", "fifo", "PSLAUNCH_IO_SCHED='fifo' must be batch or normal"),
         ("PSLAUNCH_MALLOC_TUNING", "no", "PSLAUNCH_MALLOC_TUNING='no' must be on or off"),
+        ("PSLAUNCH_STREAMS", "yes", "PSLAUNCH_STREAMS='yes' must be on or off"),
+        ("PSLAUNCH_LANES", "0", "PSLAUNCH_LANES='0' must be on or off"),
         ("PSLAUNCH_SUPERVISED", "yes", "PSLAUNCH_SUPERVISED='yes' must be 0 or 1"),
     ],
 )
