@@ -30,7 +30,7 @@ from psnode.node.protocol import GROUP_ROLES, Cmd, Group, parse_group, unpack_he
 from psnode.node.timeline import open_timeline
 from psnode.transport import message_heap, same_host, streams
 from psnode.transport.base import Transport, node_transport
-from psnode.transport.lanes import MAGIC as LANE_MAGIC, Lanes, connect_lane
+from psnode.transport.lanes import MAGIC as LANE_MAGIC, Lanes
 from psnode.transport.security import secure_or_loopback
 
 __all__ = ["Connection", "Deferred", "DataHandler"]
@@ -168,8 +168,8 @@ class Connection:
             return
         env = self.env
         try:
-            sock = connect_lane((peer.host, peer.stream_port), streams.MAGIC, env.security().lane_key(),
-                                env.job_id.encode(), self.me.uid.encode(), peer.uid.encode())
+            sock = streams.connect_stream((peer.host, peer.stream_port), env.security().lane_key(), env.job_id.encode(),
+                                          self.me.uid.encode(), peer.uid.encode())
         except (OSError, EOFError, ProtocolError) as exc:
             logger.warning("%s has no stream to %s (port %d: %s); their messages go through ZeroMQ", self.describe(),
                            peer.describe(), peer.stream_port, exc)

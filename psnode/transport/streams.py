@@ -39,29 +39,58 @@ thread that polls (``send`` may flush too, under the lock).
 
 from __future__ import annotations
 
+import random
 import select
 import socket
 import struct
 import threading
+import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
+import zmq
 
 from psnode.errors import ProtocolError, WouldBlock
+from psnode.log import logger
 from psnode.transport.base import Frame
-from psnode.transport.lanes import Tracker
+from psnode.transport.lanes import Tracker, connect_lane
 
-__all__ = ["Stream", "MAGIC", "MAX_FRAMES", "QUEUE_MAX", "READ_MAX", "pack_header"]
+__all__ = ["Stream", "StreamSet", "connect_stream", "MAGIC", "MAX_FRAMES", "QUEUE_MAX", "READ_MAX", "pack_header"]
 
 MAGIC = b"PSSTRM\x01\x00"
+TRIES = 3  # tries to open a stream (``connect_stream``)
 MAX_FRAMES = 64  # frames in one message (the protocol's messages have at most a handful)
 QUEUE_MAX = 64 << 20  # bytes a stream queues before a blocking send waits (a non-blocking one: WouldBlock)
 READ_MAX = 1 << 20  # bytes one poll reads from a stream at most, so every stream and ZeroMQ get their turn
 _SOCKET_BUFFER = 4 << 20  # kernel buffer each way: a big message in fewer wake-ups (capped by the kernel)
 _CHUNK = 64 << 10  # a stream's receive buffer; a message bigger than half of it is read into its own memory
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # zmq_poll's, which it takes for a plain descriptor too
 _HEAD = struct.Struct("<QH")
 _LENGTHS = [struct.Struct(f"<{n}Q") for n in range(MAX_FRAMES + 1)]
+
+
+def connect_stream(address: tuple[str, int], key: bytes, job: bytes, identity: bytes, server: bytes,
+                   tries: int = TRIES) -> socket.socket:
+    """A worker's stream to ``server`` at ``address`` (``lanes.connect_lane`` with this module's
+    ``MAGIC``). A server takes a bounded number of handshakes at once (``lanes.MAX_HANDSHAKES``) and
+    closes the others, which a burst of workers that got the address book together may meet: a
+    connection refused or closed is tried again, ``tries`` times in all, a moment later each time.
+
+    Raises:
+        OSError, EOFError: no try got through (the last one's error); TimeoutError: no answer.
+        ProtocolError: the server's proof is wrong.
+    """
+    for attempt in range(tries):
+        try:
+            return connect_lane(address, MAGIC, key, job, identity, server)
+        except TimeoutError:
+            raise  # nothing answers: another try would wait as long again
+        except (OSError, EOFError):
+            if attempt + 1 == tries:
+                raise
+            time.sleep(random.uniform(0.02, 0.1) * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def pack_header(sizes: Sequence[int]) -> bytes:
@@ -309,7 +338,10 @@ class Stream:
     def close(self, linger: float = 0.0) -> None:
         """Write what is queued for up to ``linger`` seconds, then close; a tracker not done yet is
         done (its message is given up). Idempotent."""
-        with self.lock:
+        if not self.lock.acquire(timeout=linger + 1.0):
+            self.shutdown()  # a sender waits for a peer that reads nothing (``_drain``): its write now fails
+            self.lock.acquire()
+        try:
             if self.closed:
                 return
             if linger > 0 and self._queue:
@@ -323,6 +355,8 @@ class Stream:
             self.queued = 0
             while self._trackers:
                 self._trackers.popleft()[1].set()
+        finally:
+            self.lock.release()
         self.sock.close()
 
     def _flush_blocking(self) -> None:
@@ -338,3 +372,115 @@ def _frames(body: memoryview, counts: Sequence[int]) -> list:
         frames.append(Frame(body[start:start + n]))
         start += n
     return frames
+
+
+class StreamSet:
+    """A transport's streams (see the module docstring): by peer for sending, by descriptor for its poll.
+
+    ``limit``: the largest frame taken; ``wake()`` ends the transport's poll in progress (so it waits
+    on what changed); ``refused(peer, why)``: a stream closed because what its peer sent does not parse.
+    The transport builds its poll list again while ``stale`` (``poll_items``) and hands what its poll
+    reports of a stream to ``ready``.
+    """
+
+    def __init__(self, limit: int, wake: Callable[[], None], refused: Callable[[bytes, str], None]) -> None:
+        self._limit = limit
+        self._wake = wake
+        self._refused = refused
+        self._lock = threading.Lock()
+        self._by_peer: dict[bytes, Stream] = {}  # the stream each peer's messages go on
+        self._by_fd: dict[int, Stream] = {}  # every stream poll reads, those being closed too
+        self._writing: set[int] = set()  # streams whose queued bytes poll waits to write
+        self.stale = False  # streams, or what poll waits for on them, changed since ``poll_items``
+        self._closed = False
+
+    def get(self, peer: bytes) -> Stream | None:
+        return self._by_peer.get(peer)
+
+    def by_peer(self) -> dict[bytes, Stream]:
+        """The streams in use, by peer (a copy)."""
+        return dict(self._by_peer)
+
+    def adopt(self, peer: bytes, sock: socket.socket) -> None:
+        """Carry ``peer``'s messages on ``sock`` from now on; a stream it had before ends (any thread)."""
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            stream = Stream(peer, sock, self._limit)
+            old = self._by_peer.get(peer)
+            self._by_peer[peer] = self._by_fd[stream.fd] = stream
+            self.stale = True
+        if old is not None:
+            old.shutdown()
+        self._wake()
+
+    def send(self, stream: Stream, frames: Sequence[Any], track: bool, block: bool) -> Tracker | None:
+        """``stream.send``; what it queued is written by the next poll (any thread).
+
+        Raises:
+            OSError: the stream broke; it is used no more (send the message another way).
+            WouldBlock: as ``Stream.send``.
+        """
+        try:
+            tracker = stream.send(frames, track, block)
+        except OSError as exc:
+            self.drop(stream, f"the stream to {stream.peer.decode(errors='replace')} broke: {exc}")
+            raise
+        if stream.queued and stream.fd not in self._writing:
+            self.stale = True
+            self._wake()
+        return tracker
+
+    def drop(self, stream: Stream, why: str, warn: bool = False) -> None:
+        """Use ``stream`` no more: its peer's messages go the transport's other way (the polling thread
+        reads its end and closes it)."""
+        with self._lock:
+            if self._by_peer.get(stream.peer) is stream:
+                del self._by_peer[stream.peer]
+            self.stale = True
+        stream.shutdown()
+        if not self._closed:
+            (logger.warning if warn else logger.info)("%s; its messages go through ZeroMQ", why)
+
+    def poll_items(self) -> list[tuple[int, int]]:
+        """``(fd, events)`` for each stream: readable, and writable while it queues (the polling thread)."""
+        with self._lock:
+            self.stale = False
+            self._writing = {fd for fd, stream in self._by_fd.items() if stream.queued}
+            return [(fd, _POLLIN | _POLLOUT if fd in self._writing else _POLLIN) for fd in self._by_fd]
+
+    def ready(self, fd: int, events: int, inbox: deque) -> None:
+        """The polling thread: ``events`` on stream ``fd``: write what it queued, read what came into ``inbox``."""
+        stream = self._by_fd.get(fd)
+        if stream is None:
+            return
+        try:
+            if events & _POLLOUT:
+                stream.flush()
+                if not stream.queued:
+                    self.stale = True
+            if events & ~_POLLOUT:
+                stream.read(inbox)
+        except ProtocolError as exc:
+            self._end(stream, f"closed the stream from {stream.peer.decode(errors='replace')}: {exc}", warn=True)
+            self._refused(stream.peer, f"{exc} (on its stream, which this node closed)")
+        except (EOFError, OSError) as exc:
+            self._end(stream, f"the stream to {stream.peer.decode(errors='replace')} ended: {exc}")
+
+    def _end(self, stream: Stream, why: str, warn: bool = False) -> None:
+        self.drop(stream, why, warn)
+        with self._lock:
+            self._by_fd.pop(stream.fd, None)
+        self._writing.discard(stream.fd)
+        stream.close()
+
+    def close(self, linger: float) -> None:
+        """Close every stream, writing what each queued for up to ``linger`` seconds first."""
+        with self._lock:
+            self._closed = True
+            streams = list(self._by_fd.values())
+            self._by_peer.clear()
+            self._by_fd.clear()
+        for stream in streams:
+            stream.close(linger)

@@ -47,18 +47,16 @@ from typing import Any, Sequence
 
 import zmq
 
-from psnode.errors import ClosedError, ProtocolError, TransportError
-from psnode.log import logger
+from psnode.errors import ClosedError, TransportError
 from psnode.transport.base import Frame, Transport, WouldBlock
 from psnode.transport.security import ZAP_DOMAIN, Security, ZapHandler
-from psnode.transport.streams import Stream
+from psnode.transport.streams import Stream, StreamSet
 
 __all__ = ["ZmqTransport"]
 
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
-_POLLOUT = int(zmq.POLLOUT)
 _SEND_HWM = 1000  # messages queued per peer before a non-blocking send reports WouldBlock
 _RECV_HWM = 1000  # messages a ROUTER keeps per peer before it stops reading that peer's connection
 _NO_SECURITY = Security("none", "")
@@ -181,12 +179,11 @@ class ZmqTransport(Transport):
         self.lane_router: Any = None
         self._inbox: deque = deque()  # (sender, frames) that came another way (``inject``, streams): received first
         self._inbox_room = threading.Condition()
-        self._streams: dict[bytes, Stream] = {}  # peer -> its stream (``adopt_stream``): its messages go there
-        self._stream_fds: dict[int, Stream] = {}  # every stream poll reads, those being closed too
-        self._writing: set[int] = set()  # streams whose queued bytes poll waits to write
-        self._items_stale = True  # streams or what poll waits for on them changed: build the list again
         # ``stream_refused(peer, why)``: a stream closed because what its peer sent does not parse
         self.stream_refused: Any = None
+        # peers whose messages go on a stream (``adopt_stream``), and what poll waits for on them
+        self._streams = StreamSet(max_message if max_message > 0 else 1 << 62, self.wake,
+                                  lambda peer, why: self.stream_refused and self.stream_refused(peer, why))
 
     @staticmethod
     def same_host_endpoint(local_name: str) -> str:
@@ -219,7 +216,7 @@ class ZmqTransport(Transport):
             where = f"TCP port {port}" if port else "a free TCP port"
             raise TransportError(f"cannot bind {where} of {address} (with local name {local_name!r}): {exc}") from exc
         self._router = router
-        self._items_stale = True
+        self._streams.stale = True
         return port
 
     def _secure_server(self, router: zmq.Socket) -> None:
@@ -281,14 +278,9 @@ class ZmqTransport(Transport):
         stream = self._streams.get(peer)
         if stream is not None:
             try:
-                tracker = stream.send(frames, track, block)
-            except OSError as exc:  # it broke: this message and the later ones go through ZeroMQ
-                self._stream_over(stream, f"the stream to {peer.decode(errors='replace')} broke: {exc}")
-            else:
-                if stream.queued and stream.fd not in self._writing:
-                    self._items_stale = True  # poll writes the rest once the socket takes it
-                    self.wake()
-                return tracker
+                return self._streams.send(stream, frames, track, block)
+            except OSError:
+                pass  # it broke (and is dropped): this message and the later ones go through ZeroMQ
         entry = self._dealers.get(peer)
         if entry is None:
             self._check_open()
@@ -400,80 +392,25 @@ class ZmqTransport(Transport):
     def adopt_stream(self, peer: bytes, sock: Any) -> None:
         """Carry every message to and from ``peer`` on ``sock`` from now on (a connection whose handshake
         is done: ``psnode.transport.streams``); a stream the peer had before is closed (any thread)."""
-        with self._connect_lock:
-            if self._closed:
-                sock.close()
-                return
-            stream = Stream(peer, sock, self._max_message if self._max_message > 0 else 1 << 62)
-            old = self._streams.get(peer)
-            self._streams[peer] = stream
-            self._stream_fds[stream.fd] = stream
-            self._items_stale = True
-        if old is not None:
-            old.shutdown()
-        self.wake()
+        if self._closed:
+            sock.close()
+            return
+        self._streams.adopt(peer, sock)
 
     @property
     def streams(self) -> dict[bytes, Stream]:
         """The streams in use, by peer (a copy)."""
-        return dict(self._streams)
-
-    def _stream_over(self, stream: Stream, why: str, warn: bool = False) -> None:
-        """Use ``stream`` no more: its peer's messages go through ZeroMQ (the polling thread closes it)."""
-        with self._connect_lock:
-            if self._streams.get(stream.peer) is stream:
-                del self._streams[stream.peer]
-            self._items_stale = True
-        stream.shutdown()
-        if not self._closed:
-            (logger.warning if warn else logger.info)("%s; its messages go through ZeroMQ", why)
-
-    def _stream_ready(self, fd: int, events: int) -> None:
-        """The polling thread: ``events`` on stream ``fd``: write what it queued, read what came."""
-        stream = self._stream_fds.get(fd)
-        if stream is None:
-            return
-        try:
-            if events & _POLLOUT:
-                stream.flush()
-                if not stream.queued:
-                    self._items_stale = True
-            if events & ~_POLLOUT:
-                stream.read(self._inbox)
-        except ProtocolError as exc:
-            name = stream.peer.decode(errors="replace")
-            self._end_stream(stream, f"closed the stream from {name}: {exc}", warn=True)
-            if self.stream_refused is not None:
-                self.stream_refused(stream.peer, f"{exc} (on its stream, which this node closed)")
-        except (EOFError, OSError) as exc:
-            self._end_stream(stream, f"the stream to {stream.peer.decode(errors='replace')} ended: {exc}")
-
-    def _end_stream(self, stream: Stream, why: str, warn: bool = False) -> None:
-        self._stream_over(stream, why, warn)
-        with self._connect_lock:
-            self._stream_fds.pop(stream.fd, None)
-        self._writing.discard(stream.fd)
-        stream.close()
+        return self._streams.by_peer()
 
     def _items(self) -> list:
-        """What poll waits on: the ROUTER, the wake eventfd, each stream (writable too while it queues)."""
-        with self._connect_lock:
-            self._items_stale = False
-            items = [(self._require_router(), _POLLIN), (self._wake_fd, _POLLIN)]
-            self._writing = set()
-            for fd, stream in self._stream_fds.items():
-                if stream.queued:
-                    self._writing.add(fd)
-                    items.append((fd, _POLLIN | _POLLOUT))
-                else:
-                    items.append((fd, _POLLIN))
-            self._poll_items = items
-        return items
+        """What poll waits on: the ROUTER, the wake eventfd, each stream."""
+        self._poll_items = [(self._require_router(), _POLLIN), (self._wake_fd, _POLLIN), *self._streams.poll_items()]
+        return self._poll_items
 
     def disconnect(self, peer: bytes) -> None:
         stream = self._streams.get(peer)
         if stream is not None:
-            self._stream_over(stream, f"the stream to {peer.decode(errors='replace')} is closed: the peer is lost")
+            self._streams.drop(stream, f"the stream to {peer.decode(errors='replace')} is closed: the peer is lost")
         self._stop_liveness(peer)
         self._down_since.pop(peer, None)
         self._unwatch(peer)
@@ -503,7 +440,7 @@ class ZmqTransport(Transport):
         router = self._require_router()
         if self._inbox:
             return True
-        items = self._poll_items if not self._items_stale else self._items()
+        items = self._items() if self._streams.stale or self._poll_items is None else self._poll_items
         try:
             events = zmq.zmq_poll(items, max(0, int(timeout * 1000)))
         except zmq.ZMQError as exc:
@@ -520,7 +457,7 @@ class ZmqTransport(Transport):
                 except BlockingIOError:
                     pass
             else:
-                self._stream_ready(what, mask)
+                self._streams.ready(what, mask, self._inbox)
         return ready or bool(self._inbox)
 
     def wake(self) -> None:
@@ -566,12 +503,7 @@ class ZmqTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        with self._connect_lock:
-            streams = list(self._stream_fds.values())
-            self._streams.clear()
-            self._stream_fds.clear()
-        for stream in streams:  # what they queued gets the linger too
-            stream.close(linger)
+        self._streams.close(linger)  # what they queued gets the linger too
         for peer in list(self._monitors):
             self._unwatch(peer)
         for peer in list(self._liveness):

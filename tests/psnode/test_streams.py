@@ -7,6 +7,7 @@ and two ``ZmqTransport``s that carry a peer's messages on its stream and fall ba
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -280,3 +281,73 @@ def test_a_stream_whose_bytes_do_not_parse_is_closed_said_and_zeromq_carries_the
     assert b"server@b" not in worker.streams
     worker.send(b"server@b", [b"PS-back"])
     assert receive(server, 1) == [(b"worker@a", [b"PS-back"])]
+
+
+def test_closing_a_stream_frees_a_sender_that_waits_for_a_peer_that_reads_nothing(pair, monkeypatch):
+    monkeypatch.setattr(streams, "QUEUE_MAX", 1 << 20)
+    a, _ = pair
+    sender = Stream(b"server@b", a, 1 << 30)
+    sender.send([np.zeros(12 << 20, np.uint8)], track=False, block=False)  # more than the kernel holds
+    failed = []
+
+    def blocking_send() -> None:
+        try:
+            sender.send([b"waits"], track=False, block=True)  # writes the queue down first: never, here
+        except OSError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=blocking_send)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not sender.lock.locked():  # it holds the stream's lock while it waits to write the queue down
+        assert time.monotonic() < deadline and thread.is_alive(), "the blocking send did not start waiting"
+        time.sleep(0.001)
+    started = time.monotonic()
+    sender.close()
+    thread.join(5)
+    assert not thread.is_alive() and failed, "the blocked sender was left waiting"
+    assert time.monotonic() - started < 3
+
+
+def test_a_worker_tries_again_when_a_server_busy_with_other_handshakes_closes_its_connection(monkeypatch):
+    monkeypatch.setattr("psnode.transport.lanes.MAX_HANDSHAKES", 1)
+    adopted = []
+    taken = threading.Event()
+
+    class Adopter:
+        def adopt(self, peer, sock):  # after the server's last word: the worker may have its socket first
+            adopted.append(sock)
+            taken.set()
+
+    class Refusals(logging.Handler):  # the server says when it turns a connection away
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = threading.Event()
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if "handshakes are already under way" in record.getMessage():
+                self.seen.set()
+
+    refusals = Refusals()
+    logging.getLogger("psnode").addHandler(refusals)
+    lanes = Lanes.listen("127.0.0.1", b"server@b", JOB.decode(), KEY, what="workers' streams", magic=MAGIC)
+    lanes.serve(Adopter(), lambda uid: "worker a")
+    stalled = socket.create_connection(("127.0.0.1", lanes.port))  # a handshake under way that says nothing
+
+    def free_the_slot() -> None:  # once the server turned the worker's first try away
+        refusals.seen.wait(10)
+        stalled.close()
+
+    thread = threading.Thread(target=free_the_slot)
+    thread.start()
+    try:
+        sock = streams.connect_stream(("127.0.0.1", lanes.port), KEY, JOB, b"worker@a", b"server@b", tries=3)
+        sock.close()
+        assert refusals.seen.is_set()  # the first try was turned away; a later one got through
+        assert taken.wait(5) and len(adopted) == 1
+    finally:
+        thread.join()
+        logging.getLogger("psnode").removeHandler(refusals)
+        lanes.close()
+        for s in adopted:
+            s.close()

@@ -2,10 +2,8 @@
 copied (``push(..., copy=False)``), with worker 0 first sending the servers' data lane ports what a
 stranger would; prints ``LANES <sent> <received> <in place>`` and ``OK <rank>``."""
 
-import os
-import socket
-
 import numpy as np
+from stranger import knock
 
 import kvcore
 from psnode.transport.lanes import MAGIC
@@ -18,18 +16,10 @@ shapes = {5: (512, 1024), 6: (1200, 1200), 8: (2048, 2048), 7: (3, 4)}
 for key, shape in shapes.items():
     kv.init(key, np.zeros(shape, np.float32))
 
-if rank == 0:  # a stranger's bytes: refused by each server before a byte of data is read, the job goes on
+if rank == 0:  # a stranger's bytes: refused by each server before a byte is kept, the job goes on
     for server in worker.conn.members.servers:
         if server.data_port:
-            with socket.create_connection((server.host, server.data_port), timeout=5) as sock:
-                sock.sendall(os.urandom(300))
-            with socket.create_connection((server.host, server.data_port), timeout=5) as sock:
-                who = b"worker@stranger"
-                sock.sendall(MAGIC + len(who).to_bytes(2, "little") + who + len(server.uid).to_bytes(2, "little")
-                             + server.uid.encode() + os.urandom(16))
-                sock.settimeout(5)
-                sock.recv(48)  # the server's nonce and proof
-                sock.sendall(os.urandom(32))  # a proof without the key
+            knock(server.host, server.data_port, server.uid, MAGIC)
 
 total = sum(range(1, n + 1))
 for rnd in range(4):

@@ -3,10 +3,8 @@ small keys, a list of 300 one-float keys, a 1 MiB key (read into memory of its o
 over both servers; worker 0 first sends each server's stream port a stranger's bytes and a
 handshake without the key. Prints ``STREAMS <servers with a stream> <sent> <received>`` and ``OK <rank>``."""
 
-import os
-import socket
-
 import numpy as np
+from stranger import knock
 
 import kvcore
 from psnode.transport.streams import MAGIC
@@ -24,16 +22,7 @@ kv.init(small, [np.zeros(1, np.float32) for _ in small])
 if rank == 0:  # a stranger's bytes: refused by each server before a byte is kept, the job goes on
     for server in worker.conn.members.servers:
         if server.stream_port:
-            with socket.create_connection((server.host, server.stream_port), timeout=5) as sock:
-                sock.sendall(os.urandom(300))
-            with socket.create_connection((server.host, server.stream_port), timeout=5) as sock:
-                who = b"worker@stranger"
-                sock.sendall(MAGIC + len(who).to_bytes(2, "little") + who + len(server.uid).to_bytes(2, "little")
-                             + server.uid.encode() + os.urandom(16))
-                sock.settimeout(5)
-                sock.recv(48)  # the server's nonce and proof
-                sock.sendall(os.urandom(32))  # a proof without the key
-                assert sock.recv(1) == b"", "a server took a stream without the key's proof"  # closed, not taken
+            knock(server.host, server.stream_port, server.uid, MAGIC)
 
 total = sum(range(1, n + 1))
 for rnd in range(5):
