@@ -17,6 +17,7 @@ import concurrent.futures
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol
 
 from psnode.env import NodeEnv
@@ -40,6 +41,7 @@ _BATCH = 256  # messages handled between two heartbeat checks
 _BATCH_SECONDS = 0.5  # and at most this long: a batch of heavy messages (an init of 4,096 keys each) must not starve them
 _HELD_LIMIT = 4096  # collective messages kept while the workers' addresses are asked for
 _EARLY_LIMIT = 256  # messages of workers started again alone, kept until the scheduler says who they are
+_OPENING_THREADS = 32  # a worker's streams to its servers opened at once at most
 
 DataHandler = Callable[[PeerInfo, int, int, int, int, list], None]
 """``handle(peer, cmd, flags, req_id, arg, frames)``: a data message from a peer of the job.
@@ -123,7 +125,7 @@ class Connection:
             if self.stream_listener is not None:
                 self.stream_listener.serve(self, self._stream_known)
             elif role == "worker":
-                self.link.on_connected = self._open_stream
+                self.link.on_connected = self._open_streams
 
     def _open_lanes(self, role: str, host: str, uid: str) -> Lanes | None:
         """A worker's lanes for big collective messages (``psnode.transport.lanes``), or None: not a worker, lanes
@@ -160,21 +162,30 @@ class Connection:
         that worker's messages on it from now on."""
         self.transport.adopt_stream(peer.uid.encode(), sock)
 
-    def _open_stream(self, peer: PeerInfo) -> None:
-        """Open this worker's stream to ``peer`` when it is a server that takes streams (before this
-        worker sends it anything: their messages then keep one order); one that cannot be opened is
-        said in the log, and that server's messages go through ZeroMQ."""
-        if peer.role != "server" or not peer.stream_port:
+    def _open_streams(self, peers: list[PeerInfo]) -> None:
+        """Open this worker's streams to the servers among ``peers`` that take them, all at once (before
+        this worker sends them anything: their messages then keep one order; a server that does not
+        answer costs one connect timeout, not one each). One that cannot be opened is said in the log,
+        and that server's messages go through ZeroMQ."""
+        servers = [peer for peer in peers if peer.role == "server" and peer.stream_port]
+        if not servers:
             return
+        with ThreadPoolExecutor(max_workers=min(_OPENING_THREADS, len(servers))) as pool:
+            opened = list(pool.map(self._open_stream, servers))
+        for peer, sock in zip(servers, opened):
+            if sock is not None:
+                self.transport.adopt_stream(peer.uid.encode(), sock)
+
+    def _open_stream(self, peer: PeerInfo) -> Any:
+        """This worker's stream to server ``peer``, or None (said in the log)."""
         env = self.env
         try:
-            sock = streams.connect_stream((peer.host, peer.stream_port), env.security().lane_key(), env.job_id.encode(),
+            return streams.connect_stream((peer.host, peer.stream_port), env.security().lane_key(), env.job_id.encode(),
                                           self.me.uid.encode(), peer.uid.encode())
         except (OSError, EOFError, ProtocolError) as exc:
             logger.warning("%s has no stream to %s (port %d: %s); their messages go through ZeroMQ", self.describe(),
                            peer.describe(), peer.stream_port, exc)
-            return
-        self.transport.adopt_stream(peer.uid.encode(), sock)
+            return None
 
     def _listen_lanes(self, role: str, host: str, uid: str, what: str, in_order: bool = False,
                       magic: bytes = LANE_MAGIC) -> Lanes | None:

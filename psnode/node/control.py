@@ -141,7 +141,8 @@ class SchedulerLink:
         # ``on_replica(cmd, peer)``: a replica joins the running job (``REPLICA_JOINED`` to a worker,
         # ``REPLICA_JOINING`` to the server of its rank: psnode.server.snapshot)
         self.on_replica: Callable[[int, PeerInfo], None] | None = None
-        self.on_connected: Callable[[PeerInfo], None] | None = None  # a peer of the first address book is connected
+        # ``on_connected(peers)``: the peers of the first address book are connected (before anything is sent to them)
+        self.on_connected: Callable[[list[PeerInfo]], None] | None = None
         self.shutdown_requested = False
         self.malformed = 0
         # A scheduler started again in place (PSLAUNCH_RESTART_SCOPE=worker): this node notices its
@@ -240,12 +241,13 @@ class SchedulerLink:
                 self.note_malformed(sender, exc)
 
     def _connect(self, book: Any) -> None:
-        for peer in self.members.apply(book):
+        peers = self.members.apply(book)
+        for peer in peers:
             endpoint = endpoint_of(peer, self.transport, self.me.fingerprint, self.env.same_host)
             self.transport.connect(peer.uid.encode(), endpoint)
             logger.info("%s %d connected to %s at %s", self.me.role, self.members.rank, peer.describe(), endpoint)
-            if self.on_connected is not None:
-                self.on_connected(peer)
+        if self.on_connected is not None:
+            self.on_connected(peers)
         self._last_heard = self._last_tick = time.monotonic()
 
     def _probe_clock(self, early: list[tuple[bytes, list]]) -> None:

@@ -81,16 +81,17 @@ def connect_stream(address: tuple[str, int], key: bytes, job: bytes, identity: b
         OSError, EOFError: no try got through (the last one's error); TimeoutError: no answer.
         ProtocolError: the server's proof is wrong.
     """
-    for attempt in range(tries):
+    attempt = 1
+    while True:
         try:
             return connect_lane(address, MAGIC, key, job, identity, server)
         except TimeoutError:
             raise  # nothing answers: another try would wait as long again
         except (OSError, EOFError):
-            if attempt + 1 == tries:
+            if attempt >= tries:
                 raise
-            time.sleep(random.uniform(0.02, 0.1) * (attempt + 1))
-    raise AssertionError("unreachable")
+        time.sleep(random.uniform(0.02, 0.1) * attempt)
+        attempt += 1
 
 
 def pack_header(sizes: Sequence[int]) -> bytes:
@@ -101,7 +102,7 @@ def pack_header(sizes: Sequence[int]) -> bytes:
 
 class Stream:
     """One stream (see the module docstring): ``peer`` is the identity of the node at its other end,
-    ``sock`` a connected socket whose handshake is done, ``limit`` the largest message taken (bytes)."""
+    ``sock`` a connected socket whose handshake is done, ``limit`` the largest frame taken (bytes)."""
 
     def __init__(self, peer: bytes, sock: socket.socket, limit: int) -> None:
         self.peer = peer
