@@ -287,7 +287,7 @@ class Lanes:
     def __init__(self, sock: socket.socket, identity: bytes, job: str, key: bytes, what: str = "collectives",
                  in_order: bool = False, magic: bytes = MAGIC) -> None:
         self._listener = sock
-        self.magic = magic  # what a connection to this port must open with (lanes and links differ)
+        self.magic = magic  # what a connection to this port must open with (lanes and streams differ)
         self.what = what  # what the lanes carry, for the log
         # a failed lane's messages are sent again before any later one to that peer: the receiver
         # relies on the order of one sender's messages

@@ -242,7 +242,7 @@ class Stream:
     # ---- reading (the polling thread) ------------------------------------------------------------
     def read(self, inbox: deque) -> int:
         """Read what the socket holds now (``READ_MAX`` bytes at most) and append each whole message to
-        ``inbox`` as ``(peer, frames)``; the number appended. 0 with nothing read: see ``ended``.
+        ``inbox`` as ``(peer, frames)``; the number appended.
 
         Raises:
             ProtocolError: the stream does not parse (the stream must close).

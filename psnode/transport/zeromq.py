@@ -391,10 +391,8 @@ class ZmqTransport(Transport):
     # ---- streams ---------------------------------------------------------------------------------------
     def adopt_stream(self, peer: bytes, sock: Any) -> None:
         """Carry every message to and from ``peer`` on ``sock`` from now on (a connection whose handshake
-        is done: ``psnode.transport.streams``); a stream the peer had before is closed (any thread)."""
-        if self._closed:
-            sock.close()
-            return
+        is done: ``psnode.transport.streams``); a stream the peer had before is closed (any thread).
+        After ``close`` the socket is closed instead."""
         self._streams.adopt(peer, sock)
 
     @property

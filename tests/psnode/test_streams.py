@@ -295,12 +295,17 @@ def test_closing_a_stream_frees_a_sender_that_waits_for_a_peer_that_reads_nothin
         except OSError as exc:
             failed.append(exc)
 
+    waiting = threading.Event()
+    drain = sender._drain
+
+    def drain_and_say(below: int) -> None:  # the send waits here, holding the stream's lock
+        waiting.set()
+        drain(below)
+
+    sender._drain = drain_and_say
     thread = threading.Thread(target=blocking_send)
     thread.start()
-    deadline = time.monotonic() + 5
-    while not sender.lock.locked():  # it holds the stream's lock while it waits to write the queue down
-        assert time.monotonic() < deadline and thread.is_alive(), "the blocking send did not start waiting"
-        time.sleep(0.001)
+    assert waiting.wait(5), "the blocking send did not start waiting"
     started = time.monotonic()
     sender.close()
     thread.join(5)
