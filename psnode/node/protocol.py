@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from psnode.errors import ProtocolError
-from psnode.transport.same_host import IN_SHARED_MEMORY  # a frame number of the entries below
+from psnode.transport.same_host import IN_SERVER_MEMORY, IN_SHARED_MEMORY  # frame numbers of the entries below
 
 __all__ = [
     "HEADER",
@@ -69,6 +69,7 @@ __all__ = [
     "peek",
     "peek_req_id",
     "peek_arg",
+    "IN_SERVER_MEMORY",
     "IN_SHARED_MEMORY",
     "MAX_DATA_FRAMES",
     "PACK_LIMIT",
@@ -211,14 +212,15 @@ ENTRY = np.dtype(
 """One key part of a data message.
 
 key: the 64-bit key id; index: the part's position in the worker's request (replies echo it);
-frame: which data frame (0 = the first after the meta frame) holds its bytes, or ``IN_SHARED_MEMORY``;
+frame: which data frame (0 = the first after the meta frame) holds its bytes, or ``IN_SHARED_MEMORY`` /
+``IN_SERVER_MEMORY`` (``psnode.transport.same_host``);
 codec: how the bytes encode the value (``psnode.compression.codecs``; 0 = raw, the value's own bytes);
 offset, nbytes: where the (encoded) bytes lie; seq: push -> this worker's push count of the key
 including this one; pull -> pushes of the key this worker has issued, all of which the value
 returned must include.
 """
 
-MAX_DATA_FRAMES = IN_SHARED_MEMORY - 1  # frame numbers a message can use
+MAX_DATA_FRAMES = IN_SERVER_MEMORY - 1  # frame numbers a message can use
 
 PACK_LIMIT = 4 << 20
 #: The most part records one message's meta frame holds (2.5 MiB of them): a push or pull of more
@@ -411,7 +413,7 @@ def unpack_entries(frame: Any, frame_sizes: list[int] | None = None) -> list[tup
     if frame_sizes is not None:
         count = len(frame_sizes)
         for row in rows:
-            if row[2] == IN_SHARED_MEMORY:  # the part lies in shared memory (psnode.transport.same_host), not in a frame
+            if row[2] >= IN_SERVER_MEMORY:  # the part lies in shared memory (psnode.transport.same_host), not in a frame
                 continue
             if row[2] >= count or row[4] + row[5] > frame_sizes[row[2]]:
                 raise ProtocolError(f"a part of key {row[0]:#x} lies outside the message's data frames")

@@ -3,8 +3,10 @@
 Pulls answered while a batch of messages is handled are gathered (``answer``) and sent after the
 batch (``flush``): one reply per request, small values packed into one data frame, values of
 ``OWN_FRAME`` bytes or more in frames of their own straight from the stored array (ZeroMQ reads it
-in place; the store copies on write while such a send may still read it), values a worker asked
-for in its shared memory written there.
+in place; the store copies on write while such a send may still read it). A value a worker on this
+host asked for in its shared memory is named where it lies when it is in one of this server's value
+regions (the worker copies it out and writes the reply's receipt; ``psnode.server.shared_values``),
+else written into the worker's region.
 
 Push acknowledgements are held: a worker with a pull waiting here gets them with that pull's reply
 (one message and one wake-up fewer per round), or after ``ACK_HOLD`` at the latest, so a worker that
@@ -28,6 +30,7 @@ from psnode.node.membership import Membership, PeerInfo
 from psnode.node.protocol import (
     FLAG_ACKS,
     FLAG_ERROR,
+    IN_SERVER_MEMORY,
     IN_SHARED_MEMORY,
     MAX_ENTRIES,
     OWN_FRAME,
@@ -39,6 +42,7 @@ from psnode.node.protocol import (
     pack_value,
     with_flags,
 )
+from psnode.server.shared_values import Receipt, give_up
 from psnode.server.store import Shard
 from psnode.transport import same_host
 from psnode.transport.base import Transport
@@ -77,6 +81,10 @@ class Replies:
         self._pulls_waiting: dict[int, set[int]] = defaultdict(set)  # worker -> pull req_ids not answered yet
         self._regions: dict[tuple[int, int, int], tuple[int, int]] = {}  # pulls answered in shared memory
         self._encoded: dict[tuple[int, int, int], Any] = {}  # pull parts answered in a codec (half width)
+        # values a same-host worker copies out of this server's memory: its receipt cell and the last
+        # number given, per (worker, pull region) (psnode.server.shared_values)
+        self.shared = getattr(memory, "shared", None)
+        self._receipts: dict[tuple[int, int], list] = {}
         self.due: float | None = None
         self.when_idle = False
 
@@ -105,7 +113,10 @@ class Replies:
                     del held[slot]
 
     def forget_worker(self, worker: int) -> None:
-        """Worker ``worker`` was replaced by a restarted one: drop what was held for its predecessor."""
+        """Worker ``worker`` was replaced by a restarted one: drop what was held for its predecessor
+        (and count what it was reading in this server's memory as read)."""
+        for slot in [s for s in self._receipts if s[0] == worker]:
+            give_up(self._receipts.pop(slot)[0])
         self._acks.pop(worker, None)
         self._pulls_waiting.pop(worker, None)
         for held in (self._regions, self._encoded):
@@ -178,9 +189,14 @@ class Replies:
                 continue
             region = self._regions.pop((worker, req_id, index), None) if self._regions else None
             if region is not None and region[1] == shard.nbytes:
+                value = host(shard.stored)
+                served = self._serve_shared(worker, region[0], value, shard) if self.shared is not None else None
+                if served is not None:  # the worker copies it out of this server's region
+                    entries.append((shard.key_id, index, IN_SERVER_MEMORY, 0, served[0], shard.nbytes, served[1]))
+                    continue
                 # mapped and checked when the pull arrived (ServerNode._pull): here only looked up
                 view = self.attached.view(region[0], region[1], self.members.workers[worker].pid)
-                np.copyto(view, host(shard.stored).view(np.uint8))
+                np.copyto(view, value.view(np.uint8))
                 entries.append((shard.key_id, index, IN_SHARED_MEMORY, 0, 0, shard.nbytes, 0))
             elif shard.nbytes >= OWN_FRAME:
                 big.append(shard)
@@ -202,6 +218,27 @@ class Replies:
         if tracker is not None:
             for shard in big:
                 shard.trackers.append(tracker)
+
+    def _serve_shared(self, worker: int, pull_ref: int, value: np.ndarray, shard: Shard) -> tuple[int, int] | None:
+        """``(region reference, receipt)`` when ``value`` lies in one of this server's value regions,
+        which the worker's pull region ``pull_ref`` then reads until it writes the receipt into its
+        cell; None: copy it into the pull region."""
+        if self.shared.region_of(value) is None:
+            return None
+        slot = (worker, pull_ref)
+        entry = self._receipts.get(slot)
+        if entry is None:
+            try:
+                cell = self.attached.view(pull_ref, 8, self.members.workers[worker].pid,
+                                          same_host.receipt_offset(shard.nbytes)).view(np.uint64)
+            except (OSError, ValueError):  # a region without a receipt cell: copy into it instead
+                return None
+            entry = self._receipts[slot] = [cell, int(cell[0])]
+        entry[1] += 1
+        receipt = Receipt(entry[0], entry[1])
+        ref = self.shared.serve(value, receipt)
+        shard.trackers.append(receipt)  # the store writes a new array while the worker may still read this one
+        return ref, entry[1]
 
     def send_to(self, worker: int, frames: list, pull_req: int | None = None, track: bool = False) -> Any:
         """Send a reply to ``worker`` (``pull_req``: the pull it answers), with its held-back push

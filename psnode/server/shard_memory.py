@@ -19,17 +19,30 @@ __all__ = ["HostMemory", "GpuMemory", "shard_memory"]
 
 
 class HostMemory:
-    """Shards in host memory (numpy)."""
+    """Shards in host memory (numpy); with ``shared`` (``psnode.server.shared_values``), big values in
+    regions the server's workers on this host copy out themselves."""
 
     name = "cpu"
 
-    @staticmethod
-    def place(array: np.ndarray) -> Any:
-        return np.array(array, copy=True)
+    def __init__(self, shared: Any = None) -> None:
+        self.shared = shared
 
-    @staticmethod
-    def empty_like(array: Any) -> Any:
-        return np.empty_like(array)
+    def place(self, array: np.ndarray) -> Any:
+        out = self.shared.empty(array.nbytes, array.dtype, placed=True) if self.shared is not None else None
+        if out is None:
+            return np.array(array, copy=True)
+        out = out.reshape(array.shape)
+        np.copyto(out, array)
+        return out
+
+    def empty_like(self, array: Any) -> Any:
+        out = self.shared.empty(array.nbytes, array.dtype) if self.shared is not None else None
+        return np.empty_like(array) if out is None else out.reshape(array.shape)
+
+    def copy(self, array: Any) -> Any:
+        out = self.empty_like(array)
+        np.copyto(out, array)
+        return out
 
     @staticmethod
     def load(dst: Any, src: np.ndarray) -> None:
@@ -79,6 +92,10 @@ class GpuMemory:
     def empty_like(self, array: Any) -> Any:
         return devices.empty(array.shape, array.dtype, self.device)
 
+    @staticmethod
+    def copy(array: Any) -> Any:
+        return array.copy()
+
     def load(self, dst: Any, src: np.ndarray) -> None:
         devices.copy_into(dst, src.reshape(dst.shape))
 
@@ -112,18 +129,19 @@ class GpuMemory:
         return devices.device_context(self.device)
 
 
-def shard_memory(spec: str) -> Any:
-    """Where a server keeps its shards, from ``PSLAUNCH_SERVER_DEVICE``: host numpy for ``cpu``, else a GPU.
+def shard_memory(spec: str, shared: Any = None) -> Any:
+    """Where a server keeps its shards, from ``PSLAUNCH_SERVER_DEVICE``: host numpy for ``cpu`` (big
+    values in ``shared``, a ``SharedValues``, when given), else a GPU.
 
     A GPU that cannot be used falls back to the host with a warning.
     """
     if spec == "cpu":
-        return HostMemory()
+        return HostMemory(shared)
     device = devices.Device.parse(spec)
     if not devices.gpu_available() or device.index >= devices.num_gpus():
         why = devices.gpu_status() if not devices.gpu_available() else f"this host has {devices.num_gpus()} GPU(s)"
         warnings.warn(
             f"PSLAUNCH_SERVER_DEVICE={spec}: no usable GPU {device.index} ({why}); the server keeps its shards on the CPU"
         )
-        return HostMemory()
+        return HostMemory(shared)
     return GpuMemory(device)

@@ -6,14 +6,18 @@ anonymous ``memfd`` mapped in the worker; a server on the same host maps it thro
 a killed job leaves no shared memory behind.
 
 A push then copies the value into the region once and sends only a small message naming it; the
-server sums straight out of the region. A pull reply is written by the server into the worker's
-pull region and the message says only that it is there. The regions replace the copies into and
-out of the kernel that a socket needs.
+server sums straight out of the region. A server keeps big stored values in regions of its own
+(``psnode.server.shared_values``): a pull's reply then names the server's region, the worker copies
+the value out of it and writes the number the reply gave it into its pull region's *receipt* (the 8
+bytes after the value), which tells the server that region is read. A stored value elsewhere is
+written by the server into the worker's pull region, and the reply says only that it is there. The
+regions replace the copies into and out of the kernel that a socket needs.
 
-On the wire a part in shared memory has ``frame == IN_SHARED_MEMORY`` and
+On the wire a part in shared memory has ``frame == IN_SHARED_MEMORY`` (the region its worker named)
+or ``IN_SERVER_MEMORY`` (a server's region; ``seq`` carries the receipt) and
 ``offset == pid << 32 | fd``.
 
-A reference comes from the network, so a server never trusts it: it maps only a region of the
+A reference comes from the network, so neither side trusts it: a process maps only a region of the
 process the reference's sender registered as (the pid in the address book), and only when the
 descriptor it opened is this job's memfd (its name carries a tag of the job id: ``job_tag``), a
 regular file with no name on disk, at least as big as the part. Anything else is refused with an
@@ -29,13 +33,21 @@ import stat
 
 import numpy as np
 
-__all__ = ["IN_SHARED_MEMORY", "SHM_MIN", "Region", "Attachments", "WorkerRegions", "RefusedRegion", "probe", "can_attach",
+__all__ = ["IN_SHARED_MEMORY", "IN_SERVER_MEMORY", "SHM_MIN", "receipt_offset", "Region", "Attachments", "WorkerRegions", "RefusedRegion", "probe", "can_attach",
            "encode", "decode", "job_tag"]
 
 IN_SHARED_MEMORY = 0xFFFF
 """An entry's ``frame`` when the part lies in shared memory (``psnode.node.protocol``'s entries):
 ``offset`` names the region."""
+IN_SERVER_MEMORY = 0xFFFE
+"""A pull reply entry's ``frame`` when the value lies in a region of the server's: ``offset`` names
+it, ``seq`` is the receipt the worker writes once it copied the value out."""
 SHM_MIN = 1 << 20  # parts smaller than this go in the message: a region would not pay for itself
+
+
+def receipt_offset(nbytes: int) -> int:
+    """Where a region of ``nbytes`` keeps its receipt (a u64 after the value, 8-byte aligned)."""
+    return (nbytes + 7) & ~7
 
 
 class RefusedRegion(ValueError):
@@ -48,13 +60,16 @@ def job_tag(job_id: str) -> str:
 
 
 class Region:
-    """A shared-memory buffer this process owns (closed with it), named with its job's tag."""
+    """A shared-memory buffer this process owns (closed with it), named with its job's tag: ``nbytes``
+    of value (``array``), then the receipt a server reads (``receipt``, a u64 this process writes)."""
 
     def __init__(self, nbytes: int, name: str = "pslaunch") -> None:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, max(nbytes, 1))
-        self.map = mmap.mmap(self.fd, max(nbytes, 1))
+        size = receipt_offset(nbytes) + 8
+        os.ftruncate(self.fd, size)
+        self.map = mmap.mmap(self.fd, size)
         self.array = np.frombuffer(self.map, dtype=np.uint8, count=nbytes)
+        self.receipt = np.frombuffer(self.map, dtype=np.uint64, count=1, offset=receipt_offset(nbytes))
         self.nbytes = nbytes
         self.ref = encode(os.getpid(), self.fd)
         self.busy = None  # the future of the last request using it; reusable once that is done

@@ -140,6 +140,8 @@ class WorkerNode:
         conn.register()
         if self.env.same_host == "shm" and not self.outbox.replicated:
             self.data.regions.find_servers(conn.members.servers, conn.me.fingerprint)
+            if self.data.regions.servers:  # a reply may name a server's region (psnode.server.shared_values)
+                self.requests.server_memory = same_host.Attachments(self.data.regions.tag)
         if network_thread:
             self.receiver.start(f"psnode-worker-{conn.rank}")
         if conn.members.joined_at:  # joined a running elastic job

@@ -35,6 +35,7 @@ from psnode.node.protocol import (
     FLAG_ACKS,
     FLAG_ERROR,
     HEADER,
+    IN_SERVER_MEMORY,
     IN_SHARED_MEMORY,
     Cmd,
     peek_arg,
@@ -95,6 +96,10 @@ class RequestTable:
         # PSLAUNCH_SERVER_REPLICAS: each request keeps per server what was sent and answered, so that
         # a lost server's part of it goes on with the replica that takes its place (``server_lost``)
         self.replicated = False
+        # the regions of the servers on this host, mapped to copy a value a reply names there out of
+        # (``psnode.server.shared_values``); None: no server shares this host's memory with this worker
+        self.server_memory: same_host.Attachments | None = None
+        self.from_server_memory = 0  # values copied out of a server's memory (the receiving thread)
 
     # ---- starting and ending requests ----------------------------------------------------------
     def refuse_new(self, reason: str) -> None:
@@ -270,9 +275,9 @@ class RequestTable:
             return
         try:
             if request.by_rank is None:
-                self._take_values(request, cmd, arg, frames, peer.rank)
+                self._take_values(request, cmd, arg, frames, peer)
             else:
-                self._take_values_once(request, cmd, arg, frames, peer.rank)
+                self._take_values_once(request, cmd, arg, frames, peer)
         except (ProtocolError, IndexError, KeyError, TypeError, ValueError) as exc:
             self.complete(req_id, ProtocolError(f"{request.what}: malformed reply from {peer.describe()}: {exc}"))
             raise  # and the message is counted as malformed
@@ -294,16 +299,17 @@ class RequestTable:
                 if request.remaining <= 0:
                     self.complete(rid)
 
-    def _take_values(self, request: Request, cmd: int, arg: int, frames: list, peer_rank: int,
+    def _take_values(self, request: Request, cmd: int, arg: int, frames: list, peer: PeerInfo,
                      skip: set[int] | None = None) -> None:
         """Write a reply's values into the request's outs and count the parts it answered (but for
         the parts in ``skip``: answered before, ``_take_values_once``)."""
+        peer_rank = peer.rank
         if cmd == Cmd.VALUE:  # one part, in the header frame (protocol's compact form)
             self.pulled_bytes += _write_value(request, arg, frames[0].buffer)
             request.remaining -= 1
         elif cmd in (Cmd.PULL_REPLY, Cmd.ROWS_REPLY):
             if len(frames) == 3 and len(request.targets) == 1:  # one part in the message (most small pulls)
-                self.pulled_bytes += _write_one(request, frames[1].buffer, frames[2].buffer)
+                self.pulled_bytes += self._write_one(request, frames[1].buffer, frames[2].buffer, peer)
                 request.remaining -= 1
                 return
             buffers = [f.buffer for f in frames[2:]]
@@ -311,7 +317,7 @@ class RequestTable:
             targets = request.targets
             servers = request.servers
             taken = len(entries)
-            for _, index, frame, _, offset, nbytes, _ in entries:
+            for _, index, frame, _, offset, nbytes, receipt in entries:
                 if skip and index in skip:
                     taken -= 1
                     continue
@@ -322,6 +328,8 @@ class RequestTable:
                     raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
                 if frame == IN_SHARED_MEMORY:
                     target[:] = request.regions[index].array
+                elif frame == IN_SERVER_MEMORY:
+                    self._from_server_memory(request, index, target, offset, receipt, peer)
                 else:
                     data = buffers[frame]
                     if data is not target:  # (a data lane read it into the out already: ``lane_target``)
@@ -364,7 +372,47 @@ class RequestTable:
         target = targets[index]
         return target if target.nbytes == nbytes else None
 
-    def _take_values_once(self, request: Request, cmd: int, arg: int, frames: list, peer_rank: int) -> None:
+    def _write_one(self, request: Request, meta: memoryview, data: memoryview, peer: PeerInfo) -> int:
+        """Write the one part of a reply into its out (the common case of ``_take_values``); return the
+        bytes written."""
+        if len(meta) != ENTRY_STRUCT.size:
+            raise ProtocolError(f"reply meta frame of {len(meta)} bytes for one part")
+        _, index, frame, _, offset, nbytes, receipt = ENTRY_STRUCT.unpack_from(meta)
+        target = request.targets[index]
+        if nbytes != target.nbytes:
+            raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
+        if frame == IN_SHARED_MEMORY:
+            target[:] = request.regions[index].array
+        elif frame == IN_SERVER_MEMORY:
+            self._from_server_memory(request, index, target, offset, receipt, peer)
+        elif frame != 0 or offset + nbytes > len(data):
+            raise ProtocolError("a reply part lies outside the message's data frame")
+        else:
+            target[:] = data[offset:offset + nbytes]
+        return nbytes
+
+    def _from_server_memory(self, request: Request, index: int, target: memoryview, ref: int, receipt: int,
+                            peer: PeerInfo) -> None:
+        """Copy part ``index``'s value out of ``peer``'s region ``ref`` (``psnode.server.shared_values``),
+        then write ``receipt`` into the part's pull region: the server may change that value again.
+
+        Raises:
+            ProtocolError: the part was not asked for in shared memory, or ``ref`` is not a region of
+                ``peer``'s of this job (the message names why).
+        """
+        region = request.regions.get(index) if request.regions is not None else None
+        if region is None or self.server_memory is None:
+            raise ProtocolError(f"a reply of {peer.describe()} names its memory for part {index}, which was not "
+                                "asked for in shared memory")
+        try:
+            view = self.server_memory.view(ref, target.nbytes, peer.pid)
+        except (OSError, ValueError) as exc:
+            raise ProtocolError(f"{peer.describe()} named a region this worker cannot read: {exc}") from exc
+        target[:] = view
+        region.receipt[0] = receipt
+        self.from_server_memory += 1
+
+    def _take_values_once(self, request: Request, cmd: int, arg: int, frames: list, peer: PeerInfo) -> None:
         """``_take_values`` with replicas: a part answered before is not taken twice, and the parts each
         server answered are counted. A lost server may have answered some parts of a pull message
         (their rounds closed one by one) before it died; the replica it was sent to again answers
@@ -378,8 +426,8 @@ class RequestTable:
             if again and indexes <= answered:
                 return
             answered |= indexes
-        self._take_values(request, cmd, arg, frames, peer_rank, again)
-        _count_answered(request, peer_rank, before - request.remaining)
+        self._take_values(request, cmd, arg, frames, peer, again)
+        _count_answered(request, peer.rank, before - request.remaining)
 
 
 def _reply_indexes(cmd: int, arg: int, frames: list) -> set[int]:
@@ -416,21 +464,3 @@ def _write_value(request: Request, index: int, frame: memoryview) -> int:
         raise ProtocolError(f"VALUE of {len(frame) - HEADER.size} bytes for an out of {target.nbytes} bytes")
     target[:] = frame[HEADER.size:]
     return target.nbytes
-
-
-def _write_one(request: Request, meta: memoryview, data: memoryview) -> int:
-    """Write the one part of a reply into its out (the common case of ``_take_values``); return the
-    bytes written."""
-    if len(meta) != ENTRY_STRUCT.size:
-        raise ProtocolError(f"reply meta frame of {len(meta)} bytes for one part")
-    _, index, frame, _, offset, nbytes, _ = ENTRY_STRUCT.unpack_from(meta)
-    target = request.targets[index]
-    if nbytes != target.nbytes:
-        raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
-    if frame == IN_SHARED_MEMORY:
-        target[:] = request.regions[index].array
-    elif frame != 0 or offset + nbytes > len(data):
-        raise ProtocolError("a reply part lies outside the message's data frame")
-    else:
-        target[:] = data[offset:offset + nbytes]
-    return nbytes

@@ -1,4 +1,7 @@
-"""Worker: rank 1 pushes once and leaves; rank 0's pull of a second round fails naming worker 1 instead of hanging."""
+"""Worker: rank 1 pushes once and leaves; rank 0's push of a second round is acknowledged all the
+same (argv[1]: the key's elements; 4 Mi of them travel in shared memory on one host, where the
+server reads a first push in place until the round lets go of it), and its pull fails naming worker
+1 instead of hanging."""
 
 import sys
 
@@ -6,16 +9,17 @@ import numpy as np
 
 import kvcore
 
+size = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 kv = kvcore.create("dist_sync")
-kv.init(3, np.zeros(4, np.float32))
-out = np.zeros(4, np.float32)
-kv.push(3, np.ones(4, np.float32))
+kv.init(3, np.zeros(size, np.float32))
+out = np.zeros(size, np.float32)
+kv.push(3, np.ones(size, np.float32))
 kv.pull(3, out=out)
 assert np.all(out == 2), out
 if kv.rank == 1:
     print("OK", kv.rank, flush=True)
     sys.exit(0)
-kv.push(3, np.ones(4, np.float32))
+kv.push(3, np.ones(size, np.float32)).wait()
 try:
     kv.pull(3, out=out)
 except kvcore.ServerError as exc:
