@@ -139,14 +139,14 @@ class Receiver:
                     concurrent.futures.wait([future], step)  # whoever receives completes it
                     continue
                 try:
-                    while failure.error is None:
+                    # the thread that had the role may have completed the future while handing it over:
+                    # look before polling, or the turn waits for a message that already came
+                    while failure.error is None and not is_done(future):
                         if deadline is not None:
                             step = deadline - time.monotonic()
                             if step <= 0:
                                 break
                         self.receive(min(step, 0.1), future)
-                        if is_done(future):
-                            break
                 finally:
                     self._release()
             return True
