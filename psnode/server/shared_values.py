@@ -17,14 +17,16 @@ may read it (``ServerStore._update`` writes a new array when a tracker is not do
 store replaced it; a finalizer says so) and every receipt given for it is done, so no worker still
 copies from it. Regions are never closed while the server runs: a worker keeps its mapping of a
 reference, which must go on naming the same memory. They are bounded: all together at most
-``SPARE`` times the bytes of the values placed here; past that a value is kept in private memory and
-its replies are copied into the workers' regions as before.
+``SPARE`` times the bytes of the values placed here, and a quarter of the descriptors the process
+may open (each region holds one, and sockets need theirs); past that a value is kept in private
+memory and its replies are copied into the workers' regions as before.
 
 Single-threaded: the server's loop (finalizers run there too, when the store drops an array).
 """
 
 from __future__ import annotations
 
+import resource
 import weakref
 from typing import Any
 
@@ -84,6 +86,7 @@ class SharedValues:
         self.held = 0  # bytes of every region
         self._by_address: dict[int, _Value] = {}
         self._by_size: dict[int, list[_Value]] = {}
+        self.max_regions = resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4
 
     def empty(self, nbytes: int, dtype: Any, placed: bool = False) -> np.ndarray | None:
         """A flat array of ``nbytes`` in a value region, or None (too small, or the pool is full);
@@ -108,7 +111,7 @@ class SharedValues:
         return None
 
     def _new(self, nbytes: int) -> _Value | None:
-        if self.held + nbytes > SPARE * self.placed:
+        if self.held + nbytes > SPARE * self.placed or len(self._by_address) >= self.max_regions:
             return None
         try:
             region = same_host.Region(nbytes, self.tag)

@@ -60,6 +60,13 @@ def test_the_pool_holds_at_most_spare_times_the_values_placed_then_host_memory_i
     assert shared.region_of(copied) is None and copied.tolist() == [1.0] * 1024
 
 
+def test_the_pool_leaves_most_descriptors_to_sockets():
+    shared = SharedValues(TAG, min_bytes=64)
+    shared.max_regions = 2  # a quarter of a process's descriptors, in a job
+    kept = [shared.empty(4096, np.float32, placed=True) for _ in range(3)]
+    assert [shared.region_of(a) is not None for a in kept if a is not None] == [True, True] and kept[2] is None
+
+
 def test_a_worker_that_is_gone_has_read_everything_it_was_given():
     cell = np.zeros(1, np.uint64)
     receipts = [Receipt(cell, n) for n in (1, 2, 5)]
