@@ -278,6 +278,9 @@ class LaunchConfig:
     hostfile: str | None = None  # -H's path: an elastic ssh job reads it again when it changes
     host_discovery_script: str | None = None  # --host-discovery-script: an elastic ssh job's hosts, asked again
     threads_chosen: bool = False  # pslaunch's environment sets OMP_NUM_THREADS (or MKL's, OpenBLAS's): no default
+    # settings (``pscontract.SETTINGS``) pslaunch's environment holds that no --env gives the job: they do
+    # not reach its processes (a setting must be the same in all of them), and pslaunch says so
+    settings_left: tuple[str, ...] = ()
     verbose: int = 0
     quiet: bool = False
     dry_run: bool = False

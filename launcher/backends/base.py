@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from pscontract import MARKER, stack_signal
+from pscontract import MARKER, SETTINGS, stack_signal
 
 from ..config import LaunchConfig
 from ..observe.output import LineSplitter, Printer
@@ -340,6 +340,10 @@ class Backend(ABC):
         config = cls.configure(cls.resolve(config), environ)
         if set(environ) & set(THREAD_VARIABLES):  # the user chose the thread count: pslaunch sets none
             config = replace(config, threads_chosen=True)
+        given = {v.name for v in config.env}
+        left = tuple(name for name in SETTINGS if name in environ and name not in given)
+        if left:
+            config = replace(config, settings_left=left)
         return config, cls.make_plan(config)
 
     @classmethod

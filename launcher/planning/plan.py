@@ -215,6 +215,7 @@ def make_plan(config: LaunchConfig, all_through_launcher: bool = False) -> Plan:
     for role, _, host in placed:
         sizes[(role, host)] = sizes.get((role, host), 0) + 1
     threads, notes = thread_share(config, placed)
+    notes += settings_left_note(config.settings_left)
     slots = cpu_slots(placed) if config.cpu_bind != "none" else []
     seen: dict[tuple[str, Host], int] = {}
 
@@ -408,6 +409,20 @@ def thread_share(config: LaunchConfig, placed: list[tuple[str, int, Host]]) -> t
     return ({host: each for host in here},
             (f"{len(here)} processes share this machine's {cores} cores: each gets {told} "
              "(set OMP_NUM_THREADS to choose; docs/launcher.md)",))
+
+
+def settings_left_note(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The line saying that settings in pslaunch's own environment do not reach the job (none when
+    there are none): each must be the same in every process, which only ``--env`` gives on every
+    backend, so pslaunch's children do not inherit them."""
+    if not names:
+        return ()
+    if len(names) == 1:
+        said, how = f"{names[0]} is", f"give it with --env {names[0]}"
+    else:
+        said, how = f"{', '.join(names)} are", "give each with --env NAME"
+    return (f"{said} set in pslaunch's environment but not passed to the job: a setting must be the same in "
+            f"every process, so {how} (docs/env.md)",)
 
 
 def format_plan(plan: Plan) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -172,3 +173,20 @@ def test_more_servers_than_workers_is_warned_about_once_and_still_runs(tmp_path)
     assert res.stderr.count("pslaunch: warning: -s 5 starts more servers than there are workers (-n 2)") == 1
     assert "warning" not in run_pslaunch(["-n", "2", "-s", "2", "--dry-run", "true"]).stderr
     assert "warning" not in run_pslaunch(["-n", "2", "-s", "5", "-q", "--dry-run", "true"]).stderr
+
+
+@pytest.mark.parametrize("forwarded", [False, True], ids=["environment-only", "with---env"])
+def test_a_setting_in_pslaunchs_own_environment_reaches_the_job_only_with_env_and_pslaunch_says_so(tmp_path, forwarded):
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('SEEN', os.environ.get('PSLAUNCH_SAME_HOST'), flush=True)\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PSLAUNCH_")}, "PSLAUNCH_SAME_HOST": "tcp"}
+    args = ["-n", "1", "-s", "0", "--no-dashboard", *(["--env", "PSLAUNCH_SAME_HOST"] if forwarded else []),
+            "python", str(script)]
+    res = run_pslaunch(args, env=env, timeout=60)
+    assert res.returncode == 0, res.stderr
+    note = ("pslaunch: PSLAUNCH_SAME_HOST is set in pslaunch's environment but not passed to the job: a setting "
+            "must be the same in every process, so give it with --env PSLAUNCH_SAME_HOST (docs/env.md)")
+    if forwarded:
+        assert "SEEN tcp" in res.stdout and note not in res.stderr, res.stdout + res.stderr
+    else:
+        assert "SEEN None" in res.stdout and res.stderr.count(note) == 1, res.stdout + res.stderr
