@@ -326,11 +326,7 @@ class RequestTable:
                 target = targets[index]
                 if nbytes != target.nbytes:
                     raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
-                if frame == IN_SHARED_MEMORY:
-                    target[:] = request.regions[index].array
-                elif frame == IN_SERVER_MEMORY:
-                    self._from_server_memory(request, index, target, offset, receipt, peer)
-                else:
+                if not self._from_shared_memory(request, index, frame, target, offset, receipt, peer):
                     data = buffers[frame]
                     if data is not target:  # (a data lane read it into the out already: ``lane_target``)
                         target[:] = data[offset:offset + nbytes]
@@ -381,25 +377,29 @@ class RequestTable:
         target = request.targets[index]
         if nbytes != target.nbytes:
             raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
-        if frame == IN_SHARED_MEMORY:
-            target[:] = request.regions[index].array
-        elif frame == IN_SERVER_MEMORY:
-            self._from_server_memory(request, index, target, offset, receipt, peer)
-        elif frame != 0 or offset + nbytes > len(data):
+        if self._from_shared_memory(request, index, frame, target, offset, receipt, peer):
+            return nbytes
+        if frame != 0 or offset + nbytes > len(data):
             raise ProtocolError("a reply part lies outside the message's data frame")
-        else:
-            target[:] = data[offset:offset + nbytes]
+        target[:] = data[offset:offset + nbytes]
         return nbytes
 
-    def _from_server_memory(self, request: Request, index: int, target: memoryview, ref: int, receipt: int,
-                            peer: PeerInfo) -> None:
-        """Copy part ``index``'s value out of ``peer``'s region ``ref`` (``psnode.server.shared_values``),
-        then write ``receipt`` into the part's pull region: the server may change that value again.
+    def _from_shared_memory(self, request: Request, index: int, frame: int, target: memoryview, ref: int,
+                            receipt: int, peer: PeerInfo) -> bool:
+        """Write part ``index`` into ``target`` when its reply entry says it lies in shared memory: this
+        worker's pull region (``IN_SHARED_MEMORY``), or ``peer``'s region ``ref`` (``IN_SERVER_MEMORY``,
+        ``psnode.server.shared_values``: then ``receipt`` goes into the part's pull region, and the
+        server may change that value again). False: the value is in the message.
 
         Raises:
             ProtocolError: the part was not asked for in shared memory, or ``ref`` is not a region of
                 ``peer``'s of this job (the message names why).
         """
+        if frame == IN_SHARED_MEMORY:
+            target[:] = request.regions[index].array
+            return True
+        if frame != IN_SERVER_MEMORY:
+            return False
         region = request.regions.get(index) if request.regions is not None else None
         if region is None or self.server_memory is None:
             raise ProtocolError(f"a reply of {peer.describe()} names its memory for part {index}, which was not "
@@ -411,6 +411,7 @@ class RequestTable:
         target[:] = view
         region.receipt[0] = receipt
         self.from_server_memory += 1
+        return True
 
     def _take_values_once(self, request: Request, cmd: int, arg: int, frames: list, peer: PeerInfo) -> None:
         """``_take_values`` with replicas: a part answered before is not taken twice, and the parts each
