@@ -139,14 +139,17 @@ class Receiver:
                     concurrent.futures.wait([future], step)  # whoever receives completes it
                     continue
                 try:
-                    # the thread that had the role may have completed the future while handing it over:
-                    # look before polling, or the turn waits for a message that already came
-                    while failure.error is None and not is_done(future):
+                    while failure.error is None:
                         if deadline is not None:
                             step = deadline - time.monotonic()
                             if step <= 0:
                                 break
-                        self.receive(min(step, 0.1), future)
+                        # the thread that had the role may have completed the future while handing it
+                        # over: then take what is already here, but do not wait for more
+                        done = is_done(future)
+                        self.receive(0.0 if done else min(step, 0.1), future)
+                        if done or is_done(future):
+                            break
                 finally:
                     self._release()
             return True

@@ -1,6 +1,6 @@
 """The receiving role of a worker handed from its network thread to a waiting caller
 (psnode.worker.receiver), on a real in-process job: a reply the network thread took while handing
-the role over ends the caller's wait at once, without a receiving turn of its own."""
+the role over ends the caller's wait at once: its receiving turn takes what came, waiting for nothing."""
 
 import concurrent.futures
 import threading
@@ -16,12 +16,12 @@ def test_a_caller_whose_reply_came_while_it_took_the_role_over_returns_without_w
     with InProcJob(num_workers=1, num_servers=1) as job:
         worker = job.workers[0]
         receiver = worker.receiver
-        turns: list[bool] = []  # a receiving turn each caller started: whether its future was done then
+        turns: list[tuple[bool, float]] = []  # each caller's receiving turn: its future done then, how long it may wait
         process = worker.conn.process
 
         def counted(timeout, until=None):
             if until is not None:
-                turns.append(until.done())
+                turns.append((until.done(), timeout))
             return process(timeout, until)
 
         worker.conn.process = counted
@@ -40,4 +40,5 @@ def test_a_caller_whose_reply_came_while_it_took_the_role_over_returns_without_w
         receiver._lock.release()
         caller.join(10)
         assert waited == [True]
-        assert True not in turns, turns  # no turn started for a reply that was in already
+        # it took what had come already, without waiting for another message
+        assert all(timeout == 0 for done, timeout in turns if done) and turns, turns
