@@ -581,7 +581,8 @@ class ServerNode:
         store, rank, answer = self.store, peer.rank, self.replies.answer
         refused: RequestRefused | None = None
         part_ack = None
-        if ack is not None:
+        if ack is not None and not store.finished:  # (a round a finished worker never pushed to never
+            # closes: a push read in place would never be acknowledged, so it is copied, as before)
             part_ack = functools.partial(self.replies.ack, rank, req_id, 1) if ack else (lambda: None)
         holding: list[Round] = []  # rounds that read this message's shared memory still
         for key, index, frame, codec, offset, nbytes, seq in unpack_entries(frames[1], [len(b) for b in buffers]):

@@ -267,9 +267,10 @@ def test_two_workers_asking_for_the_same_worker_id_are_refused_naming_both():
         assert r.returncode != 0 and "two workers asked for DMLC_WORKER_ID=0" in r.output, r
 
 
-@pytest.mark.parametrize("size", [4, 1 << 20], ids=["small", "shared-memory"])
-def test_a_pull_waiting_for_a_worker_that_already_finished_fails_naming_it_instead_of_hanging(size):
-    run_ok("uneven.py", workers=2, servers=1, args=(str(size),))
+@pytest.mark.parametrize("args", [("4",), ("1048576",), ("1048576", "after-finish")],
+                         ids=["small", "shared-memory", "shared-memory-after-finish"])
+def test_a_pull_waiting_for_a_worker_that_already_finished_fails_naming_it_instead_of_hanging(args):
+    run_ok("uneven.py", workers=2, servers=1, args=args)
 
 
 def test_server_device_gpu_keeps_results_exact_and_falls_back_to_the_cpu_with_a_warning_without_one():

@@ -1,9 +1,11 @@
 """Worker: rank 1 pushes once and leaves; rank 0's push of a second round is acknowledged all the
-same (argv[1]: the key's elements; 4 Mi of them travel in shared memory on one host, where the
-server reads a first push in place until the round lets go of it), and its pull fails naming worker
-1 instead of hanging."""
+same (argv[1]: the key's elements; 1 Mi of them travel in shared memory on one host, where the
+server reads a first push in place until the round lets go of it; argv[2] ``after-finish``: rank 0
+pushes once it heard that rank 1 finished, so the server, told at the same time, most likely knows
+before the push comes), and its pull fails naming worker 1 instead of hanging."""
 
 import sys
+import time
 
 import numpy as np
 
@@ -19,6 +21,12 @@ assert np.all(out == 2), out
 if kv.rank == 1:
     print("OK", kv.rank, flush=True)
     sys.exit(0)
+if sys.argv[2:] == ["after-finish"]:
+    deadline = time.monotonic() + 30
+    while 1 not in kv._worker.collectives._left:  # the scheduler's word that worker 1 finished
+        assert time.monotonic() < deadline, "never heard that worker 1 finished"
+        time.sleep(0.01)
+    time.sleep(0.2)  # the server heard it at the same time: let its word land first
 kv.push(3, np.ones(size, np.float32)).wait()
 try:
     kv.pull(3, out=out)
