@@ -413,7 +413,7 @@ def unpack_entries(frame: Any, frame_sizes: list[int] | None = None) -> list[tup
     if frame_sizes is not None:
         count = len(frame_sizes)
         for row in rows:
-            if row[2] >= IN_SERVER_MEMORY:  # the part lies in shared memory (psnode.transport.same_host), not in a frame
+            if row[2] >= IN_SERVER_MEMORY:  # in shared memory (psnode.transport.same_host), not in a frame
                 continue
             if row[2] >= count or row[4] + row[5] > frame_sizes[row[2]]:
                 raise ProtocolError(f"a part of key {row[0]:#x} lies outside the message's data frames")

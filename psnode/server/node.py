@@ -571,8 +571,8 @@ class ServerNode:
     def _push(self, peer: PeerInfo, req_id: int, frames: list, ack: bool | None = None) -> int:
         """Merge a push message's parts; the number of them whose acknowledgement their rounds send
         (``Round.first_ack``: a first push read in the worker's shared memory, acknowledged once the
-        round no longer reads it). ``ack``: True, the push is acknowledged part by part; False, by the reply
-        to the pull it carried, which comes after its rounds closed; None (a replica's copy, whose
+        round no longer reads it). ``ack``: True, the push is acknowledged part by part; False, by the
+        reply to the pull it carried, which comes after its rounds closed; None (a replica's copy, whose
         worker hears from the server only): nothing is kept in the worker's shared memory."""
         data_frames = frames[2:]
         buffers = [f.buffer for f in data_frames]
@@ -580,9 +580,10 @@ class ServerNode:
             return 0
         store, rank, answer = self.store, peer.rank, self.replies.answer
         refused: RequestRefused | None = None
+        # a push read in place is acknowledged part by part as its rounds let go of it; once a worker
+        # finished, a round it never pushed to never closes, so every push is copied, as before
         part_ack = None
-        if ack is not None and not store.finished:  # (a round a finished worker never pushed to never
-            # closes: a push read in place would never be acknowledged, so it is copied, as before)
+        if ack is not None and not store.finished:
             part_ack = functools.partial(self.replies.ack, rank, req_id, 1) if ack else (lambda: None)
         holding: list[Round] = []  # rounds that read this message's shared memory still
         for key, index, frame, codec, offset, nbytes, seq in unpack_entries(frames[1], [len(b) for b in buffers]):

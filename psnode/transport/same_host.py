@@ -33,8 +33,8 @@ import stat
 
 import numpy as np
 
-__all__ = ["IN_SHARED_MEMORY", "IN_SERVER_MEMORY", "SHM_MIN", "receipt_offset", "Region", "Attachments", "WorkerRegions", "RefusedRegion", "probe", "can_attach",
-           "encode", "decode", "job_tag"]
+__all__ = ["IN_SHARED_MEMORY", "IN_SERVER_MEMORY", "SHM_MIN", "receipt_offset", "Region", "Attachments",
+           "WorkerRegions", "RefusedRegion", "probe", "can_attach", "encode", "decode", "job_tag"]
 
 IN_SHARED_MEMORY = 0xFFFF
 """An entry's ``frame`` when the part lies in shared memory (``psnode.node.protocol``'s entries):

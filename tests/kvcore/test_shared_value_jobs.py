@@ -16,7 +16,8 @@ PARTS_PULLED = 7 * 7  # 7 pulls of each key; the 3 keys come in 7 parts (1 whole
 
 
 def shared_counts(results) -> list[int]:
-    return [int(m.group(1)) for r in results if r.role == "worker" for m in re.finditer(r"^SHARED (\d+)", r.output, re.M)]
+    return [int(m.group(1)) for r in results if r.role == "worker"
+            for m in re.finditer(r"^SHARED (\d+)", r.output, re.M)]
 
 
 @pytest.mark.parametrize("mode", ["sum", "optimizer"])

@@ -1,8 +1,9 @@
 """Worker: exact dist_sync values when the servers keep big values in memory the workers copy out
 themselves (``psnode.server.shared_values``): keys of 2 MiB whole, 5.5 MiB split over the servers and
 16 MiB in parts, pulled after each push, after two pushes in a row, and without waiting while the
-next push goes out (each part then holds the value before that push or after its round); with argv[1] ``optimizer`` the Test optimizer runs on the servers (it updates
-the stored value in place). Prints ``SHARED <values copied out of a server's memory>`` and ``OK <rank>``."""
+next push goes out (each part then holds the value before that push or after its round); with
+argv[1] ``optimizer`` the Test optimizer runs on the servers (it updates the stored value in place).
+Prints ``SHARED <values copied out of a server's memory>`` and ``OK <rank>``."""
 
 import sys
 
