@@ -87,9 +87,10 @@ class DataPath:
             small = []
             offset = 0
             packed = 0  # messages of packed small values sent for this server so far
+            seqs = requests.next_pushes([item[1] for item in items], server, sum([item[2].nbytes for item in items]))
             for i, (_, key_id, value) in enumerate(items):
                 nbytes = value.nbytes
-                seq = requests.next_push(key_id, server, nbytes)
+                seq = seqs[i]
                 if entries and (len(entries) >= MAX_ENTRIES or (small and offset + nbytes > PACK_LIMIT)):
                     # the receiver's frame limit: start another message
                     outbox.enqueue(server, _packed_push(req, entries, small), priority, req)
@@ -181,7 +182,8 @@ class DataPath:
         if len(parts) == 1 and (parts[0][2].nbytes < same_host.SHM_MIN or parts[0][0] not in regions.servers):
             return self._pull_one(*parts[0], priority, future, codecs[0] if codecs else RAW)
         requests, outbox = self.requests, self.outbox
-        targets = [_writable_bytes(out) for _, _, out in parts]  # C-contiguous outs, as bytes
+        # the outs as writable bytes (as ``_writable_bytes``, without a call per out)
+        targets = [memoryview(out).cast("B") if out.size else _NO_BYTES for _, _, out in parts]
         req = requests.track(future, len(parts), targets, "pull", tuple(part[0] for part in parts))
         request = requests.pending.get(req)
         by_server = _by_server(parts, indexed=True)
@@ -193,8 +195,9 @@ class DataPath:
                 items = self._pull_big_alone(server, items, req, priority, codecs)
             if not items:
                 continue
-            entries = [(key_id, index, 0, codecs[index] if codecs else RAW, 0, out.nbytes, requests.pushes(key_id, server))
-                       for index, (_, key_id, out) in items]
+            counts = requests.push_counts  # (``requests.pushes`` of each part, without a call per part)
+            entries = [(key_id, index, 0, codecs[index] if codecs else RAW, 0, out.nbytes,
+                        counts.get((key_id, server), 0)) for index, (_, key_id, out) in items]
             if server in regions.servers and request is not None:
                 shm_min = same_host.SHM_MIN
                 for j, (index, (_, key_id, out)) in enumerate(items):
@@ -229,6 +232,8 @@ class DataPath:
                         codecs: Sequence[int] | None = None) -> list:
         """Send a pull message of its own for each big part answered over the socket (as pushes
         do, so that the server answers each as soon as its round closes); the other items."""
+        if max([item[1][2].nbytes for item in items], default=0) < OWN_FRAME:
+            return items  # none is big (a list of small keys: no step per part)
         rest = []
         local = server in self.regions.servers
         for item in items:
@@ -281,9 +286,12 @@ class DataPath:
         return future
 
 
+_NO_BYTES = memoryview(bytearray(0))  # the bytes of an empty out: nothing is ever written there
+
+
 def _writable_bytes(out: np.ndarray) -> memoryview:
     """``out``'s bytes as a writable flat memoryview (a C-contiguous out; an empty one is fine too)."""
-    return memoryview(out).cast("B") if out.size else memoryview(bytearray(0))
+    return memoryview(out).cast("B") if out.size else _NO_BYTES
 
 
 def _packed_push(req: int, entries: list, small: list) -> list:
@@ -296,6 +304,8 @@ def _packed_push(req: int, entries: list, small: list) -> list:
 def _reply_sized(entries: list) -> list[list]:
     """``entries`` of one pull cut into runs whose values fit one reply frame (``PACK_LIMIT``), of at
     most ``MAX_ENTRIES`` parts each."""
+    if len(entries) <= MAX_ENTRIES and sum([entry[5] for entry in entries]) <= PACK_LIMIT:
+        return [entries]  # all in one reply (the common case: no step per part)
     chunks, chunk, size = [], [], 0
     for entry in entries:
         nbytes = entry[5] if entry[2] != same_host.IN_SHARED_MEMORY else 0  # values in shared memory take no frame
@@ -314,6 +324,10 @@ def _pull_message(req: int, key_id: int, index: int, nbytes: int, seq: int, code
 
 
 def _by_server(parts: Sequence, indexed: bool = False) -> dict[int, list]:
+    """``parts`` grouped by their server (``part[0]``), in order; with ``indexed``, as ``(index, part)``."""
+    servers = {part[0] for part in parts}
+    if len(servers) == 1:  # one server (a list of keys often goes to one): no step per part
+        return {servers.pop(): list(enumerate(parts)) if indexed else list(parts)}
     by_server: dict[int, list] = {}
     for index, part in enumerate(parts):
         by_server.setdefault(part[0], []).append((index, part) if indexed else part)

@@ -133,6 +133,25 @@ class RequestTable:
             self.complete(req, self._failure.error)
         return req
 
+    def next_pushes(self, key_ids: list[int], server: int, nbytes: int) -> list[int]:
+        """``next_push`` of each part of ``key_ids`` to ``server`` (``nbytes`` in all), in one call: the
+        push of a long key list takes no call per key here."""
+        counts = self.push_counts
+        seqs = []
+        for key_id in key_ids:
+            slot = (key_id, server)
+            seq = counts.get(slot, 0) + 1
+            counts[slot] = seq
+            seqs.append(seq)
+        self.pushed_bytes += nbytes
+        top = max(seqs, default=0)
+        if top > self.rounds:
+            self.rounds = top
+        redoing = self._redoing
+        if redoing is not None and any(seq > redoing.get((k, server), 0) for k, seq in zip(key_ids, seqs)):
+            self.caught_up()
+        return seqs
+
     def next_push(self, key_id: int, server: int, nbytes: int) -> int:
         """Count one more push of part ``key_id`` to ``server`` (``nbytes`` bytes); return its number (from 1)."""
         slot = (key_id, server)
@@ -315,22 +334,26 @@ class RequestTable:
             buffers = [f.buffer for f in frames[2:]]
             entries = unpack_entries(frames[1], [len(b) for b in buffers])
             targets = request.targets
-            servers = request.servers
+            servers = request.servers if type(request.servers) is tuple else None
             taken = len(entries)
-            for _, index, frame, _, offset, nbytes, receipt in entries:
+            pulled = 0
+            for _, index, frame, _, offset, nbytes, receipt in entries:  # (a step per part: kept lean)
                 if skip and index in skip:
                     taken -= 1
                     continue
-                if type(servers) is tuple and servers[index] != peer_rank:
+                if servers is not None and servers[index] != peer_rank:
                     raise ProtocolError(f"a reply for part {index}, which server {peer_rank} was not asked for")
                 target = targets[index]
                 if nbytes != target.nbytes:
                     raise ProtocolError(f"reply part of {nbytes} bytes for an out of {target.nbytes} bytes")
-                if not self._from_shared_memory(request, index, frame, target, offset, receipt, peer):
+                if frame >= IN_SERVER_MEMORY:  # in shared memory (unpack_entries checked every other frame)
+                    self._from_shared_memory(request, index, frame, target, offset, receipt, peer)
+                else:
                     data = buffers[frame]
                     if data is not target:  # (a data lane read it into the out already: ``lane_target``)
                         target[:] = data[offset:offset + nbytes]
-                self.pulled_bytes += nbytes
+                pulled += nbytes
+            self.pulled_bytes += pulled
             request.remaining -= taken
         elif cmd in (Cmd.INIT_ACK, Cmd.SET_UPDATER_ACK, Cmd.SET_CODEC_ACK):
             request.remaining -= arg

@@ -233,7 +233,12 @@ def test_a_malformed_message_for_a_running_collective_fails_it_on_both_workers_i
         assert ws[1].wait_for(future, 10)
         error = future.exception()
         assert isinstance(error, ProtocolError) and "worker 0" in str(error) and "data bytes" in str(error), error
-        # worker 0 was told: its own collective of that key and version fails at once too
+        # worker 0 is told (a message from worker 1, which it reads on its own thread): its own
+        # collective of that key and version then fails at once too
+        deadline = time.monotonic() + 10
+        while not ws[0].collectives.told:
+            assert time.monotonic() < deadline, "worker 0 was never told that worker 1's collective failed"
+            time.sleep(0.005)
         mine = ws[0].collectives.allreduce("m", np.ones(4, np.float32))
         assert ws[0].wait_for(mine, 10) and isinstance(mine.exception(), ProtocolError)
 
