@@ -8,9 +8,9 @@ A round of ``dist_sync`` takes exactly one push of every worker (the *quorum*). 
 the merge buffer in place; the first is kept as a view of its message until a second arrives, so a
 round of one worker copies nothing. A first push in its worker's shared memory (*borrowed*: the worker
 writes the region again once the push is acknowledged) is kept as a view too when its acknowledgement
-can wait: the round calls its acknowledgement (``first_ack``) once it no longer reads the region (the second push was
-added to it, the round closed, or ``own`` copied it), so the server's first pass over the value is the
-sum itself. When the quorum is reached the owner's ``apply`` runs once (the
+can wait: the round calls that acknowledgement (``first_ack``) once it no longer reads the region (the
+second push was added to it, the round closed, or ``own`` copied it), so the server's first pass over
+the value is the sum itself. When the quorum is reached the owner's ``apply`` runs once (the
 updater, or the sum replaces the stored value) and the next round starts. A worker's second push
 before the round closes is held in the backlog for the next round, so no push is lost or counted
 twice. ``dist_async`` is a round whose quorum is one push: every push is applied on arrival.
@@ -258,7 +258,7 @@ class Round:
         Used when a group of keys goes back to one round per key; waiting pulls are not copied
         (their items are the group's).
         """
-        self.own()  # (a group's pushes are never borrowed: a part round has no acknowledgement to keep)
+        self.own()  # a borrowed first push is copied first: a part round has no acknowledgement to send
         part = Round(len(self.received), self.quorum, self.memory, merge)
         part.count = self.count
         part.pushed = set(self.pushed)

@@ -21,7 +21,9 @@ reference, which must go on naming the same memory. They are bounded: all togeth
 may open (each region holds one, and sockets need theirs); past that a value is kept in private
 memory and its replies are copied into the workers' regions as before.
 
-Single-threaded: the server's loop (finalizers run there too, when the store drops an array).
+Thread-safety: the server's loop calls everything here. A finalizer runs on whichever thread drops an
+array's last reference (the loop, or a thread that was sending it: a lane's, ZeroMQ's) and only
+clears a flag the loop reads.
 """
 
 from __future__ import annotations
