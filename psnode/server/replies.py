@@ -223,7 +223,8 @@ class Replies:
         """``(region reference, receipt)`` when ``value`` lies in one of this server's value regions,
         which the worker's pull region ``pull_ref`` then reads until it writes the receipt into its
         cell; None: copy it into the pull region."""
-        if self.shared.region_of(value) is None:
+        served = self.shared.region_of(value)
+        if served is None:
             return None
         slot = (worker, pull_ref)
         entry = self._receipts.get(slot)
@@ -236,9 +237,8 @@ class Replies:
             entry = self._receipts[slot] = [cell, int(cell[0])]
         entry[1] += 1
         receipt = Receipt(entry[0], entry[1])
-        ref = self.shared.serve(value, receipt)
         shard.trackers.append(receipt)  # the store writes a new array while the worker may still read this one
-        return ref, entry[1]
+        return served.read_by(receipt), entry[1]
 
     def send_to(self, worker: int, frames: list, pull_req: int | None = None, track: bool = False) -> Any:
         """Send a reply to ``worker`` (``pull_req``: the pull it answers), with its held-back push

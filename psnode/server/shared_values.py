@@ -71,6 +71,11 @@ class _Value:
         self.readers: list[Receipt] = []
         self.used = False
 
+    def read_by(self, receipt: Receipt) -> int:
+        """The wire reference of this region, which a worker reads until ``receipt`` is done."""
+        self.readers.append(receipt)
+        return self.region.ref
+
     def free(self) -> bool:
         if self.used:
             return False
@@ -136,10 +141,7 @@ class SharedValues:
         """The wire reference of ``array``'s region, which a worker will read until ``receipt`` is
         done; None when ``array`` lies in no region (reply with a copy)."""
         value = self.region_of(array)
-        if value is None:
-            return None
-        value.readers.append(receipt)
-        return value.region.ref
+        return None if value is None else value.read_by(receipt)
 
 
 def _unused(value: _Value) -> None:

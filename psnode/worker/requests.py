@@ -154,15 +154,7 @@ class RequestTable:
 
     def next_push(self, key_id: int, server: int, nbytes: int) -> int:
         """Count one more push of part ``key_id`` to ``server`` (``nbytes`` bytes); return its number (from 1)."""
-        slot = (key_id, server)
-        seq = self.push_counts.get(slot, 0) + 1
-        self.push_counts[slot] = seq
-        self.pushed_bytes += nbytes
-        if seq > self.rounds:
-            self.rounds = seq
-        if self._redoing is not None and seq > self._redoing.get(slot, 0):
-            self.caught_up()
-        return seq
+        return self.next_pushes([key_id], server, nbytes)[0]
 
     def redo_until(self, taken: dict[tuple[int, int], int], on_caught_up: Any) -> None:
         """A replacement in place redoes its predecessor's steps: call ``on_caught_up()`` once, at its
