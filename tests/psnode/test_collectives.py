@@ -225,6 +225,15 @@ def _send_raw(sender, receiver_rank: int, frames: list) -> None:
 
 def test_a_malformed_message_for_a_running_collective_fails_it_on_both_workers_instead_of_waiting():
     with Started(job_of(2, (0, 1))) as ws:
+        told = threading.Event()  # worker 0 keeps worker 1's word on a collective it has not started
+        keep_early = ws[0].collectives._keep_early
+
+        def keeping(*args):
+            keep_early(*args)
+            if ws[0].collectives.told:
+                told.set()
+
+        ws[0].collectives._keep_early = keeping
         future = ws[1].collectives.allreduce("m", np.ones(4, np.float32))
         key_id = key_id_of(("m"))
         desc = Desc(np.float32, (4,))
@@ -235,10 +244,7 @@ def test_a_malformed_message_for_a_running_collective_fails_it_on_both_workers_i
         assert isinstance(error, ProtocolError) and "worker 0" in str(error) and "data bytes" in str(error), error
         # worker 0 is told (a message from worker 1, which it reads on its own thread): its own
         # collective of that key and version then fails at once too
-        deadline = time.monotonic() + 10
-        while not ws[0].collectives.told:
-            assert time.monotonic() < deadline, "worker 0 was never told that worker 1's collective failed"
-            time.sleep(0.005)
+        assert told.wait(10), "worker 0 was never told that worker 1's collective failed"
         mine = ws[0].collectives.allreduce("m", np.ones(4, np.float32))
         assert ws[0].wait_for(mine, 10) and isinstance(mine.exception(), ProtocolError)
 

@@ -1,11 +1,10 @@
 """Worker: rank 1 pushes once and leaves; rank 0's push of a second round is acknowledged all the
 same (argv[1]: the key's elements; 1 Mi of them travel in shared memory on one host, where the
 server reads a first push in place until the round lets go of it; argv[2] ``after-finish``: rank 0
-pushes once it heard that rank 1 finished, so the server, told at the same time, most likely knows
-before the push comes), and its pull fails naming worker 1 instead of hanging."""
+pushes once the server knows that rank 1 finished: a pull of another key, which the server fails
+naming worker 1 only then), and its pull fails naming worker 1 instead of hanging."""
 
 import sys
-import time
 
 import numpy as np
 
@@ -14,6 +13,7 @@ import kvcore
 size = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 kv = kvcore.create("dist_sync")
 kv.init(3, np.zeros(size, np.float32))
+kv.init(4, np.zeros(4, np.float32))  # the after-finish probe's key
 out = np.zeros(size, np.float32)
 kv.push(3, np.ones(size, np.float32))
 kv.pull(3, out=out)
@@ -22,11 +22,13 @@ if kv.rank == 1:
     print("OK", kv.rank, flush=True)
     sys.exit(0)
 if sys.argv[2:] == ["after-finish"]:
-    deadline = time.monotonic() + 30
-    while 1 not in kv._worker.collectives._left:  # the scheduler's word that worker 1 finished
-        assert time.monotonic() < deadline, "never heard that worker 1 finished"
-        time.sleep(0.01)
-    time.sleep(0.2)  # the server heard it at the same time: let its word land first
+    kv.push(4, np.ones(4, np.float32))
+    try:  # answered only once the server knows that worker 1 finished: then with this error
+        kv.pull(4, out=np.zeros(4, np.float32))
+    except kvcore.ServerError as exc:
+        assert "can never close" in str(exc) and "worker 1 on 127.0.0.1" in str(exc), exc
+    else:
+        raise AssertionError("the pull of a round nobody else will push returned")
 kv.push(3, np.ones(size, np.float32)).wait()
 try:
     kv.pull(3, out=out)
