@@ -17,7 +17,6 @@ arrays) the server sees flat 1-D shards of the key, not the key's shape.
 from __future__ import annotations
 
 import collections
-import functools
 import pickle
 import time
 from typing import Any, Callable
@@ -59,7 +58,6 @@ from psnode.server.invitations import Invitations
 from psnode.server.joins import Joins
 from psnode.server.marks import read_mark
 from psnode.server.replies import Replies
-from psnode.server.rounds import Round
 from psnode.server.shard_memory import shard_memory
 from psnode.server.shared_values import SharedValues
 from psnode.server.snapshot import read_snapshot, snapshot_frames
@@ -288,9 +286,9 @@ class ServerNode:
             if cmd == Cmd.PUSH and flags & FLAG_OFFER:  # a big part announced: its value comes when invited
                 self._offer(peer, req_id, frames)
             elif cmd == Cmd.PUSH:
-                held = self._push(peer, req_id, frames, ack)
-                if ack and arg > held:
-                    self.replies.ack(peer.rank, req_id, arg - held)
+                self._push(peer, req_id, frames)
+                if ack:
+                    self.replies.ack(peer.rank, req_id, arg)
                 if self._deferred_rows:
                     deferred, self._deferred_rows = self._deferred_rows, []
                     for args in deferred:
@@ -568,35 +566,19 @@ class ServerNode:
         except TransportError as exc:  # the worker is gone: the job fails on its death, not here
             logger.info("server %d: the invitation to worker %d was not sent: %s", self.rank, worker, exc)
 
-    def _push(self, peer: PeerInfo, req_id: int, frames: list, ack: bool | None = None) -> int:
-        """Merge a push message's parts; the number of them whose acknowledgement their rounds send
-        (``Round.first_ack``: a first push read in the worker's shared memory, acknowledged once the
-        round no longer reads it). ``ack``: True, the push is acknowledged part by part; False, by the
-        reply to the pull it carried, which comes after its rounds closed; None (a replica's copy, whose
-        worker hears from the server only): nothing is kept in the worker's shared memory."""
+    def _push(self, peer: PeerInfo, req_id: int, frames: list) -> None:
         data_frames = frames[2:]
         buffers = [f.buffer for f in data_frames]
         if self.groups.try_push(peer.rank, frames[1].buffer, buffers):
-            return 0
+            return
         store, rank, answer = self.store, peer.rank, self.replies.answer
         refused: RequestRefused | None = None
-        # a push read in place is acknowledged part by part as its rounds let go of it; once a worker
-        # finished, a round it never pushed to never closes, so every push is copied, as before
-        part_ack = None
-        if ack is not None and not store.finished:
-            part_ack = functools.partial(self.replies.ack, rank, req_id, 1) if ack else (lambda: None)
-        holding: list[Round] = []  # rounds that read this message's shared memory still
         for key, index, frame, codec, offset, nbytes, seq in unpack_entries(frames[1], [len(b) for b in buffers]):
             try:
                 shard = self._shard(key)
-                if frame == IN_SHARED_MEMORY:  # in the worker's shared memory: read it there
+                if frame == IN_SHARED_MEMORY:  # in the worker's shared memory: read it there, keep no reference
                     data = self._decode(shard, rank, codec, self._shared(peer, offset, nbytes), nbytes)
-                    if codec != RAW:  # decoded into an array of the server's
-                        store.push(shard, rank, data, answer, seq=seq)
-                    else:
-                        store.push(shard, rank, data, answer, borrowed=True, seq=seq, ack=part_ack)
-                        if part_ack is not None and shard.round.first_ack is part_ack:
-                            holding.append(shard.round)
+                    store.push(shard, rank, data, answer, borrowed=codec == RAW, seq=seq)
                     continue
                 data = self._decode(shard, rank, codec, buffers[frame][offset:offset + nbytes], nbytes)
                 store.push(shard, rank, data, answer, seq=seq)
@@ -605,10 +587,7 @@ class ServerNode:
             if self.invitations.invited:  # an invited part, merged or refused, leaves the window
                 self.invitations.arrived(rank, req_id, index)
         if refused is not None:
-            for round_ in holding:  # the refused push ends now: its worker may write its regions again
-                round_.own()
             raise refused
-        return len(holding)
 
     def _pull(self, peer: PeerInfo, req_id: int, frames: list) -> None:
         replies, rank = self.replies, peer.rank
@@ -733,9 +712,6 @@ class ServerNode:
         counts its pushes from zero, and nothing owed to its predecessor is sent to it."""
         self.store.worker_rejoined(rank)
         self.invitations.forget_worker(rank)
-        for shard in self.store.shards.values():  # a predecessor's push read in its shared memory: copied
-            if shard.round.first_ack is not None and rank in shard.round.pushed:
-                shard.round.own(acknowledge=False)
         for group in self.groups.by_keys.values():
             group.round.received[rank] = 0
         self.replies.forget_worker(rank)
@@ -761,8 +737,6 @@ class ServerNode:
         rounds = [(s.user_key, s.round) for s in store.shards.values()]
         rounds += [(g.shards[0].user_key, g.round) for g in self.groups.by_keys.values()]
         for key, round_ in rounds:
-            if round_.first_ack is not None and round_.stuck_on(store.finished):
-                round_.own()  # the round cannot close: acknowledge the push it read in place
             if round_.waiting:
                 stuck = store.stuck(key, round_)
                 if stuck:

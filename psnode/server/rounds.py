@@ -6,11 +6,7 @@ rules below are written.
 
 A round of ``dist_sync`` takes exactly one push of every worker (the *quorum*). Pushes are summed into
 the merge buffer in place; the first is kept as a view of its message until a second arrives, so a
-round of one worker copies nothing. A first push in its worker's shared memory (*borrowed*: the worker
-writes the region again once the push is acknowledged) is kept as a view too when its acknowledgement
-can wait: the round calls that acknowledgement (``first_ack``) once it no longer reads the region (the
-second push was added to it, the round closed, or ``own`` copied it), so the server's first pass over
-the value is the sum itself. When the quorum is reached the owner's ``apply`` runs once (the
+round of one worker copies nothing. When the quorum is reached the owner's ``apply`` runs once (the
 updater, or the sum replaces the stored value) and the next round starts. A worker's second push
 before the round closes is held in the backlog for the next round, so no push is lost or counted
 twice. ``dist_async`` is a round whose quorum is one push: every push is applied on arrival.
@@ -51,7 +47,7 @@ class Round:
     """
 
     __slots__ = ("quorum", "memory", "merge", "count", "pushed", "received", "backlog", "first", "waiting", "closed",
-                 "versioned", "leaving", "starts", "changes", "first_ack")
+                 "versioned", "leaving", "starts", "changes")
 
     def __init__(self, num_workers: int, quorum: int, memory: Any, merge: Any) -> None:
         self.quorum = quorum
@@ -68,52 +64,25 @@ class Round:
         self.leaving: set[int] = set()  # workers that left the job with a push still in an open round
         self.starts: dict[int, int] = {}  # joiners whose first round has not opened yet: worker -> that round
         self.changes: dict[int, int] = {}  # round -> change of the quorum when it opens (joins)
-        self.first_ack: Callable[[], None] | None = None  # acknowledges a borrowed ``first`` once let go
 
     # ---- pushes ----------------------------------------------------------------------------
-    def push(self, worker: int, data: Any, borrowed: bool = False, ack: Callable[[], None] | None = None) -> bool:
+    def push(self, worker: int, data: Any, borrowed: bool = False) -> bool:
         """Take ``worker``'s push ``data``; True when the round is full (then call ``close``).
 
         ``borrowed``: ``data`` lives in memory its sender reuses once the push is acknowledged
-        (shared memory). Without ``ack`` the round copies it; with it, a first push is kept as a
-        view and ``ack()`` is called once the round no longer reads it (at once for any other).
+        (shared memory), so the round copies it instead of keeping a view.
         """
         self.received[worker] += 1
         if worker in self.pushed or (self.starts and self.closed + 1 < self.starts.get(worker, 0)):
             self.backlog.append((worker, data.copy() if borrowed else data))
-            if ack is not None:
-                ack()
             return False
         if borrowed and self.count == 0:
-            if ack is None:
-                self.memory.load(self.merge, data)
-            else:
-                self.first, self.first_ack = data, ack
+            self.memory.load(self.merge, data)
             self.count = 1
             self.pushed.add(worker)
         else:
             self._merge(worker, data)
-            if ack is not None:  # summed into the merge buffer: not read again
-                ack()
         return self.count == self.quorum
-
-    def own(self, acknowledge: bool = True) -> None:
-        """Copy a borrowed first push into the merge buffer and acknowledge it (its worker may write
-        its region again: the push was refused, or the round waits for a worker that finished); with
-        ``acknowledge=False`` the acknowledgement is dropped (its worker was replaced: it would name
-        a request of its successor's)."""
-        if self.first_ack is not None:
-            self.memory.load(self.merge, self.first)
-            if not acknowledge:
-                self.first_ack = None
-            self._let_go()
-
-    def _let_go(self) -> None:
-        """The round reads ``first`` no more: acknowledge it when it was borrowed."""
-        self.first = None
-        ack, self.first_ack = self.first_ack, None
-        if ack is not None:
-            ack()
 
     def duplicate(self, worker: int, seq: int) -> bool:
         """True when ``worker``'s push number ``seq`` (from 1) was received already: a versioned round's
@@ -134,7 +103,7 @@ class Round:
             self.first = data
         elif count == 1 and self.first is not None:
             self.memory.add2(self.merge, self.first, data)
-            self._let_go()
+            self.first = None
         else:
             self.memory.add(self.merge, data)
         self.count = count + 1
@@ -155,7 +124,7 @@ class Round:
             self.closed += 1
             self.count = 0
             self.pushed.clear()
-            self._let_go()
+            self.first = None
             if self.changes:
                 self.quorum += self.changes.pop(self.closed + 1, 0)
             if self.backlog:
@@ -258,7 +227,6 @@ class Round:
         Used when a group of keys goes back to one round per key; waiting pulls are not copied
         (their items are the group's).
         """
-        self.own()  # a borrowed first push is copied first: a part round has no acknowledgement to send
         part = Round(len(self.received), self.quorum, self.memory, merge)
         part.count = self.count
         part.pushed = set(self.pushed)

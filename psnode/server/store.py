@@ -158,10 +158,10 @@ class ServerStore:
         self._apply = self._traced_apply  # type: ignore[method-assign]
 
     def _traced_push(self, shard: "Shard", worker: int, data: Any, answer: "Answer", borrowed: bool = False,
-                     seq: int = 0, ack: Any = None) -> None:
+                     seq: int = 0) -> None:
         start = time.monotonic_ns()
         try:
-            ServerStore.push(self, shard, worker, data, answer, borrowed, seq, ack)
+            ServerStore.push(self, shard, worker, data, answer, borrowed, seq)
         finally:
             self.timeline.add("merge", shard.user_key, start, time.monotonic_ns())
 
@@ -338,22 +338,18 @@ class ServerStore:
         return shard
 
     # ---- push ----------------------------------------------------------------------------
-    def push(self, shard: Shard, worker: int, data: Any, answer: Answer, borrowed: bool = False, seq: int = 0,
-             ack: Callable[[], None] | None = None) -> None:
+    def push(self, shard: Shard, worker: int, data: Any, answer: Answer, borrowed: bool = False, seq: int = 0) -> None:
         """Take one worker's (decoded) push of ``shard``, its number ``seq`` (from 1; 0: not given);
         pulls it releases go to ``answer``.
 
         ``borrowed``: ``data`` lives in the worker's shared memory, which it reuses once this
-        message is acknowledged: copied, or, with ``ack``, read in place until the round calls
-        ``ack()`` (``Round.push``).
+        message is acknowledged, so nothing may keep a reference to it.
 
         Raises:
             RequestRefused: dist_async without an updater.
         """
         round_ = shard.round
         if round_.versioned and round_.duplicate(worker, seq):  # a replacement redoing its predecessor's push
-            if ack is not None:
-                ack()
             return
         if not shard.sync and self.updater is None:
             shard.round.count_refused(worker)
@@ -362,7 +358,7 @@ class ServerStore:
                 "set_optimizer(); call kv.set_optimizer(...) before the first push"
             )
         self.pushed_bytes += shard.nbytes
-        if round_.push(worker, data, borrowed, ack):
+        if round_.push(worker, data, borrowed):
             round_.close(self._apply, shard)
             if round_.waiting:
                 for waiter, item in round_.release():

@@ -101,52 +101,6 @@ def test_a_borrowed_push_is_copied_not_kept():
     assert sums == [[4.0] * 4]
 
 
-def test_a_borrowed_first_push_with_an_acknowledgement_is_read_in_place_and_acknowledged_once_let_go():
-    r, acks = new_round(workers=3), []
-    region = np.full(4, 3, np.float32)
-    r.push(0, region, borrowed=True, ack=lambda: acks.append("w0"))
-    assert acks == [] and r.first is region  # read in place: its worker must not write it yet
-    r.push(1, np.full(4, 2, np.float32), borrowed=True, ack=lambda: acks.append("w1"))
-    assert acks == ["w0", "w1"]  # both summed into the merge buffer: neither region is read again
-    region[:] = -1
-    assert r.push(2, np.ones(4, np.float32))
-    sums = []
-    r.close(lambda owner, full: sums.append(full.result.tolist()), None)
-    assert sums == [[6.0] * 4]
-
-
-def test_a_borrowed_push_is_acknowledged_when_its_round_closes_alone_or_it_waits_for_the_next_round():
-    alone, acks = new_round(workers=1), []
-    assert alone.push(0, np.full(4, 2, np.float32), borrowed=True, ack=lambda: acks.append("closed"))
-    alone.close(lambda owner, full: acks.append(("applied", full.result.tolist())), None)
-    assert acks == [("applied", [2.0] * 4), "closed"]
-    r = new_round(workers=2)
-    r.push(0, np.ones(4, np.float32))
-    region = np.full(4, 5, np.float32)
-    r.push(0, region, borrowed=True, ack=lambda: acks.append("held"))  # for the next round: copied
-    assert acks[-1] == "held"
-    region[:] = -1
-    r.push(1, np.ones(4, np.float32))
-    r.close(lambda owner, full: None, None)
-    assert r.push(1, np.ones(4, np.float32))
-    r.close(lambda owner, full: acks.append(full.result.tolist()), None)
-    assert acks[-1] == [6.0] * 4
-
-
-@pytest.mark.parametrize("acknowledge", [True, False])
-def test_owning_a_borrowed_push_copies_it_and_acknowledges_it_unless_its_worker_was_replaced(acknowledge):
-    r, acks = new_round(workers=2), []
-    region = np.full(4, 3, np.float32)
-    r.push(0, region, borrowed=True, ack=lambda: acks.append("w0"))
-    r.own(acknowledge)
-    assert acks == (["w0"] if acknowledge else []) and r.first is None
-    region[:] = -1
-    assert r.push(1, np.ones(4, np.float32))
-    sums = []
-    r.close(lambda owner, full: sums.append(full.result.tolist()), None)
-    assert sums == [[4.0] * 4]
-
-
 def test_a_refused_push_still_counts_so_later_pulls_do_not_wait_for_it():
     r = new_round(workers=2)
     r.count_refused(1)

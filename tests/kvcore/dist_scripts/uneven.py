@@ -1,8 +1,8 @@
 """Worker: rank 1 pushes once and leaves; rank 0's push of a second round is acknowledged all the
-same (argv[1]: the key's elements; 1 Mi of them travel in shared memory on one host, where the
-server reads a first push in place until the round lets go of it; argv[2] ``after-finish``: rank 0
-pushes once the server knows that rank 1 finished: a pull of another key, which the server fails
-naming worker 1 only then), and its pull fails naming worker 1 instead of hanging."""
+same (argv[1]: the key's elements; 1 Mi of them travel in shared memory on one host; argv[2]
+``after-finish``: rank 0 pushes once the server knows that rank 1 finished: a pull of another key,
+which the server fails naming worker 1 only then), and its pull fails naming worker 1 instead of
+hanging."""
 
 import sys
 
