@@ -166,7 +166,8 @@ class KVStoreBase(abc.ABC):
         """Push one value, or a list of per-device values that are summed first, for each key.
 
         The merged value is handed to the updater (by default it replaces the stored value).
-        Returns a ``Handle``; the caller may modify ``value`` as soon as push returns. Higher
+        Returns a ``Handle``; the caller may modify ``value`` as soon as push returns (a big value
+        is copied, or written into its server's idle data lane before push returns). Higher
         ``priority`` goes first when a store queues work. With gradient compression on (see
         ``set_gradient_compression``) each value is quantized with its own residual first.
 

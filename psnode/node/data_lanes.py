@@ -155,6 +155,7 @@ class DataLanes:
         self._addresses: dict[bytes, Any] = {}  # peer uid -> (host, port, describe), or False: ZeroMQ only
         self._count_lock = threading.Lock()
         self.sent = 0  # messages handed to lanes
+        self.written_through = 0  # of those, written on the sender's thread from its own buffers
         self.received = 0  # messages taken from lanes
         self.in_place = 0  # of those, values read straight into a pull's out
 
@@ -175,28 +176,52 @@ class DataLanes:
         address = self._addresses.get(peer)
         if address is None:
             address = self._address_of(peer)
-        if not address:
+        prefix = self._prefix(frames) if address else None
+        if prefix is None:
             return None
+        tracker = self.lanes.send(peer, address[:2], address[2], [prefix, frames[3]],
+                                  lambda again: self._send_back(peer, self._frames_of(again)))
+        if tracker is not None:
+            self._count_sent()
+        return tracker
+
+    def write_through(self, peer: bytes, frames: list) -> Any:
+        """Write ``frames`` for ``peer`` on its lane from this thread (``Lanes.write_through``) when
+        they go on a lane, the lane is open and idle and its socket takes them: a done tracker (the
+        frames may change at once), else None (nothing was written; send a copy)."""
+        address = self._addresses.get(peer)
+        prefix = self._prefix(frames) if address else None
+        if prefix is None:
+            return None
+        tracker = self.lanes.write_through(peer, [prefix, frames[3]])
+        if tracker is not None:
+            self._count_sent(through=True)
+        return tracker
+
+    def _prefix(self, frames: list) -> bytes | None:
+        """The lane prefix of ``frames`` when they are a message that goes on a lane, else None."""
         cmd, flags = peek(frames[0])
         if cmd == Cmd.PUSH:
             if len(frames) != 4 or flags & _NOT_ON_LANES:
                 return None
         elif cmd != Cmd.PULL_REPLY or flags & FLAG_ERROR or len(frames) != 4 + bool(flags & FLAG_ACKS):
             return None
-        value = frames[3]
-        view = memoryview(value)  # its bytes, whatever holds them (an array, a memoryview, bytes)
+        view = memoryview(frames[3])  # its bytes, whatever holds them (an array, a memoryview, bytes)
         nbytes = view.nbytes
         if nbytes < LANE_MIN or len(frames[2]) or not view.c_contiguous:
             return None
-        prefix = pack_prefix(frames, nbytes)
-        if prefix is None:
-            return None
-        tracker = self.lanes.send(peer, address[:2], address[2], [prefix, value],
-                                  lambda _again: self._send_back(peer, frames))
-        if tracker is not None:
-            with self._count_lock:
-                self.sent += 1
-        return tracker
+        return pack_prefix(frames, nbytes)
+
+    def _count_sent(self, through: bool = False) -> None:
+        with self._count_lock:
+            self.sent += 1
+            self.written_through += through
+
+    def _frames_of(self, buffers: list) -> list:
+        """The message a lane gave back (its prefix and value) as the frames it was made of (the
+        lane's fallback is the one it was opened with, so it cannot hold a message's own frames)."""
+        _, before, after = _unpack_prefix(bytes(buffers[0]), self.limit)
+        return [*before, buffers[1], *after]
 
     def _send_back(self, peer: bytes, frames: list) -> None:
         """Send through ZeroMQ a message a failed lane gave back (on that lane's thread, while later

@@ -130,6 +130,13 @@ class Transport(abc.ABC):
             ClosedError: the transport was closed.
         """
 
+    def write_through(self, peer: bytes, frames: list) -> Any:
+        """Write ``frames`` for ``peer`` from the calling thread before returning, when this transport
+        can at once and without a copy (a data lane that is idle): a done tracker, after which the
+        buffers may change. None: nothing was written (``send`` a copy). A transport without such a
+        way writes nothing."""
+        return None
+
     @abc.abstractmethod
     def poll(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a message; True when one can be received."""

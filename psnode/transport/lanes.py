@@ -36,7 +36,9 @@ receiver's ``parse`` allows.
 
 **Failure.** A lane that cannot be opened or breaks hands what it still holds to the ``fallback``
 the caller gave (the collectives resend it through ZeroMQ) and is not used again: a peer that died
-is the scheduler's to announce. Senders never block: each lane has its own thread and queue.
+is the scheduler's to announce. Senders never block: each lane has its own thread and queue. A sender
+may also write a message itself when its lane is idle (``write_through``): the kernel's copy is then
+the only one, and the lane's thread writes what the socket did not take at once.
 
 Threads: one accepting thread, one per accepted lane, one per opened lane. ``Lanes`` is
 thread-safe.
@@ -47,12 +49,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import queue
+import select
 import socket
 import struct
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Protocol, Sequence
 
 from psnode.errors import ProtocolError, PSNodeError
@@ -63,6 +66,9 @@ __all__ = ["Lanes", "Receiver", "Tracker", "MAGIC", "HANDSHAKE_TIMEOUT", "CONNEC
 MAGIC = b"PSLANE\x01\x00"
 HANDSHAKE_TIMEOUT = 10.0  # seconds for each step of the handshake (a peer that says nothing is dropped)
 CONNECT_TIMEOUT = 10.0
+WRITE_THROUGH_WAIT = 0.001  # seconds a sender writing a message through may wait for room for its rest
+_SEND_BUFFER = 8 << 20  # kernel bytes an opened lane may hold: a whole 4 MiB part and the one before it
+_SMALL = 4096  # bytes of a buffer copied as bytes, not into a lane's spare buffer
 MAX_HANDSHAKES = 32  # handshakes under way at once; more connections are closed at once
 _NONCE = 16
 _MAC = 32
@@ -149,19 +155,68 @@ def _recv_bytes(sock: socket.socket, size: int) -> bytes:
     return bytes(buf)
 
 
+def _byte_views(buffers: Sequence[Any]) -> list[memoryview]:
+    return [memoryview(b).cast("B") for b in buffers if len(b)]
+
+
+def _advance(views: list[memoryview], sent: int) -> None:
+    """Drop the first ``sent`` bytes of ``views`` (what one ``sendmsg`` wrote)."""
+    while sent:
+        first = views[0]
+        if sent >= len(first):
+            sent -= len(first)
+            views.pop(0)
+        else:
+            views[0] = first[sent:]
+            sent = 0
+
+
 def _send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
     """Write every buffer in order (``sendmsg`` may write part of them)."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    views = _byte_views(buffers)
     while views:
-        sent = sock.sendmsg(views)
-        while sent:
-            first = views[0]
-            if sent >= len(first):
-                sent -= len(first)
-                views.pop(0)
-            else:
-                views[0] = first[sent:]
-                sent = 0
+        _advance(views, sock.sendmsg(views))
+
+
+def _widen_send_buffer(sock: socket.socket) -> None:
+    """Let ``sock`` hold ``_SEND_BUFFER`` bytes where the system allows more than the kernel's own
+    tuning would reach (a fixed size ends that tuning)."""
+    try:
+        with open("/proc/sys/net/core/wmem_max") as f:
+            allowed = 2 * int(f.read())  # the kernel doubles what it is asked, up to twice this
+        with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+            tuned = int(f.read().split()[2])
+        if min(2 * _SEND_BUFFER, allowed) > tuned:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+    except (OSError, ValueError, IndexError):
+        pass
+
+
+def _send_while_taken(sock: socket.socket, views: list[memoryview]) -> int:
+    """Write ``views`` while the socket takes them, waiting for room no longer than
+    ``WRITE_THROUGH_WAIT`` seconds in all; the bytes written (dropped from ``views``). A socket that
+    fails writes nothing more here: its lane's thread meets the error."""
+    sent = 0
+    room = None
+    while views:
+        try:
+            n = sock.sendmsg(views, (), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            if not sent:
+                break  # a full socket: not a byte of this message waits for it
+            if room is None:
+                room = select.poll()
+                room.register(sock, select.POLLOUT)
+                deadline = time.monotonic() + WRITE_THROUGH_WAIT
+            left = deadline - time.monotonic()
+            if left <= 0 or not room.poll(left * 1000):
+                break
+            continue
+        except OSError:
+            break
+        _advance(views, n)
+        sent += n
+    return sent
 
 
 def connect_lane(address: tuple[str, int], magic: bytes, key: bytes, job: bytes, identity: bytes,
@@ -203,9 +258,14 @@ class _OutLane:
         self.address = address
         self.describe = describe
         self.fallback = fallback
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        # messages to write, in order (None: end the lane), and whether the socket is being written
+        # (by this lane's thread, or by a sender writing through): both under the owner's lock
+        self.items: deque = deque()
+        self.ready = threading.Condition(owner._lock)
+        self.busy = False
         self.failed = False
         self.sock: socket.socket | None = None
+        self._spare: bytearray | None = None  # where a message written through keeps its rest (``_copy``)
         self.thread = threading.Thread(target=self._run, name=f"psnode-lane-to-{describe}", daemon=True)
         self.thread.start()
 
@@ -221,11 +281,16 @@ class _OutLane:
                           warn=True)
             return
         sock = self.sock
+        _widen_send_buffer(sock)
         while True:
-            item = self.queue.get()
-            if item is None:
-                break
-            buffers, tracker = item
+            with self.ready:
+                while not self.items or self.busy:
+                    self.ready.wait()
+                item = self.items.popleft()
+                if item is None:
+                    break
+                self.busy = True
+            buffers, tracker, _ = item
             try:
                 _send_all(sock, buffers)
             except OSError as exc:  # the peer cannot have read this message whole: it goes again
@@ -234,6 +299,8 @@ class _OutLane:
             except Exception as exc:  # a bug: the lane's messages must still go, or their ops would wait
                 self._give_up(f"the lane to {self.describe} failed: {type(exc).__name__}: {exc}", [item], warn=True)
                 return
+            with self.ready:
+                self.busy = False
             tracker.set()
         try:
             sock.shutdown(socket.SHUT_WR)  # what the kernel holds still reaches the peer
@@ -241,11 +308,60 @@ class _OutLane:
             pass
         sock.close()
 
+    def write_through(self, buffers: list) -> Tracker | None:
+        """``Lanes.write_through`` on this lane, which the caller claimed (``busy``)."""
+        views = _byte_views(buffers)
+        left = list(views)
+        sent = _send_while_taken(self.sock, left)
+        if not sent:
+            self._release(None)
+            return None
+        tracker = Tracker()
+        if left:
+            # the kernel took a part: this lane's thread writes the rest from a copy of the whole
+            # message, which also goes again through the fallback should the lane break before the end
+            whole = self._copy(views)
+            rest = list(whole)
+            _advance(rest, sent)
+            self._release((rest, tracker, whole))
+            return tracker
+        self._release(None)
+        tracker.set()
+        return tracker
+
+    def _copy(self, views: list[memoryview]) -> list[memoryview]:
+        """``views`` copied: the big ones into this lane's spare buffer (free again, since the lane
+        was idle: the message that used it before was written, or the lane failed and takes no more)."""
+        size = sum(len(view) for view in views if len(view) > _SMALL)
+        if self._spare is None or len(self._spare) < size:
+            self._spare = bytearray(size)
+        spare = memoryview(self._spare)
+        whole, at = [], 0
+        for view in views:
+            if len(view) > _SMALL:
+                spare[at:at + len(view)] = view
+                whole.append(spare[at:at + len(view)])
+                at += len(view)
+            else:
+                whole.append(memoryview(bytes(view)))
+        return whole
+
+    def _release(self, first: Any) -> None:
+        """End a sender's claim; ``first``: a message this lane's thread writes before the others."""
+        with self.ready:
+            if first is not None:
+                self.items.appendleft(first)
+            self.busy = False
+            if self.items:
+                self.ready.notify()
+
     def _give_up(self, why: str, unsent: list, warn: bool) -> None:
         """Use this lane no more: what it holds goes through the fallback, in order (and, with the
         owner's ``in_order``, before anything sent after this lane failed)."""
         with self.owner._lock:
             self.failed = True  # ``Lanes.send`` queues nothing more here
+            unsent.extend(item for item in self.items if item is not None)
+            self.items.clear()
             closing = self.owner.closed
             if warn and not closing:
                 logger.warning("%s; %s to it go through ZeroMQ", why, self.owner.what)
@@ -257,17 +373,10 @@ class _OutLane:
         self._resend(unsent, closing)
 
     def _resend(self, unsent: list, closing: bool) -> None:
-        while True:
-            try:
-                item = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                unsent.append(item)
-        for buffers, tracker in unsent:
+        for _, tracker, whole in unsent:
             if not closing:
                 try:
-                    self.fallback(list(buffers))
+                    self.fallback(list(whole))
                 except PSNodeError as exc:  # the peer is gone too: the scheduler says so
                     logger.info("resending a message for %s failed: %s", self.describe, exc)
                 except Exception as exc:  # a bug: say it, and still free the message's op
@@ -484,8 +593,25 @@ class Lanes:
             elif lane.failed:
                 return None
             tracker = Tracker()
-            lane.queue.put((buffers, tracker))  # under the lock: a lane that fails after this drains it
+            lane.items.append((buffers, tracker, buffers))  # under the lock: a lane that fails after this drains it
+            lane.ready.notify()
         return tracker
+
+    def write_through(self, identity: bytes, buffers: list) -> Tracker | None:
+        """Write one message for the peer ``identity`` from ``buffers`` on the calling thread, when
+        its lane is open and idle (nothing queued or being written) and the kernel takes a part of it
+        at once, without waiting for the peer: a tracker, after which the buffers may change (no
+        reference to them is kept). It is done when the kernel took the whole message; else the
+        lane's thread writes the rest from a copy (of the whole message: a lane that breaks before
+        the end hands it to its fallback, as it does ``send``'s). None: nothing was written (no lane
+        opened yet, a failed one, one in use, or a socket that takes nothing now): ``send`` a copy.
+        """
+        with self._lock:
+            lane = self._out.get(identity)
+            if self.closed or lane is None or lane.failed or lane.sock is None or lane.busy or lane.items:
+                return None
+            lane.busy = True
+        return lane.write_through(buffers)
 
     def close(self) -> None:
         """Stop accepting and reading, and end the opened lanes once they wrote what they hold (idempotent)."""
@@ -506,4 +632,6 @@ class Lanes:
             except OSError:
                 pass
         for lane in outs:
-            lane.queue.put(None)
+            with lane.ready:
+                lane.items.append(None)
+                lane.ready.notify()

@@ -272,6 +272,10 @@ class ZmqTransport(Transport):
                 return tracker if track else None
         return self.send_here(peer, frames, track, block)
 
+    def write_through(self, peer: bytes, frames: list) -> Any:
+        router = self.lane_router
+        return router.write_through(peer, frames) if router is not None and len(frames) == 4 else None
+
     def send_here(self, peer: bytes, frames: Sequence[Any], track: bool = False, block: bool = True) -> Any:
         """``send`` on the peer's stream, or through ZeroMQ when it has none (not on data lanes: what
         they give back goes here)."""

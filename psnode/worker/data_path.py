@@ -39,6 +39,9 @@ from psnode.worker.requests import RequestTable
 __all__ = ["DataPath"]
 
 _STALE_OFFERS = 256  # offers held before those of ended pushes are looked for
+# the most bytes a push may have to be written through its data lanes from the caller's values
+# (``Outbox.write_through``); a bigger one is copied, so its copies overlap the lanes' writes
+THROUGH_PER_PUSH = 16 << 20
 
 
 
@@ -71,8 +74,10 @@ class DataPath:
              future: Any = None, codec: int = RAW) -> Any:
         """Push ``(server, key id, value)`` parts; returns at once.
 
-        With ``copy=True`` the values are copied before push returns (the caller may change them
-        right away); with ``copy=False`` the caller hands them over and must not change them.
+        With ``copy=True`` the caller may change the values as soon as push returns: each is copied,
+        or, when its data lane to the server is idle, written into that lane's socket from the
+        caller's array before push returns (the kernel's copy is the only one); with ``copy=False``
+        the caller hands them over and must not change them until the future is done.
         ``codec``: how the values are encoded (``psnode.compression.codecs``); with any codec but ``RAW`` each
         value is the encoded bytes. The future is done when every server has received its parts.
         """
@@ -82,6 +87,7 @@ class DataPath:
         by_server = _by_server(parts)
         requests, outbox = self.requests, self.outbox
         req = requests.track(future, len(parts), None, "push", frozenset(by_server))
+        through = None  # whether this push's big parts may be written through (known at the first)
         for server, items in by_server.items():
             entries = []
             small = []
@@ -102,12 +108,17 @@ class DataPath:
                     region.busy = future
                     entries.append((key_id, i, same_host.IN_SHARED_MEMORY, codec, region.ref, nbytes, seq))
                 elif nbytes >= OWN_FRAME:
-                    flat = _flat_bytes(value)
-                    buffer = outbox.copy_for_send((key_id, server), flat) if copy else flat
                     # its own message: the server merges and answers it while the next part arrives
                     entry = ENTRY_STRUCT.pack(key_id, i, 1, codec, 0, nbytes, seq)
-                    own = [pack_header(Cmd.PUSH, req, 1), entry, b"", buffer]
-                    if self.push_window and nbytes * self.num_workers > self.push_window:
+                    own = [pack_header(Cmd.PUSH, req, 1), entry, b"", _flat_bytes(value)]
+                    offered = self.push_window and nbytes * self.num_workers > self.push_window
+                    if through is None:
+                        through = copy and sum([part[2].nbytes for part in parts]) <= THROUGH_PER_PUSH
+                    if through and not offered and outbox.write_through(server, own):
+                        continue  # an idle data lane took it from the caller's array (the rest of a part it took, copied)
+                    if copy:
+                        own[3] = outbox.copy_for_send((key_id, server), own[3])
+                    if offered:
                         if len(self.offers) > _STALE_OFFERS:
                             self._drop_stale_offers()
                         self.offers[(server, req, i)] = (own, priority)  # before the offer: its invitation may come at once

@@ -175,6 +175,17 @@ class Outbox:
         self.enqueue(server, frames, priority, req)
         self.pump()
 
+    def write_through(self, server: int, frames: list) -> bool:
+        """Write a push from the caller's own value before returning, when nothing waits before it
+        and the transport can (``Transport.write_through``: an idle data lane): True when written
+        (the caller may change the value at once), False when nothing was (queue a copy).
+
+        The send lock is not taken: a data lane keeps its own order, and ZeroMQ's messages need none
+        against it; a message queued by another thread meanwhile is a concurrent call's."""
+        if self.queue or self.replicated or self.held.item is not None:
+            return False
+        return self.transport.write_through(self.members.servers[server].uid.encode(), frames) is not None
+
     def enqueue(self, server: int, frames: list, priority: int, req: int) -> None:
         """Queue a message (``pump`` sends it); a held push goes first, as it was sent first."""
         if self.held.item is not None:

@@ -57,8 +57,8 @@ class Recorder:
 class Node:
     """One side: its lanes, recorder, book and ``DataLanes``; ``malformed`` what it counted."""
 
-    def __init__(self, role: str, uid: str, fingerprint: str, same_host: str = "tcp") -> None:
-        self.lanes = Lanes.listen("127.0.0.1", uid.encode(), "job-1", KEY, what="data", in_order=True)
+    def __init__(self, role: str, uid: str, fingerprint: str, same_host: str = "tcp", key: bytes = KEY) -> None:
+        self.lanes = Lanes.listen("127.0.0.1", uid.encode(), "job-1", key, what="data", in_order=True)
         self.me = PeerInfo(role, 0, "127.0.0.1", 1, uid, fingerprint, uid, data_port=self.lanes.port)
         self.members = Membership(role)
         self.transport = Recorder()
@@ -106,6 +106,45 @@ def test_a_big_push_reaches_the_server_whole_as_the_frames_the_worker_sent(pair)
     assert [f.buffer.tobytes() for f in got] == [frames[0], frames[1], b"", value.tobytes()]
     tracker.wait(5)
     assert worker.data.sent == 1 and server.data.received == 1 and server.data.in_place == 0
+
+
+def test_a_push_written_through_the_idle_lane_reaches_the_server_whole_and_the_worker_may_change_it(pair):
+    worker, server = pair
+    value = np.random.default_rng(4).standard_normal(LANE_MIN // 4 * 3).astype(np.float32)
+    original = value.copy()
+    assert worker.data.write_through(b"server@s", push(value)) is None  # no lane opened yet
+    worker.data.route(b"server@s", push(original)).wait(10)  # opens it; written: idle again
+    server.transport.injected.get(timeout=10)
+    frames = push(value)
+    tracker = worker.data.write_through(b"server@s", frames)
+    assert tracker is not None and tracker.done
+    value[:] = -1  # the kernel holds the bytes: the caller may change its array at once
+    _, got = server.transport.injected.get(timeout=10)
+    assert [f.buffer.tobytes() for f in got] == [frames[0], frames[1], b"", original.tobytes()]
+    assert worker.data.sent == 2 and worker.data.written_through == 1
+    # what goes on no lane is not written through either
+    assert worker.data.write_through(b"server@s", push(big, FLAG_PULL)) is None
+    assert worker.data.write_through(b"server@s", push(np.ones(16, np.float32))) is None
+    assert worker.data.write_through(b"worker@other", push(big)) is None  # not in the book
+
+
+def test_messages_a_failed_lane_gives_back_go_through_zeromq_each_as_its_own_frames():
+    server = Node("server", "server@s", "host-s", key=b"\x01" * 32)  # the lane's handshake fails
+    worker = Node("worker", "worker@w", "host-w")
+    server.knows(worker)
+    worker.knows(server)
+    try:
+        sent = [push(np.full(LANE_MIN // 4, i, np.float32)) for i in range(3)]
+        trackers = [worker.data.route(b"server@s", frames) for frames in sent]
+        for tracker in trackers:
+            tracker.wait(10)
+        assert [peer for peer, _ in worker.transport.here] == [b"server@s"] * 3
+        for (_, frames), expected in zip(worker.transport.here, sent):
+            assert [bytes(f) for f in frames[:3]] == expected[:3]
+            assert np.array_equal(np.frombuffer(frames[3], np.float32), expected[3])
+    finally:
+        worker.lanes.close()
+        server.lanes.close()
 
 
 def test_a_pull_reply_is_read_straight_into_the_out_its_worker_names_with_its_acknowledgements(pair):

@@ -284,3 +284,110 @@ def test_a_message_the_lane_cannot_write_takes_the_fallback_and_its_tracker_is_d
         tracker.wait(10)
         assert len(pair.fallback) == 1 and pair.fallback[0][0] == PREFIX.pack(3, 0)
     assert any("the lane to worker b failed: TypeError" in r.message for r in caplog.records), caplog.text
+
+
+# ---- writing through: a sender writes a message on its own thread when the lane is idle ----------
+
+class Gate(Inbox):
+    """An inbox whose reader stops before the body of a message for place 99 until ``opened`` is
+    set: the lane's socket then fills, as when a peer is slow to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = threading.Event()
+        self.stopped = threading.Event()
+
+    def destination(self, peer, place: int, size: int):
+        if place == 99:
+            self.stopped.set()
+            assert self.opened.wait(10)
+        return super().destination(peer, place, size)
+
+
+def _through(pair: Pair, body, place: int = 0):
+    return pair.a.write_through(b"worker@b", [PREFIX.pack(len(body), place), body])
+
+
+def _opened(pair: Pair) -> socket.socket:
+    """Open the lane with a first message and return its socket, once that message arrived."""
+    pair.send(b"open").wait(10)  # written: the lane's thread is idle again
+    pair.inbox.wait(lambda: len(pair.inbox.messages) == 1)
+    return pair.a._out[b"worker@b"].sock
+
+
+def test_a_message_written_through_an_idle_lane_is_in_the_kernel_when_the_call_returns():
+    with Pair() as pair:
+        assert _through(pair, b"x" * 1000) is None  # no lane opened yet: nothing written, send a copy
+        _opened(pair)
+        body = bytearray(b"x" * 300_000)
+        tracker = _through(pair, body)
+        assert tracker is not None and tracker.done
+        body[:] = b"y" * len(body)  # the caller may change it at once: the kernel holds its own copy
+        pair.send(b"after")
+        pair.inbox.wait(lambda: len(pair.inbox.messages) == 3)
+        assert [m[2] for m in pair.inbox.messages] == [b"open", b"x" * 300_000, b"after"]
+        assert pair.fallback == []
+
+
+def test_nothing_is_written_through_a_lane_that_holds_messages_of_its_own_and_the_order_stays():
+    with Pair() as pair:
+        pair.inbox.__class__ = Gate
+        pair.inbox.opened, pair.inbox.stopped = threading.Event(), threading.Event()
+        _opened(pair)
+        pair.send(b"s" * 1000, place=99)  # the reader stops before this body
+        assert pair.inbox.stopped.wait(10)
+        queued = [pair.send(bytes([i]) * 2_000_000) for i in range(6)]  # more than the kernel holds
+        assert _through(pair, b"t" * 1000) is None  # the lane's thread has messages to write first
+        pair.inbox.opened.set()
+        pair.inbox.wait(lambda: len(pair.inbox.messages) == 8)
+        for tracker in queued:
+            tracker.wait(10)
+        assert [m[2][:1] for m in pair.inbox.messages] == [b"o", b"s"] + [bytes([i]) for i in range(6)]
+        assert _through(pair, b"u" * 1000).done  # idle again
+        pair.inbox.wait(lambda: len(pair.inbox.messages) == 9)
+
+
+def _taken_in_part(pair: Pair, body: np.ndarray):
+    """Stop the reader, shrink the lane's send buffer, and write ``body`` through: the kernel takes a
+    part of it and the rest waits on the lane's thread. Returns the tracker."""
+    pair.inbox.__class__ = Gate
+    pair.inbox.opened, pair.inbox.stopped = threading.Event(), threading.Event()
+    sock = _opened(pair)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+    pair.send(b"s" * 1000, place=99).wait(10)
+    assert pair.inbox.stopped.wait(10)
+    tracker = _through(pair, body)
+    assert tracker is not None and not tracker.done  # a part was taken: the rest is the lane's
+    return tracker
+
+
+def test_a_message_the_socket_takes_in_part_is_finished_from_a_copy_after_the_caller_changed_it():
+    body = np.random.default_rng(2).integers(0, 255, LIMIT, dtype=np.uint8)
+    original = body.tobytes()
+    with Pair() as pair:
+        tracker = _taken_in_part(pair, body)
+        body[:] = 0  # the caller's array changes as soon as the call returned
+        assert _through(pair, b"z" * 1000) is None  # the rest is still the lane's to write
+        pair.inbox.opened.set()
+        pair.inbox.wait(lambda: len(pair.inbox.messages) == 3)
+        tracker.wait(10)
+        assert pair.inbox.messages[2][2] == original
+        assert pair.fallback == []
+
+
+def test_a_lane_that_breaks_after_taking_part_of_a_message_written_through_sends_it_whole_again():
+    body = np.random.default_rng(3).integers(0, 255, LIMIT, dtype=np.uint8)
+    original = body.tobytes()
+    with Pair() as pair:
+        tracker = _taken_in_part(pair, body)
+        body[:] = 0
+        with pair.b._lock:
+            accepted = list(pair.b._in.values())
+        for sock in accepted:  # the peer's end goes away mid-message
+            sock.shutdown(socket.SHUT_RDWR)
+        tracker.wait(10)
+        pair.inbox.opened.set()
+        assert len(pair.fallback) == 1
+        prefix, value = (bytes(b) for b in pair.fallback[0])
+        assert prefix == PREFIX.pack(LIMIT, 0) and value == original  # what the caller gave, not its change
+        assert pair.send(b"later") is None  # the lane is given up: its sender takes the other path

@@ -1,6 +1,7 @@
 """Worker: exact dist_sync sums of values big enough for the data lanes, pushed copied and not
-copied (``push(..., copy=False)``), with worker 0 first sending the servers' data lane ports what a
-stranger would; prints ``LANES <sent> <received> <in place>`` and ``OK <rank>``."""
+copied (``push(..., copy=False)``; a copied push's array changes as soon as push returns), with
+worker 0 first sending the servers' data lane ports what a stranger would; prints ``LANES <sent>
+<received> <in place> <written through>`` and ``OK <rank>``."""
 
 import numpy as np
 from stranger import knock
@@ -29,6 +30,8 @@ for rnd in range(4):
         value = np.full(shape, (rank + 1) * (rnd + 1), np.float32)
         value.reshape(-1)[::997] += rank  # not one constant: a part in the wrong place would show
         kv.push(key, value, copy=copy)
+        if copy:  # the caller may change its array as soon as push returns, written through or copied
+            value[...] = -7
         outs[key] = np.zeros(shape, np.float32)
         kv.pull(key, out=outs[key])
         expected = np.full(shape, total * (rnd + 1), np.float32)
@@ -36,6 +39,7 @@ for rnd in range(4):
         assert np.array_equal(outs[key], expected), (rnd, key, outs[key].reshape(-1)[:4])
         value[...] = -1  # the pull waited for the push: the value may change now
 lanes = worker.conn.data_lanes
-print("LANES", *((lanes.sent, lanes.received, lanes.in_place) if lanes else (0, 0, 0)), flush=True)
+print("LANES", *((lanes.sent, lanes.received, lanes.in_place, lanes.written_through) if lanes else (0, 0, 0, 0)),
+      flush=True)
 kv.barrier()
 print("OK", rank, flush=True)
