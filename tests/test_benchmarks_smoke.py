@@ -109,3 +109,16 @@ def test_the_sync_round_ceiling_runs_every_variant_and_reports_each(tmp_path):
     assert list(figures) == VARIANTS and all(len(v) == 1 and v[0] > 0 for v in figures.values()), figures
     for variant in VARIANTS:
         assert variant in completed.stdout, completed.stdout
+
+
+def test_the_round_cost_runs_a_job_per_checkout_alternating_and_reports_each(tmp_path):
+    # this checkout twice over: the before/after form; each job checks every pulled value
+    completed = subprocess.run([sys.executable, "-m", "benchmarks.round_cost", "--size-mib", "0.5", "--rounds", "5",
+                                "--pairs", "1", "--checkout", str(REPO), "--checkout", "."], cwd=REPO,
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    lines = completed.stdout.splitlines()
+    assert lines[0].startswith("0.5 MiB, 5 rounds, PSLAUNCH_SAME_HOST=tcp, copy=True"), completed.stdout
+    assert len(lines) == 3 and all(line.startswith(f"{REPO}: round ") for line in lines[1:]), completed.stdout
+    for line in lines[1:]:
+        assert float(line.split("round ")[1].split()[0]) > 0, line

@@ -158,9 +158,11 @@ def test_workers_on_another_host_push_and_pull_big_values_on_data_lanes_and_sum_
             results = job.wait(120)
     failed = [r for r in results if r.returncode != 0]
     assert not failed, "\n".join(map(str, failed))
-    counts = [tuple(int(x) for x in m) for r in results for m in re.findall(r"^LANES (\d+) (\d+) (\d+)$", r.output, re.M)]
-    assert len(counts) == 2 and all(sent >= 12 and received >= 12 and in_place == received
-                                    for sent, received, in_place in counts), counts
+    counts = [tuple(int(x) for x in m) for r in results
+              for m in re.findall(r"^LANES (\d+) (\d+) (\d+) (\d+)$", r.output, re.M)]
+    # copied pushes go from the caller's array when their lane is idle (its array changes right after)
+    assert len(counts) == 2 and all(sent >= 12 and received >= 12 and in_place == received and through >= 1
+                                    for sent, received, in_place, through in counts), counts
 
 
 def test_the_capped_training_benchmark_trains_across_shaped_links_and_counts_the_bytes_that_cross(tmp_path):

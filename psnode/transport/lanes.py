@@ -67,7 +67,6 @@ MAGIC = b"PSLANE\x01\x00"
 HANDSHAKE_TIMEOUT = 10.0  # seconds for each step of the handshake (a peer that says nothing is dropped)
 CONNECT_TIMEOUT = 10.0
 WRITE_THROUGH_WAIT = 0.001  # seconds a sender writing a message through may wait for room for its rest
-_SEND_BUFFER = 8 << 20  # kernel bytes an opened lane may hold: a whole 4 MiB part and the one before it
 _SMALL = 4096  # bytes of a buffer copied as bytes, not into a lane's spare buffer
 MAX_HANDSHAKES = 32  # handshakes under way at once; more connections are closed at once
 _NONCE = 16
@@ -178,20 +177,6 @@ def _send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
         _advance(views, sock.sendmsg(views))
 
 
-def _widen_send_buffer(sock: socket.socket) -> None:
-    """Let ``sock`` hold ``_SEND_BUFFER`` bytes where the system allows more than the kernel's own
-    tuning would reach (a fixed size ends that tuning)."""
-    try:
-        with open("/proc/sys/net/core/wmem_max") as f:
-            allowed = 2 * int(f.read())  # the kernel doubles what it is asked, up to twice this
-        with open("/proc/sys/net/ipv4/tcp_wmem") as f:
-            tuned = int(f.read().split()[2])
-        if min(2 * _SEND_BUFFER, allowed) > tuned:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
-    except (OSError, ValueError, IndexError):
-        pass
-
-
 def _send_while_taken(sock: socket.socket, views: list[memoryview]) -> int:
     """Write ``views`` while the socket takes them, waiting for room no longer than
     ``WRITE_THROUGH_WAIT`` seconds in all; the bytes written (dropped from ``views``). A socket that
@@ -281,7 +266,6 @@ class _OutLane:
                           warn=True)
             return
         sock = self.sock
-        _widen_send_buffer(sock)
         while True:
             with self.ready:
                 while not self.items or self.busy:

@@ -74,13 +74,16 @@ def check_exact(steps: dict[int, dict[int, tuple[int, float, float]]], count: in
 
 
 def lines(out: Path, rank: int) -> list[str]:
-    """Every line the workers of ``rank`` wrote (one file per process: a rank a joiner took again has two)."""
-    return [line for path in sorted(out.glob(f"steps.{rank}.*.txt")) for line in path.read_text().splitlines()]
+    """Every line the workers of ``rank`` wrote, in the order its processes held it (one file per
+    process: a rank a joiner took again has two; one process holds a rank at a time, so the files
+    are in the order they were last written, not of their pids, which need not grow)."""
+    paths = sorted(out.glob(f"steps.{rank}.*.txt"), key=lambda path: path.stat().st_mtime_ns)
+    return [line for path in paths for line in path.read_text().splitlines()]
 
 
-def wait_for(predicate: Callable[[], object], timeout: float = 30.0) -> None:
-    """Poll ``predicate`` until it holds; fail after ``timeout`` seconds."""
+def wait_for(predicate: Callable[[], object], timeout: float = 30.0, explain: Callable[[], str] | None = None) -> None:
+    """Poll ``predicate`` until it holds; fail after ``timeout`` seconds (saying ``explain()``)."""
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out: {explain()}" if explain else "timed out"
         time.sleep(0.05)

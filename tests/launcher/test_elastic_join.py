@@ -20,8 +20,9 @@ HELPER = helper("elastic_join.py")
 
 def test_a_worker_started_by_hand_joins_leaves_and_another_takes_its_rank_and_every_round_is_exact(tmp_path):
     # DMLC_NUM_WORKER=3 ranks, 2 start (PSLAUNCH_START_WORKERS), minimum 2: worker 2 joins once step 3
-    # is done, leaves after its step 9's pulls (its step 10 is its last), and a second joiner takes rank 2
-    # (started after step 14: the 66 steps after it leave a loaded machine 5 s to start a process)
+    # is done, leaves after its 6th step's pulls (its 7th is its last: counted from where it joined,
+    # however long a loaded machine took to start it), and a second joiner takes rank 2 three steps
+    # after (the 80 steps leave it about 4 s to start a process)
     steps = 80
     with ByHandJob(HELPER, tmp_path, DMLC_NUM_SERVER="2", DMLC_NUM_WORKER="3", PSLAUNCH_MIN_WORKERS="2",
                    PSLAUNCH_START_WORKERS="2", STEPS=str(steps), STEP_SLEEP="0.08") as job:
@@ -29,11 +30,15 @@ def test_a_worker_started_by_hand_joins_leaves_and_another_takes_its_rank_and_ev
                            ("worker0", "worker"), ("worker1", "worker")):
             job.start(name, role)
         wait_for(lambda: len(lines(tmp_path, 0)) >= 4)
-        first = job.start("joiner1", "worker", LEAVE="2:9")
-        assert first.wait(timeout=60) == 0
-        wait_for(lambda: records(tmp_path) and max(records(tmp_path)) >= 14)
+        first = job.start("joiner1", "worker", LEAVE="2:+6")
+        assert first.wait(timeout=60) == 0, job.logs()
+        joined_first = [int(line.split()[2]) for line in lines(tmp_path, 2) if line.startswith("2 joined")]
+        assert len(joined_first) == 1, (joined_first, job.logs())
+        left = joined_first[0] + 7  # the first step without it
+        wait_for(lambda: records(tmp_path) and max(records(tmp_path)) >= left + 3)
         job.start("joiner2", "worker")
-        wait_for(lambda: sum(line.startswith("2 joined") for line in lines(tmp_path, 2)) == 2)
+        wait_for(lambda: sum(line.startswith("2 joined") for line in lines(tmp_path, 2)) == 2,
+                 explain=lambda: f"{lines(tmp_path, 2)[-3:]} {job.logs()}")
         full = job.start("joiner3", "worker")  # the job holds its maximum of 3 workers now
         assert full.wait(timeout=60) != 0
         codes = [p.wait(timeout=60) for p in job.procs if p is not full]
@@ -42,14 +47,14 @@ def test_a_worker_started_by_hand_joins_leaves_and_another_takes_its_rank_and_ev
     members = check_exact(records(tmp_path), steps)
     with_joiner = [step for step, m in enumerate(members) if m == {0, 1, 2}]
     joined = [int(line.split()[2]) for line in lines(tmp_path, 2) if line.startswith("2 joined")]
-    # the first joiner came after step 3, took part through step 10 (SIGTERM after step 9's pulls), and
-    # the second from where it restored the members' step on
-    assert len(joined) == 2 and 4 <= joined[0] and joined[1] > 11, joined
-    assert with_joiner == list(range(joined[0], 11)) + list(range(joined[1], steps)), (joined, with_joiner)
+    # the first joiner came after step 3 and took part in 7 steps (SIGTERM after its 6th's pulls), the
+    # second from where it restored the members' step on
+    assert len(joined) == 2 and 4 <= joined[0] and joined[1] > left, joined
+    assert with_joiner == list(range(joined[0], left)) + list(range(joined[1], steps)), (joined, with_joiner)
     assert all(m == {0, 1} for step, m in enumerate(members) if step not in with_joiner)
     for rank in (0, 1):  # the reset callbacks ran at exactly the steps where the count changed
         resets = (tmp_path / f"resets.{rank}.txt").read_text().split("\n")
-        assert resets[:3] == [f"{rank} reset {joined[0]} 3", f"{rank} reset 11 2", f"{rank} reset {joined[1]} 3"]
+        assert resets[:3] == [f"{rank} reset {joined[0]} 3", f"{rank} reset {left} 2", f"{rank} reset {joined[1]} 3"]
     assert "the job has its maximum of 3 workers (DMLC_NUM_WORKER, -n MIN:MAX)" in logs["joiner3"], logs["joiner3"]
     scheduler = logs["scheduler"]
     assert scheduler.count("worker 2 joined the job from 127.0.0.1:") == 2, scheduler
@@ -149,7 +154,7 @@ def test_split_sampler_elastic_batches_take_every_index_of_an_epoch_once_while_w
                            ("worker1", "worker")):
             job.start(name, role)
         wait_for(lambda: len(taken()) >= 6)
-        job.start("joiner", "worker", LEAVE="2:30")
+        job.start("joiner", "worker", LEAVE="2:+12")
         codes = [p.wait(timeout=90) for p in job.procs]
     assert codes == [0] * len(codes), job.logs()
     rows = taken()
@@ -169,7 +174,7 @@ def test_split_sampler_elastic_batches_take_every_index_of_an_epoch_once_while_w
 
 
 def test_the_trainers_step_is_the_mean_over_each_steps_members_while_workers_join_and_leave(tmp_path):
-    # 2 start; a third joins and leaves after its step 12's pulls: SGD with learning rate 1 moves w by
+    # 2 start; a third joins and leaves after its 8th step's pulls: SGD with learning rate 1 moves w by
     # minus the mean of (rank + 1) over each step's members, exactly, in every worker
 
     def rows() -> list[tuple[int, int, int, float]]:
@@ -182,7 +187,7 @@ def test_the_trainers_step_is_the_mean_over_each_steps_members_while_workers_joi
                            ("worker1", "worker")):
             job.start(name, role)
         wait_for(lambda: len(rows()) >= 6)
-        job.start("joiner", "worker", LEAVE="2:12")
+        job.start("joiner", "worker", LEAVE="2:+8")
         codes = [p.wait(timeout=90) for p in job.procs]
     assert codes == [0] * len(codes), job.logs()
     by_step: dict[int, dict[int, tuple[int, float]]] = {}

@@ -15,6 +15,7 @@ import sys
 import time
 
 import numpy as np
+from leave_plan import leave_step
 
 import kvcore
 
@@ -23,13 +24,13 @@ length = int(os.environ.get("LENGTH", "90"))
 epochs = int(os.environ.get("EPOCHS", "3"))
 batch = int(os.environ.get("BATCH", "4"))
 step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
-leave = {tuple(map(int, item.split(":"))) for item in os.environ.get("LEAVE", "").split(",") if item}
 
 kv = kvcore.create("dist_sync")
 rank = kv.rank
 kv.init(0, np.zeros(length, np.float32))
 state = kvcore.elastic.State(kv, epoch=0, seen=0, step=0)
 state.restore()
+leave_at = leave_step(rank, state.step)
 sampler = kvcore.SplitSampler(length, seed=7)
 counts = np.empty(length, np.float32)
 with open(os.path.join(out, f"data.{rank}.{os.getpid()}.txt"), "a") as log:
@@ -45,6 +46,6 @@ with open(os.path.join(out, f"data.{rank}.{os.getpid()}.txt"), "a") as log:
         log.write(f"{rank} {epoch} {step} {members} {int(counts.sum())} {','.join(map(str, indices.tolist()))}\n")
         log.flush()
         state.step = step + 1
-        if (rank, step) in leave:
+        if step == leave_at:
             os.kill(os.getpid(), signal.SIGTERM)
 kv.close()

@@ -5,7 +5,8 @@ members, so each pulled value names the step's membership exactly. The script ke
 goes on from the members' step.
 
 Usage: elastic_join.py OUTDIR. $STEPS steps (default 12), $STEP_SLEEP seconds in each (default 0).
-$LEAVE lists ``rank:step`` items: that worker sends itself SIGTERM after the pulls of that step.
+$LEAVE lists ``rank:step`` or ``rank:+n`` items (``leave_plan``): that worker sends itself SIGTERM after
+the pulls of that step, or of its n-th.
 Each worker appends ``rank step num_workers value0 value1`` lines (``kv.num_workers`` read as the step
 begins) to OUTDIR/steps.<rank>.<pid>.txt,
 ``rank reset step num_workers`` to OUTDIR/resets.<rank>.txt at each change it sees, and
@@ -18,13 +19,13 @@ import sys
 import time
 
 import numpy as np
+from leave_plan import leave_step
 
 import kvcore
 
 out = sys.argv[1]
 steps = int(os.environ.get("STEPS", "12"))
 step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
-leave = {tuple(map(int, item.split(":"))) for item in os.environ.get("LEAVE", "").split(",") if item}
 
 kv = kvcore.create("dist_sync")
 rank = kv.rank
@@ -32,6 +33,7 @@ kv.init([0, 1], [np.zeros(4, np.float32), np.zeros(3, np.float32)])
 state = kvcore.elastic.State(kv, step=0)
 state.restore()
 current = {"step": state.step}
+leave_at = leave_step(rank, state.step)
 
 
 def reset():
@@ -53,7 +55,7 @@ with open(os.path.join(out, f"steps.{rank}.{os.getpid()}.txt"), "a") as log:
         log.write(f"{rank} {step} {members} {float(values[0][0])} {float(values[1][-1])}\n")
         log.flush()
         state.step = step + 1
-        if (rank, step) in leave:
+        if step == leave_at:
             os.kill(os.getpid(), signal.SIGTERM)
     log.write(f"{rank} done\n")
 kv.close()

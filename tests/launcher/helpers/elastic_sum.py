@@ -17,13 +17,13 @@ import sys
 import time
 
 import numpy as np
+from leave_plan import leave_step
 
 import kvcore
 
 out = sys.argv[1]
 steps = int(os.environ.get("STEPS", "12"))
 step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
-leave = {tuple(map(int, item.split(":"))) for item in os.environ.get("LEAVE", "").split(",") if item}
 own_terms = os.environ.get("OWN_TERMS") == "1"
 barrier = os.environ.get("BARRIER") == "1"
 
@@ -31,6 +31,7 @@ kv = kvcore.create("dist_sync")
 rank = kv.rank
 kv.init(0, np.zeros(4, np.float32))
 current = {"step": 0}
+leave_at = leave_step(rank, 0)
 if os.environ.get("RESETS") == "1":
     state = kvcore.elastic.State(kv, step=0)
 
@@ -53,7 +54,7 @@ with open(os.path.join(out, f"steps.{rank}.txt"), "a") as log:
         kv.pull(0, out=value)
         log.write(f"{rank} {step} {members} {float(value[0])}\n")
         log.flush()
-        if (rank, step) in leave:
+        if step == leave_at:
             os.kill(os.getpid(), signal.SIGTERM)
     log.write(f"{rank} done\n")
 time.sleep(float(os.environ.get("CLOSE_SLEEP", "0")) if kv.leaving else 0)

@@ -15,6 +15,7 @@ import sys
 import time
 
 import numpy as np
+from leave_plan import leave_step
 
 import kvcore
 
@@ -22,7 +23,6 @@ out = sys.argv[1]
 steps = int(os.environ.get("STEPS", "30"))
 batch = int(os.environ.get("BATCH", "2"))
 step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
-leave = {tuple(map(int, item.split(":"))) for item in os.environ.get("LEAVE", "").split(",") if item}
 
 kv = kvcore.create("dist_sync")
 rank = kv.rank
@@ -31,6 +31,7 @@ trainer = kvcore.Trainer({"w": w}, kvcore.optim.SGD(learning_rate=1.0), kvstore=
                          update_on_kvstore=os.environ.get("ON_STORE", "1") == "1")
 state = kvcore.elastic.State(kv, step=0)
 state.restore()
+leave_at = leave_step(rank, state.step)
 with open(os.path.join(out, f"trainer.{rank}.{os.getpid()}.txt"), "a") as log:
     for step in range(state.step, steps):
         time.sleep(step_sleep)
@@ -39,6 +40,6 @@ with open(os.path.join(out, f"trainer.{rank}.{os.getpid()}.txt"), "a") as log:
         log.write(f"{rank} {step} {members} {float(w[0])!r}\n")
         log.flush()
         state.step = step + 1
-        if (rank, step) in leave:
+        if step == leave_at:
             os.kill(os.getpid(), signal.SIGTERM)
 kv.close()
