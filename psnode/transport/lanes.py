@@ -40,40 +40,48 @@ is the scheduler's to announce. Senders never block: each lane has its own threa
 may also write a message itself when its lane is idle (``write_through``): the kernel's copy is then
 the only one, and the lane's thread writes what the socket did not take at once.
 
-Threads: one accepting thread, one per accepted lane, one per opened lane. ``Lanes`` is
-thread-safe.
+The bytes themselves (the handshake's proofs and its opening side, reads and writes of buffers) are
+``psnode.transport.lane_wire``'s. Threads: one accepting thread, one per accepted lane, one per opened
+lane. ``Lanes`` is thread-safe.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
-import select
 import socket
-import struct
 import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol
 
 from psnode.errors import ProtocolError, PSNodeError
 from psnode.log import logger
+from psnode.transport.lane_wire import (
+    CONNECT_TIMEOUT,
+    HANDSHAKE_TIMEOUT,
+    MAX_IDENTITY,
+    NONCE_BYTES,
+    PROOF_BYTES,
+    TAKEN,
+    U16,
+    Tracker,
+    advance,
+    byte_views,
+    connect_lane,
+    proof,
+    recv_bytes,
+    recv_exact,
+    send_all,
+    send_while_taken,
+)
 
 __all__ = ["Lanes", "Receiver", "Tracker", "MAGIC", "HANDSHAKE_TIMEOUT", "CONNECT_TIMEOUT"]
 
 MAGIC = b"PSLANE\x01\x00"
-HANDSHAKE_TIMEOUT = 10.0  # seconds for each step of the handshake (a peer that says nothing is dropped)
-CONNECT_TIMEOUT = 10.0
-WRITE_THROUGH_WAIT = 0.001  # seconds a sender writing a message through may wait for room for its rest
 _SMALL = 4096  # bytes of a buffer copied as bytes, not into a lane's spare buffer
 MAX_HANDSHAKES = 32  # handshakes under way at once; more connections are closed at once
-_NONCE = 16
-_MAC = 32
-_MAX_IDENTITY = 512
-_U16 = struct.Struct("<H")
-_TAKEN = b"\x01"  # the acceptor's last word: it knows the opener and reads what follows
 
 
 class Receiver(Protocol):
@@ -99,138 +107,6 @@ class Receiver(Protocol):
     def refused(self, peer: Any, prefix: bytes, why: str) -> None:
         """The lane from ``peer`` closes because of what it sent: the message that begins with
         ``prefix`` (``why`` names what was wrong)."""
-
-
-class Tracker:
-    """Done once a message's buffers were handed to the kernel (or given up): until then the
-    caller keeps them unchanged. The same face as ZeroMQ's message tracker (``done``, ``wait``)."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    @property
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait up to ``timeout`` seconds.
-
-        Raises:
-            TimeoutError: not done by then.
-        """
-        if not self._event.wait(timeout):
-            raise TimeoutError("the lane has not sent the message yet")
-
-    def set(self) -> None:
-        self._event.set()
-
-
-def _mac(key: bytes, side: bytes, job: bytes, n1: bytes, n2: bytes, opener: bytes, acceptor: bytes) -> bytes:
-    parts = (side, job, n1, n2, opener, acceptor)
-    message = b"".join(_U16.pack(len(p)) + p for p in parts)  # lengths first: no two field splits read alike
-    return hmac.new(key, message, hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``.
-
-    Raises:
-        EOFError: the peer closed first. OSError: as the socket does.
-    """
-    got, size = 0, len(view)
-    recv_into = sock.recv_into
-    while got < size:
-        n = recv_into(view[got:])
-        if n == 0:
-            raise EOFError(f"the peer closed the lane after {got} of {size} bytes")
-        got += n
-
-
-def _recv_bytes(sock: socket.socket, size: int) -> bytes:
-    buf = bytearray(size)
-    _recv_exact(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def _byte_views(buffers: Sequence[Any]) -> list[memoryview]:
-    return [memoryview(b).cast("B") for b in buffers if len(b)]
-
-
-def _advance(views: list[memoryview], sent: int) -> None:
-    """Drop the first ``sent`` bytes of ``views`` (what one ``sendmsg`` wrote)."""
-    while sent:
-        first = views[0]
-        if sent >= len(first):
-            sent -= len(first)
-            views.pop(0)
-        else:
-            views[0] = first[sent:]
-            sent = 0
-
-
-def _send_all(sock: socket.socket, buffers: Sequence[Any]) -> None:
-    """Write every buffer in order (``sendmsg`` may write part of them)."""
-    views = _byte_views(buffers)
-    while views:
-        _advance(views, sock.sendmsg(views))
-
-
-def _send_while_taken(sock: socket.socket, views: list[memoryview]) -> int:
-    """Write ``views`` while the socket takes them, waiting for room no longer than
-    ``WRITE_THROUGH_WAIT`` seconds in all; the bytes written (dropped from ``views``). A socket that
-    fails writes nothing more here: its lane's thread meets the error."""
-    sent = 0
-    room = None
-    while views:
-        try:
-            n = sock.sendmsg(views, (), socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            if not sent:
-                break  # a full socket: not a byte of this message waits for it
-            if room is None:
-                room = select.poll()
-                room.register(sock, select.POLLOUT)
-                deadline = time.monotonic() + WRITE_THROUGH_WAIT
-            left = deadline - time.monotonic()
-            if left <= 0 or not room.poll(left * 1000):
-                break
-            continue
-        except OSError:
-            break
-        _advance(views, n)
-        sent += n
-    return sent
-
-
-def connect_lane(address: tuple[str, int], magic: bytes, key: bytes, job: bytes, identity: bytes,
-                 acceptor: bytes) -> socket.socket:
-    """A connection to ``address`` whose acceptor ``acceptor`` proved that it holds ``key`` and took
-    it (the module docstring's handshake; ``magic`` names what the connection is for), blocking, with
-    Nagle's algorithm off.
-
-    Raises:
-        OSError, EOFError: no connection, or it ended. ProtocolError: the acceptor's proof is wrong.
-    """
-    sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
-    try:
-        sock.settimeout(HANDSHAKE_TIMEOUT)
-        n1 = os.urandom(_NONCE)
-        sock.sendall(magic + _U16.pack(len(identity)) + identity + _U16.pack(len(acceptor)) + acceptor + n1)
-        n2 = _recv_bytes(sock, _NONCE)
-        proof = _recv_bytes(sock, _MAC)
-        if not hmac.compare_digest(proof, _mac(key, b"accept", job, n1, n2, identity, acceptor)):
-            raise ProtocolError("it did not prove that it holds this job's key")
-        sock.sendall(_mac(key, b"open", job, n1, n2, identity, acceptor))
-        if _recv_bytes(sock, 1) != _TAKEN:
-            raise ProtocolError("it did not take the connection")
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-    except BaseException:
-        sock.close()
-        raise
 
 
 class _OutLane:
@@ -276,7 +152,7 @@ class _OutLane:
                 self.busy = True
             buffers, tracker, _ = item
             try:
-                _send_all(sock, buffers)
+                send_all(sock, buffers)
             except OSError as exc:  # the peer cannot have read this message whole: it goes again
                 self._give_up(f"the lane to {self.describe} broke: {exc}", [item], warn=False)
                 return
@@ -294,9 +170,9 @@ class _OutLane:
 
     def write_through(self, buffers: list) -> Tracker | None:
         """``Lanes.write_through`` on this lane, which the caller claimed (``busy``)."""
-        views = _byte_views(buffers)
+        views = byte_views(buffers)
         left = list(views)
-        sent = _send_while_taken(self.sock, left)
+        sent = send_while_taken(self.sock, left)
         if not sent:
             self._release(None)
             return None
@@ -306,7 +182,7 @@ class _OutLane:
             # message, which also goes again through the fallback should the lane break before the end
             whole = self._copy(views)
             rest = list(whole)
-            _advance(rest, sent)
+            advance(rest, sent)
             self._release((rest, tracker, whole))
             return tracker
         self._release(None)
@@ -468,23 +344,23 @@ class Lanes:
             ProtocolError, OSError, EOFError: it did not (the message names what).
         """
         sock.settimeout(HANDSHAKE_TIMEOUT)
-        magic = _recv_bytes(sock, len(self.magic))
+        magic = recv_bytes(sock, len(self.magic))
         if magic != self.magic:
             raise ProtocolError(f"it did not open a {self.what} connection (its first bytes were {magic[:8]!r})")
         identities = []
         for _ in range(2):
-            (length,) = _U16.unpack(_recv_bytes(sock, 2))
-            if length > _MAX_IDENTITY:
-                raise ProtocolError(f"it sent an identity of {length} bytes (at most {_MAX_IDENTITY})")
-            identities.append(_recv_bytes(sock, length))
+            (length,) = U16.unpack(recv_bytes(sock, 2))
+            if length > MAX_IDENTITY:
+                raise ProtocolError(f"it sent an identity of {length} bytes (at most {MAX_IDENTITY})")
+            identities.append(recv_bytes(sock, length))
         opener, acceptor = identities
         if acceptor != self.identity:
             raise ProtocolError(f"it meant to reach {acceptor.decode(errors='replace')!r}")
-        n1 = _recv_bytes(sock, _NONCE)
-        n2 = os.urandom(_NONCE)
-        sock.sendall(n2 + _mac(self.key, b"accept", self.job, n1, n2, opener, self.identity))
-        proof = _recv_bytes(sock, _MAC)
-        if not hmac.compare_digest(proof, _mac(self.key, b"open", self.job, n1, n2, opener, self.identity)):
+        n1 = recv_bytes(sock, NONCE_BYTES)
+        n2 = os.urandom(NONCE_BYTES)
+        sock.sendall(n2 + proof(self.key, b"accept", self.job, n1, n2, opener, self.identity))
+        answer = recv_bytes(sock, PROOF_BYTES)
+        if not hmac.compare_digest(answer, proof(self.key, b"open", self.job, n1, n2, opener, self.identity)):
             raise ProtocolError("it did not prove that it holds this job's key")
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         peer = self._known(opener)
@@ -493,7 +369,7 @@ class Lanes:
             peer = self._known(opener)
         if peer is None:
             raise ProtocolError(f"{opener.decode(errors='replace')!r} is not a node of this job that sends on lanes here")
-        sock.sendall(_TAKEN)
+        sock.sendall(TAKEN)
         sock.settimeout(None)
         return opener, peer
 
@@ -531,7 +407,7 @@ class Lanes:
         prefix = b""
         try:
             while True:
-                _recv_exact(sock, prefix_view)
+                recv_exact(sock, prefix_view)
                 prefix = bytes(prefix_buf)
                 size, message = receiver.parse(peer, prefix)
                 body = receiver.destination(peer, message, size) if size else None
@@ -541,9 +417,9 @@ class Lanes:
                     if len(scratch) < size or sys.getrefcount(scratch) > 2:
                         scratch = bytearray(size)
                     body = memoryview(scratch)[:size]
-                    _recv_exact(sock, body)
+                    recv_exact(sock, body)
                 else:
-                    _recv_exact(sock, memoryview(body).cast("B"))
+                    recv_exact(sock, memoryview(body).cast("B"))
                 receiver.deliver(peer, message, body)
                 del body, message
         except ProtocolError as exc:

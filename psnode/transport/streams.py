@@ -54,7 +54,7 @@ import zmq
 from psnode.errors import ProtocolError, WouldBlock
 from psnode.log import logger
 from psnode.transport.base import Frame
-from psnode.transport.lanes import Tracker, connect_lane
+from psnode.transport.lane_wire import Tracker, connect_lane
 
 __all__ = ["Stream", "StreamSet", "connect_stream", "MAGIC", "MAX_FRAMES", "QUEUE_MAX", "READ_MAX", "pack_header"]
 

@@ -21,7 +21,8 @@ import pytest
 
 from psnode.errors import ProtocolError, WouldBlock
 from psnode.transport import streams
-from psnode.transport.lanes import Lanes, connect_lane
+from psnode.transport.lane_wire import connect_lane
+from psnode.transport.lanes import Lanes
 from psnode.transport.streams import MAGIC, MAX_FRAMES, Stream, pack_header
 from psnode.transport.zeromq import ZmqTransport
 
