@@ -187,8 +187,8 @@ class DataLanes:
 
     def write_through(self, peer: bytes, frames: list) -> Any:
         """Write ``frames`` for ``peer`` on its lane from this thread (``Lanes.write_through``) when
-        they go on a lane, the lane is open and idle and its socket takes them: a done tracker (the
-        frames may change at once), else None (nothing was written; send a copy)."""
+        they go on a lane, the lane is open and idle and its socket takes them: a tracker (the frames
+        may change as soon as this returns), else None (nothing was written; send a copy)."""
         address = self._addresses.get(peer)
         prefix = self._prefix(frames) if address else None
         if prefix is None:

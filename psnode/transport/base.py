@@ -132,9 +132,10 @@ class Transport(abc.ABC):
 
     def write_through(self, peer: bytes, frames: list) -> Any:
         """Write ``frames`` for ``peer`` from the calling thread before returning, when this transport
-        can at once and without a copy (a data lane that is idle): a done tracker, after which the
-        buffers may change. None: nothing was written (``send`` a copy). A transport without such a
-        way writes nothing."""
+        can at once and without a copy (a data lane that is idle): a tracker, and the buffers may change
+        as soon as this returns (what the socket did not take at once was copied; the tracker is done
+        once that too was written). None: nothing was written (``send`` a copy). A transport without
+        such a way writes nothing."""
         return None
 
     @abc.abstractmethod
