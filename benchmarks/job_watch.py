@@ -73,7 +73,7 @@ def watch_job(argv: list[str], env: dict[str, str], job_id: str, role_of: Callab
             status = _status(proc.pid)
             if status:
                 watch.launcher_rss_kib = max(watch.launcher_rss_kib, _kib(status))
-                watch.launcher_cpu_s = max(watch.launcher_cpu_s, _cpu_seconds(proc.pid))
+                watch.launcher_cpu_s = max(watch.launcher_cpu_s, cpu_seconds(proc.pid))
             for entry in os.listdir("/proc"):
                 if not entry.isdigit() or int(entry) == proc.pid:
                     continue
@@ -132,7 +132,8 @@ def _of_job(pid: int, job_id: str) -> bool:
         return False
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int | str) -> float:
+    """CPU seconds (user and system) process ``pid`` has used: /proc counts clock ticks; 0.0 once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()

@@ -1,4 +1,4 @@
-"""A worker of ``benchmarks.round_cost``: push and pull one float32 key, timed after a warm-up; worker 0
+"""A worker of ``benchmarks.round_cost``: push and pull one float32 key, timed after a warm-up; rank 0
 prints ``ROUND_COST {json}`` with the round's time, its own and the server's CPU, and push()'s call, per
 round in ms. ``$ROUND_COST`` holds ``{"size": bytes, "rounds": n, "copy": bool}``."""
 
@@ -7,6 +7,7 @@ import os
 import time
 
 import numpy as np
+from job_watch import cpu_seconds  # beside this script, whichever checkout's code the job runs
 
 import kvcore
 
@@ -18,12 +19,6 @@ kv.init(7, value)
 for _ in range(5):
     kv.push(7, value, copy=plan["copy"])
     kv.pull(7, out=out)
-
-
-def cpu_seconds(pid: str) -> float:  # of another process: /proc counts clock ticks
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def servers_of_this_job() -> list[str]:
