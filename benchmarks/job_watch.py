@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["JobWatch", "watch_job", "psnode_role"]
+__all__ = ["JobWatch", "watch_job", "psnode_role", "cpu_seconds", "context_switches"]
 
 #: Libraries a process may load whose cost a server must not pay (what they map, by path piece).
 _HEAVY = {"torch": "/torch/", "sklearn": "/sklearn/", "scipy": "/scipy/", "numpy": "/numpy/", "cupy": "/cupy"}
@@ -140,6 +140,24 @@ def cpu_seconds(pid: int | str) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except OSError:
         return 0.0
+
+
+def context_switches(pid: int | str) -> int:
+    """Context switches (voluntary and not) of every thread of process ``pid`` so far, from
+    ``/proc/PID/task/*/status``: how often its threads slept and woke; 0 once it is gone. Threads that
+    already ended are not counted."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as fh:
+                total += sum(int(line.split()[-1]) for line in fh if "ctxt_switches:" in line)
+        except (OSError, ValueError):
+            continue
+    return total
 
 
 def _heavy_libraries(pid: int) -> frozenset:

@@ -52,11 +52,12 @@ def run_once(size: int, rounds: int, same_host: str, copy: bool, checkout: str |
 
 
 def _line(name: str, results: list[dict]) -> str:
-    keys = ("round_ms", "worker_cpu_ms", "server_cpu_ms", "push_call_ms")
-    medians = [statistics.median(r[k] for r in results) for k in keys]
+    keys = ("round_ms", "worker_cpu_ms", "server_cpu_ms", "push_call_ms", "worker_switches", "server_switches")
+    medians = [statistics.median(r.get(k, float("nan")) for r in results) for k in keys]
     each = " ".join(f"{r['round_ms']:.2f}" for r in results)
     return (f"{name}: round {medians[0]:.2f} ms, worker CPU {medians[1]:.2f} ms, server CPU {medians[2]:.2f} ms, "
-            f"push() {medians[3]:.2f} ms per round (medians of {len(results)}; rounds: {each})")
+            f"push() {medians[3]:.2f} ms, context switches worker {medians[4]:.1f} server {medians[5]:.1f} "
+            f"per round (medians of {len(results)}; rounds: {each})")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

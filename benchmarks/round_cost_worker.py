@@ -7,7 +7,7 @@ import os
 import time
 
 import numpy as np
-from job_watch import cpu_seconds  # beside this script, whichever checkout's code the job runs
+from job_watch import context_switches, cpu_seconds  # beside this script, whichever checkout's code the job runs
 
 import kvcore
 
@@ -39,6 +39,7 @@ def servers_of_this_job() -> list[str]:
 servers = servers_of_this_job()
 kv.barrier()
 rounds = plan["rounds"]
+switches0, server_switches0 = context_switches(os.getpid()), sum(map(context_switches, servers))
 cpu0, server0, start, in_push = time.process_time(), sum(map(cpu_seconds, servers)), time.perf_counter(), 0.0
 for _ in range(rounds):
     before = time.perf_counter()
@@ -47,9 +48,13 @@ for _ in range(rounds):
     kv.pull(7, out=out)
 elapsed = time.perf_counter() - start
 cpu, server = time.process_time() - cpu0, sum(map(cpu_seconds, servers)) - server0
+switches = context_switches(os.getpid()) - switches0
+server_switches = sum(map(context_switches, servers)) - server_switches0
 assert (out == kv.num_workers).all(), out[:4]
 if kv.rank == 0:
     per_round = {"round_ms": elapsed, "worker_cpu_ms": cpu, "server_cpu_ms": server, "push_call_ms": in_push}
-    print("ROUND_COST", json.dumps({k: 1e3 * v / rounds for k, v in per_round.items()}), flush=True)
+    per_round = {k: 1e3 * v / rounds for k, v in per_round.items()}
+    per_round.update(worker_switches=switches / rounds, server_switches=server_switches / rounds)
+    print("ROUND_COST", json.dumps(per_round), flush=True)
 kv.barrier()
 kv.close()

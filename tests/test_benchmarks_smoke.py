@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,3 +123,6 @@ def test_the_round_cost_runs_a_job_per_checkout_alternating_and_reports_each(tmp
     assert len(lines) == 3 and all(line.startswith(f"{REPO}: round ") for line in lines[1:]), completed.stdout
     for line in lines[1:]:
         assert float(line.split("round ")[1].split()[0]) > 0, line
+        # a round wakes every process's threads: each one's context switches are counted
+        switches = re.search(r"context switches worker ([0-9.]+) server ([0-9.]+) per round", line)
+        assert switches and float(switches[1]) > 0 and float(switches[2]) > 0, line

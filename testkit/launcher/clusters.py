@@ -112,6 +112,29 @@ class Cluster:
             time.sleep(0.2)
 
 
+    def back_in_service(self, timeout: float = 60) -> str | None:
+        """Slurm: resume the node when an earlier test left it drained or down, and wait until it is
+        idle; returns what Slurm gave as the reason (None: it was in service).
+
+        A job step that does not end within slurmd's ``UnkillableStepTimeout`` after its cancel has
+        slurmctld drain the node ("Kill task failed"), and every later job then waits for it: one
+        test's failure would fail every Slurm test after it. SGE keeps no such state between jobs."""
+        if self.kind != "slurm":
+            return None
+        state, _, reason = self.tool("sinfo", "-h", "-N", "-o", "%T|%E").stdout.strip().partition("|")
+        if not any(word in state for word in ("drain", "down", "fail")):
+            return None
+        self.tool("scancel", "--full", "-u", getpass.getuser())
+        self.tool("scontrol", "update", f"NodeName={self.node}", "State=RESUME")
+        deadline = time.monotonic() + timeout
+        while (now := self.tool("sinfo", "-h", "-N", "-o", "%T").stdout.strip()) != "idle":
+            if time.monotonic() > deadline:
+                pytest.fail(f"the Slurm node {self.node} was {state} ({reason}) and is still {now!r} {timeout:g} s after "
+                            f"its resume")
+            time.sleep(0.2)
+        return f"{state}: {reason}"
+
+
 def _need_root(kind: str) -> None:
     # Fail, not skip: a CI machine must not pass the batch backends' tests without running them.
     if os.geteuid() != 0:

@@ -13,6 +13,7 @@ Every daemon, and every process they started, is stopped afterwards, also when a
 from __future__ import annotations
 
 import uuid
+import warnings
 
 import pytest
 
@@ -26,9 +27,19 @@ def sshd(tmp_path_factory) -> Sshd:
 
 
 @pytest.fixture(scope="session")
-def slurm(tmp_path_factory) -> Cluster:
+def slurm_cluster(tmp_path_factory) -> Cluster:
     """A real one-machine Slurm cluster (slurmctld + slurmd) for the whole session."""
     yield from start_slurm(tmp_path_factory.mktemp("slurm"))
+
+
+@pytest.fixture
+def slurm(slurm_cluster: Cluster) -> Cluster:
+    """The session's Slurm cluster, its node in service: one an earlier test left drained is
+    resumed first, with a warning that says why it was drained."""
+    was = slurm_cluster.back_in_service()
+    if was is not None:
+        warnings.warn(f"the Slurm node was {was}; resumed it for this test")
+    return slurm_cluster
 
 
 @pytest.fixture(scope="session")

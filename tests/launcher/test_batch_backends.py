@@ -229,6 +229,19 @@ def test_slurm_args_reach_the_allocation(slurm, tmp_path, marker):
     assert "TimeLimit=00:07:00" in shown and "Comment=two words" in shown
 
 
+def test_a_node_an_earlier_test_left_drained_is_resumed_before_the_next_test_and_runs_its_job(slurm_cluster, tmp_path):
+    # what slurmctld does to the node when a job step outlives its cancel ("Kill task failed")
+    res = slurm_cluster.tool("scontrol", "update", f"NodeName={slurm_cluster.node}", "State=DRAIN",
+                             "Reason=Kill task failed")
+    assert res.returncode == 0, res.stderr
+    assert slurm_cluster.back_in_service() == "drained: Kill task failed"
+    assert slurm_cluster.back_in_service() is None  # in service now: nothing to do
+    out = tmp_path / "out"
+    res = run_pslaunch(_job(slurm_cluster, out, together=True), env=_env(slurm_cluster), cwd=str(tmp_path), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert sorted(_records(out)) == ["scheduler.0", "server.0", "worker.0", "worker.1"]
+
+
 def _curves(output: str) -> dict[int, list[float]]:
     curves: dict[int, list[float]] = {}
     for worker, epoch, acc in EPOCH.findall(output):
