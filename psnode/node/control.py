@@ -129,7 +129,12 @@ class SchedulerLink:
         self.members = members
         self.failure = failure
         self.on_worker_finished = on_worker_finished
-        self.on_worker_left: Callable[[int], None] | None = None  # an elastic job's worker left (``WORKER_LEFT``)
+        # ``on_worker_left(rank, version, dropped)``: an elastic job's worker left (``WORKER_LEFT``; ``dropped``:
+        # it was lost, not a leave at a step boundary); ``version``: the scheduler's number of that change
+        self.on_worker_left: Callable[[int, int, bool], None] | None = None
+        # ``on_worker_lost(rank, version)``: the same for a lost worker, called before the book says it left (a
+        # worker's script counts it until its servers name the round it is dropped from: psnode.worker.elastic)
+        self.on_worker_lost: Callable[[int, int], None] | None = None
         # ``on_join(cmd, body)``: a worker joins an elastic job (JOIN_FREEZE, WORKER_JOINED, JOIN_THAW to a
         # server; JOIN_SCALARS to the joiner); the body is a checked-to-be object
         self.on_join: Callable[[int, dict], None] | None = None
@@ -443,11 +448,14 @@ class SchedulerLink:
             version = info.get("version", 0)
             if not 0 <= rank < self.env.num_workers or type(version) is not int:
                 raise ProtocolError(f"a WORKER_LEFT of worker {rank} (change {version!r}), which the job does not have")
+            dropped = info.get("dropped") is not None  # lost, not a leave at a step boundary (Elastic.drop)
+            if dropped and self.on_worker_lost is not None and version > self.members.version_of(rank):
+                self.on_worker_lost(rank, version)
             if self.members.change(rank, False, version):
                 logger.info("%s %d: %s left the job; %d workers go on", self.me.role, self.members.rank,
                             str(info["node"])[:200], self.env.num_workers - len(self.members.left))
                 if self.on_worker_left is not None:
-                    self.on_worker_left(rank)
+                    self.on_worker_left(rank, version, dropped)
         elif cmd in (Cmd.JOIN_FREEZE, Cmd.WORKER_JOINED, Cmd.JOIN_THAW, Cmd.JOIN_SCALARS):
             body = unpack_json(frames[1]) if len(frames) > 1 else {}
             if not isinstance(body, dict):

@@ -269,6 +269,10 @@ class Membership:
         self.left = left  # a whole new set: readers on other threads need no lock
         return True
 
+    def version_of(self, rank: int) -> int:
+        """The scheduler's number of the last change of worker ``rank`` seen here (0: none)."""
+        return self._versions.get(rank, 0)
+
     def add_worker(self, peer: PeerInfo, limit: int) -> None:
         """A worker ``peer`` joined the running job with a rank no member holds, below ``limit``
         (DMLC_NUM_WORKER). Ranks never held yet below it stand in the list as place-holders.

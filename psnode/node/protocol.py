@@ -172,7 +172,9 @@ class Cmd(enum.IntEnum):
     JOIN_SCALARS = 69  # provider worker -> scheduler -> the joiner, JSON {"rank", "start", "scalars"}: the
     #                    State scalars the members had when round "start" began
     LEAVING = 70  # worker -> servers before its last push, JSON {"last"}; a server relays it to every worker as
-    #               {"rank", "last"}: round "last" is the leaver's last, so the others count without it after
+    #               {"rank", "last"}: round "last" is the leaver's last, so the others count without it after;
+    #               server -> workers for a lost worker, {"rank", "last" (null: no dist_sync key here), "lost"
+    #               (the scheduler's change number)}: the last round the scripts count it in
     CHECKPOINT = 34  # JSON {"op": "save" | "commit" | "scan" | "read" | "restore", ...}: psnode.server.checkpoints
     CHECKPOINT_REPLY = 35  # JSON: the operation's result
 

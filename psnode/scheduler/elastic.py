@@ -262,7 +262,9 @@ class Elastic:
         """Worker ``member`` is gone without leaving (its process or host was lost: its connection
         closed, or it went silent): the job drops it as if it had left after the last push the
         servers took from it, and goes on. A round it had pushed some keys of but not others sums it
-        in those only: a drop is not exact, a leave is."""
+        in those only: a drop is not exact, a leave is. The workers' scripts count it until the round
+        each server names as it takes this note (``Joins.relay_loss``), not from whenever this note
+        reaches them, so they agree on every step's members (``psnode.worker.elastic``)."""
         peer = member.peer
         scheduler.roster.leave(uid)
         scheduler.barriers.forget(uid)

@@ -123,6 +123,27 @@ class Joins:
                     logger.info("server %d: a leave notice to worker %d was not sent: %s", self.server.rank,
                                 worker.rank, exc)
 
+    def relay_loss(self, rank: int, version: int) -> None:
+        """Worker ``rank`` was lost (the scheduler dropped it, change ``version``), not a leave: tell every
+        other worker the last round its script counts it in, before this server answers anything the
+        loss releases (on the same connections). That is the round after the latest one a push reached
+        here (``ServerStore.touched``): no worker can have computed the round after it, which needs an
+        answer of that round from here, and every worker hears this before any such answer. So every
+        worker that pushes and pulls here each step counts the lost worker in the same rounds, whenever
+        the scheduler's word reached it (psnode.worker.elastic takes the lowest of its servers'). A
+        server without ``dist_sync`` keys names no round (``last`` null)."""
+        conn, store = self.server.conn, self.server.store
+        last = store.touched() + 1 if any(shard.sync for shard in store.shards.values()) else None
+        note = [pack_header(Cmd.LEAVING), pack_json({"rank": rank, "last": last, "lost": version})]
+        for worker in conn.members.workers:
+            if worker.rank == rank or worker.rank in conn.members.left or worker.rank in store.finished:
+                continue
+            try:
+                conn.transport.send(worker.uid.encode(), note)
+            except TransportError as exc:  # that worker is gone: its own news
+                logger.info("server %d: the notice of lost worker %d to worker %d was not sent: %s", self.server.rank,
+                            rank, worker.rank, exc)
+
     def _thaw(self) -> None:
         held, self.held, self.since = self.held, [], None
         for message in held:

@@ -721,11 +721,15 @@ class ServerNode:
         store = self.store
         return store.finished if not store.left else {**store.finished, **dict.fromkeys(store.left, "left")}
 
-    def _worker_left(self, rank: int) -> None:
-        """An elastic job's worker left at a step boundary: its keys' rounds go on without it (groups of
-        keys go back to the per-key path first, each round with its own progress)."""
+    def _worker_left(self, rank: int, version: int = 0, dropped: bool = False) -> None:
+        """An elastic job's worker left at a step boundary, or was lost (``dropped``): its keys' rounds go on
+        without it (groups of keys go back to the per-key path first, each round with its own progress).
+        A lost worker's round is named to every worker first, before any answer its leaving releases
+        (``Joins.relay_loss``: the round from which the workers' scripts count without it)."""
         for group in list(self.groups.by_keys.values()):
             self.groups.dissolve(group)
+        if dropped:
+            self.joins.relay_loss(rank, version)
         self.store.worker_left(rank, self.replies.answer)
 
     def _worker_finished(self, rank: int, node: str) -> None:

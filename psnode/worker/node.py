@@ -118,6 +118,7 @@ class WorkerNode:
             self.conn.link.report = lambda: worker_report(self)
         self.elastic = ElasticMembers(self)  # an elastic job's joiners (this one, or others it tells their scalars)
         self.conn.link.on_join = self.elastic.on_control
+        self.conn.link.on_worker_lost = self.elastic.on_lost
 
     def _replica_joined(self, cmd: int, peer: PeerInfo) -> None:
         """A replica joined the running job (``REPLICA_JOINED``): connect to it, then mark the point of

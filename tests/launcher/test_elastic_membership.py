@@ -252,3 +252,30 @@ def test_a_worker_killed_outright_is_dropped_and_the_job_goes_on_with_the_rest(t
     assert re.search(r"scheduler: worker 2 on \S+ was lost \(its connection closed", err), err
     rows = {p["name"]: p for p in json.loads(summary.read_text())["processes"]}
     assert rows["worker.2@localhost"]["note"] == "lost; dropped from the elastic job", rows
+
+
+def test_the_survivors_of_a_lost_worker_agree_on_each_steps_members_wherever_they_heard_of_it(tmp_path):
+    # -n 2:3: worker 2 is SIGKILLed after its step 4's pulls, once worker 1 took its step 5 batch (3 members)
+    # and pushed; worker 0 hears of the loss before its step 5 boundary. Both survivors count the same
+    # members at every step (the first without worker 2 is one the servers name: no survivor had reached
+    # it), so they split each epoch alike (SplitSampler.elastic_batches), run the same steps and the job ends
+    out = tmp_path / "out"
+    out.mkdir()
+    res = run_pslaunch(["-n", "2:3", "-s", "2", "--no-dashboard", "--env", "LOST_AT:4", "--timeout", "60",
+                        "python", helper("elastic_lost.py"), str(out)], timeout=90)
+    assert res.returncode == 0, res.stderr
+    rows: dict[int, list[tuple[int, int, int, float]]] = {}
+    for rank in (0, 1):
+        lines = (out / f"lost.{rank}.txt").read_text().splitlines()
+        assert lines[-1] == f"{rank} done", lines
+        rows[rank] = [(int(e), int(s), int(m), float(v)) for _, e, s, m, v in (ln.split() for ln in lines[:-1])]
+    assert rows[0] == rows[1], rows  # epoch, step, kv.num_workers and the round's value, step by step
+    members = [m for _, _, m, _ in rows[0]]
+    assert members[:6] == [3] * 6, members  # worker 1 took step 5 with worker 2 still counted
+    first = members.index(2)
+    assert first <= 7 and members[first:] == [2] * (len(members) - first), members  # at most 2 steps late, for good
+    # each round sums the workers that pushed to it: worker 2's last push was its step 4
+    assert [v for _, _, _, v in rows[0]] == [6.0] * 5 + [3.0] * (len(members) - 5), rows[0]
+    assert (out / "lost.2.txt").read_text().splitlines()[-1].split()[2] == "4"
+    assert "worker.2@localhost" in res.stderr and "was lost: signal SIGKILL; the elastic job drops it" in res.stderr
+    assert not wait_gone(str(out))

@@ -61,11 +61,13 @@ def test_a_malformed_join_or_leave_note_from_a_server_is_counted_by_the_worker_a
     for body in (["rank"], {"rank": 9, "start": 3, "version": 1, "provider": 0},
                  {"rank": 1, "start": "next", "version": 1, "provider": 0}):
         server.conn.transport.send(to_worker, [pack_header(Cmd.WORKER_JOINED), pack_json(body)])
-    for body in ({"rank": 1}, {"rank": -4, "last": 2}):
+    # a leave notice, then a lost worker's (its last round, the scheduler's change number) sent wrong
+    for body in ({"rank": 1}, {"rank": -4, "last": 2}, {"rank": 1, "last": "soon", "lost": 1},
+                 {"rank": 1, "last": 3, "lost": 0}, {"rank": 7, "last": None, "lost": 2}):
         server.conn.transport.send(to_worker, [pack_header(Cmd.LEAVING), pack_json(body)])
     deadline = time.monotonic() + 5
-    while worker.conn.link.malformed < 5:  # this worker receives only while it waits
+    while worker.conn.link.malformed < 8:  # this worker receives only while it waits
         worker.wait_for(concurrent.futures.Future(), 0.05)  # never done: receives for 50 ms
         assert time.monotonic() < deadline, worker.conn.link.malformed
-    assert worker.elastic.members_next() == (0, 1) and not worker.elastic.owed
+    assert worker.elastic.members_next() == (0, 1) and not worker.elastic.owed and not worker.elastic.lost
     _a_round_still_closes(job)
