@@ -83,6 +83,7 @@ from ..optim.base import Optimizer, Updater
 from ..preempting import PreemptOnSignal
 from .base import KeyMeta, KVStoreBase
 from .key_init import KeyInit
+from .key_lists import KeyListPlans
 from .placement import KeyRequest
 from .sharding import KeyLayout
 
@@ -123,6 +124,7 @@ class DistKVStore(KVStoreBase):
         self._merge_lock = threading.Lock()
         self._layouts: dict[Hashable, KeyLayout] = {}
         self._whole: dict[Hashable, tuple[int, int]] = {}  # key -> (server, key id) for unsplit keys
+        self._key_lists = KeyListPlans(self._whole, self._meta)  # lists of them pushed and pulled each step
         self._keys = KeyInit(self._worker, self._sync, self._take_layouts)  # where keys go, and how they get there
         self._has_updater = False
         self._compress_lock = threading.Lock()  # residuals are updated by one pushing thread at a time
@@ -374,7 +376,7 @@ class DistKVStore(KVStoreBase):
                 self.wait_for(self._worker.set_codec(self._pull_codec, {}))
         self._worker.setup_barrier("set_gradient_compression:set")  # (a replacement in place redoes both: at once)
 
-    # ---- the common case without the general normalisation ------------------------------------
+    # ---- the common cases without the general normalisation: one key, or the step's list of keys ----
     @maps_runtime_errors
     def push(self, key: Any, value: Any, priority: int = 0, copy: bool = True) -> Handle:
         """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
@@ -388,6 +390,13 @@ class DistKVStore(KVStoreBase):
                 handle = NodeHandle("push", self._worker)
                 self._worker.push_part(target[0], target[1], value, priority, handle, copy=copy)
                 return handle
+        elif type(value) in (list, tuple) and (self._sync or self._has_updater) and self._compression is None:
+            parts = self._key_lists.parts(key, value)
+            if parts is not None:  # the list of keys of the last steps, with host arrays
+                self._settle()
+                handle = NodeHandle("push", self._worker)
+                self._worker.push(parts, priority, copy, handle)
+                return handle
         return super().push(key, value, priority, copy)
 
     @maps_runtime_errors
@@ -400,6 +409,15 @@ class DistKVStore(KVStoreBase):
             if target is not None:
                 handle = NodeHandle("pull", self._worker)
                 self._worker.pull_part(target[0], target[1], out, priority, handle)
+                if wait:
+                    handle.wait()
+                return handle
+        elif type(out) in (list, tuple) and self._pull_codec is None:
+            parts = self._key_lists.parts(key, out, writable=True)
+            if parts is not None:  # the list of keys of the last steps, with host outs
+                self._settle()
+                handle = NodeHandle("pull", self._worker)
+                self._worker.pull(parts, priority, handle)
                 if wait:
                     handle.wait()
                 return handle
@@ -462,6 +480,7 @@ class DistKVStore(KVStoreBase):
         self._keys.settle()
 
     def _take_layouts(self, layouts: list[KeyLayout]) -> None:
+        self._key_lists.forget()
         for lay in layouts:
             self._layouts[lay.key] = lay
             if not lay.split:

@@ -16,6 +16,8 @@ Thread-safety: as the ``WorkerNode`` that owns it, every method may be called fr
 from __future__ import annotations
 
 import concurrent.futures
+import operator
+from itertools import accumulate, repeat
 from typing import Any, Sequence
 
 import numpy as np
@@ -38,6 +40,7 @@ from psnode.worker.requests import RequestTable
 
 __all__ = ["DataPath"]
 
+_NBYTES = operator.attrgetter("nbytes")
 _STALE_OFFERS = 256  # offers held before those of ended pushes are looked for
 # the most bytes a push may have to be written through its data lanes from the caller's values
 # (``Outbox.write_through``); a bigger one is copied, so its copies overlap the lanes' writes
@@ -93,7 +96,19 @@ class DataPath:
             small = []
             offset = 0
             packed = 0  # messages of packed small values sent for this server so far
-            seqs = requests.next_pushes([item[1] for item in items], server, sum([item[2].nbytes for item in items]))
+            key_ids, values = [item[1] for item in items], [item[2] for item in items]
+            sizes = list(map(_NBYTES, values))
+            total = sum(sizes)
+            seqs = requests.next_pushes(key_ids, server, total)
+            if max(sizes) < OWN_FRAME and total <= PACK_LIMIT and len(items) <= MAX_ENTRIES:
+                # small values only (a list of small keys), in one message: no Python step per part
+                entries = list(zip(key_ids, range(len(items)), repeat(0), repeat(codec), accumulate(sizes, initial=0),
+                                   sizes, seqs))
+                message = _packed_push(req, entries, values)
+                if len(by_server) == 1 and outbox.hold(server, message, priority, req):
+                    return future
+                outbox.enqueue(server, message, priority, req)
+                continue
             for i, (_, key_id, value) in enumerate(items):
                 nbytes = value.nbytes
                 seq = seqs[i]

@@ -226,6 +226,11 @@ def test_lists_of_many_small_keys_stay_exact_when_the_access_pattern_changes():
 
 
 @pytest.mark.unit
+def test_a_key_list_pushed_every_step_sums_exactly_and_a_call_that_differs_fails_as_it_did_the_first_time():
+    run_inproc("key_list_plans.py", workers=2, servers=2)
+
+
+@pytest.mark.unit
 def test_a_user_updater_with_init_key_runs_on_the_servers_and_its_errors_reach_the_workers():
     run_inproc("updater_protocol.py", workers=2, servers=2)
 
