@@ -108,7 +108,11 @@ def test_pushes_whose_copies_would_pass_the_window_go_by_invitation_and_the_roun
             for out in outs:  # no updater: a round's sum becomes the value
                 assert np.all(out == 6 + 3 * round_), (round_, out[:3])
         invitations = job.servers[0].invitations
-        assert invitations.peak == 512 << 10 and invitations.admitted == 0 and not invitations.queued
+        # never more than the window in at once; whether two ever were depends on how the workers'
+        # threads interleave (on a loaded machine a push may be in before the next offer comes: the
+        # window's arithmetic is the unit tests' above)
+        assert 256 << 10 <= invitations.peak <= 512 << 10, invitations.peak
+        assert invitations.admitted == 0 and not invitations.queued
         for worker in job.workers:
             pushes = [h for h in sent_headers(worker) if h[0] == Cmd.PUSH]
             offers = [h for h in pushes if h[1] & FLAG_OFFER]
