@@ -295,7 +295,7 @@ class Elastic:
         for group in list(scheduler.barriers.waiting):
             done = scheduler.barriers.complete_if(group, scheduler.roster.size_of(GROUP_ROLES[Group(group)]))
             if done is not None:
-                scheduler._barrier_done(group, *done)
+                scheduler.desk.answer(group, *done)
 
     def check(self, workers: int) -> None:
         """Raise ``ElasticError`` once the job has had fewer than its minimum workers for longer than

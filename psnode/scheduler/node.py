@@ -10,7 +10,8 @@ waits for the worker pslaunch starts again, which registers late and takes it ba
 When every worker has finished, the servers are told to shut down and the scheduler ends.
 
 Parts: the ``Roster`` (who registered, their ranks and liveness) and the ``Barriers`` (who waits
-in which group), both in ``roster``, the ``JobReport`` (``scheduler_report``: the stats line for pslaunch, the timeline)
+in which group), both in ``roster``, the ``BarrierDesk`` (``barrier_desk``: barrier messages, their answers,
+barriers that cannot end or that stall), the ``JobReport`` (``report``: the stats line for pslaunch, the timeline)
 and the ``Scheduler`` façade that reads messages and drives them; it keeps each node's latest
 heartbeat counters, checked as untrusted input (``stats.check_body``). Peers are described
 and reached with ``membership.PeerInfo`` and ``endpoint_of``, as every node does. Single-threaded.
@@ -24,18 +25,9 @@ from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv, resolve_host
 from psnode.errors import PeerDiedError, ProtocolError, PSNodeError, RegistrationTimeoutError, TransportError
 from psnode.log import logger, setup_logging
 from psnode.node.membership import SCHEDULER, PeerInfo, endpoint_of, host_fingerprint, unreachable
-from psnode.node.protocol import (
-    FLAG_ERROR,
-    GROUP_ROLES,
-    Cmd,
-    Group,
-    pack_header,
-    pack_json,
-    unpack_header,
-    unpack_json,
-)
-from psnode.node.stalls import StallClock, say_stall
+from psnode.node.protocol import FLAG_ERROR, Cmd, pack_header, pack_json, unpack_header, unpack_json
 from psnode.node.stats import check_body, stderr_line
+from psnode.scheduler.barrier_desk import BarrierDesk
 from psnode.scheduler.comeback import Comeback, back_body
 from psnode.scheduler.elastic import Elastic, ElasticError
 from psnode.scheduler.ledger import Answer, Ledger
@@ -53,7 +45,6 @@ _HOLDERS = ("server", "replica")
 #: died closes its sockets at once, and a connection that only blinked comes back within ZeroMQ's
 #: reconnect interval (0.1 s).
 _LOST_AFTER = 0.3
-_NOTE_LIMIT = 256 << 10  # bytes of JSON a member's barrier note may take: worker 0's key placement (kvcore.stores.placement) rides in one
 
 class Scheduler:
     """One job's scheduler. ``run()`` returns the process exit code (0: every worker finished)."""
@@ -71,15 +62,15 @@ class Scheduler:
         self.fingerprint = host_fingerprint()
         self.roster = Roster(env.workers_at_start, env.num_servers, env.job_id, env.root_port, env.job_id_from,
                              env.server_replicas)
-        self.barriers = Barriers()
         self.rendezvous = Rendezvous()
         self.ledger = Ledger()
         self.malformed = 0
         self._last_check = 0.0  # when _check_alive last ran
         self.job_report = JobReport(env, self.fingerprint)  # PSLAUNCH_STATS, PSLAUNCH_TIMELINE
+        self.desk = BarrierDesk(env, self.transport, self.roster, self.job_report)  # barriers: arrivals, answers, stalls
+        self.barriers = self.desk.barriers
         self._books: dict[str, bytes | None] = {}  # encoded address book lists by role (``_book``)
         self._pending_joins: list[tuple[bytes, list]] = []  # replicas joining while a server's connection is down
-        self._stall_clock = StallClock.of(env)  # barriers that wait, said in the log (psnode.node.stalls)
         self.elastic = Elastic(env)  # PSLAUNCH_MIN_WORKERS: workers that leave or join the running job
         self._early_joins: list[tuple[bytes, list]] = []  # workers beyond PSLAUNCH_START_WORKERS, before the job formed
 
@@ -370,8 +361,8 @@ class Scheduler:
                         self._dispatch(sender, frames)
             if env.heartbeat_interval > 0:
                 self._check_alive()
-            if self._stall_clock.on and self.barriers.opened:
-                self._stalled_barriers()
+            if self.desk.stall_clock.on and self.barriers.opened:
+                self.desk.say_stalls()
             if self.elastic.short_since is not None:
                 self._check_elastic()
             if self.elastic.retry_at is not None and time.monotonic() >= self.elastic.retry_at:
@@ -404,7 +395,7 @@ class Scheduler:
         if cmd == Cmd.HEARTBEAT:
             self._heartbeat(sender, member, req_id, frames)
         elif cmd == Cmd.BARRIER:
-            self._barrier(sender, member, req_id, arg, frames)
+            self.desk.arrive(sender, member, req_id, arg, frames)
         elif cmd == Cmd.FINISH:
             self._read_body(member, frames)  # the worker's last counters
             self._finished(sender, member, req_id)
@@ -573,70 +564,7 @@ class Scheduler:
         logger.info("scheduler: %s finished", member.peer.describe())
         if member.peer.role == "worker" and member.peer.rank == 0:  # the ledger's writer: reads waiting for more get its end
             self._answer_reads(self.ledger.end())
-        self._fail_blocked_barriers()
-
-    def _barrier(self, sender: bytes, member: Member, req_id: int, group: int, frames: list) -> None:
-        """Count ``sender`` in ``group``'s barrier; answer everyone once every member arrived."""
-        error = None
-        note = None
-        number = 0  # a worker's barriers are numbered under PSLAUNCH_RESTART_SCOPE=worker
-        if len(frames) > 1:
-            if len(frames[1].buffer) > _NOTE_LIMIT:
-                error = f"a barrier note of {len(frames[1].buffer)} bytes; notes take at most {_NOTE_LIMIT}"
-            else:
-                try:
-                    body = unpack_json(frames[1])
-                    note = body.get("note") if isinstance(body, dict) else None
-                    n = body.get("n") if isinstance(body, dict) else None
-                    number = n if type(n) is int and 0 < n < 1 << 62 else 0
-                except ProtocolError as exc:
-                    error = f"a malformed barrier note: {exc}"
-        if error is None and group not in GROUP_ROLES:
-            error = f"unknown barrier group {group}; the groups are " + ", ".join(f"{g.name.lower()} ({int(g)})" for g in Group)
-        elif error is None and member.peer.role not in GROUP_ROLES[Group(group)]:
-            error = f"{member.peer.describe()} is not in the barrier group {Group(group).name.lower()}"
-        if error is not None:
-            self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id, flags=FLAG_ERROR), pack_json({"error": error})])
-            return
-        numbered = number and self.env.restart_scope == "worker"
-        if numbered:
-            replayed = self.barriers.replayed(group, number)
-            if replayed is not None:  # a replacement redoing a barrier its predecessor passed
-                self.transport.send(sender, [pack_header(Cmd.BARRIER_DONE, req_id), pack_json(
-                    {"notes": replayed, "group": group, "completed": self.barriers.completed.get(group, 0)})])
-                return
-        self.job_report.barrier_arrived(group)
-        done = self.barriers.arrive(group, sender, req_id, self.roster.size_of(GROUP_ROLES[Group(group)]), note)
-        if done is None:
-            if self.roster.any_finished:  # only a finished member can block a barrier for good
-                self._fail_blocked_barriers()
-            return
-        self._barrier_done(group, *done)
-
-    def _barrier_done(self, group: int, waiters: list[tuple[bytes, int]], notes: list) -> None:
-        """Answer every member waiting in ``group``'s barrier, which just completed."""
-        self.job_report.barrier_done(group)
-        if self.env.restart_scope == "worker":  # how many are complete: a replacement learns what it redoes
-            body = [pack_json({"notes": notes, "group": group, "completed": self.barriers.completed.get(group, 0)})]
-        else:
-            body = [pack_json({"notes": notes})] if notes else []
-        for uid, rid in waiters:
-            self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid), *body])
-
-    def _fail_blocked_barriers(self) -> None:
-        """A barrier that waits for a finished node can never complete: say so instead of hanging."""
-        members = self.roster.members
-        for group, waiting in list(self.barriers.waiting.items()):
-            arrived = self.barriers.arrived.get(group, set())
-            gone = [members[u].peer for u in self.roster.of_roles(GROUP_ROLES[Group(group)])
-                    if u not in arrived and members[u].finished]
-            if not gone:
-                continue
-            message = f"barrier of {Group(group).name.lower()} can never complete: {', '.join(p.describe() for p in gone)} already finished"
-            for uid, rid in waiting:
-                self.transport.send(uid, [pack_header(Cmd.BARRIER_DONE, rid, flags=FLAG_ERROR), pack_json({"error": message})])
-            self.barriers.drop(group)
-            self.barriers.notes.pop(group, None)
+        self.desk.fail_blocked()
 
     def _check_alive(self) -> None:
         now = time.monotonic()
@@ -668,46 +596,6 @@ class Scheduler:
                     f"{member.peer.describe()} (pid {member.info.get('pid')}) died: no heartbeat for {silent:.1f} s "
                     f"(PS_HEARTBEAT_TIMEOUT={self.env.heartbeat_timeout:g})",
                 )
-
-    def _stalled_barriers(self) -> None:
-        """Say once of each barrier that waited ``PSLAUNCH_STALL_WARN`` seconds whom it waits for, and
-        once more past ``PSLAUNCH_STALL_TIMEOUT`` (``psnode.node.stalls``)."""
-        now, clock = time.monotonic(), self._stall_clock
-        numbers = {group: self.barriers.completed.get(group, 0) + 1 for group in self.barriers.opened}
-        clock.forget(set(numbers.items()))
-        for group, since in list(self.barriers.opened.items()):
-            number = numbers[group]
-            if now - since < clock.least:
-                continue
-            arrived = self.barriers.arrived.get(group, set())
-            members = [m for uid, m in self.roster.members.items() if m.peer.role in GROUP_ROLES[Group(group)]]
-            missing = [m.peer for uid, m in self.roster.members.items()
-                       if m.peer.role in GROUP_ROLES[Group(group)] and uid not in arrived and not m.finished]
-            level = clock.due((group, number), now - since) if missing else None
-            if level is None:
-                continue
-            came = sorted(f"{m.peer.role} {m.peer.rank}" for uid, m in self.roster.members.items() if uid in arrived)
-            waits = ", ".join(f"{p.role} {p.rank} on {p.host}" for p in sorted(missing, key=lambda p: (p.role, p.rank)))
-            text = (f"stalled: barrier {number} of the {Group(group).name.lower()} has waited {now - since:.0f} s "
-                    f"({clock.setting(level)}) for {waits}; {len(came)} of {len(members)} arrived "
-                    f"({', '.join(came) or 'none'})")
-            workers = sorted(p.rank for p in missing if p.role == "worker")
-            error = say_stall(self.env, "scheduler", text, workers, level, self.job_report.timeline, now - since,
-                              f"barrier {number} of the {Group(group).name.lower()}")
-            for uid in arrived:  # the nodes that wait say it in their logs too
-                try:
-                    self.transport.send(uid, [pack_header(Cmd.BARRIER_STALLED), pack_json({"text": text})])
-                except PSNodeError:  # gone: its own news
-                    pass
-            if error is not None:  # a job started by hand: every node hears why it ends
-                body = {"message": str(error), "role": "scheduler", "rank": 0, "host": self.env.root_uri}
-                for uid, member in self.roster.members.items():
-                    if not member.finished:
-                        try:
-                            self.transport.send(uid, [pack_header(Cmd.NODE_DIED), pack_json(body)])
-                        except PSNodeError:
-                            pass
-                raise error
 
     def _check_elastic(self) -> None:
         """An elastic job below its minimum of workers past its timeout fails: every node hears why."""
