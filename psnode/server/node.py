@@ -2,8 +2,9 @@
 
 The parts: a ``node.Connection`` (transport, address book, scheduler link, receive loop), the
 ``ServerStore`` (shards and their rounds), the ``Groups`` fast path for key lists, the ``Replies``
-(pull replies per batch, held acknowledgements) and the codec table that decodes pushes. This
-module is the façade that reads each request and hands it to them.
+(pull replies per batch, held acknowledgements), the codec table that decodes pushes, the ``Joins``
+(workers joining an elastic job) and the ``Seeding`` (a replica that joins gets this server's keys).
+This module is the façade that reads each request and hands it to them.
 
 The server is single-threaded: its one loop receives, merges, applies the updater and sends
 replies, so no part needs a lock.
@@ -24,13 +25,13 @@ from typing import Any, Callable
 import numpy as np
 
 from psnode.compression.codecs import RAW, CodecTable
-from psnode.env import MARKER_CAUGHT_UP, MARKER_RESUMED, NodeEnv
-from psnode.errors import ClosedError, ProtocolError, PSNodeError, RequestRefused, TransportError
+from psnode.env import NodeEnv
+from psnode.errors import ClosedError, ProtocolError, RequestRefused, TransportError
 from psnode.log import logger
 from psnode.node import data_lanes
 from psnode.node.bulk import gc_paused
 from psnode.node.connection import Connection
-from psnode.node.membership import PeerInfo, endpoint_of
+from psnode.node.membership import PeerInfo
 from psnode.node.protocol import (
     FLAG_MIRROR,
     FLAG_OFFER,
@@ -51,16 +52,16 @@ from psnode.node.protocol import (
     unpack_push_pull,
 )
 from psnode.node.stalls import StallClock, say_stall
-from psnode.node.stats import server_report, stderr_line
+from psnode.node.stats import server_report
 from psnode.server.checkpoints import Checkpoints
 from psnode.server.groups import Groups
 from psnode.server.invitations import Invitations
 from psnode.server.joins import Joins
 from psnode.server.marks import read_mark
 from psnode.server.replies import Replies
+from psnode.server.seeding import Seeding
 from psnode.server.shard_memory import shard_memory
 from psnode.server.shared_values import SharedValues
-from psnode.server.snapshot import read_snapshot, snapshot_frames
 from psnode.server.stalls import StallWatch
 from psnode.server.store import ServerStore, Shard, init_value
 from psnode.transport import same_host
@@ -105,21 +106,15 @@ class ServerNode:
         # a replica's: copies of pushes that came before their key's init or their codec's parameters
         self._held_copies: dict[int, collections.deque] = {}
         self._configured_codecs: set[int] = set()
-        # a replica joining the running job (psnode.server.snapshot): on the server, the joining ones and
-        # the workers that marked where its copies begin; on the replica, the copies before its keys came
-        self._joining: dict[str, PeerInfo] = {}
-        self._seams: dict[str, set[int]] = {}
-        self._updater_blob: bytes | None = None  # worker 0's updater as it came, for a joining replica
-        self._codec_params: dict[int, dict] = {}
-        self._seeded = False
-        self._before_seed: list[tuple] = []
-        self.conn.link.on_replica = self._replica_joining
+        # a replica joining the running job: the server sends it its keys (psnode.server.seeding)
+        self.seeding = Seeding(self, self._mirrored)
+        self.conn.link.on_replica = self.seeding.replica_joining
         self.conn.link.on_worker_left = self._worker_left
         # an elastic job's joiners: the freeze while the scheduler agrees the round they start from
         self.joins = Joins(self, self._handle)
         self.conn.link.on_join = self.joins.on_control
         self.store.left = set(self.conn.members.left)  # ranks no worker holds yet: rounds do not wait for them
-        self.conn.link.on_server_lost = self._server_lost
+        self.conn.link.on_server_lost = self.seeding.server_lost
         self.timeline = self.conn.timeline
         if self.timeline is not None:  # PSLAUNCH_TIMELINE: each push's merge and each round's update, per key
             self.store.trace(self.timeline)
@@ -208,7 +203,7 @@ class ServerNode:
         the worker that sent it waiting (the error names what was wrong), and it is counted too.
         """
         if cmd == Cmd.SNAPSHOT and peer.role == "server" and self.conn.env.replica and peer.rank == self.rank:
-            self._take_snapshot(frames[1:])
+            self.seeding.take_snapshot(frames[1:])
             return
         if peer.role != "worker":
             raise ProtocolError(f"{Cmd(cmd).name} from {peer.describe()}")
@@ -230,18 +225,11 @@ class ServerNode:
 
     def _serve(self, peer: PeerInfo, cmd: int, flags: int, req_id: int, arg: int, frames: list) -> None:
         if flags & FLAG_MIRROR:
-            if self.conn.members.late and not self._seeded:  # after the server's keys, which come first
-                self._before_seed.append((peer, cmd, flags, req_id, frames))
-                return
-            self._mirrored(peer, cmd, flags, req_id, frames)
+            if not self.seeding.hold_copy((peer, cmd, flags, req_id, frames)):  # after the server's keys, which come first
+                self._mirrored(peer, cmd, flags, req_id, frames)
             return
         if cmd == Cmd.SEAM:
-            body = unpack_json(frames[1]) if len(frames) > 1 else None
-            replica = body.get("replica") if isinstance(body, dict) else None
-            if not isinstance(replica, str) or len(replica) > 300:
-                raise ProtocolError(f"a SEAM naming {str(replica)[:80]!r}, not a replica")
-            self._seams.setdefault(replica, set()).add(peer.rank)
-            self._send_keys(replica)
+            self.seeding.seam(peer, frames)
             return
         if cmd == Cmd.PUSH_PULL:
             if len(frames) != 1:
@@ -374,86 +362,6 @@ class ServerNode:
                     self._push(peer, req_id, frames)
                 except RequestRefused as exc:
                     logger.info("replica of server %d: %s", self.rank, exc)
-
-    # ---- a replica joining the running job (psnode.server.snapshot) -----------------------------
-    def _replica_joining(self, cmd: int, peer: PeerInfo) -> None:
-        """The scheduler says ``peer`` joins as a replica of this server (``REPLICA_JOINING``)."""
-        if cmd != Cmd.REPLICA_JOINING or peer.role != "replica" or peer.rank != self.rank:
-            raise ProtocolError(f"a {Cmd(cmd).name} of {peer.describe()} to server {self.rank}")
-        conn = self.conn
-        conn.transport.connect(peer.uid.encode(), endpoint_of(peer, conn.transport, conn.me.fingerprint,
-                                                             conn.env.same_host))
-        self._joining[peer.uid] = peer
-        self._send_keys(peer.uid)
-
-    def _server_lost(self, rank: int, lost: str, by: str | None) -> None:
-        """A server or replica of the job is lost (``SERVER_LOST``). This replica, named to take the
-        place of its server before that server's keys came to it, has nothing to serve: it ends, and
-        the job with it unless another replica of that rank is left."""
-        self.conn.transport.disconnect(lost.encode())
-        self._joining.pop(lost, None)
-        if by == self.conn.me.uid and self.conn.members.late and not self._seeded:
-            self.conn.failure.fail(PSNodeError(
-                f"replica of server {rank} was to serve in that server's place, but the server was lost before it "
-                "sent this replica its keys"))
-
-    def _send_keys(self, replica: str) -> None:
-        """Send a joining replica this server's keys once every worker that has not finished marked where
-        its copies begin: what this server holds then is what came before those points."""
-        peer = self._joining.get(replica)
-        seamed = self._seams.get(replica, set())
-        finished = self.store.finished
-        if peer is None or not all(w in seamed or w in finished for w in range(self.conn.env.num_workers)):
-            return
-        del self._joining[replica]
-        self._seams.pop(replica, None)
-        header = pack_header(Cmd.SNAPSHOT)
-        try:
-            state = self.checkpoints.updater_state() if self.store.updater is not None else None
-            frames = snapshot_frames(self.store, self._updater_blob, state, self._codec_params)
-        except RequestRefused as exc:  # an optimizer whose state cannot be sent: the replica ends, naming it
-            frames = [pack_json({"v": 1, "error": f"server {self.rank} cannot send its keys: {exc}"})]
-        self.conn.transport.send(replica.encode(), [header, *frames])
-        logger.info("server %d sent its %d keys to the replica %s that joins the job", self.rank, len(self.store.shards),
-                    replica)
-
-    def _take_snapshot(self, frames: list) -> None:
-        """This late replica's server sent its keys: take them, then the copies that came after them,
-        in order. One that cannot be taken ends this replica (its server goes on without it)."""
-        if self._seeded:
-            raise ProtocolError("a second SNAPSHOT for a replica that has its keys")
-        store = self.store
-        try:
-            head = unpack_json(frames[0]) if frames else None
-            if isinstance(head, dict) and head.get("error"):
-                raise ProtocolError(str(head["error"])[:500])
-            snap = read_snapshot(frames, self.conn.env.num_workers, store.memory, store.replay)
-            for shard in snap.shards:
-                store.shards[shard.key_id] = shard
-                store.held_bytes += shard.nbytes
-                store.kept_bytes += shard.nbytes * len(shard.history)
-            if snap.updater_blob is not None:  # announced to the keys above, then given their state
-                self._install_updater(snap.updater_blob)
-                store.take_restored_state(snap.state)
-        except (ProtocolError, RequestRefused) as exc:
-            self.conn.failure.fail(ProtocolError(f"replica of server {self.rank}: the server's keys cannot be taken: {exc}"))
-            return
-        for worker, mark in snap.marks:
-            store.marks.add(worker, mark)
-        store.finished.update(snap.finished)
-        for codec, params in snap.codecs:
-            self.codecs.configure(codec, params)
-            self._configured_codecs.add(codec)
-            self._codec_params[codec] = params
-        self._seeded = True
-        logger.warning("replica of server %d took that server's %d keys (%d copies came meanwhile): the server's "
-                       "rank has this replica again", self.rank, len(snap.shards), len(self._before_seed))
-        if self.conn.env.supervised:  # pslaunch's replacement record: it holds its server's keys from now on
-            stderr_line(f"{MARKER_RESUMED} {{\"mark\": null, \"scalars\": null}}")
-            stderr_line(MARKER_CAUGHT_UP)
-        waiting, self._before_seed = self._before_seed, []
-        for peer, cmd, flags, req_id, copy in waiting:
-            self._mirrored(peer, cmd, flags, req_id, copy)
 
     def _answer_checkpoint(self, peer: PeerInfo, reply: int, req_id: int, arg: int) -> Callable[[bool, Any], None]:
         """How checkpoint request ``req_id`` of ``peer`` is answered: now, or later from ``run``'s loop."""
@@ -654,9 +562,9 @@ class ServerNode:
             raise RequestRefused(f"{peer.describe()} may not set the updater; worker 0 ships it for the job")
         if redo and self.store.updater is not None:  # its predecessor's arrived: it keeps its state
             return
-        self._install_updater(frames[1].bytes)
+        self.install_updater(frames[1].bytes)
 
-    def _install_updater(self, blob: bytes) -> None:
+    def install_updater(self, blob: bytes) -> None:
         """Unpickle worker 0's updater and install it (kept as it came, for a replica that joins later).
 
         Raises:
@@ -670,7 +578,7 @@ class ServerNode:
                 "(its class must be importable on the servers, e.g. from an installed module)"
             ) from exc
         self.store.set_updater(updater)
-        self._updater_blob = blob
+        self.seeding.updater_blob = blob
         logger.info("server %d installed updater %s", self.rank, type(updater).__name__)
 
     def _set_codec(self, frames: list) -> None:
@@ -681,10 +589,14 @@ class ServerNode:
             codec, params = unpack_codec_params(frames[1])
         except ProtocolError as exc:  # answered, not dropped: the worker waits for this reply
             raise RequestRefused(f"server {self.rank}: {exc}") from None
+        self.configure_codec(codec, params)
+        logger.info("server %d configured codec %s with %s", self.rank, self.codecs.get(codec).name, params)
+
+    def configure_codec(self, codec: int, params: dict) -> None:
+        """Set ``codec``'s parameters (kept to send a replica that joins)."""
         self.codecs.configure(codec, params)
         self._configured_codecs.add(codec)
-        self._codec_params[codec] = params
-        logger.info("server %d configured codec %s with %s", self.rank, self.codecs.get(codec).name, params)
+        self.seeding.codec_params[codec] = params
 
     def _rows(self, peer: PeerInfo, req_id: int, frames: list) -> None:
         data_frames = frames[2:]
@@ -749,5 +661,4 @@ class ServerNode:
         workers = self.conn.members.workers
         for (worker, req_id), message in failed.items():
             self.replies.refuse(workers[worker], Cmd.PULL_REPLY, req_id, message)
-        for replica in list(self._joining):  # a finished worker marks no seam: it sends nothing more
-            self._send_keys(replica)
+        self.seeding.worker_finished()
