@@ -9,6 +9,7 @@ The tree::
     ├── UninitializedKeyError      push/pull of a key that was never initialised (also a KeyError)
     ├── ShapeMismatchError         a value's shape differs from the key's shape
     │   └── OutShapeError          pull into an ``out`` of the wrong shape
+    ├── ReadOnlyOutError           pull into an ``out`` that cannot be written (also a ValueError)
     ├── DTypeMismatchError         a value's dtype differs from the key's dtype
     ├── ValueCountError            lists of keys and values (or outs) of different lengths
     ├── OptimizerError             missing or unusable optimizer / updater
@@ -37,6 +38,7 @@ __all__ = [
     "UninitializedKeyError",
     "ShapeMismatchError",
     "OutShapeError",
+    "ReadOnlyOutError",
     "DTypeMismatchError",
     "ValueCountError",
     "OptimizerError",
@@ -81,6 +83,10 @@ class ShapeMismatchError(KVStoreError, ValueError):
 
 class OutShapeError(ShapeMismatchError):
     """``pull`` into an ``out`` array whose shape differs from the key's shape."""
+
+
+class ReadOnlyOutError(KVStoreError, ValueError):
+    """``pull`` into an ``out`` array that cannot be written (a read-only numpy array)."""
 
 
 class DTypeMismatchError(KVStoreError, TypeError):

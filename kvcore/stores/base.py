@@ -26,6 +26,7 @@ from ..errors import (
     DuplicateKeyError,
     OptimizerError,
     OutShapeError,
+    ReadOnlyOutError,
     ShapeMismatchError,
     UninitializedKeyError,
     ValueCountError,
@@ -215,7 +216,8 @@ class KVStoreBase(abc.ABC):
         alive and untouched until the returned ``Handle`` is done.
 
         Raises:
-            UninitializedKeyError; OutShapeError / DTypeMismatchError when an ``out`` does not match.
+            UninitializedKeyError; OutShapeError / DTypeMismatchError when an ``out`` does not match,
+            ReadOnlyOutError when one cannot be written.
         """
         if out is None:
             raise ValueCountError(f"pull of key {key!r} needs out=: the array(s) to write the value into")
@@ -224,7 +226,7 @@ class KVStoreBase(abc.ABC):
         for k, outs in groups:
             meta = metas.get(k) or self._require(k, "pull")
             for o in outs:
-                if type(o) is not ndarray or o.shape != meta.shape or o.dtype != meta.dtype:
+                if type(o) is not ndarray or o.shape != meta.shape or o.dtype != meta.dtype or not o.flags.writeable:
                     self._check_out(k, meta, o)
         handle = self._pull_groups(groups, priority)
         if wait:
@@ -376,6 +378,9 @@ class KVStoreBase(abc.ABC):
             raise DTypeMismatchError(
                 f"key {key!r} has dtype {meta.dtype}, but pull was given an out of dtype {np.dtype(out.dtype)}"
             )
+        if not getattr(getattr(out, "flags", None), "writeable", True):  # (a CuPy array has no such flag)
+            raise ReadOnlyOutError(f"pull of key {key!r} was given a read-only out (shape {tuple(out.shape)}, dtype "
+                                   f"{np.dtype(out.dtype)}): give an array it may write the value into")
 
     def _dense_value(self, key: Hashable, value: Any) -> Any:
         return value.todense() if isinstance(value, RowSparseArray) else value

@@ -11,6 +11,7 @@ from kvcore.errors import (
     KVStoreError,
     OptimizerError,
     OutShapeError,
+    ReadOnlyOutError,
     ShapeMismatchError,
     UninitializedKeyError,
     UnknownStoreError,
@@ -229,6 +230,18 @@ def test_pull_into_out_of_wrong_shape_raises_out_shape_error(kv):
         kv.pull(1, out=np.zeros((6,), np.float32))
     assert "(2, 3)" in str(info.value) and "(6,)" in str(info.value)
     assert isinstance(info.value, ShapeMismatchError)
+
+
+def test_pull_into_a_read_only_out_raises_naming_the_key_and_writes_nothing(kv):
+    kv.init(1, ones())
+    out = np.zeros((2, 3), np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ReadOnlyOutError) as info:
+        kv.pull(1, out=out)
+    assert "key 1" in str(info.value) and "read-only" in str(info.value) and isinstance(info.value, ValueError)
+    with pytest.raises(ReadOnlyOutError):  # one of a list's outs
+        kv.pull([1, 1], out=[np.zeros((2, 3), np.float32), out])
+    assert not out.any()
 
 
 def test_pull_into_out_of_wrong_dtype_raises(kv):

@@ -43,6 +43,7 @@ def bad_calls(ks):
 
 before = [error_of(call) for call in bad_calls(keys)]
 assert all(before), before  # each fails on the general path
+assert before[-1][0] == "ReadOnlyOutError" and "key 307" in before[-1][1], before[-1]
 for r in range(3):  # the same list every step: after the first, matched whole
     kv.push(keys, [np.full(2, rank + 1 + r, np.float32) for _ in keys])
     outs = [np.zeros(2, np.float32) for _ in keys]
