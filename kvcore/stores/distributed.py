@@ -379,7 +379,8 @@ class DistKVStore(KVStoreBase):
     # ---- the common cases without the general normalisation: one key, or the step's list of keys ----
     @maps_runtime_errors
     def push(self, key: Any, value: Any, priority: int = 0, copy: bool = True) -> Handle:
-        """As ``KVStoreBase.push``; one numpy value of an initialised whole key skips the grouping."""
+        """As ``KVStoreBase.push``; one numpy value of an initialised whole key, or a list of such keys seen
+        before with a numpy value each (``kvcore.stores.key_lists``), skips the grouping."""
         if self._pending_mark is not None:
             self._send_mark()
         if self._boundary_hooks:
@@ -401,7 +402,8 @@ class DistKVStore(KVStoreBase):
 
     @maps_runtime_errors
     def pull(self, key: Any, out: Any = None, priority: int = 0, ignore_sparse: bool = True, wait: bool = True) -> Handle:
-        """As ``KVStoreBase.pull``; one numpy out of an initialised whole key skips the grouping."""
+        """As ``KVStoreBase.pull``; one numpy out of an initialised whole key, or a list of such keys seen
+        before with a numpy out each (``kvcore.stores.key_lists``), skips the grouping."""
         if self._boundary_hooks:
             self._pulled = True
         if type(out) is np.ndarray and out.flags.c_contiguous and out.flags.writeable and self._pull_codec is None:
