@@ -56,7 +56,10 @@ class LeaveOnSignal:
     def settle(self) -> None:
         """Once the step's pulls are in (the store's step boundary is due): take a change of
         membership, the members the script sees and its ``State``'s reset callbacks. The script's
-        first read of ``kv.num_workers`` after its pulls does it, or else its next push."""
+        first read of ``kv.num_workers`` after its pulls does it, or else its next push. Before the
+        script's first push every read does it, and that push too: a joiner's store is made before
+        it may hear of a worker that joins after it from the same start round (it hears of it
+        before its ``State`` scalars come, so its first step counts it)."""
         ranks = self.worker.elastic.members_next()
         if ranks != self.ranks:
             self.ranks = ranks

@@ -111,6 +111,9 @@ class DistKVStore(KVStoreBase):
         self.script_state: Any = None  # the script's kvcore.elastic.State (a preemption commits it; resets)
         self._boundary_hooks = [hook for hook in (self._leaving, self._preempting) if hook is not None]
         self._pulled = False  # a pull came since the last push: the next push starts a step
+        # no push yet: until the first, each read of num_workers takes the members anew (a joiner's
+        # store is made before it hears of a worker that joins after it from the same round)
+        self._pushed = False
         # replacement in place (PSLAUNCH_RESTART_SCOPE=worker): a synchronous store marks where it is
         self._marks = self._sync and self._worker.env.restart_scope == "worker"
         self._pending_mark: dict[str, Any] | None = None  # scalars to mark before the next push
@@ -141,10 +144,11 @@ class DistKVStore(KVStoreBase):
     @property
     def num_workers(self) -> int:
         """Number of workers in the job; in an elastic job the members of the round this worker's
-        next push goes to, once this step's pulls are in (``kvcore.leaving``: the step boundary)."""
+        next push goes to, once this step's pulls are in (``kvcore.leaving``: the step boundary), and
+        before the first push as it is known now."""
         if self._leaving is None:
             return self._worker.num_workers
-        if self._pulled and not self._worker.requests.pending:
+        if (self._pulled and not self._worker.requests.pending) or not self._pushed:
             self._leaving.settle()
         return self._leaving.members
 
@@ -432,7 +436,10 @@ class DistKVStore(KVStoreBase):
         if self._pulled and not self._worker.requests.pending:
             for hook in self._boundary_hooks:
                 hook.at_boundary()
+        elif not self._pushed and self._leaving is not None:  # the first step's members, as the script starts it
+            self._leaving.settle()
         self._pulled = False
+        self._pushed = True
 
     def _whole_target(self, key: Any, array: np.ndarray) -> tuple[int, int] | None:
         """``(server, key id)`` when ``key`` is one initialised, unsplit key of ``array``'s shape and

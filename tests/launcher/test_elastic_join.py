@@ -60,6 +60,37 @@ def test_a_worker_started_by_hand_joins_leaves_and_another_takes_its_rank_and_ev
     assert scheduler.count("worker 2 joined the job from 127.0.0.1:") == 2, scheduler
 
 
+def test_two_workers_that_join_from_the_same_round_each_count_the_other_from_their_first_step(tmp_path):
+    # DMLC_NUM_WORKER=4, 2 start; both wait before the push of step 4 (GATE), so no round moves while
+    # joiner 2 starts (its store is made before joiner 3 asks to join) and joiner 3 joins: both count
+    # from the same round. Joiner 2 hears of joiner 3 before its State scalars come, so its first step
+    # counts 4 members as every other member's does (it counted the 3 its store saw when made)
+    steps = 12
+    gate = tmp_path / "gate"
+    with ByHandJob(HELPER, tmp_path, DMLC_NUM_SERVER="2", DMLC_NUM_WORKER="4", PSLAUNCH_MIN_WORKERS="2",
+                   PSLAUNCH_START_WORKERS="2", STEPS=str(steps), GATE=f"4:{gate}") as job:
+        for name, role in (("scheduler", "scheduler"), ("server0", "server"), ("server1", "server"),
+                           ("worker0", "worker"), ("worker1", "worker")):
+            job.start(name, role)
+        wait_for(lambda: len(lines(tmp_path, 0)) >= 4 and len(lines(tmp_path, 1)) >= 4, 60,
+                 lambda: str(job.logs()))  # steps 0..3 done: both wait at the gate
+        job.start("joiner2", "worker")
+        wait_for(lambda: list(tmp_path.glob("created.2.*")), 60, lambda: str(job.logs()))
+        job.start("joiner3", "worker")
+        wait_for(lambda: list(tmp_path.glob("created.3.*")), 60, lambda: str(job.logs()))
+        gate.touch()
+        codes = [p.wait(timeout=90) for p in job.procs]
+    logs = job.logs()
+    assert codes == [0] * len(codes), logs
+    joined = {rank: [int(line.split()[2]) for line in lines(tmp_path, rank) if line.startswith(f"{rank} joined")]
+              for rank in (2, 3)}
+    assert joined[2] == joined[3] and len(joined[2]) == 1 and joined[2][0] > 4, (joined, logs)
+    members = check_exact(records(tmp_path), steps)
+    assert members == [{0, 1}] * joined[2][0] + [{0, 1, 2, 3}] * (steps - joined[2][0]), (members, logs)
+    # joiner 2's reset callbacks ran as its first step began: its store was made with 3 members
+    assert (tmp_path / "resets.2.txt").read_text().split("\n")[0] == f"2 reset {joined[2][0]} 4"
+
+
 def _write(path, text: str) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(text)

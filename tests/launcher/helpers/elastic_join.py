@@ -6,7 +6,9 @@ goes on from the members' step.
 
 Usage: elastic_join.py OUTDIR. $STEPS steps (default 12), $STEP_SLEEP seconds in each (default 0).
 $LEAVE lists ``rank:step`` or ``rank:+n`` items (``leave_plan``): that worker sends itself SIGTERM after
-the pulls of that step, or of its n-th.
+the pulls of that step, or of its n-th. $GATE, ``STEP:PATH``: before the push of step STEP each worker
+waits until PATH exists (at most 60 s), and each writes OUTDIR/created.<rank>.<pid> once its store is
+made (a test holds every round still while workers join).
 Each worker appends ``rank step num_workers value0 value1`` lines (``kv.num_workers`` read as the step
 begins) to OUTDIR/steps.<rank>.<pid>.txt,
 ``rank reset step num_workers`` to OUTDIR/resets.<rank>.txt at each change it sees, and
@@ -29,6 +31,10 @@ step_sleep = float(os.environ.get("STEP_SLEEP", "0"))
 
 kv = kvcore.create("dist_sync")
 rank = kv.rank
+gate = os.environ.get("GATE")
+gate_step, gate_path = (int(gate.split(":", 1)[0]), gate.split(":", 1)[1]) if gate else (-1, "")
+if gate:
+    open(os.path.join(out, f"created.{rank}.{os.getpid()}"), "w").close()
 kv.init([0, 1], [np.zeros(4, np.float32), np.zeros(3, np.float32)])
 state = kvcore.elastic.State(kv, step=0)
 state.restore()
@@ -50,6 +56,12 @@ with open(os.path.join(out, f"steps.{rank}.{os.getpid()}.txt"), "a") as log:
         time.sleep(step_sleep)
         current["step"] = step
         members = kv.num_workers  # this step's members (its step boundary: the reset callbacks run here)
+        if step == gate_step:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate_path):
+                if time.monotonic() > deadline:
+                    sys.exit(f"worker {rank}: the gate {gate_path} never opened")
+                time.sleep(0.01)
         kv.push([0, 1], [np.full(4, (rank + 1) * (step + 1), np.float32), np.full(3, (rank + 1) * (step + 1), np.float32)])
         kv.pull([0, 1], out=values)
         log.write(f"{rank} {step} {members} {float(values[0][0])} {float(values[1][-1])}\n")
