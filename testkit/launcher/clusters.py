@@ -126,12 +126,9 @@ class Cluster:
             return None
         self.tool("scancel", "--full", "-u", getpass.getuser())
         self.tool("scontrol", "update", f"NodeName={self.node}", "State=RESUME")
-        deadline = time.monotonic() + timeout
-        while (now := self.tool("sinfo", "-h", "-N", "-o", "%T").stdout.strip()) != "idle":
-            if time.monotonic() > deadline:
-                pytest.fail(f"the Slurm node {self.node} was {state} ({reason}) and is still {now!r} {timeout:g} s after "
-                            f"its resume")
-            time.sleep(0.2)
+        _wait_until(lambda: self.tool("sinfo", "-h", "-N", "-o", "%T").stdout.strip() == "idle", timeout,
+                    f"waiting for the Slurm node {self.node}, {state} ({reason}), to be idle after its resume",
+                    self.dir / "log" / "daemons.log", [])
         return f"{state}: {reason}"
 
 

@@ -21,6 +21,7 @@ import sys
 import time
 
 import numpy as np
+from deadline import wait_until  # beside this script
 from leave_plan import leave_step
 
 import kvcore
@@ -57,11 +58,7 @@ with open(os.path.join(out, f"steps.{rank}.{os.getpid()}.txt"), "a") as log:
         current["step"] = step
         members = kv.num_workers  # this step's members (its step boundary: the reset callbacks run here)
         if step == gate_step:
-            deadline = time.monotonic() + 60
-            while not os.path.exists(gate_path):
-                if time.monotonic() > deadline:
-                    sys.exit(f"worker {rank}: the gate {gate_path} never opened")
-                time.sleep(0.01)
+            wait_until(lambda: os.path.exists(gate_path), f"worker {rank}: the gate {gate_path} opening", 60)
         kv.push([0, 1], [np.full(4, (rank + 1) * (step + 1), np.float32), np.full(3, (rank + 1) * (step + 1), np.float32)])
         kv.pull([0, 1], out=values)
         log.write(f"{rank} {step} {members} {float(values[0][0])} {float(values[1][-1])}\n")

@@ -19,9 +19,9 @@ Appends ``rank epoch step members value`` lines to OUTDIR/lost.<rank>.txt, and `
 import os
 import signal
 import sys
-import time
 
 import numpy as np
+from deadline import wait_until  # beside this script
 
 import kvcore
 
@@ -31,15 +31,6 @@ epochs = int(os.environ.get("EPOCHS", "2"))
 batch = int(os.environ.get("BATCH", "2"))
 lost_at = int(os.environ.get("LOST_AT", "4"))
 marker = os.path.join(out, "pushed.1")
-
-
-def wait_until(done, what: str, limit: float = 30.0) -> None:
-    deadline = time.monotonic() + limit
-    while not done():
-        if time.monotonic() > deadline:
-            print(f"worker {kv.rank}: {what} did not happen within {limit:g} s", file=sys.stderr, flush=True)
-            os._exit(3)
-        time.sleep(0.01)
 
 
 kv = kvcore.create("dist_sync")
@@ -64,9 +55,9 @@ with open(os.path.join(out, f"lost.{rank}.txt"), "a") as log:
         log.flush()
         state.step = step + 1
         if rank == 0 and step == lost_at:  # the scheduler's word of the loss comes before its next step boundary
-            wait_until(lambda: 2 in kv._worker.conn.members.left, "the loss of worker 2")
+            wait_until(lambda: 2 in kv._worker.conn.members.left, "worker 0: the loss of worker 2")
         if rank == 2 and step == lost_at:
-            wait_until(lambda: os.path.exists(marker), "worker 1's push of the next step")
+            wait_until(lambda: os.path.exists(marker), "worker 2: worker 1's push of the next step")
             os.kill(os.getpid(), signal.SIGKILL)
     log.write(f"{rank} done\n")
 kv.close()
