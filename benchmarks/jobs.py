@@ -121,8 +121,10 @@ def read_result(job: LocalJob, role: str, index: int) -> dict[str, Any]:
     raise JobFailed(f"{role} {index} printed no {kv_suite.RESULT_PREFIX.strip()} line")
 
 
-def run_kv_job(system: KVSystem, plan: kv_suite.Plan, num_workers: int, log_dir: Path, timeout_s: float) -> dict:
-    """Run one KVStore job of ``system``; return ``{"system", "measures", "workers"}``.
+def run_kv_job(system: KVSystem, plan: kv_suite.Plan, num_workers: int, log_dir: Path, timeout_s: float,
+               cpu_bind: bool = False) -> dict:
+    """Run one KVStore job of ``system``; return ``{"system", "measures", "workers"}``. ``cpu_bind``:
+    each process on one core, in turn (``LocalJob(cpu_bind=True)``).
 
     Raises:
         JobFailed: a node failed, a worker printed no result, a value check failed, or the job
@@ -136,7 +138,7 @@ def run_kv_job(system: KVSystem, plan: kv_suite.Plan, num_workers: int, log_dir:
         env["PSLAUNCH_TIMELINE"] = str(timeline)
     with LocalJob(num_workers, 1, worker=[*system.worker, plan.to_json()], env=env, scheduler=system.scheduler,
                   server=system.server, python=system.python, log_dir=log_dir, test_settings=False,
-                  job_key=system.keyed or None) as job:
+                  job_key=system.keyed or None, cpu_bind=cpu_bind) as job:
         job.wait_ok(["worker"], timeout_s)
         results = [read_result(job, "worker", i) for i in range(num_workers)]
         # the scheduler and server end by themselves once the workers are done
@@ -172,8 +174,10 @@ def _merge_workers(results: list[dict]) -> dict[str, dict]:
     return merged
 
 
-def run_zmq_job(transport: str, plan: kv_suite.Plan, num_dealers: int, log_dir: Path, timeout_s: float) -> dict:
-    """Run the raw pyzmq ceiling over ``transport`` (tcp or ipc) with the KV suite's shapes.
+def run_zmq_job(transport: str, plan: kv_suite.Plan, num_dealers: int, log_dir: Path, timeout_s: float,
+                cpu_bind: bool = False) -> dict:
+    """Run the raw pyzmq ceiling over ``transport`` (tcp or ipc) with the KV suite's shapes; ``cpu_bind``
+    as for ``run_kv_job``.
 
     Returns figures under the KV suite's measure names (``pushpull_<bytes>`` from the echo of that
     size, ``roundtrip_4elem`` from the 16-byte echo) plus ``oneway_<bytes>``.
@@ -182,7 +186,8 @@ def run_zmq_job(transport: str, plan: kv_suite.Plan, num_dealers: int, log_dir: 
         endpoint = f"tcp://127.0.0.1:{free_port()}" if transport == "tcp" else f"ipc://{tmp}/ceiling.sock"
         script = str(HERE / "zmq_ceiling.py")
         no_role = {"DMLC_ROLE": "", "OMP_NUM_THREADS": "1"}  # raw pyzmq: the job's contract is not read
-        with LocalJob(num_dealers, 1, start_scheduler=False, start_servers=0, log_dir=log_dir, test_settings=False) as job:
+        with LocalJob(num_dealers, 1, start_scheduler=False, start_servers=0, log_dir=log_dir, test_settings=False,
+                      cpu_bind=cpu_bind) as job:
             job.start("router", 0, [sys.executable, script, "router", endpoint, str(num_dealers)], no_role)
             for i in range(num_dealers):
                 job.start("dealer", i, [sys.executable, script, "dealer", endpoint, plan.to_json()], no_role)

@@ -242,7 +242,8 @@ def _render_rich(headers, body, target_rows, report, status_line) -> str:
 
     console = Console(record=True, width=200, file=io.StringIO())
     machine = report["machine"]
-    table = Table(title=f"pslaunch benchmarks — {machine.get('cpu_model', '?')}, {machine['nproc']} cores")
+    bound = ", each process on one core (--cpu-bind)" if report.get("config", {}).get("cpu_bind") else ""
+    table = Table(title=f"pslaunch benchmarks — {machine.get('cpu_model', '?')}, {machine['nproc']} cores{bound}")
     for i, h in enumerate(headers):
         table.add_column(h, justify="left" if i == 0 else "right")
     for cells in body:

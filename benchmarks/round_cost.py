@@ -32,15 +32,17 @@ WORKER = str(Path(__file__).with_name("round_cost_worker.py"))
 RESULT = "ROUND_COST "
 
 
-def run_once(size: int, rounds: int, same_host: str, copy: bool, checkout: str | None, timeout_s: float = 300) -> dict:
-    """One job; rank 0's result: ``round_ms``, ``worker_cpu_ms``, ``server_cpu_ms``, ``push_call_ms``."""
+def run_once(size: int, rounds: int, same_host: str, copy: bool, checkout: str | None, timeout_s: float = 300,
+             cpu_bind: bool = False) -> dict:
+    """One job; rank 0's result: ``round_ms``, ``worker_cpu_ms``, ``server_cpu_ms``, ``push_call_ms``;
+    ``cpu_bind``: each process on one core, in turn (``LocalJob(cpu_bind=True)``)."""
     env = {"PSLAUNCH_SAME_HOST": same_host, "ROUND_COST": json.dumps({"size": size, "rounds": rounds, "copy": copy})}
     if checkout:
         env["PYTHONPATH"] = checkout
     here = os.getcwd()
     os.chdir(checkout or here)  # ``python -m psnode`` imports the package of its working directory first
     try:
-        with LocalJob(2, 1, worker=[WORKER], env=env, test_settings=False) as job:
+        with LocalJob(2, 1, worker=[WORKER], env=env, test_settings=False, cpu_bind=cpu_bind) as job:
             job.wait_ok(["worker"], timeout_s)
             output = job.output_of("worker", 0) + job.output_of("worker", 1)  # the scheduler gives the ranks
     finally:
@@ -69,14 +71,19 @@ def _line(name: str, results: list[dict]) -> str:
 @click.option("--checkout", "checkouts", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="A pslaunch checkout whose code the job runs (twice: alternate before/after).")
 @click.option("--pairs", type=click.IntRange(1), default=3, show_default=True, help="Jobs per checkout.")
-def main(size_mib: float, rounds: int, same_host: str, copy: bool, checkouts: tuple[str, ...], pairs: int) -> None:
+@click.option("--cpu-bind", is_flag=True, help="Each process on one core, in turn (scheduler, server, workers): the "
+              "workers on different cores in every job.")
+def main(size_mib: float, rounds: int, same_host: str, copy: bool, checkouts: tuple[str, ...], pairs: int,
+         cpu_bind: bool) -> None:
     size = int(size_mib * (1 << 20)) // 4 * 4
     sides = [str(Path(c).resolve()) for c in checkouts] or [None]
     results: dict[str | None, list[dict]] = {side: [] for side in sides}
     for _ in range(pairs):
         for side in sides:
-            results[side].append(run_once(size, rounds, same_host, copy, side))
-    print(f"{size / (1 << 20):g} MiB, {rounds} rounds, PSLAUNCH_SAME_HOST={same_host}, copy={copy}, 2 workers, 1 server")
+            results[side].append(run_once(size, rounds, same_host, copy, side, cpu_bind=cpu_bind))
+    bound = ", each process on one core" if cpu_bind else ""
+    print(f"{size / (1 << 20):g} MiB, {rounds} rounds, PSLAUNCH_SAME_HOST={same_host}, copy={copy}, 2 workers, 1 server"
+          f"{bound}")
     for side in sides:
         print(_line(side or "this checkout", results[side]))
     sys.stdout.flush()

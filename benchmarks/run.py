@@ -58,6 +58,7 @@ class BenchConfig:
     results_dir: Path
     job_timeout_s: float
     profile_dir: Path | None
+    cpu_bind: bool = False
 
 
 MEASURE_GROUPS = ("pushpull", "roundtrip", "many")
@@ -132,10 +133,11 @@ def run(cfg: BenchConfig, statuses: dict[str, str]) -> tuple[dict, str]:
             t0 = time.monotonic()
             try:
                 if system.startswith("zmq_"):
-                    results[system] = jobs.run_zmq_job(system[4:], cfg.plan, NUM_WORKERS, log_dir, cfg.job_timeout_s)
+                    results[system] = jobs.run_zmq_job(system[4:], cfg.plan, NUM_WORKERS, log_dir, cfg.job_timeout_s,
+                                                       cfg.cpu_bind)
                 else:
                     results[system] = jobs.run_kv_job(kv_systems[system], cfg.plan, NUM_WORKERS, log_dir,
-                                                      cfg.job_timeout_s)
+                                                      cfg.job_timeout_s, cfg.cpu_bind)
                 click.echo(f"    done in {time.monotonic() - t0:.1f} s", err=True)
             except (JobFailed, OSError, ValueError, KeyError) as exc:
                 # a job's failure is data for the report; the other systems still run
@@ -156,7 +158,8 @@ def run(cfg: BenchConfig, statuses: dict[str, str]) -> tuple[dict, str]:
         "command": [Path(sys.executable).name] + sys.argv,
         "wall_s": round(time.monotonic() - started, 1),
         "machine": machine,
-        "config": {"plan": asdict(cfg.plan), "reps": cfg.reps, "num_workers": NUM_WORKERS, "num_servers": 1},
+        "config": {"plan": asdict(cfg.plan), "reps": cfg.reps, "num_workers": NUM_WORKERS, "num_servers": 1,
+                   "cpu_bind": cfg.cpu_bind},
         "systems": {s: {"status": statuses[s], "version": versions.get(s), "errors": errors.get(s, [])}
                     for s in systems},
         "rows": [r.to_json(systems) for r in rows],
@@ -190,10 +193,14 @@ def run(cfg: BenchConfig, statuses: dict[str, str]) -> tuple[dict, str]:
               help="Multiply every timed round count (more samples for a profile).")
 @click.option("--results-dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS, show_default=True,
               help="Where the JSON report and the job logs go.")
+@click.option("--cpu-bind", is_flag=True,
+              help="Run every process of every system's job on one core, in turn in the order they start "
+                   "(scheduler, server, workers; the echo's router, then its dealers): the two workers never "
+                   "share a core, in every run.")
 @click.option("--profile-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Profile pslaunch: the server under cProfile, workers under yappi (every thread) or cProfile.")
 def main(quick, json_path, skip_mxnet, mxnet_python, reps, sizes, keys, systems, job_timeout, only, rounds_scale,
-         results_dir, profile_dir) -> None:
+         results_dir, cpu_bind, profile_dir) -> None:
     # TERM (a CI timeout, a test's cleanup) unwinds like Ctrl-C, so every job's processes are reaped
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -216,7 +223,7 @@ def main(quick, json_path, skip_mxnet, mxnet_python, reps, sizes, keys, systems,
     cfg = BenchConfig(
         plan=_plan(quick, sizes_mib, keys, only or MEASURE_GROUPS, rounds_scale), reps=reps or (1 if quick else 3), systems=chosen,
         mxnet_python=None if skip_mxnet else mxnet_python, json_path=json_path, results_dir=results_dir,
-        job_timeout_s=job_timeout or (180.0 if quick else 600.0), profile_dir=profile_dir,
+        job_timeout_s=job_timeout or (180.0 if quick else 600.0), profile_dir=profile_dir, cpu_bind=cpu_bind,
     )
     statuses = _statuses(cfg, skip_mxnet)
     out, table = run(cfg, statuses)

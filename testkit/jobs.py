@@ -80,13 +80,16 @@ class ProcessResult:
 
 
 class _Proc:
-    def __init__(self, role: str, index: int, argv: Sequence[str], env: Mapping[str, str], log: Path | None) -> None:
+    def __init__(self, role: str, index: int, argv: Sequence[str], env: Mapping[str, str], log: Path | None,
+                 cpu: int | None = None) -> None:
         self.role = role
         self.index = index
         self.path = log
         self.log = open(log, "w+b") if log is not None else tempfile.TemporaryFile(mode="w+b")
+        # bound in the child before it runs a line of its program, so every thread it starts inherits it
+        bind = None if cpu is None else lambda: os.sched_setaffinity(0, {cpu})
         self.popen = subprocess.Popen(list(argv), env=dict(env), stdout=self.log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=_ROOT)
+                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=_ROOT, preexec_fn=bind)
 
     @property
     def name(self) -> str:
@@ -161,6 +164,10 @@ class LocalJob:
             (no key: an unauthenticated job on loopback).
         root_uri: the scheduler's address (default 127.0.0.1); ``start(..., node_host=)`` gives a
             process another address of its own (a benchmark with nodes in network namespaces).
+        cpu_bind: run each process on one core of those this process may use, in turn in the order
+            they start (the scheduler, the servers, the workers, then any ``start``): a benchmark's
+            placement that does not change from run to run (the kernel's may put two workers on one
+            core while another idles). Linux only.
     """
 
     def __init__(
@@ -180,8 +187,10 @@ class LocalJob:
         test_settings: bool = True,
         job_key: str | None | bool = True,
         root_uri: str = "127.0.0.1",
+        cpu_bind: bool = False,
     ) -> None:
         self.port = free_port()
+        self._cores = sorted(os.sched_getaffinity(0)) if cpu_bind else []
         self.root_uri = root_uri
         self.num_workers = num_workers
         self.num_servers = num_servers
@@ -227,7 +236,8 @@ class LocalJob:
         if env["DMLC_ROLE"] == "":
             del env["DMLC_ROLE"]
         log = self._log_dir / f"{role}{index}.log" if self._log_dir is not None else None
-        proc = _Proc(role, index, argv, env, log)
+        cpu = self._cores[len(self.procs) % len(self._cores)] if self._cores else None
+        proc = _Proc(role, index, argv, env, log, cpu)
         self.procs.append(proc)
         return proc.popen
 

@@ -126,3 +126,33 @@ def test_the_round_cost_runs_a_job_per_checkout_alternating_and_reports_each(tmp
         # a round wakes every process's threads: each one's context switches are counted
         switches = re.search(r"context switches worker ([0-9.]+) server ([0-9.]+) per round", line)
         assert switches and float(switches[1]) > 0 and float(switches[2]) > 0, line
+
+
+def test_a_bound_job_runs_each_process_and_the_threads_it_starts_on_one_core_in_turn():
+    from testkit.jobs import LocalJob
+
+    # what each process prints: its own cores and those of a thread it starts
+    report = ("import os, threading; seen = []; t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)));"
+              " t.start(); t.join(); print(sorted(os.sched_getaffinity(0)), sorted(seen[0]))")
+    cores = sorted(os.sched_getaffinity(0))
+    with LocalJob(3, 0, start_scheduler=False, start_servers=0, test_settings=False, cpu_bind=True) as job:
+        for i in range(3):
+            job.start("worker", i, [sys.executable, "-c", report])
+        results = job.wait(timeout=30)
+    for i, result in enumerate(results):
+        core = cores[i % len(cores)]
+        assert result.returncode == 0 and result.output.split() == [f"[{core}]", f"[{core}]"], (i, result)
+
+
+def test_a_bound_benchmark_run_says_so_in_its_report_and_measures_every_system(tmp_path):
+    out = tmp_path / "bound.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--only", "roundtrip", "--systems", "pslaunch_tcp,zmq_tcp",
+         "--cpu-bind", "--json", str(out), "--results-dir", str(tmp_path / "results"), "--job-timeout", "60"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["cpu_bind"] is True
+    assert "each process on one core (--cpu-bind)" in " ".join(completed.stdout.split())  # the title may wrap
+    values = {r["measure"]: r["values"] for r in report["rows"]}["roundtrip_4elem"]
+    assert values["pslaunch_tcp"] > 0 and values["zmq_tcp"] > 0, values
