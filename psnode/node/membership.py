@@ -22,7 +22,7 @@ from typing import Any
 from psnode.errors import ProtocolError
 from psnode.transport.base import Transport
 
-__all__ = ["PeerInfo", "Membership", "host_fingerprint", "endpoint_of", "unreachable"]
+__all__ = ["PeerInfo", "Membership", "host_fingerprint", "on_this_host", "endpoint_of", "unreachable", "MAX_SOCKET_NAME"]
 
 SCHEDULER = b"scheduler"
 """The scheduler's identity on the wire."""
@@ -44,6 +44,8 @@ class PeerInfo:
     lane_port: int = 0  # a worker's port for lanes (``psnode.transport.lanes``) on ``host``; 0: it has none
     data_port: int = 0  # its port for data lanes (``psnode.node.data_lanes``) on ``host``; 0: it has none
     stream_port: int = 0  # a server's port for workers' streams (``psnode.transport.streams``) on ``host``; 0: none
+    # the abstract Unix socket where a server also takes the streams of workers on its host ('' none)
+    stream_socket: str = ""
 
     def describe(self) -> str:
         """``server 1 on 10.0.0.2:4567``: how errors name a node."""
@@ -66,14 +68,21 @@ class PeerInfo:
             peer = cls(str(item["role"]), int(item["rank"]), str(item["host"]), int(item["port"]), str(item["uid"]),
                        str(item["fingerprint"]), str(item["local_name"]), int(item.get("shm_probe") or 0),
                        int(item.get("pid") or 0), int(item.get("lane_port") or 0), int(item.get("data_port") or 0),
-                       int(item.get("stream_port") or 0))
+                       int(item.get("stream_port") or 0), str(item.get("stream_socket") or ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"a malformed address book entry: {type(exc).__name__}: {exc}") from exc
+        name = peer.stream_socket
+        if len(name) > MAX_SOCKET_NAME or not (name.isascii() and name.isprintable()):
+            raise ProtocolError(f"an address book entry with stream socket {name[:120]!r}: not a printable ASCII "
+                                f"name of at most {MAX_SOCKET_NAME} characters")
         for what, port in (("lane port", peer.lane_port), ("data lane port", peer.data_port),
                            ("stream port", peer.stream_port)):
             if not 0 <= port <= 65535:
                 raise ProtocolError(f"an address book entry with {what} {port}, not 0..65535")
         return peer
+
+
+MAX_SOCKET_NAME = 100  # an abstract Unix socket's name: 107 bytes at most after its NUL
 
 
 def host_fingerprint() -> str:
@@ -87,10 +96,16 @@ def host_fingerprint() -> str:
     return f"{boot}:{netns}"
 
 
+def on_this_host(peer: PeerInfo, fingerprint: str, same_host: str) -> bool:
+    """Whether a process with ``fingerprint`` reaches ``peer`` by the same-host path: the peer shares
+    its host and network namespace, and ``same_host`` (``PSLAUNCH_SAME_HOST``) is not ``tcp``."""
+    return same_host in ("ipc", "shm") and peer.fingerprint == fingerprint
+
+
 def endpoint_of(peer: PeerInfo, transport: Transport, fingerprint: str, same_host: str) -> str:
     """The endpoint to reach ``peer`` from a process with ``fingerprint``: same-host unless
     ``same_host`` is ``tcp`` or the peer is elsewhere, TCP otherwise."""
-    if same_host in ("ipc", "shm") and peer.fingerprint == fingerprint:
+    if on_this_host(peer, fingerprint, same_host):
         return transport.same_host_endpoint(peer.local_name)
     return f"tcp://{peer.host}:{peer.port}"
 
@@ -110,7 +125,7 @@ def unreachable(peers: list[PeerInfo], fingerprint: str, same_host: str, timeout
             return peer, exc.strerror or str(exc)
         return None
 
-    remote = [p for p in peers if not (same_host in ("ipc", "shm") and p.fingerprint == fingerprint)]
+    remote = [p for p in peers if not on_this_host(p, fingerprint, same_host)]
     if not remote:
         return []
     with ThreadPoolExecutor(max_workers=min(64, len(remote))) as pool:

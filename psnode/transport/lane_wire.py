@@ -136,16 +136,17 @@ def send_while_taken(sock: socket.socket, views: list[memoryview]) -> int:
     return sent
 
 
-def connect_lane(address: tuple[str, int], magic: bytes, key: bytes, job: bytes, identity: bytes,
+def connect_lane(address: tuple[str, int] | str, magic: bytes, key: bytes, job: bytes, identity: bytes,
                  acceptor: bytes) -> socket.socket:
-    """A connection to ``address`` whose acceptor ``acceptor`` proved that it holds ``key`` and took
-    it (the module docstring's handshake; ``magic`` names what the connection is for), blocking, with
-    Nagle's algorithm off.
+    """A connection to ``address`` (``(host, port)`` over TCP, or the name of a Unix socket: abstract
+    when it starts with NUL) whose acceptor ``acceptor`` proved that it holds ``key`` and took it (the
+    module docstring's handshake; ``magic`` names what the connection is for), blocking, with Nagle's
+    algorithm off over TCP.
 
     Raises:
         OSError, EOFError: no connection, or it ended. ProtocolError: the acceptor's proof is wrong.
     """
-    sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
+    sock = _connect(address)
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT)
         n1 = os.urandom(NONCE_BYTES)
@@ -158,8 +159,22 @@ def connect_lane(address: tuple[str, int], magic: bytes, key: bytes, job: bytes,
         if recv_bytes(sock, 1) != TAKEN:
             raise ProtocolError("it did not take the connection")
         sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
     except BaseException:
         sock.close()
         raise
+
+
+def _connect(address: tuple[str, int] | str) -> socket.socket:
+    if not isinstance(address, str):
+        return socket.create_connection(address, timeout=CONNECT_TIMEOUT)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(CONNECT_TIMEOUT)
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -261,7 +261,7 @@ class Lanes:
         # a failed lane's messages are sent again before any later one to that peer: the receiver
         # relies on the order of one sender's messages
         self.in_order = in_order
-        self.port = sock.getsockname()[1]
+        self.port = sock.getsockname()[1] if sock.family != socket.AF_UNIX else 0  # 0: a Unix socket (``listen_local``)
         self.identity = identity
         self.job = job.encode()
         self.key = key
@@ -294,6 +294,25 @@ class Lanes:
             raise
         return cls(sock, identity, job, key, what, in_order, magic)
 
+    @classmethod
+    def listen_local(cls, name: str, identity: bytes, job: str, key: bytes, what: str = "collectives",
+                     in_order: bool = False, magic: bytes = MAGIC) -> "Lanes":
+        """Listen on the abstract Unix socket ``name`` (Linux; the name lives in this network namespace
+        and goes with the socket): for peers on this host, whose messages then skip the TCP stack.
+        The handshake is the same as over TCP.
+
+        Raises:
+            OSError: it cannot be bound (the name is taken, or no abstract namespace here).
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind("\0" + name)
+            sock.listen(64)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, identity, job, key, what, in_order, magic)
+
     # ---- receiving -------------------------------------------------------------------------------
     def serve(self, receiver: Any, known: Callable[[bytes], Any]) -> None:
         """Accept lanes and read them with ``receiver`` (a ``Receiver``; or anything with
@@ -314,15 +333,16 @@ class Lanes:
                 sock, address = self._listener.accept()
             except OSError:
                 return  # closed
+            where = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else "a Unix socket of this host"
             with self._lock:
                 busy = self._handshaking >= MAX_HANDSHAKES
                 if not busy:
                     self._handshaking += 1
             if busy:  # a flood of connections that do not finish their handshake: no thread each
-                self._refuse(f"{address[0]}:{address[1]}", f"{MAX_HANDSHAKES} handshakes are already under way")
+                self._refuse(where, f"{MAX_HANDSHAKES} handshakes are already under way")
                 sock.close()
                 continue
-            threading.Thread(target=self._read, args=(sock, address), name=f"psnode-lane-from-{address[0]}",
+            threading.Thread(target=self._read, args=(sock, where), name=f"psnode-lane-from-{where}",
                              daemon=True).start()
 
     def _refuse(self, where: str, why: str) -> None:
@@ -337,7 +357,7 @@ class Lanes:
         more = f" ({unlogged} more refused in the last second, not logged)" if unlogged else ""
         logger.warning("refused a lane from %s: %s%s", where, why, more)
 
-    def _handshake(self, sock: socket.socket, address: Any) -> tuple[bytes, Any]:
+    def _handshake(self, sock: socket.socket) -> tuple[bytes, Any]:
         """The opener's identity and peer, once it proved that it holds the key.
 
         Raises:
@@ -373,10 +393,9 @@ class Lanes:
         sock.settimeout(None)
         return opener, peer
 
-    def _read(self, sock: socket.socket, address: Any) -> None:
-        where = f"{address[0]}:{address[1]}"
+    def _read(self, sock: socket.socket, where: str) -> None:
         try:
-            opener, peer = self._handshake(sock, address)
+            opener, peer = self._handshake(sock)
         except (OSError, EOFError, ProtocolError) as exc:
             self._refuse(where, str(exc))
             sock.close()

@@ -1,6 +1,7 @@
 """Streams (psnode.transport.streams) in real jobs: scheduler, servers and workers as processes on
-127.0.0.1, every message between a worker and a server on the worker's stream to it, exact sums,
-what a stranger sends to a stream port, and the jobs that keep ZeroMQ alone."""
+127.0.0.1, every message between a worker and a server on the worker's stream to it (a Unix socket
+when the job takes the same-host path, TCP otherwise), exact sums, what a stranger sends to a
+stream port or socket, and the jobs that keep ZeroMQ alone."""
 
 from __future__ import annotations
 
@@ -19,9 +20,16 @@ def stream_counts(results) -> list[tuple[int, int, int]]:
             for m in re.finditer(r"^STREAMS (\d+) (\d+) (\d+)", r.output, re.M)]
 
 
-@pytest.mark.parametrize("env", [TCP, {"PSLAUNCH_SAME_HOST": "shm"}], ids=["tcp", "same-host"])
-def test_a_workers_messages_to_its_servers_take_its_streams_and_sum_exactly_after_a_strangers_bytes(env):
+def stream_families(results) -> list[str]:
+    return [m.group(1) for r in results if r.role == "worker" for m in re.finditer(r"^FAMILIES (.*)$", r.output, re.M)]
+
+
+@pytest.mark.parametrize("env, family", [(TCP, "AF_INET"), ({"PSLAUNCH_SAME_HOST": "shm"}, "AF_UNIX"),
+                                         ({"PSLAUNCH_SAME_HOST": "ipc"}, "AF_UNIX")],
+                         ids=["tcp", "same-host", "same-host-ipc"])
+def test_a_workers_messages_to_its_servers_take_its_streams_and_sum_exactly_after_a_strangers_bytes(env, family):
     results = run_job_ok([SCRIPT], 2, 2, env, timeout=90)
+    assert stream_families(results) == [f"{family} {family}"] * 2, stream_families(results)
     counts = stream_counts(results)
     assert len(counts) == 2, counts
     for streams, sent, received in counts:

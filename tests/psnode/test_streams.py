@@ -1,9 +1,11 @@
-"""Streams (psnode.transport.streams): a worker's one TCP connection to a server, read and written by
-the nodes' own threads. Real sockets on 127.0.0.1 within one process: the wire (frames of every
-kind, a message in many reads, a big one in memory of its own), a sender faster than its reader
-(queued, tracked, written by whoever polls, a blocking sender draining it, a non-blocking one told
-WouldBlock), hostile bytes refused naming what is wrong, the lanes' handshake with its last word,
-and two ``ZmqTransport``s that carry a peer's messages on its stream and fall back to ZeroMQ."""
+"""Streams (psnode.transport.streams): a worker's one connection to a server (TCP, or the server's
+Unix socket on one host), read and written by the nodes' own threads. Real sockets on 127.0.0.1
+and Unix sockets within one process: the wire (frames of every kind, a message in many reads, a big
+one in memory of its own), a sender faster than its reader (queued, tracked, written by whoever
+polls, a blocking sender draining it, a non-blocking one told WouldBlock), hostile bytes refused
+naming what is wrong, the lanes' handshake with its last word over TCP and a Unix socket, a
+worker that falls back to TCP, the address book's socket names, and two ``ZmqTransport``s that
+carry a peer's messages on its stream and fall back to ZeroMQ."""
 
 from __future__ import annotations
 
@@ -32,13 +34,16 @@ KEY = bytes(range(32))
 JOB = b"job-streams"
 
 
-@pytest.fixture
-def pair():
-    """Two connected TCP sockets on 127.0.0.1: (the sender's, the reader's)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(listener.getsockname())
-    b, _ = listener.accept()
-    listener.close()
+@pytest.fixture(params=["tcp", "unix"])
+def pair(request):
+    """Two connected sockets, TCP on 127.0.0.1 or a Unix socket pair: (the sender's, the reader's)."""
+    if request.param == "unix":
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    else:
+        listener = socket.create_server(("127.0.0.1", 0))
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+        listener.close()
     yield a, b
     a.close()
     b.close()
@@ -83,6 +88,7 @@ def test_messages_of_every_kind_of_frame_arrive_whole_in_order(pair):
     assert (sender.sent, reader.received) == (len(sent), len(sent))
 
 
+@pytest.mark.parametrize("pair", ["tcp"], indirect=True)  # Nagle's algorithm is TCP's
 def test_a_stream_sends_a_small_message_at_once_not_held_for_the_last_ones_ack(pair):
     a, b = pair
     assert not a.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)  # a plain TCP socket: Nagle on
@@ -92,6 +98,8 @@ def test_a_stream_sends_a_small_message_at_once_not_held_for_the_last_ones_ack(p
 
 def test_a_message_that_comes_a_byte_at_a_time_is_taken_once_whole(pair):
     a, b = pair
+    # room for a thousand one-byte sends between reads (a Unix socket keeps each as a buffer of its own)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
     reader = Stream(b"worker@a", b, 1 << 20)
     frames = [b"PS-header", b"record" * 10, b"value" * 2000]  # 10 KiB: the receive buffer's path
     wire = pack_header([len(f) for f in frames]) + b"".join(frames)
@@ -356,3 +364,87 @@ def test_a_worker_tries_again_when_a_server_busy_with_other_handshakes_closes_it
         lanes.close()
         for s in adopted:
             s.close()
+
+
+class Adopter:
+    """What a server's stream listener hands each connection to once its handshake is done."""
+
+    def __init__(self) -> None:
+        self.adopted: list = []
+        self.taken = threading.Event()
+
+    def adopt(self, peer, sock) -> None:
+        self.adopted.append((peer, sock))
+        self.taken.set()
+
+
+def test_a_stream_opens_on_a_servers_unix_socket_with_the_same_proof_and_its_name_is_the_servers_alone():
+    name = f"pslaunch-streams-test-{os.getpid()}-{os.urandom(3).hex()}"
+    adopter = Adopter()
+    lanes = Lanes.listen_local(name, b"server@b", JOB.decode(), KEY, what="workers' streams", magic=MAGIC)
+    lanes.serve(adopter, lambda uid: "worker a" if uid == b"worker@a" else None)
+    try:
+        assert lanes.port == 0  # no TCP port: the address book names the socket
+        sock = streams.connect_stream("\0" + name, KEY, JOB, b"worker@a", b"server@b")
+        assert sock.family == socket.AF_UNIX
+        assert adopter.taken.wait(5) and adopter.adopted[0][0] == "worker a"
+        sock.sendall(b"ping")
+        assert adopter.adopted[0][1].recv(4) == b"ping"
+        sock.close()
+        with pytest.raises(ProtocolError, match="did not prove"):
+            streams.connect_stream("\0" + name, b"another key".ljust(32), JOB, b"worker@a", b"server@b")
+        with pytest.raises(OSError):  # a second listener cannot take the name
+            Lanes.listen_local(name, b"server@c", JOB.decode(), KEY, what="workers' streams", magic=MAGIC)
+        assert len(adopter.adopted) == 1
+    finally:
+        lanes.close()
+        for _, s in adopter.adopted:
+            s.close()
+    with pytest.raises(OSError):  # closed: the name is gone with the socket
+        streams.connect_stream("\0" + name, KEY, JOB, b"worker@a", b"server@b", tries=1)
+
+
+def test_a_worker_whose_server_has_no_unix_socket_by_that_name_opens_its_stream_over_tcp(caplog):
+    from types import SimpleNamespace
+
+    from psnode.node.connection import Connection
+    from psnode.node.membership import PeerInfo, host_fingerprint
+    from psnode.transport.security import Security
+
+    security = Security("auth", JOB.decode(), bytes(32))
+    adopter = Adopter()
+    lanes = Lanes.listen("127.0.0.1", b"server@b", JOB.decode(), security.lane_key(), what="workers' streams",
+                         magic=MAGIC)
+    lanes.serve(adopter, lambda uid: "worker a")
+    here = host_fingerprint()  # the server shares the worker's host: its Unix socket is tried first
+    server = PeerInfo("server", 0, "127.0.0.1", 1, "server@b", here, "s", stream_port=lanes.port,
+                      stream_socket=f"pslaunch-streams-nobody-{os.urandom(4).hex()}")
+    worker = SimpleNamespace(env=SimpleNamespace(security=lambda: security, job_id=JOB.decode(), same_host="shm"),
+                             me=PeerInfo("worker", 0, "127.0.0.1", 2, "worker@a", here, "w"),
+                             describe=lambda: "worker 0")
+    sock = None
+    try:
+        with caplog.at_level(logging.INFO, logger="psnode"):
+            sock = Connection._open_stream(worker, server)
+        assert sock is not None and sock.family == socket.AF_INET
+        assert adopter.taken.wait(5)
+        assert "no stream to server 0 on 127.0.0.1:1 on its Unix socket" in caplog.text, caplog.text
+        assert "trying TCP" in caplog.text
+    finally:
+        if sock is not None:
+            sock.close()
+        lanes.close()
+        for _, s in adopter.adopted:
+            s.close()
+
+
+@pytest.mark.parametrize("name, why", [("a\nb", "printable"), ("é", "ASCII"), ("x" * 101, "at most 100")])
+def test_an_address_book_names_a_stream_socket_only_by_a_short_printable_ascii_name(name, why):
+    from psnode.node.membership import PeerInfo
+
+    record = PeerInfo("server", 0, "127.0.0.1", 1, "server@b", "fp", "s", stream_port=5, stream_socket="ok-1").as_record()
+    assert PeerInfo.from_record(record).stream_socket == "ok-1"
+    assert PeerInfo.from_record({k: v for k, v in record.items() if k != "stream_socket"}).stream_socket == ""
+    with pytest.raises(ProtocolError, match="stream socket") as raised:
+        PeerInfo.from_record({**record, "stream_socket": name})
+    assert why.split()[-1] in str(raised.value)

@@ -1,7 +1,10 @@
 """Worker: exact dist_sync sums over the worker's streams to its servers (psnode.transport.streams):
 small keys, a list of 300 one-float keys, a 1 MiB key (read into memory of its own), a key split
-over both servers; worker 0 first sends each server's stream port a stranger's bytes and a
-handshake without the key. Prints ``STREAMS <servers with a stream> <sent> <received>`` and ``OK <rank>``."""
+over both servers; worker 0 first sends each server's stream port (and Unix socket, on one host) a
+stranger's bytes and a handshake without the key. Prints ``STREAMS <servers with a stream> <sent>
+<received>``, ``FAMILIES <each stream's socket family>`` and ``OK <rank>``."""
+
+import socket
 
 import numpy as np
 from stranger import knock
@@ -23,6 +26,8 @@ if rank == 0:  # a stranger's bytes: refused by each server before a byte is kep
     for server in worker.conn.members.servers:
         if server.stream_port:
             knock(server.host, server.stream_port, server.uid, MAGIC)
+        if server.stream_socket:
+            knock(server.host, 0, server.uid, MAGIC, unix=server.stream_socket)
 
 total = sum(range(1, n + 1))
 for rnd in range(5):
@@ -42,5 +47,6 @@ for rnd in range(5):
 streams = getattr(transport, "streams", {})
 print("STREAMS", len(streams), sum(s.sent for s in streams.values()), sum(s.received for s in streams.values()),
       flush=True)
+print("FAMILIES", " ".join(sorted(socket.AddressFamily(s.sock.family).name for s in streams.values())), flush=True)
 kv.barrier()
 print("OK", rank, flush=True)
