@@ -21,7 +21,7 @@ from psnode.errors import ProtocolError
 
 __all__ = ["HANDSHAKE_TIMEOUT", "CONNECT_TIMEOUT", "WRITE_THROUGH_WAIT", "NONCE_BYTES", "PROOF_BYTES", "MAX_IDENTITY",
            "U16", "TAKEN", "proof", "recv_exact", "recv_bytes", "byte_views", "advance", "send_all",
-           "send_while_taken", "connect_lane", "Tracker"]
+           "send_while_taken", "connect_lane", "listening", "Tracker"]
 
 HANDSHAKE_TIMEOUT = 10.0  # seconds for each step of the handshake (a peer that says nothing is dropped)
 CONNECT_TIMEOUT = 10.0
@@ -165,6 +165,22 @@ def connect_lane(address: tuple[str, int] | str, magic: bytes, key: bytes, job: 
     except BaseException:
         sock.close()
         raise
+
+
+def listening(family: int, address: Any) -> socket.socket:
+    """A stream socket of ``family`` bound to ``address`` and listening.
+
+    Raises:
+        OSError: it cannot be bound.
+    """
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind(address)
+        sock.listen(64)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _connect(address: tuple[str, int] | str) -> socket.socket:

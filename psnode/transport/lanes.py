@@ -70,6 +70,7 @@ from psnode.transport.lane_wire import (
     advance,
     byte_views,
     connect_lane,
+    listening,
     proof,
     recv_bytes,
     recv_exact,
@@ -285,14 +286,8 @@ class Lanes:
         Raises:
             OSError: the port cannot be bound.
         """
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.bind((host, 0))
-            sock.listen(64)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock, identity, job, key, what, in_order, magic)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return cls(listening(family, (host, 0)), identity, job, key, what, in_order, magic)
 
     @classmethod
     def listen_local(cls, name: str, identity: bytes, job: str, key: bytes, what: str = "collectives",
@@ -304,14 +299,7 @@ class Lanes:
         Raises:
             OSError: it cannot be bound (the name is taken, or no abstract namespace here).
         """
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind("\0" + name)
-            sock.listen(64)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock, identity, job, key, what, in_order, magic)
+        return cls(listening(socket.AF_UNIX, "\0" + name), identity, job, key, what, in_order, magic)
 
     # ---- receiving -------------------------------------------------------------------------------
     def serve(self, receiver: Any, known: Callable[[bytes], Any]) -> None:
