@@ -127,11 +127,10 @@ class Connection:
             self.data_lanes.start()
         if self._streams_wanted(role):
             self.transport.stream_refused = lambda peer, why: self.link.note_malformed(peer, ProtocolError(why))
-            if self.stream_listener is not None:
-                self.stream_listener.serve(self, self._stream_known)
-            if self.local_streams is not None:
-                self.local_streams.serve(self, self._stream_known)
-            elif role == "worker":
+            for listener in (self.stream_listener, self.local_streams):  # a server's: over TCP, on this host
+                if listener is not None:
+                    listener.serve(self, self._stream_known)
+            if role == "worker":
                 self.link.on_connected = self._open_streams
 
     def _open_lanes(self, role: str, host: str, uid: str) -> Lanes | None:
