@@ -156,3 +156,12 @@ def test_a_bound_benchmark_run_says_so_in_its_report_and_measures_every_system(t
     assert "each process on one core (--cpu-bind)" in " ".join(completed.stdout.split())  # the title may wrap
     values = {r["measure"]: r["values"] for r in report["rows"]}["roundtrip_4elem"]
     assert values["pslaunch_tcp"] > 0 and values["zmq_tcp"] > 0, values
+
+
+def test_the_round_cost_runs_bound_and_says_so():
+    completed = subprocess.run([sys.executable, "-m", "benchmarks.round_cost", "--size-mib", "0.25", "--rounds", "3",
+                                "--pairs", "1", "--cpu-bind"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    lines = completed.stdout.splitlines()
+    assert lines[0].endswith("2 workers, 1 server, each process on one core"), completed.stdout
+    assert len(lines) == 2 and float(lines[1].split("round ")[1].split()[0]) > 0, completed.stdout
