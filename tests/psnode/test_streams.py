@@ -201,17 +201,23 @@ def test_the_peers_end_is_an_eof_and_a_closed_stream_takes_nothing(pair):
             reader.read(deque())
 
 
+class Adopter:
+    """What a server's stream listener hands each connection to once its handshake is done."""
+
+    def __init__(self) -> None:
+        self.adopted: list = []
+        self.taken = threading.Event()
+
+    def adopt(self, peer, sock) -> None:
+        self.adopted.append((peer, sock))
+        self.taken.set()
+
+
 def test_the_handshake_takes_only_a_holder_of_the_key_and_ends_with_the_acceptors_word():
-    adopted = []
-    taken = threading.Event()
-
-    class Adopter:
-        def adopt(self, peer, sock):
-            adopted.append((peer, sock))
-            taken.set()
-
+    adopter = Adopter()
+    adopted, taken = adopter.adopted, adopter.taken
     lanes = Lanes.listen("127.0.0.1", b"server@b", JOB.decode(), KEY, what="workers' streams", magic=MAGIC)
-    lanes.serve(Adopter(), lambda uid: "worker a" if uid == b"worker@a" else None)
+    lanes.serve(adopter, lambda uid: "worker a" if uid == b"worker@a" else None)
     try:
         sock = connect_lane(("127.0.0.1", lanes.port), MAGIC, KEY, JOB, b"worker@a", b"server@b")
         assert taken.wait(5) and adopted[0][0] == "worker a"  # after the server's last word: it may come later
@@ -324,13 +330,8 @@ def test_closing_a_stream_frees_a_sender_that_waits_for_a_peer_that_reads_nothin
 
 def test_a_worker_tries_again_when_a_server_busy_with_other_handshakes_closes_its_connection(monkeypatch):
     monkeypatch.setattr("psnode.transport.lanes.MAX_HANDSHAKES", 1)
-    adopted = []
-    taken = threading.Event()
-
-    class Adopter:
-        def adopt(self, peer, sock):  # after the server's last word: the worker may have its socket first
-            adopted.append(sock)
-            taken.set()
+    adopter = Adopter()  # takes a connection after the server's last word: the worker may have its socket first
+    adopted, taken = adopter.adopted, adopter.taken
 
     class Refusals(logging.Handler):  # the server says when it turns a connection away
         def __init__(self) -> None:
@@ -344,7 +345,7 @@ def test_a_worker_tries_again_when_a_server_busy_with_other_handshakes_closes_it
     refusals = Refusals()
     logging.getLogger("psnode").addHandler(refusals)
     lanes = Lanes.listen("127.0.0.1", b"server@b", JOB.decode(), KEY, what="workers' streams", magic=MAGIC)
-    lanes.serve(Adopter(), lambda uid: "worker a")
+    lanes.serve(adopter, lambda uid: "worker a")
     stalled = socket.create_connection(("127.0.0.1", lanes.port))  # a handshake under way that says nothing
 
     def free_the_slot() -> None:  # once the server turned the worker's first try away
@@ -362,20 +363,8 @@ def test_a_worker_tries_again_when_a_server_busy_with_other_handshakes_closes_it
         thread.join()
         logging.getLogger("psnode").removeHandler(refusals)
         lanes.close()
-        for s in adopted:
+        for _, s in adopted:
             s.close()
-
-
-class Adopter:
-    """What a server's stream listener hands each connection to once its handshake is done."""
-
-    def __init__(self) -> None:
-        self.adopted: list = []
-        self.taken = threading.Event()
-
-    def adopt(self, peer, sock) -> None:
-        self.adopted.append((peer, sock))
-        self.taken.set()
 
 
 def test_a_stream_opens_on_a_servers_unix_socket_with_the_same_proof_and_its_name_is_the_servers_alone():
